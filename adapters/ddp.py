@@ -1,0 +1,76 @@
+"""ddp: torch.nn.parallel.DistributedDataParallel over a torch.distributed process group.
+
+`.grad` is the global mean when `loss.backward()` returns: DDP copies each gradient into a bucket
+scaled by 1/N (division before the sum) and all-reduces buckets while backward still runs, so `reduce`
+has nothing left to wait for. `no_sync()` accumulates locally; it must surround the forward too.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dpcompare import launch, syncbn
+from dpcompare.contract import Adapter, Capabilities, Wrapped
+
+
+class DDPAdapter(Adapter):
+    name = "ddp"
+    capabilities = Capabilities(
+        multi_process=True,
+        launchers=frozenset({"python", "torchrun", "mpirun", "slurm", "deepspeed"}),
+        launch_hint="torchrun --nproc_per_node=N -m dpcompare --backend ddp  (or mpirun -np N python -m dpcompare --backend ddp)",
+        native_comm_counters=True,
+    )
+
+    def setup(self, timeout_s: float) -> None:
+        launch.ensure_rendezvous(self.env)
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend="nccl" if self.device.type == "cuda" else "gloo",
+                rank=self.env.rank,
+                world_size=self.env.world_size,
+                timeout=timedelta(seconds=timeout_s),
+                device_id=self.device if self.device.type == "cuda" else None,
+            )
+
+    def sync_batchnorm(self, module: nn.Module) -> nn.Module:
+        if self.device.type == "cuda":
+            return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        # torch's SyncBatchNorm refuses CPU tensors: use the differentiable all-reduce of torch.distributed.
+        return syncbn.convert(module, self.allreduce_sum_autograd())
+
+    def allreduce_sum_autograd(self):
+        from torch.distributed.nn.functional import all_reduce
+
+        return lambda t: all_reduce(t, op=dist.ReduceOp.SUM)
+
+    def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
+        kwargs = {}
+        if "bucket_cap_mb" in self.options:
+            kwargs["bucket_cap_mb"] = float(self.options["bucket_cap_mb"])
+        model = nn.parallel.DistributedDataParallel(
+            module, device_ids=[self.device.index] if self.device.type == "cuda" else None, **kwargs
+        )
+        notes = []
+        if self.env.world_size & (self.env.world_size - 1):
+            notes.append(f"ddp divides each gradient by {self.env.world_size} before summing (Horovod and DeepSpeed "
+                         "divide after): not a power of two, so the backends may differ by an ulp")
+        self.wrapped = Wrapped(model, module, optimizer, notes)
+        return self.wrapped
+
+    def sync(self, enabled: bool):
+        assert self.wrapped is not None
+        return super().sync(enabled) if enabled else self.wrapped.model.no_sync()
+
+    def all_gather_object(self, obj):
+        out = [None] * self.env.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def teardown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

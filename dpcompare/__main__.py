@@ -1,0 +1,3 @@
+from dpcompare.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,124 @@
+"""Command line: `python -m dpcompare [run] --backend B ...`, `python -m dpcompare compare ...`.
+
+Owns: argument parsing and turning every expected failure (bad config, bad environment, missing backend)
+into one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import get_args
+
+from dpcompare.config import DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
+
+SUBCOMMANDS = ("run", "compare")
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that fails with our one-line format (it already exits 2)."""
+
+    def error(self, message: str) -> None:  # noqa: D102
+        raise SystemExit(_fail(f"{message} (see python -m dpcompare {self.prog.split()[-1]} --help)"))
+
+
+def _fail(message: str) -> int:
+    print(f"dpcompare: error: {message}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+def _positive_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    d = RunConfig()
+    p.add_argument("--backend", default=d.backend, help="reference, ddp, horovod, dp, deepspeed, or package.module:Class")
+    p.add_argument("--model", default=d.model, help="mlp, cnn, lm, or package.module:function")
+    p.add_argument("--device", default=d.device, choices=get_args(DeviceChoice))
+    p.add_argument("--global-batch", type=_positive_int, default=d.global_batch)
+    p.add_argument("--local-batch", type=_positive_int, default=None, help="per-rank batch (weak scaling)")
+    p.add_argument("--scaling", default=d.scaling, choices=get_args(Scaling))
+    p.add_argument("--steps", type=_positive_int, default=d.steps)
+    p.add_argument("--lr", type=_number, default=d.lr)
+    p.add_argument("--optimizer", default=d.optimizer, choices=get_args(Optimizer))
+    p.add_argument("--momentum", type=_number, default=d.momentum)
+    p.add_argument("--weight-decay", type=_number, default=d.weight_decay)
+    p.add_argument("--dtype", default=d.dtype, choices=get_args(Dtype))
+    p.add_argument("--seed", type=_positive_int, default=d.seed)
+    p.add_argument("--check-every", type=_positive_int, default=d.check_every, help="0 disables gradient checks")
+    p.add_argument("--sync-bn", action="store_true", help="global-batch BatchNorm statistics")
+    p.add_argument("--timeout-s", type=_number, default=d.timeout_s, help="exit when a rank makes no progress this long")
+    p.add_argument("--out", default=d.out, help="directory for the JSON result")
+    p.add_argument("--dump-grads", default=None, help="write checked-step gradients to this .npz")
+    p.add_argument("--tag", default=None)
+    p.add_argument("--dp-devices", type=_positive_int, default=None)
+    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="adapter option (repeatable)")
+    p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
+
+
+def config_from_args(ns: argparse.Namespace) -> RunConfig:
+    extra = {}
+    for item in ns.opt:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--opt {item!r} is invalid: use KEY=VALUE, e.g. --opt bucket_cap_mb=25")
+        extra[key] = value
+    if ns.dp_devices is not None:
+        extra["dp_devices"] = str(ns.dp_devices)
+    fields = {k: v for k, v in vars(ns).items() if k not in ("opt", "command")}
+    return RunConfig(**fields, extra=extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "run"
+    try:
+        if command == "compare":
+            from dpcompare import compare
+
+            parser = _Parser(prog="dpcompare compare", description=compare.__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+            compare.add_arguments(parser)
+            return compare.main(parser.parse_args(argv))
+
+        parser = _Parser(prog="dpcompare run", description="Train one workload under one backend and check its gradients against a float64 oracle.")
+        add_run_arguments(parser)
+        cfg = config_from_args(parser.parse_args(argv))
+        from dpcompare import trainer
+
+        payload = trainer.run(cfg)
+        if payload:
+            print(trainer.summary_line(payload), flush=True)
+            return 0
+        return 0
+    except (ValueError, ImportError) as exc:
+        # Configuration errors are the same on every rank: let rank 0 say it once.
+        if _rank() == 0:
+            _fail(str(exc))
+        return EXIT_USAGE
+    except RuntimeError as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return _fail(f"[rank {_rank()}] {message}")
+    except KeyboardInterrupt:
+        return _fail("interrupted")
+
+
+def _rank() -> int:
+    try:
+        from dpcompare.launch import detect
+
+        return detect().rank
+    except Exception:  # noqa: BLE001 - only used to decide who prints
+        return 0

@@ -1,0 +1,109 @@
+"""Run configuration: one validated dataclass, built from the command line or from an experiment.
+
+Owns: the fields of a run and their validation. Errors name the field, the value received and the fix.
+Imports no backend and no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+Optimizer = Literal["sgd", "adamw"]
+Dtype = Literal["float32", "float64", "bfloat16"]
+Scaling = Literal["strong", "weak"]
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    backend: str = "reference"
+    """Registered backend name (reference, ddp, horovod, dp, deepspeed) or `package.module:Class`."""
+    model: str = "mlp"
+    """Built-in workload (mlp, cnn, lm) or `package.module:function` returning a Workload."""
+    device: DeviceChoice = "auto"
+    """auto: CUDA when available (process group NCCL), else CPU (gloo)."""
+    global_batch: int = 24
+    """Strong scaling: samples per step over all ranks; each rank gets global_batch / world_size."""
+    local_batch: int | None = None
+    """Weak scaling: samples per step per rank; the global batch is local_batch * world_size."""
+    scaling: Scaling = "strong"
+    steps: int = 4
+    """Optimizer steps to run."""
+    lr: float = 0.05
+    optimizer: Optimizer = "sgd"
+    momentum: float = 0.9
+    """SGD momentum (ignored by AdamW)."""
+    weight_decay: float = 0.0
+    dtype: Dtype = "float32"
+    """Parameter and compute dtype of the run; the oracle is always float64."""
+    seed: int = 1234
+    check_every: int = 1
+    """Run the equivalence check every N steps (step 0 always); 0 disables gradient checks."""
+    sync_bn: bool = False
+    """Convert BatchNorm layers to a global-batch (synchronised) BatchNorm."""
+    timeout_s: float = 120.0
+    """A rank that makes no progress for this long makes every rank exit with an error naming it."""
+    out: str = "results"
+    """Directory for the run's JSON result."""
+    dump_grads: str | None = None
+    """Write the reduced and oracle gradients of every checked step to this .npz file (for `compare`)."""
+    tag: str | None = None
+    """Free text copied into the result (compare uses it to group runs)."""
+    dp_devices: int | None = None
+    """nn.DataParallel: how many CUDA devices to replicate over (default: all visible)."""
+    inject_fault: str | None = None
+    """Testing aid: `crash:RANK:STEP`, `hang:RANK:STEP` or `dupdata` (every rank reads rank 0's shard)."""
+    extra: dict = field(default_factory=dict)
+    """Adapter-specific options from `--opt key=value` (passed to the adapter untouched)."""
+
+    def validate(self) -> None:
+        def bad(name: str, value: object, fix: str) -> ValueError:
+            return ValueError(f"--{name.replace('_', '-')}={value!r} is invalid: {fix}")
+
+        if not self.backend:
+            raise bad("backend", self.backend, "name a backend (reference, ddp, horovod, dp, deepspeed) or package.module:Class")
+        if self.global_batch < 1:
+            raise bad("global_batch", self.global_batch, "use a positive whole number of samples")
+        if self.local_batch is not None and self.local_batch < 1:
+            raise bad("local_batch", self.local_batch, "use a positive whole number of samples per rank")
+        if self.scaling == "weak" and self.local_batch is None:
+            raise bad("scaling", self.scaling, "weak scaling fixes the per-rank batch: also pass --local-batch N")
+        if self.steps < 1:
+            raise bad("steps", self.steps, "run at least one step")
+        if not (self.lr > 0 and self.lr < 1e3):
+            raise bad("lr", self.lr, "use a positive learning rate below 1000")
+        if not 0 <= self.momentum < 1:
+            raise bad("momentum", self.momentum, "use a value in [0, 1)")
+        if self.weight_decay < 0:
+            raise bad("weight_decay", self.weight_decay, "use a value >= 0")
+        if self.check_every < 0:
+            raise bad("check_every", self.check_every, "use 0 (no checks) or a positive step interval")
+        if not self.timeout_s > 0:
+            raise bad("timeout_s", self.timeout_s, "use a positive number of seconds")
+        if self.dp_devices is not None and self.dp_devices < 1:
+            raise bad("dp_devices", self.dp_devices, "use a positive device count")
+        if self.inject_fault is not None:
+            parts = self.inject_fault.split(":")
+            ok = parts == ["dupdata"] or (
+                len(parts) == 3 and parts[0] in ("crash", "hang") and parts[1].isdigit() and parts[2].isdigit()
+            )
+            if not ok:
+                raise bad("inject_fault", self.inject_fault, "use crash:RANK:STEP, hang:RANK:STEP or dupdata")
+
+    def batch_sizes(self, world_size: int) -> tuple[int, int]:
+        """(global, local) batch for this world size; raises ValueError when they cannot be equal shards."""
+        if self.scaling == "weak":
+            assert self.local_batch is not None
+            return self.local_batch * world_size, self.local_batch
+        if self.global_batch % world_size:
+            lower = self.global_batch - self.global_batch % world_size
+            raise ValueError(
+                f"--global-batch={self.global_batch} is not divisible by world size {world_size}: "
+                f"shards must be equal; use a multiple of {world_size} (e.g. {lower or world_size}) "
+                "or weak scaling (--scaling weak --local-batch N)"
+            )
+        return self.global_batch, self.global_batch // world_size
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,106 @@
+"""The adapter contract: the only surface through which the trainer touches a backend.
+
+Owns: the `Adapter` base class, `Capabilities` (what an adapter declares instead of the trainer branching
+on its name) and `Wrapped`. An adapter translates; it holds no timers, no comparisons and no file I/O.
+Imports no adapter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+from torch import nn
+
+from dpcompare.launch import LaunchEnv
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    multi_process: bool
+    """One process per replica (ddp, horovod, deepspeed) rather than one process for all (reference, dp)."""
+    launchers: frozenset[str]
+    """Launchers this backend can run under; the trainer refuses others with the right command."""
+    launch_hint: str
+    """How to start it, shown when it was started wrongly."""
+    can_disable_sync: bool = True
+    """`sync(False)` really skips gradient communication for one step."""
+    native_comm_counters: bool = False
+
+
+@dataclass(slots=True)
+class Wrapped:
+    model: nn.Module
+    """What the trainer calls for the forward pass (DDP module, DeepSpeed engine, DataParallel, ...)."""
+    module: nn.Module
+    """The underlying module whose parameters hold the weights and the reduced gradients."""
+    optimizer: Any
+    notes: list[str] = field(default_factory=list)
+    """Known semantic differences this backend introduces, stated for the verdict."""
+
+
+class Adapter:
+    """Base class with the single-process behaviour; backends override what differs.
+
+    Call order per run: setup -> wrap -> per step [sync(enabled) around forward+backward, backward,
+    reduce, step, zero_grad] -> teardown. After `reduce()` returns, every parameter's `.grad` on every rank
+    holds the mean of the per-rank gradients (the gradient of the global-batch loss).
+    """
+
+    name = "base"
+    capabilities = Capabilities(multi_process=False, launchers=frozenset({"python"}), launch_hint="python -m dpcompare")
+
+    def __init__(self, env: LaunchEnv, device: torch.device, options: dict[str, str] | None = None) -> None:
+        self.env = env
+        self.device = device
+        self.options = dict(options or {})
+        self.wrapped: Wrapped | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def setup(self, timeout_s: float) -> None:
+        """Start the backend's runtime (process group, hvd.init, ...)."""
+
+    def sync_batchnorm(self, module: nn.Module) -> nn.Module:
+        """Return the module with BatchNorm computing global-batch statistics (identity when one replica)."""
+        return module
+
+    def wrap(self, module: nn.Module, optimizer: torch.optim.Optimizer, local_batch: int, global_batch: int) -> Wrapped:
+        self.wrapped = Wrapped(module, module, optimizer)
+        return self.wrapped
+
+    def sync(self, enabled: bool) -> ContextManager[None]:
+        """Context for forward+backward; with enabled=False the step's gradients stay local."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def reduce(self) -> None:
+        """Return when `.grad` holds the global mean (wait for outstanding communication)."""
+
+    def step(self) -> None:
+        assert self.wrapped is not None
+        self.wrapped.optimizer.step()
+
+    def zero_grad(self) -> None:
+        assert self.wrapped is not None
+        self.wrapped.optimizer.zero_grad(set_to_none=True)
+
+    def teardown(self) -> None:
+        """Stop the backend's runtime; must not raise when setup failed half-way."""
+
+    # -- control plane (small objects, not gradients) ---------------------------------------------
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Gather a small picklable object from every rank, in rank order."""
+        return [obj]
+
+    def allreduce_sum_autograd(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A differentiable all-reduce(sum), for global BatchNorm; None when there is one replica."""
+        return None
+
+
+@contextlib.contextmanager
+def no_op() -> Iterator[None]:
+    yield

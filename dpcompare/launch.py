@@ -1,0 +1,160 @@
+"""Launch and environment detection: who started this process, and which rank it is.
+
+Owns: reading rank, local rank and world size from whatever launcher started the process (torchrun /
+torch elastic, the deepspeed launcher, horovodrun's gloo controller, Open MPI, PMI/PMIx (MPICH, Intel MPI),
+Slurm's srun), choosing the device, and filling in the torch.distributed rendezvous variables for
+launchers that do not set them (mpirun, srun, horovodrun). Imports no adapter.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import zlib
+from dataclasses import dataclass
+from typing import Literal
+
+Launcher = Literal["python", "torchrun", "deepspeed", "horovodrun", "mpirun", "slurm"]
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchEnv:
+    launcher: Launcher
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    job_id: str
+    """Identifies this launch across its ranks (used to name the shared heartbeat directory)."""
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+def _int(env: dict[str, str], *names: str) -> int | None:
+    for name in names:
+        if name in env and env[name].strip():
+            try:
+                return int(env[name])
+            except ValueError as exc:
+                raise RuntimeError(f"environment variable {name}={env[name]!r} is not an integer: fix the launcher command") from exc
+    return None
+
+
+def detect(env: dict[str, str] | None = None) -> LaunchEnv:
+    """Read the launcher's variables. Order matters: horovodrun --mpi and deepspeed's MPI mode also set
+    Open MPI's variables, and torchrun's variables are also set by the deepspeed launcher."""
+    e = dict(os.environ if env is None else env)
+
+    if "HOROVOD_RANK" in e and "HOROVOD_SIZE" in e:
+        return LaunchEnv(
+            "horovodrun",
+            _int(e, "HOROVOD_RANK") or 0,
+            _int(e, "HOROVOD_LOCAL_RANK") or 0,
+            _int(e, "HOROVOD_SIZE") or 1,
+            _int(e, "HOROVOD_LOCAL_SIZE") or 1,
+            f"hvd-{e.get('HOROVOD_GLOO_RENDEZVOUS_ADDR', '')}-{e.get('HOROVOD_GLOO_RENDEZVOUS_PORT', '')}",
+        )
+    if "RANK" in e and "WORLD_SIZE" in e:
+        launcher: Launcher
+        if "TORCHELASTIC_RUN_ID" in e:
+            launcher = "torchrun"
+        elif "CROSS_RANK" in e and "LOCAL_SIZE" in e:
+            launcher = "deepspeed"
+        elif "OMPI_COMM_WORLD_RANK" in e:
+            launcher = "mpirun"
+        elif "SLURM_PROCID" in e:
+            launcher = "slurm"
+        else:
+            launcher = "torchrun"  # a torch.distributed-style environment set by hand or by another tool
+        return LaunchEnv(
+            launcher,
+            _int(e, "RANK") or 0,
+            _int(e, "LOCAL_RANK") or 0,
+            _int(e, "WORLD_SIZE") or 1,
+            _int(e, "LOCAL_WORLD_SIZE", "LOCAL_SIZE") or 1,
+            f"{launcher}-{e.get('TORCHELASTIC_RUN_ID', '')}-{e.get('MASTER_ADDR', '')}-{e.get('MASTER_PORT', '')}",
+        )
+    if "OMPI_COMM_WORLD_RANK" in e:
+        return LaunchEnv(
+            "mpirun",
+            _int(e, "OMPI_COMM_WORLD_RANK") or 0,
+            _int(e, "OMPI_COMM_WORLD_LOCAL_RANK") or 0,
+            _int(e, "OMPI_COMM_WORLD_SIZE") or 1,
+            _int(e, "OMPI_COMM_WORLD_LOCAL_SIZE") or 1,
+            "ompi-" + e.get("OMPI_MCA_ess_base_jobid", e.get("OMPI_MCA_orte_ess_jobid", "")),
+        )
+    if "PMI_RANK" in e or "PMIX_RANK" in e:
+        rank = _int(e, "PMI_RANK", "PMIX_RANK") or 0
+        size = _int(e, "PMI_SIZE", "MPI_LOCALNRANKS") or 1
+        return LaunchEnv(
+            "mpirun", rank, _int(e, "MPI_LOCALRANKID", "PMI_LOCAL_RANK") or 0, size,
+            _int(e, "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE") or 1, "pmi-" + e.get("PMI_ID", e.get("PMIX_NAMESPACE", "")),
+        )
+    if "SLURM_PROCID" in e and "SLURM_STEP_ID" in e:
+        return LaunchEnv(
+            "slurm",
+            _int(e, "SLURM_PROCID") or 0,
+            _int(e, "SLURM_LOCALID") or 0,
+            _int(e, "SLURM_NTASKS", "SLURM_NPROCS") or 1,
+            _int(e, "SLURM_NTASKS_PER_NODE") or 1,
+            f"slurm-{e.get('SLURM_JOB_ID', '')}.{e.get('SLURM_STEP_ID', '')}",
+        )
+    return LaunchEnv("python", 0, 0, 1, 1, f"pid-{os.getpid()}")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_rendezvous(env: LaunchEnv) -> None:
+    """Set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT for torch.distributed when the launcher
+    did not (mpirun, srun, plain python). Under MPI, rank 0's host and a free port are broadcast through
+    mpi4py when it is installed; otherwise a single-host launch uses loopback and a port derived from the
+    job id, and a multi-host one must set MASTER_ADDR/MASTER_PORT itself."""
+    os.environ.setdefault("RANK", str(env.rank))
+    os.environ.setdefault("WORLD_SIZE", str(env.world_size))
+    os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(env.local_world_size))
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        return
+    if env.world_size == 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        return
+    if env.launcher == "mpirun":
+        try:
+            from mpi4py import MPI  # noqa: PLC0415 - optional
+        except ImportError:
+            MPI = None
+        if MPI is not None:
+            comm = MPI.COMM_WORLD
+            addr, port = comm.bcast((socket.gethostname() if env.world_size > env.local_world_size else "127.0.0.1",
+                                     _free_port()) if env.rank == 0 else None, root=0)
+            os.environ.setdefault("MASTER_ADDR", addr)
+            os.environ.setdefault("MASTER_PORT", str(port))
+            return
+    if env.world_size == env.local_world_size:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(20000 + zlib.crc32(env.job_id.encode()) % 20000))
+        return
+    raise RuntimeError(
+        f"{env.launcher} started {env.world_size} ranks over several hosts but MASTER_ADDR/MASTER_PORT are not set: "
+        "export them (rank 0's host and a free port) or install mpi4py so dpcompare can agree on them"
+    )
+
+
+def pick_device(choice: str, local_rank: int):
+    """torch.device for this rank: auto means CUDA (one device per local rank) when available."""
+    import torch
+
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was requested but torch sees no CUDA device: use --device cpu or auto")
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")

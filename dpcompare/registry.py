@@ -1,0 +1,65 @@
+"""Backend and workload registries: names to import paths, imported only when chosen.
+
+Listing backends never imports Horovod or DeepSpeed. `package.module:Name` loads a user's own class or
+function through the same path.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+BACKENDS: dict[str, str] = {
+    "reference": "dpcompare.adapters.reference:ReferenceAdapter",
+    "ddp": "dpcompare.adapters.ddp:DDPAdapter",
+    "horovod": "dpcompare.adapters.horovod:HorovodAdapter",
+    "dp": "dpcompare.adapters.dp:DataParallelAdapter",
+    "deepspeed": "dpcompare.adapters.deepspeed:DeepSpeedAdapter",
+}
+
+# What each backend needs importable, and how to get it (for `compare` and for clear errors).
+REQUIREMENTS: dict[str, tuple[str, str]] = {
+    "horovod": ("horovod.torch", "bash scripts/setup.sh (builds Horovod 0.28.1 against your torch)"),
+    "deepspeed": ("deepspeed", "pip install deepspeed==0.19.8  (or: bash scripts/setup.sh)"),
+}
+
+MODELS: dict[str, str] = {
+    "mlp": "dpcompare.workloads:mlp",
+    "cnn": "dpcompare.workloads:cnn",
+    "lm": "dpcompare.workloads:lm",
+}
+
+
+def load(spec: str, table: dict[str, str], kind: str) -> Any:
+    """Resolve a registered name or `package.module:Name`; errors list what is available."""
+    path = table.get(spec, spec)
+    if ":" not in path:
+        raise ValueError(
+            f"unknown {kind} {spec!r}: choose one of {', '.join(sorted(table))} or give package.module:Name"
+        )
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or module_name
+        for name, (requirement, install) in REQUIREMENTS.items():
+            if spec == name or missing.split(".")[0] == requirement.split(".")[0]:
+                raise ImportError(f"{kind} {spec!r} needs {requirement}, which is not installed: {install}") from exc
+        raise ValueError(f"{kind} {spec!r}: cannot import module {module_name!r} ({exc}); check the name and PYTHONPATH") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"{kind} {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def availability(backend: str) -> tuple[bool, str]:
+    """(available, reason) without importing the backend's runtime into this process."""
+    import importlib.util
+
+    if backend not in REQUIREMENTS:
+        return True, ""
+    requirement, install = REQUIREMENTS[backend]
+    top = requirement.split(".")[0]
+    if importlib.util.find_spec(top) is None:
+        return False, f"{top} is not installed: {install}"
+    return True, ""

@@ -1,0 +1,115 @@
+"""Results: one JSON object per run, written atomically by rank 0, validated against the schema.
+
+Owns: the environment fingerprint, the result file's name, atomic writes (temp file in the same
+directory + fsync + rename: a reader never sees half a file, and an earlier result is never clobbered
+by a partial one) and schema validation. Imports no adapter and no backend runtime (versions are read
+from package metadata).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from dpcompare import SCHEMA_VERSION, __version__
+
+SCHEMA_PATH = Path(__file__).parent / "schema" / "result.schema.json"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def mpi_version() -> str | None:
+    for cmd in (["mpirun", "--version"], ["mpiexec", "--version"]):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if out:
+            return out.splitlines()[0]
+    return None
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    nccl = None
+    if cuda:
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001 - NCCL missing from a CUDA build is reported, not fatal
+            nccl = None
+    return {
+        "dpcompare": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+        "gloo": torch.distributed.is_available() and torch.distributed.is_gloo_available(),
+        "deepspeed": _version("deepspeed"),
+        "horovod": _version("horovod"),
+        "mpi4py": _version("mpi4py"),
+        "mpi": mpi_version(),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "device_names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda
+        else [platform.processor() or platform.machine()],
+    }
+
+
+def result_path(out_dir: str | os.PathLike, backend: str, world_size: int, model: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    safe_backend = "".join(c if c.isalnum() or c in "-_" else "_" for c in backend)
+    return Path(out_dir) / f"{stamp}-{safe_backend}-ws{world_size}-{model}-{os.getpid()}.json"
+
+
+def write_atomic(path: Path, payload: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(sanitize(payload), f, indent=2, allow_nan=False, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def validate(payload: dict[str, Any]) -> None:
+    """Raise jsonschema.ValidationError when the payload does not follow the published schema."""
+    import jsonschema
+
+    jsonschema.validate(payload, json.loads(SCHEMA_PATH.read_text()))
+
+
+def sanitize(obj: Any) -> Any:
+    """JSON has no inf/nan: a non-finite figure becomes null (its reason travels beside it)."""
+    if isinstance(obj, float):
+        return obj if obj == obj and abs(obj) != float("inf") else None
+    if isinstance(obj, dict):
+        return {k: sanitize(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [sanitize(v) for v in obj]
+    return obj
+
+
+def base_payload(**fields: Any) -> dict[str, Any]:
+    return {"schema_version": SCHEMA_VERSION, **fields}

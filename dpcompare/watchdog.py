@@ -1,0 +1,111 @@
+"""Watchdog: a failing or hung rank never leaves the others hanging.
+
+Owns: a per-rank heartbeat (one small file per rank in a directory shared by the ranks of one launch) and
+a daemon thread that ends the process when this rank has made no progress for `timeout_s`, naming the
+ranks that fell silent or stopped advancing. Launchers already kill the survivors when a rank exits
+with an error (torchrun, horovodrun, mpirun, deepspeed); the watchdog covers the case they cannot see: a
+rank that hangs, or a collective that waits forever for a dead peer.
+
+Multi-host: set DPCOMPARE_HEARTBEAT_DIR to a directory every host sees; without it, ranks on other hosts
+show as "not visible" (the timeout still fires, it just cannot name them). Imports no adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+EXIT_PEER_FAILURE = 3
+
+
+def heartbeat_dir(job_id: str) -> Path:
+    base = os.environ.get("DPCOMPARE_HEARTBEAT_DIR") or os.path.join(tempfile.gettempdir(), "dpcompare-heartbeat")
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job_id)[:120]
+    return Path(base) / safe
+
+
+class Watchdog:
+    def __init__(self, *, rank: int, world_size: int, job_id: str, timeout_s: float, poll_s: float = 1.0) -> None:
+        self.rank, self.world_size, self.timeout_s, self.poll_s = rank, world_size, timeout_s, poll_s
+        self.dir = heartbeat_dir(job_id)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._last_progress = time.monotonic()
+        self._started_wall = time.time()
+        self._phase, self._step, self._seq = "start", -1, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dpcompare-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self.beat("start", -1)
+        self._thread.start()
+        return self
+
+    def beat(self, phase: str, step: int) -> None:
+        """Record progress: this rank reached `phase` of `step`."""
+        self._phase, self._step, self._seq = phase, step, self._seq + 1
+        self._last_progress = time.monotonic()
+        self._write()
+
+    def _write(self) -> None:
+        path = self.dir / f"rank{self.rank}.json"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"rank": self.rank, "seq": self._seq, "step": self._step,
+                                   "phase": self._phase, "wall": time.time()}))
+        os.replace(tmp, path)
+
+    def peers(self) -> dict[int, dict | None]:
+        out: dict[int, dict | None] = {}
+        for r in range(self.world_size):
+            try:
+                beat = json.loads((self.dir / f"rank{r}.json").read_text())
+            except (OSError, ValueError):
+                beat = None
+            # A file older than this launch is left over from an earlier one with the same job id.
+            out[r] = beat if beat is not None and beat["wall"] >= self._started_wall - 30 else None
+        return out
+
+    def culprits(self) -> str:
+        """Name the ranks that are behind (lowest step/phase) or silent."""
+        peers = self.peers()
+        now = time.time()
+        missing = [r for r, p in peers.items() if p is None]
+        seen = {r: p for r, p in peers.items() if p is not None}
+        parts = []
+        if seen:
+            lowest = min(p["seq"] for p in seen.values())
+            behind = [r for r, p in seen.items() if p["seq"] == lowest]
+            if len(behind) < len(seen):
+                parts.append("rank(s) " + ", ".join(
+                    f"{r} (stuck at step {seen[r]['step']} '{seen[r]['phase']}', silent {now - seen[r]['wall']:.0f} s)"
+                    for r in behind))
+            else:
+                parts.append("no rank is ahead of another; the stall is in a collective all ranks entered "
+                             "or in a rank that died inside it")
+        if missing:
+            parts.append(f"rank(s) {', '.join(map(str, missing))} not visible (never started, or on another host "
+                         "without a shared DPCOMPARE_HEARTBEAT_DIR)")
+        return "; ".join(parts)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            idle = time.monotonic() - self._last_progress
+            if idle > self.timeout_s:
+                msg = (f"dpcompare: error: rank {self.rank} made no progress for {idle:.0f} s (timeout {self.timeout_s:g} s, "
+                       f"last at step {self._step} '{self._phase}'); culprit: {self.culprits()}. "
+                       "Raise --timeout-s if steps are legitimately this slow.")
+                print(msg, file=sys.stderr, flush=True)
+                os._exit(EXIT_PEER_FAILURE)
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            (self.dir / f"rank{self.rank}.json").unlink(missing_ok=True)
+            if self.rank == 0:
+                self.dir.rmdir()
+        except OSError:
+            pass

@@ -1,0 +1,122 @@
+"""Workloads: a model and its deterministic synthetic data, built from one seed.
+
+Owns: the built-in models (mlp, cnn with BatchNorm, a small causal transformer LM with a tied head), the
+synthetic global batch of every step, and sharding (DistributedSampler's rule: rank r takes samples
+r, r+N, r+2N, ... of the global batch, so shards are disjoint, equal and cover it). Every rank builds the
+same weights from the seed; the trainer verifies that with a fingerprint instead of assuming it.
+A user workload is a function `(seed: int) -> Workload`, loaded with `--model package.module:function`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    model: nn.Module
+    make_batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+    """(step, global_batch) -> (inputs, targets) of the whole global batch, identical on every rank."""
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """Mean loss over the samples given: the mean of equal shards' losses is the global-batch loss."""
+    tokens_per_sample: int = 1
+
+
+def _generator(seed: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def shard(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank's shard of a global batch, strided like DistributedSampler (rank::world_size)."""
+    x, y = batch
+    return x[rank::world_size], y[rank::world_size]
+
+
+def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+# -- MLP ---------------------------------------------------------------------------------------------
+def mlp(seed: int) -> Workload:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10))
+    weight = torch.randn(32, 10, generator=_generator(seed, -1))
+
+    def make_batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(global_batch, 32, generator=_generator(seed, step))
+        return x, (x @ weight).argmax(dim=1)
+
+    return Workload("mlp", model, make_batch, _cross_entropy)
+
+
+# -- CNN with BatchNorm --------------------------------------------------------------------------------
+def cnn(seed: int) -> Workload:
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, padding=1, stride=2), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(64, 10),
+    )
+
+    def make_batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = _generator(seed, step)
+        x = torch.randn(global_batch, 1, 12, 12, generator=g)
+        return x, torch.randint(0, 10, (global_batch,), generator=g)
+
+    return Workload("cnn", model, make_batch, _cross_entropy)
+
+
+# -- causal transformer LM -----------------------------------------------------------------------------
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), diagonal=1)
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    """Token + position embedding, pre-norm causal attention blocks, output head tied to the embedding."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2, seq: int = 16) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.blocks = nn.ModuleList(_Block(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.ln(x) @ self.tok.weight.t()
+
+
+def lm(seed: int) -> Workload:
+    torch.manual_seed(seed)
+    vocab, seq = 64, 16
+    model = TinyLM(vocab=vocab, seq=seq)
+
+    def make_batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # A learnable stream: each token is the previous one plus a per-sequence stride, mod vocab.
+        g = _generator(seed, step)
+        start = torch.randint(0, vocab, (global_batch, 1), generator=g)
+        stride = torch.randint(1, 4, (global_batch, 1), generator=g)
+        stream = (start + stride * torch.arange(seq + 1)) % vocab
+        return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+
+    return Workload("lm", model, make_batch, _cross_entropy, tokens_per_sample=seq)

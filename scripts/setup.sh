@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Set up dpcompare's whole stack in .venv/ at the repository root. Idempotent: a second run only checks.
+#
+#   bash scripts/setup.sh          torch (CPU wheel), DeepSpeed, mpi4py + Open MPI, Horovod, test tools
+#
+# Order matters: torch goes in first, alone and pinned. A bare `torch` requirement (ours or another
+# package's) with no torch installed pulls the newest CUDA build, several GB.
+#
+# Horovod 0.28.1 (its last release) builds its torch extension with C++14, and torch >= 2.1 headers need
+# C++17 (horovod/horovod#3996; fixed on master, never released). We build the sdist with the two
+# CMAKE_CXX_STANDARD lines raised to 17, cache the wheel per torch version (the extension is tied to
+# torch's ABI) and reuse it on the next run.
+#
+# Environment knobs:
+#   DPCOMPARE_PYTHON      interpreter to build the venv from (default: python3.11, else python3)
+#   DPCOMPARE_TORCH       torch requirement (default: torch==2.13.0; set it to your CUDA build's pin)
+#   DPCOMPARE_NO_HOROVOD=1  skip the Horovod build (compare then lists horovod as unavailable)
+#   DPCOMPARE_CACHE       where built wheels are cached (default: ~/.cache/dpcompare)
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+venv="$root/.venv"
+cache="${DPCOMPARE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dpcompare}"
+torch_req="${DPCOMPARE_TORCH:-torch==2.13.0}"
+horovod_version=0.28.1
+
+say() { printf '[setup] %s\n' "$*"; }
+die() { printf '[setup] error: %s\n' "$*" >&2; exit 2; }
+
+# --- Python --------------------------------------------------------------------------------------
+py="${DPCOMPARE_PYTHON:-}"
+if [ -z "$py" ]; then
+  if command -v python3.11 >/dev/null 2>&1; then py=python3.11; else py=python3; fi
+fi
+command -v "$py" >/dev/null 2>&1 || die "no Python interpreter '$py' found: install Python 3.10-3.12 or set DPCOMPARE_PYTHON"
+"$py" -c 'import sys; sys.exit(0 if (3, 10) <= sys.version_info[:2] <= (3, 12) else 1)' \
+  || die "$py is $("$py" -V 2>&1); dpcompare needs Python 3.10-3.12 (torch and DeepSpeed wheels): set DPCOMPARE_PYTHON"
+
+# --- system packages: an MPI for mpi4py and Horovod ------------------------------------------------
+if ! command -v mpicxx >/dev/null 2>&1 || ! command -v mpirun >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing Open MPI (Debian: openmpi-bin libopenmpi-dev)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null && command -v apt-get >/dev/null 2>&1; then
+    say "installing Open MPI with sudo (Debian: openmpi-bin libopenmpi-dev)"
+    sudo apt-get update -qq
+    sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+  else
+    die "Open MPI is missing (no mpicxx/mpirun) and this user cannot install system packages: ask an administrator for 'openmpi-bin libopenmpi-dev' (Debian) or load your cluster's MPI module, then rerun"
+  fi
+fi
+for tool in cmake g++; do
+  command -v "$tool" >/dev/null 2>&1 || die "'$tool' is missing; it is needed to build Horovod: install it (Debian: apt-get install $tool) or set DPCOMPARE_NO_HOROVOD=1"
+done
+
+# --- venv ------------------------------------------------------------------------------------------
+if [ ! -x "$venv/bin/python" ]; then
+  say "creating $venv with $py"
+  "$py" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+"${pip[@]}" install --upgrade "pip>=23" "setuptools>=69,<80" wheel
+
+if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+  say "installing $torch_req first (pinned: a bare torch requirement pulls a CUDA build)"
+  "${pip[@]}" install "$torch_req"
+fi
+torch_version=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
+say "torch $torch_version"
+
+# The project with its extras; torch is already satisfied, so nothing here can replace it.
+"${pip[@]}" install -e ".[deepspeed,mpi,test]"
+
+# --- Horovod -----------------------------------------------------------------------------------------
+horovod_ok() {
+  "$venv/bin/python" - <<'EOF' 2>/dev/null
+import torch, horovod.torch as hvd, sys
+sys.exit(0 if hvd.gloo_built() and hvd.mpi_built() else 1)
+EOF
+}
+if [ "${DPCOMPARE_NO_HOROVOD:-0}" = 1 ]; then
+  say "skipping Horovod (DPCOMPARE_NO_HOROVOD=1)"
+elif horovod_ok; then
+  say "horovod $horovod_version already built against this torch"
+else
+  wheel_dir="$cache/wheels/horovod-$horovod_version-torch-$torch_version-$("$venv/bin/python" -c 'import sys; print("py%d%d" % sys.version_info[:2])')"
+  if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
+    say "building Horovod $horovod_version against torch $torch_version (C++17; 3-12 minutes, once)"
+    build=$(mktemp -d)
+    trap 'rm -rf "$build"' EXIT
+    "${pip[@]}" download --no-deps --no-binary :all: -d "$build" "horovod==$horovod_version"
+    tar -xzf "$build"/horovod-"$horovod_version".tar.gz -C "$build"
+    src="$build/horovod-$horovod_version"
+    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+    grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" || die "Horovod's CMakeLists.txt no longer has the C++14 line this script raises to 17"
+    "${pip[@]}" install cloudpickle psutil pyyaml packaging cffi
+    mkdir -p "$wheel_dir"
+    HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+    HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
+    MAKEFLAGS="-j$(nproc)" \
+      "$venv/bin/python" -m pip wheel -q --no-build-isolation --no-deps -w "$wheel_dir" "$src" \
+      || die "building Horovod failed (log above); set DPCOMPARE_NO_HOROVOD=1 to go on without it"
+  fi
+  "${pip[@]}" install --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+  "${pip[@]}" install cloudpickle psutil pyyaml packaging cffi
+  horovod_ok || die "Horovod installed but does not load with gloo and MPI: see '$venv/bin/horovodrun --check-build'"
+  say "horovod $horovod_version built with gloo and MPI"
+fi
+
+say "ready: $venv"
