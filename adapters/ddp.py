@@ -44,9 +44,7 @@ class DDPAdapter(Adapter):
         return syncbn.convert(module, self.allreduce_sum_autograd())
 
     def allreduce_sum_autograd(self):
-        from torch.distributed.nn.functional import all_reduce
-
-        return lambda t: all_reduce(t, op=dist.ReduceOp.SUM)
+        return syncbn.process_group_allreduce_sum()
 
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
         kwargs = {}

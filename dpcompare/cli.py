@@ -66,6 +66,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp-devices", type=_positive_int, default=None)
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="adapter option (repeatable)")
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
+    # The deepspeed launcher appends --local_rank=N unless told --no_local_rank; LOCAL_RANK is read instead.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def config_from_args(ns: argparse.Namespace) -> RunConfig:
@@ -77,7 +79,7 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
         extra[key] = value
     if ns.dp_devices is not None:
         extra["dp_devices"] = str(ns.dp_devices)
-    fields = {k: v for k, v in vars(ns).items() if k not in ("opt", "command")}
+    fields = {k: v for k, v in vars(ns).items() if k not in ("opt", "command", "local_rank")}
     return RunConfig(**fields, extra=extra)
 
 

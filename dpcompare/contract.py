@@ -86,7 +86,7 @@ class Adapter:
 
     def zero_grad(self) -> None:
         assert self.wrapped is not None
-        self.wrapped.optimizer.zero_grad(set_to_none=True)
+        self.wrapped.optimizer.zero_grad()  # set_to_none is the default; Horovod takes no argument
 
     def teardown(self) -> None:
         """Stop the backend's runtime; must not raise when setup failed half-way."""

@@ -66,3 +66,16 @@ def convert(module: nn.Module, allreduce_sum: AllReduceSum) -> nn.Module:
 
 def has_batchnorm(module: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+def process_group_allreduce_sum() -> AllReduceSum:
+    """Differentiable all-reduce(sum) over the default torch.distributed process group."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.nn.functional import all_reduce
+
+    # Deprecated in favour of _functional_collectives, whose autograd support is still private; this one
+    # is the documented differentiable all-reduce, so keep it and keep its warning out of every run.
+    warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_reduce is deprecated")
+    return lambda t: all_reduce(t, op=dist.ReduceOp.SUM)
