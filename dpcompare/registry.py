@@ -63,3 +63,14 @@ def availability(backend: str) -> tuple[bool, str]:
     if importlib.util.find_spec(top) is None:
         return False, f"{top} is not installed: {install}"
     return True, ""
+
+
+# How `compare` starts each built-in backend under its native launcher: a launcher name and whether the
+# backend runs one process per replica. Commands are built in dpcompare.compare.native_command.
+NATIVE_LAUNCHER: dict[str, str] = {
+    "reference": "python",
+    "dp": "python",
+    "ddp": "torchrun",
+    "horovod": "horovodrun",
+    "deepspeed": "deepspeed",
+}
