@@ -12,7 +12,7 @@ from typing import get_args
 
 from dpcompare.config import DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
 
-SUBCOMMANDS = ("run", "compare")
+SUBCOMMANDS = ("run", "compare", "report", "bench-collectives")
 EXIT_USAGE = 2
 
 
@@ -94,6 +94,20 @@ def main(argv: list[str] | None = None) -> int:
                              formatter_class=argparse.RawDescriptionHelpFormatter)
             compare.add_arguments(parser)
             return compare.main(parser.parse_args(argv))
+        if command == "report":
+            from dpcompare import report
+
+            parser = _Parser(prog="dpcompare report", description=report.__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+            report.add_arguments(parser)
+            return report.main(parser.parse_args(argv))
+        if command == "bench-collectives":
+            from dpcompare import collectives
+
+            parser = _Parser(prog="dpcompare bench-collectives", description=collectives.__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+            collectives.add_arguments(parser)
+            return collectives.main(parser.parse_args(argv))
 
         parser = _Parser(prog="dpcompare run", description="Train one workload under one backend and check its gradients against a float64 oracle.")
         add_run_arguments(parser)
