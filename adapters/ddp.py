@@ -53,6 +53,8 @@ class DDPAdapter(Adapter):
         model = nn.parallel.DistributedDataParallel(
             module, device_ids=[self.device.index] if self.device.type == "cuda" else None, **kwargs
         )
+        # Record DDP's runtime stats every iteration (default: the first 10, then every 100th).
+        model._set_ddp_runtime_logging_sample_rate(1)
         notes = []
         if self.env.world_size & (self.env.world_size - 1):
             notes.append(f"ddp divides each gradient by {self.env.world_size} before summing (Horovod and DeepSpeed "
@@ -63,6 +65,31 @@ class DDPAdapter(Adapter):
     def sync(self, enabled: bool):
         assert self.wrapped is not None
         return super().sync(enabled) if enabled else self.wrapped.model.no_sync()
+
+    def message_bytes(self, grad_bytes: int) -> tuple[int | None, str | None]:
+        cap = int(float(self.options.get("bucket_cap_mb", 25)) * 1024 * 1024)
+        return min(cap, grad_bytes), None
+
+    def comm_buffer_bytes(self, grad_bytes: int) -> int | None:
+        return grad_bytes  # buckets hold a copy of every gradient (gradient_as_bucket_view=False)
+
+    def _ddp_totals(self) -> tuple[float, float, int]:
+        # avg_* are running means (ns) over iterations 1..iteration (iteration 0 is not recorded).
+        data = self.wrapped.model._get_ddp_logging_data()
+        n = int(data.get("iteration", 0) or 0)
+        return (data.get("avg_backward_comm_time", 0) * n / 1e6,
+                data.get("avg_backward_compute_comm_overlap_time", 0) * n / 1e6, n)
+
+    def comm_counters_begin(self, workdir: str) -> None:
+        self._comm_begin = self._ddp_totals()
+
+    def comm_counters_end(self) -> dict:
+        comm, overlap, n = self._ddp_totals()
+        comm0, overlap0, n0 = self._comm_begin
+        if n <= n0:
+            return {"reason": "DDP recorded no iteration in the window"}
+        return {"total_ms": comm - comm0, "overlap_ms": overlap - overlap0, "iterations": n - n0,
+                "method": "DDP logging data (avg_backward_comm_time)"}
 
     def all_gather_object(self, obj):
         out = [None] * self.env.world_size

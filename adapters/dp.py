@@ -41,3 +41,16 @@ class DataParallelAdapter(Adapter):
                          "this run is the reference computation, not a speed-up")
         self.wrapped = Wrapped(model, module, optimizer, notes)
         return self.wrapped
+
+    def no_communication_reason(self) -> str | None:
+        if self.device.type != "cuda":
+            return "DataParallel without CUDA devices is a pass-through: no communication"
+        if len(self.wrapped.model.device_ids) < 2:
+            return "DataParallel on one device: no communication"
+        # Scatter/replicate/gather are inside forward and backward: no switch turns them off alone.
+        return None
+
+    def comm_buffer_bytes(self, grad_bytes: int) -> int | None:
+        if self.device.type != "cuda":
+            return 0
+        return grad_bytes * (len(self.wrapped.model.device_ids) - 1)  # replicas' weights on other devices

@@ -23,6 +23,8 @@ class HorovodAdapter(Adapter):
         multi_process=True,
         launchers=frozenset({"python", "horovodrun", "mpirun", "slurm"}),
         launch_hint="horovodrun -np N -H localhost:N python -m dpcompare --backend horovod  (or mpirun -np N python -m dpcompare --backend horovod)",
+        native_comm_counters=True,
+        collective_transport="horovod",
     )
 
     def setup(self, timeout_s: float) -> None:
@@ -31,6 +33,8 @@ class HorovodAdapter(Adapter):
         # Horovod's own stall detector ends a job whose ranks stop submitting the same tensors.
         os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(int(timeout_s)))
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(timeout_s)))
+        # The timeline can then be started and stopped around the measured window (hvd.start_timeline).
+        os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
         hvd.init()
         # hvd.init() with no launcher silently runs as size 1: a run that thinks it is distributed is not.
         if hvd.size() != self.env.world_size or hvd.rank() != self.env.rank:
@@ -93,6 +97,35 @@ class HorovodAdapter(Adapter):
         with opt.skip_synchronize():
             opt.step()
         self._sync_enabled = True
+
+    def message_bytes(self, grad_bytes: int) -> tuple[int | None, str | None]:
+        return min(self._fusion_threshold(), grad_bytes), None
+
+    def comm_buffer_bytes(self, grad_bytes: int) -> int | None:
+        return min(self._fusion_threshold(), grad_bytes)  # the fusion buffer holds at most one cycle's tensors
+
+    @staticmethod
+    def _fusion_threshold() -> int:
+        return int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 128 * 1024 * 1024))
+
+    def comm_counters_begin(self, workdir: str) -> None:
+        self._timeline = os.path.join(workdir, f"horovod-timeline-{os.getpid()}.json")
+        self.hvd.start_timeline(self._timeline, mark_cycles=False)
+
+    def comm_counters_end(self) -> dict:
+        from dpcompare.timeline import allreduce_busy_ms
+
+        self.hvd.stop_timeline()
+        if self.env.rank != 0:
+            return {"reason": "Horovod writes its timeline on rank 0 only"}
+        try:
+            total = allreduce_busy_ms(self._timeline)
+        except (OSError, ValueError) as exc:
+            return {"reason": f"cannot read the Horovod timeline {self._timeline}: {exc}"}
+        finally:
+            if os.path.exists(self._timeline):
+                os.unlink(self._timeline)
+        return {"total_ms": total, "overlap_ms": None, "method": "Horovod timeline (union of ALLREDUCE intervals)"}
 
     def all_gather_object(self, obj):
         return self.hvd.allgather_object(obj)

@@ -29,7 +29,18 @@ class RunConfig:
     """Weak scaling: samples per step per rank; the global batch is local_batch * world_size."""
     scaling: Scaling = "strong"
     steps: int = 4
-    """Optimizer steps to run."""
+    """Verification phase: optimizer steps with the equivalence check (see check_every)."""
+    warmup_steps: int = 2
+    """Measurement phase: unmeasured steps first (allocator, bucket rebuild, caches)."""
+    measure_steps: int = 0
+    """Measurement phase: timed steps after the warm-up, with no check running (0: no measurement)."""
+    ablation_steps: int | None = None
+    """Pairs of synced/unsynced steps for exposed communication (default: measure_steps)."""
+    instrument: bool = True
+    """Per-step clocks, memory window and native comm counters in the measurement phase (off: only the
+    loop's wall clock, to measure the instrumentation's own cost)."""
+    collectives: str | None = None
+    """A bench-collectives JSON: its busbw at this run's message size is reported beside the run's."""
     lr: float = 0.05
     optimizer: Optimizer = "sgd"
     momentum: float = 0.9
@@ -71,6 +82,12 @@ class RunConfig:
             raise bad("scaling", self.scaling, "weak scaling fixes the per-rank batch: also pass --local-batch N")
         if self.steps < 1:
             raise bad("steps", self.steps, "run at least one step")
+        if self.warmup_steps < 0:
+            raise bad("warmup_steps", self.warmup_steps, "use 0 or more steps")
+        if self.measure_steps < 0:
+            raise bad("measure_steps", self.measure_steps, "use 0 (no measurement) or more steps")
+        if self.ablation_steps is not None and self.ablation_steps < 0:
+            raise bad("ablation_steps", self.ablation_steps, "use 0 or more pairs")
         if not (self.lr > 0 and self.lr < 1e3):
             raise bad("lr", self.lr, "use a positive learning rate below 1000")
         if not 0 <= self.momentum < 1:

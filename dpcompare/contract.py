@@ -28,6 +28,8 @@ class Capabilities:
     can_disable_sync: bool = True
     """`sync(False)` really skips gradient communication for one step."""
     native_comm_counters: bool = False
+    collective_transport: str = "torch"
+    """Which bench-collectives transport measures the link this backend's all-reduce uses."""
 
 
 @dataclass(slots=True)
@@ -90,6 +92,26 @@ class Adapter:
 
     def teardown(self) -> None:
         """Stop the backend's runtime; must not raise when setup failed half-way."""
+
+    # -- what measurement needs to know (translations of the backend's own facts) -----------------
+    def no_communication_reason(self) -> str | None:
+        """Why this run has no gradient communication to measure, or None when it has some."""
+        return "one process, no gradient communication" if self.env.world_size == 1 else None
+
+    def message_bytes(self, grad_bytes: int) -> tuple[int | None, str | None]:
+        """Size of one all-reduce message (bucket / fusion buffer) for this model, or (None, reason)."""
+        return None, "this backend does not bucket its gradients"
+
+    def comm_buffer_bytes(self, grad_bytes: int) -> int | None:
+        """Memory the backend holds for communication (buckets, fusion buffer, flat buffers)."""
+        return 0
+
+    def comm_counters_begin(self, workdir: str) -> None:
+        """Start the backend's own communication counter for a measurement window."""
+
+    def comm_counters_end(self) -> dict[str, Any]:
+        """The window's totals: {'total_ms', 'overlap_ms' (or None), 'method'} or {'reason'}."""
+        return {"reason": f"{self.name} exposes no communication counter"}
 
     # -- control plane (small objects, not gradients) ---------------------------------------------
     def all_gather_object(self, obj: Any) -> list[Any]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 
 from dpcompare import equivalence as eq
-from dpcompare import launch, registry, results
+from dpcompare import launch, measure, registry, results
 from dpcompare.config import RunConfig
 from dpcompare.contract import Adapter
 from dpcompare.syncbn import has_batchnorm
@@ -84,6 +86,28 @@ class _Shadow:
         self.optimizer.step()
 
 
+class _Step:
+    """One training step's pieces, shared by the verification and the measurement phase."""
+
+    def __init__(self, adapter: Adapter, workload: Workload, device: torch.device, dtype: torch.dtype) -> None:
+        self.adapter, self.workload, self.device, self.dtype = adapter, workload, device, dtype
+
+    def inputs(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.to(self.device)
+        return (x.to(self.dtype) if x.is_floating_point() else x), y.to(self.device)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, sync: bool = True) -> None:
+        wrapped = self.adapter.wrapped
+        wrapped.model.train()
+        with self.adapter.sync(sync):
+            loss = self.workload.loss_fn(wrapped.model(x), y)
+            self.adapter.backward(loss)
+
+    def update(self) -> None:
+        self.adapter.step()
+        self.adapter.zero_grad()
+
+
 def run(cfg: RunConfig) -> dict[str, Any]:
     cfg.validate()
     env = launch.detect()
@@ -104,105 +128,19 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             module = adapter.sync_batchnorm(module)
         optimizer = make_optimizer(cfg, module.parameters())
         wrapped = adapter.wrap(module, optimizer, local_batch, global_batch)
+        step_fn = _Step(adapter, workload, device, dtype)
+
+        verdict = _verify(cfg, env, adapter, workload, template, step_fn, watchdog, global_batch)
+        metrics = _measure(cfg, env, adapter, workload, step_fn, watchdog, global_batch, local_batch)
+
         names = [n for n, _ in wrapped.module.named_parameters()]
-
-        verdict = eq.Verdict(notes=list(wrapped.notes))
-        initial = adapter.all_gather_object(eq.param_digests(wrapped.module))
-        mismatch = eq.first_mismatch(initial, names)
-        if mismatch:
-            verdict.initial_weights_identical = False
-            verdict.replicas_identical = False
-            verdict.notes.append(f"rank {mismatch[0]} started with different weights at parameter {mismatch[1]}")
-
-        rank0 = env.is_rank0
-        depth = eq.depth_of(template)
-        oracle = eq.Oracle(template, workload.loss_fn, cfg.dtype, device) if rank0 and cfg.check_every else None
-        shadow = None
-        if oracle is not None:
-            shadow_model = copy.deepcopy(template).to(device=device, dtype=dtype)
-            shadow = _Shadow(shadow_model, make_optimizer(cfg, shadow_model.parameters()))
-        dumps: dict[str, np.ndarray] = {}
-        sample_rank = 0 if cfg.inject_fault == "dupdata" else env.rank
-
-        for step in range(cfg.steps):
-            checked = cfg.check_every > 0 and step % cfg.check_every == 0
-            batch = workload.make_batch(step, global_batch)
-            x, y = shard(batch, sample_rank, env.world_size)
-            _inject(cfg, env.rank, step)
-            watchdog.beat("forward", step)
-
-            wrapped.model.train()
-            with adapter.sync(True):
-                x_dev = x.to(device)
-                loss = workload.loss_fn(wrapped.model(x_dev.to(dtype) if x_dev.is_floating_point() else x_dev), y.to(device))
-                watchdog.beat("backward", step)
-                adapter.backward(loss)
-            adapter.reduce()
-            watchdog.beat("reduced", step)
-
-            if checked:
-                # Gradients are global now and the parameters are those the gradients were taken at.
-                info = adapter.all_gather_object({
-                    "grads": eq.grad_digests(wrapped.module),
-                    "shard": eq.tensor_digest(x),
-                })
-                if rank0:
-                    assert oracle is not None
-                    state = {k: v.detach().clone() for k, v in wrapped.module.state_dict().items()}
-                    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().cpu()
-                             for n, p in wrapped.module.named_parameters()}
-                    oracle_grads = oracle.oracle(state, *batch)
-                    floor_grads = oracle.floor(state, *batch)
-                    params = eq.compare_grads(grads, oracle_grads, floor_grads, dtype=cfg.dtype,
-                                              world_size=env.world_size, depth=depth)
-                    check = eq.StepCheck(step, params, True, eq.first_mismatch([i["grads"] for i in info], names) is None)
-                    verdict.checks.append(check)
-                    failing = next((p for p in params if not p.ok), None)
-                    if failing is not None and verdict.first_divergence is None:
-                        shards = [shard(batch, r, env.world_size) for r in range(env.world_size)]
-                        reason = eq.diagnose(
-                            grads=grads, oracle_grads=oracle_grads, oracle=oracle, state=state, global_batch=batch,
-                            shards=shards, shard_digests=[i["shard"] for i in info],
-                            expected_digests=[eq.tensor_digest(s[0]) for s in shards],
-                            tolerance=failing.tolerance_rel_fro, has_batchnorm=has_batchnorm(template),
-                            sync_bn=cfg.sync_bn,
-                        )
-                        verdict.first_divergence = eq.Divergence(
-                            step, failing.parameter, failing.rel_fro_err, failing.tolerance_rel_fro,
-                            failing.noise_ratio, reason)
-                    if cfg.dump_grads:
-                        for kind, g in (("reduced", grads), ("oracle", oracle_grads), ("floor", floor_grads)):
-                            for n, t in g.items():
-                                dumps[f"{step}/{kind}/{n}"] = t.numpy()
-                watchdog.beat("checked", step)
-
-            adapter.step()
-            adapter.zero_grad()
-            watchdog.beat("stepped", step)
-
-            if checked or step == cfg.steps - 1:
-                after = adapter.all_gather_object(eq.param_digests(wrapped.module))
-                mismatch = eq.first_mismatch(after, names)
-                if rank0 and mismatch:
-                    verdict.replicas_identical = False
-                    if verdict.checks and verdict.checks[-1].step == step:
-                        verdict.checks[-1].replicas_identical = False
-                    if verdict.first_divergence is None:
-                        verdict.first_divergence = eq.Divergence(
-                            step, mismatch[1], float("nan"), 0.0, float("nan"),
-                            f"after the optimizer step rank {mismatch[0]} holds different values of {mismatch[1]} "
-                            "than rank 0: the replicas diverged")
-            if shadow is not None:
-                shadow.step(workload, batch[0].to(device).to(dtype) if batch[0].is_floating_point() else batch[0].to(device),
-                            batch[1].to(device))
-                ref = torch.cat([p.detach().double().reshape(-1) for p in shadow.model.parameters()])
-                mine = torch.cat([p.detach().double().reshape(-1) for p in wrapped.module.parameters()])
-                verdict.drift.append({"step": step, "rel_param_distance": eq.rel_fro(mine, ref)})
-            watchdog.beat("done", step)
-
+        mismatch = eq.first_mismatch(adapter.all_gather_object(eq.param_digests(wrapped.module)), names)
         payload: dict[str, Any] | None = None
-        if rank0:
-            policy = eq.tolerance_policy(cfg.dtype, env.world_size, depth)
+        if env.is_rank0:
+            if mismatch and verdict.replicas_identical:
+                verdict.replicas_identical = False
+                verdict.notes.append(f"after the last step rank {mismatch[0]} holds different values of {mismatch[1]}")
+            policy = eq.tolerance_policy(cfg.dtype, env.world_size, eq.depth_of(template))
             payload = results.base_payload(
                 backend=cfg.backend,
                 launcher=env.launcher,
@@ -216,11 +154,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                 tag=cfg.tag,
                 config=cfg.to_dict(),
                 equivalence=verdict.to_dict(policy),
+                metrics=metrics,
                 env=results.environment(),
                 created_unix=time.time(),
             )
             if cfg.dump_grads:
-                _save_npz_atomic(Path(cfg.dump_grads), dumps)
                 payload["grad_dump"] = str(cfg.dump_grads)
             path = results.result_path(cfg.out, cfg.backend, env.world_size, workload.name)
             payload = results.sanitize(payload)
@@ -234,6 +172,209 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         if watchdog is not None:
             watchdog.stop()
         adapter.teardown()
+
+
+def _verify(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Workload, template: torch.nn.Module,
+            step_fn: _Step, watchdog: Watchdog, global_batch: int) -> eq.Verdict:
+    """Verification phase: `cfg.steps` steps, the reduced gradient checked against the oracle at checked
+    steps, replicas compared, the reference trajectory trained beside the run."""
+    wrapped = adapter.wrapped
+    names = [n for n, _ in wrapped.module.named_parameters()]
+    verdict = eq.Verdict(notes=list(wrapped.notes))
+    initial = adapter.all_gather_object(eq.param_digests(wrapped.module))
+    mismatch = eq.first_mismatch(initial, names)
+    if mismatch:
+        verdict.initial_weights_identical = False
+        verdict.replicas_identical = False
+        verdict.notes.append(f"rank {mismatch[0]} started with different weights at parameter {mismatch[1]}")
+
+    rank0 = env.is_rank0
+    depth = eq.depth_of(template)
+    oracle = eq.Oracle(template, workload.loss_fn, cfg.dtype, step_fn.device) if rank0 and cfg.check_every else None
+    shadow = None
+    if oracle is not None:
+        shadow_model = copy.deepcopy(template).to(device=step_fn.device, dtype=step_fn.dtype)
+        shadow = _Shadow(shadow_model, make_optimizer(cfg, shadow_model.parameters()))
+    dumps: dict[str, np.ndarray] = {}
+    sample_rank = 0 if cfg.inject_fault == "dupdata" else env.rank
+
+    for step in range(cfg.steps):
+        checked = cfg.check_every > 0 and step % cfg.check_every == 0
+        batch = workload.make_batch(step, global_batch)
+        x, y = shard(batch, sample_rank, env.world_size)
+        _inject(cfg, env.rank, step)
+        watchdog.beat("forward", step)
+        step_fn.forward_backward(*step_fn.inputs(x, y))
+        watchdog.beat("reduce", step)
+        adapter.reduce()
+        watchdog.beat("reduced", step)
+
+        if checked:
+            # Gradients are global now and the parameters are those the gradients were taken at.
+            info = adapter.all_gather_object({"grads": eq.grad_digests(wrapped.module), "shard": eq.tensor_digest(x)})
+            if rank0:
+                assert oracle is not None
+                state = {k: v.detach().clone() for k, v in wrapped.module.state_dict().items()}
+                grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().cpu()
+                         for n, p in wrapped.module.named_parameters()}
+                oracle_grads = oracle.oracle(state, *batch)
+                floor_grads = oracle.floor(state, *batch)
+                params = eq.compare_grads(grads, oracle_grads, floor_grads, dtype=cfg.dtype,
+                                          world_size=env.world_size, depth=depth)
+                check = eq.StepCheck(step, params, True, eq.first_mismatch([i["grads"] for i in info], names) is None)
+                verdict.checks.append(check)
+                failing = next((p for p in params if not p.ok), None)
+                if failing is not None and verdict.first_divergence is None:
+                    shards = [shard(batch, r, env.world_size) for r in range(env.world_size)]
+                    reason = eq.diagnose(
+                        grads=grads, oracle_grads=oracle_grads, oracle=oracle, state=state, global_batch=batch,
+                        shards=shards, shard_digests=[i["shard"] for i in info],
+                        expected_digests=[eq.tensor_digest(s[0]) for s in shards],
+                        tolerance=failing.tolerance_rel_fro, has_batchnorm=has_batchnorm(template),
+                        sync_bn=cfg.sync_bn,
+                    )
+                    verdict.first_divergence = eq.Divergence(
+                        step, failing.parameter, failing.rel_fro_err, failing.tolerance_rel_fro,
+                        failing.noise_ratio, reason)
+                if cfg.dump_grads:
+                    for kind, g in (("reduced", grads), ("oracle", oracle_grads), ("floor", floor_grads)):
+                        for n, t in g.items():
+                            dumps[f"{step}/{kind}/{n}"] = t.numpy()
+            watchdog.beat("checked", step)
+
+        step_fn.update()
+        watchdog.beat("stepped", step)
+        if shadow is not None:
+            shadow.step(workload, *step_fn.inputs(*batch))
+            ref = torch.cat([p.detach().double().reshape(-1) for p in shadow.model.parameters()])
+            mine = torch.cat([p.detach().double().reshape(-1) for p in wrapped.module.parameters()])
+            verdict.drift.append({"step": step, "rel_param_distance": eq.rel_fro(mine, ref)})
+
+        if checked or step == cfg.steps - 1:
+            # After rank 0's extra work (oracle, shadow): this gather is also where the ranks line up again.
+            after = adapter.all_gather_object(eq.param_digests(wrapped.module))
+            mismatch = eq.first_mismatch(after, names)
+            if rank0 and mismatch:
+                verdict.replicas_identical = False
+                if verdict.checks and verdict.checks[-1].step == step:
+                    verdict.checks[-1].replicas_identical = False
+                if verdict.first_divergence is None:
+                    verdict.first_divergence = eq.Divergence(
+                        step, mismatch[1], float("nan"), 0.0, float("nan"),
+                        f"after the optimizer step rank {mismatch[0]} holds different values of {mismatch[1]} "
+                        "than rank 0: the replicas diverged")
+        watchdog.beat("done", step)
+
+    if rank0 and cfg.dump_grads:
+        _save_npz_atomic(Path(cfg.dump_grads), dumps)
+    return verdict
+
+
+def _measure(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Workload, step_fn: _Step,
+             watchdog: Watchdog, global_batch: int, local_batch: int) -> dict[str, Any] | None:
+    """Measurement phase: warm-up, then `measure_steps` timed steps with nothing else running, then the
+    ablation (pairs of the same step with gradient synchronisation on and off, no optimizer step)."""
+    if cfg.measure_steps == 0:
+        return None
+    wrapped = adapter.wrapped
+    first = cfg.steps  # steps continue the verification phase's data stream
+    for i in range(cfg.warmup_steps):
+        x, y = step_fn.inputs(*shard(workload.make_batch(first + i, global_batch), env.rank, env.world_size))
+        step_fn.forward_backward(x, y)
+        adapter.reduce()
+        step_fn.update()
+        watchdog.beat("warmup", first + i)
+
+    batches = [step_fn.inputs(*shard(workload.make_batch(first + cfg.warmup_steps + i, global_batch), env.rank,
+                                     env.world_size)) for i in range(cfg.measure_steps)]
+    clock = measure.SegmentClock(step_fn.device, enabled=cfg.instrument)
+    memory = measure.MemoryWindow(step_fn.device)
+    comm_reason = adapter.no_communication_reason()
+    workdir = tempfile.mkdtemp(prefix="dpcompare-")
+    adapter.all_gather_object(None)  # line the ranks up: the window starts together
+    if cfg.instrument:
+        memory.reset()
+        if comm_reason is None:
+            adapter.comm_counters_begin(workdir)
+    loop_start = time.perf_counter()
+    for i, (x, y) in enumerate(batches):
+        clock.start()
+        step_fn.forward_backward(x, y)
+        adapter.reduce()
+        step_fn.update()
+        clock.stop()
+        clock.end_step()
+        watchdog.beat("measured", first + cfg.warmup_steps + i)
+    if step_fn.device.type == "cuda":
+        torch.cuda.synchronize()
+    loop_ms = (time.perf_counter() - loop_start) * 1e3 / cfg.measure_steps
+    comm = None
+    mem = {"peak_mem_mib": None, "peak_mem_reserved_mib": None}
+    if cfg.instrument:
+        mem = memory.peak()
+        comm = adapter.comm_counters_end() if comm_reason is None else None
+        if comm and "total_ms" in comm:
+            comm["steps"] = cfg.measure_steps
+    shutil.rmtree(workdir, ignore_errors=True)
+
+    # Ablation: synced and unsynced arms alternate (order flipped every pair) so drift in machine load
+    # falls on both arms alike. No optimizer step: the weights stay where the run left them.
+    synced = measure.SegmentClock(step_fn.device)
+    unsynced = measure.SegmentClock(step_fn.device)
+    pairs = cfg.measure_steps if cfg.ablation_steps is None else cfg.ablation_steps
+    if comm_reason is None and not adapter.capabilities.can_disable_sync:
+        comm_reason = f"{adapter.name} cannot switch gradient synchronisation off"
+    if cfg.instrument and comm_reason is None:
+        for i in range(pairs):
+            x, y = batches[i % len(batches)]
+            for sync in ((True, False) if i % 2 == 0 else (False, True)):
+                arm = synced if sync else unsynced
+                adapter.all_gather_object(None)  # both arms start from lined-up ranks
+                arm.start()
+                step_fn.forward_backward(x, y, sync=sync)
+                if sync:
+                    adapter.reduce()
+                arm.stop()
+                arm.end_step()
+                adapter.zero_grad()
+            watchdog.beat("ablation", i)
+
+    sample = measure.RankSample(clock.step_ms(), synced.step_ms(), unsynced.step_ms(), mem, memory.reason, comm)
+    gathered = adapter.all_gather_object((sample, loop_ms))
+    if not env.is_rank0:
+        return None
+    grad_bytes = sum(p.numel() * p.element_size() for p in wrapped.module.parameters() if p.requires_grad)
+    message, message_reason = adapter.message_bytes(grad_bytes)
+    microbench, microbench_reason = _microbench_busbw(cfg, adapter.capabilities.collective_transport, env.world_size,
+                                                    message or grad_bytes)
+    metrics = measure.summarize(
+        [g[0] for g in gathered], world_size=env.world_size, local_batch=local_batch,
+        tokens_per_sample=workload.tokens_per_sample, warmup_steps=cfg.warmup_steps, grad_bytes=grad_bytes,
+        message_bytes=message, message_reason=message_reason,
+        model_state=measure.model_state_mib(wrapped.module, wrapped.optimizer, adapter.comm_buffer_bytes(grad_bytes)),
+        microbench_busbw=microbench, microbench_reason=microbench_reason, scaling=cfg.scaling,
+        comm_possible=comm_reason, instrumented=cfg.instrument,
+    )
+    metrics["loop_ms_per_step"] = max(g[1] for g in gathered)
+    return metrics
+
+
+def _microbench_busbw(cfg: RunConfig, adapter_transport: str, world_size: int, nbytes: int) -> tuple[float | None, str | None]:
+    if world_size < 2:
+        return None, "one rank: nothing crosses a link"
+    if not cfg.collectives:
+        return None, "no microbenchmark given: run `python -m dpcompare bench-collectives` and pass --collectives FILE"
+    import json
+
+    from dpcompare import collectives
+
+    try:
+        data = json.loads(Path(cfg.collectives).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--collectives={cfg.collectives!r} cannot be read as JSON ({exc}): pass a bench-collectives result") from None
+    transport = adapter_transport
+    value = collectives.busbw_at(data, transport, world_size, nbytes)
+    return value, None if value is not None else f"the microbenchmark has no {transport} entry at world size {world_size}"
 
 
 def _save_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:

@@ -1,0 +1,299 @@
+"""Measurement: step time, memory, communication time and bandwidth, for every backend the same way.
+
+Owns: the per-rank clocks (CUDA events on GPU, no device-wide synchronise inside the measured region;
+monotonic clock on CPU), the memory window (CUDA peak stats; on CPU the resident high-water mark VmHWM,
+reset through /proc/self/clear_refs at the window's start: tracemalloc does not see tensor storage), the
+arithmetic of every reported figure, and the analytic model-state memory. Imports no adapter: backends'
+native communication counters arrive as plain dicts through the adapter contract.
+
+Definitions:
+  step time            forward + backward + reduce + optimizer step, excluding the equivalence check;
+                       a step is as slow as its slowest rank
+  compute time         the same step with gradient synchronisation switched off (no optimizer step in
+                       either arm of the ablation, so the arms differ only by communication)
+  exposed comm         synced - unsynced (ablation, interleaved pairs, medians)
+  total comm           the backend's own counter (DDP logging data, Horovod timeline, DeepSpeed timers)
+  overlap fraction     1 - exposed / total
+  algbw, busbw         nccl-tests: algbw = bytes / time, all-reduce busbw = algbw * 2(n-1)/n, in GB/s
+  T_comm model         2 * P * (N-1) / (N * B), B = the microbenchmark's busbw at the run's message size
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+MIB = 1024.0 * 1024.0
+
+
+# -- clocks ----------------------------------------------------------------------------------------
+class SegmentClock:
+    """Times a step made of segments (the check in the middle is left out). On CUDA it records events
+    and resolves them once at the end, so nothing synchronises the device inside the measured region."""
+
+    def __init__(self, device: torch.device, enabled: bool = True) -> None:
+        self.cuda = device.type == "cuda"
+        self.enabled = enabled
+        self._open: Any = None
+        self._segments: list[Any] = []
+        self.steps: list[Any] = []  # per step: list of (start, end) pairs
+
+    def _now(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter_ns()
+
+    def start(self) -> None:
+        if self.enabled:
+            self._open = self._now()
+
+    def stop(self) -> None:
+        if self.enabled and self._open is not None:
+            self._segments.append((self._open, self._now()))
+            self._open = None
+
+    def end_step(self) -> None:
+        if self.enabled:
+            self.steps.append(self._segments)
+            self._segments = []
+
+    def step_ms(self) -> list[float]:
+        if self.cuda and self.steps:
+            torch.cuda.synchronize()  # once, after the measured region
+        out = []
+        for segments in self.steps:
+            if self.cuda:
+                out.append(sum(a.elapsed_time(b) for a, b in segments))
+            else:
+                out.append(sum(b - a for a, b in segments) / 1e6)
+        return out
+
+
+# -- memory ----------------------------------------------------------------------------------------
+class MemoryWindow:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.reason: str | None = None
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current resident size
+        except OSError as exc:
+            self.reason = f"cannot reset the resident high-water mark (/proc/self/clear_refs: {exc.strerror})"
+
+    def peak(self) -> dict[str, float | None]:
+        if self.device.type == "cuda":
+            return {"peak_mem_mib": torch.cuda.max_memory_allocated(self.device) / MIB,
+                    "peak_mem_reserved_mib": torch.cuda.max_memory_reserved(self.device) / MIB}
+        if self.reason:
+            return {"peak_mem_mib": None, "peak_mem_reserved_mib": None}
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return {"peak_mem_mib": int(line.split()[1]) / 1024.0, "peak_mem_reserved_mib": None}
+        except OSError as exc:
+            self.reason = f"cannot read /proc/self/status ({exc.strerror})"
+        self.reason = self.reason or "no VmHWM line in /proc/self/status (not Linux?)"
+        return {"peak_mem_mib": None, "peak_mem_reserved_mib": None}
+
+
+def model_state_mib(module: torch.nn.Module, optimizer: Any, comm_buffer_bytes: int | None) -> dict[str, float | None]:
+    """Analytic model-state memory (seed 001): parameters + gradients + optimizer state + comm buffers."""
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    state = 0
+    inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed wraps the client optimizer
+    for per_param in getattr(inner, "state", {}).values():
+        for value in per_param.values():
+            if torch.is_tensor(value):
+                state += value.numel() * value.element_size()
+    total = params + grads + state + (comm_buffer_bytes or 0)
+    return {"params": params / MIB, "grads": grads / MIB, "optimizer": state / MIB,
+            "comm_buffers": None if comm_buffer_bytes is None else comm_buffer_bytes / MIB, "total": total / MIB}
+
+
+# -- arithmetic ------------------------------------------------------------------------------------
+def algbw_gbps(nbytes: float, seconds: float) -> float | None:
+    return nbytes / seconds / 1e9 if seconds > 0 else None
+
+
+def busbw_gbps(algbw: float | None, n: int) -> float | None:
+    return None if algbw is None else algbw * 2.0 * (n - 1) / n
+
+
+def tcomm_model_ms(grad_bytes: float, n: int, bandwidth_gbps: float | None) -> float | None:
+    """Seed 001's ring all-reduce model, T = 2 P (N-1) / (N B), in ms."""
+    if not bandwidth_gbps or n < 2:
+        return None
+    return 2.0 * grad_bytes * (n - 1) / (n * bandwidth_gbps * 1e9) * 1e3
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "mean": None}
+    a = np.asarray(values, dtype=float)
+    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)), "mean": float(a.mean())}
+
+
+def stragglers(per_rank_ms: list[list[float]], threshold: float = 0.05) -> list[dict[str, Any]]:
+    """Per rank: how often it is the slowest and by how much it exceeds the median rank, per step.
+    A rank is flagged when it is the slowest in more than half the steps and its mean excess is above
+    `threshold` of the median step time."""
+    if len(per_rank_ms) < 2 or not per_rank_ms[0]:
+        return []
+    a = np.asarray(per_rank_ms, dtype=float)  # ranks x steps
+    median = np.median(a, axis=0)
+    slowest = np.argmax(a, axis=0)
+    out = []
+    for rank in range(a.shape[0]):
+        excess = float(np.mean(a[rank] - median))
+        fraction = float(np.mean(slowest == rank))
+        out.append({"rank": rank, "slowest_fraction": fraction, "excess_ms_mean": excess,
+                    "straggler": fraction > 0.5 and excess > threshold * float(np.median(median))})
+    return out
+
+
+@dataclass(slots=True)
+class RankSample:
+    """What one rank measured, gathered to rank 0."""
+
+    step_ms: list[float]
+    synced_ms: list[float]
+    unsynced_ms: list[float]
+    memory: dict[str, float | None]
+    memory_reason: str | None
+    comm: dict[str, Any] | None
+    """Native counter over the measured window: {'total_ms', 'overlap_ms', 'steps', 'method'} or {'reason'}."""
+
+
+@dataclass(slots=True)
+class Metrics:
+    values: dict[str, Any] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def set(self, name: str, value: Any, reason: str | None = None) -> None:
+        self.values[name] = value
+        if value is None:
+            self.reasons[name] = reason or "not measured"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.values, "reasons": self.reasons}
+
+
+def summarize(
+    samples: list[RankSample],
+    *,
+    world_size: int,
+    local_batch: int,
+    tokens_per_sample: int,
+    warmup_steps: int,
+    grad_bytes: int,
+    message_bytes: int | None,
+    message_reason: str | None,
+    model_state: dict[str, float | None],
+    microbench_busbw: float | None,
+    microbench_reason: str | None,
+    scaling: str,
+    comm_possible: str | None,
+    instrumented: bool = True,
+) -> dict[str, Any]:
+    """Rank 0 turns the gathered per-rank samples into the run's metrics (units in the names)."""
+    m = Metrics()
+    m.set("scaling", scaling)
+    m.set("warmup_steps", warmup_steps)
+    steps = min(len(s.step_ms) for s in samples)
+    m.set("measured_steps", steps)
+    per_rank = [s.step_ms[:steps] for s in samples]
+    slowest = np.max(np.asarray(per_rank), axis=0).tolist() if steps else []
+    p = percentiles(slowest)
+    why_no_steps = ("instrumentation off (--no-instrument): only loop_ms_per_step is measured" if not instrumented
+                    else "no measured steps (--measure-steps 0)")
+    m.set("step_ms_p50", p["p50"], why_no_steps)
+    m.set("step_ms_p90", p["p90"], why_no_steps)
+    m.set("step_ms_mean", p["mean"], why_no_steps)
+    m.set("step_ms_per_rank_p50", [percentiles(r)["p50"] for r in per_rank])
+    spread = (np.max(per_rank, axis=0) - np.min(per_rank, axis=0)).tolist() if steps and len(per_rank) > 1 else []
+    m.set("rank_spread_ms_p50", percentiles(spread)["p50"], "one rank" if len(per_rank) == 1 else why_no_steps)
+    global_samples = local_batch * world_size
+    m.set("samples_per_s", global_samples / (p["p50"] / 1e3) if p["p50"] else None, why_no_steps)
+    if tokens_per_sample > 1:
+        m.set("tokens_per_s", global_samples * tokens_per_sample / (p["p50"] / 1e3) if p["p50"] else None, why_no_steps)
+    else:
+        m.set("tokens_per_s", None, "not a token model")
+
+    # Ablation: the slowest rank per pair, then medians of each arm.
+    pairs = min(min(len(s.synced_ms), len(s.unsynced_ms)) for s in samples)
+    synced = np.max([s.synced_ms[:pairs] for s in samples], axis=0) if pairs else np.array([])
+    unsynced = np.max([s.unsynced_ms[:pairs] for s in samples], axis=0) if pairs else np.array([])
+    compute_only = [s.unsynced_ms[:pairs] for s in samples]
+    m.set("stragglers", stragglers(compute_only if pairs else per_rank))
+    exposed = None
+    if comm_possible:
+        for name in ("compute_ms_p50", "step_synced_ms_p50", "comm_exposed_ms"):
+            m.set(name, None, comm_possible)
+    elif not pairs:
+        for name in ("compute_ms_p50", "step_synced_ms_p50", "comm_exposed_ms"):
+            m.set(name, None, why_no_steps if not instrumented else "no ablation steps ran (--ablation-steps 0)")
+    else:
+        m.set("compute_ms_p50", float(np.median(unsynced)))
+        m.set("step_synced_ms_p50", float(np.median(synced)))
+        exposed = max(float(np.median(synced - unsynced)), 0.0)
+        m.set("comm_exposed_ms", exposed)
+        m.set("ablation_pairs", pairs)
+
+    comm = samples[0].comm or {}
+    total = None
+    if comm_possible:
+        m.set("comm_total_ms", None, comm_possible)
+    elif "total_ms" in comm and comm.get("steps"):
+        total = comm["total_ms"] / comm["steps"]
+        m.set("comm_total_ms", total)
+        m.set("comm_total_method", comm.get("method"))
+        if comm.get("overlap_ms") is not None:
+            m.set("comm_native_overlap_ms", comm["overlap_ms"] / comm["steps"])
+    else:
+        m.set("comm_total_ms", None, comm.get("reason") or "the backend exposes no communication counter")
+    if total and exposed is not None:
+        m.set("overlap_fraction", min(max(1.0 - exposed / total, 0.0), 1.0))
+    else:
+        m.set("overlap_fraction", None, "needs both total and exposed communication time")
+
+    m.set("grad_bytes_per_step", grad_bytes)
+    m.set("bucket_bytes", message_bytes, message_reason)
+    if total and world_size > 1:
+        alg = algbw_gbps(grad_bytes, total / 1e3)
+        m.set("algbw_gbps", alg)
+        m.set("busbw_gbps", busbw_gbps(alg, world_size))
+    else:
+        reason = comm_possible or ("one rank: nothing crosses a link" if world_size == 1 else "no total communication time")
+        m.set("algbw_gbps", None, reason)
+        m.set("busbw_gbps", None, reason)
+    m.set("microbench_busbw_gbps", microbench_busbw, microbench_reason)
+    if microbench_busbw and m.values.get("busbw_gbps"):
+        m.set("busbw_vs_microbench", m.values["busbw_gbps"] / microbench_busbw)
+    else:
+        m.set("busbw_vs_microbench", None, "needs the in-training busbw and a microbenchmark figure")
+    m.set("tcomm_model_ms", tcomm_model_ms(grad_bytes, world_size, microbench_busbw),
+          "one rank" if world_size < 2 else (microbench_reason or "no microbenchmark bandwidth"))
+
+    peaks = [s.memory.get("peak_mem_mib") for s in samples]
+    known = [x for x in peaks if x is not None]
+    m.set("peak_mem_mib", max(known) if known else None, samples[0].memory_reason)
+    m.set("peak_mem_mib_per_rank", peaks)
+    reserved = [s.memory.get("peak_mem_reserved_mib") for s in samples if s.memory.get("peak_mem_reserved_mib") is not None]
+    m.set("peak_mem_reserved_mib", max(reserved) if reserved else None, "CPU: no allocator reserve to report")
+    m.set("mem_method", "cuda max_memory_allocated" if reserved else "resident high-water mark (VmHWM) over the window")
+    m.set("model_state_mib", model_state)
+    return m.to_dict()
+
