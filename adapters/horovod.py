@@ -72,13 +72,13 @@ class HorovodAdapter(Adapter):
 
     @contextlib.contextmanager
     def sync(self, enabled: bool):
+        self._sync_enabled = enabled  # reduce() after an unsynced step must not reduce behind our back
         if enabled:
             yield
             return
         # The hooks all-reduce a gradient when its countdown reaches 0; a countdown too high to reach
         # keeps this step's gradients local (what backward_passes_per_step does for accumulation).
         opt = self.wrapped.optimizer
-        self._sync_enabled = False
         for p in opt._allreduce_delay:
             opt._allreduce_delay[p] = 1 << 30
         try:
@@ -96,7 +96,6 @@ class HorovodAdapter(Adapter):
         opt = self.wrapped.optimizer
         with opt.skip_synchronize():
             opt.step()
-        self._sync_enabled = True
 
     def message_bytes(self, grad_bytes: int) -> tuple[int | None, str | None]:
         return min(self._fusion_threshold(), grad_bytes), None

@@ -111,12 +111,13 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
 def parse_bytes(text: str) -> int:
-    """'1024', '1K', '1KiB', '256MiB', '1G' -> bytes (binary multiples, like nccl-tests' -b/-e)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)(?:i?[bB])?\s*", str(text))
+    """'1024', '1K', '1KiB', '256MiB', '1G' -> bytes (binary multiples, like nccl-tests' -b/-e). 'KB' and 'MB'
+    are refused: they mean 1000 to some readers and 1024 to others."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:([kKmMgG])(?:i[bB])?|[bB])?\s*", str(text))
     if not match:
         raise ValueError(f"size {text!r} is not understood: give bytes as a whole number with an optional "
                          "binary suffix, e.g. 4096, 4K, 4KiB, 256MiB, 1G")
-    return int(match.group(1)) * _UNITS[match.group(2).lower()]
+    return int(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
 
 
 def human_bytes(nbytes: int) -> str:

@@ -109,6 +109,9 @@ class Adapter:
     def comm_counters_begin(self, workdir: str) -> None:
         """Start the backend's own communication counter for a measurement window."""
 
+    def comm_counters_step(self) -> None:
+        """Called after every measured step, for counters that only hold the latest step."""
+
     def comm_counters_end(self) -> dict[str, Any]:
         """The window's totals: {'total_ms', 'overlap_ms' (or None), 'method'} or {'reason'}."""
         return {"reason": f"{self.name} exposes no communication counter"}

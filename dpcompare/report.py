@@ -301,10 +301,16 @@ def _save(fig: Figure, path: Path) -> None:
     fig.savefig(path, dpi=DPI, bbox_inches="tight")
 
 
+def _marker(backend: str) -> str:
+    # Distinct markers keep points visible where backends coincide (reference and dp at world size 1).
+    markers = ("o", "s", "D", "^", "v", "P", "X")
+    return markers[BACKEND_ORDER.index(backend) if backend in BACKEND_ORDER else sum(map(ord, backend)) % len(markers)]
+
+
 def plot_throughput(runs: list[dict[str, Any]], reference_throughput: float | None, scaling: str,
                     path: Path) -> str | None:
-    """samples/s against world size per backend, and the ideal line N x reference. Returns why it was
-    skipped, or None when drawn."""
+    """samples/s against world size per backend with the ideal line N x reference, and beside it the
+    scaling efficiency when the reference is known. Returns why it was skipped, or None when drawn."""
     series: dict[str, list[tuple[int, float]]] = {}
     for run in runs:
         samples, _ = metric(run, "samples_per_s")
@@ -312,32 +318,43 @@ def plot_throughput(runs: list[dict[str, Any]], reference_throughput: float | No
             series.setdefault(run["backend"], []).append((run["world_size"], samples))
     if not series:
         return "no run recorded samples_per_s (see the n/a reasons in the cost table)"
-    fig = Figure(figsize=(7.5, 4.8), layout="constrained")
-    ax = fig.add_subplot()
+    panels = 2 if reference_throughput is not None else 1
+    fig = Figure(figsize=(6.5 * panels, 4.8), layout="constrained")
+    axes = fig.subplots(1, panels, squeeze=False)[0]
     sizes = sorted({ws for points in series.values() for ws, _ in points} | {1})
+    ideal = f"ideal ({scaling} scaling)" if scaling in ("strong", "weak") else "ideal (N x reference)"
+    throughput_ax = axes[0]
     if reference_throughput is not None:
-        ax.plot(sizes, [reference_throughput * n for n in sizes], "--", color="black", linewidth=1.2,
-                label=f"ideal ({scaling} scaling)" if scaling in ("strong", "weak") else "ideal (N x reference)")
+        throughput_ax.plot(sizes, [reference_throughput * n for n in sizes], "--", color="black", linewidth=1.2,
+                           label=ideal)
+        axes[1].axhline(1.0, linestyle="--", color="black", linewidth=1.2, label=ideal)
+    best_eff = 1.0
     for backend, points in series.items():
         points.sort()
         xs, ys = zip(*points)
-        ax.plot(xs, ys, "-o", color=_colour(backend), label=backend, markersize=7)
-        for ws, samples in points:
-            eff = scaling_efficiency(samples, ws, reference_throughput)
-            if eff is not None and ws > 1:
-                ax.annotate(f"{eff:.0%}", (ws, samples), textcoords="offset points", xytext=(6, -12), fontsize=8,
-                            color=_colour(backend))
-    if sizes[-1] / sizes[0] >= 16:
-        ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_locator(FixedLocator(sizes))
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x:g}"))
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("world size (processes)")
-    ax.set_ylabel("throughput (samples/s)")
-    ax.set_title("Throughput vs world size" + ("  (labels: scaling efficiency)" if reference_throughput else ""))
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+        style = dict(color=_colour(backend), marker=_marker(backend), markersize=7, label=backend)
+        throughput_ax.plot(xs, ys, "-", **style)
+        if reference_throughput is not None:
+            effs = [scaling_efficiency(y, x, reference_throughput) for x, y in points]
+            axes[1].plot(xs, effs, "-", **style)
+            best_eff = max(best_eff, *effs)
+    for ax in axes:
+        if sizes[-1] / sizes[0] >= 16:
+            ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(sizes))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x:g}"))
+        ax.set_xlabel("world size (processes)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    throughput_ax.set_ylim(bottom=0)
+    throughput_ax.set_ylabel("throughput (samples/s)")
+    throughput_ax.set_title("Throughput vs world size")
+    if panels == 2:
+        axes[1].set_ylim(0, best_eff * 1.1)
+        axes[1].yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:.0%}"))
+        axes[1].set_ylabel("scaling efficiency (samples/s / (N x reference))")
+        axes[1].set_title("Scaling efficiency vs world size")
     _save(fig, path)
     return None
 
@@ -515,9 +532,9 @@ def plot_heatmap(compare: dict[str, Any] | None, path: Path) -> str | None:
         return "the compare summary holds no gradient matrix (no two runs dumped gradients at a common checked step)"
     positive = np.concatenate([p.values[(p.values > 0) & np.isfinite(p.values)] for p in panels])
     vmax = float(positive.max()) if positive.size else 1.0
-    vmin = float(positive.min()) if positive.size else 0.1
-    if vmin >= vmax:
-        vmin = vmax / 10
+    # The decade below the smallest distance: bitwise-equal cells take the lowest colour and stay
+    # distinguishable from the smallest non-zero one.
+    vmin = 10.0 ** math.floor(math.log10((float(positive.min()) if positive.size else 1.0) / 2))
     norm = LogNorm(vmin=vmin, vmax=vmax)
     cmap = colormaps["YlOrRd"].with_extremes(bad="#D0D0D0")
     n_rows, n_cols = panels[0].values.shape
@@ -741,7 +758,8 @@ def _write(in_dir: Path, out_dir: Path | None, link_peak_gbps: float | None) -> 
     for name in (PLOT_THROUGHPUT, PLOT_BREAKDOWN, PLOT_BUSBW, PLOT_HEATMAP):
         (out_dir / name).unlink(missing_ok=True)  # a skipped plot must not leave a stale one behind
     why = plot_throughput(runs, ref_throughput, scaling, out_dir / PLOT_THROUGHPUT)
-    caption = ("Dashed: the reference run's samples/s at world size 1 times N." if ref_throughput is not None else
+    caption = ("Dashed: the reference run's samples/s at world size 1 times N; right: scaling efficiency."
+               if ref_throughput is not None else
                "No ideal line: no reference run at world size 1 recorded samples_per_s.")
     plots.append((PLOT_THROUGHPUT, "Throughput vs world size", why, caption))
     why = plot_step_breakdown(runs, out_dir / PLOT_BREAKDOWN)

@@ -304,6 +304,8 @@ def _measure(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: 
         step_fn.update()
         clock.stop()
         clock.end_step()
+        if cfg.instrument and comm_reason is None:
+            adapter.comm_counters_step()
         watchdog.beat("measured", first + cfg.warmup_steps + i)
     if step_fn.device.type == "cuda":
         torch.cuda.synchronize()
