@@ -24,6 +24,8 @@ class DDPAdapter(Adapter):
         launchers=frozenset({"python", "torchrun", "mpirun", "slurm", "deepspeed"}),
         launch_hint="torchrun --nproc_per_node=N -m dpcompare --backend ddp  (or mpirun -np N python -m dpcompare --backend ddp)",
         native_comm_counters=True,
+        compressions=frozenset({"none", "fp16", "bf16"}),
+        has_buckets=True,
     )
 
     def setup(self, timeout_s: float) -> None:
@@ -48,11 +50,17 @@ class DDPAdapter(Adapter):
 
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
         kwargs = {}
-        if "bucket_cap_mb" in self.options:
-            kwargs["bucket_cap_mb"] = float(self.options["bucket_cap_mb"])
+        if self.options.get("bucket_mb"):
+            kwargs["bucket_cap_mb"] = float(self.options["bucket_mb"])
         model = nn.parallel.DistributedDataParallel(
             module, device_ids=[self.device.index] if self.device.type == "cuda" else None, **kwargs
         )
+        compression = self.options.get("compression", "none")
+        if compression != "none":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[compression]
+            model.register_comm_hook(dist.group.WORLD, hook)
         # Record DDP's runtime stats every iteration (default: the first 10, then every 100th).
         model._set_ddp_runtime_logging_sample_rate(1)
         notes = []
@@ -67,7 +75,7 @@ class DDPAdapter(Adapter):
         return super().sync(enabled) if enabled else self.wrapped.model.no_sync()
 
     def message_bytes(self, grad_bytes: int) -> tuple[int | None, str | None]:
-        cap = int(float(self.options.get("bucket_cap_mb", 25)) * 1024 * 1024)
+        cap = int(float(self.options.get("bucket_mb") or 25) * 1024 * 1024)
         return min(cap, grad_bytes), None
 
     def comm_buffer_bytes(self, grad_bytes: int) -> int | None:

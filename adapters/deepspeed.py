@@ -26,6 +26,7 @@ class DeepSpeedAdapter(Adapter):
         launchers=frozenset({"python", "deepspeed", "torchrun", "mpirun", "slurm"}),
         launch_hint="deepspeed --num_gpus N --module dpcompare --backend deepspeed  (or torchrun --nproc_per_node=N -m dpcompare --backend deepspeed)",
         native_comm_counters=True,
+        compressions=frozenset({"none", "fp16", "bf16"}),
         collective_transport="deepspeed",
     )
 
@@ -67,11 +68,15 @@ class DeepSpeedAdapter(Adapter):
             # Its timers are the native communication counter ('bwd_allreduce'); on CUDA they synchronise.
             "wall_clock_breakdown": True,
         }
-        if "communication_data_type" in self.options:
-            config["communication_data_type"] = self.options["communication_data_type"]
+        compression = self.options.get("compression", "none")
+        if compression != "none":
+            config["communication_data_type"] = compression
         engine, ds_optimizer, _, _ = self.deepspeed.initialize(model=module, optimizer=optimizer, config=config)
         notes = ["deepspeed: gradient_clipping set to 0.0 (DeepSpeed >= 0.19.3 clips at 1.0 by default, which "
                  "changes the update relative to DDP and Horovod)"]
+        if self.options.get("bucket_mb"):
+            notes.append("deepspeed: --bucket-mb does not apply to ZeRO stage 0 (allreduce_bucket_size is a stage "
+                         "1-3 setting); all gradients go in one flattened all-reduce")
         self.wrapped = Wrapped(engine, module, ds_optimizer, notes)
         return self.wrapped
 

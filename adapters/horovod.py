@@ -24,6 +24,8 @@ class HorovodAdapter(Adapter):
         launchers=frozenset({"python", "horovodrun", "mpirun", "slurm"}),
         launch_hint="horovodrun -np N -H localhost:N python -m dpcompare --backend horovod  (or mpirun -np N python -m dpcompare --backend horovod)",
         native_comm_counters=True,
+        compressions=frozenset({"none", "fp16"}),
+        has_buckets=True,
         collective_transport="horovod",
     )
 
@@ -35,6 +37,8 @@ class HorovodAdapter(Adapter):
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(timeout_s)))
         # The timeline can then be started and stopped around the measured window (hvd.start_timeline).
         os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
+        if self.options.get("bucket_mb"):
+            os.environ["HOROVOD_FUSION_THRESHOLD"] = str(int(float(self.options["bucket_mb"]) * 1024 * 1024))
         hvd.init()
         # hvd.init() with no launcher silently runs as size 1: a run that thinks it is distributed is not.
         if hvd.size() != self.env.world_size or hvd.rank() != self.env.rank:
@@ -63,7 +67,7 @@ class HorovodAdapter(Adapter):
             notes.append("horovod: broadcast_optimizer_state skipped on the fresh optimizer (it would run a real "
                          "step() on zero gradients, horovod/horovod#3743); its state is identical on all ranks "
                          "by construction")
-        compression = hvd.Compression.fp16 if self.options.get("compression") == "fp16" else hvd.Compression.none
+        compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[self.options.get("compression", "none")]
         dist_opt = hvd.DistributedOptimizer(
             optimizer, named_parameters=module.named_parameters(), op=hvd.Average, compression=compression
         )

@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import get_args
 
-from dpcompare.config import DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
+from dpcompare.config import Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
 
 SUBCOMMANDS = ("run", "compare", "report", "bench-collectives")
 EXIT_USAGE = 2
@@ -28,7 +28,7 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
-def _positive_int(text: str) -> int:
+def _whole(text: str) -> int:
     try:
         return int(text)
     except ValueError:
@@ -47,28 +47,31 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=d.backend, help="reference, ddp, horovod, dp, deepspeed, or package.module:Class")
     p.add_argument("--model", default=d.model, help="mlp, cnn, lm, or package.module:function")
     p.add_argument("--device", default=d.device, choices=get_args(DeviceChoice))
-    p.add_argument("--global-batch", type=_positive_int, default=d.global_batch)
-    p.add_argument("--local-batch", type=_positive_int, default=None, help="per-rank batch (weak scaling)")
+    p.add_argument("--global-batch", type=_whole, default=d.global_batch)
+    p.add_argument("--local-batch", type=_whole, default=None, help="per-rank batch (weak scaling)")
     p.add_argument("--scaling", default=d.scaling, choices=get_args(Scaling))
-    p.add_argument("--steps", type=_positive_int, default=d.steps)
+    p.add_argument("--steps", type=_whole, default=d.steps)
     p.add_argument("--lr", type=_number, default=d.lr)
     p.add_argument("--optimizer", default=d.optimizer, choices=get_args(Optimizer))
     p.add_argument("--momentum", type=_number, default=d.momentum)
     p.add_argument("--weight-decay", type=_number, default=d.weight_decay)
     p.add_argument("--dtype", default=d.dtype, choices=get_args(Dtype))
-    p.add_argument("--seed", type=_positive_int, default=d.seed)
-    p.add_argument("--warmup-steps", type=_positive_int, default=d.warmup_steps, help="measurement: steps not timed")
-    p.add_argument("--measure-steps", type=_positive_int, default=d.measure_steps, help="measurement: timed steps (0: none)")
-    p.add_argument("--ablation-steps", type=_positive_int, default=None, help="synced/unsynced pairs (default: --measure-steps)")
+    p.add_argument("--seed", type=_whole, default=d.seed)
+    p.add_argument("--warmup-steps", type=_whole, default=d.warmup_steps, help="measurement: steps not timed")
+    p.add_argument("--measure-steps", type=_whole, default=d.measure_steps, help="measurement: timed steps (0: none)")
+    p.add_argument("--ablation-steps", type=_whole, default=None, help="synced/unsynced pairs (default: --measure-steps)")
     p.add_argument("--no-instrument", dest="instrument", action="store_false", help="measurement: only the loop wall clock")
     p.add_argument("--collectives", default=None, help="bench-collectives JSON to quote the microbenchmark busbw from")
-    p.add_argument("--check-every", type=_positive_int, default=d.check_every, help="0 disables gradient checks")
+    p.add_argument("--check-every", type=_whole, default=d.check_every, help="0 disables gradient checks")
+    p.add_argument("--grad-accum", type=_whole, default=d.grad_accum, help="micro-batches per step")
+    p.add_argument("--compression", default=d.compression, choices=get_args(Compression), help="gradient compression on the wire")
+    p.add_argument("--bucket-mb", type=_number, default=None, help="all-reduce bucket / fusion size in MiB")
     p.add_argument("--sync-bn", action="store_true", help="global-batch BatchNorm statistics")
     p.add_argument("--timeout-s", type=_number, default=d.timeout_s, help="exit when a rank makes no progress this long")
     p.add_argument("--out", default=d.out, help="directory for the JSON result")
     p.add_argument("--dump-grads", default=None, help="write checked-step gradients to this .npz")
     p.add_argument("--tag", default=None)
-    p.add_argument("--dp-devices", type=_positive_int, default=None)
+    p.add_argument("--dp-devices", type=_whole, default=None)
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="adapter option (repeatable)")
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     # The deepspeed launcher appends --local_rank=N unless told --no_local_rank; LOCAL_RANK is read instead.

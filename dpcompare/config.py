@@ -11,6 +11,7 @@ from typing import Literal
 
 Optimizer = Literal["sgd", "adamw"]
 Dtype = Literal["float32", "float64", "bfloat16"]
+Compression = Literal["none", "fp16", "bf16"]
 Scaling = Literal["strong", "weak"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 
@@ -51,6 +52,14 @@ class RunConfig:
     seed: int = 1234
     check_every: int = 1
     """Run the equivalence check every N steps (step 0 always); 0 disables gradient checks."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; gradient synchronisation is switched off for all but the last
+    and each micro-batch's loss is scaled by 1/grad_accum, so the step's gradient is the global mean."""
+    compression: Compression = "none"
+    """Gradient compression on the wire (DDP fp16/bf16 comm hook, Horovod Compression.fp16, DeepSpeed
+    communication_data_type); the tolerance widens by the compressed dtype's unit roundoff."""
+    bucket_mb: float | None = None
+    """All-reduce message size: DDP bucket_cap_mb, HOROVOD_FUSION_THRESHOLD; DeepSpeed ZeRO-0 has no bucket."""
     sync_bn: bool = False
     """Convert BatchNorm layers to a global-batch (synchronised) BatchNorm."""
     timeout_s: float = 120.0
@@ -94,6 +103,10 @@ class RunConfig:
             raise bad("momentum", self.momentum, "use a value in [0, 1)")
         if self.weight_decay < 0:
             raise bad("weight_decay", self.weight_decay, "use a value >= 0")
+        if self.grad_accum < 1:
+            raise bad("grad_accum", self.grad_accum, "use 1 (no accumulation) or more micro-batches per step")
+        if self.bucket_mb is not None and not self.bucket_mb > 0:
+            raise bad("bucket_mb", self.bucket_mb, "use a positive size in MiB")
         if self.check_every < 0:
             raise bad("check_every", self.check_every, "use 0 (no checks) or a positive step interval")
         if not self.timeout_s > 0:
@@ -109,18 +122,25 @@ class RunConfig:
                 raise bad("inject_fault", self.inject_fault, "use crash:RANK:STEP, hang:RANK:STEP or dupdata")
 
     def batch_sizes(self, world_size: int) -> tuple[int, int]:
-        """(global, local) batch for this world size; raises ValueError when they cannot be equal shards."""
+        """(global, local) batch per optimizer step; raises ValueError when they cannot be equal shards."""
         if self.scaling == "weak":
             assert self.local_batch is not None
-            return self.local_batch * world_size, self.local_batch
-        if self.global_batch % world_size:
+            global_batch, local_batch = self.local_batch * world_size, self.local_batch
+        elif self.global_batch % world_size:
             lower = self.global_batch - self.global_batch % world_size
             raise ValueError(
                 f"--global-batch={self.global_batch} is not divisible by world size {world_size}: "
                 f"shards must be equal; use a multiple of {world_size} (e.g. {lower or world_size}) "
                 "or weak scaling (--scaling weak --local-batch N)"
             )
-        return self.global_batch, self.global_batch // world_size
+        else:
+            global_batch, local_batch = self.global_batch, self.global_batch // world_size
+        if local_batch % self.grad_accum:
+            raise ValueError(
+                f"--grad-accum={self.grad_accum} does not divide the per-rank batch {local_batch}: micro-batches "
+                f"must be equal; use a per-rank batch that is a multiple of {self.grad_accum}"
+            )
+        return global_batch, local_batch
 
     def to_dict(self) -> dict:
         return asdict(self)

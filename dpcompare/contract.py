@@ -28,6 +28,10 @@ class Capabilities:
     can_disable_sync: bool = True
     """`sync(False)` really skips gradient communication for one step."""
     native_comm_counters: bool = False
+    compressions: frozenset[str] = frozenset({"none"})
+    """Gradient compressions (`--compression`) the backend offers."""
+    has_buckets: bool = False
+    """`--bucket-mb` changes its all-reduce message size."""
     collective_transport: str = "torch"
     """Which bench-collectives transport measures the link this backend's all-reduce uses."""
 

@@ -17,7 +17,9 @@ Definitions (all per parameter p, `o` the float64 oracle gradient, `g` the gradi
   noise_ratio   rel_fro_err / floor_p, where floor_p = max(floor of p, floor of the whole model, depth * u)
 
 Tolerance policy (the only place it is written): a parameter passes when
-  rel_fro_err <= TOLERANCE_FACTOR * (floor_p + world_size * u)
+  rel_fro_err <= TOLERANCE_FACTOR * (floor_p + world_size * u_wire)
+(u_wire = u, or the unit roundoff of the compressed dtype when gradients travel compressed: fp16 2^-11,
+bf16 2^-8 — every gradient is rounded to it once and the sum accumulates in it.)
 The floor term covers the rounding of the forward/backward in the run dtype (each rank computes its shard
 in that dtype, with a different summation order than the single process: the same order of error). The
 world_size * u term bounds the extra rounding of averaging N gradients (a ring or tree sum of N terms plus
@@ -39,6 +41,7 @@ from torch import nn
 
 TOLERANCE_FACTOR = 10.0
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+WIRE_DTYPE = {"none": None, "fp16": "float16", "bf16": "bfloat16"}
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 Grads = dict[str, torch.Tensor]
@@ -97,9 +100,11 @@ def depth_of(module: nn.Module) -> int:
 
 
 def compare_grads(
-    grads: Grads, oracle: Grads, floor: Grads, *, dtype: str, world_size: int, depth: int
+    grads: Grads, oracle: Grads, floor: Grads, *, dtype: str, world_size: int, depth: int, compression: str = "none"
 ) -> list[ParamError]:
     u = UNIT_ROUNDOFF[dtype]
+    wire = WIRE_DTYPE[compression]
+    u_sum = max(u, UNIT_ROUNDOFF[wire]) if wire else u  # the reduction rounds in the wire dtype
     names = list(oracle)
     whole = flat(oracle, names)
     global_floor = rel_fro(flat(floor, names), whole)
@@ -113,7 +118,7 @@ def compare_grads(
         err = rel_fro(g, o, share)
         own_floor = rel_fro(floor[name], o, share)
         floor_p = max(own_floor, global_floor, depth * u)
-        tol = TOLERANCE_FACTOR * (floor_p + world_size * u)
+        tol = TOLERANCE_FACTOR * (floor_p + world_size * u_sum)
         out.append(
             ParamError(name, float(diff.max()) if o.numel() else 0.0, max_rel, err,
                        own_floor, err / floor_p, tol, err <= tol)
@@ -285,9 +290,12 @@ class Verdict:
         }
 
 
-def tolerance_policy(dtype: str, world_size: int, depth: int) -> dict:
+def tolerance_policy(dtype: str, world_size: int, depth: int, compression: str = "none") -> dict:
+    wire = WIRE_DTYPE[compression]
     return {
-        "rule": "rel_fro_err <= factor * (max(floor_param, floor_model, depth*u) + world_size*u)",
+        "rule": "rel_fro_err <= factor * (max(floor_param, floor_model, depth*u) + world_size*u_wire)",
+        "compression": compression,
+        "unit_roundoff_wire": UNIT_ROUNDOFF[wire] if wire else UNIT_ROUNDOFF[dtype],
         "factor": TOLERANCE_FACTOR,
         "unit_roundoff": UNIT_ROUNDOFF[dtype],
         "dtype": dtype,

@@ -128,6 +128,8 @@ class Inputs:
     """The newest compare summary, if any."""
     collectives: list[dict[str, Any]] = field(default_factory=list)
     """Microbenchmark entries from every collectives file."""
+    unavailable_transports: list[dict[str, Any]] = field(default_factory=list)
+    """{'transport', 'reason'} from the collectives files."""
     skipped: list[str] = field(default_factory=list)
     """'path: why' for every file that looked like ours and could not be used."""
     ignored: int = 0
@@ -194,6 +196,7 @@ def load_inputs(in_dir: Path) -> Inputs:
                     inputs.skipped.append(f"{path}: {problem}")
                 else:
                     inputs.collectives.append({**entry, "_source": str(path)})
+            inputs.unavailable_transports += [u for u in obj.get("unavailable") or [] if isinstance(u, dict)]
         elif "schema_version" in obj and "backend" in obj:
             problem = _run_problem(obj)
             if problem:
@@ -211,6 +214,12 @@ def load_inputs(in_dir: Path) -> Inputs:
 
 
 # -- metric access and footnotes ---------------------------------------------------------------------
+def _reasons(run: dict[str, Any]) -> dict[str, Any]:
+    metrics = run.get("metrics")
+    reasons = metrics.get("reasons") if isinstance(metrics, dict) else None
+    return reasons if isinstance(reasons, dict) else {}
+
+
 def metric(run: dict[str, Any], name: str) -> tuple[Any, str | None]:
     """(value, None) or (None, why it is missing)."""
     metrics = run.get("metrics")
@@ -224,7 +233,7 @@ def metric(run: dict[str, Any], name: str) -> tuple[Any, str | None]:
         if expected is not None and not isinstance(value, expected):
             return None, f"metrics.{name} is {value!r}, not a {expected.__name__}"
         return value, None
-    reasons = metrics.get("reasons") if isinstance(metrics.get("reasons"), dict) else {}
+    reasons = _reasons(run)
     if reasons.get(name):
         return None, str(reasons[name])
     return None, f"metrics.{name} is {'null' if name in metrics else 'absent'} and no reason was recorded"
@@ -436,7 +445,7 @@ def plot_busbw(entries: list[dict[str, Any]], runs: list[dict[str, Any]], link_p
         if not points:
             continue
         xs, ys, ok = zip(*points)
-        label = f"{entry.get('transport', '?')}/{entry.get('backend', '?')} N={entry['world_size']} (microbenchmark)"
+        label = f"{entry.get('transport') or '?'}/{entry.get('backend') or '?'} N={entry['world_size']} (microbenchmark)"
         ax.plot(xs, ys, "-o", markersize=4, label=label)
         bad = [(x, y) for x, y, c in points if c is False]
         if bad:
@@ -600,7 +609,7 @@ def _verdict_section(runs: list[dict[str, Any]], compare: dict[str, Any] | None,
         def figure(name: str, spec: str) -> str:
             v = e.get(name)
             return format(v, spec) if _is_number(v) else notes.na(
-                unchecked or f"equivalence.{name} is {'null' if v is None else repr(v)} in {run['_source']}")
+                unchecked or f"equivalence.{name} is {'null' if v is None else repr(v)} and no reason was recorded")
 
         d = e.get("first_divergence")
         first = "none" if not d else f"step {d.get('step')}, `{d.get('parameter')}`: {d.get('reason', '')}"
@@ -657,8 +666,10 @@ def _memory_rows(runs: list[dict[str, Any]], notes: Footnotes) -> list[list[str]
         cells = []
         for part in ("params", "grads", "optimizer", "comm_buffers", "total"):
             value = state.get(part) if state is not None else None
+            reasons = _reasons(run)
             cells.append(_num(value) if _is_number(value) else notes.na(
-                state_reason or f"model_state_mib.{part} is {'null' if value is None else repr(value)} in {run['_source']}"))
+                state_reason or reasons.get(f"model_state_mib.{part}")
+                or f"model_state_mib.{part} is {'null' if value is None else repr(value)} and no reason was recorded"))
         rows.append([run["backend"], str(run["world_size"]), _cell(run, "peak_mem_mib", notes), *cells])
     return rows
 
@@ -687,21 +698,24 @@ def _cost_sections(runs: list[dict[str, Any]], derived: list[Derived], notes: Fo
     return lines
 
 
-def _microbench_section(entries: list[dict[str, Any]]) -> list[str]:
-    if not entries:
+def _microbench_section(entries: list[dict[str, Any]], unavailable: list[dict[str, Any]]) -> list[str]:
+    if not entries and not unavailable:
         return []
     rows = []
     for e in entries:
         good = [s for s in e["sizes"] if s.get("busbw_gbps") is not None and s.get("correct") is not False]
         top = max(good, key=lambda s: s["busbw_gbps"], default=None)
-        wrong = [format_bytes(s["bytes"]) for s in e["sizes"] if s.get("correct") is False and s.get("bytes")]
-        rows.append([str(e.get("transport", "?")), str(e.get("backend", "?")), str(e["world_size"]),
-                     str(e.get("device", "?")), str(len(e["sizes"])),
+        wrong = [format_bytes(s["bytes"]) for s in e["sizes"] if s.get("correct") is False]
+        status = str(e.get("status") or "ok") + (f": {e['error']}" if e.get("error") else "")
+        rows.append([str(e.get("transport") or "?"), str(e.get("backend") or "-"), str(e["world_size"]),
+                     str(e.get("device") or "-"), status, str(len(e["sizes"])),
                      "-" if top is None else _num(top["busbw_gbps"]),
                      "-" if top is None else format_bytes(top["bytes"]), ", ".join(wrong) or "none"])
+    rows += [[str(u.get("transport")), "-", "-", "-", f"unavailable: {u.get('reason')}", "0", "-", "-", "-"]
+             for u in unavailable]
     return ["### Collective microbenchmarks", "",
-            *_table(["transport", "backend", "N", "device", "sizes", "best busbw (GB/s)", "at", "wrong results at"],
-                    rows), ""]
+            *_table(["transport", "backend", "N", "device", "status", "sizes", "best busbw (GB/s)", "at",
+                     "wrong results at"], rows), ""]
 
 
 def _environment_section(runs: list[dict[str, Any]]) -> list[str]:
@@ -784,7 +798,8 @@ def _write(in_dir: Path, out_dir: Path | None, link_peak_gbps: float | None) -> 
           f"{len(runs)} run(s) reported ({len(inputs.runs) - len(runs)} older result(s) for the same backend and world "
           f"size superseded by newer ones), scaling: {scaling}, {len(inputs.collectives)} microbenchmark curve(s), "
           f"{'a' if inputs.compare else 'no'} compare summary.", ""]
-    for key, what in (("model", "models"), ("global_batch", "global batches")):
+    batch = ("local_batch", "per-rank batches") if scaling == "weak" else ("global_batch", "global batches")
+    for key, what in (("model", "models"), batch):
         seen = sorted({str(r.get(key)) for r in runs})
         if len(seen) > 1:
             md += [f"**Note:** the runs mix {what} ({', '.join(seen)}): their costs are not directly comparable.", ""]
@@ -797,7 +812,7 @@ def _write(in_dir: Path, out_dir: Path | None, link_peak_gbps: float | None) -> 
                *_table(["backend", "reason"], [[str(u.get("backend")), str(u.get("reason"))] for u in unavailable]), ""]
     md += ["## What does it cost?", ""]
     md += _cost_sections(runs, derived, notes) if runs else ["No run results: nothing to cost.", ""]
-    md += _microbench_section(inputs.collectives)
+    md += _microbench_section(inputs.collectives, inputs.unavailable_transports)
     md += ["## Plots", ""]
     for name, title, why, caption in plots:
         md += [f"### {title}", ""]

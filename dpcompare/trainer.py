@@ -53,6 +53,13 @@ def load_adapter_class(cfg: RunConfig, env: launch.LaunchEnv) -> type[Adapter]:
     return cls
 
 
+def check_options(adapter_cls: type[Adapter], cfg: RunConfig) -> None:
+    caps = adapter_cls.capabilities
+    if cfg.compression not in caps.compressions:
+        raise ValueError(f"--compression={cfg.compression} is not available for --backend {cfg.backend}: "
+                         f"it supports {', '.join(sorted(caps.compressions))}")
+
+
 def load_workload(cfg: RunConfig) -> Workload:
     factory = registry.load(cfg.model, registry.MODELS, "model")
     workload = factory(cfg.seed)
@@ -89,19 +96,27 @@ class _Shadow:
 class _Step:
     """One training step's pieces, shared by the verification and the measurement phase."""
 
-    def __init__(self, adapter: Adapter, workload: Workload, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, adapter: Adapter, workload: Workload, device: torch.device, dtype: torch.dtype,
+                 grad_accum: int) -> None:
         self.adapter, self.workload, self.device, self.dtype = adapter, workload, device, dtype
+        self.grad_accum = grad_accum
 
     def inputs(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.to(self.device)
         return (x.to(self.dtype) if x.is_floating_point() else x), y.to(self.device)
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, sync: bool = True) -> None:
+        """Forward and backward over the rank's shard in `grad_accum` equal micro-batches. Only the last
+        one synchronises (when the backend can switch sync off); each loss is scaled by 1/grad_accum so
+        the accumulated gradient is the mean over the shard."""
         wrapped = self.adapter.wrapped
         wrapped.model.train()
-        with self.adapter.sync(sync):
-            loss = self.workload.loss_fn(wrapped.model(x), y)
-            self.adapter.backward(loss)
+        k = self.grad_accum
+        can_skip = self.adapter.capabilities.can_disable_sync
+        for j, (xj, yj) in enumerate(zip(x.chunk(k), y.chunk(k))):
+            with self.adapter.sync(sync and (j == k - 1 or not can_skip)):
+                loss = self.workload.loss_fn(wrapped.model(xj), yj)
+                self.adapter.backward(loss / k if k > 1 else loss)
 
     def update(self) -> None:
         self.adapter.step()
@@ -117,7 +132,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     device = launch.pick_device(cfg.device, env.local_rank)
     dtype = eq.DTYPES[cfg.dtype]
 
-    adapter = adapter_cls(env, device, cfg.extra)
+    check_options(adapter_cls, cfg)
+    adapter = adapter_cls(env, device, {"compression": cfg.compression, "bucket_mb": cfg.bucket_mb, **cfg.extra})
     watchdog: Watchdog | None = None
     try:
         adapter.setup(cfg.timeout_s)
@@ -128,7 +144,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             module = adapter.sync_batchnorm(module)
         optimizer = make_optimizer(cfg, module.parameters())
         wrapped = adapter.wrap(module, optimizer, local_batch, global_batch)
-        step_fn = _Step(adapter, workload, device, dtype)
+        step_fn = _Step(adapter, workload, device, dtype, cfg.grad_accum)
 
         verdict = _verify(cfg, env, adapter, workload, template, step_fn, watchdog, global_batch)
         metrics = _measure(cfg, env, adapter, workload, step_fn, watchdog, global_batch, local_batch)
@@ -140,7 +156,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             if mismatch and verdict.replicas_identical:
                 verdict.replicas_identical = False
                 verdict.notes.append(f"after the last step rank {mismatch[0]} holds different values of {mismatch[1]}")
-            policy = eq.tolerance_policy(cfg.dtype, env.world_size, eq.depth_of(template))
+            policy = eq.tolerance_policy(cfg.dtype, env.world_size, eq.depth_of(template), cfg.compression)
             payload = results.base_payload(
                 backend=cfg.backend,
                 launcher=env.launcher,
@@ -220,7 +236,7 @@ def _verify(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: W
                 oracle_grads = oracle.oracle(state, *batch)
                 floor_grads = oracle.floor(state, *batch)
                 params = eq.compare_grads(grads, oracle_grads, floor_grads, dtype=cfg.dtype,
-                                          world_size=env.world_size, depth=depth)
+                                          world_size=env.world_size, depth=depth, compression=cfg.compression)
                 check = eq.StepCheck(step, params, True, eq.first_mismatch([i["grads"] for i in info], names) is None)
                 verdict.checks.append(check)
                 failing = next((p for p in params if not p.ok), None)
@@ -394,6 +410,11 @@ def summary_line(payload: dict[str, Any]) -> str:
     ratio = e["noise_ratio"]
     detail = (f"max rel fro err {e['max_rel_fro_err']:.2e}, {ratio:.2f}x noise floor {e['noise_floor_rel_fro']:.2e}"
               if ratio is not None else "no gradient figures")
+    if e["tolerance"].get("compression", "none") != "none":
+        detail += f" ({e['tolerance']['compression']} on the wire, tolerance widened to match)"
+    m = payload.get("metrics")
+    if m and m.get("step_ms_p50") is not None:
+        detail += f"; step p50 {m['step_ms_p50']:.1f} ms, {m['samples_per_s']:.0f} samples/s"
     if e["first_divergence"]:
         d = e["first_divergence"]
         detail += f"; first divergence at step {d['step']}, {d['parameter']}: {d['reason']}"
