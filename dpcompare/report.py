@@ -445,7 +445,9 @@ def plot_busbw(entries: list[dict[str, Any]], runs: list[dict[str, Any]], link_p
         if not points:
             continue
         xs, ys, ok = zip(*points)
-        label = f"{entry.get('transport') or '?'}/{entry.get('backend') or '?'} N={entry['world_size']} (microbenchmark)"
+        transport, backend = entry.get("transport") or "?", entry.get("backend")
+        label = (f"{transport}/{backend}" if backend and backend != transport else transport) \
+            + f" N={entry['world_size']} (microbenchmark)"
         ax.plot(xs, ys, "-o", markersize=4, label=label)
         bad = [(x, y) for x, y, c in points if c is False]
         if bad:
@@ -588,7 +590,7 @@ def _stragglers(value: list[Any]) -> str:
             continue
         fraction, excess = s.get("slowest_fraction"), s.get("excess_ms_mean")
         shown.append(f"rank {s.get('rank')} (" + (f"{fraction:.0%} slowest" if _is_number(fraction) else "slowest")
-                     + (f", +{excess:.3g} ms" if _is_number(excess) else "") + ")")
+                     + (f", {excess:+.3g} ms" if _is_number(excess) else "") + ")")
     return "; ".join(shown) or "none"
 
 

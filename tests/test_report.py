@@ -1,0 +1,336 @@
+"""`dpcompare report`: checks the report against synthetic JSON results written here, whose figures are
+chosen so the expected values are known by hand (reference 100 samples/s, ddp/2 150 -> efficiency 0.75).
+
+Checks: the pure helpers (scaling efficiency, newest run per backend and world size, the rest of a step,
+the gradient-matrix panels) against hand-computed values; that a full set of inputs (runs, a compare
+summary, collectives benchmarks) gives four valid PNGs of plausible size and a report.md with the verdict
+and cost tables, every null as n/a with its reason; that missing inputs skip a plot and say why; that bad
+inputs (no directory, no results, malformed JSON) give a one-line error or a warning, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dpcompare import report
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PLOTS = (report.PLOT_THROUGHPUT, report.PLOT_BREAKDOWN, report.PLOT_BUSBW, report.PLOT_HEATMAP)
+MIB = 2**20
+
+
+# -- fixtures: what trainer, compare and bench-collectives write -----------------------------------------
+def metrics(**overrides: Any) -> dict[str, Any]:
+    m = {
+        "samples_per_s": 100.0, "tokens_per_s": None, "step_ms_p50": 10.0, "step_ms_p90": 12.0, "step_ms_mean": 10.5,
+        "warmup_steps": 2, "measured_steps": 20, "rank_spread_ms_p50": 0.4, "stragglers": [],
+        "compute_ms_p50": 6.0, "comm_exposed_ms": 3.0, "comm_total_ms": 4.0, "comm_total_method": "ddp logging",
+        "overlap_fraction": 0.25, "grad_bytes_per_step": 4 * MIB, "bucket_bytes": 1 * MIB, "algbw_gbps": 1.0,
+        "busbw_gbps": 1.0, "microbench_busbw_gbps": 2.0, "tcomm_model_ms": 3.5, "peak_mem_mib": 512.0,
+        "model_state_mib": {"params": 4.0, "grads": 4.0, "optimizer": 0.0, "comm_buffers": 4.0, "total": 12.0},
+        "scaling": "strong", "reasons": {"tokens_per_s": "the mlp workload has no tokens"},
+    }
+    m.update(overrides)
+    return m
+
+
+def run_result(backend: str, world_size: int, created_unix: float = 1_700_000_000.0, *,
+               metrics_: dict[str, Any] | None = None, verdict: str = "equivalent", **fields: Any) -> dict[str, Any]:
+    payload = {
+        "schema_version": 1, "backend": backend, "launcher": "torchrun" if world_size > 1 else "python",
+        "world_size": world_size, "device": "cpu", "model": "mlp", "global_batch": 24,
+        "local_batch": 24 // world_size, "scaling": "strong", "steps": 22, "tag": f"{backend}/{world_size}",
+        "created_unix": created_unix, "config": {},
+        "equivalence": {"verdict": verdict, "checked_steps": [0], "max_rel_err": 1e-7, "max_rel_fro_err": 2.5e-8,
+                        "noise_floor_rel_fro": 2e-8, "noise_ratio": 1.25, "first_divergence": None,
+                        "replicas_identical": True, "initial_weights_identical": True, "tolerance": {},
+                        "drift": [], "notes": []},
+        "env": {"dpcompare": "0.1.0", "python": "3.11.9", "torch": "2.13.0", "cuda": None, "nccl": None,
+                "gloo": True, "deepspeed": "0.19.8", "horovod": None, "mpi": "Open MPI 4.1.4", "mpi4py": None,
+                "host": "testhost", "device_names": ["x86_64"]},
+    }
+    if metrics_ is not None:
+        payload["metrics"] = metrics_
+    payload.update(fields)
+    return payload
+
+
+def compare_summary(labels: list[str], steps: int = 2) -> dict[str, Any]:
+    per_step = {}
+    for step in range(steps):
+        rows = {}
+        for i, a in enumerate(labels):
+            floor = 1e-8
+            rel = {"oracle": 1.5e-8 * (i + 1) * (step + 1)}
+            rel.update({b: 0.0 if (a == b or {a, b} == {"ddp/2", "deepspeed/2"}) else 5e-9 * (step + 1) for b in labels})
+            rows[a] = {"rel_err": rel, "noise_floor": floor, "in_noise_floors": {k: v / floor for k, v in rel.items()}}
+        per_step[str(step)] = rows
+    return {
+        "schema_version": 1, "kind": "compare", "created_unix": 1_700_000_100.0, "scaling_mode": "strong",
+        "matrix": {"labels": labels, "steps": list(range(steps)), "per_step": per_step},
+        "runs": [{"label": lb, "backend": lb.split("/")[0], "world_size": int(lb.split("/")[1]), "status": "equivalent",
+                  "verdict": "equivalent"} for lb in labels]
+        + [{"label": "horovod/2", "backend": "horovod", "world_size": 2, "status": "failed", "verdict": None,
+            "error": "gloo: connection refused (log: logs/horovod-ws2.log)"}],
+        "unavailable": [{"backend": "deepspeed-gpu", "reason": "deepspeed is not installed: pip install deepspeed"}],
+    }
+
+
+def collectives(transport: str = "torch", world_size: int = 2) -> dict[str, Any]:
+    sizes = []
+    for exp in range(10, 27, 2):  # 1 KiB .. 64 MiB
+        busbw = 3.0 * (2**exp) / (2**exp + 2**20)
+        sizes.append({"bytes": 2**exp, "time_us_mean": 10.0, "time_us_p50": 9.0, "algbw_gbps": busbw / 1.0,
+                      "busbw_gbps": busbw, "correct": exp != 12})
+    return {"kind": "collectives", "entries": [{"transport": transport, "backend": "gloo", "world_size": world_size,
+                                                "device": "cpu", "sizes": sizes}]}
+
+
+def write(path: Path, obj: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj))
+    return path
+
+
+@pytest.fixture
+def full_dir(tmp_path: Path) -> Path:
+    """A compare run directory: reference/1, ddp/2 (an older and a newer result), deepspeed/2 with nulls,
+    a compare summary and a collectives benchmark."""
+    d = tmp_path / "results" / "20260101-000000"
+    write(d / "runs" / "reference-ws1.json", run_result("reference", 1, metrics_=metrics(
+        comm_exposed_ms=0.0, comm_total_ms=None, comm_total_method=None, bucket_bytes=None, busbw_gbps=None,
+        algbw_gbps=None, microbench_busbw_gbps=None, reasons={"comm_total_ms": "one process: no communication",
+                                                              "bucket_bytes": "one process: no communication",
+                                                              "busbw_gbps": "one process: no communication",
+                                                              "algbw_gbps": "one process: no communication",
+                                                              "microbench_busbw_gbps": "one process: no communication",
+                                                              "tokens_per_s": "the mlp workload has no tokens"})))
+    write(d / "runs" / "ddp-ws2-old.json", run_result("ddp", 2, 1_600_000_000.0, metrics_=metrics(samples_per_s=10.0)))
+    write(d / "runs" / "ddp-ws2.json", run_result("ddp", 2, metrics_=metrics(
+        samples_per_s=150.0, stragglers=[{"rank": 1, "slowest_fraction": 0.8, "excess_ms_mean": 1.5}])))
+    write(d / "runs" / "deepspeed-ws2.json", run_result("deepspeed", 2, metrics_=metrics(
+        samples_per_s=120.0, compute_ms_p50=None, comm_total_ms=None, comm_total_method=None, bucket_bytes=8 * MIB,
+        reasons={"compute_ms_p50": "deepspeed engine cannot switch gradient sync off at stage 0",
+                 "comm_total_ms": "DeepSpeed keeps no communication counter on gloo"})))
+    write(d / "compare.json", compare_summary(["reference/1", "ddp/2", "deepspeed/2"]))
+    write(d / "bench" / "collectives-torch.json", collectives())
+    mpi = collectives("mpi", 2)
+    mpi["entries"].append({"transport": "mpi", "backend": None, "world_size": 4, "device": None, "sizes": [],
+                           "status": "timeout", "error": "no result within 600 s"})
+    mpi["unavailable"] = [{"transport": "horovod", "reason": "horovod is not installed"}]
+    write(d / "bench" / "collectives-mpi.json", mpi)
+    return d
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path.name} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+# -- pure helpers ---------------------------------------------------------------------------------
+def test_scaling_efficiency_is_throughput_over_n_times_single_process() -> None:
+    assert report.scaling_efficiency(150.0, 2, 100.0) == pytest.approx(0.75)
+    assert report.scaling_efficiency(100.0, 1, 100.0) == pytest.approx(1.0)
+    assert report.scaling_efficiency(None, 2, 100.0) is None
+    assert report.scaling_efficiency(150.0, 2, None) is None
+    assert report.scaling_efficiency(150.0, 2, 0.0) is None
+    with pytest.raises(ValueError, match="world size"):
+        report.scaling_efficiency(1.0, 0, 1.0)
+
+
+def test_newest_run_per_backend_and_world_size_wins() -> None:
+    old, new = run_result("ddp", 2, 100.0, tag="old"), run_result("ddp", 2, 200.0, tag="new")
+    undated = run_result("ddp", 4, tag="undated")
+    del undated["created_unix"]
+    dated = run_result("ddp", 4, 1.0, tag="dated")
+    ref = run_result("reference", 1, 50.0)
+    chosen = report.newest_per_backend_world_size([new, old, undated, dated, ref])
+    assert [(r["backend"], r["world_size"], r["tag"]) for r in chosen] == [
+        ("reference", 1, "reference/1"), ("ddp", 2, "new"), ("ddp", 4, "dated")]
+
+
+def test_other_time_is_step_minus_compute_minus_exposed_floored_at_zero() -> None:
+    assert report.other_ms(10.0, 6.0, 3.0) == pytest.approx(1.0)
+    assert report.other_ms(10.0, 8.0, 3.0) == 0.0  # separate p50s can add up to more than the step
+    assert report.other_ms(10.0, None, 3.0) is None
+    assert report.other_ms(None, 6.0, 3.0) is None
+
+
+def test_format_bytes_uses_binary_units() -> None:
+    assert [report.format_bytes(b) for b in (512, 1024, 1536 * 1024, 64 * MIB, 2**30)] == [
+        "512 B", "1 KiB", "1.5 MiB", "64 MiB", "1 GiB"]
+
+
+def test_matrix_panels_first_step_and_max_over_steps() -> None:
+    panels = report.matrix_panels(compare_summary(["ddp/2", "deepspeed/2"], steps=3)["matrix"])
+    assert [p.title for p in panels] == ["step 0", "max over steps 0-2"]
+    first, worst = panels
+    assert first.columns == ["oracle", "ddp/2", "deepspeed/2"]
+    assert first.values[0, 0] == pytest.approx(1.5)  # 1.5e-8 / 1e-8
+    assert worst.values[1, 0] == pytest.approx(9.0)  # 3e-8 * step 3 / 1e-8
+    assert first.values[0, 1] == 0.0 and worst.values[0, 2] == 0.0  # bitwise equal stays 0
+    assert len(report.matrix_panels(compare_summary(["ddp/2"], steps=1)["matrix"])) == 1
+
+
+def test_matrix_panels_unknown_floor_is_nan() -> None:
+    matrix = {"labels": ["ddp/2"], "steps": [0], "per_step": {"0": {"ddp/2": {
+        "rel_err": {"oracle": 1e-8, "ddp/2": 0.0}, "noise_floor": 0.0, "in_noise_floors": {"oracle": None, "ddp/2": None}}}}}
+    (panel,) = report.matrix_panels(matrix)
+    assert np.isnan(panel.values[0, 0]) and panel.values[0, 1] == 0.0
+
+
+# -- the full report ---------------------------------------------------------------------------------
+def test_full_report_has_four_plots_and_the_tables(full_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    path = report.build_report(full_dir, out)
+    assert path == out / "report.md"
+    for name in PLOTS:
+        width, height = png_size(out / name)
+        assert 600 <= width <= 4000 and 300 <= height <= 3000, (name, width, height)
+        assert (out / name).stat().st_size > 15_000, name
+    md = path.read_text()
+    for heading in ("# dpcompare report", "## Environment", "## Is it the same computation?",
+                    "## Unavailable backends", "## What does it cost?", "## Plots"):
+        assert heading in md
+    for name in PLOTS:
+        assert f"]({name})" in md
+    # verdict table: first divergence none, the failed horovod job from compare.json, the unavailable backend
+    assert "| ddp | 2 | torchrun | mlp | equivalent | 1.25 | 2.50e-08 | none |" in md
+    assert "**failed**" in md and "gloo: connection refused" in md
+    assert "deepspeed is not installed: pip install deepspeed" in md
+    # cost: efficiency from the newest ddp/2 (150, not 10) against reference/1 (100)
+    assert "| ddp | 2 | 150 | 0.75 | 10.0 | 12.0 | 6.00 | 3.00 | 1.00 |" in md
+    assert "| deepspeed | 2 | 120 | 0.60 |" in md
+    assert "| reference | 1 | 100 | 1.00 |" in md
+    assert "1 older result(s) for the same backend and world size superseded" in md
+    assert "rank 1 (80% slowest, +1.5 ms)" in md
+    assert "4.00 (ddp logging)" in md and "| 0.50 |" in md  # busbw / microbench = 1 / 2
+    assert "tokens/s" not in md  # every run has it null: the column is left out
+    assert "testhost" in md and "2.13.0" in md
+    # microbenchmarks: best correct busbw per curve, the failed launch and the unavailable transport
+    assert "| torch | gloo | 2 | cpu | ok | 9 | 2.95 | 64 MiB | 4 KiB |" in md
+    assert "| mpi | - | 4 | - | timeout: no result within 600 s | 0 |" in md
+    assert "unavailable: horovod is not installed" in md
+
+
+def test_nulls_are_na_with_their_reason_as_footnote(full_dir: Path) -> None:
+    md = report.build_report(full_dir).read_text()
+    lines = md.splitlines()
+    footnotes = {ln.split(":", 1)[0]: ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("[^")}
+    deepspeed_row = next(ln for ln in lines if ln.startswith("| deepspeed | 2 | 120 |"))
+    compute_cell = deepspeed_row.split(" | ")[6]
+    assert compute_cell.startswith("n/a[^")
+    assert footnotes[compute_cell[3:]] == "deepspeed engine cannot switch gradient sync off at stage 0"
+    assert "DeepSpeed keeps no communication counter on gloo" in footnotes.values()
+    assert any(v.startswith("other = step_ms_p50 - compute_ms_p50 - comm_exposed_ms needs all three; n/a: compute_ms_p50")
+               for v in footnotes.values())
+    # the same reason twice is one footnote
+    assert list(footnotes.values()).count("one process: no communication") == 1
+
+
+def test_results_without_metrics_are_all_na_and_throughput_plot_is_skipped(tmp_path: Path) -> None:
+    write(tmp_path / "a.json", run_result("reference", 1))
+    write(tmp_path / "b.json", run_result("ddp", 2))
+    md = report.build_report(tmp_path).read_text()
+    assert "this result has no metrics" in md
+    assert f"Skipped `{report.PLOT_THROUGHPUT}`: no run recorded samples_per_s" in md
+    assert not (tmp_path / report.PLOT_THROUGHPUT).exists()
+    assert f"Skipped `{report.PLOT_HEATMAP}`: no compare summary" in md
+
+
+def test_missing_collectives_skips_the_busbw_plot_and_says_why(full_dir: Path) -> None:
+    for f in (full_dir / "bench").iterdir():
+        f.unlink()
+    md = report.build_report(full_dir).read_text()
+    assert not (full_dir / report.PLOT_BUSBW).exists()
+    assert f"Skipped `{report.PLOT_BUSBW}`: no collectives microbenchmark" in md
+    assert (full_dir / report.PLOT_THROUGHPUT).exists()
+
+
+def test_peak_line_is_given_or_best_observed(full_dir: Path, tmp_path: Path) -> None:
+    md = report.build_report(full_dir).read_text()
+    assert "best bus bandwidth any microbenchmark reached" in md
+    md = report.build_report(full_dir, tmp_path / "given", link_peak_gbps=25.0).read_text()
+    assert "link peak given with --link-peak-gbps: 25 GB/s" in md
+    with pytest.raises(ValueError, match="--link-peak-gbps"):
+        report.build_report(full_dir, link_peak_gbps=0.0)
+
+
+def test_malformed_json_is_skipped_with_a_warning(full_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    broken = write(full_dir / "runs" / "broken.json", {})
+    broken.write_text('{"schema_version": 1, "backend": ')
+    write(full_dir / "runs" / "bad-ws.json", {**run_result("ddp", 2), "world_size": 0})
+    write(full_dir / "runs" / "bad-metric.json", run_result("dp", 1, metrics_=metrics(samples_per_s="fast", stragglers=[None])))
+    write(full_dir / "ds_config.json", {"train_batch_size": 8})  # someone else's JSON: ignored quietly
+    md = report.build_report(full_dir).read_text()
+    err = capsys.readouterr().err
+    assert f"dpcompare: warning: skipped {broken}: not readable JSON" in err
+    assert "bad-ws.json: world_size 0 is not a positive whole number" in err
+    assert "## Inputs not used" in md and "broken.json" in md
+    assert "metrics.samples_per_s is 'fast', not a number" in md  # a wrong type is n/a with why, not a crash
+    assert "1 JSON file(s) that are not dpcompare results were ignored" in md
+
+
+def test_collectives_only_directory_still_reports(tmp_path: Path) -> None:
+    write(tmp_path / "c.json", collectives())
+    md = report.build_report(tmp_path).read_text()
+    assert (tmp_path / report.PLOT_BUSBW).exists()
+    assert "### Collective microbenchmarks" in md and "No run results" in md
+
+
+def test_mixed_batches_are_flagged_for_strong_scaling_only(tmp_path: Path) -> None:
+    write(tmp_path / "strong" / "a.json", run_result("reference", 1, metrics_=metrics()))
+    write(tmp_path / "strong" / "b.json", run_result("ddp", 2, metrics_=metrics(), global_batch=48))
+    assert "the runs mix global batches (24, 48)" in report.build_report(tmp_path / "strong").read_text()
+    weak = {"scaling": "weak", "local_batch": 24}
+    write(tmp_path / "weak" / "a.json", run_result("reference", 1, metrics_=metrics(scaling="weak"), **weak))
+    write(tmp_path / "weak" / "b.json", run_result("ddp", 2, metrics_=metrics(scaling="weak"), global_batch=48, **weak))
+    md = report.build_report(tmp_path / "weak").read_text()
+    assert "scaling: weak" in md and "the runs mix" not in md
+
+
+def test_report_imports_no_torch_and_no_adapter() -> None:
+    code = ("import sys, dpcompare.report; bad = [m for m in sys.modules if m == 'torch' or "
+            "m.startswith('dpcompare.adapters')]; print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_empty_or_missing_directory_is_a_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="holds no dpcompare result JSON"):
+        report.build_report(tmp_path)
+    with pytest.raises(ValueError, match="does not exist"):
+        report.build_report(tmp_path / "nowhere")
+
+
+# -- command line ----------------------------------------------------------------------------------------
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dpcompare", "report", *args], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parent.parent)
+
+
+def test_cli_nonexistent_directory_is_one_error_line_exit_2() -> None:
+    proc = _cli("/nonexistent")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dpcompare: error:"), proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_cli_writes_the_report_and_prints_its_path(full_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cli-out"
+    proc = _cli(str(full_dir), "--out", str(out), "--link-peak-gbps", "10")
+    assert proc.returncode == 0, proc.stderr
+    assert f"report: {out / 'report.md'}" in proc.stdout
+    assert "0.75" in proc.stdout
+    assert all((out / name).exists() for name in PLOTS)
