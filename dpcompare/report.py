@@ -224,6 +224,9 @@ def metric(run: dict[str, Any], name: str) -> tuple[Any, str | None]:
     """(value, None) or (None, why it is missing)."""
     metrics = run.get("metrics")
     if not isinstance(metrics, dict):
+        if "metrics" in run:  # the trainer writes metrics: null when the measurement phase was off
+            return None, ("the run measured nothing (metrics: null): pass --measure-steps N, "
+                          "e.g. compare --run-arg=--measure-steps=20")
         return None, "this result has no metrics (written before dpcompare recorded them)"
     value = metrics.get(name)
     if value is not None:

@@ -245,6 +245,8 @@ def test_results_without_metrics_are_all_na_and_throughput_plot_is_skipped(tmp_p
     assert "this result has no metrics" in md
     assert f"Skipped `{report.PLOT_THROUGHPUT}`: no run recorded samples_per_s" in md
     assert not (tmp_path / report.PLOT_THROUGHPUT).exists()
+    write(tmp_path / "b.json", run_result("ddp", 2, metrics=None))  # measurement phase off
+    assert "the run measured nothing (metrics: null)" in report.build_report(tmp_path).read_text()
     assert f"Skipped `{report.PLOT_HEATMAP}`: no compare summary" in md
 
 
