@@ -178,9 +178,10 @@ class Sweep:
         return min(self.iters, max(MIN_TIMED_ITERS, wanted))
 
 
-def pattern(count: int) -> np.ndarray:
-    """(i mod 251) + 1 as float32: rank r sends (r+1) * pattern, the sum is n(n+1)/2 * pattern, exact."""
-    return (np.arange(count, dtype=np.int64) % PATTERN_PERIOD + 1).astype(np.float32)
+def pattern(count: int, scale: int = 1) -> np.ndarray:
+    """scale * ((i mod 251) + 1) as float32: rank r sends pattern(count, r+1), and the sum over n ranks is
+    pattern(count, n(n+1)/2), exact. Built by repeating one period: no int64 index array of the full size."""
+    return np.resize(np.arange(1, PATTERN_PERIOD + 1, dtype=np.float32) * np.float32(scale), count)
 
 
 def check_sum(reduced: np.ndarray, world_size: int) -> bool:
@@ -190,7 +191,7 @@ def check_sum(reduced: np.ndarray, world_size: int) -> bool:
         raise ValueError(f"world size {world_size} is too large for an exact float32 check: the sum would "
                          "exceed 2**24; use at most 350 ranks")
     chunk = PATTERN_PERIOD * 4096  # a multiple of the period, so every chunk starts at pattern value 1
-    expected = pattern(chunk) * np.float32(scale)
+    expected = pattern(chunk, scale)
     for start in range(0, reduced.size, chunk):
         part = reduced[start:start + chunk]
         if not np.array_equal(part, expected[:part.size]):
@@ -377,7 +378,7 @@ def _connect(transport: Transport, env: launch.LaunchEnv, device: str, timeout_s
 def bench_size(comm, nbytes: int, sweep: Sweep, rank: int, world_size: int, corrupt: bool = False) -> dict[str, Any]:
     """One message size on every rank; returns the same record on every rank."""
     count = nbytes // BYTES_PER_ELEMENT
-    buf, src = comm.buffers(pattern(count) * np.float32(rank + 1))
+    buf, src = comm.buffers(pattern(count, rank + 1))
 
     def once() -> float:
         comm.refill(buf, src)  # untimed: an in-place sum would otherwise grow by n every iteration
