@@ -40,6 +40,8 @@ class Job:
     label: str
     dump: Path
     log: Path
+    variant: str = "baseline"
+    """'baseline', or 'knob=value' for a --sweep run."""
     status: str = "pending"
     result: dict[str, Any] | None = None
     wall_s: float | None = None
@@ -51,8 +53,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default=",".join(registry.NATIVE_LAUNCHER), help="comma-separated backends")
     p.add_argument("--world-sizes", default="1,2", help="comma-separated world sizes for multi-process backends")
     p.add_argument("--model", default="mlp")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="verification steps (each checked against the oracle)")
+    p.add_argument("--measure-steps", type=int, default=20, help="timed steps per run (0: verdicts only)")
+    p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--global-batch", type=int, default=24)
+    p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
+                   help="strong: fixed global batch; weak: fixed per-rank batch (global batch / largest world size)")
+    p.add_argument("--collectives", default="auto",
+                   help="bench-collectives JSON to quote busbw from; 'auto' runs a short one first; 'none' skips")
+    p.add_argument("--sweep", action="store_true",
+                   help="also vary one knob at a time at the largest world size: bucket size, accumulation, compression")
+    p.add_argument("--sweep-bucket-mb", default="0.01,25", help="bucket sizes (MiB) for --sweep")
+    p.add_argument("--sweep-accum", default="4", help="gradient accumulation steps for --sweep")
+    p.add_argument("--sweep-compression", default="fp16", help="compressions for --sweep")
+    p.add_argument("--no-report", dest="report", action="store_false", help="skip report.md and the plots")
     p.add_argument("--out", default="results")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per launch")
     p.add_argument("--run-arg", action="append", default=[], metavar="ARG",
@@ -93,39 +107,118 @@ def native_command(launcher: str, world_size: int, args: list[str]) -> list[str]
     raise ValueError(f"unknown launcher {launcher!r}: use python, torchrun, horovodrun, deepspeed or mpirun")
 
 
-def plan(ns: argparse.Namespace, run_dir: Path) -> tuple[list[Job], list[dict]]:
-    backends = [b.strip() for b in ns.backends.split(",") if b.strip()]
+def _csv(text: str, option: str, kind=str) -> list:
     try:
-        world_sizes = sorted({int(w) for w in ns.world_sizes.split(",") if w.strip()})
+        return [kind(v.strip()) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"--world-sizes={ns.world_sizes!r} is invalid: use comma-separated whole numbers, e.g. 1,2") from None
+        raise ValueError(f"{option}={text!r} is invalid: use a comma-separated list") from None
+
+
+def plan(ns: argparse.Namespace, run_dir: Path) -> tuple[list[Job], list[dict]]:
+    backends = _csv(ns.backends, "--backends")
+    world_sizes = sorted(set(_csv(ns.world_sizes, "--world-sizes", int)))
     if not world_sizes or min(world_sizes) < 1:
         raise ValueError(f"--world-sizes={ns.world_sizes!r} is invalid: use positive whole numbers, e.g. 1,2")
-    for ws in world_sizes:
-        if ns.global_batch % ws:
-            raise ValueError(f"--global-batch={ns.global_batch} is not divisible by world size {ws}: use a multiple of "
-                             f"{np.lcm.reduce(world_sizes)}")
+    if ns.scaling == "strong":
+        for ws in world_sizes:
+            if ns.global_batch % ws:
+                raise ValueError(f"--global-batch={ns.global_batch} is not divisible by world size {ws}: use a multiple of "
+                                 f"{np.lcm.reduce(world_sizes)}")
     unknown = [b for b in backends if b not in registry.NATIVE_LAUNCHER]
     if unknown:
         raise ValueError(f"--backends: unknown {', '.join(unknown)}; choose from {', '.join(registry.NATIVE_LAUNCHER)}")
+    if ns.measure_steps < 0 or ns.warmup_steps < 0 or ns.steps < 1:
+        raise ValueError("--steps must be >= 1 and --measure-steps/--warmup-steps >= 0")
+    collectives = _collectives_path(ns, run_dir)
+    common = ["--collectives", str(collectives)] if collectives else []
+    common += ["--model", ns.model, "--steps", str(ns.steps), "--measure-steps", str(ns.measure_steps),
+              "--warmup-steps", str(ns.warmup_steps), "--out", str(run_dir / "runs")]
+    if ns.scaling == "weak":
+        common += ["--scaling", "weak", "--local-batch", str(max(ns.global_batch // max(world_sizes), 1))]
+    else:
+        common += ["--global-batch", str(ns.global_batch)]
+
     jobs, unavailable = [], []
+
+    def add(backend: str, ws: int, variant: str, extra: list[str]) -> None:
+        label = f"{backend}/{ws}" + ("" if variant == "baseline" else f" {variant}")
+        stem = label.replace("/", "-ws").replace(" ", "-").replace("=", "")
+        dump = run_dir / "grads" / f"{stem}.npz"
+        args = ["--backend", backend, *common, "--dump-grads", str(dump), "--tag", label, *extra, *ns.run_arg]
+        jobs.append(Job(backend, ws, native_command(registry.NATIVE_LAUNCHER[backend], ws, args), label, dump,
+                        run_dir / "logs" / f"{stem}.log", variant))
+
     for backend in backends:
         ok, reason = registry.availability(backend)
         if not ok:
             unavailable.append({"backend": backend, "reason": reason})
             continue
-        launcher = registry.NATIVE_LAUNCHER[backend]
-        sizes = world_sizes if launcher != "python" else [1]
-        for ws in sizes:
-            label = f"{backend}/{ws}"
-            dump = run_dir / "grads" / f"{backend}-ws{ws}.npz"
-            args = ["--backend", backend, "--model", ns.model, "--steps", str(ns.steps),
-                    "--global-batch", str(ns.global_batch), "--out", str(run_dir / "runs"),
-                    "--dump-grads", str(dump), "--tag", label, *ns.run_arg]
-            jobs.append(Job(backend, ws, native_command(launcher, ws, args), label, dump, run_dir / "logs" / f"{backend}-ws{ws}.log"))
+        single = registry.NATIVE_LAUNCHER[backend] == "python"
+        for ws in ([1] if single else world_sizes):
+            add(backend, ws, "baseline", [])
+    ns.sweep_skipped = sweep(ns, backends, max(world_sizes), add, unavailable) if ns.sweep else []
     return jobs, unavailable
 
 
+def _collectives_path(ns: argparse.Namespace, run_dir: Path) -> Path | None:
+    if ns.collectives == "none" or ns.measure_steps == 0:
+        return None
+    if ns.collectives == "auto":
+        return run_dir / "collectives.json"
+    path = Path(ns.collectives)
+    if not path.is_file():
+        raise ValueError(f"--collectives={ns.collectives!r} is not a file: pass a bench-collectives JSON, auto or none")
+    return path
+
+
+def run_microbenchmark(ns: argparse.Namespace, run_dir: Path, jobs: list[Job], timeout_s: float) -> str | None:
+    """`compare --collectives auto`: a short all-reduce sweep over the transports the runs use, at the
+    world sizes above 1, so each run can quote the link's busbw at its own message size. Returns an
+    error line, or None."""
+    sizes = sorted({j.world_size for j in jobs if j.world_size > 1})
+    if ns.collectives != "auto" or not sizes or ns.measure_steps == 0:
+        return None
+    transports = sorted({registry.load(j.backend, registry.BACKENDS, "backend").capabilities.collective_transport
+                         for j in jobs if j.world_size > 1})
+    log = run_dir / "logs" / "bench-collectives.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "dpcompare", "bench-collectives", "--transports", ",".join(transports),
+           "--world-sizes", ",".join(map(str, sizes)), "--max-bytes", "16MiB", "--out", str(run_dir / "collectives.json")]
+    with log.open("w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        try:
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    if code != 0 or not (run_dir / "collectives.json").exists():
+        return f"bench-collectives failed (log: {log}); runs report no microbenchmark busbw"
+    return None
+
+
+def sweep(ns, backends, ws, add, unavailable) -> list[dict]:
+    """Plan one knob at a time, at the largest world size, for the backends where the knob means
+    something; return a line for each combination left out and why (data the adapters declare)."""
+    skipped = []
+    for backend in backends:
+        if registry.NATIVE_LAUNCHER[backend] == "python" or any(u["backend"] == backend for u in unavailable):
+            continue
+        caps = registry.load(backend, registry.BACKENDS, "backend").capabilities
+        for mb in _csv(ns.sweep_bucket_mb, "--sweep-bucket-mb", float):
+            if caps.has_buckets:
+                add(backend, ws, f"bucket_mb={mb:g}", ["--bucket-mb", str(mb)])
+            else:
+                skipped.append({"backend": backend, "knob": f"bucket_mb={mb:g}",
+                                "reason": "no all-reduce bucket to size (ZeRO stage 0 reduces one flat buffer)"})
+        for k in _csv(ns.sweep_accum, "--sweep-accum", int):
+            add(backend, ws, f"grad_accum={k}", ["--grad-accum", str(k)])
+        for c in _csv(ns.sweep_compression, "--sweep-compression"):
+            if c in caps.compressions:
+                add(backend, ws, f"compression={c}", ["--compression", c])
+            else:
+                skipped.append({"backend": backend, "knob": f"compression={c}",
+                                "reason": f"{backend} offers {', '.join(sorted(caps.compressions))}"})
+    return skipped
 def execute(job: Job, timeout_s: float) -> None:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
     job.log.parent.mkdir(parents=True, exist_ok=True)
@@ -238,6 +331,59 @@ def render(console, jobs: list[Job], unavailable: list[dict], matrix: dict[str, 
         console.print(m)
 
 
+def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    eff = {row["label"]: row["efficiency"] for row in scaling}
+    table = Table(title="what does it cost? (measured steps; a step is as slow as its slowest rank)")
+    for col in ("run", "samples/s", "scaling eff", "step p50 ms", "compute ms", "exposed comm ms", "total comm ms",
+                "overlap", "busbw GB/s", "vs microbench", "peak MiB"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for j in jobs:
+        m = (j.result or {}).get("metrics") or {}
+        table.add_row(j.label, _fmt(m.get("samples_per_s"), ".0f"), _fmt(eff.get(j.label), ".2f"),
+                      _fmt(m.get("step_ms_p50"), ".2f"), _fmt(m.get("compute_ms_p50"), ".2f"),
+                      _fmt(m.get("comm_exposed_ms"), ".2f"), _fmt(m.get("comm_total_ms"), ".2f"),
+                      _fmt(m.get("overlap_fraction"), ".2f"), _fmt(m.get("busbw_gbps"), ".3f"),
+                      _fmt(m.get("busbw_vs_microbench"), ".2f"), _fmt(m.get("peak_mem_mib"), ".0f"))
+    console.print(table)
+
+
+def render_sweep(console, jobs: list[Job], skipped: list[dict]) -> None:
+    from rich.table import Table
+
+    table = Table(title="sweep: one knob at a time")
+    for col in ("backend", "ws", "knob", "verdict", "rel err", "step p50 ms", "exposed comm ms", "busbw GB/s", "note"):
+        table.add_column(col, no_wrap=col != "note", overflow="fold")
+    for j in jobs:
+        r = j.result or {}
+        e, m = r.get("equivalence", {}), r.get("metrics") or {}
+        note = j.error or "; ".join(n for n in e.get("notes", []) if "does not apply" in n)
+        table.add_row(j.backend, str(j.world_size), j.variant, j.status, _fmt(e.get("max_rel_fro_err")),
+                      _fmt(m.get("step_ms_p50"), ".2f"), _fmt(m.get("comm_exposed_ms"), ".2f"),
+                      _fmt(m.get("busbw_gbps"), ".3f"), note)
+    for k in skipped:
+        table.add_row(k["backend"], "-", k["knob"], "n/a", "-", "-", "-", "-", k["reason"])
+    console.print(table)
+
+
+def scaling_rows(jobs: list[Job], scaling: str) -> list[dict[str, Any]]:
+    """Scaling efficiency per baseline run (seed formula): throughput_N / (N * throughput_1), with
+    throughput_1 the reference backend's at world size 1, measured in the same invocation."""
+    from dpcompare.report import scaling_efficiency
+
+    base = [j for j in jobs if j.variant == "baseline" and j.result and j.result.get("metrics")]
+    ref = next((j for j in base if j.backend == "reference" and j.world_size == 1), None)
+    thr1 = ref.result["metrics"].get("samples_per_s") if ref else None
+    rows = []
+    for j in base:
+        thr = j.result["metrics"].get("samples_per_s")
+        rows.append({"label": j.label, "backend": j.backend, "world_size": j.world_size, "samples_per_s": thr,
+                     "scaling": scaling, "efficiency": scaling_efficiency(thr, j.world_size, thr1),
+                     "reason": None if thr1 else "no reference run at world size 1 with a measured throughput"})
+    return rows
+
+
 def main(ns: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -254,27 +400,50 @@ def main(ns: argparse.Namespace) -> int:
 
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=False) as progress:
-        task = progress.add_task("compare", total=len(jobs))
+        task = progress.add_task("compare", total=len(jobs) + 1)
+        progress.update(task, description="bench-collectives (microbenchmark)")
+        bench_error = run_microbenchmark(ns, run_dir, jobs, ns.timeout_s)
+        if bench_error:
+            console.print(f"[yellow]{bench_error}[/]")
+            for job in jobs:  # runs must not point at a file that is not there
+                i = job.command.index("--collectives") if "--collectives" in job.command else None
+                if i is not None:
+                    del job.command[i:i + 2]
+        progress.advance(task)
         for job in jobs:
             progress.update(task, description=f"{job.label} ({registry.NATIVE_LAUNCHER[job.backend]})")
             execute(job, ns.timeout_s)
             progress.advance(task)
 
-    matrix = build_matrix(jobs)
+    baseline = [j for j in jobs if j.variant == "baseline"]
+    matrix = build_matrix(baseline)
+    scaling = scaling_rows(jobs, ns.scaling)
     summary = results.base_payload(
         kind="compare",
         created_unix=time.time(),
-        model=ns.model, steps=ns.steps, global_batch=ns.global_batch,
-        runs=[{"label": j.label, "backend": j.backend, "world_size": j.world_size, "status": j.status,
-               "wall_s": j.wall_s, "error": j.error, "command": j.command,
+        model=ns.model, steps=ns.steps, measure_steps=ns.measure_steps, global_batch=ns.global_batch,
+        scaling_mode=ns.scaling,
+        runs=[{"label": j.label, "backend": j.backend, "world_size": j.world_size, "variant": j.variant,
+               "status": j.status, "wall_s": j.wall_s, "error": j.error, "command": j.command,
                "result_path": None if j.result_path is None else str(j.result_path),
                "verdict": (j.result or {}).get("equivalence", {}).get("verdict")} for j in jobs],
         unavailable=unavailable,
+        sweep_skipped=getattr(ns, "sweep_skipped", []),
+        scaling=scaling,
         matrix=matrix,
+        collectives=str(run_dir / "collectives.json") if (run_dir / "collectives.json").exists() else None,
         env=results.environment(),
     )
     results.write_atomic(run_dir / "compare.json", summary)
-    render(console, jobs, unavailable, matrix)
+    render(console, baseline, unavailable, matrix)
+    render_cost(console, baseline, scaling)
+    if ns.sweep:
+        render_sweep(console, [j for j in jobs if j.variant != "baseline"], summary["sweep_skipped"])
+    if ns.report:
+        from dpcompare import report
+
+        path = report.build_report(run_dir)
+        console.print(f"report: {path}")
     console.print(f"results: {run_dir}")
     failed = [j for j in jobs if j.status in ("failed", "timeout")]
     return 1 if failed else 0
