@@ -69,6 +69,21 @@ def other_ms(step_ms: float | None, compute_ms: float | None, exposed_ms: float 
     return max(step_ms - compute_ms - exposed_ms, 0.0)
 
 
+# Config knobs that make a run a variant of the baseline computation (compare --sweep varies them).
+VARIANT_KNOBS = {"compression": "none", "grad_accum": 1, "bucket_mb": None}
+
+
+def variant_of(run: dict[str, Any]) -> str:
+    """'' for a baseline run, else 'knob=value ...' for the knobs it changes."""
+    config = run.get("config") or {}
+    return " ".join(f"{k}={config[k]:g}" if isinstance(config[k], float) else f"{k}={config[k]}"
+                    for k, default in VARIANT_KNOBS.items() if config.get(k, default) != default)
+
+
+def _fmt_sweep(value: Any, spec: str) -> str:
+    return format(value, spec) if _is_number(value) else "n/a"
+
+
 def newest_per_backend_world_size(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """One run per (backend, world_size): the newest by created_unix (a result without it counts as
     oldest; on a tie the later one in the input wins). Sorted reference, dp, ddp, horovod, deepspeed,
@@ -766,7 +781,9 @@ def _write(in_dir: Path, out_dir: Path | None, link_peak_gbps: float | None) -> 
     out_dir = in_dir if out_dir is None else out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    runs = newest_per_backend_world_size(inputs.runs)
+    # Baseline runs make the tables and plots; sweep variants get their own table.
+    runs = newest_per_backend_world_size(r for r in inputs.runs if not variant_of(r))
+    variants = [r for r in inputs.runs if variant_of(r)]
     reference = next((r for r in runs if r["backend"] == "reference" and r["world_size"] == 1), None)
     ref_throughput = metric(reference, "samples_per_s")[0] if reference else None
     scaling = _scaling_mode(runs, inputs.compare)
@@ -800,8 +817,8 @@ def _write(in_dir: Path, out_dir: Path | None, link_peak_gbps: float | None) -> 
           f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} from `{in_dir}`"
           + (f"; runs from {time.strftime('%Y-%m-%d %H:%M', time.localtime(min(stamps)))} to "
              f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(max(stamps)))}" if stamps else "") + ".", "",
-          f"{len(runs)} run(s) reported ({len(inputs.runs) - len(runs)} older result(s) for the same backend and world "
-          f"size superseded by newer ones), scaling: {scaling}, {len(inputs.collectives)} microbenchmark curve(s), "
+          f"{len(runs)} run(s) reported ({len(inputs.runs) - len(runs) - len(variants)} older result(s) for the same "
+          f"backend and world size superseded by newer ones, {len(variants)} sweep variant(s)), scaling: {scaling}, {len(inputs.collectives)} microbenchmark curve(s), "
           f"{'a' if inputs.compare else 'no'} compare summary.", ""]
     batch = ("local_batch", "per-rank batches") if scaling == "weak" else ("global_batch", "global batches")
     for key, what in (("model", "models"), batch):
@@ -817,6 +834,18 @@ def _write(in_dir: Path, out_dir: Path | None, link_peak_gbps: float | None) -> 
                *_table(["backend", "reason"], [[str(u.get("backend")), str(u.get("reason"))] for u in unavailable]), ""]
     md += ["## What does it cost?", ""]
     md += _cost_sections(runs, derived, notes) if runs else ["No run results: nothing to cost.", ""]
+    if variants:
+        md += ["## Sweep (one knob at a time)", "",
+               "Each row changes one knob from the baseline run of the same backend and world size.", ""]
+        md += _table(["backend", "ws", "knob", "verdict", "max rel fro err", "step p50 (ms)", "exposed comm (ms)",
+                      "busbw (GB/s)"],
+                     [[str(r["backend"]), str(r["world_size"]), variant_of(r),
+                       str(r.get("equivalence", {}).get("verdict")),
+                       _fmt_sweep(r.get("equivalence", {}).get("max_rel_fro_err"), ".2e"),
+                       _fmt_sweep(metric(r, "step_ms_p50")[0], ".2f"), _fmt_sweep(metric(r, "comm_exposed_ms")[0], ".2f"),
+                       _fmt_sweep(metric(r, "busbw_gbps")[0], ".3f")]
+                      for r in sorted(variants, key=lambda r: (_run_order(r), variant_of(r)))])
+        md += [""]
     md += _microbench_section(inputs.collectives, inputs.unavailable_transports)
     md += ["## Plots", ""]
     for name, title, why, caption in plots:
