@@ -11,7 +11,8 @@ Definitions:
                        a step is as slow as its slowest rank
   compute time         the same step with gradient synchronisation switched off (no optimizer step in
                        either arm of the ablation, so the arms differ only by communication)
-  exposed comm         synced - unsynced (ablation, interleaved pairs, medians)
+  exposed comm         median(synced) - median(unsynced) (ablation: alternating blocks of the same step with
+                       gradient sync on and off, each arm without the optimizer step)
   total comm           the backend's own counter (DDP logging data, Horovod timeline, DeepSpeed timers)
   overlap fraction     1 - exposed / total
   algbw, busbw         nccl-tests: algbw = bytes / time, all-reduce busbw = algbw * 2(n-1)/n, in GB/s
@@ -232,7 +233,7 @@ def summarize(
     else:
         m.set("tokens_per_s", None, "not a token model")
 
-    # Ablation: the slowest rank per pair, then medians of each arm.
+    # Ablation: the slowest rank per step of each arm, then the medians of the arms.
     pairs = min(min(len(s.synced_ms), len(s.unsynced_ms)) for s in samples)
     synced = np.max([s.synced_ms[:pairs] for s in samples], axis=0) if pairs else np.array([])
     unsynced = np.max([s.unsynced_ms[:pairs] for s in samples], axis=0) if pairs else np.array([])
@@ -248,7 +249,7 @@ def summarize(
     else:
         m.set("compute_ms_p50", float(np.median(unsynced)))
         m.set("step_synced_ms_p50", float(np.median(synced)))
-        exposed = max(float(np.median(synced - unsynced)), 0.0)
+        exposed = max(float(np.median(synced)) - float(np.median(unsynced)), 0.0)
         m.set("comm_exposed_ms", exposed)
         m.set("ablation_pairs", pairs)
 

@@ -29,6 +29,10 @@ from dpcompare.watchdog import Watchdog
 from dpcompare.workloads import Workload, shard
 
 
+ABLATION_BLOCK = 5
+"""Steps per block of one ablation arm before switching to the other."""
+
+
 def make_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -335,27 +339,33 @@ def _measure(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: 
             comm["steps"] = cfg.measure_steps
     shutil.rmtree(workdir, ignore_errors=True)
 
-    # Ablation: synced and unsynced arms alternate (order flipped every pair) so drift in machine load
-    # falls on both arms alike. No optimizer step: the weights stay where the run left them.
+    # Ablation: the same step with gradient synchronisation on and off, in alternating blocks run like
+    # the measured loop (no barrier between steps, so ranks run free as they do in training). No optimizer
+    # step in either arm: the weights stay where the run left them, and the arms differ only by
+    # communication. Medians absorb the one step per block that pays for the ranks drifting apart.
     synced = measure.SegmentClock(step_fn.device)
     unsynced = measure.SegmentClock(step_fn.device)
     pairs = cfg.measure_steps if cfg.ablation_steps is None else cfg.ablation_steps
     if comm_reason is None and not adapter.capabilities.can_disable_sync:
         comm_reason = f"{adapter.name} cannot switch gradient synchronisation off"
-    if cfg.instrument and comm_reason is None:
-        for i in range(pairs):
-            x, y = batches[i % len(batches)]
-            for sync in ((True, False) if i % 2 == 0 else (False, True)):
-                arm = synced if sync else unsynced
-                adapter.all_gather_object(None)  # both arms start from lined-up ranks
+    if cfg.instrument and comm_reason is None and pairs:
+        block = min(ABLATION_BLOCK, pairs)
+        done = {True: 0, False: 0}
+        sync = True
+        while done[True] < pairs or done[False] < pairs:
+            arm = synced if sync else unsynced
+            for _ in range(min(block, pairs - done[sync])):
+                x, y = batches[(done[True] + done[False]) % len(batches)]
                 arm.start()
                 step_fn.forward_backward(x, y, sync=sync)
                 if sync:
                     adapter.reduce()
+                adapter.zero_grad()
                 arm.stop()
                 arm.end_step()
-                adapter.zero_grad()
-            watchdog.beat("ablation", i)
+                done[sync] += 1
+            watchdog.beat("ablation", done[True] + done[False])
+            sync = not sync
 
     sample = measure.RankSample(clock.step_ms(), synced.step_ms(), unsynced.step_ms(), mem, memory.reason, comm)
     gathered = adapter.all_gather_object((sample, loop_ms))
