@@ -139,6 +139,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     check_options(adapter_cls, cfg)
     adapter = adapter_cls(env, device, {"compression": cfg.compression, "bucket_mb": cfg.bucket_mb, **cfg.extra})
     watchdog: Watchdog | None = None
+    clean = False
     try:
         adapter.setup(cfg.timeout_s)
         watchdog = Watchdog(rank=env.rank, world_size=env.world_size, job_id=env.job_id, timeout_s=cfg.timeout_s).start()
@@ -187,10 +188,17 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             payload["result_path"] = str(path)
         # Nobody leaves before rank 0 has written: a launcher may kill stragglers once one rank exits.
         adapter.all_gather_object(None)
+        clean = True
         return payload or {}
+    except RuntimeError as exc:
+        # A collective that timed out or lost a peer: say which rank fell behind, not only what broke.
+        if watchdog is not None and env.world_size > 1:
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise RuntimeError(f"{first_line}; culprit: {watchdog.culprits()}") from exc
+        raise
     finally:
         if watchdog is not None:
-            watchdog.stop()
+            watchdog.stop(clean=clean)
         adapter.teardown()
 
 

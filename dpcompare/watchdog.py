@@ -101,8 +101,12 @@ class Watchdog:
                 print(msg, file=sys.stderr, flush=True)
                 os._exit(EXIT_PEER_FAILURE)
 
-    def stop(self) -> None:
+    def stop(self, clean: bool = True) -> None:
+        """Stop watching; on a clean finish remove this rank's heartbeat (on failure it stays, so the
+        ranks still running can name who fell behind)."""
         self._stop.set()
+        if not clean:
+            return
         try:
             (self.dir / f"rank{self.rank}.json").unlink(missing_ok=True)
             if self.rank == 0:
