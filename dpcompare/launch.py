@@ -85,14 +85,13 @@ def detect(env: dict[str, str] | None = None) -> LaunchEnv:
             _int(e, "OMPI_COMM_WORLD_LOCAL_SIZE") or 1,
             "ompi-" + e.get("OMPI_MCA_ess_base_jobid", e.get("OMPI_MCA_orte_ess_jobid", "")),
         )
-    if "PMI_RANK" in e or "PMIX_RANK" in e:
-        rank = _int(e, "PMI_RANK", "PMIX_RANK") or 0
-        size = _int(e, "PMI_SIZE", "MPI_LOCALNRANKS") or 1
+    if "PMI_RANK" in e and "PMI_SIZE" in e:  # MPICH, Intel MPI (Hydra)
         return LaunchEnv(
-            "mpirun", rank, _int(e, "MPI_LOCALRANKID", "PMI_LOCAL_RANK") or 0, size,
-            _int(e, "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE") or 1, "pmi-" + e.get("PMI_ID", e.get("PMIX_NAMESPACE", "")),
+            "mpirun", _int(e, "PMI_RANK") or 0, _int(e, "MPI_LOCALRANKID", "PMI_LOCAL_RANK") or 0,
+            _int(e, "PMI_SIZE") or 1, _int(e, "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE") or 1,
+            "pmi-" + e.get("PMI_ID", e.get("PMI_FD", "")),
         )
-    if "SLURM_PROCID" in e and "SLURM_STEP_ID" in e:
+    if "SLURM_PROCID" in e and "SLURM_STEP_ID" in e:  # srun (also srun --mpi=pmix, which exports no size)
         return LaunchEnv(
             "slurm",
             _int(e, "SLURM_PROCID") or 0,
@@ -101,6 +100,9 @@ def detect(env: dict[str, str] | None = None) -> LaunchEnv:
             _int(e, "SLURM_NTASKS_PER_NODE") or 1,
             f"slurm-{e.get('SLURM_JOB_ID', '')}.{e.get('SLURM_STEP_ID', '')}",
         )
+    if "PMIX_RANK" in e:
+        raise RuntimeError("PMIx started this process (PMIX_RANK is set) but no launcher variable gives the world size: "
+                           "start it with mpirun, srun, torchrun or horovodrun")
     return LaunchEnv("python", 0, 0, 1, 1, f"pid-{os.getpid()}")
 
 

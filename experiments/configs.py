@@ -1,0 +1,71 @@
+"""Named experiments: functions that return a RunConfig, printed as command-line arguments.
+
+Use them under any launcher (the launcher decides rank and world size, the experiment the rest):
+
+    torchrun --nproc_per_node=2 -m dpcompare $(python experiments/configs.py lm_adamw) --backend ddp
+    python experiments/configs.py --list
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import fields
+
+from dpcompare.config import RunConfig
+
+
+def quick_check() -> RunConfig:
+    """The default: a 4-step MLP run, every step checked against the oracle."""
+    return RunConfig()
+
+
+def cnn_syncbn() -> RunConfig:
+    """BatchNorm with global-batch statistics: must be `equivalent` at any world size."""
+    return RunConfig(model="cnn", sync_bn=True, steps=4)
+
+
+def lm_adamw() -> RunConfig:
+    """The causal LM with AdamW and weight decay, checked every step, then 30 measured steps."""
+    return RunConfig(model="lm", optimizer="adamw", lr=1e-3, weight_decay=0.01, steps=6, measure_steps=30)
+
+
+def lm_accumulate_fp16() -> RunConfig:
+    """Gradient accumulation over 4 micro-batches with fp16 gradients on the wire."""
+    return RunConfig(model="lm", grad_accum=4, compression="fp16", global_batch=32, steps=4)
+
+
+def measure_mlp() -> RunConfig:
+    """Cost only: one checked step, then 50 measured steps and 50 ablation pairs."""
+    return RunConfig(model="mlp", steps=1, measure_steps=50, warmup_steps=5)
+
+
+EXPERIMENTS = {f.__name__: f for f in (quick_check, cnn_syncbn, lm_adamw, lm_accumulate_fp16, measure_mlp)}
+_NOT_FLAGS = {"backend", "extra", "tag", "out", "dump_grads", "inject_fault"}
+
+
+def to_args(cfg: RunConfig) -> list[str]:
+    """The dpcompare run flags that reproduce `cfg` (backend, output and testing aids left to the caller)."""
+    default = RunConfig()
+    args: list[str] = []
+    for f in fields(RunConfig):
+        value = getattr(cfg, f.name)
+        if f.name in _NOT_FLAGS or value == getattr(default, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help", "--list"):
+        print("usage: python experiments/configs.py NAME\n" +
+              "\n".join(f"  {name:20s} {fn.__doc__}" for name, fn in EXPERIMENTS.items()))
+        raise SystemExit(0 if len(sys.argv) == 2 else 2)
+    if sys.argv[1] not in EXPERIMENTS:
+        print(f"experiments/configs.py: unknown experiment {sys.argv[1]!r}: choose one of {', '.join(EXPERIMENTS)}",
+              file=sys.stderr)
+        raise SystemExit(2)
+    print(" ".join(to_args(EXPERIMENTS[sys.argv[1]]())))
