@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from dpcompare import launch, syncbn
+from dpcompare import launch
 from dpcompare.contract import Adapter, Capabilities, Wrapped
+from dpcompare.process_group import ProcessGroupMixin
 
 
-class DDPAdapter(Adapter):
+class DDPAdapter(ProcessGroupMixin, Adapter):
     name = "ddp"
     capabilities = Capabilities(
         multi_process=True,
@@ -38,15 +38,6 @@ class DDPAdapter(Adapter):
                 timeout=timedelta(seconds=timeout_s),
                 device_id=self.device if self.device.type == "cuda" else None,
             )
-
-    def sync_batchnorm(self, module: nn.Module) -> nn.Module:
-        if self.device.type == "cuda":
-            return nn.SyncBatchNorm.convert_sync_batchnorm(module)
-        # torch's SyncBatchNorm refuses CPU tensors: use the differentiable all-reduce of torch.distributed.
-        return syncbn.convert(module, self.allreduce_sum_autograd())
-
-    def allreduce_sum_autograd(self):
-        return syncbn.process_group_allreduce_sum()
 
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
         kwargs = {}
@@ -98,12 +89,3 @@ class DDPAdapter(Adapter):
             return {"reason": "DDP recorded no iteration in the window"}
         return {"total_ms": comm - comm0, "overlap_ms": overlap - overlap0, "iterations": n - n0,
                 "method": "DDP logging data (avg_backward_comm_time)"}
-
-    def all_gather_object(self, obj):
-        out = [None] * self.env.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def teardown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -12,14 +12,14 @@ from __future__ import annotations
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from dpcompare import launch, syncbn
+from dpcompare import launch
 from dpcompare.contract import Adapter, Capabilities, Wrapped
+from dpcompare.process_group import ProcessGroupMixin
 
 
-class DeepSpeedAdapter(Adapter):
+class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
     name = "deepspeed"
     capabilities = Capabilities(
         multi_process=True,
@@ -48,14 +48,6 @@ class DeepSpeedAdapter(Adapter):
             world_size=self.env.world_size,
             verbose=False,
         )
-
-    def sync_batchnorm(self, module: nn.Module) -> nn.Module:
-        if self.device.type == "cuda":
-            return nn.SyncBatchNorm.convert_sync_batchnorm(module)
-        return syncbn.convert(module, self.allreduce_sum_autograd())
-
-    def allreduce_sum_autograd(self):
-        return syncbn.process_group_allreduce_sum()
 
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
         config = {
@@ -112,12 +104,3 @@ class DeepSpeedAdapter(Adapter):
     def comm_counters_end(self) -> dict:
         return {"total_ms": self._reduce_ms, "overlap_ms": None,
                 "method": "DeepSpeed wall_clock_breakdown timer bwd_allreduce_microstep (no overlap in ZeRO-0)"}
-
-    def all_gather_object(self, obj):
-        out = [None] * self.env.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def teardown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
