@@ -1,0 +1,288 @@
+"""Shared helpers for the dpcompare test suite: starting real runs under real launchers.
+
+`launch` (a fixture) starts `python -m dpcompare` under the launcher a user would use for that backend
+(python, torchrun, horovodrun, mpirun or deepspeed), in a pytest tmp dir, with results written into
+tmp_path, and returns the finished process and the run's JSON result, validated against the published
+schema (dpcompare/schema/result.schema.json). The `backend` fixture skips a test only when the
+backend's package cannot be imported at all (a broken install fails instead of skipping).
+
+Hygiene every spawned process gets: OMP_NUM_THREADS=1 (two cores here), the repository root on
+PYTHONPATH (so `--backend tests.faulty_adapters:SummingDDP` imports), loopback-only rendezvous, no
+launcher variables inherited from the shell that runs pytest, its own heartbeat directory, and a
+timeout after which the whole process tree is killed by pid.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jsonschema
+import psutil
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BIN_DIR = Path(sys.executable).parent
+SCHEMA_PATH = REPO_ROOT / "dpcompare" / "schema" / "result.schema.json"
+
+TORCHRUN = str(BIN_DIR / "torchrun")
+HOROVODRUN = str(BIN_DIR / "horovodrun")
+DEEPSPEED = str(BIN_DIR / "deepspeed")
+
+# What a user types for each built-in backend (ARCHITECTURE.md, "Launch matrix"). deepspeed defaults to
+# torchrun here because its own launcher adds ~5-10 s per run; test_equivalence_matrix runs it once.
+NATIVE_LAUNCHER = {
+    "reference": "python",
+    "dp": "python",
+    "ddp": "torchrun",
+    "horovod": "horovodrun",
+    "deepspeed": "torchrun",
+}
+
+# Python modules a backend needs; a test of that backend is skipped only when the module is absent.
+BACKEND_MODULES = {"horovod": "horovod", "deepspeed": "deepspeed"}
+INSTALL_HINT = "bash scripts/setup.sh"
+
+# Seconds a launch may take before its process tree is killed. DeepSpeed's first init on a machine
+# JIT-compiles a shared-memory op (~70 s) before it is cached under ~/.cache/torch_extensions.
+LAUNCH_TIMEOUT_S = {"python": 120, "torchrun": 180, "mpirun": 240, "horovodrun": 240, "deepspeed": 300}
+
+# Variables set by launchers and schedulers: a test run from inside a job (CI under Slurm, a shell under
+# mpirun) must not leak them into the processes it starts, or launch detection sees the wrong launcher.
+_LAUNCHER_VAR_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "HOROVOD_", "TORCHELASTIC_", "MPI_LOCAL", "PRTE_")
+_LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK",
+                  "CROSS_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "DPCOMPARE_HEARTBEAT_DIR"}
+
+
+# -- result schema -----------------------------------------------------------------------------------
+def result_validator() -> jsonschema.protocols.Validator:
+    schema = json.loads(SCHEMA_PATH.read_text())
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+def validate_result(payload: dict) -> None:
+    """Raise jsonschema.ValidationError unless `payload` follows the published result schema."""
+    result_validator().validate(payload)
+
+
+# -- noise ratios seen by the equivalence matrix, printed at the end of the session ------------------
+NOISE_RATIOS: list[tuple[str, int, str, str, float]] = []
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: D103
+    if not NOISE_RATIOS:
+        return
+    terminalreporter.section("dpcompare noise ratios (reduced-gradient error / float32 noise floor)")
+    terminalreporter.write_line(f"{'backend':<10} {'ws':>2} {'model':<5} {'launcher':<10} noise_ratio")
+    for backend, ws, model, launcher, ratio in sorted(NOISE_RATIOS):
+        terminalreporter.write_line(f"{backend:<10} {ws:>2} {model:<5} {launcher:<10} {ratio:.3f}")
+
+
+# -- processes -----------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mpirun_prefix(world_size: int) -> list[str]:
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.fail("mpirun is not on PATH: install Open MPI (apt-get install openmpi-bin libopenmpi-dev)")
+    cmd = [mpirun]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    # 3 ranks on 2 cores; loopback only; no core binding (it would pile oversubscribed ranks up).
+    cmd += ["--oversubscribe", "--bind-to", "none", "--mca", "btl_tcp_if_include", "lo",
+            "--mca", "oob_tcp_if_include", "lo", "-np", str(world_size)]
+    return cmd
+
+
+def command(launcher: str, world_size: int, dpcompare_args: Sequence[str], launcher_args: Sequence[str] = ()) -> list[str]:
+    """The command line that starts `python -m dpcompare ARGS` with `world_size` ranks under `launcher`."""
+    module = [sys.executable, "-m", "dpcompare", *dpcompare_args]
+    if launcher == "python":
+        if world_size != 1:
+            raise ValueError("a plain python launch has exactly one process")
+        return module
+    if launcher == "torchrun":
+        return [TORCHRUN, "--standalone", f"--nproc_per_node={world_size}", *launcher_args,
+                "-m", "dpcompare", *dpcompare_args]
+    if launcher == "horovodrun":
+        return [HOROVODRUN, "--gloo", "--network-interface", "lo", "-np", str(world_size),
+                "-H", f"localhost:{world_size}", *launcher_args, *module]
+    if launcher == "mpirun":
+        return [*mpirun_prefix(world_size), *launcher_args, *module]
+    if launcher == "deepspeed":
+        # --master_port: its default (29500) collides with any other job on this host.
+        return [DEEPSPEED, "--num_gpus", str(world_size), "--master_addr", "127.0.0.1",
+                "--master_port", str(free_port()), *launcher_args, "--module", "dpcompare", *dpcompare_args]
+    raise ValueError(f"unknown launcher {launcher!r}")
+
+
+def child_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in _LAUNCHER_VARS and not k.startswith(_LAUNCHER_VAR_PREFIXES)}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env["PATH"] = os.pathsep.join([str(BIN_DIR), env.get("PATH", "")])
+    env["PYTHONUNBUFFERED"] = "1"
+    env["DPCOMPARE_HEARTBEAT_DIR"] = str(tmp_path / "heartbeat")
+    return env
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill(procs: Sequence[psutil.Process]) -> None:
+    """SIGKILL processes this helper started (directly or through a launcher), by pid."""
+    alive = []
+    for p in procs:
+        try:
+            if p.is_running():  # psutil compares creation times: a recycled pid is not ours
+                p.send_signal(signal.SIGKILL)
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+
+
+class Finished(subprocess.CompletedProcess):
+    """A finished launch: what subprocess.run returns, plus its wall time."""
+
+    def __init__(self, args: list[str], returncode: int, stdout: str, stderr: str, wall_s: float) -> None:
+        super().__init__(args, returncode, stdout, stderr)
+        self.wall_s = wall_s
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def run_command(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], timeout_s: float) -> Finished:
+    """Run `cmd` to completion; on timeout kill its whole tree and fail the test with its output.
+
+    Launchers start their ranks in new sessions (torchrun, horovodrun), so the tree is sampled while the
+    launch runs: a rank the launcher leaves behind is still known by pid, and killed, when it exits."""
+    start = time.monotonic()
+    proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: dict[int, psutil.Process] = {}
+    try:
+        while True:
+            try:
+                stdout, stderr = proc.communicate(timeout=0.5)  # retrying loses no output
+                break
+            except subprocess.TimeoutExpired:
+                seen.update((p.pid, p) for p in _descendants(proc.pid))
+                if time.monotonic() - start > timeout_s:
+                    proc.kill()
+                    _kill(list(seen.values()))
+                    stdout, stderr = proc.communicate()
+                    pytest.fail(f"timed out after {timeout_s:g} s: {' '.join(cmd)}\n--- stdout\n{stdout[-4000:]}\n"
+                                f"--- stderr\n{stderr[-4000:]}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _kill(list(seen.values()))
+    return Finished(list(cmd), proc.returncode, stdout, stderr, time.monotonic() - start)
+
+
+def _read_result(out_dir: Path, finished: Finished) -> dict | None:
+    leftovers = [p.name for p in out_dir.glob(".*")] if out_dir.exists() else []
+    assert not leftovers, f"temporary files left in the results directory: {leftovers}"
+    files = sorted(out_dir.glob("*.json")) if out_dir.exists() else []
+    if finished.returncode != 0:
+        assert not files, f"a failed run (exit {finished.returncode}) wrote a result: {files}"
+        return None
+    assert len(files) == 1, f"expected exactly one result in {out_dir}, found {[f.name for f in files]}\n{finished.output[-4000:]}"
+    payload = json.loads(files[0].read_text())
+    validate_result(payload)
+    assert "dpcompare: error" not in finished.stderr, finished.stderr[-4000:]
+    return payload
+
+
+@dataclass
+class Launcher:
+    """Starts dpcompare runs for one test; each launch gets its own results directory under tmp_path."""
+
+    tmp_path: Path
+    count: int = 0
+    cwd: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cwd = self.tmp_path / "cwd"
+        self.cwd.mkdir(parents=True, exist_ok=True)
+
+    def __call__(
+        self,
+        backend: str,
+        world_size: int,
+        model: str,
+        extra_args: Sequence[str] = (),
+        launcher: str | None = None,
+        *,
+        launcher_args: Sequence[str] = (),
+        timeout_s: float | None = None,
+    ) -> tuple[Finished, dict | None]:
+        """Run `backend` with `world_size` ranks on `model` under its native launcher (or `launcher`).
+
+        Returns the finished process and the validated JSON result (None when the run failed)."""
+        launcher = launcher or NATIVE_LAUNCHER.get(backend, "torchrun")
+        self.count += 1
+        out_dir = self.tmp_path / f"out-{self.count}"
+        args = ["--backend", backend, "--model", model, "--out", str(out_dir), *extra_args]
+        finished = run_command(command(launcher, world_size, args, launcher_args), cwd=self.cwd,
+                               env=child_env(self.tmp_path), timeout_s=timeout_s or LAUNCH_TIMEOUT_S[launcher])
+        return finished, _read_result(out_dir, finished)
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Callable[..., tuple[Finished, dict | None]]:
+    return Launcher(tmp_path)
+
+
+@pytest.fixture
+def record_noise_ratio(record_property) -> Callable[[dict], None]:
+    """Keep a result's noise ratio for the end-of-session table (and the junit XML)."""
+
+    def record(result: dict) -> None:
+        ratio = result["equivalence"]["noise_ratio"]
+        NOISE_RATIOS.append((result["backend"], result["world_size"], result["model"], result["launcher"], ratio))
+        record_property("noise_ratio", ratio)
+
+    return record
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest) -> str:
+    """The backend under test (parametrize with indirect=True); skips only when its package is absent."""
+    name = request.param
+    module = BACKEND_MODULES.get(name)
+    if module is not None and importlib.util.find_spec(module) is None:
+        pytest.skip(f"{name} not installed: {INSTALL_HINT}")
+    return name
+
+
+def torchrun_rank_logs(log_dir: Path) -> dict[int, dict[str, str]]:
+    """Per-rank stdout/stderr that `torchrun --log-dir D --redirects 3` captured, by local rank."""
+    logs: dict[int, dict[str, str]] = {}
+    for path in log_dir.glob("*/attempt_*/*/std*.log"):
+        logs.setdefault(int(path.parent.name), {})[path.stem] = path.read_text()
+    return logs

@@ -1,0 +1,179 @@
+"""Failures end cleanly: bad input, a crashed rank, a hung rank, an interrupted result write.
+
+Checks the CLI's error contract (README, "Failures") against real launches: bad input exits 2 with
+exactly one stderr line `dpcompare: error: ...` that names the problem and the fix, never a Python
+traceback, and writes no result. Under torchrun the launcher itself exits 1 and prints its own report;
+what the child printed is read from torchrun's per-rank logs (`--log-dir D --redirects 3`), because
+torchrun's ChildFailedError report contains a "Traceback" of torchrun's own frames
+(torch/distributed/run.py -> launcher/api.py) that says nothing about dpcompare. A crashed rank ends the
+launch quickly; a hung rank ends it within the --timeout-s watchdog and is named. Results on disk are
+never half-written (dpcompare.results.write_atomic). The positive twin of every check here (a good run
+exits 0, prints no error line and writes exactly one valid result) is asserted by the launch helper in
+conftest.py for every equivalent run of test_equivalence_matrix.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import Launcher, torchrun_rank_logs
+from dpcompare import results
+
+ERROR_PREFIX = "dpcompare: error:"
+_FRAME = re.compile(r'^\s*File "([^"]+)"', re.MULTILINE)
+
+
+def assert_one_error_line(stderr: str, *expected: str) -> str:
+    lines = stderr.splitlines()
+    assert len(lines) == 1, f"expected exactly one stderr line, got {len(lines)}:\n{stderr}"
+    line = lines[0]
+    assert line.startswith(ERROR_PREFIX), line
+    for text in expected:
+        assert text in line, f"{text!r} not in {line!r}"
+    return line
+
+
+# -- bad input, one process ------------------------------------------------------------------------------
+PYTHON_CASES = [
+    pytest.param("nope", "mlp", [], ["unknown backend 'nope'", "ddp, deepspeed, dp, horovod, reference"], id="unknown-backend"),
+    pytest.param("reference", "nope", [], ["unknown model 'nope'", "cnn, lm, mlp"], id="unknown-model"),
+    pytest.param("reference", "mlp", ["--steps", "0"], ["--steps=0", "at least one step"], id="steps-0"),
+    pytest.param("reference", "mlp", ["--lr", "-1"], ["--lr=-1.0", "positive learning rate"], id="lr-negative"),
+    pytest.param("reference", "mlp", ["--opt", "foo"], ["--opt 'foo'", "KEY=VALUE"], id="opt-without-equals"),
+    pytest.param("tests.no_such_adapters:MyAdapter", "mlp", [],
+                 ["cannot import module 'tests.no_such_adapters'", "PYTHONPATH"], id="adapter-module-missing"),
+    pytest.param("tests.faulty_adapters:NoSuchAdapter", "mlp", [],
+                 ["has no attribute 'NoSuchAdapter'"], id="adapter-class-missing"),
+]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("backend", "model", "extra", "expected"), PYTHON_CASES)
+def test_bad_input_is_one_line_and_exit_2(launch, backend, model, extra, expected):
+    proc, result = launch(backend, 1, model, extra, "python")
+    assert proc.returncode == 2, proc.output[-4000:]
+    assert result is None
+    assert_one_error_line(proc.stderr, *expected)
+    assert "Traceback" not in proc.output
+    assert proc.stdout == "", "no summary line for a run that did not happen"
+
+
+# -- bad input, several ranks under torchrun ---------------------------------------------------------------
+TORCHRUN_CASES = [
+    pytest.param("ddp", ["--global-batch", "25"], ["--global-batch=25", "not divisible by world size 2", "e.g. 24"],
+                 id="global-batch-not-divisible"),
+    pytest.param("horovod", [], ["cannot run under torchrun", "horovodrun -np N"], id="horovod-under-torchrun"),
+    pytest.param("dp", [], ["runs in one process", "torchrun started 2", "python -m dpcompare --backend dp"],
+                 id="dp-under-torchrun"),
+]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("backend", "extra", "expected"), TORCHRUN_CASES)
+def test_bad_input_under_torchrun_is_said_once_by_rank_0(launch, tmp_path, backend, extra, expected):
+    log_dir = tmp_path / "torchrun-logs"
+    proc, result = launch(backend, 2, "mlp", extra, "torchrun", launcher_args=["--log-dir", str(log_dir), "--redirects", "3"])
+    assert proc.returncode != 0
+    assert result is None
+
+    # What each rank printed: rank 0 says it once, the other rank stays quiet; nobody prints a traceback.
+    logs = torchrun_rank_logs(log_dir)
+    assert sorted(logs) == [0, 1], logs
+    assert_one_error_line(logs[0]["stderr"], *expected)
+    assert logs[1]["stderr"] == "", logs[1]["stderr"]
+    for rank, streams in logs.items():
+        for name, text in streams.items():
+            assert "Traceback" not in text, f"rank {rank} {name}:\n{text}"
+
+    # Every rank exited 2 (or was stopped by torchrun after the first one did).
+    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)]
+    assert 2 in codes and set(codes) <= {2, -15}, codes
+    # torchrun's own report may carry a traceback: it must be torchrun's ChildFailedError, with no frame
+    # in dpcompare's code.
+    if "Traceback" in proc.stderr:
+        assert "ChildFailedError" in proc.stderr
+        frames = _FRAME.findall(proc.stderr)
+        assert frames and all("/torch/" in f or f.endswith("/torchrun") for f in frames), frames
+
+
+# -- crashed and hung ranks ----------------------------------------------------------------------------
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_crashed_rank_ends_the_launch_quickly(launch):
+    # The default --timeout-s is 120 s: ending well before it means the crash, not a timeout, ended the run.
+    proc, result = launch("ddp", 2, "mlp", ["--steps", "3", "--inject-fault", "crash:1:1"])
+    assert proc.returncode != 0
+    assert result is None
+    assert proc.wall_s < 60, f"took {proc.wall_s:.0f} s"
+    assert re.search(r"exitcode\s*:\s*17\b", proc.stderr), "rank 1's injected crash (exit 17) is not reported"
+
+
+@pytest.fixture(scope="module")
+def hung_run(tmp_path_factory):
+    """torchrun, 2 ranks, rank 1 sleeps forever at step 1; the watchdog timeout is 10 s."""
+    launch = Launcher(tmp_path_factory.mktemp("hang"))
+    return launch("ddp", 2, "mlp", ["--steps", "3", "--inject-fault", "hang:1:1", "--timeout-s", "10"], timeout_s=120)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_hung_rank_ends_the_launch_within_60_s(hung_run):
+    proc, result = hung_run
+    assert proc.returncode != 0
+    assert result is None
+    assert proc.wall_s < 60, f"took {proc.wall_s:.0f} s"
+    assert any(line.startswith(ERROR_PREFIX) for line in proc.output.splitlines()), proc.output[-4000:]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_hung_rank_is_named_as_the_culprit(hung_run):
+    """README: a hang 'exits with an error naming the rank that fell behind'.
+
+    The process group's timeout equals the watchdog's, so at ~10 s rank 0 usually leaves through gloo's
+    "Timed out waiting 10000ms" RuntimeError rather than through its watchdog, and torchrun may SIGTERM
+    the hung rank before its own watchdog speaks. Whichever way the launch ends, some rank's error line
+    must name rank 1 after "culprit:" (this failed before commit 9601dc4: rank 0's line had no culprit and
+    rank 1's said "no rank is ahead of another ... rank(s) 0 not visible", or was never printed).
+    """
+    proc, _ = hung_run
+    errors = [line for line in proc.output.splitlines() if line.startswith(ERROR_PREFIX)]
+    assert any(re.search(r"culprit:.*\brank(?:\(s\))? 1\b", line) for line in errors), (
+        "no error line names rank 1 as the culprit:\n" + "\n".join(errors))
+
+
+# -- results are never half-written ------------------------------------------------------------------------
+class _Unserialisable:
+    def __str__(self) -> str:  # json.dump(default=str) calls this halfway through the file
+        raise RuntimeError("cannot serialise")
+
+
+def test_write_atomic_writes_complete_json(tmp_path: Path):
+    path = tmp_path / "r.json"
+    results.write_atomic(path, {"a": 1, "nan": float("nan"), "nested": [1.5, {"inf": float("inf")}]})
+    assert json.loads(path.read_text()) == {"a": 1, "nan": None, "nested": [1.5, {"inf": None}]}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_failed_serialisation_leaves_no_file_and_no_temp_file(tmp_path: Path):
+    path = tmp_path / "out" / "r.json"
+    payload = {"first": "x" * 100_000, "bad": _Unserialisable()}  # enough text that some is written first
+    with pytest.raises(RuntimeError, match="cannot serialise"):
+        results.write_atomic(path, payload)
+    assert list(path.parent.iterdir()) == []
+
+
+def test_failed_serialisation_leaves_an_existing_result_untouched(tmp_path: Path):
+    path = tmp_path / "r.json"
+    results.write_atomic(path, {"run": "earlier"})
+    before = path.read_bytes()
+    with pytest.raises(RuntimeError):
+        results.write_atomic(path, {"run": "later", "bad": _Unserialisable()})
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]

@@ -1,0 +1,533 @@
+"""Unit tests of dpcompare's glue, in one process, no launcher.
+
+Checks against independent references where one exists: launch detection against the variables each
+real launcher sets (torchrun, the deepspeed launcher, horovodrun, Open MPI, PMI, Slurm); sharding against
+torch's own DistributedSampler; GlobalBatchNorm against nn.BatchNorm2d in float64; the metrics of
+equivalence.compare_grads against hand-computed values; diagnose() against gradients built to match each
+known fault; the watchdog's culprit against fake heartbeat files; configuration, registry and result
+schema errors against the messages and rejections they promise. Every passing case has a twin that
+must fail.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DistributedSampler
+
+from conftest import validate_result
+from dpcompare import equivalence as eq
+from dpcompare import launch, registry, results, syncbn, workloads
+from dpcompare.config import RunConfig
+from dpcompare.watchdog import Watchdog
+
+U32 = 2.0**-24
+
+
+# -- launch detection -----------------------------------------------------------------------------------
+TORCHRUN_ENV = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                "TORCHELASTIC_RUN_ID": "abc", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                "GROUP_RANK": "1"}
+DEEPSPEED_ENV = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_SIZE": "2", "CROSS_RANK": "0",
+                 "CROSS_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+HOROVODRUN_ENV = {"HOROVOD_RANK": "2", "HOROVOD_SIZE": "3", "HOROVOD_LOCAL_RANK": "2", "HOROVOD_LOCAL_SIZE": "3",
+                  "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1", "HOROVOD_GLOO_RENDEZVOUS_PORT": "1234"}
+OMPI_ENV = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "3", "OMPI_MCA_ess_base_jobid": "42"}
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    pytest.param(TORCHRUN_ENV, ("torchrun", 3, 1, 4, 2), id="torchrun"),
+    pytest.param(DEEPSPEED_ENV, ("deepspeed", 1, 1, 2, 2), id="deepspeed-launcher"),
+    pytest.param(HOROVODRUN_ENV, ("horovodrun", 2, 2, 3, 3), id="horovodrun-gloo"),
+    # horovodrun --mpi also sets Open MPI's variables: Horovod's own win.
+    pytest.param({**OMPI_ENV, **HOROVODRUN_ENV}, ("horovodrun", 2, 2, 3, 3), id="horovodrun-mpi"),
+    pytest.param(OMPI_ENV, ("mpirun", 1, 1, 3, 3), id="openmpi"),
+    # After ensure_rendezvous() fills RANK/WORLD_SIZE under mpirun, detection must still say mpirun.
+    pytest.param({**OMPI_ENV, "RANK": "1", "WORLD_SIZE": "3"}, ("mpirun", 1, 0, 3, 1), id="openmpi-after-rendezvous"),
+    pytest.param({"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"},
+                 ("mpirun", 2, 0, 4, 2), id="pmi"),
+    pytest.param({"SLURM_PROCID": "5", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                  "SLURM_NTASKS_PER_NODE": "4", "SLURM_JOB_ID": "77"}, ("slurm", 5, 1, 8, 4), id="srun"),
+    # A batch script's shell has SLURM_PROCID but is no srun step: one process.
+    pytest.param({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "77"}, ("python", 0, 0, 1, 1),
+                 id="slurm-batch-shell"),
+    pytest.param({}, ("python", 0, 0, 1, 1), id="plain-python"),
+])
+def test_detect_reads_each_launchers_variables(env, expected):
+    got = launch.detect(env)
+    assert (got.launcher, got.rank, got.local_rank, got.world_size, got.local_world_size) == expected
+
+
+def test_detect_tells_torchrun_from_the_deepspeed_launcher():
+    # Both set RANK/WORLD_SIZE; only torchrun sets TORCHELASTIC_RUN_ID, only deepspeed CROSS_RANK+LOCAL_SIZE.
+    assert launch.detect({**DEEPSPEED_ENV, "TORCHELASTIC_RUN_ID": "x"}).launcher == "torchrun"
+    assert launch.detect({k: v for k, v in TORCHRUN_ENV.items() if k != "TORCHELASTIC_RUN_ID"}).launcher == "torchrun"
+    assert launch.detect({k: v for k, v in DEEPSPEED_ENV.items() if k != "CROSS_RANK"}).launcher == "torchrun"
+
+
+def test_detect_job_id_differs_between_launches():
+    a = launch.detect(TORCHRUN_ENV).job_id
+    b = launch.detect({**TORCHRUN_ENV, "TORCHELASTIC_RUN_ID": "other"}).job_id
+    assert a != b
+
+
+def test_detect_refuses_pmix_without_a_world_size():
+    # srun --mpi=pmix / prterun export PMIX_RANK but no size: guessing "one process" would be silently wrong.
+    with pytest.raises(RuntimeError, match="PMIX_RANK"):
+        launch.detect({"PMIX_RANK": "1"})
+
+
+def test_detect_rejects_a_non_integer_rank():
+    with pytest.raises(RuntimeError, match="RANK='one' is not an integer"):
+        launch.detect({**TORCHRUN_ENV, "RANK": "one"})
+
+
+# -- configuration --------------------------------------------------------------------------------------
+def test_default_config_is_valid():
+    RunConfig().validate()
+    RunConfig(scaling="weak", local_batch=4, inject_fault="hang:1:2").validate()
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"steps": 0}, "--steps=0 is invalid"),
+    ({"lr": -1.0}, "--lr=-1.0 is invalid"),
+    ({"lr": 1e3}, "--lr=1000.0 is invalid"),
+    ({"lr": math.nan}, "--lr=nan is invalid"),
+    ({"momentum": 1.0}, "--momentum=1.0 is invalid"),
+    ({"weight_decay": -0.1}, "--weight-decay=-0.1 is invalid"),
+    ({"global_batch": 0}, "--global-batch=0 is invalid"),
+    ({"check_every": -1}, "--check-every=-1 is invalid"),
+    ({"timeout_s": 0.0}, "--timeout-s=0.0 is invalid"),
+    ({"scaling": "weak"}, "also pass --local-batch"),
+    ({"backend": ""}, "name a backend"),
+    ({"inject_fault": "crash:1"}, "use crash:RANK:STEP"),
+    ({"inject_fault": "explode:1:1"}, "use crash:RANK:STEP"),
+])
+def test_invalid_config_names_the_field_and_the_fix(fields, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        RunConfig(**fields).validate()
+
+
+def test_batch_sizes_strong_and_weak_scaling():
+    assert RunConfig(global_batch=24).batch_sizes(3) == (24, 8)
+    assert RunConfig(global_batch=24).batch_sizes(1) == (24, 24)
+    assert RunConfig(scaling="weak", local_batch=5).batch_sizes(3) == (15, 5)
+
+
+@pytest.mark.parametrize(("global_batch", "world_size", "suggestion"), [(25, 2, "e.g. 24"), (1, 2, "e.g. 2"), (10, 4, "e.g. 8")])
+def test_batch_sizes_refuses_unequal_shards(global_batch, world_size, suggestion):
+    with pytest.raises(ValueError, match=f"not divisible by world size {world_size}") as info:
+        RunConfig(global_batch=global_batch).batch_sizes(world_size)
+    assert suggestion in str(info.value) and "--scaling weak" in str(info.value)
+
+
+# -- workloads and sharding -------------------------------------------------------------------------------
+def partition_problem(shards: list[torch.Tensor], batch: torch.Tensor) -> str | None:
+    """Why `shards` (of sample ids) are not a disjoint, equal partition of `batch`, or None."""
+    ids = [s.tolist() for s in shards]
+    if len({len(i) for i in ids}) != 1:
+        return f"unequal shard sizes {[len(i) for i in ids]}"
+    flat = [v for i in ids for v in i]
+    if len(set(flat)) != len(flat):
+        return "shards overlap"
+    if sorted(flat) != sorted(batch.tolist()):
+        return "shards do not cover the batch"
+    return None
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 6])
+def test_shard_is_distributed_sampler_order_disjoint_equal_and_complete(world_size):
+    x = torch.arange(24)
+    batch = (x.float().unsqueeze(1), x.clone())
+    shards = [workloads.shard(batch, r, world_size) for r in range(world_size)]
+    assert partition_problem([s[1] for s in shards], x) is None
+    for rank, (xs, ys) in enumerate(shards):
+        sampler = DistributedSampler(range(24), num_replicas=world_size, rank=rank, shuffle=False)
+        assert ys.tolist() == list(sampler)
+        assert torch.equal(xs.squeeze(1).long(), ys), "inputs and targets must be sharded alike"
+
+
+def test_partition_check_catches_duplicated_and_missing_shards():
+    x = torch.arange(24)
+    batch = (x, x)
+    duplicated = [workloads.shard(batch, 0, 2)[1]] * 2  # --inject-fault dupdata: everyone reads rank 0's shard
+    assert partition_problem(duplicated, x) == "shards overlap"
+    assert partition_problem([x[:12], x[12:23]], x) == "unequal shard sizes [12, 11]"
+    assert partition_problem([x[:6], x[6:12]], x) == "shards do not cover the batch"
+
+
+def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "lm"])
+def test_one_seed_builds_bitwise_identical_weights_and_data(name):
+    factory = getattr(workloads, name)
+    a, b, other = factory(1234), factory(1234), factory(1235)
+    sa, sb, so = _state(a.model), _state(b.model), _state(other.model)
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa), "same seed, different weights"
+    assert not all(torch.equal(sa[k], so[k]) for k in sa), "the seed does not reach the weights"
+    for step in (0, 3):
+        xa, ya = a.make_batch(step, 12)
+        xb, yb = b.make_batch(step, 12)
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert not torch.equal(a.make_batch(0, 12)[0], a.make_batch(1, 12)[0]), "every step must get new data"
+
+
+def test_mean_of_equal_shard_losses_is_the_global_loss():
+    w = workloads.mlp(7)
+    x, y = w.make_batch(0, 12)
+    with torch.no_grad():
+        whole = w.loss_fn(w.model(x), y)
+        parts = [w.loss_fn(w.model(xs), ys) for xs, ys in (workloads.shard((x, y), r, 3) for r in range(3))]
+    torch.testing.assert_close(torch.stack(parts).mean(), whole)
+
+
+# -- equivalence metrics ------------------------------------------------------------------------------------
+def _grads(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"0.weight": torch.randn(8, 4, generator=g, dtype=torch.float64),
+            "0.bias": torch.randn(8, generator=g, dtype=torch.float64),
+            "2.weight": torch.randn(3, 8, generator=g, dtype=torch.float64)}
+
+
+def _as_float32(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.float().double() for k, v in grads.items()}
+
+
+def test_compare_grads_passes_the_float32_rounding_of_the_oracle():
+    oracle = _grads()
+    floor = _as_float32(oracle)
+    params = eq.compare_grads(floor, oracle, floor, dtype="float32", world_size=2, depth=2)
+    assert [p.parameter for p in params] == list(oracle)
+    assert all(p.ok for p in params)
+    assert all(p.noise_ratio <= 1.0 for p in params)
+
+
+def test_compare_grads_passes_one_ulp_off_the_float32_gradient():
+    oracle = _grads()
+    floor = _as_float32(oracle)
+    one_ulp = {k: torch.nextafter(v.float(), torch.full_like(v.float(), math.inf)).double() for k, v in oracle.items()}
+    assert all(not torch.equal(one_ulp[k], floor[k]) for k in oracle)
+    params = eq.compare_grads(one_ulp, oracle, floor, dtype="float32", world_size=2, depth=2)
+    assert all(p.ok for p in params), [(p.parameter, p.noise_ratio) for p in params]
+    assert max(p.noise_ratio for p in params) < 10
+
+
+def test_compare_grads_fails_a_gradient_twice_too_large():
+    oracle = _grads()
+    floor = _as_float32(oracle)
+    doubled = {k: 2 * v for k, v in floor.items()}
+    params = eq.compare_grads(doubled, oracle, floor, dtype="float32", world_size=2, depth=2)
+    assert not any(p.ok for p in params)
+    # ||2o - o|| / max(||o||, ||O|| / sqrt(T)): 1.0 unless a small parameter is measured against its share.
+    share = float(torch.linalg.vector_norm(torch.cat([v.reshape(-1) for v in oracle.values()]))) / math.sqrt(len(oracle))
+    for p in params:
+        norm = float(torch.linalg.vector_norm(oracle[p.parameter]))
+        assert p.rel_fro_err == pytest.approx(norm / max(norm, share), rel=1e-6)
+    assert min(p.noise_ratio for p in params) > 1e4
+
+
+def test_compare_grads_arithmetic_by_hand():
+    # One parameter, oracle (3, 4): ||o|| = 5. Floor off by 1e-6 in one element, run off by 3e-6 in another.
+    oracle = {"w": torch.tensor([3.0, 4.0], dtype=torch.float64)}
+    floor = {"w": torch.tensor([3.0 + 1e-6, 4.0], dtype=torch.float64)}
+    grads = {"w": torch.tensor([3.0, 4.0 + 3e-6], dtype=torch.float64)}
+    (p,) = eq.compare_grads(grads, oracle, floor, dtype="float32", world_size=2, depth=1)
+    assert p.max_abs_err == pytest.approx(3e-6, rel=1e-9)
+    assert p.rel_fro_err == pytest.approx(3e-6 / 5, rel=1e-9)
+    assert p.floor_rel_fro_err == pytest.approx(1e-6 / 5, rel=1e-9)
+    assert p.noise_ratio == pytest.approx(3.0, rel=1e-9)  # floor_p = max(2e-7, 2e-7, 1 * u) = 2e-7
+    assert p.tolerance_rel_fro == pytest.approx(eq.TOLERANCE_FACTOR * (2e-7 + 2 * U32), rel=1e-12)
+    assert p.max_rel_err == pytest.approx(3e-6 / (4.0 + U32 * 4.0), rel=1e-9)
+    assert p.ok
+    # The depth term takes over when the floor is below it: depth 10 -> floor_p = 10u.
+    (q,) = eq.compare_grads(grads, oracle, oracle, dtype="float32", world_size=2, depth=10)
+    assert q.noise_ratio == pytest.approx((3e-6 / 5) / (10 * U32), rel=1e-9)
+
+
+def test_compare_grads_measures_a_zero_gradient_against_its_share_of_the_model():
+    # A conv bias feeding BatchNorm has an analytically ~0 gradient: rounding noise there is not a failure.
+    oracle = {"w": torch.tensor([3.0, 4.0], dtype=torch.float64), "b": torch.zeros(2, dtype=torch.float64)}
+    grads = {"w": oracle["w"].clone(), "b": torch.tensor([1e-9, 0.0], dtype=torch.float64)}
+    params = {p.parameter: p for p in eq.compare_grads(grads, oracle, oracle, dtype="float32", world_size=1, depth=2)}
+    share = 5.0 / math.sqrt(2)
+    assert params["b"].rel_fro_err == pytest.approx(1e-9 / share, rel=1e-9)
+    assert params["b"].ok
+    grads["b"] = torch.tensor([1e-3, 0.0], dtype=torch.float64)
+    params = {p.parameter: p for p in eq.compare_grads(grads, oracle, oracle, dtype="float32", world_size=1, depth=2)}
+    assert not params["b"].ok
+
+
+def test_first_mismatch_names_the_first_disagreeing_rank_and_parameter():
+    names = ["a", "b", "c"]
+    same = ["1", "2", "3"]
+    assert eq.first_mismatch([same, same, same], names) is None
+    assert eq.first_mismatch([same], names) is None
+    assert eq.first_mismatch([same, same, ["1", "2", "x"]], names) == (2, "c")
+    assert eq.first_mismatch([same, ["1", "x", "x"], ["x", "2", "3"]], names) == (1, "b")
+
+
+def test_tensor_digest_is_bitwise():
+    t = torch.tensor([1.0, 2.0])
+    assert eq.tensor_digest(t) == eq.tensor_digest(t.clone())
+    assert eq.tensor_digest(t) != eq.tensor_digest(torch.nextafter(t, torch.full_like(t, 3.0)))
+    assert eq.tensor_digest(torch.tensor([0.0])) != eq.tensor_digest(torch.tensor([-0.0]))
+
+
+def test_verdict_summarises_checks():
+    policy = eq.tolerance_policy("float32", 2, 3)
+    ok = eq.ParamError("w", 0.0, 0.0, 1e-7, 1e-7, 1.0, 1e-6, True)
+    assert eq.Verdict().to_dict(policy)["verdict"] == "unchecked"
+    assert eq.Verdict(checks=[eq.StepCheck(0, [ok], True, True)]).to_dict(policy)["verdict"] == "equivalent"
+    diverged = eq.Verdict(checks=[eq.StepCheck(0, [ok], True, True)],
+                          first_divergence=eq.Divergence(0, "w", 1.0, 1e-6, 1e7, "summed"))
+    assert diverged.to_dict(policy)["verdict"] == "different"
+    assert eq.Verdict(checks=[eq.StepCheck(0, [ok], True, True)], replicas_identical=False).to_dict(policy)["verdict"] == "different"
+
+
+# -- diagnosis ------------------------------------------------------------------------------------------
+def _diagnosis_setup(model: nn.Module, world_size: int = 2):
+    torch.manual_seed(3)
+    x = torch.randn(8, 4)
+    y = torch.randint(0, 3, (8,))
+    oracle = eq.Oracle(model, lambda out, t: F.cross_entropy(out, t), "float32", torch.device("cpu"))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    shards = [workloads.shard((x, y), r, world_size) for r in range(world_size)]
+    digests = [eq.tensor_digest(s[0]) for s in shards]
+    return oracle, state, (x, y), shards, digests
+
+
+def _diagnose(model: nn.Module, grads_for, *, digests_for=None, has_batchnorm=False, sync_bn=False) -> str:
+    oracle, state, batch, shards, digests = _diagnosis_setup(model)
+    oracle_grads = oracle.oracle(state, *batch)
+    grads = grads_for(oracle, state, oracle_grads, shards)
+    return eq.diagnose(grads=grads, oracle_grads=oracle_grads, oracle=oracle, state=state, global_batch=batch,
+                       shards=shards, shard_digests=digests_for(digests) if digests_for else digests,
+                       expected_digests=digests, tolerance=1e-6, has_batchnorm=has_batchnorm, sync_bn=sync_bn)
+
+
+def _linear() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _with_batchnorm() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
+
+
+def test_diagnose_names_a_sum():
+    reason = _diagnose(_linear(), lambda o, s, og, sh: {k: 2 * v for k, v in og.items()})
+    assert "2x the oracle" in reason and "summed, not averaged" in reason
+
+
+def test_diagnose_names_a_local_only_gradient():
+    reason = _diagnose(_linear(), lambda o, s, og, sh: o.oracle(s, *sh[1]))
+    assert "equals rank 1's local gradient" in reason and "not synchronised" in reason
+
+
+def test_diagnose_names_duplicated_shards():
+    reason = _diagnose(_linear(), lambda o, s, og, sh: o.oracle(s, *sh[0]), digests_for=lambda d: [d[0], d[0]])
+    assert "ranks 0 and 1 read the same shard" in reason
+
+
+def test_diagnose_names_shards_from_another_data_stream():
+    reason = _diagnose(_linear(), lambda o, s, og, sh: og, digests_for=lambda d: [d[0], "0123456789abcdef"])
+    assert "not the shards of the global batch" in reason
+
+
+def _mean_of_locals(o, s, og, sh):
+    local = [o.oracle(s, *shard) for shard in sh]
+    return {k: (local[0][k] + local[1][k]) / 2 for k in og}
+
+
+def test_diagnose_names_per_rank_batchnorm():
+    reason = _diagnose(_with_batchnorm(), _mean_of_locals, has_batchnorm=True)
+    assert "BatchNorm" in reason and "--sync-bn" in reason
+
+
+def test_diagnose_does_not_blame_batchnorm_when_it_was_synchronised_or_absent():
+    for kwargs in ({"has_batchnorm": True, "sync_bn": True}, {"has_batchnorm": False}):
+        reason = _diagnose(_with_batchnorm(), _mean_of_locals, **kwargs)
+        assert "matches none of the known fault patterns" in reason, kwargs
+
+
+def test_diagnose_admits_an_unknown_fault():
+    noise = torch.Generator().manual_seed(9)
+    reason = _diagnose(_linear(), lambda o, s, og, sh: {k: v + 0.3 * torch.randn(v.shape, generator=noise, dtype=v.dtype)
+                                                        for k, v in og.items()})
+    assert "matches none of the known fault patterns" in reason
+
+
+# -- watchdog -------------------------------------------------------------------------------------------
+def _beat(dog: Watchdog, rank: int, seq: int, step: int, phase: str, age_s: float = 0.0) -> None:
+    (dog.dir / f"rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "seq": seq, "step": step, "phase": phase, "wall": time.time() - age_s}))
+
+
+@pytest.fixture
+def dog(tmp_path, monkeypatch) -> Watchdog:
+    monkeypatch.setenv("DPCOMPARE_HEARTBEAT_DIR", str(tmp_path))
+    d = Watchdog(rank=0, world_size=3, job_id="torchrun-job/1", timeout_s=10)  # not started: no thread
+    assert d.dir.parent == tmp_path
+    return d
+
+
+def test_watchdog_names_the_rank_that_is_behind(dog):
+    _beat(dog, 0, 12, 2, "forward")
+    _beat(dog, 1, 7, 1, "reduce", age_s=30)
+    _beat(dog, 2, 12, 2, "forward")
+    culprits = dog.culprits()
+    assert culprits.startswith("rank(s) 1 (stuck at step 1 'reduce', silent 30 s)"), culprits
+    assert "0 (" not in culprits and "2 (" not in culprits
+
+
+def test_watchdog_names_ranks_it_cannot_see(dog):
+    _beat(dog, 0, 12, 2, "forward")
+    _beat(dog, 1, 12, 2, "forward")
+    _beat(dog, 2, 12, 2, "forward", age_s=3600)  # left over from an earlier launch with the same job id
+    culprits = dog.culprits()
+    assert "no rank is ahead of another" in culprits
+    assert "rank(s) 2 not visible" in culprits
+
+
+def test_watchdog_heartbeat_stays_after_a_failure_and_goes_after_a_clean_finish(dog):
+    dog.beat("forward", 0)
+    heartbeat = dog.dir / "rank0.json"
+    dog.stop(clean=False)
+    assert heartbeat.exists(), "the ranks still running need it to name who fell behind"
+    dog.stop()
+    assert not heartbeat.exists() and not dog.dir.exists()
+
+
+def test_watchdog_with_all_ranks_level_blames_the_collective(dog):
+    for rank in range(3):
+        _beat(dog, rank, 5, 1, "reduce")
+    culprits = dog.culprits()
+    assert culprits.startswith("no rank is ahead of another") and "not visible" not in culprits
+
+
+# -- global-batch BatchNorm --------------------------------------------------------------------------------
+def _bn_pair(allreduce) -> tuple[nn.BatchNorm2d, syncbn.GlobalBatchNorm]:
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(4).double()
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+    return bn, syncbn.GlobalBatchNorm(copy.deepcopy(bn), allreduce)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_global_batchnorm_with_one_replica_is_batchnorm2d():
+    bn, gbn = _bn_pair(lambda t: t)
+    for step in range(3):
+        x = torch.randn(6, 4, 5, 5, dtype=torch.float64) * (step + 1) + step
+        upstream = torch.randn(6, 4, 5, 5, dtype=torch.float64)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = bn(xa), gbn(xb)
+        _close(yb, ya)
+        (ya * upstream).sum().backward()
+        (yb * upstream).sum().backward()
+        _close(xb.grad, xa.grad)
+        _close(gbn.weight.grad, bn.weight.grad)
+        _close(gbn.bias.grad, bn.bias.grad)
+        bn.zero_grad()
+        gbn.zero_grad()
+        _close(gbn.running_mean, bn.running_mean)
+        _close(gbn.running_var, bn.running_var)
+        assert int(gbn.num_batches_tracked) == int(bn.num_batches_tracked) == step + 1
+    bn.eval()
+    gbn.eval()
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    _close(gbn(x), bn(x))
+
+
+def test_global_batchnorm_over_two_replicas_is_batchnorm_of_the_global_batch():
+    """Twin: with a second (identical) replica in the all-reduce, the unbiased running variance counts
+    2n samples, so it no longer equals the one-replica BatchNorm but equals BatchNorm of the global batch."""
+    bn, gbn = _bn_pair(lambda t: 2 * t)
+    global_bn = copy.deepcopy(bn)
+    x = torch.randn(3, 4, 2, 2, dtype=torch.float64)
+    y = gbn(x)
+    _close(y, global_bn(torch.cat([x, x]))[:3])
+    _close(gbn.running_var, global_bn.running_var)
+    bn(x)
+    with pytest.raises(AssertionError):
+        _close(gbn.running_var, bn.running_var)
+
+
+def test_convert_replaces_every_batchnorm_and_keeps_the_parameters():
+    model = workloads.cnn(1).model
+    params_before = [id(p) for p in model.parameters()]
+    converted = syncbn.convert(model, lambda t: t)
+    assert syncbn.has_batchnorm(workloads.cnn(1).model)
+    assert not syncbn.has_batchnorm(converted)
+    assert sum(isinstance(m, syncbn.GlobalBatchNorm) for m in converted.modules()) == 2
+    assert [id(p) for p in converted.parameters()] == params_before
+
+
+# -- registry -------------------------------------------------------------------------------------------
+def test_registry_loads_names_and_paths():
+    assert registry.load("mlp", registry.MODELS, "model") is workloads.mlp
+    assert registry.load("dpcompare.workloads:cnn", registry.MODELS, "model") is workloads.cnn
+
+
+@pytest.mark.parametrize(("spec", "error", "message"), [
+    ("nope", ValueError, "unknown backend 'nope': choose one of ddp, deepspeed, dp, horovod, reference"),
+    ("no_such_package_xyz:Adapter", ValueError, "cannot import module 'no_such_package_xyz'"),
+    ("dpcompare.workloads:NoSuchThing", ValueError, "has no attribute 'NoSuchThing'"),
+])
+def test_registry_errors_say_what_is_available(spec, error, message):
+    with pytest.raises(error, match=message.replace("(", r"\(")):
+        registry.load(spec, registry.BACKENDS, "backend")
+
+
+def test_registry_names_the_install_command_for_a_missing_backend():
+    table = {"horovod": "no_such_horovod_xyz.torch:HorovodAdapter"}
+    with pytest.raises(ImportError, match="scripts/setup.sh"):
+        registry.load("horovod", table, "backend")
+
+
+# -- result schema ----------------------------------------------------------------------------------------
+def _valid_payload() -> dict:
+    policy = eq.tolerance_policy("float32", 1, 3)
+    return results.sanitize(results.base_payload(
+        backend="reference", launcher="python", world_size=1, device="cpu", model="mlp", global_batch=24,
+        local_batch=24, scaling="strong", steps=1, tag=None, config=RunConfig().to_dict(),
+        equivalence=eq.Verdict().to_dict(policy), env=results.environment(), created_unix=0.0))
+
+
+def test_schema_accepts_a_well_formed_result():
+    payload = _valid_payload()
+    validate_result(payload)
+    results.validate(payload)  # the product's own check agrees
+
+
+@pytest.mark.parametrize("break_it", [
+    pytest.param(lambda p: p["equivalence"].pop("verdict"), id="missing-verdict"),
+    pytest.param(lambda p: p["equivalence"].__setitem__("verdict", "probably"), id="unknown-verdict"),
+    pytest.param(lambda p: p.__setitem__("launcher", "srun"), id="unknown-launcher"),
+    pytest.param(lambda p: p["equivalence"].__setitem__("first_divergence", {"step": 0}), id="divergence-without-reason"),
+])
+def test_schema_rejects_a_malformed_result(break_it):
+    import jsonschema
+
+    payload = _valid_payload()
+    break_it(payload)
+    with pytest.raises(jsonschema.ValidationError):
+        validate_result(payload)
+    with pytest.raises(jsonschema.ValidationError):
+        results.validate(payload)
