@@ -204,6 +204,12 @@ def _as_float32(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.float().double() for k, v in grads.items()}
 
 
+def test_compare_grads_passes_the_oracle_itself():
+    oracle = _grads()
+    params = eq.compare_grads(oracle, oracle, _as_float32(oracle), dtype="float32", world_size=2, depth=2)
+    assert all(p.ok and p.rel_fro_err == 0.0 and p.max_abs_err == 0.0 and p.noise_ratio == 0.0 for p in params)
+
+
 def test_compare_grads_passes_the_float32_rounding_of_the_oracle():
     oracle = _grads()
     floor = _as_float32(oracle)
