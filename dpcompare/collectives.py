@@ -602,6 +602,13 @@ def render(console, jobs: list[Launch], unavailable: list[dict[str, str]]) -> No
     console.print(table)
 
 
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return None
+
+
 def run_orchestrator(ns: argparse.Namespace, sweep: Sweep) -> int:
     from rich.console import Console
 
@@ -626,6 +633,8 @@ def run_orchestrator(ns: argparse.Namespace, sweep: Sweep) -> int:
             console.print(f"[yellow]{t} unavailable:[/] {reason}")
 
     started = time.monotonic()
+    # Other work on the host shows up as latency outliers (mean >> p50): keep the evidence with the figures.
+    load_before = _loadavg()
     jobs: list[Launch] = []
     with tempfile.TemporaryDirectory(prefix="dpcompare-collectives-") as tmp:
         for transport in transports:
@@ -645,6 +654,7 @@ def run_orchestrator(ns: argparse.Namespace, sweep: Sweep) -> int:
         kind="collectives",
         created_unix=time.time(),
         wall_s=time.monotonic() - started,
+        host_load_avg_1m={"before": load_before, "after": _loadavg()},
         sweep=asdict(sweep),
         definitions={
             "time_us_mean": "mean over timed iterations of the slowest rank (highest mean); each iteration is "
@@ -663,6 +673,10 @@ def run_orchestrator(ns: argparse.Namespace, sweep: Sweep) -> int:
     )
     results.write_atomic(out_path, payload)
     render(console, jobs, unavailable)
+    load = payload["host_load_avg_1m"]
+    if load["before"] is not None and max(load["before"], load["after"]) > 0.5 * (os.cpu_count() or 1):
+        console.print(f"[yellow]note:[/] host load average {load['before']:.1f} -> {load['after']:.1f} on "
+                      f"{os.cpu_count()} CPUs: other work competed with the ranks; expect outliers (mean >> p50)")
     console.print(f"results: {out_path}  ({payload['wall_s']:.0f} s)")
     return 0 if all(j.status == "ok" for j in jobs) else 1
 
