@@ -81,6 +81,9 @@ def write_atomic(path: Path, payload: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp creates 0600; a result is an ordinary file
         with os.fdopen(fd, "w") as f:
             json.dump(sanitize(payload), f, indent=2, allow_nan=False, default=str)
             f.write("\n")
