@@ -93,6 +93,9 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # The deepspeed launcher puts --local_rank=N before the user's arguments (LOCAL_RANK is read instead).
+    while argv and (argv[0].startswith("--local_rank") or argv[0].startswith("--local-rank")):
+        argv.pop(0)
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "run"
     try:
         if command == "compare":

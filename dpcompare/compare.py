@@ -103,7 +103,9 @@ def native_command(launcher: str, world_size: int, args: list[str]) -> list[str]
                 "--module", "dpcompare", *args]
     if launcher == "mpirun":
         root = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
-        return [_launcher_bin("mpirun"), *root, "--oversubscribe", "-np", str(world_size), *py, *args]
+        # --bind-to none: Open MPI pins each rank to a core when there are <= 2 ranks, which on a small
+        # shared machine puts the ranks' helper threads on one core.
+        return [_launcher_bin("mpirun"), *root, "--oversubscribe", "--bind-to", "none", "-np", str(world_size), *py, *args]
     raise ValueError(f"unknown launcher {launcher!r}: use python, torchrun, horovodrun, deepspeed or mpirun")
 
 

@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dpcompare.collectives import algbw_gbps, busbw_gbps
+
 MIB = 1024.0 * 1024.0
 
 
@@ -125,14 +127,6 @@ def model_state_mib(module: torch.nn.Module, optimizer: Any, comm_buffer_bytes: 
 
 
 # -- arithmetic ------------------------------------------------------------------------------------
-def algbw_gbps(nbytes: float, seconds: float) -> float | None:
-    return nbytes / seconds / 1e9 if seconds > 0 else None
-
-
-def busbw_gbps(algbw: float | None, n: int) -> float | None:
-    return None if algbw is None else algbw * 2.0 * (n - 1) / n
-
-
 def tcomm_model_ms(grad_bytes: float, n: int, bandwidth_gbps: float | None) -> float | None:
     """Seed 001's ring all-reduce model, T = 2 P (N-1) / (N B), in ms."""
     if not bandwidth_gbps or n < 2:
@@ -272,7 +266,7 @@ def summarize(
 
     m.set("grad_bytes_per_step", grad_bytes)
     m.set("bucket_bytes", message_bytes, message_reason)
-    if total and world_size > 1:
+    if total and total > 0 and world_size > 1:
         alg = algbw_gbps(grad_bytes, total / 1e3)
         m.set("algbw_gbps", alg)
         m.set("busbw_gbps", busbw_gbps(alg, world_size))
