@@ -64,6 +64,16 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         if compression != "none":
             config["communication_data_type"] = compression
         engine, ds_optimizer, _, _ = self.deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+        timers = engine.timers
+
+        def reset_quietly(names, normalizer=1.0, reset=True, **_):
+            # engine.step() calls timers.log(), which print()s every step (no log level silences it) and
+            # resets the timers; keep the reset, drop the print. The values were cached just before.
+            for name in names:
+                if name in timers.timers:
+                    timers.timers[name].elapsed(reset=reset)
+
+        timers.log = reset_quietly
         notes = ["deepspeed: gradient_clipping set to 0.0 (DeepSpeed >= 0.19.3 clips at 1.0 by default, which "
                  "changes the update relative to DDP and Horovod)"]
         if self.options.get("bucket_mb"):

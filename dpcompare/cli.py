@@ -7,6 +7,7 @@ into one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import get_args
 
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = trainer.run(cfg)
         if payload:
             print(trainer.summary_line(payload), flush=True)
-            return 0
+        _exit_now_if_distributed()
         return 0
     except (ValueError, ImportError) as exc:
         # Configuration errors are the same on every rank: let rank 0 say it once.
@@ -140,6 +141,19 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"[rank {_rank()}] {message}")
     except KeyboardInterrupt:
         return _fail("interrupted")
+
+
+def _exit_now_if_distributed() -> None:
+    """After a finished multi-process run, leave without interpreter finalisation: C++ threads of the
+    communication libraries (gloo, DeepSpeed's shm op) sometimes abort in static destructors ("terminate
+    called without an active exception"), turning a run whose result is already written into a failed
+    launch. Everything is written and flushed at this point."""
+    from dpcompare.launch import detect
+
+    if detect().world_size > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _rank() -> int:

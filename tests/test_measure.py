@@ -1,0 +1,179 @@
+"""Measurement arithmetic on synthetic timings: every reported figure against a hand-computed value.
+
+Checks dpcompare.measure.summarize (step percentiles of the slowest rank, throughput, rank spread,
+stragglers, ablation, overlap, bandwidth, the seed T_comm model, memory, nulls with reasons),
+model_state_mib, the Horovod timeline parser (dpcompare.timeline) and the CPU memory window, each with a
+case where the figure must come out different (a planted stall, a missing counter, overlapping
+intervals counted once).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dpcompare import measure, timeline
+
+
+def sample(step_ms, synced=(), unsynced=(), comm=None, peak=100.0):
+    return measure.RankSample(list(step_ms), list(synced), list(unsynced),
+                              {"peak_mem_mib": peak, "peak_mem_reserved_mib": None}, None, comm)
+
+
+def summarize(samples, **overrides):
+    kwargs = dict(world_size=len(samples), local_batch=8, tokens_per_sample=1, warmup_steps=2, grad_bytes=4_000_000,
+                  message_bytes=4_000_000, message_reason=None, model_state={"total": 1.0},
+                  microbench_busbw=None, microbench_reason="no microbenchmark", scaling="strong", comm_possible=None)
+    kwargs.update(overrides)
+    return measure.summarize(samples, **kwargs)
+
+
+def test_step_time_is_the_slowest_rank_per_step():
+    m = summarize([sample([10, 12, 10, 30]), sample([11, 11, 14, 10])])
+    # per step max: 11, 12, 14, 30
+    assert m["step_ms_p50"] == pytest.approx(13.0)
+    assert m["step_ms_mean"] == pytest.approx((11 + 12 + 14 + 30) / 4)
+    assert m["step_ms_p90"] == pytest.approx(float(torch.tensor([11., 12., 14., 30.]).quantile(0.9)))
+    assert m["rank_spread_ms_p50"] == pytest.approx(2.5)  # spreads 1, 1, 4, 20 -> median 2.5
+    # 8 samples per rank x 2 ranks per 13 ms
+    assert m["samples_per_s"] == pytest.approx(16 / 0.013)
+    assert m["tokens_per_s"] is None and "token" in m["reasons"]["tokens_per_s"]
+
+
+def test_tokens_per_second_for_a_token_model():
+    m = summarize([sample([10, 10])], tokens_per_sample=16)
+    assert m["tokens_per_s"] == pytest.approx(8 * 16 / 0.010)
+
+
+def test_a_planted_stall_on_one_rank_is_named_as_the_straggler():
+    steady = [10.0] * 10
+    stalled = [10.0 + 5.0] * 10
+    m = summarize([sample(steady, [20] * 10, steady), sample(steady, [20] * 10, stalled), sample(steady, [20] * 10, steady)])
+    flagged = [s for s in m["stragglers"] if s["straggler"]]
+    assert [s["rank"] for s in flagged] == [1]
+    assert flagged[0]["slowest_fraction"] == 1.0
+    assert flagged[0]["excess_ms_mean"] == pytest.approx(5.0)
+
+
+def test_no_straggler_when_ranks_take_turns():
+    a = [10, 11] * 5
+    b = [11, 10] * 5
+    m = summarize([sample(a, a, a), sample(b, b, b)])
+    assert not any(s["straggler"] for s in m["stragglers"])
+
+
+def test_ablation_overlap_and_bandwidth():
+    comm = {"total_ms": 40.0, "overlap_ms": 10.0, "steps": 10, "method": "test counter"}
+    ranks = [sample([20] * 10, [15] * 10, [12] * 10, comm), sample([20] * 10, [16] * 10, [11] * 10)]
+    m = summarize(ranks, microbench_busbw=2.0, microbench_reason=None)
+    assert m["compute_ms_p50"] == 12.0
+    assert m["step_synced_ms_p50"] == 16.0
+    assert m["comm_exposed_ms"] == pytest.approx(4.0)
+    assert m["comm_total_ms"] == pytest.approx(4.0)  # 40 ms over 10 steps
+    assert m["comm_native_overlap_ms"] == pytest.approx(1.0)
+    assert m["overlap_fraction"] == pytest.approx(0.0)
+    # 4e6 bytes in 4 ms = 1 GB/s algbw; busbw at n=2 is the same
+    assert m["algbw_gbps"] == pytest.approx(1.0)
+    assert m["busbw_gbps"] == pytest.approx(1.0)
+    assert m["busbw_vs_microbench"] == pytest.approx(0.5)
+    # seed model: 2 * 4e6 * (2-1) / (2 * 2e9) s = 2 ms
+    assert m["tcomm_model_ms"] == pytest.approx(2.0)
+
+
+def test_overlap_fraction_when_half_is_hidden():
+    comm = {"total_ms": 80.0, "overlap_ms": None, "steps": 10, "method": "test counter"}
+    m = summarize([sample([20] * 4, [16] * 4, [12] * 4, comm), sample([20] * 4, [16] * 4, [12] * 4)])
+    assert m["overlap_fraction"] == pytest.approx(0.5)  # 1 - 4/8
+
+
+def test_missing_figures_are_null_with_a_reason_never_zero():
+    m = summarize([sample([5, 5])], comm_possible="one process, no gradient communication")
+    for name in ("comm_total_ms", "comm_exposed_ms", "compute_ms_p50", "overlap_fraction", "busbw_gbps", "algbw_gbps"):
+        assert m[name] is None
+        assert m["reasons"][name]
+    assert m["reasons"]["comm_total_ms"] == "one process, no gradient communication"
+
+
+def test_a_backend_without_a_counter_reports_why():
+    m = summarize([sample([5] * 3, [4] * 3, [3] * 3, {"reason": "no counter here"}), sample([5] * 3, [4] * 3, [3] * 3)])
+    assert m["comm_total_ms"] is None and m["reasons"]["comm_total_ms"] == "no counter here"
+    assert m["comm_exposed_ms"] == pytest.approx(1.0)
+    assert m["overlap_fraction"] is None
+
+
+def test_instrumentation_off_says_so():
+    m = summarize([sample([]), sample([])], instrumented=False)
+    assert m["step_ms_p50"] is None and "--no-instrument" in m["reasons"]["step_ms_p50"]
+
+
+def test_peak_memory_is_the_largest_rank():
+    m = summarize([sample([1], peak=100.0), sample([1], peak=250.0)])
+    assert m["peak_mem_mib"] == 250.0 and m["peak_mem_mib_per_rank"] == [100.0, 250.0]
+
+
+def test_tcomm_model_needs_two_ranks_and_a_bandwidth():
+    assert measure.tcomm_model_ms(1e9, 1, 10.0) is None
+    assert measure.tcomm_model_ms(1e9, 4, None) is None
+    assert measure.tcomm_model_ms(1e9, 4, 10.0) == pytest.approx(2 * 1e9 * 3 / (4 * 10e9) * 1e3)
+
+
+def test_model_state_counts_parameters_gradients_optimizer_and_buffers():
+    model = torch.nn.Linear(100, 10)  # 1010 float32 parameters = 4040 bytes
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 100)).sum().backward()
+    opt.step()  # AdamW keeps exp_avg and exp_avg_sq per parameter (+ a scalar step each)
+    state = measure.model_state_mib(model, opt, comm_buffer_bytes=4040)
+    mib = 1024 * 1024
+    assert state["params"] == pytest.approx(4040 / mib)
+    assert state["grads"] == pytest.approx(4040 / mib)
+    assert state["optimizer"] == pytest.approx((2 * 4040 + 2 * 4) / mib)
+    assert state["total"] == pytest.approx((3 * 4040 + 2 * 4040 + 8) / mib)
+
+
+def test_cpu_memory_window_sees_tensor_storage():
+    window = measure.MemoryWindow(torch.device("cpu"))
+    window.reset()
+    before = window.peak()["peak_mem_mib"]
+    big = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB of tensor storage, invisible to tracemalloc
+    after = window.peak()["peak_mem_mib"]
+    del big
+    assert after - before > 48, (before, after)
+
+
+def test_segment_clock_leaves_out_the_gap_between_segments():
+    clock = measure.SegmentClock(torch.device("cpu"))
+    clock.start()
+    clock.stop()
+    clock.start()
+    clock.stop()
+    clock.end_step()
+    assert len(clock.step_ms()) == 1 and clock.step_ms()[0] >= 0
+
+
+def _trace(tmp_path, events, close=True):
+    text = "[\n" + ",\n".join(json.dumps(e) for e in events) + ("]" if close else ",")
+    path = tmp_path / "timeline.json"
+    path.write_text(text)
+    return path
+
+
+def test_timeline_union_counts_fused_tensors_once(tmp_path):
+    events = [
+        {"ph": "B", "name": "NEGOTIATE_ALLREDUCE", "ts": 0, "pid": 1}, {"ph": "E", "ts": 500, "pid": 1},
+        {"ph": "B", "name": "ALLREDUCE", "ts": 1000, "pid": 1},
+        {"ph": "B", "name": "GLOO_ALLREDUCE", "ts": 1100, "pid": 1}, {"ph": "E", "ts": 1900, "pid": 1},
+        {"ph": "E", "ts": 2000, "pid": 1},
+        {"ph": "B", "name": "ALLREDUCE", "ts": 1500, "pid": 2}, {"ph": "E", "ts": 2500, "pid": 2},
+        {"ph": "B", "name": "ALLREDUCE", "ts": 4000, "pid": 3}, {"ph": "E", "ts": 4250, "pid": 3},
+    ]
+    # [1000, 2500] and [4000, 4250]: 1.5 ms + 0.25 ms; negotiation and nested phases not double counted
+    assert timeline.allreduce_busy_ms(_trace(tmp_path, events)) == pytest.approx(1.75)
+    # Horovod leaves the array open while it writes: still readable
+    assert timeline.allreduce_busy_ms(_trace(tmp_path, events, close=False)) == pytest.approx(1.75)
+
+
+def test_timeline_sums_disjoint_intervals():
+    assert timeline.union_ms([(0, 1000), (2000, 3000)]) == pytest.approx(2.0)
+    assert timeline.union_ms([(0, 1000), (500, 3000)]) == pytest.approx(3.0)
