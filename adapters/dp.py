@@ -14,6 +14,32 @@ from torch import nn
 from dpcompare.contract import Adapter, Capabilities, Wrapped
 
 
+class _CountingDataParallel(nn.DataParallel):
+    """DataParallel whose scatter, replicate and gather (its communication in the forward pass) are
+    bracketed by CUDA events while counting; the events are resolved once, after the measured window."""
+
+    counting = False
+
+    def _timed(self, fn, *args, **kwargs):
+        if not self.counting:
+            return fn(*args, **kwargs)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn(*args, **kwargs)
+        end.record()
+        self.events.append((start, end))
+        return out
+
+    def scatter(self, *args, **kwargs):
+        return self._timed(super().scatter, *args, **kwargs)
+
+    def replicate(self, *args, **kwargs):
+        return self._timed(super().replicate, *args, **kwargs)
+
+    def gather(self, *args, **kwargs):
+        return self._timed(super().gather, *args, **kwargs)
+
+
 class DataParallelAdapter(Adapter):
     name = "dp"
     capabilities = Capabilities(
@@ -31,7 +57,7 @@ class DataParallelAdapter(Adapter):
             if global_batch < count:
                 raise ValueError(f"--global-batch={global_batch} is smaller than the {count} DataParallel devices: "
                                  f"use at least {count} samples")
-            model = nn.DataParallel(module, device_ids=device_ids, output_device=device_ids[0])
+            model = _CountingDataParallel(module, device_ids=device_ids, output_device=device_ids[0])
             if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()) and count > 1:
                 notes.append("dp: BatchNorm statistics are per replica and only device 0's running buffers survive")
             notes.append(f"dp: replicating over {count} CUDA device(s)")
@@ -49,6 +75,18 @@ class DataParallelAdapter(Adapter):
             return "DataParallel on one device: no communication"
         # Scatter/replicate/gather are inside forward and backward: no switch turns them off alone.
         return None
+
+    def comm_counters_begin(self, workdir: str) -> None:
+        self.wrapped.model.events = []
+        self.wrapped.model.counting = True
+
+    def comm_counters_end(self) -> dict:
+        model = self.wrapped.model
+        model.counting = False
+        torch.cuda.synchronize()
+        return {"total_ms": sum(a.elapsed_time(b) for a, b in model.events), "overlap_ms": None,
+                "method": "CUDA events around DataParallel scatter/replicate/gather (the gradient sum onto "
+                          "device 0 runs inside autograd and is not included)"}
 
     def comm_buffer_bytes(self, grad_bytes: int) -> int | None:
         if self.device.type != "cuda":
