@@ -7,6 +7,7 @@ has nothing left to wait for. `no_sync()` accumulates locally; it must surround 
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -59,33 +60,64 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
             notes.append(f"ddp divides each gradient by {self.env.world_size} before summing (Horovod and DeepSpeed "
                          "divide after): not a power of two, so the backends may differ by an ulp")
         self.wrapped = Wrapped(model, module, optimizer, notes)
+        self._noop_twin = None
         return self.wrapped
+
+    @contextlib.contextmanager
+    def comm_off(self):
+        # no_sync would also skip the bucket copies and autograd hooks that a synced step pays; a twin
+        # DDP over the same module with noop_hook keeps all of that and drops only the all-reduce
+        # (PyTorch documents noop_hook for this headroom analysis). A twin, because a DDP instance takes
+        # one comm hook for life and the measured DDP must keep its built-in path.
+        if self._noop_twin is None:
+            from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+            self._noop_twin = nn.parallel.DistributedDataParallel(
+                self.wrapped.module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                bucket_cap_mb=float(self.options.get("bucket_mb") or 25))
+            self._noop_twin.register_comm_hook(None, noop_hook)
+        measured, self.wrapped.model = self.wrapped.model, self._noop_twin
+        try:
+            yield
+        finally:
+            self.wrapped.model = measured
 
     def sync(self, enabled: bool):
         assert self.wrapped is not None
         return super().sync(enabled) if enabled else self.wrapped.model.no_sync()
 
     def message_bytes(self, grad_bytes: int) -> tuple[int | None, str | None]:
+        # The buckets DDP really built (after its first iteration), else what the cap implies.
+        sizes = str(self.wrapped.model._get_ddp_logging_data().get("rebuilt_bucket_sizes", "")).split(",")
+        sizes = [int(s) for s in sizes if s.strip().isdigit()]
+        if sizes:
+            return sum(sizes) // len(sizes), None
         cap = int(float(self.options.get("bucket_mb") or 25) * 1024 * 1024)
         return min(cap, grad_bytes), None
 
     def comm_buffer_bytes(self, grad_bytes: int) -> int | None:
         return grad_bytes  # buckets hold a copy of every gradient (gradient_as_bucket_view=False)
 
-    def _ddp_totals(self) -> tuple[float, float, int]:
-        # avg_* are running means (ns) over iterations 1..iteration (iteration 0 is not recorded).
-        data = self.wrapped.model._get_ddp_logging_data()
-        n = int(data.get("iteration", 0) or 0)
-        return (data.get("avg_backward_comm_time", 0) * n / 1e6,
-                data.get("avg_backward_compute_comm_overlap_time", 0) * n / 1e6, n)
-
     def comm_counters_begin(self, workdir: str) -> None:
-        self._comm_begin = self._ddp_totals()
+        self._last_iteration = int(self.wrapped.model._get_ddp_logging_data().get("iteration", 0) or 0)
+        self._comm_ns: list[int] = []
+        self._overlap_ns: list[int] = []
+
+    def comm_counters_step(self) -> None:
+        # The logging data holds the latest recorded iteration (sample rate 1: every one), in ns:
+        # backward_comm_time = first bucket ready -> last all-reduce done; the overlap part ends where
+        # backward compute ends, so comm - overlap is the wait DDP leaves at the end of backward.
+        data = self.wrapped.model._get_ddp_logging_data()
+        iteration = int(data.get("iteration", 0) or 0)
+        if iteration > self._last_iteration:
+            self._last_iteration = iteration
+            self._comm_ns.append(int(data.get("backward_comm_time", 0)))
+            self._overlap_ns.append(int(data.get("backward_compute_comm_overlap_time", 0)))
 
     def comm_counters_end(self) -> dict:
-        comm, overlap, n = self._ddp_totals()
-        comm0, overlap0, n0 = self._comm_begin
-        if n <= n0:
+        if not self._comm_ns:
             return {"reason": "DDP recorded no iteration in the window"}
-        return {"total_ms": comm - comm0, "overlap_ms": overlap - overlap0, "iterations": n - n0,
-                "method": "DDP logging data (avg_backward_comm_time)"}
+        return {"total_ms": sum(self._comm_ns) / 1e6, "overlap_ms": sum(self._overlap_ns) / 1e6,
+                "per_step_total_ms": [t / 1e6 for t in self._comm_ns],
+                "per_step_overlap_ms": [t / 1e6 for t in self._overlap_ns],
+                "method": "DDP logging data (backward_comm_time per iteration)"}

@@ -80,6 +80,11 @@ class Adapter:
         """Context for forward+backward; with enabled=False the step's gradients stay local."""
         return contextlib.nullcontext()
 
+    def comm_off(self) -> ContextManager[None]:
+        """Context for the unsynced arm of the exposed-communication ablation: the enclosed forward and
+        backward run as a synced step would, minus the communication. Default: sync(False)."""
+        return self.sync(False)
+
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 

@@ -365,9 +365,12 @@ def _measure(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: 
             for _ in range(min(block, pairs - done[sync])):
                 x, y = batches[(done[True] + done[False]) % len(batches)]
                 arm.start()
-                step_fn.forward_backward(x, y, sync=sync)
                 if sync:
+                    step_fn.forward_backward(x, y)
                     adapter.reduce()
+                else:
+                    with adapter.comm_off():
+                        step_fn.forward_backward(x, y)
                 adapter.zero_grad()
                 arm.stop()
                 arm.end_step()

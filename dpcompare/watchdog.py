@@ -42,14 +42,16 @@ class Watchdog:
 
     def start(self) -> "Watchdog":
         self.beat("start", -1)
+        self._write()
+        self._written = self._seq
         self._thread.start()
         return self
 
     def beat(self, phase: str, step: int) -> None:
-        """Record progress: this rank reached `phase` of `step`."""
+        """Record progress: this rank reached `phase` of `step`. Memory only (it sits in the training loop);
+        the watchdog thread writes the heartbeat file when it polls."""
         self._phase, self._step, self._seq = phase, step, self._seq + 1
         self._last_progress = time.monotonic()
-        self._write()
 
     def _write(self) -> None:
         path = self.dir / f"rank{self.rank}.json"
@@ -93,6 +95,9 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
+            if self._seq != self._written:
+                self._written = self._seq
+                self._write()
             idle = time.monotonic() - self._last_progress
             if idle > self.timeout_s:
                 msg = (f"dpcompare: error: rank {self.rank} made no progress for {idle:.0f} s (timeout {self.timeout_s:g} s, "
@@ -106,6 +111,7 @@ class Watchdog:
         ranks still running can name who fell behind)."""
         self._stop.set()
         if not clean:
+            self._write()  # the last state, for the ranks still running
             return
         try:
             (self.dir / f"rank{self.rank}.json").unlink(missing_ok=True)
