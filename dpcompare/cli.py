@@ -153,6 +153,9 @@ def _exit_now_if_distributed() -> None:
     if detect().world_size > 1:
         sys.stdout.flush()
         sys.stderr.flush()
+        mpi = sys.modules.get("mpi4py.MPI")  # mpirun counts a rank that skips MPI_Finalize as failed
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
         os._exit(0)
 
 

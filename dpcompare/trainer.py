@@ -8,6 +8,7 @@ loop (shard, forward, backward, reduce, check, step) -> gather -> write.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
@@ -109,16 +110,24 @@ class _Step:
         x = x.to(self.device)
         return (x.to(self.dtype) if x.is_floating_point() else x), y.to(self.device)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, sync: bool = True) -> None:
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, comm: bool = True) -> None:
         """Forward and backward over the rank's shard in `grad_accum` equal micro-batches. Only the last
         one synchronises (when the backend can switch sync off); each loss is scaled by 1/grad_accum so
-        the accumulated gradient is the mean over the shard."""
+        the accumulated gradient is the mean over the shard. comm=False is the ablation's unsynced arm:
+        the whole step inside the adapter's comm_off()."""
+        if not comm:
+            with self.adapter.comm_off():
+                self._micro_batches(x, y, lambda last: contextlib.nullcontext())
+            return
+        can_skip = self.adapter.capabilities.can_disable_sync
+        self._micro_batches(x, y, lambda last: self.adapter.sync(last or not can_skip))
+
+    def _micro_batches(self, x: torch.Tensor, y: torch.Tensor, context) -> None:
         wrapped = self.adapter.wrapped
         wrapped.model.train()
         k = self.grad_accum
-        can_skip = self.adapter.capabilities.can_disable_sync
         for j, (xj, yj) in enumerate(zip(x.chunk(k), y.chunk(k))):
-            with self.adapter.sync(sync and (j == k - 1 or not can_skip)):
+            with context(j == k - 1):
                 loss = self.workload.loss_fn(wrapped.model(xj), yj)
                 self.adapter.backward(loss / k if k > 1 else loss)
 
@@ -365,12 +374,9 @@ def _measure(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: 
             for _ in range(min(block, pairs - done[sync])):
                 x, y = batches[(done[True] + done[False]) % len(batches)]
                 arm.start()
+                step_fn.forward_backward(x, y, comm=sync)
                 if sync:
-                    step_fn.forward_backward(x, y)
                     adapter.reduce()
-                else:
-                    with adapter.comm_off():
-                        step_fn.forward_backward(x, y)
                 adapter.zero_grad()
                 arm.stop()
                 arm.end_step()
