@@ -124,7 +124,6 @@ class _Step:
 
     def _micro_batches(self, x: torch.Tensor, y: torch.Tensor, context) -> None:
         wrapped = self.adapter.wrapped
-        wrapped.model.train()
         k = self.grad_accum
         for j, (xj, yj) in enumerate(zip(x.chunk(k), y.chunk(k))):
             with context(j == k - 1):
@@ -158,6 +157,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             module = adapter.sync_batchnorm(module)
         optimizer = make_optimizer(cfg, module.parameters())
         wrapped = adapter.wrap(module, optimizer, local_batch, global_batch)
+        wrapped.model.train()  # once: every step trains (the oracle and the shadow have their own copies)
         step_fn = _Step(adapter, workload, device, dtype, cfg.grad_accum)
 
         verdict = _verify(cfg, env, adapter, workload, template, step_fn, watchdog, global_batch)
