@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -134,7 +134,3 @@ class Adapter:
         """A differentiable all-reduce(sum), for global BatchNorm; None when there is one replica."""
         return None
 
-
-@contextlib.contextmanager
-def no_op() -> Iterator[None]:
-    yield
