@@ -41,12 +41,11 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
             )
 
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
-        kwargs = {}
-        if self.options.get("bucket_mb"):
-            kwargs["bucket_cap_mb"] = float(self.options["bucket_mb"])
-        model = nn.parallel.DistributedDataParallel(
-            module, device_ids=[self.device.index] if self.device.type == "cuda" else None, **kwargs
-        )
+        # find_unused_parameters costs a graph traversal every step: on only when the model needs it.
+        self._ddp_kwargs = {"bucket_cap_mb": float(self.options.get("bucket_mb") or 25),
+                            "find_unused_parameters": bool(self.model_facts.unused),
+                            "device_ids": [self.device.index] if self.device.type == "cuda" else None}
+        model = nn.parallel.DistributedDataParallel(module, **self._ddp_kwargs)
         compression = self.options.get("compression", "none")
         if compression != "none":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -56,6 +55,9 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
         # Record DDP's runtime stats every iteration (default: the first 10, then every 100th).
         model._set_ddp_runtime_logging_sample_rate(1)
         notes = []
+        if self.model_facts.unused:
+            notes.append(f"ddp: find_unused_parameters=True because {', '.join(self.model_facts.unused)} take no part "
+                         "in the loss (found by a float64 forward/backward before wrapping)")
         if self.env.world_size & (self.env.world_size - 1):
             notes.append(f"ddp divides each gradient by {self.env.world_size} before summing (Horovod and DeepSpeed "
                          "divide after): not a power of two, so the backends may differ by an ulp")
@@ -72,9 +74,7 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
         if self._noop_twin is None:
             from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 
-            self._noop_twin = nn.parallel.DistributedDataParallel(
-                self.wrapped.module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                bucket_cap_mb=float(self.options.get("bucket_mb") or 25))
+            self._noop_twin = nn.parallel.DistributedDataParallel(self.wrapped.module, **self._ddp_kwargs)
             self._noop_twin.register_comm_hook(None, noop_hook)
         measured, self.wrapped.model = self.wrapped.model, self._noop_twin
         try:

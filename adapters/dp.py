@@ -88,6 +88,11 @@ class DataParallelAdapter(Adapter):
                 "method": "CUDA events around DataParallel scatter/replicate/gather (the gradient sum onto "
                           "device 0 runs inside autograd and is not included)"}
 
+    def rng_replay_reason(self) -> str | None:
+        if self.device.type == "cuda" and len(self.wrapped.model.device_ids) > 1:
+            return "DataParallel's replicas draw their random numbers on their own devices, which one rank's state does not hold"
+        return None
+
     def comm_buffer_bytes(self, grad_bytes: int) -> int | None:
         if self.device.type != "cuda":
             return 0

@@ -46,7 +46,7 @@ def _number(text: str) -> float:
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
     p.add_argument("--backend", default=d.backend, help="reference, ddp, horovod, dp, deepspeed, or package.module:Class")
-    p.add_argument("--model", default=d.model, help="mlp, cnn, lm, or package.module:function")
+    p.add_argument("--model", default=d.model, help="mlp, mlp-dropout, mlp-unused, cnn, lm, or package.module:function")
     p.add_argument("--device", default=d.device, choices=get_args(DeviceChoice))
     p.add_argument("--global-batch", type=_whole, default=d.global_batch)
     p.add_argument("--local-batch", type=_whole, default=None, help="per-rank batch (weak scaling)")
@@ -68,6 +68,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compression", default=d.compression, choices=get_args(Compression), help="gradient compression on the wire")
     p.add_argument("--bucket-mb", type=_number, default=None, help="all-reduce bucket / fusion size in MiB")
     p.add_argument("--sync-bn", action="store_true", help="global-batch BatchNorm statistics")
+    p.add_argument("--no-dropout", action="store_true",
+                   help="switch dropout off (p=0) so the forward is deterministic and the verdict can check it")
     p.add_argument("--timeout-s", type=_number, default=d.timeout_s, help="exit when a rank makes no progress this long")
     p.add_argument("--out", default=d.out, help="directory for the JSON result")
     p.add_argument("--dump-grads", default=None, help="write checked-step gradients to this .npz")

@@ -21,7 +21,7 @@ class RunConfig:
     backend: str = "reference"
     """Registered backend name (reference, ddp, horovod, dp, deepspeed) or `package.module:Class`."""
     model: str = "mlp"
-    """Built-in workload (mlp, cnn, lm) or `package.module:function` returning a Workload."""
+    """Built-in workload (mlp, mlp-dropout, mlp-unused, cnn, lm) or `package.module:function` returning a Workload."""
     device: DeviceChoice = "auto"
     """auto: CUDA when available (process group NCCL), else CPU (gloo)."""
     global_batch: int = 24
@@ -62,6 +62,9 @@ class RunConfig:
     """All-reduce message size: DDP bucket_cap_mb, HOROVOD_FUSION_THRESHOLD; DeepSpeed ZeRO-0 has no bucket."""
     sync_bn: bool = False
     """Convert BatchNorm layers to a global-batch (synchronised) BatchNorm."""
+    no_dropout: bool = False
+    """Set every dropout probability to 0: a forward that draws no random numbers can always be checked
+    (with dropout on, the check replays each rank's masks where it can, else says `unverifiable`)."""
     timeout_s: float = 120.0
     """A rank that makes no progress for this long makes every rank exit with an error naming it."""
     out: str = "results"

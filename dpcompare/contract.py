@@ -36,6 +36,21 @@ class Capabilities:
     """Which bench-collectives transport measures the link this backend's all-reduce uses."""
 
 
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What the trainer found out about the model before wrapping it (one float64 forward/backward of the
+    first global batch on rank 0, shared with every rank), for adapters whose wrapper must know."""
+
+    unused: tuple[str, ...] = ()
+    """Trainable parameters that take no part in the loss (their gradient stays None)."""
+    frozen: tuple[str, ...] = ()
+    """Parameters with requires_grad=False: never updated, left out of every check."""
+    random_modules: tuple[str, ...] = ()
+    """Modules that draw random numbers in training mode (dropout)."""
+    stochastic: bool = False
+    """Two forwards of the same input differ: the forward draws random numbers."""
+
+
 @dataclass(slots=True)
 class Wrapped:
     model: nn.Module
@@ -63,6 +78,8 @@ class Adapter:
         self.device = device
         self.options = dict(options or {})
         self.wrapped: Wrapped | None = None
+        self.model_facts = ModelFacts()
+        """Set by the trainer before `wrap` (DDP needs `unused` for find_unused_parameters)."""
 
     # -- lifecycle -------------------------------------------------------------------------------
     def setup(self, timeout_s: float) -> None:
@@ -129,6 +146,11 @@ class Adapter:
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Gather a small picklable object from every rank, in rank order."""
         return [obj]
+
+    def rng_replay_reason(self) -> str | None:
+        """Why rank 0 cannot replay this backend's random numbers from each rank's generator state (they are
+        drawn somewhere else than in the rank's own forward), or None when it can."""
+        return None
 
     def allreduce_sum_autograd(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """A differentiable all-reduce(sum), for global BatchNorm; None when there is one replica."""

@@ -34,10 +34,13 @@ import copy
 import hashlib
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Literal
 
 import torch
 from torch import nn
+
+from dpcompare.stochastic import RngState, replaying
+from dpcompare.workloads import shard
 
 TOLERANCE_FACTOR = 10.0
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
@@ -99,40 +102,98 @@ def depth_of(module: nn.Module) -> int:
     return sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False)))
 
 
-def compare_grads(
-    grads: Grads, oracle: Grads, floor: Grads, *, dtype: str, world_size: int, depth: int, compression: str = "none"
+def compare(
+    values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_size: int, depth: int, u_sum: float | None = None,
+    names: Iterable[str] | None = None,
 ) -> list[ParamError]:
+    """Per-parameter errors of `values` against `reference`, in multiples of the floor (`floor` against
+    `reference`). Used for gradients (reference: the float64 oracle) and for updates (reference: the float64
+    optimizer step). A non-finite value is an error of +inf, never a pass."""
     u = UNIT_ROUNDOFF[dtype]
-    wire = WIRE_DTYPE[compression]
-    u_sum = max(u, UNIT_ROUNDOFF[wire]) if wire else u  # the reduction rounds in the wire dtype
-    names = list(oracle)
-    whole = flat(oracle, names)
+    u_sum = u if u_sum is None else u_sum
+    names = list(reference) if names is None else list(names)
+    whole = flat(reference, names)
     global_floor = rel_fro(flat(floor, names), whole)
     share = float(torch.linalg.vector_norm(whole)) / math.sqrt(max(len(names), 1))
     out = []
     for name in names:
-        g, o = grads[name], oracle[name]
+        g, o = values[name], reference[name]
+        finite = bool(torch.isfinite(g).all())
         diff = (g - o).abs()
         scale = float(o.abs().max()) if o.numel() else 0.0
         max_rel = float((diff / (o.abs() + u * scale + 1e-300)).max()) if o.numel() else 0.0
-        err = rel_fro(g, o, share)
+        err = rel_fro(g, o, share) if finite else math.inf
         own_floor = rel_fro(floor[name], o, share)
         floor_p = max(own_floor, global_floor, depth * u)
         tol = TOLERANCE_FACTOR * (floor_p + world_size * u_sum)
         out.append(
-            ParamError(name, float(diff.max()) if o.numel() else 0.0, max_rel, err,
+            ParamError(name, float(diff.max()) if o.numel() else 0.0, max_rel if finite else math.inf, err,
                        own_floor, err / floor_p, tol, err <= tol)
         )
     return out
 
 
+def compare_grads(
+    grads: Grads, oracle: Grads, floor: Grads, *, dtype: str, world_size: int, depth: int, compression: str = "none"
+) -> list[ParamError]:
+    wire = WIRE_DTYPE[compression]
+    u = UNIT_ROUNDOFF[dtype]
+    u_sum = max(u, UNIT_ROUNDOFF[wire]) if wire else u  # the reduction rounds in the wire dtype
+    return compare(grads, oracle, floor, dtype=dtype, world_size=world_size, depth=depth, u_sum=u_sum)
+
+
 # -- the oracle ------------------------------------------------------------------------------------
+Piece = tuple[torch.Tensor, torch.Tensor, float]
+"""Inputs, targets and the weight of that piece's loss in the step's gradient."""
+Group = tuple[RngState | None, list[Piece]]
+"""Pieces run in order from one generator state (None: deterministic, no state needed)."""
+
+
+def global_groups(batch: tuple[torch.Tensor, torch.Tensor]) -> list[Group]:
+    """The global batch in one forward: the gradient of the global-batch loss itself."""
+    return [(None, [(batch[0], batch[1], 1.0)])]
+
+
+def replay_groups(batch: tuple[torch.Tensor, torch.Tensor], world_size: int, grad_accum: int,
+                  rngs: list[RngState]) -> list[Group]:
+    """What the ranks computed, rank by rank: each rank's shard in its micro-batches, from the generator
+    state that rank had before its forward. For a loss that is a mean over samples and a model without
+    cross-sample coupling (no BatchNorm) the weighted sum is the gradient of the global-batch loss under
+    the random numbers the ranks drew."""
+    groups: list[Group] = []
+    weight = 1.0 / (world_size * grad_accum)
+    for rank in range(world_size):
+        x, y = shard(batch, rank, world_size)
+        groups.append((rngs[rank], [(xj, yj, weight) for xj, yj in zip(x.chunk(grad_accum), y.chunk(grad_accum))]))
+    return groups
+
+
+def accumulate_gradient(model: nn.Module, loss_fn: Callable, groups: list[Group], device: torch.device) -> tuple[Grads, frozenset[str]]:
+    """Sum over pieces of weight * grad(loss(piece)) at the model's current parameters. Returns the
+    gradients (float64, CPU; zeros where autograd left None) and the names whose gradient stayed None."""
+    dtype = next(model.parameters()).dtype
+    model.train()
+    model.zero_grad(set_to_none=True)
+    for rng, pieces in groups:
+        with replaying(rng, device):
+            for x, y, weight in pieces:
+                x = x.to(device)
+                if x.is_floating_point():
+                    x = x.to(dtype)
+                loss = loss_fn(model(x), y.to(device))
+                (loss * weight if weight != 1.0 else loss).backward()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    none = frozenset(n for n, p in named if p.grad is None)
+    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().cpu() for n, p in named}, none
+
+
 class Oracle:
     """Recomputes gradients of the global-batch loss on rank 0 from the run's current parameters.
 
     It holds two plain copies of the workload's model (no wrapper, no global BatchNorm): one in float64
     (the oracle) and one in the run dtype (the noise floor). Each check loads the run's state dict into
-    them, so no error carries over from earlier steps.
+    them, so no error carries over from earlier steps. Only trainable parameters are checked (`names`);
+    frozen ones (requires_grad=False) are listed apart. Work here never advances the run's generators.
     """
 
     def __init__(self, template: nn.Module, loss_fn: Callable, dtype: str, device: torch.device) -> None:
@@ -140,27 +201,32 @@ class Oracle:
         self.device = device
         self.model64 = copy.deepcopy(template).to(device=device, dtype=torch.float64)
         self.model_run = copy.deepcopy(template).to(device=device, dtype=DTYPES[dtype])
-        self.names = [n for n, _ in template.named_parameters()]
+        self.names = [n for n, p in template.named_parameters() if p.requires_grad]
+        self.none: frozenset[str] = frozenset()
+        """Parameters whose oracle gradient was None at the last `oracle_of` call (not in the loss)."""
 
-    def _grad(self, model: nn.Module, state: dict, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> Grads:
+    def _grad(self, model: nn.Module, state: dict, groups: list[Group]) -> tuple[Grads, frozenset[str]]:
         model.load_state_dict(state)
-        model.train()
-        model.zero_grad(set_to_none=True)
-        x = x.to(self.device)
-        if x.is_floating_point():
-            x = x.to(dtype)
-        self.loss_fn(model(x), y.to(self.device)).backward()
-        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().cpu()
-                for n, p in model.named_parameters()}
+        return accumulate_gradient(model, self.loss_fn, groups, self.device)
+
+    def oracle_of(self, state: dict, groups: list[Group]) -> Grads:
+        grads, self.none = self._grad(self.model64, state, groups)
+        return grads
+
+    def floor_of(self, state: dict, groups: list[Group]) -> Grads:
+        return self._grad(self.model_run, state, groups)[0]
 
     def oracle(self, state: dict, x: torch.Tensor, y: torch.Tensor) -> Grads:
-        return self._grad(self.model64, state, x, y, torch.float64)
+        return self._grad(self.model64, state, global_groups((x, y)))[0]
 
     def floor(self, state: dict, x: torch.Tensor, y: torch.Tensor) -> Grads:
-        return self._grad(self.model_run, state, x, y, next(self.model_run.parameters()).dtype)
+        return self._grad(self.model_run, state, global_groups((x, y)))[0]
 
 
-# -- diagnosis -------------------------------------------------------------------------------------
+# -- verdict ---------------------------------------------------------------------------------------
+Check = Literal["initial", "gradient", "update", "trajectory", "replicas", "rng"]
+
+
 @dataclass(slots=True)
 class Divergence:
     step: int
@@ -169,56 +235,42 @@ class Divergence:
     tolerance_rel_fro: float
     noise_ratio: float
     reason: str
+    check: Check = "gradient"
+    """Which check broke: initial weights, gradient, update, trajectory, replicas, or the ranks' generators."""
+    cause: str = "unknown"
+    """The diagnosis' code (dpcompare.diagnosis.Diagnosis.cause)."""
+    parameters: list[str] = field(default_factory=list)
+    """Every parameter that broke tolerance at that step and check."""
 
 
-def diagnose(
-    *,
-    grads: Grads,
-    oracle_grads: Grads,
-    oracle: Oracle,
-    state: dict,
-    global_batch: tuple[torch.Tensor, torch.Tensor],
-    shards: list[tuple[torch.Tensor, torch.Tensor]],
-    shard_digests: list[str],
-    expected_digests: list[str],
-    tolerance: float,
-    has_batchnorm: bool,
-    sync_bn: bool,
-) -> str:
-    """Explain why the reduced gradient is not the global-batch gradient, by testing hypotheses against
-    what the gradient would be under each known fault. Returns a sentence naming the cause and the fix."""
-    names = oracle.names
-    g = flat(grads, names)
-    o = flat(oracle_grads, names)
-    n = len(shards)
+@dataclass(slots=True)
+class UpdateCheck:
+    """The parameter update of one checked step against the reference optimizer step."""
 
-    seen: dict[str, int] = {}
-    for rank, digest in enumerate(shard_digests):
-        if digest in seen:
-            return (f"ranks {seen[digest]} and {rank} read the same shard (duplicated data): each rank must read a "
-                    "disjoint 1/N of the global batch (DistributedSampler-style sharding)")
-        seen[digest] = rank
-    if sorted(shard_digests) != sorted(expected_digests):
-        return ("the ranks' shards are not the shards of the global batch: the data stream differs between ranks "
-                "(seed, sampler or shuffling)")
-    if n > 1 and rel_fro(g, n * o) <= tolerance:
-        return (f"the reduced gradient is {n}x the oracle: gradients were summed, not averaged; divide by the world "
-                "size (op=Average / a mean comm hook)")
-    local = [flat(oracle.oracle(state, x, y), names) for x, y in shards]
-    for rank, l in enumerate(local):
-        if n > 1 and rel_fro(g, l) <= tolerance:
-            return (f"the reduced gradient equals rank {rank}'s local gradient: gradients were not synchronised on "
-                    "this step (sync switched off, or the reduction skipped)")
-    if n > 1 and has_batchnorm and not sync_bn:
-        mean_local = torch.stack(local).mean(dim=0)
-        if rel_fro(g, mean_local) <= tolerance:
-            return (f"BatchNorm normalised each rank's shard with that shard's own statistics (local batch "
-                    f"{shards[0][0].shape[0]}), so the mean of the rank gradients is not the global-batch gradient; "
-                    "rerun with --sync-bn for global-batch statistics")
-    return "the reduced gradient matches none of the known fault patterns (sum, skipped sync, duplicated data, per-rank BatchNorm)"
+    params: list[ParamError]
+    norm_ratios: dict[str, float]
+    """Per parameter ||update_backend|| / ||update_reference||."""
+    norm_ratio: float
+    """The same over the whole model."""
+
+    @property
+    def noise_ratio(self) -> float:
+        return max((p.noise_ratio for p in self.params), default=0.0)
+
+    @property
+    def max_rel_fro_err(self) -> float:
+        return max((p.rel_fro_err for p in self.params), default=0.0)
+
+    @property
+    def floor(self) -> float:
+        return max((p.floor_rel_fro_err for p in self.params), default=0.0)
+
+    def to_dict(self) -> dict:
+        return {"max_rel_fro_err": self.max_rel_fro_err, "noise_floor_rel_fro": self.floor,
+                "noise_ratio": self.noise_ratio, "norm_ratio": self.norm_ratio,
+                "params": [dict(asdict(p), norm_ratio=self.norm_ratios.get(p.parameter)) for p in self.params]}
 
 
-# -- verdict ---------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class StepCheck:
     step: int
@@ -226,6 +278,7 @@ class StepCheck:
     replicas_identical: bool
     grads_identical_across_ranks: bool
     mismatch: str | None = None
+    update: UpdateCheck | None = None
 
     @property
     def max_rel_err(self) -> float:
@@ -244,6 +297,10 @@ class StepCheck:
         return max((p.floor_rel_fro_err for p in self.params), default=0.0)
 
 
+def _worst(values: list[float]) -> float | None:
+    return max(values) if values else None
+
+
 @dataclass(slots=True)
 class Verdict:
     checks: list[StepCheck] = field(default_factory=list)
@@ -251,18 +308,69 @@ class Verdict:
     replicas_identical: bool = True
     initial_weights_identical: bool = True
     drift: list[dict] = field(default_factory=list)
+    """The trajectory, judged: one entry per step (see dpcompare.trajectory)."""
     notes: list[str] = field(default_factory=list)
+    unverifiable: list[str] = field(default_factory=list)
+    """Why part of the run could not be checked; any entry turns an `equivalent` into `unverifiable`."""
+    update_checked: bool = False
+    stochastic: dict | None = None
+    """What randomness the forward draws and how the check handled it (None: not probed)."""
+    parameters: dict = field(default_factory=dict)
+    """Unused and frozen parameters, and how the backend left the unused ones' gradients."""
+
+    def diverge(self, divergence: Divergence) -> None:
+        """Record a failed check; the first one recorded is the run's first divergence."""
+        if self.first_divergence is None:
+            self.first_divergence = divergence
+
+    def status(self) -> str:
+        if self.first_divergence is not None or not self.replicas_identical or not self.initial_weights_identical:
+            return "different"
+        if self.unverifiable:
+            return "unverifiable"
+        if not self.checks and not self.drift:
+            return "unchecked"
+        return "equivalent"
+
+    def _summaries(self) -> dict:
+        d = self.first_divergence
+
+        def status(check: str, ran: bool) -> str:
+            if d is not None and d.check == check:
+                return "fail"
+            if self.unverifiable and not ran:
+                return "unverifiable"
+            return "pass" if ran else "off"
+
+        updates = [c.update for c in self.checks if c.update is not None]
+        drift = [e for e in self.drift if e.get("noise_ratio") is not None]
+        worst_drift = max(drift, key=lambda e: e["noise_ratio"], default=None)
+        worst_ratio = max((u.norm_ratio for u in updates), key=lambda r: abs(math.log(r)) if r > 0 and math.isfinite(r)
+                          else math.inf, default=None)
+        return {
+            "gradient": {"status": status("gradient", bool(self.checks)),
+                         "noise_ratio": _worst([c.noise_ratio for c in self.checks]),
+                         "max_rel_fro_err": _worst([c.max_rel_fro_err for c in self.checks]),
+                         "noise_floor_rel_fro": _worst([c.floor for c in self.checks])},
+            "update": {"status": status("update", bool(updates)),
+                       "noise_ratio": _worst([u.noise_ratio for u in updates]),
+                       "max_rel_fro_err": _worst([u.max_rel_fro_err for u in updates]),
+                       "noise_floor_rel_fro": _worst([u.floor for u in updates]),
+                       "norm_ratio": worst_ratio},
+            "trajectory": {"status": status("trajectory", bool(drift)),
+                           "noise_ratio": worst_drift["noise_ratio"] if worst_drift else None,
+                           "rel_param_distance": worst_drift["rel_param_distance"] if worst_drift else None,
+                           "floor_rel_param_distance": worst_drift["floor_rel_param_distance"] if worst_drift else None,
+                           "step": worst_drift["step"] if worst_drift else None},
+        }
 
     def to_dict(self, tolerance_policy: dict) -> dict:
-        checked = bool(self.checks)
-        ok = self.first_divergence is None and self.replicas_identical and self.initial_weights_identical
-        if not checked and ok:
-            verdict = "unchecked"
-        else:
-            verdict = "equivalent" if ok else "different"
         worst = max(self.checks, key=lambda c: c.noise_ratio, default=None)
+        verdict = self.status()
         return {
             "verdict": verdict,
+            "unverifiable_reason": "; ".join(self.unverifiable) if verdict == "unverifiable" else None,
+            "checks": self._summaries(),
             "checked_steps": [c.step for c in self.checks],
             "max_rel_err": max((c.max_rel_err for c in self.checks), default=None),
             "max_rel_fro_err": max((c.max_rel_fro_err for c in self.checks), default=None),
@@ -271,6 +379,8 @@ class Verdict:
             "first_divergence": asdict(self.first_divergence) if self.first_divergence else None,
             "replicas_identical": self.replicas_identical,
             "initial_weights_identical": self.initial_weights_identical,
+            "stochastic": self.stochastic,
+            "parameters": self.parameters,
             "tolerance": tolerance_policy,
             "drift": self.drift,
             "notes": self.notes,
@@ -284,6 +394,7 @@ class Verdict:
                     "replicas_identical": c.replicas_identical,
                     "grads_identical_across_ranks": c.grads_identical_across_ranks,
                     "params": [asdict(p) for p in c.params],
+                    "update": c.update.to_dict() if c.update is not None else None,
                 }
                 for c in self.checks
             ],
@@ -294,6 +405,10 @@ def tolerance_policy(dtype: str, world_size: int, depth: int, compression: str =
     wire = WIRE_DTYPE[compression]
     return {
         "rule": "rel_fro_err <= factor * (max(floor_param, floor_model, depth*u) + world_size*u_wire)",
+        "update_rule": "rel_fro_err(update) <= factor * (max(floor_param, floor_model, depth*u) + world_size*u), "
+                       "floor: the run-dtype optimizer step from the run-dtype single-process gradient",
+        "trajectory_rule": "rel_param_distance(step k) <= factor * (max(floor_k, (k+1)*depth*u) + (k+1)*world_size*u), "
+                           "floor_k: distance of a run-dtype single-process trajectory from the float64 one",
         "compression": compression,
         "unit_roundoff_wire": UNIT_ROUNDOFF[wire] if wire else UNIT_ROUNDOFF[dtype],
         "factor": TOLERANCE_FACTOR,

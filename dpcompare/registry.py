@@ -25,6 +25,8 @@ REQUIREMENTS: dict[str, tuple[str, str]] = {
 
 MODELS: dict[str, str] = {
     "mlp": "dpcompare.workloads:mlp",
+    "mlp-dropout": "dpcompare.workloads:mlp_dropout",
+    "mlp-unused": "dpcompare.workloads:mlp_unused",
     "cnn": "dpcompare.workloads:cnn",
     "lm": "dpcompare.workloads:lm",
 }

@@ -14,15 +14,15 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from dpcompare import equivalence as eq
-from dpcompare import launch, measure, registry, results
+from dpcompare import launch, measure, registry, results, stochastic, verifier
 from dpcompare.config import RunConfig
 from dpcompare.contract import Adapter
 from dpcompare.syncbn import has_batchnorm
@@ -85,19 +85,6 @@ def _inject(cfg: RunConfig, rank: int, step: int) -> None:
             time.sleep(3600)
 
 
-@dataclass(slots=True)
-class _Shadow:
-    """The reference trajectory: a plain single-process copy trained on the global batch (rank 0)."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-
-    def step(self, workload: Workload, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        workload.loss_fn(self.model(x), y).backward()
-        self.optimizer.step()
-
-
 class _Step:
     """One training step's pieces, shared by the verification and the measurement phase."""
 
@@ -151,12 +138,24 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     try:
         adapter.setup(cfg.timeout_s)
         watchdog = Watchdog(rank=env.rank, world_size=env.world_size, job_id=env.job_id, timeout_s=cfg.timeout_s).start()
-        template = copy.deepcopy(workload.model)  # untouched architecture, for the oracle and the shadow
+        switched = stochastic.switch_off_dropout(workload.model) if cfg.no_dropout else []
+        template = copy.deepcopy(workload.model)  # untouched architecture, for the oracle and the reference trajectory
+        # Rank 0 probes the model before wrapping (unused parameters decide DDP's find_unused_parameters);
+        # every rank takes rank 0's answer.
+        facts = None
+        if env.is_rank0:
+            facts = verifier.probe(template, workload.loss_fn, workload.make_batch(0, global_batch), device)
+        facts = adapter.all_gather_object(facts)[0]
+        # Same seed for the weights (above), a seed of its own per rank for what the forward draws (seed 000).
+        stochastic.seed_rank(cfg.seed, env.rank)
         module = workload.model.to(device=device, dtype=dtype)
         if cfg.sync_bn:
             module = adapter.sync_batchnorm(module)
         optimizer = make_optimizer(cfg, module.parameters())
+        adapter.model_facts = facts
         wrapped = adapter.wrap(module, optimizer, local_batch, global_batch)
+        if switched:
+            wrapped.notes.append(f"--no-dropout: dropout switched off in {', '.join(switched)}")
         wrapped.model.train()  # once: every step trains (the oracle and the shadow have their own copies)
         step_fn = _Step(adapter, workload, device, dtype, cfg.grad_accum)
 
@@ -211,13 +210,28 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         adapter.teardown()
 
 
+def optimizer_factory(cfg: RunConfig) -> Callable[..., torch.optim.Optimizer]:
+    """The run's optimizer over any parameters, with hyper-parameters overridden (for the update check)."""
+    return lambda params, **overrides: make_optimizer(replace(cfg, **overrides), params)
+
+
 def _verify(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Workload, template: torch.nn.Module,
             step_fn: _Step, watchdog: Watchdog, global_batch: int) -> eq.Verdict:
-    """Verification phase: `cfg.steps` steps, the reduced gradient checked against the oracle at checked
-    steps, replicas compared, the reference trajectory trained beside the run."""
+    """Verification phase: `cfg.steps` steps; at checked steps rank 0 holds the reduced gradient against the
+    float64 oracle and the update against a reference optimizer step, after every step the parameters
+    against the reference trajectory (dpcompare.verifier); replicas and generators compared across ranks."""
     wrapped = adapter.wrapped
+    facts = adapter.model_facts
     names = [n for n, _ in wrapped.module.named_parameters()]
-    verdict = eq.Verdict(notes=list(wrapped.notes))
+    rank0 = env.is_rank0
+    check = None
+    if rank0 and cfg.check_every:
+        check = verifier.Verifier(
+            cfg=cfg, world_size=env.world_size, template=template, loss_fn=workload.loss_fn, facts=facts,
+            wrapped=wrapped, device=step_fn.device, factory=optimizer_factory(cfg), has_batchnorm=has_batchnorm(template),
+            replay_reason=adapter.rng_replay_reason(), batch_sizes=(global_batch, global_batch // env.world_size))
+        check.check_initial(wrapped.module)
+    verdict = check.verdict if check is not None else eq.Verdict(notes=list(wrapped.notes))
     initial = adapter.all_gather_object(eq.param_digests(wrapped.module))
     mismatch = eq.first_mismatch(initial, names)
     if mismatch:
@@ -225,20 +239,12 @@ def _verify(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: W
         verdict.replicas_identical = False
         verdict.notes.append(f"rank {mismatch[0]} started with different weights at parameter {mismatch[1]}")
 
-    rank0 = env.is_rank0
-    depth = eq.depth_of(template)
-    oracle = eq.Oracle(template, workload.loss_fn, cfg.dtype, step_fn.device) if rank0 and cfg.check_every else None
-    shadow = None
-    if oracle is not None:
-        shadow_model = copy.deepcopy(template).to(device=step_fn.device, dtype=step_fn.dtype)
-        shadow = _Shadow(shadow_model, make_optimizer(cfg, shadow_model.parameters()))
-    dumps: dict[str, np.ndarray] = {}
     sample_rank = 0 if cfg.inject_fault == "dupdata" else env.rank
-
     for step in range(cfg.steps):
         checked = cfg.check_every > 0 and step % cfg.check_every == 0
         batch = workload.make_batch(step, global_batch)
         x, y = shard(batch, sample_rank, env.world_size)
+        rng = stochastic.capture(step_fn.device) if facts.stochastic else None
         _inject(cfg, env.rank, step)
         watchdog.beat("forward", step)
         step_fn.forward_backward(*step_fn.inputs(x, y))
@@ -246,65 +252,54 @@ def _verify(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: W
         adapter.reduce()
         watchdog.beat("reduced", step)
 
-        if checked:
+        info = None
+        if checked or facts.stochastic:
             # Gradients are global now and the parameters are those the gradients were taken at.
-            info = adapter.all_gather_object({"grads": eq.grad_digests(wrapped.module), "shard": eq.tensor_digest(x)})
-            if rank0:
-                assert oracle is not None
-                state = {k: v.detach().clone() for k, v in wrapped.module.state_dict().items()}
-                grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().cpu()
-                         for n, p in wrapped.module.named_parameters()}
-                oracle_grads = oracle.oracle(state, *batch)
-                floor_grads = oracle.floor(state, *batch)
-                params = eq.compare_grads(grads, oracle_grads, floor_grads, dtype=cfg.dtype,
-                                          world_size=env.world_size, depth=depth, compression=cfg.compression)
-                check = eq.StepCheck(step, params, True, eq.first_mismatch([i["grads"] for i in info], names) is None)
-                verdict.checks.append(check)
-                failing = next((p for p in params if not p.ok), None)
-                if failing is not None and verdict.first_divergence is None:
-                    shards = [shard(batch, r, env.world_size) for r in range(env.world_size)]
-                    reason = eq.diagnose(
-                        grads=grads, oracle_grads=oracle_grads, oracle=oracle, state=state, global_batch=batch,
-                        shards=shards, shard_digests=[i["shard"] for i in info],
-                        expected_digests=[eq.tensor_digest(s[0]) for s in shards],
-                        tolerance=failing.tolerance_rel_fro, has_batchnorm=has_batchnorm(template),
-                        sync_bn=cfg.sync_bn,
-                    )
-                    verdict.first_divergence = eq.Divergence(
-                        step, failing.parameter, failing.rel_fro_err, failing.tolerance_rel_fro,
-                        failing.noise_ratio, reason)
-                if cfg.dump_grads:
-                    for kind, g in (("reduced", grads), ("oracle", oracle_grads), ("floor", floor_grads)):
-                        for n, t in g.items():
-                            dumps[f"{step}/{kind}/{n}"] = t.numpy()
+            mine = {"shard": eq.tensor_digest(x), "rng": rng}
+            if checked:
+                mine["grads"] = eq.grad_digests(wrapped.module)
+                mine["unused"] = _unused_grad_forms(wrapped.module, facts.unused)
+            info = adapter.all_gather_object(mine)
+        if check is not None:
+            if facts.stochastic:
+                check.observe_generators(step, [i["rng"] for i in info])
+            if checked:
+                check.check_gradient(step, batch, info)
             watchdog.beat("checked", step)
 
         step_fn.update()
         watchdog.beat("stepped", step)
-        if shadow is not None:
-            shadow.step(workload, *step_fn.inputs(*batch))
-            ref = torch.cat([p.detach().double().reshape(-1) for p in shadow.model.parameters()])
-            mine = torch.cat([p.detach().double().reshape(-1) for p in wrapped.module.parameters()])
-            verdict.drift.append({"step": step, "rel_param_distance": eq.rel_fro(mine, ref)})
+        if check is not None:
+            check.check_update(step)
+            check.trajectory_step(step, batch, [i["rng"] for i in info] if facts.stochastic else None)
 
         if checked or step == cfg.steps - 1:
-            # After rank 0's extra work (oracle, shadow): this gather is also where the ranks line up again.
+            # After rank 0's extra work (oracle, trajectory): this gather is also where the ranks line up again.
             after = adapter.all_gather_object(eq.param_digests(wrapped.module))
             mismatch = eq.first_mismatch(after, names)
             if rank0 and mismatch:
                 verdict.replicas_identical = False
                 if verdict.checks and verdict.checks[-1].step == step:
                     verdict.checks[-1].replicas_identical = False
-                if verdict.first_divergence is None:
-                    verdict.first_divergence = eq.Divergence(
-                        step, mismatch[1], float("nan"), 0.0, float("nan"),
-                        f"after the optimizer step rank {mismatch[0]} holds different values of {mismatch[1]} "
-                        "than rank 0: the replicas diverged")
+                verdict.diverge(eq.Divergence(
+                    step, mismatch[1], float("nan"), 0.0, float("nan"),
+                    f"after the optimizer step rank {mismatch[0]} holds different values of {mismatch[1]} "
+                    "than rank 0: the replicas diverged", check="replicas", cause="replicas"))
         watchdog.beat("done", step)
 
-    if rank0 and cfg.dump_grads:
-        _save_npz_atomic(Path(cfg.dump_grads), dumps)
+    if check is not None and cfg.dump_grads:
+        _save_npz_atomic(Path(cfg.dump_grads), check.dumps)
     return verdict
+
+
+def _unused_grad_forms(module: torch.nn.Module, unused: tuple[str, ...]) -> dict[str, str]:
+    """How this rank left the gradients of parameters that take no part in the loss: none, zero or nonzero."""
+    params = dict(module.named_parameters())
+    forms = {}
+    for name in unused:
+        g = params[name].grad
+        forms[name] = "none" if g is None else ("zero" if not bool(g.any()) else "nonzero")
+    return forms
 
 
 def _measure(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Workload, step_fn: _Step,
@@ -434,9 +429,18 @@ def summary_line(payload: dict[str, Any]) -> str:
     head = f"{payload['backend']} ws={payload['world_size']} {payload['model']} [{payload['launcher']}]: {e['verdict']}"
     if e["verdict"] == "unchecked":
         return f"{head} -> {payload.get('result_path')}"
+    parts = []
     ratio = e["noise_ratio"]
-    detail = (f"max rel fro err {e['max_rel_fro_err']:.2e}, {ratio:.2f}x noise floor {e['noise_floor_rel_fro']:.2e}"
-              if ratio is not None else "no gradient figures")
+    if ratio is not None:
+        parts.append(f"gradient: max rel fro err {e['max_rel_fro_err']:.2e}, {ratio:.2f}x noise floor "
+                     f"{e['noise_floor_rel_fro']:.2e}")
+    checks = e.get("checks") or {}
+    update, trajectory = checks.get("update") or {}, checks.get("trajectory") or {}
+    if update.get("noise_ratio") is not None:
+        parts.append(f"update: {update['noise_ratio']:.2f}x floor, ||update||/||reference|| {update['norm_ratio']:.4g}")
+    if trajectory.get("noise_ratio") is not None:
+        parts.append(f"trajectory: {trajectory['noise_ratio']:.2f}x floor")
+    detail = "; ".join(parts) or "no figures"
     if e["tolerance"].get("compression", "none") != "none":
         detail += f" ({e['tolerance']['compression']} on the wire, tolerance widened to match)"
     m = payload.get("metrics")
@@ -444,6 +448,8 @@ def summary_line(payload: dict[str, Any]) -> str:
         detail += f"; step p50 {m['step_ms_p50']:.1f} ms, {m['samples_per_s']:.0f} samples/s"
     if e["first_divergence"]:
         d = e["first_divergence"]
-        detail += f"; first divergence at step {d['step']}, {d['parameter']}: {d['reason']}"
+        detail += f"; first divergence at step {d['step']} ({d.get('check', 'gradient')} check), {d['parameter']}: {d['reason']}"
+    if e.get("unverifiable_reason"):
+        detail += f"; unverifiable: {e['unverifiable_reason']}"
     detail += "; replicas identical" if e["replicas_identical"] else "; REPLICAS DIFFER"
     return f"{head} ({detail}) -> {payload.get('result_path')}"

@@ -1,6 +1,7 @@
 """Workloads: a model and its deterministic synthetic data, built from one seed.
 
-Owns: the built-in models (mlp, cnn with BatchNorm, a small causal transformer LM with a tied head), the
+Owns: the built-in models (mlp, mlp-dropout, mlp-unused with a head forward never calls and a frozen layer,
+cnn with BatchNorm, a small causal transformer LM with a tied head), the
 synthetic global batch of every step, and sharding (DistributedSampler's rule: rank r takes samples
 r, r+N, r+2N, ... of the global batch, so shards are disjoint, equal and cover it). Every rank builds the
 same weights from the seed; the trainer verifies that with a fingerprint instead of assuming it.
@@ -53,6 +54,34 @@ def mlp(seed: int) -> Workload:
         return x, (x @ weight).argmax(dim=1)
 
     return Workload("mlp", model, make_batch, _cross_entropy)
+
+
+def mlp_dropout(seed: int) -> Workload:
+    """The MLP with dropout after each hidden layer, in training mode: a forward that draws random numbers."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.2), nn.Linear(64, 64), nn.GELU(),
+                          nn.Dropout(0.2), nn.Linear(64, 10))
+    return Workload("mlp-dropout", model, mlp(seed).make_batch, _cross_entropy)
+
+
+class _PartlyUsed(nn.Module):
+    """An MLP with an auxiliary head that forward never calls (its parameters get no gradient) and a frozen
+    input projection (requires_grad=False): what fine-tuning and multi-head models look like."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(32, 32)
+        self.embed.requires_grad_(False)
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
+        self.aux_head = nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.embed(x))
+
+
+def mlp_unused(seed: int) -> Workload:
+    torch.manual_seed(seed)
+    return Workload("mlp-unused", _PartlyUsed(), mlp(seed).make_batch, _cross_entropy)
 
 
 # -- CNN with BatchNorm --------------------------------------------------------------------------------

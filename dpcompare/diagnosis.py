@@ -1,0 +1,447 @@
+"""Diagnosis: why a check failed, found by testing what each known fault would have produced.
+
+Owns: the hypotheses for a failed gradient check and for a failed update check. Each hypothesis builds the
+gradient (or update) its fault would give; a failing parameter is explained by the first hypothesis whose
+candidate matches the backend's value within that parameter's tolerance. The reason names the cause, the
+parameters it explains when that is not all of them, and the fix. "Matches none of the known patterns"
+stays for what truly matches none. Imports no adapter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from scipy.optimize import minimize_scalar
+
+from dpcompare.equivalence import (UNIT_ROUNDOFF, WIRE_DTYPE, Grads, Group, Oracle, flat, global_groups,
+                                   rel_fro, replay_groups)
+from dpcompare.stochastic import RngState
+from dpcompare.update_check import OptState, OptimizerFactory, reference_step, state_summary
+from dpcompare.workloads import shard
+
+
+@dataclass(slots=True)
+class Diagnosis:
+    cause: str
+    """A short code: summed, averaged_twice, loss_sum, scaled, unsynchronised, stale, wire_dtype, batchnorm,
+    duplicated_data, wrong_shards, non_finite, lr_scaled, double_step, optimizer_state, unused_zero_grad,
+    weight_decay, clipped, unknown."""
+    reason: str
+    parameters: list[str] = field(default_factory=list)
+
+
+def _share(reference: Grads, names: list[str]) -> float:
+    return float(torch.linalg.vector_norm(flat(reference, names))) / math.sqrt(max(len(names), 1))
+
+
+def _matching(values: Grads, candidate: Grads, names: list[str], tol: dict[str, float], share: float) -> list[str]:
+    return [n for n in names if bool(torch.isfinite(candidate[n]).all()) and rel_fro(values[n], candidate[n], share) <= tol[n]]
+
+
+def _scale_fit(values: Grads, reference: Grads, names: list[str]) -> float:
+    v, r = flat(values, names), flat(reference, names)
+    denom = float(r @ r)
+    return float(v @ r) / denom if denom > 0 else math.nan
+
+
+def _which(params: list[str], all_names: list[str]) -> str:
+    if set(params) >= set(all_names):
+        return "every checked parameter"
+    shown = ", ".join(params[:6]) + (f" and {len(params) - 6} more" if len(params) > 6 else "")
+    return shown
+
+
+def _explain(failing: list[str], hypotheses: list[Callable[[list[str]], list[Diagnosis]]], all_names: list[str],
+             none_reason: str) -> list[Diagnosis]:
+    remaining = list(failing)
+    found: list[Diagnosis] = []
+    for hypothesis in hypotheses:
+        if not remaining:
+            break
+        for d in hypothesis(remaining):
+            d.parameters = [n for n in remaining if n in d.parameters]
+            if d.parameters:
+                found.append(d)
+                remaining = [n for n in remaining if n not in d.parameters]
+    if remaining:
+        found.append(Diagnosis("unknown", none_reason, remaining))
+    for d in found:
+        if len(found) > 1 or not set(d.parameters) >= set(all_names):
+            d.reason = f"on {_which(d.parameters, all_names)}: {d.reason}"
+    return found
+
+
+def reason_of(found: list[Diagnosis]) -> str:
+    return "; ".join(d.reason for d in found)
+
+
+# -- gradients ---------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class GradientEvidence:
+    """What rank 0 knows at a failed gradient check."""
+
+    step: int
+    grads: Grads
+    oracle_grads: Grads
+    tolerance: dict[str, float]
+    oracle: Oracle
+    state: dict
+    batch: tuple[torch.Tensor, torch.Tensor]
+    world_size: int
+    grad_accum: int
+    shard_digests: list[str]
+    has_batchnorm: bool
+    sync_bn: bool
+    compression: str
+    dtype: str
+    rngs: list[RngState] | None = None
+    """Each rank's generator state before its forward, when the model draws random numbers."""
+    previous: tuple[int, Grads] | None = None
+    """(step, reduced gradient) of the previous step when it was checked."""
+
+    def local(self) -> list[Grads]:
+        """Each rank's own gradient of its shard (float64, its micro-batches, its random numbers)."""
+        out = []
+        for rank in range(self.world_size):
+            x, y = shard(self.batch, rank, self.world_size)
+            rng = self.rngs[rank] if self.rngs else None
+            k = self.grad_accum
+            groups: list[Group] = [(rng, [(xj, yj, 1.0 / k) for xj, yj in zip(x.chunk(k), y.chunk(k))])]
+            out.append(self.oracle.oracle_of(self.state, groups))
+        return out
+
+
+def diagnose_gradient(ev: GradientEvidence, failing: list[str]) -> list[Diagnosis]:
+    names = ev.oracle.names
+    n = ev.world_size
+    g, o = ev.grads, ev.oracle_grads
+    share = _share(o, names)
+    locals_: list[Grads] = []
+
+    def local() -> list[Grads]:
+        if not locals_:
+            locals_.extend(ev.local())
+        return locals_
+
+    def non_finite(remaining: list[str]) -> list[Diagnosis]:
+        bad = [p for p in remaining if not bool(torch.isfinite(g[p]).all())]
+        return [Diagnosis("non_finite", "the backend's reduced gradient holds inf or NaN where the float64 oracle is "
+                          "finite: an overflow inside the backend (a narrower wire dtype, an unscaled fp16 sum)", bad)]
+
+    def data(remaining: list[str]) -> list[Diagnosis]:
+        seen: dict[str, int] = {}
+        for rank, digest in enumerate(ev.shard_digests):
+            if digest in seen:
+                return [Diagnosis("duplicated_data",
+                                  f"ranks {seen[digest]} and {rank} read the same shard (duplicated data): each rank must "
+                                  "read a disjoint 1/N of the global batch (DistributedSampler-style sharding)", remaining)]
+            seen[digest] = rank
+        expected = [_digest(shard(ev.batch, r, n)[0]) for r in range(n)]
+        if sorted(ev.shard_digests) != sorted(expected):
+            return [Diagnosis("wrong_shards", "the ranks' shards are not the shards of the global batch: the data stream "
+                              "differs between ranks (seed, sampler or shuffling)", remaining)]
+        return []
+
+    def scaled(remaining: list[str]) -> list[Diagnosis]:
+        c = _scale_fit(g, o, remaining)
+        if not math.isfinite(c) or abs(c - 1.0) < 1e-3:
+            return []
+        explained = _matching(g, {p: c * o[p] for p in remaining}, remaining, ev.tolerance, share)
+        if n > 1 and abs(c - n) <= 1e-3 * n:
+            return [Diagnosis("summed", f"the reduced gradient is {n}x the oracle: gradients were summed, not averaged; "
+                              "divide by the world size (op=Average / a mean comm hook)", explained)]
+        if n > 1 and abs(c * n - 1.0) <= 1e-3:
+            if _loss_is_sum(ev):
+                return [Diagnosis("loss_sum", f"the reduced gradient is 1/{n} of the oracle because the loss is reduced "
+                                  "with sum, not mean: the mean of the ranks' sums is 1/N of the global-batch sum; "
+                                  "reduce the loss with mean (reduction='mean')", explained)]
+            return [Diagnosis("averaged_twice", f"the reduced gradient is 1/{n} of the oracle: it was divided by the "
+                              "world size twice (a loss scaled by 1/N and an averaging all-reduce); divide once", explained)]
+        return [Diagnosis("scaled", f"the reduced gradient is {c:.4g}x the oracle: a scale factor was applied and not "
+                          "undone (loss scaling, a wrong divisor)", explained)]
+
+    def unsynchronised(remaining: list[str]) -> list[Diagnosis]:
+        if n < 2:
+            return []
+        for rank, l in enumerate(local()):
+            explained = _matching(g, l, remaining, ev.tolerance, share)
+            if explained and set(explained) >= set(names):
+                return [Diagnosis("unsynchronised", f"the reduced gradient equals rank {rank}'s local gradient: gradients "
+                                  "were not synchronised on this step (sync switched off, or the reduction skipped)", explained)]
+            if explained:
+                return [Diagnosis("unsynchronised", f"these hold rank {rank}'s local gradient: they were left out of the "
+                                  "all-reduce while the other parameters were averaged (parameters ignored by the reducer, "
+                                  "or a hook that skips them)", explained)]
+        return []
+
+    def stale(remaining: list[str]) -> list[Diagnosis]:
+        if ev.previous is None:
+            return []
+        prev_step, prev = ev.previous
+        explained = _matching(g, prev, remaining, ev.tolerance, share)
+        return [Diagnosis("stale", f"the reduced gradient is step {prev_step}'s: a stale gradient (the reduction did not "
+                          "wait for this step's all-reduce, or a buffer from the previous step was used)", explained)]
+
+    def batchnorm(remaining: list[str]) -> list[Diagnosis]:
+        if not ev.has_batchnorm:
+            return []
+        k = ev.grad_accum
+        out = []
+        if n > 1 and not ev.sync_bn:
+            mean_local = _mean(local(), names)
+            explained = _matching(g, mean_local, remaining, ev.tolerance, share)
+            out.append(Diagnosis("batchnorm", f"BatchNorm normalised each rank's shard with that shard's own statistics "
+                                 f"(local batch {ev.batch[0].shape[0] // n}), so the mean of the rank gradients is not the "
+                                 "global-batch gradient; rerun with --sync-bn for global-batch statistics", explained))
+        if k > 1:
+            groups = _micro_batch_groups(ev.batch, n, k, across_ranks=ev.sync_bn)
+            grads = [ev.oracle.oracle_of(ev.state, global_groups(group)) for group in groups]
+            explained = _matching(g, _mean(grads, names), remaining, ev.tolerance, share)
+            size = groups[0][0].shape[0]
+            where = "across ranks (synchronised BatchNorm)" if ev.sync_bn else "on each rank"
+            out.append(Diagnosis("batchnorm", f"BatchNorm normalised each micro-batch ({size} samples {where}) with its own "
+                                 f"statistics under gradient accumulation (--grad-accum {k}), so the accumulated gradient is "
+                                 "not the global-batch gradient; any backend does this: use --grad-accum 1, a larger "
+                                 "micro-batch, or a normalisation without batch statistics", explained))
+        return out
+
+    def wire(remaining: list[str]) -> list[Diagnosis]:
+        if n < 2:
+            return []
+        base = _mean(local(), names)
+        for wire_name in ("float16", "bfloat16"):
+            declared = WIRE_DTYPE[ev.compression]
+            if declared == wire_name:
+                continue
+            short = {"float16": "fp16", "bfloat16": "bf16"}[wire_name]
+            sims = [_simulate_wire(local(), names, getattr(torch, wire_name), pre_divide) for pre_divide in (True, False)]
+            explained = []
+            for p in remaining:
+                d0 = rel_fro(g[p], base[p], share)
+                d1 = min(rel_fro(g[p], s[p], share) for s in sims)
+                if d0 > ev.tolerance[p] and d1 <= 0.25 * d0:
+                    explained.append(p)
+            if explained:
+                err = max(rel_fro(g[p], base[p], share) for p in explained)
+                return [Diagnosis("wire_dtype", f"rounding of the size of {wire_name} on the wire (error {err:.2e} = "
+                                  f"{err / UNIT_ROUNDOFF[wire_name]:.2f} x its unit roundoff; an all-reduce in {wire_name} "
+                                  "reproduces the reduced gradient): the backend compresses gradients it did not declare; "
+                                  f"pass --compression {short} to judge it with that wire's tolerance, or turn the "
+                                  "compression off", explained)]
+        return []
+
+    hypotheses = [non_finite, data, scaled, unsynchronised, stale, batchnorm, wire]
+    none = ("the reduced gradient matches none of the known fault patterns (sum, 1/N, one rank's local gradient, "
+            "a stale gradient, an undeclared wire dtype, per-rank or per-micro-batch BatchNorm, duplicated data)")
+    if ev.rngs:
+        none += ("; the model draws random numbers and its masks were replayed from each rank's generator state: a "
+                 "backend that draws them elsewhere cannot be replayed (rerun with --no-dropout)")
+    return _explain(failing, hypotheses, names, none)
+
+
+def _digest(t: torch.Tensor) -> str:
+    from dpcompare.equivalence import tensor_digest
+
+    return tensor_digest(t)
+
+
+def _mean(grads: list[Grads], names: list[str]) -> Grads:
+    return {p: torch.stack([g[p] for g in grads]).mean(dim=0) for p in names}
+
+
+def _micro_batch_groups(batch: tuple[torch.Tensor, torch.Tensor], n: int, k: int, *, across_ranks: bool):
+    per_rank = [tuple(t.chunk(k) for t in shard(batch, r, n)) for r in range(n)]
+    if across_ranks:
+        return [(torch.cat([per_rank[r][0][j] for r in range(n)]), torch.cat([per_rank[r][1][j] for r in range(n)]))
+                for j in range(k)]
+    return [(per_rank[r][0][j], per_rank[r][1][j]) for r in range(n) for j in range(k)]
+
+
+def _simulate_wire(local: list[Grads], names: list[str], wire: torch.dtype, pre_divide: bool) -> Grads:
+    """The average of the ranks' float32 gradients all-reduced in `wire`: divided before the sum (DDP's
+    compression hooks) or after it (Horovod's Compression), each partial sum rounded to `wire`."""
+    n = len(local)
+    out = {}
+    for p in names:
+        acc = None
+        for l in local:
+            term = l[p].float()
+            term = (term / n if pre_divide else term).to(wire)
+            acc = term if acc is None else (acc.float() + term.float()).to(wire)
+        out[p] = acc.double() if pre_divide else (acc.float() / n).double()
+    return out
+
+
+def _loss_is_sum(ev: GradientEvidence) -> bool:
+    """The workload's loss grows with the number of samples (sum) rather than staying a mean."""
+    model = ev.oracle.model64
+    model.load_state_dict(ev.state)
+    with torch.no_grad():
+        x, y = ev.batch
+        x = x.to(ev.oracle.device)
+        x = x.double() if x.is_floating_point() else x
+        whole = float(ev.oracle.loss_fn(model(x), y.to(ev.oracle.device)))
+        half = float(ev.oracle.loss_fn(model(x[: len(x) // 2]), y[: len(y) // 2].to(ev.oracle.device)))
+    return abs(whole) > 0 and abs(whole / max(abs(half), 1e-300)) > 1.5
+
+
+# -- updates -----------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class UpdateEvidence:
+    """What rank 0 knows at a failed update check."""
+
+    step: int
+    names: list[str]
+    delta: Grads
+    """The backend's update theta_after - theta_before."""
+    reference: Grads
+    tolerance: dict[str, float]
+    params: Grads
+    """theta_before."""
+    grads: dict[str, torch.Tensor | None]
+    """The oracle gradient (None where no gradient reaches the parameter)."""
+    expected_state: OptState
+    backend_state: OptState | None
+    factory: OptimizerFactory
+    device: torch.device
+    world_size: int
+    lr: float
+    weight_decay: float
+    backend_hparams: list[dict[str, Any]] = field(default_factory=list)
+    expected_from: str = "a fresh optimizer's"
+
+    def step_with(self, grads: dict[str, torch.Tensor | None] | None = None, state: OptState | None = None,
+                  times: int = 1, **overrides: Any) -> Grads:
+        return reference_step(self.factory, self.params, self.grads if grads is None else grads,
+                              self.expected_state if state is None else state, torch.float64, self.device,
+                              times=times, **overrides).delta
+
+
+def diagnose_update(ev: UpdateEvidence, failing: list[str]) -> list[Diagnosis]:
+    names, d, ref = ev.names, ev.delta, ev.reference
+    share = _share(ref, names)
+    n = ev.world_size
+    backend_lr = sorted({float(h["lr"]) for h in ev.backend_hparams if "lr" in h})
+    lr_said = (f"the backend's optimizer runs at lr {', '.join(f'{v:g}' for v in backend_lr)}, --lr is {ev.lr:g}"
+               if backend_lr and backend_lr != [ev.lr] else f"--lr is {ev.lr:g}")
+
+    def match(candidate: Grads, remaining: list[str]) -> list[str]:
+        return _matching(d, candidate, remaining, ev.tolerance, share)
+
+    def non_finite(remaining: list[str]) -> list[Diagnosis]:
+        bad = [p for p in remaining if not bool(torch.isfinite(d[p]).all())]
+        return [Diagnosis("non_finite", "the backend's update holds inf or NaN where the reference's is finite", bad)]
+
+    def lr_scaled(remaining: list[str]) -> list[Diagnosis]:
+        if n < 2:
+            return []
+        return [Diagnosis("lr_scaled", f"the update is {n}x the reference: the learning rate is scaled by the world size "
+                          f"(the linear-scaling rule applied in this backend only; {lr_said}); apply it in every backend "
+                          "or in none", match(ev.step_with(lr=ev.lr * n), remaining))]
+
+    def double_step(remaining: list[str]) -> list[Diagnosis]:
+        ratio = _norm_ratio(d, ref, remaining)
+        return [Diagnosis("double_step", f"the optimizer step was applied twice (||update|| / ||reference|| = {ratio:.2f}): "
+                          "step() runs twice per training step (in the wrapper and in the loop); call it once",
+                          match(ev.step_with(times=2), remaining))]
+
+    def state(remaining: list[str]) -> list[Diagnosis]:
+        if ev.backend_state is None or _same_state(ev.backend_state, ev.expected_state):
+            return []
+        trap = (" — at step 0 this is what Horovod's broadcast_optimizer_state does to a fresh optimizer: it runs step() "
+                "on zero gradients (horovod/horovod#3743); broadcast the state after the first step, or not at all"
+                if ev.step == 0 else "")
+        return [Diagnosis("optimizer_state", f"the optimizer state before step {ev.step} is not {ev.expected_from}: it "
+                          f"holds {state_summary(ev.backend_state)} where {state_summary(ev.expected_state)} was "
+                          f"expected, and the update taken from the backend's own state matches{trap}",
+                          match(ev.step_with(state=ev.backend_state), remaining))]
+
+    def unused_zero_grad(remaining: list[str]) -> list[Diagnosis]:
+        none = [p for p in remaining if ev.grads.get(p) is None]
+        if not none:
+            return []
+        zeros = dict(ev.grads, **{p: torch.zeros_like(ev.params[p]) for p in none})
+        return [Diagnosis("unused_zero_grad", "these parameters take no part in the loss; the backend gave them a zero "
+                          "gradient instead of None, so its optimizer steps them (weight decay, momentum) where a single "
+                          "process leaves them alone", match(ev.step_with(grads=zeros), none))]
+
+    def weight_decay(remaining: list[str]) -> list[Diagnosis]:
+        out = []
+        if ev.weight_decay > 0:
+            out.append(Diagnosis("weight_decay", f"weight decay was not applied (--weight-decay is {ev.weight_decay:g})",
+                                 match(ev.step_with(weight_decay=0.0), remaining)))
+        theta = flat(ev.params, remaining)
+        resid = flat(d, remaining) - flat(ref, remaining)
+        denom = float(theta @ theta)
+        c = -float(resid @ theta) / denom if denom > 0 else 0.0
+        if c != 0.0 and math.isfinite(c):
+            candidate = {p: ref[p] - c * ev.params[p] for p in remaining}
+            word = "applied where the run configures" if c > 0 else "missing where the run configures"
+            out.append(Diagnosis("weight_decay", f"weight decay differs: the parameters {'shrink' if c > 0 else 'grow'} by "
+                                 f"an extra {abs(c):.3g} of themselves per step (lr x wd = {abs(c):.3g}, wd = "
+                                 f"{abs(c) / ev.lr:.3g} {word} --weight-decay {ev.weight_decay:g})",
+                                 match(candidate, remaining)))
+        return out
+
+    def clipped(remaining: list[str]) -> list[Diagnosis]:
+        usable = {p: g for p, g in ev.grads.items() if g is not None}
+        if not usable:
+            return []
+        total = float(torch.linalg.vector_norm(flat(usable, list(usable))))
+
+        def scaled(s: float) -> Grads:
+            return ev.step_with(grads={p: (None if g is None else s * g) for p, g in ev.grads.items()})
+
+        def loss(s: float) -> float:
+            return rel_fro(flat(d, remaining), flat(scaled(s), remaining))
+
+        fit = minimize_scalar(loss, bounds=(0.0, 1.0), method="bounded", options={"xatol": 1e-6, "maxiter": 60})
+        s = float(fit.x)
+        if s > 1 - 1e-4:
+            return []
+        return [Diagnosis("clipped", f"the gradient was clipped before the step (scaled by {s:.3g}: total norm "
+                          f"{total:.3g} capped at {s * total:.3g}); set the same clipping in every backend or none "
+                          "(DeepSpeed clips at 1.0 by default since 0.19.3: gradient_clipping)",
+                          match(scaled(s), remaining))]
+
+    def scale(remaining: list[str]) -> list[Diagnosis]:
+        c = _scale_fit(d, ref, remaining)
+        if not math.isfinite(c) or abs(c - 1.0) < 1e-3:
+            return []
+        return [Diagnosis("scaled", f"the update is {c:.4g}x the reference: the step size differs ({lr_said})",
+                          match({p: c * ref[p] for p in remaining}, remaining))]
+
+    hypotheses = [non_finite, lr_scaled, double_step, state, unused_zero_grad, weight_decay, clipped, scale]
+    none = ("the update matches none of the known patterns (learning rate x N, a double step, optimizer state, "
+            "weight decay, clipping, a scaled step size)")
+    return _explain(failing, hypotheses, names, none)
+
+
+def _norm_ratio(a: Grads, b: Grads, names: list[str]) -> float:
+    nb = float(torch.linalg.vector_norm(flat(b, names)))
+    return float(torch.linalg.vector_norm(flat(a, names))) / nb if nb > 0 else math.inf
+
+
+def _same_state(a: OptState, b: OptState) -> bool:
+    """Two optimizer states that step the same way: equal keys and values, where a missing entry and an
+    all-zero buffer count as the same (a zero momentum buffer steps like none)."""
+    for p in set(a) | set(b):
+        ea, eb = a.get(p, {}), b.get(p, {})
+        for key in set(ea) | set(eb):
+            va, vb = ea.get(key), eb.get(key)
+            if va is None or vb is None:
+                present = va if vb is None else vb
+                if not (torch.is_tensor(present) and present.dim() > 0 and not bool(present.any())):
+                    return False
+                continue
+            if torch.is_tensor(va) and torch.is_tensor(vb):
+                va, vb = va.double(), vb.double()
+                scale = float(vb.abs().max()) if vb.numel() else 0.0
+                if float((va - vb).abs().max() if va.numel() else 0.0) > 1e-4 * max(scale, 1e-30):
+                    return False
+            elif va != vb:
+                return False
+    return True

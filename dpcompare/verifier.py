@@ -1,0 +1,329 @@
+"""The verification phase on rank 0: three checks per step and the verdict they add up to.
+
+Owns: the model probe before wrapping (unused, frozen and random parts of the model), and for every step of
+the verification phase
+  - the gradient check: the reduced gradient against the float64 oracle of the global-batch loss, in
+    multiples of the run dtype's own noise floor (dpcompare.equivalence);
+  - the update check: the parameter update against a plain optimizer step taken in float64 from the same
+    parameters, the expected optimizer state and the oracle gradient (dpcompare.update_check);
+  - the trajectory: the parameters after the step against a float64 single process trained beside the
+    run (dpcompare.trajectory);
+  - the ranks' generators, when the forward draws random numbers: each rank must draw its own.
+A failed check is diagnosed (dpcompare.diagnosis); a part that cannot be checked is recorded as such and
+the verdict says `unverifiable` with the reason, never `equivalent`. Everything here runs on generators
+forked from the run's, so checking never changes the random numbers the run draws. Imports no adapter.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from dpcompare import equivalence as eq
+from dpcompare import stochastic
+from dpcompare.contract import ModelFacts, Wrapped
+from dpcompare.diagnosis import (GradientEvidence, UpdateEvidence, diagnose_gradient, diagnose_update, reason_of)
+from dpcompare.stochastic import RngState
+from dpcompare.trajectory import Trajectory
+from dpcompare.update_check import OptState, OptimizerFactory, find_torch_optimizer, read_hparams, read_state, reference_step
+
+STOCHASTIC_REL_DIFF = 2.0**-30
+"""Two float64 forwards of the same input that differ by more than this (relative) draw random numbers:
+some 10^6 float64 roundings, far below what one changed dropout mask element does (~1e-3)."""
+REPLAY_LIMIT = 1e3
+"""Replayed masks are the ones the ranks drew when the run-dtype replay stays within this many unit
+roundoffs x depth of the float64 replay (rounding only); one differing mask element costs far more."""
+
+
+def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> ModelFacts:
+    """One float64 forward/backward of the first global batch (which parameters get no gradient), and a
+    second forward of the same input (does the forward draw random numbers?)."""
+    model = copy.deepcopy(template).to(device=device, dtype=torch.float64).train()
+    x, y = batch
+    x = x.to(device)
+    x = x.double() if x.is_floating_point() else x
+    with stochastic.isolated(device):
+        first = model(x)
+        with torch.no_grad():
+            second = model(x)
+        loss_fn(first, y.to(device)).backward()
+    diff = float(torch.linalg.vector_norm((first.detach() - second).double()))
+    norm = float(torch.linalg.vector_norm(first.detach().double()))
+    named = list(model.named_parameters())
+    return ModelFacts(
+        unused=tuple(n for n, p in named if p.requires_grad and p.grad is None),
+        frozen=tuple(n for n, p in named if not p.requires_grad),
+        random_modules=tuple(stochastic.random_modules(template)),
+        stochastic=diff > STOCHASTIC_REL_DIFF * max(norm, 1e-300),
+    )
+
+
+@dataclass(slots=True)
+class _Pending:
+    """What the update check of a step needs from before the optimizer step."""
+
+    step: int
+    params: eq.Grads
+    oracle: dict[str, torch.Tensor | None]
+    floor: dict[str, torch.Tensor | None]
+    backend_state: OptState | None
+    backend_hparams: list[dict[str, Any]]
+
+
+class Verifier:
+    def __init__(self, *, cfg, world_size: int, template: nn.Module, loss_fn: Callable, facts: ModelFacts,
+                 wrapped: Wrapped, device: torch.device, factory: OptimizerFactory, has_batchnorm: bool,
+                 replay_reason: str | None, batch_sizes: tuple[int, int]) -> None:
+        self.cfg, self.world_size, self.device, self.factory = cfg, world_size, device, factory
+        self.template, self.facts, self.wrapped = template, facts, wrapped
+        self.has_batchnorm = has_batchnorm
+        self.dtype = eq.DTYPES[cfg.dtype]
+        self.depth = eq.depth_of(template)
+        self.oracle = eq.Oracle(template, loss_fn, cfg.dtype, device)
+        self.names = self.oracle.names
+        self.trajectory = Trajectory(template, loss_fn, factory, cfg.dtype, device, self.depth)
+        self.verdict = eq.Verdict(notes=list(wrapped.notes))
+        self.optimizer = find_torch_optimizer(wrapped.optimizer, wrapped.module)
+        self.expected_state: OptState | None = {}  # a fresh optimizer's
+        self.expected_from = "a fresh optimizer's"
+        self.pending: _Pending | None = None
+        self.previous: tuple[int, eq.Grads] | None = None
+        self.stopped = False
+        """No further check: the run diverged, or its randomness cannot be replayed."""
+        self.dumps: dict[str, np.ndarray] = {}
+
+        self.replay = facts.stochastic
+        self.verdict.parameters = {"unused": list(facts.unused), "frozen": list(facts.frozen), "unused_grad": {}}
+        if facts.frozen:
+            self.verdict.notes.append(f"frozen parameters (requires_grad=False) left out of every check: "
+                                      f"{', '.join(facts.frozen)}")
+        if facts.unused:
+            self.verdict.notes.append(f"parameters that take no part in the loss: {', '.join(facts.unused)}; their "
+                                      "gradient must be None or zero on every rank")
+        self._probe_randomness(replay_reason)
+        if self.optimizer is None:
+            self.verdict.notes.append("no torch optimizer holding the model's parameters was found behind the "
+                                      "backend's optimizer: its state cannot be read")
+
+    # -- before the first step -------------------------------------------------------------------
+    def _probe_randomness(self, replay_reason: str | None) -> None:
+        facts = self.facts
+        modules = ", ".join(facts.random_modules) or "an operation in forward"
+        self.verdict.stochastic = {"stochastic": facts.stochastic, "modules": list(facts.random_modules),
+                                   "replayed": False, "reason": None}
+        if not facts.stochastic:
+            return
+        blockers = []
+        if self.has_batchnorm:
+            blockers.append("BatchNorm couples the samples of a batch, so the ranks' forwards cannot be replayed shard "
+                            "by shard")
+        if replay_reason:
+            blockers.append(replay_reason)
+        if blockers:
+            self.replay = False
+            self._unverifiable(f"the forward draws random numbers ({modules}) and {'; '.join(blockers)}: comparing "
+                               "against an oracle that draws its own would measure randomness, not rounding; rerun "
+                               "with --no-dropout to check the computation deterministically")
+            self.verdict.stochastic["reason"] = "; ".join(blockers)
+            return
+        self.verdict.stochastic["replayed"] = True
+        self.verdict.notes.append(f"the forward draws random numbers ({modules}): the oracle, the floor and the "
+                                  "reference trajectory replay each rank's generator state on that rank's shard")
+
+    def _unverifiable(self, reason: str) -> None:
+        self.verdict.unverifiable.append(reason)
+        self.stopped = True
+
+    def check_initial(self, module: nn.Module) -> None:
+        """Rank 0's weights before step 0 are the workload's initial weights (the ranks agreeing with each
+        other is checked separately, by fingerprint)."""
+        built = dict(self.template.named_parameters())
+        for name, p in module.named_parameters():
+            want = built[name].detach().to(dtype=p.dtype)
+            have = p.detach().cpu()
+            if not torch.equal(have, want):
+                change = eq.rel_fro(have.double(), want.double())
+                self.verdict.initial_weights_identical = False
+                self.verdict.diverge(eq.Divergence(
+                    0, name, change, 0.0, math.nan,
+                    f"the weights before step 0 are not the workload's initial weights ({name} moved by {change:.2e} "
+                    "relative): something changed them after the model was built, such as an optimizer step while "
+                    "wrapping (Horovod's broadcast_optimizer_state on a fresh optimizer runs step() on zero gradients, "
+                    "horovod/horovod#3743) or a checkpoint load", check="initial", cause="initial_weights",
+                    parameters=[name]))
+                return
+
+    # -- per step ----------------------------------------------------------------------------------
+    def observe_generators(self, step: int, rngs: list[RngState]) -> None:
+        if not self.facts.stochastic:
+            return
+        seen: dict[str, int] = {}
+        for rank, state in enumerate(rngs):
+            if state.digest in seen:
+                self.verdict.diverge(eq.Divergence(
+                    step, "(generator state)", math.nan, 0.0, math.nan,
+                    f"ranks {seen[state.digest]} and {rank} draw identical dropout masks: their generators are in the "
+                    f"same state before the forward of step {step} (every rank seeded the same); each replica needs "
+                    "its own seed for dropout and augmentation, and the same seed only for the weights",
+                    check="rng", cause="same_seed"))
+                return
+            seen[state.digest] = rank
+
+    def _groups(self, batch, rngs: list[RngState] | None) -> list[eq.Group]:
+        if self.replay:
+            assert rngs is not None
+            return eq.replay_groups(batch, self.world_size, self.cfg.grad_accum, rngs)
+        return eq.global_groups(batch)
+
+    def check_gradient(self, step: int, batch, info: list[dict]) -> None:
+        """After `reduce()`, before the optimizer step: the gradient check, and the snapshot the update check
+        of this step starts from."""
+        self.pending = None
+        if self.stopped:
+            return
+        module = self.wrapped.module
+        rngs = [i["rng"] for i in info] if self.replay else None
+        groups = self._groups(batch, rngs)
+        with stochastic.isolated(self.device):
+            state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+            named = dict(module.named_parameters())
+            grads = {n: (named[n].grad if named[n].grad is not None else torch.zeros_like(named[n])).detach().double().cpu()
+                     for n in self.names}
+            oracle = self.oracle.oracle_of(state, groups)
+            none = self.oracle.none
+            if not all(bool(torch.isfinite(g).all()) for g in oracle.values()):
+                self._unverifiable(f"the run diverged numerically at step {step}: the float64 oracle's gradient is not "
+                                   "finite (the loss or the parameters overflowed), so nothing after it can be compared; "
+                                   "lower --lr")
+                return
+            floor = self.oracle.floor_of(state, groups)
+            if self.replay and not self._masks_reproduced(step, floor, oracle):
+                return
+            params = eq.compare_grads(grads, oracle, floor, dtype=self.cfg.dtype, world_size=self.world_size,
+                                      depth=self.depth, compression=self.cfg.compression)
+            digests = eq.first_mismatch([i["grads"] for i in info], [n for n, _ in module.named_parameters()])
+            check = eq.StepCheck(step, params, True, digests is None)
+            self.verdict.checks.append(check)
+            self._record_unused(info)
+            failing = [p for p in params if not p.ok]
+            if failing and self.verdict.first_divergence is None:
+                evidence = GradientEvidence(
+                    step=step, grads=grads, oracle_grads=oracle, tolerance={p.parameter: p.tolerance_rel_fro for p in params},
+                    oracle=self.oracle, state=state, batch=batch, world_size=self.world_size,
+                    grad_accum=self.cfg.grad_accum, shard_digests=[i["shard"] for i in info],
+                    has_batchnorm=self.has_batchnorm, sync_bn=self.cfg.sync_bn, compression=self.cfg.compression,
+                    dtype=self.cfg.dtype, rngs=rngs, previous=self.previous)
+                found = diagnose_gradient(evidence, [p.parameter for p in failing])
+                first = failing[0]
+                self.verdict.diverge(eq.Divergence(
+                    step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
+                    reason_of(found), check="gradient", cause=found[0].cause, parameters=[p.parameter for p in failing]))
+            if self.cfg.dump_grads:
+                for kind, g in (("reduced", grads), ("oracle", oracle), ("floor", floor)):
+                    for n, t in g.items():
+                        self.dumps[f"{step}/{kind}/{n}"] = t.numpy()
+            self.previous = (step, grads)
+            backend_state = read_state(self.optimizer, module) if self.optimizer is not None else None
+            self.pending = _Pending(
+                step, {n: named[n].detach().double().cpu().clone() for n in self.names},
+                {n: (None if n in none else oracle[n]) for n in self.names},
+                {n: (None if n in none else floor[n]) for n in self.names},
+                backend_state, read_hparams(self.optimizer) if self.optimizer is not None else [])
+
+    def _masks_reproduced(self, step: int, floor: eq.Grads, oracle: eq.Grads) -> bool:
+        error = eq.rel_fro(eq.flat(floor, self.names), eq.flat(oracle, self.names))
+        limit = REPLAY_LIMIT * self.depth * eq.UNIT_ROUNDOFF[self.cfg.dtype]
+        if error <= limit:
+            return True
+        self._unverifiable(f"the forward draws random numbers and replaying the ranks' generator states does not "
+                           f"reproduce their masks in float64 on {self.device.type} (the run-dtype replay is {error:.2e} "
+                           f"from the float64 one at step {step}, rounding allows {limit:.1e}): the oracle would measure "
+                           "randomness, not rounding; rerun with --no-dropout")
+        self.verdict.stochastic["replayed"] = False
+        self.verdict.stochastic["reason"] = "masks not reproduced in float64"
+        return False
+
+    def _record_unused(self, info: list[dict]) -> None:
+        forms = self.verdict.parameters["unused_grad"]
+        for name in self.facts.unused:
+            seen = {i["unused"].get(name, "none") for i in info}
+            forms[name] = seen.pop() if len(seen) == 1 else "mixed"
+
+    def check_update(self, step: int) -> None:
+        """After the optimizer step: the update check of a step whose gradient was checked."""
+        pending, self.pending = self.pending, None
+        if pending is None or pending.step != step or self.stopped:
+            self.expected_state = None  # an unchecked step: the next step's state cannot be predicted
+            return
+        expected = self.expected_state if self.expected_state is not None else pending.backend_state
+        if expected is None:
+            self._unverifiable(f"the update check at step {step} cannot know the optimizer state: no torch optimizer "
+                               "holding the model's parameters was found behind the backend's optimizer")
+            return
+        module = self.wrapped.module
+        named = dict(module.named_parameters())
+        with stochastic.isolated(self.device):
+            after = {n: named[n].detach().double().cpu() for n in self.names}
+            delta = {n: after[n] - pending.params[n] for n in self.names}
+            ref = reference_step(self.factory, pending.params, pending.oracle, expected, torch.float64, self.device)
+            floor = reference_step(self.factory, pending.params, pending.floor, expected, self.dtype, self.device)
+            params = eq.compare(delta, ref.delta, floor.delta, dtype=self.cfg.dtype, world_size=self.world_size,
+                                depth=self.depth, names=self.names)
+            ratios = {n: _ratio(delta[n], ref.delta[n]) for n in self.names}
+            whole = _ratio(eq.flat(delta, self.names), eq.flat(ref.delta, self.names))
+            self.verdict.checks[-1].update = eq.UpdateCheck(params, ratios, whole)
+            self.verdict.update_checked = True
+            failing = [p for p in params if not p.ok]
+            if failing and self.verdict.first_divergence is None:
+                evidence = UpdateEvidence(
+                    step=step, names=self.names, delta=delta, reference=ref.delta,
+                    tolerance={p.parameter: p.tolerance_rel_fro for p in params}, params=pending.params,
+                    grads=pending.oracle, expected_state=expected, backend_state=pending.backend_state,
+                    factory=self.factory, device=self.device, world_size=self.world_size, lr=self.cfg.lr,
+                    weight_decay=self.cfg.weight_decay, backend_hparams=pending.backend_hparams,
+                    expected_from=self.expected_from)
+                found = diagnose_update(evidence, [p.parameter for p in failing])
+                first = failing[0]
+                self.verdict.diverge(eq.Divergence(
+                    step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
+                    f"the gradient passed but the update did not: {reason_of(found)}", check="update",
+                    cause=found[0].cause, parameters=[p.parameter for p in failing]))
+            # The next step's expected state: one reference step from the backend's own state before this one.
+            if pending.backend_state is None:
+                self.expected_state = None
+            elif expected is pending.backend_state:
+                self.expected_state = ref.state
+            else:
+                self.expected_state = reference_step(self.factory, pending.params, pending.oracle,
+                                                     pending.backend_state, torch.float64, self.device).state
+            self.expected_from = f"the state step {step} left"
+
+    def trajectory_step(self, step: int, batch, rngs: list[RngState] | None) -> None:
+        if self.stopped:
+            return
+        with stochastic.isolated(self.device):
+            self.trajectory.step(self._groups(batch, rngs))
+            entry = self.trajectory.judge(step, self.wrapped.module, self.world_size)
+        self.verdict.drift.append(entry)
+        if entry["ok"] is False:
+            self.verdict.diverge(eq.Divergence(
+                step, entry["worst_parameter"], entry["rel_param_distance"], entry["tolerance"], entry["noise_ratio"],
+                f"the parameters after step {step} are {entry['rel_param_distance']:.2e} from the float64 reference "
+                f"trajectory, {entry['noise_ratio']:.3g}x the drift of a {self.cfg.dtype} single process "
+                f"({entry['floor_rel_param_distance']:.2e}): the weights changed in a way the checked gradients and "
+                "updates do not account for (an unchecked step, see --check-every, or a change between steps)",
+                check="trajectory", cause="trajectory"))
+
+
+def _ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+    nb = float(torch.linalg.vector_norm(b))
+    na = float(torch.linalg.vector_norm(a))
+    if nb == 0.0:
+        return 1.0 if na == 0.0 else math.inf
+    return na / nb
