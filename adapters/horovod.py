@@ -58,19 +58,21 @@ class HorovodAdapter(Adapter):
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
         hvd = self.hvd
         hvd.broadcast_parameters(module.state_dict(), root_rank=0)
+        compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[self.options.get("compression", "none")]
+        dist_opt = hvd.DistributedOptimizer(
+            optimizer, named_parameters=module.named_parameters(), op=hvd.Average, compression=compression
+        )
         notes = []
         if self.options.get("broadcast_optimizer_state") == "1":
-            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+            # Horovod's documented order: wrap first, then broadcast the wrapped optimizer's state (the
+            # DistributedOptimizer starts with a state of its own, so a broadcast before wrapping is lost).
+            hvd.broadcast_optimizer_state(dist_opt, root_rank=0)
             notes.append("horovod: broadcast_optimizer_state ran on a fresh optimizer; it calls step() on zero "
                          "gradients (horovod/horovod#3743): Adam's step count and weight decay move the weights")
         else:
             notes.append("horovod: broadcast_optimizer_state skipped on the fresh optimizer (it would run a real "
                          "step() on zero gradients, horovod/horovod#3743); its state is identical on all ranks "
                          "by construction")
-        compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[self.options.get("compression", "none")]
-        dist_opt = hvd.DistributedOptimizer(
-            optimizer, named_parameters=module.named_parameters(), op=hvd.Average, compression=compression
-        )
         self.wrapped = Wrapped(module, module, dist_opt, notes)
         return self.wrapped
 
@@ -131,7 +133,9 @@ class HorovodAdapter(Adapter):
         return {"total_ms": total, "overlap_ms": None, "method": "Horovod timeline (union of ALLREDUCE intervals)"}
 
     def all_gather_object(self, obj):
-        return self.hvd.allgather_object(obj)
+        # One fixed name: by default Horovod names the collective after type(obj), so ranks sending objects
+        # of different types (rank 0's answer, the others' None) would wait on differently named tensors forever.
+        return self.hvd.allgather_object(obj, name="dpcompare.control")
 
     def teardown(self) -> None:
         if getattr(self, "hvd", None) is not None:

@@ -10,7 +10,8 @@ prints a table, and writes everything under OUT/<timestamp>/:
   runs/*.json      one result per run (schema: dpcompare/schema/result.schema.json)
   grads/*.npz      reduced, oracle and noise-floor gradients of every checked step
   logs/*.log       each launcher's output
-  compare.json     the summary: runs, unavailable backends with the reason, the matrix
+  compare.json     the summary: runs, unavailable backends with the reason, the matrix, and how each
+                   backend left the gradients of unused parameters (unused_parameter_grads)
 """
 
 from __future__ import annotations
@@ -261,12 +262,36 @@ def _load(dump: Path) -> dict[int, dict[str, np.ndarray]]:
             for s, kinds in by_step.items()}
 
 
+RANDOM_ACROSS_WORLD_SIZES = (
+    "not comparable: the forward draws random numbers (dropout) and the two runs have different world sizes; each "
+    "rank seeds its own generator from (seed, rank), so they drew different masks and their distance measures "
+    "randomness, not rounding (each run's oracle column replays its own masks; compare with --run-arg=--no-dropout)")
+
+
+def _stochastic(job: Job) -> bool:
+    """Whether the run's forward draws random numbers (False for a result written before this was probed)."""
+    probe = ((job.result or {}).get("equivalence") or {}).get("stochastic") or {}
+    return bool(probe.get("stochastic"))
+
+
+def _not_comparable(a: Job, b: Job) -> str | None:
+    """Why the gradients of runs a and b cannot be compared, or None. Runs at the same world size seed their
+    ranks alike and draw the same masks; at different world sizes a rank's shard and generator differ."""
+    if a.world_size != b.world_size and (_stochastic(a) or _stochastic(b)):
+        return RANDOM_ACROSS_WORLD_SIZES
+    return None
+
+
 def build_matrix(jobs: list[Job]) -> dict[str, Any]:
     """Entry (a, b) at a step: ||g_a - g_b|| / ||oracle|| divided by the noise floor ||floor - oracle|| /
     ||oracle||, both from run a at that step. Column 'oracle': each run against its own oracle. At step 0
     every run starts from the same weights (verified by fingerprint), so step 0 compares one computation;
-    later steps also carry each run's own trajectory."""
+    later steps also carry each run's own trajectory. Where the forward draws random numbers, runs at
+    different world sizes drew different masks: their entry is null, with the reason under 'not_comparable'."""
+    by_label = {j.label: j for j in jobs}
     loaded = {j.label: _load(j.dump) for j in jobs if j.result is not None and j.dump.exists()}
+    # A run stopped before its first check (unverifiable) dumps an empty file: no row, or no common step at all.
+    loaded = {label: steps for label, steps in loaded.items() if steps}
     labels = list(loaded)
     steps = sorted(set.intersection(*(set(v) for v in loaded.values()))) if loaded else []
     per_step = {}
@@ -276,14 +301,46 @@ def build_matrix(jobs: list[Job]) -> dict[str, Any]:
             ref = loaded[a][step]
             onorm = float(np.linalg.norm(ref["oracle"])) or 1.0
             floor = float(np.linalg.norm(ref["floor"] - ref["oracle"])) / onorm
-            row = {"oracle": float(np.linalg.norm(ref["reduced"] - ref["oracle"])) / onorm}
+            row: dict[str, float | None] = {"oracle": float(np.linalg.norm(ref["reduced"] - ref["oracle"])) / onorm}
+            not_comparable = {}
             for b in labels:
-                row[b] = float(np.linalg.norm(ref["reduced"] - loaded[b][step]["reduced"])) / onorm
+                reason = _not_comparable(by_label[a], by_label[b])
+                if reason is not None:
+                    row[b], not_comparable[b] = None, reason
+                else:
+                    row[b] = float(np.linalg.norm(ref["reduced"] - loaded[b][step]["reduced"])) / onorm
             rows[a] = {"rel_err": row, "noise_floor": floor,
-                       "in_noise_floors": {k: (v / floor if floor > 0 else None) for k, v in row.items()}}
+                       "in_noise_floors": {k: (v / floor if v is not None and floor > 0 else None) for k, v in row.items()},
+                       "not_comparable": not_comparable}
         per_step[str(step)] = rows
     return {"labels": labels, "steps": steps, "per_step": per_step,
-            "definition": build_matrix.__doc__.strip().replace("\n   ", "").replace("  ", " ")}
+            "definition": " ".join(build_matrix.__doc__.split())}
+
+
+def unused_parameter_grads(jobs: list[Job]) -> list[dict[str, Any]]:
+    """How each run left the gradients of parameters that take no part in the loss, across backends: one entry
+    per group of parameters every run treated alike, {'parameters', 'gradient': {form: [run labels]}, 'line'},
+    form being none, zero, nonzero, mixed (across ranks) or 'not recorded'."""
+    forms_by_name: dict[str, dict[str, str]] = {}  # parameter -> run label -> form
+    for j in jobs:
+        parameters = ((j.result or {}).get("equivalence") or {}).get("parameters") or {}
+        recorded = parameters.get("unused_grad") or {}
+        for name in parameters.get("unused") or []:
+            forms_by_name.setdefault(name, {})[j.label] = recorded.get(name, "not recorded")
+    groups: dict[tuple[tuple[str, str], ...], list[str]] = {}
+    for name, by_run in forms_by_name.items():
+        groups.setdefault(tuple(by_run.items()), []).append(name)
+    shown = {j.label: f"{j.backend} ws={j.world_size}" for j in jobs}
+    words = {"none": "None", "mixed": "mixed across ranks", "nonzero": "NONZERO"}
+    entries = []
+    for by_run, names in groups.items():
+        gradient: dict[str, list[str]] = {}
+        for label, form in by_run:
+            gradient.setdefault(form, []).append(label)
+        line = f"unused parameters {', '.join(names)}: gradient " + "; ".join(
+            f"{words.get(form, form)} under {', '.join(shown[lb] for lb in labels)}" for form, labels in gradient.items())
+        entries.append({"parameters": names, "gradient": gradient, "line": line})
+    return entries
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -291,33 +348,51 @@ def _fmt(x: float | None, spec: str = ".2e") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def render(console, jobs: list[Job], unavailable: list[dict], matrix: dict[str, Any]) -> None:
+def _note(job: Job) -> str:
+    """The last column of the verdict table: the first divergence, else why the run could not be checked,
+    else the job's error, else a pass-through note."""
+    e = (job.result or {}).get("equivalence") or {}
+    d = e.get("first_divergence")
+    if d:
+        # Results written before the update and trajectory checks name no check: theirs was the gradient's.
+        return f"step {d['step']} ({d.get('check', 'gradient')} check) {d['parameter']}: {d['reason']}"
+    if e.get("unverifiable_reason"):
+        return e["unverifiable_reason"]
+    if job.error:
+        return job.error
+    if any("no parallelism" in n for n in e.get("notes", [])):
+        return "no parallelism on CPU (pass-through)"
+    return ""
+
+
+def render(console, jobs: list[Job], unavailable: list[dict], matrix: dict[str, Any],
+           unused: list[dict[str, Any]] | None = None) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="dpcompare: is it the same computation?", show_lines=False)
-    for col in ("backend", "ws", "launcher", "verdict", "rel err", "floor", "x floor", "replicas", "s"):
+    # Two-line headers keep the figures narrow enough for the note to have room at width 160.
+    # x floor: the worst error in multiples of the run dtype's own noise floor; norm: ||update|| / ||reference update||.
+    for col in ("backend", "ws", "launcher", "verdict", "grad\nrel err", "grad\nfloor", "grad\nx floor",
+                "update\nx floor", "update\nnorm", "traj\nx floor", "replicas", "s"):
         table.add_column(col, no_wrap=True)
-    table.add_column("first divergence / note", overflow="fold")
-    style = {"equivalent": "green", "different": "red", "failed": "red", "timeout": "red"}
+    table.add_column("first divergence / note", overflow="fold", min_width=24)
+    style = {"equivalent": "green", "different": "red", "failed": "red", "timeout": "red", "unverifiable": "yellow"}
     for j in jobs:
         r = j.result or {}
         e = r.get("equivalence", {})
-        note = ""
-        if e.get("first_divergence"):
-            d = e["first_divergence"]
-            note = f"step {d['step']} {d['parameter']}: {d['reason']}"
-        elif j.error:
-            note = j.error
-        elif any("no parallelism" in n for n in e.get("notes", [])):
-            note = "no parallelism on CPU (pass-through)"
+        checks = e.get("checks") or {}
+        update, trajectory = checks.get("update") or {}, checks.get("trajectory") or {}
         table.add_row(j.backend, str(j.world_size), r.get("launcher", registry.NATIVE_LAUNCHER[j.backend]),
                       f"[{style.get(j.status, 'white')}]{j.status}[/]", _fmt(e.get("max_rel_fro_err")),
                       _fmt(e.get("noise_floor_rel_fro")), _fmt(e.get("noise_ratio"), ".2f"),
+                      _fmt(update.get("noise_ratio"), ".2f"), _fmt(update.get("norm_ratio"), ".4f"),
+                      _fmt(trajectory.get("noise_ratio"), ".2f"),
                       {True: "identical", False: "DIFFER"}.get(e.get("replicas_identical"), "-"),
-                      _fmt(j.wall_s, ".0f"), note)
+                      _fmt(j.wall_s, ".0f"), Text(_note(j)))  # Text: a log line's [brackets] are not markup
     for u in unavailable:
         table.add_row(u["backend"], "-", registry.NATIVE_LAUNCHER[u["backend"]], "[yellow]unavailable[/]",
-                      "-", "-", "-", "-", "-", u["reason"])
+                      "-", "-", "-", "-", "-", "-", "-", "-", u["reason"])
     console.print(table)
 
     if matrix["steps"]:
@@ -326,11 +401,24 @@ def render(console, jobs: list[Job], unavailable: list[dict], matrix: dict[str, 
         m.add_column("run", no_wrap=True)
         for label in ["oracle", *matrix["labels"]]:
             m.add_column(label, justify="right", no_wrap=True)
+        reasons: list[str] = []
         for a in matrix["labels"]:
-            cells = matrix["per_step"][step][a]["in_noise_floors"]
-            m.add_row(a, *[("0" if matrix["per_step"][step][a]["rel_err"][b] == 0 else _fmt(cells[b], ".2f"))
-                           for b in ["oracle", *matrix["labels"]]])
+            row = matrix["per_step"][step][a]
+            cells = []
+            for b in ["oracle", *matrix["labels"]]:
+                reason = (row.get("not_comparable") or {}).get(b)
+                if reason is not None:
+                    if reason not in reasons:
+                        reasons.append(reason)
+                    cells.append("n/a")
+                else:
+                    cells.append("0" if row["rel_err"][b] == 0 else _fmt(row["in_noise_floors"][b], ".2f"))
+            m.add_row(a, *cells)
         console.print(m)
+        for reason in reasons:
+            console.print(f"n/a: {reason}", highlight=False)
+    for entry in unused or []:
+        console.print(entry["line"], highlight=False)
 
 
 def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None:
@@ -419,6 +507,7 @@ def main(ns: argparse.Namespace) -> int:
 
     baseline = [j for j in jobs if j.variant == "baseline"]
     matrix = build_matrix(baseline)
+    unused = unused_parameter_grads(baseline)
     scaling = scaling_rows(jobs, ns.scaling)
     summary = results.base_payload(
         kind="compare",
@@ -433,11 +522,12 @@ def main(ns: argparse.Namespace) -> int:
         sweep_skipped=getattr(ns, "sweep_skipped", []),
         scaling=scaling,
         matrix=matrix,
+        unused_parameter_grads=unused,
         collectives=str(run_dir / "collectives.json") if (run_dir / "collectives.json").exists() else None,
         env=results.environment(),
     )
     results.write_atomic(run_dir / "compare.json", summary)
-    render(console, baseline, unavailable, matrix)
+    render(console, baseline, unavailable, matrix, unused)
     render_cost(console, baseline, scaling)
     if ns.sweep:
         render_sweep(console, [j for j in jobs if j.variant != "baseline"], summary["sweep_skipped"])

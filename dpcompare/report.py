@@ -619,30 +619,67 @@ def _scaling_mode(runs: list[dict[str, Any]], compare: dict[str, Any] | None) ->
     return modes.pop() if len(modes) == 1 else "mixed"
 
 
+NO_CHECKS = ("this result has no equivalence.checks (written before dpcompare checked the update and the "
+             "trajectory): rerun to check them")
+
+
+def _verdict_cell(verdict: str) -> str:
+    """Bold where the verdict is not a clean pass: the reader's eye goes there first."""
+    return f"**{verdict}**" if verdict in ("different", "unverifiable", "failed", "timeout") else verdict
+
+
 def _verdict_section(runs: list[dict[str, Any]], compare: dict[str, Any] | None, notes: Footnotes) -> list[str]:
     rows = []
     for run in runs:
         e = run.get("equivalence") or {}
         verdict = e.get("verdict") or "n/a"
         unchecked = "no gradient check ran (verdict unchecked)" if verdict == "unchecked" else None
+        unverifiable = e.get("unverifiable_reason") if verdict == "unverifiable" else None
 
         def figure(name: str, spec: str) -> str:
             v = e.get(name)
             return format(v, spec) if _is_number(v) else notes.na(
-                unchecked or f"equivalence.{name} is {'null' if v is None else repr(v)} and no reason was recorded")
+                unchecked or unverifiable
+                or f"equivalence.{name} is {'null' if v is None else repr(v)} and no reason was recorded")
+
+        def check_figure(check: str, name: str, spec: str) -> str:
+            checks = e.get("checks")
+            if not isinstance(checks, dict):
+                return notes.na(unchecked or NO_CHECKS)
+            c = checks.get(check) if isinstance(checks.get(check), dict) else {}
+            v, status = c.get(name), c.get("status")
+            if _is_number(v):
+                return format(v, spec)
+            if status == "unverifiable":
+                return notes.na(unverifiable or f"the {check} check could not be made and no reason was recorded")
+            if status == "off":
+                return notes.na(unchecked or f"the {check} check did not run (checks.{check}.status: off)")
+            return notes.na(f"equivalence.checks.{check}.{name} is {'null' if v is None else repr(v)} and no reason "
+                            "was recorded")
 
         d = e.get("first_divergence")
-        first = "none" if not d else f"step {d.get('step')}, `{d.get('parameter')}`: {d.get('reason', '')}"
+        if d:
+            check = f" ({d['check']} check)" if d.get("check") else ""
+            last = f"step {d.get('step')}{check}, `{d.get('parameter')}`: {d.get('reason', '')}"
+        else:
+            last = unverifiable or "none"
         rows.append([run["backend"], str(run["world_size"]), str(run.get("launcher", "?")), str(run.get("model", "?")),
-                     f"**{verdict}**" if verdict == "different" else verdict, figure("noise_ratio", ".2f"),
-                     figure("max_rel_fro_err", ".2e"), first])
+                     _verdict_cell(verdict), figure("noise_ratio", ".2f"), figure("max_rel_fro_err", ".2e"),
+                     check_figure("update", "noise_ratio", ".2f"), check_figure("update", "norm_ratio", ".4f"),
+                     check_figure("trajectory", "noise_ratio", ".2f"), last])
     have = {(r["backend"], r["world_size"]) for r in runs}
     for job in (compare or {}).get("runs") or []:
         if job.get("status") in ("failed", "timeout") and (job.get("backend"), job.get("world_size")) not in have:
-            rows.append([str(job.get("backend")), str(job.get("world_size")), "-", "-", f"**{job['status']}**",
-                         "-", "-", job.get("error") or "no result written"])
-    return _table(["backend", "ws", "launcher", "model", "verdict", "noise ratio (x floor)", "max rel fro err",
-                   "first divergence / error"], rows)
+            rows.append([str(job.get("backend")), str(job.get("world_size")), "-", "-", _verdict_cell(job["status"]),
+                         "-", "-", "-", "-", "-", job.get("error") or "no result written"])
+    return ["Three checks per checked step, each as its worst error in multiples of the run dtype's own noise floor "
+            "(x floor): the reduced gradient against the float64 oracle, the update against a float64 optimizer step "
+            "from the same parameters and state (norm ratio: ||update|| / ||reference update||, 1 = the same step "
+            "length), and the trajectory, the parameters' distance to a float64 single process trained beside the "
+            "run. **unverifiable**: part of the run could not be checked; the reason is in the last column.", "",
+            *_table(["backend", "ws", "launcher", "model", "verdict", "gradient (x floor)", "gradient max rel fro err",
+                     "update (x floor)", "update norm ratio", "trajectory (x floor)",
+                     "first divergence / unverifiable reason / error"], rows)]
 
 
 def _time_rows(runs: list[dict[str, Any]], derived: list[Derived], tokens: bool, notes: Footnotes) -> list[list[str]]:
@@ -810,7 +847,8 @@ def _write(in_dir: Path, out_dir: Path | None, link_peak_gbps: float | None) -> 
     plots.append((PLOT_HEATMAP, "Gradient error matrix", why,
                   "Rows: the run whose reduced gradient is measured; columns: the float64 oracle and every other run. "
                   "Values: ||g_row - g_col|| / ||oracle|| in units of that run's float32 noise floor; 0 = bitwise "
-                  "equal; grey n/a = noise floor of 0."))
+                  "equal; grey n/a = noise floor of 0, or two runs whose forward draws random numbers at different world "
+                  "sizes (they drew different dropout masks: the distance would measure randomness, not rounding)."))
 
     stamps = [r["created_unix"] for r in inputs.runs if isinstance(r.get("created_unix"), (int, float))]
     md = ["# dpcompare report", "",
@@ -840,7 +878,7 @@ def _write(in_dir: Path, out_dir: Path | None, link_peak_gbps: float | None) -> 
         md += _table(["backend", "ws", "knob", "verdict", "max rel fro err", "step p50 (ms)", "exposed comm (ms)",
                       "busbw (GB/s)"],
                      [[str(r["backend"]), str(r["world_size"]), variant_of(r),
-                       str(r.get("equivalence", {}).get("verdict")),
+                       _verdict_cell(str(r.get("equivalence", {}).get("verdict"))),
                        _fmt_sweep(r.get("equivalence", {}).get("max_rel_fro_err"), ".2e"),
                        _fmt_sweep(metric(r, "step_ms_p50")[0], ".2f"), _fmt_sweep(metric(r, "comm_exposed_ms")[0], ".2f"),
                        _fmt_sweep(metric(r, "busbw_gbps")[0], ".3f")]
@@ -890,7 +928,7 @@ def main(ns: argparse.Namespace) -> int:
         table = Table(title="dpcompare report")
         for col in ("backend", "ws", "verdict", "samples/s", "scaling eff.", "step p50 (ms)"):
             table.add_column(col, justify="left" if col in ("backend", "verdict") else "right", no_wrap=True)
-        style = {"equivalent": "green", "different": "red"}
+        style = {"equivalent": "green", "different": "red", "unverifiable": "yellow"}
         for run, d in zip(report.runs, report.derived):
             verdict = (run.get("equivalence") or {}).get("verdict") or "n/a"
             samples, step = metric(run, "samples_per_s")[0], metric(run, "step_ms_p50")[0]

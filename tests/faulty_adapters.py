@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dpcompare.adapters.ddp import DDPAdapter
+from dpcompare.adapters.horovod import HorovodAdapter
 from dpcompare.contract import Wrapped
 
 
@@ -72,3 +73,90 @@ class DriftedInitDDP(DDPAdapter):
             with torch.no_grad():
                 list(wrapped.module.parameters())[-1].add_(1e-3)
         return wrapped
+
+
+class LinearScaledLRHorovod(HorovodAdapter):
+    """Horovod with the linear-scaling rule applied here only: the optimizer's learning rate multiplied by
+    hvd.size(), as many Horovod scripts do (while the DDP script beside them does not)."""
+
+    name = "linear-scaled-lr-horovod"
+
+    def wrap(self, module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
+        for group in optimizer.param_groups:
+            group["lr"] *= self.env.world_size
+        return super().wrap(module, optimizer, local_batch, global_batch)
+
+
+class DoubleStepDDP(DDPAdapter):
+    """DDP whose step() runs the optimizer twice (a wrapper that steps and a loop that steps again)."""
+
+    name = "double-step-ddp"
+
+    def step(self) -> None:
+        super().step()
+        super().step()
+
+
+class ClippingDDP(DDPAdapter):
+    """DDP that clips the gradient's total norm before the step (DeepSpeed's default since 0.19.3 is 1.0),
+    while the other backends do not clip."""
+
+    name = "clipping-ddp"
+
+    def step(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.wrapped.module.parameters(), max_norm=1e-3)
+        super().step()
+
+
+class StaleGradDDP(DDPAdapter):
+    """DDP that hands the optimizer the previous step's reduced gradient from step 1 on (a reducer that
+    returns before this step's all-reduce lands and leaves last step's buffer in `.grad`)."""
+
+    name = "stale-grad-ddp"
+
+    def reduce(self) -> None:
+        super().reduce()
+        params = [p for p in self.wrapped.module.parameters() if p.grad is not None]
+        current = [p.grad.detach().clone() for p in params]
+        previous = getattr(self, "_previous", None)
+        if previous is not None:
+            for p, g in zip(params, previous):
+                p.grad.copy_(g)
+        self._previous = current
+
+
+class UnsyncedBiasDDP(DDPAdapter):
+    """DDP told to ignore every bias (`_set_params_and_buffers_to_ignore_for_model`, the hook libraries use to
+    keep parameters out of DDP): the biases' gradients stay local while the weights are averaged."""
+
+    name = "unsynced-bias-ddp"
+
+    def wrap(self, module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
+        biases = [n for n, _ in module.named_parameters() if n.endswith("bias")]
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, biases)
+        return super().wrap(module, optimizer, local_batch, global_batch)
+
+
+class Fp16WireDDP(DDPAdapter):
+    """DDP that all-reduces in fp16 (DDP's fp16_compress_hook) without declaring it: the run's
+    `--compression` stays `none`, so the float32 tolerance applies."""
+
+    name = "fp16-wire-ddp"
+
+    def wrap(self, module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        wrapped = super().wrap(module, optimizer, local_batch, global_batch)
+        wrapped.model.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+        return wrapped
+
+
+class SameSeedDDP(DDPAdapter):
+    """DDP under a script that seeds every rank the same after setting up (torch.manual_seed(0) everywhere):
+    with dropout, every rank draws the same masks."""
+
+    name = "same-seed-ddp"
+
+    def wrap(self, module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
+        torch.manual_seed(0)
+        return super().wrap(module, optimizer, local_batch, global_batch)

@@ -5,19 +5,30 @@ microbenchmark and the report) must produce verdicts, the gradient matrix, costs
 efficiency, and every file it promises; `--sweep` must keep the verdict `equivalent` under bucket size,
 gradient accumulation and fp16 compression and list the knobs a backend does not have. Planning must
 show an uninstalled backend as unavailable with its install command while the others still run.
+
+Without a launcher, from synthetic results (valid against the published schema) and gradient dumps: the
+verdict table shows `unverifiable` in yellow with its reason, the update and trajectory figures, and the
+first divergence with the check that found it, within 160 columns; the gradient matrix marks a cell
+between two runs whose forward draws random numbers at different world sizes as n/a with the reason,
+while runs at one world size, and deterministic runs at any, keep their numbers; unused parameters get
+one line per way the backends left their gradients; a result written before these checks still renders.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from rich.console import Console
 
+from conftest import validate_result
 from dpcompare import compare, registry
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,3 +130,164 @@ def test_native_commands_are_the_users_commands():
 def test_bad_compare_input_is_one_clear_error(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         compare.plan(_ns(collectives="none", **kw), tmp_path)
+
+
+# -- the verdict table and the matrix, from synthetic results --------------------------------------------
+TOLERANCE = {"rule": "rel_fro_err <= factor * (...)", "factor": 4.0, "unit_roundoff": 2.0**-24, "world_size": 2,
+             "depth": 3}
+UNVERIFIABLE_REASON = ("the forward draws random numbers (drop) and BatchNorm couples the samples of a batch, so the "
+                       "ranks' forwards cannot be replayed shard by shard: rerun with --no-dropout")
+ORACLE = np.linspace(-1.0, 1.0, 16)
+FLOOR = ORACLE + 1e-7  # a noise floor of 1e-7 / ||oracle|| relative
+
+
+def _equivalence(verdict: str = "equivalent", *, stochastic: bool = False, **overrides) -> dict:
+    """What a run writes since the update and trajectory checks: gradient 1.25x, update 3.5x with norm ratio
+    1.001, trajectory 2.25x its floor."""
+    e = {"verdict": verdict, "unverifiable_reason": None, "checked_steps": [0], "max_rel_err": 1e-7,
+         "max_rel_fro_err": 2.5e-8, "noise_floor_rel_fro": 2e-8, "noise_ratio": 1.25, "first_divergence": None,
+         "replicas_identical": True, "initial_weights_identical": True, "tolerance": TOLERANCE, "notes": [],
+         "drift": [{"step": 0, "rel_param_distance": 4.5e-8, "floor_rel_param_distance": 2e-8, "noise_ratio": 2.25,
+                    "tolerance": 1e-6, "ok": True, "worst_parameter": "w"}],
+         "checks": {"gradient": {"status": "pass", "noise_ratio": 1.25, "max_rel_fro_err": 2.5e-8,
+                                 "noise_floor_rel_fro": 2e-8},
+                    "update": {"status": "pass", "noise_ratio": 3.5, "max_rel_fro_err": 7e-8,
+                               "noise_floor_rel_fro": 2e-8, "norm_ratio": 1.001},
+                    "trajectory": {"status": "pass", "noise_ratio": 2.25, "rel_param_distance": 4.5e-8,
+                                   "floor_rel_param_distance": 2e-8, "step": 0}},
+         "stochastic": {"stochastic": stochastic, "modules": ["drop"] if stochastic else [], "replayed": stochastic,
+                        "reason": None},
+         "parameters": {"unused": [], "frozen": [], "unused_grad": {}}}
+    e.update(overrides)
+    return e
+
+
+def _job(tmp_path: Path, backend: str, world_size: int, equivalence: dict, reduced: np.ndarray | None = None) -> compare.Job:
+    """A finished job: its schema-valid result, and a gradient dump of step 0 unless `reduced` is None."""
+    result = {"schema_version": 1, "backend": backend, "launcher": registry.NATIVE_LAUNCHER[backend],
+              "world_size": world_size, "device": "cpu", "model": "mlp", "global_batch": 24,
+              "local_batch": 24 // world_size, "steps": 3, "config": {}, "equivalence": equivalence,
+              "env": {"python": "3.11", "torch": "2.13.0", "deepspeed": None, "horovod": None, "mpi": None,
+                      "host": "testhost", "device_names": ["x86_64"]}}
+    validate_result(result)
+    label = f"{backend}/{world_size}"
+    dump = tmp_path / f"{backend}-ws{world_size}.npz"
+    if reduced is not None:
+        np.savez(dump, **{"0/reduced/w": reduced, "0/oracle/w": ORACLE, "0/floor/w": FLOOR})
+    return compare.Job(backend, world_size, [], label, dump, tmp_path / f"{label}.log", status=equivalence["verdict"],
+                       result=result, wall_s=3.0)
+
+
+def _rendered(jobs: list[compare.Job], *, width: int = 160, unavailable: list[dict] | None = None) -> tuple[str, str]:
+    """(plain text, text with ANSI colours) of compare's console output."""
+    console = Console(file=io.StringIO(), width=width, record=True, force_terminal=True, color_system="standard")
+    compare.render(console, jobs, unavailable or [], compare.build_matrix(jobs), compare.unused_parameter_grads(jobs))
+    return console.export_text(clear=False), console.export_text(styles=True)
+
+
+def test_unverifiable_run_is_yellow_with_its_reason_and_every_check_figure(tmp_path):
+    jobs = [_job(tmp_path, "reference", 1, _equivalence(), ORACLE + 1e-8),
+            _job(tmp_path, "ddp", 2, _equivalence(
+                "unverifiable", unverifiable_reason=UNVERIFIABLE_REASON, noise_ratio=None, max_rel_fro_err=None,
+                noise_floor_rel_fro=None, checked_steps=[], drift=[],
+                checks={c: {"status": "unverifiable", "noise_ratio": None} for c in ("gradient", "update", "trajectory")}))]
+    text, coloured = _rendered(jobs, unavailable=[{"backend": "horovod", "reason": "horovod is not installed"}])
+    assert max(len(line) for line in text.splitlines()) <= 160
+    reference_row = next(line for line in text.splitlines() if line.startswith("│ reference"))
+    cells = [c.strip() for c in reference_row.split("│")[1:-1]]
+    # gradient rel err, floor, x floor; update x floor, norm ratio; trajectory x floor
+    assert cells[4:10] == ["2.50e-08", "2.00e-08", "1.25", "3.50", "1.0010", "2.25"]
+    assert "\x1b[33munverifiable" in coloured and "\x1b[32mequivalent" in coloured  # yellow; green
+    # At 160 columns the note folds; on a wide console the reason reads as one line.
+    assert UNVERIFIABLE_REASON in _rendered(jobs, width=400)[0]
+
+
+def test_note_prefers_the_divergence_then_the_unverifiable_reason_then_the_error(tmp_path):
+    divergence = {"step": 1, "parameter": "fc1.weight", "reason": "the update is twice the reference's",
+                  "check": "update", "cause": "lr_scaled", "parameters": ["fc1.weight"]}
+    different = _job(tmp_path, "ddp", 2, _equivalence("different", first_divergence=divergence,
+                                                      unverifiable_reason=UNVERIFIABLE_REASON))
+    assert compare._note(different) == "step 1 (update check) fc1.weight: the update is twice the reference's"
+    unverifiable = _job(tmp_path, "ddp", 2, _equivalence("unverifiable", unverifiable_reason=UNVERIFIABLE_REASON))
+    unverifiable.error = "exit status 1"
+    assert compare._note(unverifiable) == UNVERIFIABLE_REASON
+    failed = compare.Job("ddp", 2, [], "ddp/2", tmp_path / "none.npz", tmp_path / "log", status="failed",
+                         error="gloo: connection refused")
+    assert compare._note(failed) == "gloo: connection refused"
+
+
+def test_random_forward_at_different_world_sizes_is_not_comparable(tmp_path):
+    jobs = [_job(tmp_path, "reference", 1, _equivalence(stochastic=True), ORACLE + 1e-8),
+            _job(tmp_path, "ddp", 2, _equivalence(stochastic=True), ORACLE + 3e-8),
+            _job(tmp_path, "horovod", 2, _equivalence(stochastic=True), ORACLE + 3e-8),
+            # stopped before its first check: an empty dump, which must not empty the matrix
+            _job(tmp_path, "deepspeed", 2, _equivalence("unverifiable", unverifiable_reason=UNVERIFIABLE_REASON,
+                                                        stochastic=True), None)]
+    np.savez(jobs[-1].dump)
+    matrix = compare.build_matrix(jobs)
+    assert matrix["labels"] == ["reference/1", "ddp/2", "horovod/2"] and matrix["steps"] == [0]
+    step0 = matrix["per_step"]["0"]
+    for a, b in (("reference/1", "ddp/2"), ("ddp/2", "reference/1"), ("horovod/2", "reference/1")):
+        assert step0[a]["in_noise_floors"][b] is None and step0[a]["rel_err"][b] is None
+        assert "different masks" in step0[a]["not_comparable"][b]
+    # Same world size: the same per-rank seeds, the same masks: a number (here bitwise equal).
+    assert step0["ddp/2"]["rel_err"]["horovod/2"] == 0.0
+    assert all(step0[a]["in_noise_floors"]["oracle"] > 0 for a in matrix["labels"])
+    text, _ = _rendered(jobs)
+    matrix_rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+                   for line in text.splitlines() if line.startswith("│ ") and "/" in line.split("│")[1]
+                   and len(line.split("│")) == 7}  # run, oracle and three runs
+    assert matrix_rows["ddp/2"][1] == "n/a" and matrix_rows["ddp/2"][2:] == ["0", "0"]
+    assert matrix_rows["reference/1"][0] != "n/a" and matrix_rows["reference/1"][2:] == ["n/a", "n/a"]
+    assert "n/a: not comparable: the forward draws random numbers" in text
+
+
+def test_deterministic_runs_at_different_world_sizes_stay_comparable(tmp_path):
+    jobs = [_job(tmp_path, "reference", 1, _equivalence(stochastic=False), ORACLE + 1e-8),
+            _job(tmp_path, "ddp", 2, _equivalence(stochastic=False), ORACLE + 3e-8)]
+    step0 = compare.build_matrix(jobs)["per_step"]["0"]
+    assert step0["reference/1"]["in_noise_floors"]["ddp/2"] == pytest.approx(2e-8 / 1e-7, rel=1e-6)
+    assert step0["ddp/2"]["in_noise_floors"]["reference/1"] == pytest.approx(2e-8 / 1e-7, rel=1e-6)
+    assert step0["ddp/2"]["not_comparable"] == {}
+    assert "n/a" not in _rendered(jobs)[0]
+
+
+def test_unused_parameters_get_one_line_per_way_the_backends_left_them(tmp_path):
+    def unused(form_weight: str, form_bias: str) -> dict:
+        return {"unused": ["aux_head.weight", "aux_head.bias"], "frozen": [],
+                "unused_grad": {"aux_head.weight": form_weight, "aux_head.bias": form_bias}}
+
+    jobs = [_job(tmp_path, "ddp", 2, _equivalence(parameters=unused("none", "none"))),
+            _job(tmp_path, "horovod", 2, _equivalence(parameters=unused("zero", "zero"))),
+            _job(tmp_path, "deepspeed", 2, _equivalence(parameters=unused("zero", "nonzero")))]
+    entries = compare.unused_parameter_grads(jobs)
+    assert [e["line"] for e in entries] == [
+        "unused parameters aux_head.weight: gradient None under ddp ws=2; zero under horovod ws=2, deepspeed ws=2",
+        "unused parameters aux_head.bias: gradient None under ddp ws=2; zero under horovod ws=2; NONZERO under "
+        "deepspeed ws=2"]
+    assert entries[0]["gradient"] == {"none": ["ddp/2"], "zero": ["horovod/2", "deepspeed/2"]}
+    json.dumps(entries)  # it goes into compare.json
+    text, _ = _rendered(jobs, width=400)
+    assert entries[1]["line"] in text
+    # Alike everywhere: one line for both parameters; none listed: no line.
+    jobs[2].result["equivalence"]["parameters"] = unused("zero", "zero")
+    assert [e["parameters"] for e in compare.unused_parameter_grads(jobs)] == [["aux_head.weight", "aux_head.bias"]]
+    assert compare.unused_parameter_grads([_job(tmp_path, "ddp", 2, _equivalence())]) == []
+
+
+def test_a_result_written_before_the_new_checks_still_renders(tmp_path):
+    old = _equivalence(first_divergence={"step": 0, "parameter": "fc1.weight", "reason": "summed, not averaged"},
+                       verdict="different")
+    for key in ("unverifiable_reason", "checks", "stochastic", "parameters"):
+        del old[key]
+    jobs = [_job(tmp_path, "reference", 1, _equivalence(stochastic=True), ORACLE + 1e-8),
+            _job(tmp_path, "ddp", 2, old, ORACLE + 3e-8)]
+    text, _ = _rendered(jobs, width=400)
+    ddp_row = next(line for line in text.splitlines() if line.startswith("│ ddp "))
+    cells = [c.strip() for c in ddp_row.split("│")[1:-1]]
+    assert cells[3] == "different" and cells[6] == "1.25"
+    assert cells[7:10] == ["-", "-", "-"]  # no update or trajectory figures recorded
+    assert cells[-1] == "step 0 (gradient check) fc1.weight: summed, not averaged"
+    # An old result says nothing about randomness; its partner's random forward still makes the cell n/a.
+    assert compare.build_matrix(jobs)["per_step"]["0"]["ddp/2"]["in_noise_floors"]["reference/1"] is None
+    assert compare.unused_parameter_grads(jobs) == []

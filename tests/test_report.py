@@ -6,10 +6,13 @@ the gradient-matrix panels) against hand-computed values; that a full set of inp
 summary, collectives benchmarks) gives four valid PNGs of plausible size and a report.md with the verdict
 and cost tables, every null as n/a with its reason; that missing inputs skip a plot and say why; that bad
 inputs (no directory, no results, malformed JSON) give a one-line error or a warning, never a traceback.
+The verdict table shows the update and trajectory figures beside the gradient's, `unverifiable` in bold
+with its reason; a result written before those checks shows them as n/a with why.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import struct
 import subprocess
@@ -20,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from conftest import validate_result
 from dpcompare import report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -205,7 +209,9 @@ def test_full_report_has_four_plots_and_the_tables(full_dir: Path, tmp_path: Pat
     for name in PLOTS:
         assert f"]({name})" in md
     # verdict table: first divergence none, the failed horovod job from compare.json, the unavailable backend
-    assert "| ddp | 2 | torchrun | mlp | equivalent | 1.25 | 2.50e-08 | none |" in md
+    ddp_row = next(ln for ln in md.splitlines() if ln.startswith("| ddp | 2 | torchrun | mlp |"))
+    assert ddp_row.startswith("| ddp | 2 | torchrun | mlp | equivalent | 1.25 | 2.50e-08 | n/a[^")
+    assert ddp_row.endswith(" | none |")
     assert "**failed**" in md and "gloo: connection refused" in md
     assert "deepspeed is not installed: pip install deepspeed" in md
     # cost: efficiency from the newest ddp/2 (150, not 10) against reference/1 (100)
@@ -221,6 +227,111 @@ def test_full_report_has_four_plots_and_the_tables(full_dir: Path, tmp_path: Pat
     assert "| torch | gloo | 2 | cpu | ok | 9 | 2.95 | 64 MiB | 4 KiB |" in md
     assert "| mpi | - | 4 | - | timeout: no result within 600 s | 0 |" in md
     assert "unavailable: horovod is not installed" in md
+
+
+UNVERIFIABLE_REASON = ("the forward draws random numbers (drop) and BatchNorm couples the samples of a batch, so the "
+                       "ranks' forwards cannot be replayed shard by shard: rerun with --no-dropout")
+TOLERANCE = {"rule": "rel_fro_err <= factor * (...)", "factor": 4.0, "unit_roundoff": 2.0**-24, "world_size": 2,
+             "depth": 3}
+
+
+def checked_equivalence(verdict: str = "equivalent", **overrides: Any) -> dict[str, Any]:
+    """What a run writes since the update and trajectory checks: gradient 1.25x its floor, update 3.5x with
+    norm ratio 1.001, trajectory 2.25x."""
+    e = {"verdict": verdict, "unverifiable_reason": None, "checked_steps": [0], "max_rel_err": 1e-7,
+         "max_rel_fro_err": 2.5e-8, "noise_floor_rel_fro": 2e-8, "noise_ratio": 1.25, "first_divergence": None,
+         "replicas_identical": True, "initial_weights_identical": True, "tolerance": TOLERANCE, "notes": [],
+         "drift": [{"step": 0, "rel_param_distance": 4.5e-8, "floor_rel_param_distance": 2e-8, "noise_ratio": 2.25,
+                    "tolerance": 1e-6, "ok": True, "worst_parameter": "fc1.weight"}],
+         "checks": {"gradient": {"status": "pass", "noise_ratio": 1.25, "max_rel_fro_err": 2.5e-8,
+                                 "noise_floor_rel_fro": 2e-8},
+                    "update": {"status": "pass", "noise_ratio": 3.5, "max_rel_fro_err": 7e-8,
+                               "noise_floor_rel_fro": 2e-8, "norm_ratio": 1.001},
+                    "trajectory": {"status": "pass", "noise_ratio": 2.25, "rel_param_distance": 4.5e-8,
+                                   "floor_rel_param_distance": 2e-8, "step": 0}},
+         "stochastic": {"stochastic": False, "modules": [], "replayed": False, "reason": None},
+         "parameters": {"unused": [], "frozen": [], "unused_grad": {}}}
+    e.update(overrides)
+    return e
+
+
+def checked_run(backend: str, world_size: int, equivalence: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    payload = run_result(backend, world_size, equivalence=equivalence, **fields)
+    validate_result(payload)
+    return payload
+
+
+def _footnotes(md: str) -> dict[str, str]:
+    return {ln.split(":", 1)[0]: ln.split(":", 1)[1].strip() for ln in md.splitlines() if ln.startswith("[^")}
+
+
+def test_unverifiable_is_bold_with_its_reason_beside_the_update_and_trajectory_figures(tmp_path: Path) -> None:
+    nothing_checked = {c: {"status": "unverifiable", "noise_ratio": None} for c in ("gradient", "update", "trajectory")}
+    write(tmp_path / "runs" / "reference.json", checked_run("reference", 1, checked_equivalence()))
+    write(tmp_path / "runs" / "ddp.json", checked_run("ddp", 2, checked_equivalence(
+        "unverifiable", unverifiable_reason=UNVERIFIABLE_REASON, noise_ratio=None, max_rel_fro_err=None,
+        noise_floor_rel_fro=None, checked_steps=[], drift=[], checks=nothing_checked)))
+    write(tmp_path / "runs" / "deepspeed.json", checked_run("deepspeed", 2, checked_equivalence(
+        "different", first_divergence={"step": 1, "parameter": "fc1.weight", "reason": "the update is twice the "
+                                       "reference's: lr scaled by world size", "check": "update", "cause": "lr_scaled",
+                                       "parameters": ["fc1.weight"]},
+        checks={**checked_equivalence()["checks"], "update": {"status": "fail", "noise_ratio": 9.0e6,
+                                                              "norm_ratio": 2.0}})))
+    write(tmp_path / "runs" / "ddp-accum.json", checked_run("ddp", 2, checked_equivalence(
+        "unverifiable", unverifiable_reason=UNVERIFIABLE_REASON), config={"grad_accum": 4}))
+    md = report.build_report(tmp_path).read_text()
+    assert "| reference | 1 | python | mlp | equivalent | 1.25 | 2.50e-08 | 3.50 | 1.0010 | 2.25 | none |" in md
+    assert ("| deepspeed | 2 | torchrun | mlp | **different** | 1.25 | 2.50e-08 | 9000000.00 | 2.0000 | 2.25 | step 1 "
+            "(update check), `fc1.weight`: the update is twice the reference's: lr scaled by world size |") in md
+    ddp_row = next(ln for ln in md.splitlines() if ln.startswith("| ddp | 2 | torchrun |"))
+    cells = ddp_row.strip("| ").split(" | ")
+    assert cells[4] == "**unverifiable**" and cells[-1] == UNVERIFIABLE_REASON
+    assert all(c.startswith("n/a[^") for c in cells[5:10]), cells
+    assert {_footnotes(md)[c[3:]] for c in cells[5:10]} == {UNVERIFIABLE_REASON}  # one reason, one footnote
+    assert "the update against a float64 optimizer step" in md  # the three checks are explained
+    assert "| ddp | 2 | grad_accum=4 | **unverifiable** |" in md  # the sweep table too
+
+
+def test_a_result_written_before_the_update_and_trajectory_checks_is_na_with_why(tmp_path: Path) -> None:
+    old = run_result("ddp", 2)  # no checks, unverifiable_reason, stochastic or parameters
+    assert "checks" not in old["equivalence"]
+    write(tmp_path / "old.json", old)
+    write(tmp_path / "new.json", checked_run("reference", 1, checked_equivalence(
+        checks={**checked_equivalence()["checks"], "trajectory": {"status": "off", "noise_ratio": None}})))
+    md = report.build_report(tmp_path).read_text()
+    footnotes = _footnotes(md)
+    old_cells = next(ln for ln in md.splitlines() if ln.startswith("| ddp | 2 |")).strip("| ").split(" | ")
+    assert old_cells[5:7] == ["1.25", "2.50e-08"]  # the gradient figures it has
+    assert all(footnotes[c[3:]].startswith("this result has no equivalence.checks (written before") for c in old_cells[7:10])
+    new_cells = next(ln for ln in md.splitlines() if ln.startswith("| reference | 1 |")).strip("| ").split(" | ")
+    assert new_cells[7:9] == ["3.50", "1.0010"]
+    assert footnotes[new_cells[9][3:]] == "the trajectory check did not run (checks.trajectory.status: off)"
+
+
+def test_report_console_summary_shows_unverifiable_in_yellow(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    write(tmp_path / "ddp.json", checked_run("ddp", 2, checked_equivalence(
+        "unverifiable", unverifiable_reason=UNVERIFIABLE_REASON)))
+    write(tmp_path / "ref.json", checked_run("reference", 1, checked_equivalence()))
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich colours a captured stream only when forced
+    monkeypatch.setenv("TERM", "xterm")
+    assert report.main(argparse.Namespace(dir=str(tmp_path), out=None, link_peak_gbps=None)) == 0
+    out = capsys.readouterr().out
+    assert "\x1b[33munverifiable" in out and "\x1b[32mequivalent" in out
+
+
+def test_matrix_panels_cell_not_comparable_is_nan() -> None:
+    # Random forwards at different world sizes: compare writes null for the pair, with the reason beside it.
+    matrix = {"labels": ["reference/1", "ddp/2"], "steps": [0], "per_step": {"0": {
+        "reference/1": {"rel_err": {"oracle": 1e-8, "reference/1": 0.0, "ddp/2": None}, "noise_floor": 1e-8,
+                        "in_noise_floors": {"oracle": 1.0, "reference/1": 0.0, "ddp/2": None},
+                        "not_comparable": {"ddp/2": "different masks"}},
+        "ddp/2": {"rel_err": {"oracle": 2e-8, "reference/1": None, "ddp/2": 0.0}, "noise_floor": 1e-8,
+                  "in_noise_floors": {"oracle": 2.0, "reference/1": None, "ddp/2": 0.0},
+                  "not_comparable": {"reference/1": "different masks"}}}}}
+    (panel,) = report.matrix_panels(matrix)
+    assert np.isnan(panel.values[0, 2]) and np.isnan(panel.values[1, 1])
+    assert panel.values[0, 0] == pytest.approx(1.0) and panel.values[1, 2] == 0.0
 
 
 def test_nulls_are_na_with_their_reason_as_footnote(full_dir: Path) -> None:
