@@ -336,11 +336,13 @@ def diagnose_update(ev: UpdateEvidence, failing: list[str]) -> list[Diagnosis]:
         return [Diagnosis("non_finite", "the backend's update holds inf or NaN where the reference's is finite", bad)]
 
     def lr_scaled(remaining: list[str]) -> list[Diagnosis]:
-        if n < 2:
-            return []
+        if n < 2 or (backend_lr and all(math.isclose(v, ev.lr) for v in backend_lr)):
+            return []  # the backend's optimizer runs at the run's learning rate: not this
+        unsure = ("" if backend_lr else "; the backend's learning rate could not be read, and a double step of Adam "
+                  "from a fresh state gives the same update")
         return [Diagnosis("lr_scaled", f"the update is {n}x the reference: the learning rate is scaled by the world size "
                           f"(the linear-scaling rule applied in this backend only; {lr_said}); apply it in every backend "
-                          "or in none", match(ev.step_with(lr=ev.lr * n), remaining))]
+                          f"or in none{unsure}", match(ev.step_with(lr=ev.lr * n), remaining))]
 
     def double_step(remaining: list[str]) -> list[Diagnosis]:
         ratio = _norm_ratio(d, ref, remaining)
@@ -398,8 +400,10 @@ def diagnose_update(ev: UpdateEvidence, failing: list[str]) -> list[Diagnosis]:
         def loss(s: float) -> float:
             return rel_fro(flat(d, remaining), flat(scaled(s), remaining))
 
-        fit = minimize_scalar(loss, bounds=(0.0, 1.0), method="bounded", options={"xatol": 1e-6, "maxiter": 60})
-        s = float(fit.x)
+        # Fit on a log scale: the match needs the scale to a relative precision near the tolerance.
+        fit = minimize_scalar(lambda t: loss(10.0**t), bounds=(-9.0, 0.0), method="bounded",
+                              options={"xatol": 1e-10, "maxiter": 200})
+        s = float(10.0**fit.x)
         if s > 1 - 1e-4:
             return []
         return [Diagnosis("clipped", f"the gradient was clipped before the step (scaled by {s:.3g}: total norm "

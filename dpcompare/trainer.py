@@ -429,17 +429,21 @@ def summary_line(payload: dict[str, Any]) -> str:
     head = f"{payload['backend']} ws={payload['world_size']} {payload['model']} [{payload['launcher']}]: {e['verdict']}"
     if e["verdict"] == "unchecked":
         return f"{head} -> {payload.get('result_path')}"
+    def f(x: float | None, spec: str) -> str:  # a non-finite figure is stored as null
+        return "non-finite" if x is None else format(x, spec)
+
     parts = []
     ratio = e["noise_ratio"]
-    if ratio is not None:
-        parts.append(f"gradient: max rel fro err {e['max_rel_fro_err']:.2e}, {ratio:.2f}x noise floor "
-                     f"{e['noise_floor_rel_fro']:.2e}")
+    if e["checked_steps"]:
+        parts.append(f"gradient: max rel fro err {f(e['max_rel_fro_err'], '.2e')}, {f(ratio, '.2f')}x noise floor "
+                     f"{f(e['noise_floor_rel_fro'], '.2e')}")
     checks = e.get("checks") or {}
     update, trajectory = checks.get("update") or {}, checks.get("trajectory") or {}
-    if update.get("noise_ratio") is not None:
-        parts.append(f"update: {update['noise_ratio']:.2f}x floor, ||update||/||reference|| {update['norm_ratio']:.4g}")
-    if trajectory.get("noise_ratio") is not None:
-        parts.append(f"trajectory: {trajectory['noise_ratio']:.2f}x floor")
+    if update.get("status") not in (None, "off", "unverifiable"):
+        parts.append(f"update: {f(update['noise_ratio'], '.2f')}x floor, ||update||/||reference|| "
+                     f"{f(update['norm_ratio'], '.4g')}")
+    if trajectory.get("status") not in (None, "off", "unverifiable"):
+        parts.append(f"trajectory: {f(trajectory['noise_ratio'], '.2f')}x floor")
     detail = "; ".join(parts) or "no figures"
     if e["tolerance"].get("compression", "none") != "none":
         detail += f" ({e['tolerance']['compression']} on the wire, tolerance widened to match)"

@@ -197,12 +197,14 @@ class Verifier:
                      for n in self.names}
             oracle = self.oracle.oracle_of(state, groups)
             none = self.oracle.none
-            if not all(bool(torch.isfinite(g).all()) for g in oracle.values()):
-                self._unverifiable(f"the run diverged numerically at step {step}: the float64 oracle's gradient is not "
-                                   "finite (the loss or the parameters overflowed), so nothing after it can be compared; "
-                                   "lower --lr")
-                return
             floor = self.oracle.floor_of(state, groups)
+            # A run whose single process overflows too has diverged: that is no backend difference.
+            for what, g in (("float64 oracle's gradient", oracle), (f"{self.cfg.dtype} single-process gradient", floor)):
+                if not all(bool(torch.isfinite(t).all()) for t in g.values()):
+                    self._unverifiable(f"the training diverged numerically at step {step}: the {what} is not finite "
+                                       "at the run's parameters (the loss or the parameters overflowed), so nothing "
+                                       "from there on can be compared; lower --lr")
+                    return
             if self.replay and not self._masks_reproduced(step, floor, oracle):
                 return
             params = eq.compare_grads(grads, oracle, floor, dtype=self.cfg.dtype, world_size=self.world_size,

@@ -3,8 +3,7 @@
 Checks against independent references where one exists: launch detection against the variables each
 real launcher sets (torchrun, the deepspeed launcher, horovodrun, Open MPI, PMI, Slurm); sharding against
 torch's own DistributedSampler; GlobalBatchNorm against nn.BatchNorm2d in float64; the metrics of
-equivalence.compare_grads against hand-computed values; diagnose() against gradients built to match each
-known fault; the watchdog's culprit against fake heartbeat files; configuration, registry and result
+equivalence.compare_grads against hand-computed values (the diagnosis: test_diagnosis.py); the watchdog's culprit against fake heartbeat files; configuration, registry and result
 schema errors against the messages and rejections they promise. Every passing case has a twin that
 must fail.
 """
@@ -299,80 +298,6 @@ def test_verdict_summarises_checks():
                           first_divergence=eq.Divergence(0, "w", 1.0, 1e-6, 1e7, "summed"))
     assert diverged.to_dict(policy)["verdict"] == "different"
     assert eq.Verdict(checks=[eq.StepCheck(0, [ok], True, True)], replicas_identical=False).to_dict(policy)["verdict"] == "different"
-
-
-# -- diagnosis ------------------------------------------------------------------------------------------
-def _diagnosis_setup(model: nn.Module, world_size: int = 2):
-    torch.manual_seed(3)
-    x = torch.randn(8, 4)
-    y = torch.randint(0, 3, (8,))
-    oracle = eq.Oracle(model, lambda out, t: F.cross_entropy(out, t), "float32", torch.device("cpu"))
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    shards = [workloads.shard((x, y), r, world_size) for r in range(world_size)]
-    digests = [eq.tensor_digest(s[0]) for s in shards]
-    return oracle, state, (x, y), shards, digests
-
-
-def _diagnose(model: nn.Module, grads_for, *, digests_for=None, has_batchnorm=False, sync_bn=False) -> str:
-    oracle, state, batch, shards, digests = _diagnosis_setup(model)
-    oracle_grads = oracle.oracle(state, *batch)
-    grads = grads_for(oracle, state, oracle_grads, shards)
-    return eq.diagnose(grads=grads, oracle_grads=oracle_grads, oracle=oracle, state=state, global_batch=batch,
-                       shards=shards, shard_digests=digests_for(digests) if digests_for else digests,
-                       expected_digests=digests, tolerance=1e-6, has_batchnorm=has_batchnorm, sync_bn=sync_bn)
-
-
-def _linear() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
-
-
-def _with_batchnorm() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
-
-
-def test_diagnose_names_a_sum():
-    reason = _diagnose(_linear(), lambda o, s, og, sh: {k: 2 * v for k, v in og.items()})
-    assert "2x the oracle" in reason and "summed, not averaged" in reason
-
-
-def test_diagnose_names_a_local_only_gradient():
-    reason = _diagnose(_linear(), lambda o, s, og, sh: o.oracle(s, *sh[1]))
-    assert "equals rank 1's local gradient" in reason and "not synchronised" in reason
-
-
-def test_diagnose_names_duplicated_shards():
-    reason = _diagnose(_linear(), lambda o, s, og, sh: o.oracle(s, *sh[0]), digests_for=lambda d: [d[0], d[0]])
-    assert "ranks 0 and 1 read the same shard" in reason
-
-
-def test_diagnose_names_shards_from_another_data_stream():
-    reason = _diagnose(_linear(), lambda o, s, og, sh: og, digests_for=lambda d: [d[0], "0123456789abcdef"])
-    assert "not the shards of the global batch" in reason
-
-
-def _mean_of_locals(o, s, og, sh):
-    local = [o.oracle(s, *shard) for shard in sh]
-    return {k: (local[0][k] + local[1][k]) / 2 for k in og}
-
-
-def test_diagnose_names_per_rank_batchnorm():
-    reason = _diagnose(_with_batchnorm(), _mean_of_locals, has_batchnorm=True)
-    assert "BatchNorm" in reason and "--sync-bn" in reason
-
-
-def test_diagnose_does_not_blame_batchnorm_when_it_was_synchronised_or_absent():
-    for kwargs in ({"has_batchnorm": True, "sync_bn": True}, {"has_batchnorm": False}):
-        reason = _diagnose(_with_batchnorm(), _mean_of_locals, **kwargs)
-        assert "matches none of the known fault patterns" in reason, kwargs
-
-
-def test_diagnose_admits_an_unknown_fault():
-    noise = torch.Generator().manual_seed(9)
-    reason = _diagnose(_linear(), lambda o, s, og, sh: {k: v + 0.3 * torch.randn(v.shape, generator=noise, dtype=v.dtype)
-                                                        for k, v in og.items()})
-    assert "matches none of the known fault patterns" in reason
 
 
 # -- watchdog -------------------------------------------------------------------------------------------
