@@ -78,16 +78,22 @@ def validate_result(payload: dict) -> None:
 
 
 # -- noise ratios seen by the equivalence matrix, printed at the end of the session ------------------
-NOISE_RATIOS: list[tuple[str, int, str, str, float]] = []
+NOISE_RATIOS: list[tuple[str, int, str, str, float, float | None, float | None]] = []
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: D103
     if not NOISE_RATIOS:
         return
-    terminalreporter.section("dpcompare noise ratios (reduced-gradient error / float32 noise floor)")
-    terminalreporter.write_line(f"{'backend':<10} {'ws':>2} {'model':<5} {'launcher':<10} noise_ratio")
-    for backend, ws, model, launcher, ratio in sorted(NOISE_RATIOS):
-        terminalreporter.write_line(f"{backend:<10} {ws:>2} {model:<5} {launcher:<10} {ratio:.3f}")
+    terminalreporter.section("dpcompare noise ratios (error / its float32 noise floor)")
+    terminalreporter.write_line(f"{'backend':<10} {'ws':>2} {'model':<11} {'launcher':<10} {'gradient':>9} {'update':>9} "
+                                f"{'trajectory':>10}")
+
+    def f(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    for backend, ws, model, launcher, grad, update, trajectory in sorted(NOISE_RATIOS):
+        terminalreporter.write_line(f"{backend:<10} {ws:>2} {model:<11} {launcher:<10} {f(grad):>9} {f(update):>9} "
+                                    f"{f(trajectory):>10}")
 
 
 # -- processes -----------------------------------------------------------------------------------------
@@ -263,8 +269,12 @@ def record_noise_ratio(record_property) -> Callable[[dict], None]:
     """Keep a result's noise ratio for the end-of-session table (and the junit XML)."""
 
     def record(result: dict) -> None:
-        ratio = result["equivalence"]["noise_ratio"]
-        NOISE_RATIOS.append((result["backend"], result["world_size"], result["model"], result["launcher"], ratio))
+        e = result["equivalence"]
+        ratio = e["noise_ratio"]
+        checks = e.get("checks") or {}
+        NOISE_RATIOS.append((result["backend"], result["world_size"], result["model"], result["launcher"], ratio,
+                             (checks.get("update") or {}).get("noise_ratio"),
+                             (checks.get("trajectory") or {}).get("noise_ratio")))
         record_property("noise_ratio", ratio)
 
     return record

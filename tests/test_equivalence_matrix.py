@@ -1,11 +1,13 @@
 """Every backend, under its native launcher, computes the gradient of the global-batch loss.
 
-Checks, for each backend x world size {1, 2, 3} x model {mlp, cnn, lm} (reference and dp only at world
-size 1: they are single-process backends), the JSON result that rank 0 writes against the float64
-oracle that dpcompare recomputes from the run's own parameters: the verdict is `equivalent`, no
-divergence is named, every rank started from and ended with the same weights, and the worst reduced
-gradient error stays below 10x the float32 noise floor (the ratios are printed at the end of the
-session). The result must also say which launcher and world size actually ran, so a run that silently
+Checks, for each backend x world size {1, 2, 3} x built-in model {mlp, cnn, lm, mlp-dropout, mlp-unused}
+(reference and dp only at world size 1: they are single-process backends), the JSON result that rank 0
+writes against the float64 oracle that dpcompare recomputes from the run's own parameters: the verdict is
+`equivalent`, no divergence is named, every rank started from and ended with the same weights, and the
+worst reduced-gradient error, the worst update error (against a float64 optimizer step) and the worst
+trajectory drift (against a float64 single process) all stay below 10x their noise floors (the ratios are
+printed at the end of the session). mlp-dropout draws dropout masks: the check replays each rank's
+generator; mlp-unused has a head forward never calls and a frozen layer. The result must also say which launcher and world size actually ran, so a run that silently
 fell back to one process (`hvd.init()` without a launcher) cannot pass as a distributed one.
 
 The negative twins (the same checks coming out `different` on planted faults) are in test_negative.py.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-MODELS = ("mlp", "cnn", "lm")
+MODELS = ("mlp", "cnn", "lm", "mlp-dropout", "mlp-unused")
 STEPS = ["--steps", "2"]
 
 
@@ -52,6 +54,11 @@ def assert_equivalent(proc, result: dict | None, *, backend: str, world_size: in
     assert e["checked_steps"] == [0, 1]
     assert all(s["grads_identical_across_ranks"] for s in e["per_step"]), "ranks hold different reduced gradients"
     assert e["noise_ratio"] is not None and e["noise_ratio"] < 10, f"noise ratio {e['noise_ratio']}"
+    for check in ("gradient", "update", "trajectory"):
+        c = e["checks"][check]
+        assert c["status"] == "pass" and c["noise_ratio"] is not None and c["noise_ratio"] < 10, (check, c)
+    assert abs(e["checks"]["update"]["norm_ratio"] - 1) < 1e-3, e["checks"]["update"]
+    assert len(e["drift"]) == 2 and all(d["ok"] for d in e["drift"]), e["drift"]
     summary = f"{backend} ws={world_size} {model} [{launcher}]: equivalent"
     assert summary in proc.stdout, proc.stdout[-2000:]
 
@@ -63,6 +70,13 @@ def test_backend_is_equivalent_to_the_float64_oracle(backend, world_size, model,
     proc, result = launch(backend, world_size, model, run_args(model, world_size), launcher)
     assert_equivalent(proc, result, backend=backend, world_size=world_size, model=model, launcher=launcher)
     record_noise_ratio(result)
+    if model == "mlp-dropout":
+        assert result["equivalence"]["stochastic"] == {"stochastic": True, "modules": ["2", "5"], "replayed": True,
+                                                       "reason": None}
+    if model == "mlp-unused":
+        p = result["equivalence"]["parameters"]
+        assert p["unused"] == ["aux_head.weight", "aux_head.bias"] and p["frozen"] == ["embed.weight", "embed.bias"]
+        assert set(p["unused_grad"].values()) <= {"none", "zero"}, p
     if backend == "dp" and result["device"] == "cpu":
         # On CPU DataParallel is a pass-through: the result must say so rather than claim a speed-up.
         assert any("no parallelism on CPU" in n for n in result["equivalence"]["notes"])
