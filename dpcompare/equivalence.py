@@ -133,13 +133,18 @@ def compare(
     return out
 
 
+def wire_roundoff(dtype: str, compression: str = "none") -> float:
+    """Unit roundoff of the reduction: the run dtype's, or the compressed wire dtype's when it is coarser."""
+    wire = WIRE_DTYPE[compression]
+    u = UNIT_ROUNDOFF[dtype]
+    return max(u, UNIT_ROUNDOFF[wire]) if wire else u
+
+
 def compare_grads(
     grads: Grads, oracle: Grads, floor: Grads, *, dtype: str, world_size: int, depth: int, compression: str = "none"
 ) -> list[ParamError]:
-    wire = WIRE_DTYPE[compression]
-    u = UNIT_ROUNDOFF[dtype]
-    u_sum = max(u, UNIT_ROUNDOFF[wire]) if wire else u  # the reduction rounds in the wire dtype
-    return compare(grads, oracle, floor, dtype=dtype, world_size=world_size, depth=depth, u_sum=u_sum)
+    return compare(grads, oracle, floor, dtype=dtype, world_size=world_size, depth=depth,
+                   u_sum=wire_roundoff(dtype, compression))
 
 
 # -- the oracle ------------------------------------------------------------------------------------
@@ -405,9 +410,9 @@ def tolerance_policy(dtype: str, world_size: int, depth: int, compression: str =
     wire = WIRE_DTYPE[compression]
     return {
         "rule": "rel_fro_err <= factor * (max(floor_param, floor_model, depth*u) + world_size*u_wire)",
-        "update_rule": "rel_fro_err(update) <= factor * (max(floor_param, floor_model, depth*u) + world_size*u), "
+        "update_rule": "rel_fro_err(update) <= factor * (max(floor_param, floor_model, depth*u) + world_size*u_wire), "
                        "floor: the run-dtype optimizer step from the run-dtype single-process gradient",
-        "trajectory_rule": "rel_param_distance(step k) <= factor * (max(floor_k, (k+1)*depth*u) + (k+1)*world_size*u), "
+        "trajectory_rule": "rel_param_distance(step k) <= factor * (max(floor_k, (k+1)*depth*u) + (k+1)*world_size*u_wire), "
                            "floor_k: distance of a run-dtype single-process trajectory from the float64 one",
         "compression": compression,
         "unit_roundoff_wire": UNIT_ROUNDOFF[wire] if wire else UNIT_ROUNDOFF[dtype],

@@ -229,7 +229,7 @@ def _verify(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: W
         check = verifier.Verifier(
             cfg=cfg, world_size=env.world_size, template=template, loss_fn=workload.loss_fn, facts=facts,
             wrapped=wrapped, device=step_fn.device, factory=optimizer_factory(cfg), has_batchnorm=has_batchnorm(template),
-            replay_reason=adapter.rng_replay_reason(), batch_sizes=(global_batch, global_batch // env.world_size))
+            replay_reason=adapter.rng_replay_reason())
         check.check_initial(wrapped.module)
     verdict = check.verdict if check is not None else eq.Verdict(notes=list(wrapped.notes))
     initial = adapter.all_gather_object(eq.param_digests(wrapped.module))

@@ -7,9 +7,10 @@ against the float64 copy, and that distance is judged in multiples of the run-dt
 the drift a correct single process in the run dtype already has at that step. Imports no adapter.
 
 Tolerance (written here once): at step k (0-based, after k+1 updates)
-    rel_param_distance <= factor * (max(floor_k, (k+1) * depth * u) + (k+1) * world_size * u)
+    rel_param_distance <= factor * (max(floor_k, (k+1) * depth * u) + (k+1) * world_size * u_wire)
 with the factor of the gradient check. The (k+1) * depth * u term is the smallest floor (a float64 run, whose
-run-dtype copy is the float64 copy); (k+1) * world_size * u bounds what averaging N gradients adds per step.
+run-dtype copy is the float64 copy); (k+1) * world_size * u_wire bounds what averaging N gradients adds per
+step (u_wire: the compressed wire dtype's unit roundoff under --compression, else u).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dpcompare.equivalence import TOLERANCE_FACTOR, UNIT_ROUNDOFF, Group, accumulate_gradient, rel_fro
+from dpcompare.equivalence import DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Group, accumulate_gradient, rel_fro
 from dpcompare.update_check import OptimizerFactory
 
 
@@ -31,11 +32,10 @@ def _flat(module: nn.Module, names: list[str]) -> torch.Tensor:
 
 class Trajectory:
     def __init__(self, template: nn.Module, loss_fn: Callable, factory: OptimizerFactory, dtype: str,
-                 device: torch.device, depth: int) -> None:
-        from dpcompare.equivalence import DTYPES
-
+                 device: torch.device, depth: int, u_wire: float | None = None) -> None:
         self.loss_fn, self.device, self.depth = loss_fn, device, depth
         self.u = UNIT_ROUNDOFF[dtype]
+        self.u_wire = self.u if u_wire is None else u_wire
         self.model64 = copy.deepcopy(template).to(device=device, dtype=torch.float64)
         self.model_run = copy.deepcopy(template).to(device=device, dtype=DTYPES[dtype])
         self.names = [n for n, p in template.named_parameters() if p.requires_grad]
@@ -59,7 +59,7 @@ class Trajectory:
         floor = rel_fro(_flat(self.model_run, self.names), ref)
         k = step + 1
         floor_eff = max(floor, k * self.depth * self.u)
-        tolerance = TOLERANCE_FACTOR * (floor_eff + k * world_size * self.u)
+        tolerance = TOLERANCE_FACTOR * (floor_eff + k * world_size * self.u_wire)
         return {"step": step, "rel_param_distance": distance, "floor_rel_param_distance": floor,
                 "noise_ratio": distance / floor_eff, "tolerance": tolerance, "ok": distance <= tolerance,
                 "worst_parameter": self._worst(module)}

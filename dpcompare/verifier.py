@@ -79,7 +79,7 @@ class _Pending:
 class Verifier:
     def __init__(self, *, cfg, world_size: int, template: nn.Module, loss_fn: Callable, facts: ModelFacts,
                  wrapped: Wrapped, device: torch.device, factory: OptimizerFactory, has_batchnorm: bool,
-                 replay_reason: str | None, batch_sizes: tuple[int, int]) -> None:
+                 replay_reason: str | None) -> None:
         self.cfg, self.world_size, self.device, self.factory = cfg, world_size, device, factory
         self.template, self.facts, self.wrapped = template, facts, wrapped
         self.has_batchnorm = has_batchnorm
@@ -87,7 +87,8 @@ class Verifier:
         self.depth = eq.depth_of(template)
         self.oracle = eq.Oracle(template, loss_fn, cfg.dtype, device)
         self.names = self.oracle.names
-        self.trajectory = Trajectory(template, loss_fn, factory, cfg.dtype, device, self.depth)
+        self.u_wire = eq.wire_roundoff(cfg.dtype, cfg.compression)
+        self.trajectory = Trajectory(template, loss_fn, factory, cfg.dtype, device, self.depth, self.u_wire)
         self.verdict = eq.Verdict(notes=list(wrapped.notes))
         self.optimizer = find_torch_optimizer(wrapped.optimizer, wrapped.module)
         self.expected_state: OptState | None = {}  # a fresh optimizer's
@@ -276,7 +277,7 @@ class Verifier:
             ref = reference_step(self.factory, pending.params, pending.oracle, expected, torch.float64, self.device)
             floor = reference_step(self.factory, pending.params, pending.floor, expected, self.dtype, self.device)
             params = eq.compare(delta, ref.delta, floor.delta, dtype=self.cfg.dtype, world_size=self.world_size,
-                                depth=self.depth, names=self.names)
+                                depth=self.depth, u_sum=self.u_wire, names=self.names)
             ratios = {n: _ratio(delta[n], ref.delta[n]) for n in self.names}
             whole = _ratio(eq.flat(delta, self.names), eq.flat(ref.delta, self.names))
             self.verdict.checks[-1].update = eq.UpdateCheck(params, ratios, whole)

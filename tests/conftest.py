@@ -77,6 +77,34 @@ def validate_result(payload: dict) -> None:
     result_validator().validate(payload)
 
 
+# -- synthetic results (for tests of what reads them: compare, report) -----------------------------------
+SYNTHETIC_TOLERANCE = {"rule": "rel_fro_err <= factor * (...)", "factor": 4.0, "unit_roundoff": 2.0**-24,
+                       "world_size": 2, "depth": 3}
+UNVERIFIABLE_REASON = ("the forward draws random numbers (drop) and BatchNorm couples the samples of a batch, so the "
+                       "ranks' forwards cannot be replayed shard by shard: rerun with --no-dropout")
+
+
+def checked_equivalence(verdict: str = "equivalent", *, stochastic: bool = False, **overrides) -> dict:
+    """An `equivalence` object as a run writes it since the update and trajectory checks: gradient 1.25x its
+    floor, update 3.5x with norm ratio 1.001, trajectory 2.25x."""
+    e = {"verdict": verdict, "unverifiable_reason": None, "checked_steps": [0], "max_rel_err": 1e-7,
+         "max_rel_fro_err": 2.5e-8, "noise_floor_rel_fro": 2e-8, "noise_ratio": 1.25, "first_divergence": None,
+         "replicas_identical": True, "initial_weights_identical": True, "tolerance": SYNTHETIC_TOLERANCE, "notes": [],
+         "drift": [{"step": 0, "rel_param_distance": 4.5e-8, "floor_rel_param_distance": 2e-8, "noise_ratio": 2.25,
+                    "tolerance": 1e-6, "ok": True, "worst_parameter": "fc1.weight"}],
+         "checks": {"gradient": {"status": "pass", "noise_ratio": 1.25, "max_rel_fro_err": 2.5e-8,
+                                 "noise_floor_rel_fro": 2e-8},
+                    "update": {"status": "pass", "noise_ratio": 3.5, "max_rel_fro_err": 7e-8,
+                               "noise_floor_rel_fro": 2e-8, "norm_ratio": 1.001},
+                    "trajectory": {"status": "pass", "noise_ratio": 2.25, "rel_param_distance": 4.5e-8,
+                                   "floor_rel_param_distance": 2e-8, "step": 0}},
+         "stochastic": {"stochastic": stochastic, "modules": ["drop"] if stochastic else [], "replayed": stochastic,
+                        "reason": None},
+         "parameters": {"unused": [], "frozen": [], "unused_grad": {}}}
+    e.update(overrides)
+    return e
+
+
 # -- noise ratios seen by the equivalence matrix, printed at the end of the session ------------------
 NOISE_RATIOS: list[tuple[str, int, str, str, float, float | None, float | None]] = []
 

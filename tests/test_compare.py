@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from conftest import validate_result
+from conftest import SYNTHETIC_TOLERANCE, UNVERIFIABLE_REASON, checked_equivalence, validate_result
 from dpcompare import compare, registry
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,33 +133,13 @@ def test_bad_compare_input_is_one_clear_error(tmp_path, kw, match):
 
 
 # -- the verdict table and the matrix, from synthetic results --------------------------------------------
-TOLERANCE = {"rule": "rel_fro_err <= factor * (...)", "factor": 4.0, "unit_roundoff": 2.0**-24, "world_size": 2,
-             "depth": 3}
-UNVERIFIABLE_REASON = ("the forward draws random numbers (drop) and BatchNorm couples the samples of a batch, so the "
-                       "ranks' forwards cannot be replayed shard by shard: rerun with --no-dropout")
+TOLERANCE = SYNTHETIC_TOLERANCE
 ORACLE = np.linspace(-1.0, 1.0, 16)
 FLOOR = ORACLE + 1e-7  # a noise floor of 1e-7 / ||oracle|| relative
 
 
 def _equivalence(verdict: str = "equivalent", *, stochastic: bool = False, **overrides) -> dict:
-    """What a run writes since the update and trajectory checks: gradient 1.25x, update 3.5x with norm ratio
-    1.001, trajectory 2.25x its floor."""
-    e = {"verdict": verdict, "unverifiable_reason": None, "checked_steps": [0], "max_rel_err": 1e-7,
-         "max_rel_fro_err": 2.5e-8, "noise_floor_rel_fro": 2e-8, "noise_ratio": 1.25, "first_divergence": None,
-         "replicas_identical": True, "initial_weights_identical": True, "tolerance": TOLERANCE, "notes": [],
-         "drift": [{"step": 0, "rel_param_distance": 4.5e-8, "floor_rel_param_distance": 2e-8, "noise_ratio": 2.25,
-                    "tolerance": 1e-6, "ok": True, "worst_parameter": "w"}],
-         "checks": {"gradient": {"status": "pass", "noise_ratio": 1.25, "max_rel_fro_err": 2.5e-8,
-                                 "noise_floor_rel_fro": 2e-8},
-                    "update": {"status": "pass", "noise_ratio": 3.5, "max_rel_fro_err": 7e-8,
-                               "noise_floor_rel_fro": 2e-8, "norm_ratio": 1.001},
-                    "trajectory": {"status": "pass", "noise_ratio": 2.25, "rel_param_distance": 4.5e-8,
-                                   "floor_rel_param_distance": 2e-8, "step": 0}},
-         "stochastic": {"stochastic": stochastic, "modules": ["drop"] if stochastic else [], "replayed": stochastic,
-                        "reason": None},
-         "parameters": {"unused": [], "frozen": [], "unused_grad": {}}}
-    e.update(overrides)
-    return e
+    return checked_equivalence(verdict, stochastic=stochastic, **overrides)
 
 
 def _job(tmp_path: Path, backend: str, world_size: int, equivalence: dict, reduced: np.ndarray | None = None) -> compare.Job:

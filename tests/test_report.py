@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import validate_result
+from conftest import UNVERIFIABLE_REASON, checked_equivalence, validate_result
 from dpcompare import report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -227,32 +227,6 @@ def test_full_report_has_four_plots_and_the_tables(full_dir: Path, tmp_path: Pat
     assert "| torch | gloo | 2 | cpu | ok | 9 | 2.95 | 64 MiB | 4 KiB |" in md
     assert "| mpi | - | 4 | - | timeout: no result within 600 s | 0 |" in md
     assert "unavailable: horovod is not installed" in md
-
-
-UNVERIFIABLE_REASON = ("the forward draws random numbers (drop) and BatchNorm couples the samples of a batch, so the "
-                       "ranks' forwards cannot be replayed shard by shard: rerun with --no-dropout")
-TOLERANCE = {"rule": "rel_fro_err <= factor * (...)", "factor": 4.0, "unit_roundoff": 2.0**-24, "world_size": 2,
-             "depth": 3}
-
-
-def checked_equivalence(verdict: str = "equivalent", **overrides: Any) -> dict[str, Any]:
-    """What a run writes since the update and trajectory checks: gradient 1.25x its floor, update 3.5x with
-    norm ratio 1.001, trajectory 2.25x."""
-    e = {"verdict": verdict, "unverifiable_reason": None, "checked_steps": [0], "max_rel_err": 1e-7,
-         "max_rel_fro_err": 2.5e-8, "noise_floor_rel_fro": 2e-8, "noise_ratio": 1.25, "first_divergence": None,
-         "replicas_identical": True, "initial_weights_identical": True, "tolerance": TOLERANCE, "notes": [],
-         "drift": [{"step": 0, "rel_param_distance": 4.5e-8, "floor_rel_param_distance": 2e-8, "noise_ratio": 2.25,
-                    "tolerance": 1e-6, "ok": True, "worst_parameter": "fc1.weight"}],
-         "checks": {"gradient": {"status": "pass", "noise_ratio": 1.25, "max_rel_fro_err": 2.5e-8,
-                                 "noise_floor_rel_fro": 2e-8},
-                    "update": {"status": "pass", "noise_ratio": 3.5, "max_rel_fro_err": 7e-8,
-                               "noise_floor_rel_fro": 2e-8, "norm_ratio": 1.001},
-                    "trajectory": {"status": "pass", "noise_ratio": 2.25, "rel_param_distance": 4.5e-8,
-                                   "floor_rel_param_distance": 2e-8, "step": 0}},
-         "stochastic": {"stochastic": False, "modules": [], "replayed": False, "reason": None},
-         "parameters": {"unused": [], "frozen": [], "unused_grad": {}}}
-    e.update(overrides)
-    return e
 
 
 def checked_run(backend: str, world_size: int, equivalence: dict[str, Any], **fields: Any) -> dict[str, Any]:
