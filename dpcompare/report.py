@@ -9,6 +9,7 @@ microbenchmarks (kind: collectives), and writes into OUT (default: DIR):
   step_breakdown.png             compute / exposed communication / other time of a step
   busbw_vs_message_size.png      microbenchmark bus bandwidth by message size and what training reached
   grad_error_heatmap.png         the compare matrix: gradient distances in float32 noise floors
+  trajectory_drift.png           each run's parameter distance to the float64 trajectory by step, with floor and tolerance
 
 Where several results exist for one backend and world size, the newest (created_unix) is reported.
 A plot whose inputs are absent is skipped, and report.md says why.
@@ -34,7 +35,7 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
-from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
 from dpcompare import SCHEMA_VERSION
 
@@ -43,6 +44,7 @@ PLOT_THROUGHPUT = "throughput_vs_world_size.png"
 PLOT_BREAKDOWN = "step_breakdown.png"
 PLOT_BUSBW = "busbw_vs_message_size.png"
 PLOT_HEATMAP = "grad_error_heatmap.png"
+PLOT_TRAJECTORY = "trajectory_drift.png"
 BACKEND_ORDER = ("reference", "dp", "ddp", "horovod", "deepspeed")
 NON_NUMERIC_METRICS: dict[str, type] = {"stragglers": list, "comm_total_method": str, "model_state_mib": dict,
                                          "scaling": str, "reasons": dict}
@@ -509,7 +511,7 @@ def plot_busbw(entries: list[dict[str, Any]], runs: list[dict[str, Any]], link_p
     ax.set_xlabel("message size (bytes, log2 scale)")
     ax.set_ylabel("bus bandwidth (GB/s" + (", log scale)" if log_y else ")"))
     ax.set_title("All-reduce bus bandwidth vs message size")
-    ax.grid(True, which="both", alpha=0.3)
+    ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     _save(fig, path)
     return None, sentence
@@ -593,6 +595,55 @@ def plot_heatmap(compare: dict[str, Any] | None, path: Path) -> str | None:
                  "in float32 noise floors (0 = bitwise equal, grey = unknown)")
     _save(fig, path)
     return None
+
+
+def _drift(run: dict[str, Any], key: str, failed_only: bool = False) -> list[tuple[float, float]]:
+    """(step, value) of equivalence.drift where both are finite and value > 0 (a log axis has no 0); with
+    failed_only, only the entries whose ok is false."""
+    drift = (run.get("equivalence") or {}).get("drift")
+    return [(d["step"], d[key]) for d in (drift if isinstance(drift, list) else []) if isinstance(d, dict)
+            and _is_number(d.get("step")) and _is_number(d.get(key)) and d[key] > 0
+            and (not failed_only or d.get("ok") is False)]
+
+
+def plot_trajectory_drift(runs: list[dict[str, Any]], path: Path) -> str | None:
+    """Each run's parameter distance to the float64 single-process trajectory by step (log y), the floor (a
+    single process in the run dtype) in grey and the tolerance dashed, each once when all runs share it, else per
+    run, faint in the run's colour; steps that failed ringed in red. Returns why it was skipped, or None when drawn."""
+    drawn = [r for r in runs if _drift(r, "rel_param_distance")]
+    if not drawn:
+        return ("no run has a trajectory drift value (equivalence.drift is empty or its rel_param_distance null "
+                "in every run: the trajectory check did not run)")
+    fig = Figure(figsize=(6.5, 4.8), layout="constrained")
+    ax = fig.add_subplot()
+    for key, name, style in (("floor_rel_param_distance", "single process in the run dtype (floor)", "-"),
+                             ("tolerance", "tolerance", "--")):
+        series = [(run, s) for run in drawn if (s := _drift(run, key))]
+        shared = len({tuple(s) for _, s in series}) == 1  # floor and tolerance depend on model, world size, dtype
+        for i, (run, s) in enumerate(series[:1] if shared else series):
+            ax.plot(*zip(*s), style, linewidth=1.2, **(dict(color="grey", label=name) if shared else dict(
+                color=_colour(run["backend"]), alpha=0.35, label=f"{name}, per run (faint)" if i == 0 else None)))
+    for run in drawn:
+        ax.plot(*zip(*_drift(run, "rel_param_distance")), "-", color=_colour(run["backend"]),
+                marker=_marker(run["backend"]), markersize=5, label=_label(run))
+    failed = [p for r in drawn for p in _drift(r, "rel_param_distance", failed_only=True)]
+    if failed:
+        ax.plot(*zip(*failed), "o", markersize=11, markerfacecolor="none", markeredgecolor="red",
+                markeredgewidth=1.5, label="failed step (ok: false)")
+    ax.set_yscale("log")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step (after the optimizer update)")
+    ax.set_ylabel("parameter distance to float64 reference\n(relative Frobenius, log scale)")
+    ax.set_title("Trajectory drift from a float64 single process")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+    return None
+
+
+def _plot_md(name: str, title: str, why: str | None, caption: str) -> list[str]:
+    return [f"### {title}", "", *([f"![{title}]({name})", "", caption, ""] if why is None else
+                                  [f"Skipped `{name}`: {why}.", ""])]
 
 
 # -- report.md ---------------------------------------------------------------------------------------
@@ -828,7 +879,7 @@ def _write(in_dir: Path, out_dir: Path | None, link_peak_gbps: float | None) -> 
     notes = Footnotes()
 
     plots: list[tuple[str, str, str | None, str]] = []  # (file, title, why skipped, caption)
-    for name in (PLOT_THROUGHPUT, PLOT_BREAKDOWN, PLOT_BUSBW, PLOT_HEATMAP):
+    for name in (PLOT_THROUGHPUT, PLOT_BREAKDOWN, PLOT_BUSBW, PLOT_HEATMAP, PLOT_TRAJECTORY):
         (out_dir / name).unlink(missing_ok=True)  # a skipped plot must not leave a stale one behind
     why = plot_throughput(runs, ref_throughput, scaling, out_dir / PLOT_THROUGHPUT)
     caption = ("Dashed: the reference run's samples/s at world size 1 times N; right: scaling efficiency."
@@ -849,6 +900,7 @@ def _write(in_dir: Path, out_dir: Path | None, link_peak_gbps: float | None) -> 
                   "Values: ||g_row - g_col|| / ||oracle|| in units of that run's float32 noise floor; 0 = bitwise "
                   "equal; grey n/a = noise floor of 0, or two runs whose forward draws random numbers at different world "
                   "sizes (they drew different dropout masks: the distance would measure randomness, not rounding)."))
+    drift_why = plot_trajectory_drift(runs, out_dir / PLOT_TRAJECTORY)
 
     stamps = [r["created_unix"] for r in inputs.runs if isinstance(r.get("created_unix"), (int, float))]
     md = ["# dpcompare report", "",
@@ -866,6 +918,10 @@ def _write(in_dir: Path, out_dir: Path | None, link_peak_gbps: float | None) -> 
     if runs:
         md += ["## Environment", "", *_environment_section(runs)]
         md += ["## Is it the same computation?", "", *_verdict_section(runs, inputs.compare, notes), ""]
+        md += _plot_md(PLOT_TRAJECTORY, "Trajectory drift", drift_why,
+                       "Each run's parameter distance to a float64 single process after every verification step, "
+                       "against the floor (solid: a single process in the run dtype) and the pass tolerance (dashed), "
+                       "grey when all runs share them, else faint in each run's colour; red rings mark failed steps.")
     unavailable = (inputs.compare or {}).get("unavailable") or []
     if unavailable:
         md += ["## Unavailable backends", "",
@@ -887,8 +943,7 @@ def _write(in_dir: Path, out_dir: Path | None, link_peak_gbps: float | None) -> 
     md += _microbench_section(inputs.collectives, inputs.unavailable_transports)
     md += ["## Plots", ""]
     for name, title, why, caption in plots:
-        md += [f"### {title}", ""]
-        md += [f"![{title}]({name})", "", caption, ""] if why is None else [f"Skipped `{name}`: {why}.", ""]
+        md += _plot_md(name, title, why, caption)
     if inputs.skipped or inputs.ignored:
         md += ["## Inputs not used", ""]
         md += [f"- skipped {_escape(s)}" for s in inputs.skipped]

@@ -421,3 +421,61 @@ def test_cli_writes_the_report_and_prints_its_path(full_dir: Path, tmp_path: Pat
     assert f"report: {out / 'report.md'}" in proc.stdout
     assert "0.75" in proc.stdout
     assert all((out / name).exists() for name in PLOTS)
+
+
+# -- trajectory drift plot ---------------------------------------------------------------------------
+def drift_entries(world_size: int, steps: int = 6, *, fail_from: int | None = None) -> list[dict[str, Any]]:
+    """Drift as a run writes it: distance growing with the step, the float32 floor shared by every run, the
+    tolerance growing with world size; from step `fail_from` on the distance is 100x the tolerance (ok: false)."""
+    entries = []
+    for step in range(steps):
+        floor, tolerance = 2e-8 * (step + 1), 4 * (2e-8 * (step + 1) + (step + 1) * world_size * 2.0**-24)
+        distance = 1.5 * floor if fail_from is None or step < fail_from else 100 * tolerance
+        entries.append({"step": step, "rel_param_distance": distance, "floor_rel_param_distance": floor,
+                        "noise_ratio": distance / floor, "tolerance": tolerance, "ok": distance <= tolerance,
+                        "worst_parameter": "fc1.weight"})
+    return entries
+
+
+def _section(md: str, heading: str) -> str:
+    start = md.index(heading)
+    end = md.find("\n## ", start + len(heading))
+    return md[start:end if end >= 0 else len(md)]
+
+
+def test_trajectory_drift_plot_is_drawn_and_referenced_beside_the_verdict(tmp_path: Path) -> None:
+    write(tmp_path / "runs" / "reference.json", checked_run("reference", 1, checked_equivalence(drift=drift_entries(1))))
+    write(tmp_path / "runs" / "ddp.json", checked_run("ddp", 2, checked_equivalence(
+        "different", drift=drift_entries(2, fail_from=3))))
+    md = report.build_report(tmp_path).read_text()
+    png = tmp_path / report.PLOT_TRAJECTORY
+    width, height = png_size(png)
+    assert 600 <= width <= 4000 and 300 <= height <= 3000, (width, height)
+    assert png.stat().st_size > 15_000
+    section = _section(md, "## Is it the same computation?")
+    assert f"![Trajectory drift]({report.PLOT_TRAJECTORY})" in section
+    assert section.index("| reference | 1 |") < section.index(report.PLOT_TRAJECTORY)  # after the verdict table
+    assert "parameter distance to a float64 single process" in section
+
+
+def test_no_drift_values_skips_the_trajectory_plot_and_says_why(tmp_path: Path) -> None:
+    null = [{"step": 0, "rel_param_distance": None, "floor_rel_param_distance": None, "noise_ratio": None,
+             "tolerance": None, "ok": None, "worst_parameter": None}]
+    write(tmp_path / "reference.json", checked_run("reference", 1, checked_equivalence(drift=null)))
+    write(tmp_path / "ddp.json", checked_run("ddp", 2, checked_equivalence(drift=[])))
+    (tmp_path / report.PLOT_TRAJECTORY).write_bytes(PNG_SIGNATURE)  # a stale plot from an earlier report
+    md = report.build_report(tmp_path).read_text()
+    assert not (tmp_path / report.PLOT_TRAJECTORY).exists()
+    why = report.plot_trajectory_drift(report.load_inputs(tmp_path).runs, tmp_path / "unused.png")
+    assert why and not (tmp_path / "unused.png").exists()
+    assert f"Skipped `{report.PLOT_TRAJECTORY}`: {why}." in _section(md, "## Is it the same computation?")
+
+
+def test_old_style_drift_entries_still_plot(tmp_path: Path) -> None:
+    old = [{"step": s, "rel_param_distance": 3e-8 * (s + 1)} for s in range(4)]
+    write(tmp_path / "ddp.json", checked_run("ddp", 2, checked_equivalence(drift=old)))
+    write(tmp_path / "reference.json", run_result("reference", 1))  # drift: [] beside it
+    md = report.build_report(tmp_path).read_text()
+    width, height = png_size(tmp_path / report.PLOT_TRAJECTORY)
+    assert width >= 600 and height >= 300
+    assert f"]({report.PLOT_TRAJECTORY})" in md
