@@ -317,7 +317,6 @@ class Verdict:
     notes: list[str] = field(default_factory=list)
     unverifiable: list[str] = field(default_factory=list)
     """Why part of the run could not be checked; any entry turns an `equivalent` into `unverifiable`."""
-    update_checked: bool = False
     stochastic: dict | None = None
     """What randomness the forward draws and how the check handled it (None: not probed)."""
     parameters: dict = field(default_factory=dict)

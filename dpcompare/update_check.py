@@ -45,15 +45,12 @@ def find_torch_optimizer(obj: Any, module: nn.Module) -> torch.optim.Optimizer |
     return None
 
 
-def read_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> OptState:
-    by_id = {id(p): n for n, p in module.named_parameters()}
-    out: OptState = {}
-    for p, entries in optimizer.state.items():
-        name = by_id.get(id(p))
-        if name is None:
-            continue
-        out[name] = {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in entries.items()}
-    return out
+def read_state(optimizer: torch.optim.Optimizer, params: nn.Module | dict[str, nn.Parameter]) -> OptState:
+    """The optimizer's state by parameter name (`params`: a module, or name -> parameter)."""
+    named = dict(params.named_parameters()) if isinstance(params, nn.Module) else params
+    by_id = {id(p): n for n, p in named.items()}
+    return {by_id[id(p)]: {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in e.items()}
+            for p, e in optimizer.state.items() if id(p) in by_id}
 
 
 def read_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -115,10 +112,5 @@ def reference_step(
         for _ in range(times):
             optimizer.step()
     delta = {n: live[n].detach().double().cpu() - before[n] for n in names}
-    return StepResult(delta, _state_by_name(optimizer, live))
+    return StepResult(delta, read_state(optimizer, live))
 
-
-def _state_by_name(optimizer: torch.optim.Optimizer, live: dict[str, nn.Parameter]) -> OptState:
-    by_id = {id(p): n for n, p in live.items()}
-    return {by_id[id(p)]: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in e.items()}
-            for p, e in optimizer.state.items() if id(p) in by_id}

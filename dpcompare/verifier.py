@@ -281,7 +281,6 @@ class Verifier:
             ratios = {n: _ratio(delta[n], ref.delta[n]) for n in self.names}
             whole = _ratio(eq.flat(delta, self.names), eq.flat(ref.delta, self.names))
             self.verdict.checks[-1].update = eq.UpdateCheck(params, ratios, whole)
-            self.verdict.update_checked = True
             failing = [p for p in params if not p.ok]
             if failing and self.verdict.first_divergence is None:
                 evidence = UpdateEvidence(
