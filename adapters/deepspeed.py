@@ -14,9 +14,9 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-from dpcompare import launch
+from dpcompare.run import launch
 from dpcompare.contract import Adapter, Capabilities, Wrapped
-from dpcompare.process_group import ProcessGroupMixin
+from dpcompare.run.process_group import ProcessGroupMixin
 
 
 class DeepSpeedAdapter(ProcessGroupMixin, Adapter):

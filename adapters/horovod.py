@@ -13,7 +13,7 @@ import os
 
 from torch import nn
 
-from dpcompare import syncbn
+from dpcompare.run import syncbn
 from dpcompare.contract import Adapter, Capabilities, Wrapped
 
 
@@ -118,7 +118,7 @@ class HorovodAdapter(Adapter):
         self.hvd.start_timeline(self._timeline, mark_cycles=False)
 
     def comm_counters_end(self) -> dict:
-        from dpcompare.timeline import allreduce_busy_ms
+        from dpcompare.measure.timeline import allreduce_busy_ms
 
         self.hvd.stop_timeline()
         if self.env.rank != 0:

@@ -109,7 +109,7 @@ def _bookkeeping_us(heartbeat_dir: Path, repeats: int = 2000) -> dict[str, float
     the watchdog heartbeat (trainer._measure calls watchdog.beat once per step, outside the step clock but
     inside loop_ms_per_step: a JSON file written and renamed) and module.train() (inside the clock)."""
     from benchmarks.workloads import wide_mlp
-    from dpcompare.watchdog import Watchdog
+    from dpcompare.run.watchdog import Watchdog
 
     os.environ["DPCOMPARE_HEARTBEAT_DIR"] = str(heartbeat_dir)
     try:
@@ -315,7 +315,7 @@ def test_exposed_communication(benchmark, runner: Runner) -> None:
 # -- d: in-training bus bandwidth against the microbenchmark ----------------------------------------
 def _collectives_available() -> str | None:
     if not (REPO_ROOT / "dpcompare" / "collectives.py").exists():
-        return ("dpcompare/collectives.py does not exist: `python -m dpcompare bench-collectives` is needed to "
+        return ("dpcompare/commands/bench_collectives.py does not exist: `python -m dpcompare bench-collectives` is needed to "
                 "measure the microbenchmark side of this benchmark")
     return None
 
@@ -325,7 +325,7 @@ def test_busbw_vs_microbenchmark(benchmark, runner: Runner) -> None:
     if missing:
         pytest.fail(missing)
     from benchmarks.workloads import wide_mlp
-    from dpcompare.collectives import busbw_at
+    from dpcompare.commands.bench_collectives import busbw_at
 
     grad_bytes = sum(p.numel() * p.element_size() for p in wide_mlp(0).model.parameters())
     bucket_bytes = min(25 * 1024 * 1024, grad_bytes)  # DDP's default bucket_cap_mb, as adapters/ddp.py reports it

@@ -2,7 +2,7 @@
 
 Owns: models big enough that a step on this CPU box takes tens of milliseconds and DDP moves several MB
 per step, so launch noise and per-step bookkeeping do not dominate the figures. Same contract as
-dpcompare.workloads: every rank builds the same weights and the same global batch from the seed.
+dpcompare.run.workloads: every rank builds the same weights and the same global batch from the seed.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dpcompare.workloads import Workload
+from dpcompare.run.workloads import Workload
 
 WIDTH = 1024
 HIDDEN_LAYERS = 4
@@ -19,7 +19,7 @@ CLASSES = 10
 
 
 def _generator(seed: int, step: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1_000_003 + step)  # dpcompare.workloads' per-step stream rule
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)  # dpcompare.run.workloads' per-step stream rule
 
 
 def wide_mlp(seed: int) -> Workload:

@@ -11,7 +11,7 @@ import os
 import sys
 from typing import get_args
 
-from dpcompare.config import Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
+from dpcompare.run.config import Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
 
 SUBCOMMANDS = ("run", "compare", "report", "bench-collectives")
 EXIT_USAGE = 2
@@ -102,21 +102,21 @@ def main(argv: list[str] | None = None) -> int:
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "run"
     try:
         if command == "compare":
-            from dpcompare import compare
+            from dpcompare.commands import compare
 
             parser = _Parser(prog="dpcompare compare", description=compare.__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
             compare.add_arguments(parser)
             return compare.main(parser.parse_args(argv))
         if command == "report":
-            from dpcompare import report
+            from dpcompare.commands import report
 
             parser = _Parser(prog="dpcompare report", description=report.__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
             report.add_arguments(parser)
             return report.main(parser.parse_args(argv))
         if command == "bench-collectives":
-            from dpcompare import collectives
+            from dpcompare.commands import bench_collectives as collectives
 
             parser = _Parser(prog="dpcompare bench-collectives", description=collectives.__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         parser = _Parser(prog="dpcompare run", description="Train one workload under one backend and check its gradients against a float64 oracle.")
         add_run_arguments(parser)
         cfg = config_from_args(parser.parse_args(argv))
-        from dpcompare import trainer
+        from dpcompare.run import trainer
 
         payload = trainer.run(cfg)
         if payload:
@@ -150,7 +150,7 @@ def _exit_now_if_distributed() -> None:
     communication libraries (gloo, DeepSpeed's shm op) sometimes abort in static destructors ("terminate
     called without an active exception"), turning a run whose result is already written into a failed
     launch. Everything is written and flushed at this point."""
-    from dpcompare.launch import detect
+    from dpcompare.run.launch import detect
 
     if detect().world_size > 1:
         sys.stdout.flush()
@@ -163,7 +163,7 @@ def _exit_now_if_distributed() -> None:
 
 def _rank() -> int:
     try:
-        from dpcompare.launch import detect
+        from dpcompare.run.launch import detect
 
         return detect().rank
     except Exception:  # noqa: BLE001 - only used to decide who prints

@@ -14,7 +14,7 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import nn
 
-from dpcompare.launch import LaunchEnv
+from dpcompare.run.launch import LaunchEnv
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from dataclasses import fields
 
-from dpcompare.config import RunConfig
+from dpcompare.run.config import RunConfig
 
 
 def quick_check() -> RunConfig:

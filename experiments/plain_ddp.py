@@ -4,10 +4,10 @@ harness-overhead benchmark (benchmarks/test_honesty.py).
     torchrun --standalone --nproc_per_node=2 experiments/plain_ddp.py --model benchmarks.workloads:wide_mlp \
         --global-batch 64 --warmup-steps 5 --measure-steps 40 --first-step 1 --out plain.json
 
-Owns: nothing dpcompare uses. It builds the same workload (`dpcompare.workloads.<model>(seed)` or a
+Owns: nothing dpcompare uses. It builds the same workload (`dpcompare.run.workloads.<model>(seed)` or a
 `package.module:function`), the same optimizer as dpcompare's default (SGD, lr 0.05, momentum 0.9) and
 the same data (the batches of steps first_step.. of the workload's stream, shard = batch[rank::world]),
-and times them with the same rule as dpcompare's measured phase (dpcompare/trainer.py `_measure`):
+and times them with the same rule as dpcompare's measured phase (dpcompare/run/trainer.py `_measure`):
 
   - W warm-up steps, untimed;
   - the M measured batches are built (and sharded) before the loop;
@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def load_workload(spec: str, seed: int):
-    module_name, _, function = spec.partition(":") if ":" in spec else ("dpcompare.workloads", ":", spec)
+    module_name, _, function = spec.partition(":") if ":" in spec else ("dpcompare.run.workloads", ":", spec)
     return getattr(importlib.import_module(module_name), function)(seed)
 
 

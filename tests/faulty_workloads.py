@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn import functional as F
 
-from dpcompare.workloads import Workload, cnn, mlp
+from dpcompare.run.workloads import Workload, cnn, mlp
 
 
 def sum_loss_mlp(seed: int) -> Workload:

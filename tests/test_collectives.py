@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpcompare import cli, collectives
-from dpcompare.collectives import Sweep, algbw_gbps, busbw_at, busbw_gbps, check_sum, parse_bytes, pattern
+from dpcompare import cli
+from dpcompare.commands import bench_collectives as collectives
+from dpcompare.commands.bench_collectives import Sweep, algbw_gbps, busbw_at, busbw_gbps, check_sum, parse_bytes, pattern
 
 REPO = Path(__file__).resolve().parents[1]
 KiB, MiB = 1 << 10, 1 << 20

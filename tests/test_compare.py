@@ -29,7 +29,8 @@ import pytest
 from rich.console import Console
 
 from conftest import SYNTHETIC_TOLERANCE, UNVERIFIABLE_REASON, checked_equivalence, validate_result
-from dpcompare import compare, registry
+from dpcompare.commands import compare
+from dpcompare.run import registry
 
 REPO = Path(__file__).resolve().parents[1]
 

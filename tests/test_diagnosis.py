@@ -2,7 +2,7 @@
 
 Each test builds, in one process, the gradient (or the parameter update) a known fault produces — from the
 float64 per-shard gradients of a small model, or from a real optimizer step taken the faulty way — and
-checks that dpcompare.diagnosis names that cause and the parameters it affects. Every hypothesis has a
+checks that dpcompare.verify.diagnosis names that cause and the parameters it affects. Every hypothesis has a
 twin that must not fire: a gradient that matches no fault is said to match none.
 """
 
@@ -15,11 +15,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dpcompare import equivalence as eq
-from dpcompare import workloads
-from dpcompare.diagnosis import (GradientEvidence, UpdateEvidence, _same_state, diagnose_gradient, diagnose_update,
+from dpcompare.verify import equivalence as eq
+from dpcompare.run import workloads
+from dpcompare.verify.diagnosis import (GradientEvidence, UpdateEvidence, _same_state, diagnose_gradient, diagnose_update,
                                  reason_of)
-from dpcompare.update_check import reference_step
+from dpcompare.verify.update_check import reference_step
 
 
 def _linear() -> nn.Module:

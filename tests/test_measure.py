@@ -1,8 +1,8 @@
 """Measurement arithmetic on synthetic timings: every reported figure against a hand-computed value.
 
-Checks dpcompare.measure.summarize (step percentiles of the slowest rank, throughput, rank spread,
+Checks dpcompare.measure.summary.summarize (step percentiles of the slowest rank, throughput, rank spread,
 stragglers, ablation, overlap, bandwidth, the seed T_comm model, memory, nulls with reasons),
-model_state_mib, the Horovod timeline parser (dpcompare.timeline) and the CPU memory window, each with a
+model_state_mib, the Horovod timeline parser (dpcompare.measure.timeline) and the CPU memory window, each with a
 case where the figure must come out different (a planted stall, a missing counter, overlapping
 intervals counted once).
 """
@@ -14,7 +14,8 @@ import json
 import pytest
 import torch
 
-from dpcompare import measure, timeline
+from dpcompare.measure import summary as measure
+from dpcompare.measure import timeline
 
 
 def sample(step_ms, synced=(), unsynced=(), comm=None, peak=100.0):

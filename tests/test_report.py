@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from conftest import UNVERIFIABLE_REASON, checked_equivalence, validate_result
-from dpcompare import report
+from dpcompare.commands import report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOTS = (report.PLOT_THROUGHPUT, report.PLOT_BREAKDOWN, report.PLOT_BUSBW, report.PLOT_HEATMAP)
@@ -387,7 +387,7 @@ def test_mixed_batches_are_flagged_for_strong_scaling_only(tmp_path: Path) -> No
 
 
 def test_report_imports_no_torch_and_no_adapter() -> None:
-    code = ("import sys, dpcompare.report; bad = [m for m in sys.modules if m == 'torch' or "
+    code = ("import sys, dpcompare.commands.report; bad = [m for m in sys.modules if m == 'torch' or "
             "m.startswith('dpcompare.adapters')]; print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -22,10 +22,14 @@ from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
 from conftest import validate_result
-from dpcompare import equivalence as eq
-from dpcompare import launch, registry, results, syncbn, workloads
-from dpcompare.config import RunConfig
-from dpcompare.watchdog import Watchdog
+from dpcompare.verify import equivalence as eq
+from dpcompare import results
+from dpcompare.run import launch
+from dpcompare.run import registry
+from dpcompare.run import syncbn
+from dpcompare.run import workloads
+from dpcompare.run.config import RunConfig
+from dpcompare.run.watchdog import Watchdog
 
 U32 = 2.0**-24
 
@@ -413,13 +417,13 @@ def test_convert_replaces_every_batchnorm_and_keeps_the_parameters():
 # -- registry -------------------------------------------------------------------------------------------
 def test_registry_loads_names_and_paths():
     assert registry.load("mlp", registry.MODELS, "model") is workloads.mlp
-    assert registry.load("dpcompare.workloads:cnn", registry.MODELS, "model") is workloads.cnn
+    assert registry.load("dpcompare.run.workloads:cnn", registry.MODELS, "model") is workloads.cnn
 
 
 @pytest.mark.parametrize(("spec", "error", "message"), [
     ("nope", ValueError, "unknown backend 'nope': choose one of ddp, deepspeed, dp, horovod, reference"),
     ("no_such_package_xyz:Adapter", ValueError, "cannot import module 'no_such_package_xyz'"),
-    ("dpcompare.workloads:NoSuchThing", ValueError, "has no attribute 'NoSuchThing'"),
+    ("dpcompare.run.workloads:NoSuchThing", ValueError, "has no attribute 'NoSuchThing'"),
 ])
 def test_registry_errors_say_what_is_available(spec, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(")):

@@ -42,8 +42,10 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from dpcompare import launch, registry, results
-from dpcompare.compare import native_command
+from dpcompare import results
+from dpcompare.run import launch
+from dpcompare.run import registry
+from dpcompare.commands.compare import native_command
 
 Transport = Literal["torch", "mpi", "horovod", "deepspeed"]
 TRANSPORTS: tuple[Transport, ...] = get_args(Transport)

@@ -39,8 +39,8 @@ from typing import Callable, Iterable, Literal
 import torch
 from torch import nn
 
-from dpcompare.stochastic import RngState, replaying
-from dpcompare.workloads import shard
+from dpcompare.verify.stochastic import RngState, replaying
+from dpcompare.run.workloads import shard
 
 TOLERANCE_FACTOR = 10.0
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
@@ -243,7 +243,7 @@ class Divergence:
     check: Check = "gradient"
     """Which check broke: initial weights, gradient, update, trajectory, replicas, or the ranks' generators."""
     cause: str = "unknown"
-    """The diagnosis' code (dpcompare.diagnosis.Diagnosis.cause)."""
+    """The diagnosis' code (dpcompare.verify.diagnosis.Diagnosis.cause)."""
     parameters: list[str] = field(default_factory=list)
     """Every parameter that broke tolerance at that step and check."""
 
@@ -313,7 +313,7 @@ class Verdict:
     replicas_identical: bool = True
     initial_weights_identical: bool = True
     drift: list[dict] = field(default_factory=list)
-    """The trajectory, judged: one entry per step (see dpcompare.trajectory)."""
+    """The trajectory, judged: one entry per step (see dpcompare.verify.trajectory)."""
     notes: list[str] = field(default_factory=list)
     unverifiable: list[str] = field(default_factory=list)
     """Why part of the run could not be checked; any entry turns an `equivalent` into `unverifiable`."""

@@ -16,11 +16,11 @@ from typing import Any, Callable
 import torch
 from scipy.optimize import minimize_scalar
 
-from dpcompare.equivalence import (UNIT_ROUNDOFF, WIRE_DTYPE, Grads, Group, Oracle, flat, global_groups,
+from dpcompare.verify.equivalence import (UNIT_ROUNDOFF, WIRE_DTYPE, Grads, Group, Oracle, flat, global_groups,
                                    rel_fro, tensor_digest)
-from dpcompare.stochastic import RngState
-from dpcompare.update_check import OptState, OptimizerFactory, reference_step, state_summary
-from dpcompare.workloads import shard
+from dpcompare.verify.stochastic import RngState
+from dpcompare.verify.update_check import OptState, OptimizerFactory, reference_step, state_summary
+from dpcompare.run.workloads import shard
 
 
 @dataclass(slots=True)

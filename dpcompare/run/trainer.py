@@ -21,13 +21,18 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from dpcompare import equivalence as eq
-from dpcompare import launch, measure, registry, results, stochastic, verifier
-from dpcompare.config import RunConfig
+from dpcompare.verify import equivalence as eq
+from dpcompare import results
+from dpcompare.run import launch
+from dpcompare.measure import summary as measure
+from dpcompare.run import registry
+from dpcompare.verify import stochastic
+from dpcompare.verify import verifier
+from dpcompare.run.config import RunConfig
 from dpcompare.contract import Adapter
-from dpcompare.syncbn import has_batchnorm
-from dpcompare.watchdog import Watchdog
-from dpcompare.workloads import Workload, shard
+from dpcompare.run.syncbn import has_batchnorm
+from dpcompare.run.watchdog import Watchdog
+from dpcompare.run.workloads import Workload, shard
 
 
 ABLATION_BLOCK = 5
@@ -69,7 +74,7 @@ def load_workload(cfg: RunConfig) -> Workload:
     factory = registry.load(cfg.model, registry.MODELS, "model")
     workload = factory(cfg.seed)
     if not isinstance(workload, Workload):
-        raise ValueError(f"--model {cfg.model}: the function must return dpcompare.workloads.Workload, got {type(workload).__name__}")
+        raise ValueError(f"--model {cfg.model}: the function must return dpcompare.run.workloads.Workload, got {type(workload).__name__}")
     return workload
 
 
@@ -219,7 +224,7 @@ def _verify(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: W
             step_fn: _Step, watchdog: Watchdog, global_batch: int) -> eq.Verdict:
     """Verification phase: `cfg.steps` steps; at checked steps rank 0 holds the reduced gradient against the
     float64 oracle and the update against a reference optimizer step, after every step the parameters
-    against the reference trajectory (dpcompare.verifier); replicas and generators compared across ranks."""
+    against the reference trajectory (dpcompare.verify.verifier); replicas and generators compared across ranks."""
     wrapped = adapter.wrapped
     facts = adapter.model_facts
     names = [n for n, _ in wrapped.module.named_parameters()]
@@ -406,7 +411,7 @@ def _microbench_busbw(cfg: RunConfig, adapter_transport: str, world_size: int, n
         return None, "no microbenchmark given: run `python -m dpcompare bench-collectives` and pass --collectives FILE"
     import json
 
-    from dpcompare import collectives
+    from dpcompare.commands import bench_collectives as collectives
 
     try:
         data = json.loads(Path(cfg.collectives).read_text())

@@ -3,13 +3,13 @@
 Owns: the model probe before wrapping (unused, frozen and random parts of the model), and for every step of
 the verification phase
   - the gradient check: the reduced gradient against the float64 oracle of the global-batch loss, in
-    multiples of the run dtype's own noise floor (dpcompare.equivalence);
+    multiples of the run dtype's own noise floor (dpcompare.verify.equivalence);
   - the update check: the parameter update against a plain optimizer step taken in float64 from the same
-    parameters, the expected optimizer state and the oracle gradient (dpcompare.update_check);
+    parameters, the expected optimizer state and the oracle gradient (dpcompare.verify.update_check);
   - the trajectory: the parameters after the step against a float64 single process trained beside the
-    run (dpcompare.trajectory);
+    run (dpcompare.verify.trajectory);
   - the ranks' generators, when the forward draws random numbers: each rank must draw its own.
-A failed check is diagnosed (dpcompare.diagnosis); a part that cannot be checked is recorded as such and
+A failed check is diagnosed (dpcompare.verify.diagnosis); a part that cannot be checked is recorded as such and
 the verdict says `unverifiable` with the reason, never `equivalent`. Everything here runs on generators
 forked from the run's, so checking never changes the random numbers the run draws. Imports no adapter.
 """
@@ -25,13 +25,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpcompare import equivalence as eq
-from dpcompare import stochastic
+from dpcompare.verify import equivalence as eq
+from dpcompare.verify import stochastic
 from dpcompare.contract import ModelFacts, Wrapped
-from dpcompare.diagnosis import (GradientEvidence, UpdateEvidence, diagnose_gradient, diagnose_update, reason_of)
-from dpcompare.stochastic import RngState
-from dpcompare.trajectory import Trajectory
-from dpcompare.update_check import OptState, OptimizerFactory, find_torch_optimizer, read_hparams, read_state, reference_step
+from dpcompare.verify.diagnosis import (GradientEvidence, UpdateEvidence, diagnose_gradient, diagnose_update, reason_of)
+from dpcompare.verify.stochastic import RngState
+from dpcompare.verify.trajectory import Trajectory
+from dpcompare.verify.update_check import OptState, OptimizerFactory, find_torch_optimizer, read_hparams, read_state, reference_step
 
 STOCHASTIC_REL_DIFF = 2.0**-30
 """Two float64 forwards of the same input that differ by more than this (relative) draw random numbers:

@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from dpcompare import syncbn
+from dpcompare.run import syncbn
 
 
 class ProcessGroupMixin:

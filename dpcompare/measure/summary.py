@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dpcompare.collectives import algbw_gbps, busbw_gbps
+from dpcompare.commands.bench_collectives import algbw_gbps, busbw_gbps
 
 MIB = 1024.0 * 1024.0
 

@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dpcompare.equivalence import DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Group, accumulate_gradient, rel_fro
-from dpcompare.update_check import OptimizerFactory
+from dpcompare.verify.equivalence import DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Group, accumulate_gradient, rel_fro
+from dpcompare.verify.update_check import OptimizerFactory
 
 
 def _flat(module: nn.Module, names: list[str]) -> torch.Tensor:

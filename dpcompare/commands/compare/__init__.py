@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from dpcompare import registry, results
+from dpcompare import results
+from dpcompare.run import registry
 
 
 @dataclass(slots=True)
@@ -460,7 +461,7 @@ def render_sweep(console, jobs: list[Job], skipped: list[dict]) -> None:
 def scaling_rows(jobs: list[Job], scaling: str) -> list[dict[str, Any]]:
     """Scaling efficiency per baseline run (seed formula): throughput_N / (N * throughput_1), with
     throughput_1 the reference backend's at world size 1, measured in the same invocation."""
-    from dpcompare.report import scaling_efficiency
+    from dpcompare.commands.report import scaling_efficiency
 
     base = [j for j in jobs if j.variant == "baseline" and j.result and j.result.get("metrics")]
     ref = next((j for j in base if j.backend == "reference" and j.world_size == 1), None)
@@ -532,7 +533,7 @@ def main(ns: argparse.Namespace) -> int:
     if ns.sweep:
         render_sweep(console, [j for j in jobs if j.variant != "baseline"], summary["sweep_skipped"])
     if ns.report:
-        from dpcompare import report
+        from dpcompare.commands import report
 
         path = report.build_report(run_dir)
         console.print(f"report: {path}")

@@ -24,11 +24,11 @@ REQUIREMENTS: dict[str, tuple[str, str]] = {
 }
 
 MODELS: dict[str, str] = {
-    "mlp": "dpcompare.workloads:mlp",
-    "mlp-dropout": "dpcompare.workloads:mlp_dropout",
-    "mlp-unused": "dpcompare.workloads:mlp_unused",
-    "cnn": "dpcompare.workloads:cnn",
-    "lm": "dpcompare.workloads:lm",
+    "mlp": "dpcompare.run.workloads:mlp",
+    "mlp-dropout": "dpcompare.run.workloads:mlp_dropout",
+    "mlp-unused": "dpcompare.run.workloads:mlp_unused",
+    "cnn": "dpcompare.run.workloads:cnn",
+    "lm": "dpcompare.run.workloads:lm",
 }
 
 
@@ -68,7 +68,7 @@ def availability(backend: str) -> tuple[bool, str]:
 
 
 # How `compare` starts each built-in backend under its native launcher: a launcher name and whether the
-# backend runs one process per replica. Commands are built in dpcompare.compare.native_command.
+# backend runs one process per replica. Commands are built in dpcompare.commands.compare.native_command.
 NATIVE_LAUNCHER: dict[str, str] = {
     "reference": "python",
     "dp": "python",

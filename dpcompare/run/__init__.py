@@ -1,0 +1,4 @@
+"""What a rank executes: configuration, launch detection, workloads, the trainer and its watchdog.
+
+Imports the verify and measure layers and the results module; never a command (dpcompare.commands).
+"""
