@@ -8,6 +8,7 @@ from package metadata).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -17,7 +18,7 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Iterator
 
 from dpcompare import SCHEMA_VERSION, __version__
 
@@ -77,23 +78,51 @@ def result_path(out_dir: str | os.PathLike, backend: str, world_size: int, model
     return Path(out_dir) / f"{stamp}-{safe_backend}-ws{world_size}-{model}-{os.getpid()}.json"
 
 
-def write_atomic(path: Path, payload: dict[str, Any]) -> Path:
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """Open a temporary file beside `path` for writing; on a clean exit it is flushed, synced and renamed
+    over `path`, so a reader sees the old file or the whole new one, never half of it. The one atomic
+    writer: JSON results, gradient dumps, reports, plots and heartbeats all go through it."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)  # mkstemp creates 0600; a result is an ordinary file
-        with os.fdopen(fd, "w") as f:
-            json.dump(sanitize(payload), f, indent=2, allow_nan=False, default=str)
-            f.write("\n")
+        with os.fdopen(fd, mode) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+
+
+def write_atomic(path: Path, payload: dict[str, Any]) -> Path:
+    """Write a JSON object atomically (non-finite floats become null)."""
+    with atomic_file(path) as f:
+        json.dump(sanitize(payload), f, indent=2, allow_nan=False, default=str)
+        f.write("\n")
+    return Path(path)
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    with atomic_file(path) as f:
+        f.write(text)
+    return Path(path)
+
+
+def note_text(note: Any) -> str:
+    """The sentence of a verdict note: {'code', 'text'}, or a plain string in results written before notes
+    carried a code."""
+    return note.get("text", "") if isinstance(note, dict) else str(note)
+
+
+def note_code(note: Any) -> str | None:
+    """The code of a verdict note (None for a note written before notes carried one)."""
+    return note.get("code") if isinstance(note, dict) else None
 
 
 def validate(payload: dict[str, Any]) -> None:

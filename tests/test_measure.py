@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from dpcompare.measure import bandwidth, clocks
 from dpcompare.measure import summary as measure
 from dpcompare.measure import timeline
 
@@ -115,9 +116,9 @@ def test_peak_memory_is_the_largest_rank():
 
 
 def test_tcomm_model_needs_two_ranks_and_a_bandwidth():
-    assert measure.tcomm_model_ms(1e9, 1, 10.0) is None
-    assert measure.tcomm_model_ms(1e9, 4, None) is None
-    assert measure.tcomm_model_ms(1e9, 4, 10.0) == pytest.approx(2 * 1e9 * 3 / (4 * 10e9) * 1e3)
+    assert bandwidth.tcomm_model_ms(1e9, 1, 10.0) is None
+    assert bandwidth.tcomm_model_ms(1e9, 4, None) is None
+    assert bandwidth.tcomm_model_ms(1e9, 4, 10.0) == pytest.approx(2 * 1e9 * 3 / (4 * 10e9) * 1e3)
 
 
 def test_model_state_counts_parameters_gradients_optimizer_and_buffers():
@@ -125,7 +126,7 @@ def test_model_state_counts_parameters_gradients_optimizer_and_buffers():
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 100)).sum().backward()
     opt.step()  # AdamW keeps exp_avg and exp_avg_sq per parameter (+ a scalar step each)
-    state = measure.model_state_mib(model, opt, comm_buffer_bytes=4040)
+    state = clocks.model_state_mib(model, opt, comm_buffer_bytes=4040)
     mib = 1024 * 1024
     assert state["params"] == pytest.approx(4040 / mib)
     assert state["grads"] == pytest.approx(4040 / mib)
@@ -134,7 +135,7 @@ def test_model_state_counts_parameters_gradients_optimizer_and_buffers():
 
 
 def test_cpu_memory_window_sees_tensor_storage():
-    window = measure.MemoryWindow(torch.device("cpu"))
+    window = clocks.MemoryWindow(torch.device("cpu"))
     window.reset()
     before = window.peak()["peak_mem_mib"]
     big = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB of tensor storage, invisible to tracemalloc
@@ -144,7 +145,7 @@ def test_cpu_memory_window_sees_tensor_storage():
 
 
 def test_segment_clock_leaves_out_the_gap_between_segments():
-    clock = measure.SegmentClock(torch.device("cpu"))
+    clock = clocks.SegmentClock(torch.device("cpu"))
     clock.start()
     clock.stop()
     clock.start()

@@ -1,10 +1,8 @@
-"""Measurement: step time, memory, communication time and bandwidth, for every backend the same way.
+"""The run's metrics: rank 0 turns every rank's samples into figures whose names carry their units.
 
-Owns: the per-rank clocks (CUDA events on GPU, no device-wide synchronise inside the measured region;
-monotonic clock on CPU), the memory window (CUDA peak stats; on CPU the resident high-water mark VmHWM,
-reset through /proc/self/clear_refs at the window's start: tracemalloc does not see tensor storage), the
-arithmetic of every reported figure, and the analytic model-state memory. Imports no adapter: backends'
-native communication counters arrive as plain dicts through the adapter contract.
+Owns: percentiles, stragglers and `summarize` (the arithmetic of every reported figure). The clocks and the
+memory window are in dpcompare.measure.clocks, bandwidth formulas in dpcompare.measure.bandwidth, native
+communication counters' arithmetic in dpcompare.measure.comm. Imports no adapter and no torch.
 
 Definitions:
   step time            forward + backward + reduce + optimizer step, excluding the equivalence check;
@@ -21,119 +19,15 @@ Definitions:
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
-from dpcompare.commands.bench_collectives import algbw_gbps, busbw_gbps
-
-MIB = 1024.0 * 1024.0
-
-
-# -- clocks ----------------------------------------------------------------------------------------
-class SegmentClock:
-    """Times a step made of segments (the check in the middle is left out). On CUDA it records events
-    and resolves them once at the end, so nothing synchronises the device inside the measured region."""
-
-    def __init__(self, device: torch.device, enabled: bool = True) -> None:
-        self.cuda = device.type == "cuda"
-        self.enabled = enabled
-        self._open: Any = None
-        self._segments: list[Any] = []
-        self.steps: list[Any] = []  # per step: list of (start, end) pairs
-
-    def _now(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter_ns()
-
-    def start(self) -> None:
-        if self.enabled:
-            self._open = self._now()
-
-    def stop(self) -> None:
-        if self.enabled and self._open is not None:
-            self._segments.append((self._open, self._now()))
-            self._open = None
-
-    def end_step(self) -> None:
-        if self.enabled:
-            self.steps.append(self._segments)
-            self._segments = []
-
-    def step_ms(self) -> list[float]:
-        if self.cuda and self.steps:
-            torch.cuda.synchronize()  # once, after the measured region
-        out = []
-        for segments in self.steps:
-            if self.cuda:
-                out.append(sum(a.elapsed_time(b) for a, b in segments))
-            else:
-                out.append(sum(b - a for a, b in segments) / 1e6)
-        return out
-
-
-# -- memory ----------------------------------------------------------------------------------------
-class MemoryWindow:
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.reason: str | None = None
-
-    def reset(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current resident size
-        except OSError as exc:
-            self.reason = f"cannot reset the resident high-water mark (/proc/self/clear_refs: {exc.strerror})"
-
-    def peak(self) -> dict[str, float | None]:
-        if self.device.type == "cuda":
-            return {"peak_mem_mib": torch.cuda.max_memory_allocated(self.device) / MIB,
-                    "peak_mem_reserved_mib": torch.cuda.max_memory_reserved(self.device) / MIB}
-        if self.reason:
-            return {"peak_mem_mib": None, "peak_mem_reserved_mib": None}
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return {"peak_mem_mib": int(line.split()[1]) / 1024.0, "peak_mem_reserved_mib": None}
-        except OSError as exc:
-            self.reason = f"cannot read /proc/self/status ({exc.strerror})"
-        self.reason = self.reason or "no VmHWM line in /proc/self/status (not Linux?)"
-        return {"peak_mem_mib": None, "peak_mem_reserved_mib": None}
-
-
-def model_state_mib(module: torch.nn.Module, optimizer: Any, comm_buffer_bytes: int | None) -> dict[str, float | None]:
-    """Analytic model-state memory (seed 001): parameters + gradients + optimizer state + comm buffers."""
-    params = sum(p.numel() * p.element_size() for p in module.parameters())
-    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-    state = 0
-    inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed wraps the client optimizer
-    for per_param in getattr(inner, "state", {}).values():
-        for value in per_param.values():
-            if torch.is_tensor(value):
-                state += value.numel() * value.element_size()
-    total = params + grads + state + (comm_buffer_bytes or 0)
-    return {"params": params / MIB, "grads": grads / MIB, "optimizer": state / MIB,
-            "comm_buffers": None if comm_buffer_bytes is None else comm_buffer_bytes / MIB, "total": total / MIB}
+from dpcompare.measure.bandwidth import algbw_gbps, busbw_gbps, tcomm_model_ms
 
 
 # -- arithmetic ------------------------------------------------------------------------------------
-def tcomm_model_ms(grad_bytes: float, n: int, bandwidth_gbps: float | None) -> float | None:
-    """Seed 001's ring all-reduce model, T = 2 P (N-1) / (N B), in ms."""
-    if not bandwidth_gbps or n < 2:
-        return None
-    return 2.0 * grad_bytes * (n - 1) / (n * bandwidth_gbps * 1e9) * 1e3
-
-
 def percentiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p90": None, "mean": None}

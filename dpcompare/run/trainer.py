@@ -24,7 +24,9 @@ import torch
 from dpcompare.verify import equivalence as eq
 from dpcompare import results
 from dpcompare.run import launch
+from dpcompare.measure import clocks
 from dpcompare.measure import summary as measure
+from dpcompare.measure.bandwidth import busbw_at
 from dpcompare.run import registry
 from dpcompare.verify import stochastic
 from dpcompare.verify import verifier
@@ -324,8 +326,8 @@ def _measure(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: 
 
     batches = [step_fn.inputs(*shard(workload.make_batch(first + cfg.warmup_steps + i, global_batch), env.rank,
                                      env.world_size)) for i in range(cfg.measure_steps)]
-    clock = measure.SegmentClock(step_fn.device, enabled=cfg.instrument)
-    memory = measure.MemoryWindow(step_fn.device)
+    clock = clocks.SegmentClock(step_fn.device, enabled=cfg.instrument)
+    memory = clocks.MemoryWindow(step_fn.device)
     comm_reason = adapter.no_communication_reason()
     workdir = tempfile.mkdtemp(prefix="dpcompare-")
     adapter.all_gather_object(None)  # line the ranks up: the window starts together
@@ -360,8 +362,8 @@ def _measure(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: 
     # the measured loop (no barrier between steps, so ranks run free as they do in training). No optimizer
     # step in either arm: the weights stay where the run left them, and the arms differ only by
     # communication. Medians absorb the one step per block that pays for the ranks drifting apart.
-    synced = measure.SegmentClock(step_fn.device)
-    unsynced = measure.SegmentClock(step_fn.device)
+    synced = clocks.SegmentClock(step_fn.device)
+    unsynced = clocks.SegmentClock(step_fn.device)
     pairs = cfg.measure_steps if cfg.ablation_steps is None else cfg.ablation_steps
     if comm_reason is None and not adapter.capabilities.can_disable_sync:
         comm_reason = f"{adapter.name} cannot switch gradient synchronisation off"
@@ -396,7 +398,7 @@ def _measure(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: 
         [g[0] for g in gathered], world_size=env.world_size, local_batch=local_batch,
         tokens_per_sample=workload.tokens_per_sample, warmup_steps=cfg.warmup_steps, grad_bytes=grad_bytes,
         message_bytes=message, message_reason=message_reason,
-        model_state=measure.model_state_mib(wrapped.module, wrapped.optimizer, adapter.comm_buffer_bytes(grad_bytes)),
+        model_state=clocks.model_state_mib(wrapped.module, wrapped.optimizer, adapter.comm_buffer_bytes(grad_bytes)),
         microbench_busbw=microbench, microbench_reason=microbench_reason, scaling=cfg.scaling,
         comm_possible=comm_reason, instrumented=cfg.instrument,
     )
@@ -411,14 +413,12 @@ def _microbench_busbw(cfg: RunConfig, adapter_transport: str, world_size: int, n
         return None, "no microbenchmark given: run `python -m dpcompare bench-collectives` and pass --collectives FILE"
     import json
 
-    from dpcompare.commands import bench_collectives as collectives
-
     try:
         data = json.loads(Path(cfg.collectives).read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"--collectives={cfg.collectives!r} cannot be read as JSON ({exc}): pass a bench-collectives result") from None
     transport = adapter_transport
-    value = collectives.busbw_at(data, transport, world_size, nbytes)
+    value = busbw_at(data, transport, world_size, nbytes)
     return value, None if value is not None else f"the microbenchmark has no {transport} entry at world size {world_size}"
 
 

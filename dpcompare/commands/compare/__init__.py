@@ -461,7 +461,7 @@ def render_sweep(console, jobs: list[Job], skipped: list[dict]) -> None:
 def scaling_rows(jobs: list[Job], scaling: str) -> list[dict[str, Any]]:
     """Scaling efficiency per baseline run (seed formula): throughput_N / (N * throughput_1), with
     throughput_1 the reference backend's at world size 1, measured in the same invocation."""
-    from dpcompare.commands.report import scaling_efficiency
+    from dpcompare.measure.scaling import scaling_efficiency
 
     base = [j for j in jobs if j.variant == "baseline" and j.result and j.result.get("metrics")]
     ref = next((j for j in base if j.backend == "reference" and j.world_size == 1), None)

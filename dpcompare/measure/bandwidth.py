@@ -1,0 +1,63 @@
+"""Bandwidth arithmetic, as nccl-tests defines it (doc/PERFORMANCE.md), and the ring all-reduce time model.
+
+Owns: algbw and busbw, reading a bench-collectives result at a message size, and seed 001's T_comm model.
+Imports numpy only: the report, the commands and a rank's measurement all use it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def algbw_gbps(nbytes: float, seconds: float) -> float:
+    """Algorithm bandwidth: message bytes over time, in GB/s (1 GB = 1e9 bytes)."""
+    if seconds <= 0 or not math.isfinite(seconds):
+        raise ValueError(f"time must be a positive number of seconds, got {seconds!r}")
+    return nbytes / seconds / 1e9
+
+
+def busbw_gbps(algbw: float, n: int) -> float:
+    """All-reduce bus bandwidth: algbw * 2(n-1)/n, the per-link traffic of a ring all-reduce over n ranks;
+    comparable with the hardware's peak link bandwidth whatever n is (0 for n = 1: nothing crosses a link)."""
+    if n < 1:
+        raise ValueError(f"world size must be at least 1, got {n}")
+    return algbw * 2 * (n - 1) / n
+
+
+def busbw_at(collectives_json: dict, transport: str, world_size: int, nbytes: int) -> float | None:
+    """The measured all-reduce busbw (GB/s) of `transport` at `world_size` ranks for a message of `nbytes`,
+    interpolated linearly in log(bytes)-log(busbw) between the two nearest measured sizes. None when the
+    file has no such entry or `nbytes` lies outside the measured range (no extrapolation). Sizes whose
+    result was wrong are not used. With several matching entries the last one wins."""
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be positive, got {nbytes}")
+    points: list[tuple[int, float]] = []
+    for entry in collectives_json.get("entries", []):
+        if entry.get("transport") != transport or entry.get("world_size") != world_size:
+            continue
+        found = sorted((int(s["bytes"]), float(s["busbw_gbps"])) for s in entry.get("sizes", [])
+                       if s.get("correct") and s.get("busbw_gbps") is not None)
+        if found:
+            points = found
+    if not points or not points[0][0] <= nbytes <= points[-1][0]:
+        return None
+    for size, busbw in points:
+        if size == nbytes:
+            return busbw
+    if world_size == 1:
+        return 0.0  # no bus traffic at one rank, by definition
+    xs = np.log([p[0] for p in points])
+    ys = np.log([max(p[1], 1e-300) for p in points])
+    return float(np.exp(np.interp(math.log(nbytes), xs, ys)))
+
+
+# -- the sweep ----------------------------------------------------------------------------------------
+
+
+def tcomm_model_ms(grad_bytes: float, n: int, bandwidth_gbps: float | None) -> float | None:
+    """Seed 001's ring all-reduce model, T = 2 P (N-1) / (N B), in ms."""
+    if not bandwidth_gbps or n < 2:
+        return None
+    return 2.0 * grad_bytes * (n - 1) / (n * bandwidth_gbps * 1e9) * 1e3

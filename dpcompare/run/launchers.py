@@ -1,0 +1,149 @@
+"""Launchers: the one table of how `python -m dpcompare ARGS` is started under each launcher a user types,
+and the one subprocess runner every command (and the test suite) starts runs with.
+
+Owns: the command line per launcher (python, torchrun, horovodrun, deepspeed, mpirun), finding a launcher's
+executable, a free loopback port, and `run_process`: a child in a session of its own, its output in a log
+file or captured, and a timeout that kills the whole process tree (a launcher that hangs takes every rank
+it started with it). Which launcher is a backend's own is the adapter's declared capability
+(`Capabilities.native_launcher`), not a table here. Imports no adapter, no torch and no command.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+LAUNCHERS = ("python", "torchrun", "horovodrun", "deepspeed", "mpirun")
+
+
+def launcher_bin(name: str) -> str:
+    """The launcher's executable: next to this Python first (a virtual environment), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise RuntimeError(f"launcher {name!r} not found next to {sys.executable} or on PATH: run bash scripts/setup.sh")
+    return found
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def native_command(launcher: str, world_size: int, args: Sequence[str], launcher_args: Sequence[str] = ()) -> list[str]:
+    """The command a user would type to start `python -m dpcompare ARGS` with `world_size` ranks under
+    `launcher` on this host; `launcher_args` go to the launcher itself (before the program). The deepspeed
+    launcher is told --no_local_rank: LOCAL_RANK, which it also sets, is read instead, and an argument
+    before a subcommand would hide the subcommand."""
+    py = [sys.executable, "-m", "dpcompare"]
+    extra = list(launcher_args)
+    if launcher == "python":
+        return py + list(args)
+    if launcher == "torchrun":
+        return [launcher_bin("torchrun"), "--standalone", f"--nproc_per_node={world_size}", *extra,
+                "-m", "dpcompare", *args]
+    if launcher == "horovodrun":
+        return [launcher_bin("horovodrun"), "--gloo", "-np", str(world_size), "-H", f"localhost:{world_size}",
+                *extra, *py, *args]
+    if launcher == "deepspeed":
+        return [launcher_bin("deepspeed"), "--no_local_rank", "--num_gpus", str(world_size),
+                "--master_port", str(free_port()), *extra, "--module", "dpcompare", *args]
+    if launcher == "mpirun":
+        root = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+        # --bind-to none: Open MPI pins each rank to a core when there are <= 2 ranks, which on a small
+        # shared machine puts the ranks' helper threads on one core.
+        return [launcher_bin("mpirun"), *root, "--oversubscribe", "--bind-to", "none", "-np", str(world_size),
+                *extra, *py, *args]
+    raise ValueError(f"unknown launcher {launcher!r}: use {', '.join(LAUNCHERS)}")
+
+
+@dataclass(slots=True)
+class Finished:
+    """A finished (or killed) child process."""
+
+    command: list[str]
+    returncode: int | None
+    """None: it ran past the timeout and its process tree was killed."""
+    wall_s: float
+    stdout: str = ""
+    """Captured output (capture=True), else empty: the output is in the log file."""
+    stderr: str = ""
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+
+def child_env(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a child run: one thread per rank unless told otherwise, unbuffered."""
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
+    env.update(overrides or {})
+    return env
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process, its session's process group and every descendant (some launchers start ranks in
+    sessions of their own, which the process group does not reach)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for proc in descendants:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(descendants, timeout=10)
+
+
+def run_process(command: Sequence[str], *, timeout_s: float, log: Path | None = None, capture: bool = False,
+                env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Finished:
+    """Run `command` to completion in a session of its own. Its output goes to `log` (with the command line
+    first) or, with capture=True, is returned. Past `timeout_s` the whole tree is killed and the result has
+    returncode None."""
+    command = [str(c) for c in command]
+    env = dict(env) if env is not None else child_env()
+    start = time.monotonic()
+    if capture:
+        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+            code: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            out, err = proc.communicate()
+            code = None
+        return Finished(command, code, time.monotonic() - start, out or "", err or "")
+    if log is None:
+        raise ValueError("run_process needs a log file or capture=True")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        f.write("$ " + " ".join(command) + "\n")
+        f.flush()
+        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            proc.wait()
+            code = None
+    return Finished(command, code, time.monotonic() - start)
