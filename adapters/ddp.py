@@ -14,8 +14,12 @@ import torch.distributed as dist
 from torch import nn
 
 from dpcompare.run import launch
-from dpcompare.contract import Adapter, Capabilities, Wrapped
+from dpcompare.contract import Adapter, Capabilities, CommCounter, CommCounts, Note, Option, Wrapped
 from dpcompare.run.process_group import ProcessGroupMixin
+
+
+DEFAULT_BUCKET_MB = 25.0
+"""DDP's own default bucket_cap_mb."""
 
 
 class DDPAdapter(ProcessGroupMixin, Adapter):
@@ -24,10 +28,16 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
         multi_process=True,
         launchers=frozenset({"python", "torchrun", "mpirun", "slurm", "deepspeed"}),
         launch_hint="torchrun --nproc_per_node=N -m dpcompare --backend ddp  (or mpirun -np N python -m dpcompare --backend ddp)",
-        native_comm_counters=True,
+        native_launcher="torchrun",
         compressions=frozenset({"none", "fp16", "bf16"}),
         has_buckets=True,
     )
+    OPTIONS = (
+        Option("gradient_as_bucket_view", bool, False,
+               "gradients are views into the all-reduce buckets: one copy of the gradients less in memory"),
+        Option("broadcast_buffers", bool, True, "broadcast rank 0's module buffers (BatchNorm statistics) every forward"),
+    )
+    NATIVE_NAMES = {"bucket_cap_mb": "bucket_mb", "comm_hook": "compression", "device_ids": "device"}
 
     def setup(self, timeout_s: float) -> None:
         launch.ensure_rendezvous(self.env)
@@ -42,25 +52,30 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
 
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
         # find_unused_parameters costs a graph traversal every step: on only when the model needs it.
-        self._ddp_kwargs = {"bucket_cap_mb": float(self.options.get("bucket_mb") or 25),
+        s = self.settings
+        self._ddp_kwargs = {"bucket_cap_mb": s.bucket_mb or DEFAULT_BUCKET_MB,
                             "find_unused_parameters": bool(self.model_facts.unused),
+                            "gradient_as_bucket_view": s.options["gradient_as_bucket_view"],
+                            "broadcast_buffers": s.options["broadcast_buffers"],
                             "device_ids": [self.device.index] if self.device.type == "cuda" else None}
         model = nn.parallel.DistributedDataParallel(module, **self._ddp_kwargs)
-        compression = self.options.get("compression", "none")
+        compression = s.compression
         if compression != "none":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[compression]
             model.register_comm_hook(dist.group.WORLD, hook)
-        # Record DDP's runtime stats every iteration (default: the first 10, then every 100th).
-        model._set_ddp_runtime_logging_sample_rate(1)
+        if s.instrument:
+            # Record DDP's runtime stats every iteration (default: the first 10, then every 100th).
+            model._set_ddp_runtime_logging_sample_rate(1)
         notes = []
         if self.model_facts.unused:
-            notes.append(f"ddp: find_unused_parameters=True because {', '.join(self.model_facts.unused)} take no part "
-                         "in the loss (found by a float64 forward/backward before wrapping)")
+            notes.append(Note("ddp.find_unused_parameters",
+                              f"ddp: find_unused_parameters=True because {', '.join(self.model_facts.unused)} take no "
+                              "part in the loss (found by a float64 forward/backward before wrapping)"))
         if self.env.world_size & (self.env.world_size - 1):
-            notes.append(f"ddp divides each gradient by {self.env.world_size} before summing (Horovod and DeepSpeed "
-                         "divide after): not a power of two, so the backends may differ by an ulp")
+            notes.append(Note("division_order", f"ddp divides each gradient by {self.env.world_size} before summing "
+                              "(Horovod and DeepSpeed divide after): not a power of two, so the backends may differ by an ulp"))
         self.wrapped = Wrapped(model, module, optimizer, notes)
         self._noop_twin = None
         return self.wrapped
@@ -92,32 +107,40 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
         sizes = [int(s) for s in sizes if s.strip().isdigit()]
         if sizes:
             return sum(sizes) // len(sizes), None
-        cap = int(float(self.options.get("bucket_mb") or 25) * 1024 * 1024)
+        cap = int((self.settings.bucket_mb or DEFAULT_BUCKET_MB) * 1024 * 1024)
         return min(cap, grad_bytes), None
 
     def comm_buffer_bytes(self, grad_bytes: int) -> int | None:
-        return grad_bytes  # buckets hold a copy of every gradient (gradient_as_bucket_view=False)
+        # Buckets hold a copy of every gradient, unless the gradients are views into them.
+        return 0 if self.settings.options["gradient_as_bucket_view"] else grad_bytes
 
-    def comm_counters_begin(self, workdir: str) -> None:
-        self._last_iteration = int(self.wrapped.model._get_ddp_logging_data().get("iteration", 0) or 0)
-        self._comm_ns: list[int] = []
-        self._overlap_ns: list[int] = []
+    def comm_counter(self) -> CommCounter:
+        return _LoggingDataCounter(self.wrapped.model)
 
-    def comm_counters_step(self) -> None:
-        # The logging data holds the latest recorded iteration (sample rate 1: every one), in ns:
-        # backward_comm_time = first bucket ready -> last all-reduce done; the overlap part ends where
-        # backward compute ends, so comm - overlap is the wait DDP leaves at the end of backward.
-        data = self.wrapped.model._get_ddp_logging_data()
+
+class _LoggingDataCounter(CommCounter):
+    """DDP's logging data holds the latest recorded iteration (sample rate 1: every one), in ns:
+    backward_comm_time = first bucket ready -> last all-reduce done; the overlap part ends where backward
+    compute ends, so comm - overlap is the wait DDP leaves at the end of backward."""
+
+    def __init__(self, model: nn.parallel.DistributedDataParallel) -> None:
+        self.model = model
+
+    def begin(self, window) -> None:
+        self._last = int(self.model._get_ddp_logging_data().get("iteration", 0) or 0)
+        self._comm: list[int] = []
+        self._overlap: list[int] = []
+
+    def step(self) -> None:
+        data = self.model._get_ddp_logging_data()
         iteration = int(data.get("iteration", 0) or 0)
-        if iteration > self._last_iteration:
-            self._last_iteration = iteration
-            self._comm_ns.append(int(data.get("backward_comm_time", 0)))
-            self._overlap_ns.append(int(data.get("backward_compute_comm_overlap_time", 0)))
+        if iteration > self._last:
+            self._last = iteration
+            self._comm.append(int(data.get("backward_comm_time", 0)))
+            self._overlap.append(int(data.get("backward_compute_comm_overlap_time", 0)))
 
-    def comm_counters_end(self) -> dict:
-        if not self._comm_ns:
-            return {"reason": "DDP recorded no iteration in the window"}
-        return {"total_ms": sum(self._comm_ns) / 1e6, "overlap_ms": sum(self._overlap_ns) / 1e6,
-                "per_step_total_ms": [t / 1e6 for t in self._comm_ns],
-                "per_step_overlap_ms": [t / 1e6 for t in self._overlap_ns],
-                "method": "DDP logging data (backward_comm_time per iteration)"}
+    def end(self) -> CommCounts:
+        if not self._comm:
+            return CommCounts(reason="DDP recorded no iteration in the window")
+        return CommCounts(method="DDP logging data (backward_comm_time per iteration)", unit_s=1e-9,
+                          per_step_total=tuple(self._comm), per_step_overlap=tuple(self._overlap))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dpcompare.run import launch
-from dpcompare.contract import Adapter, Capabilities, Wrapped
+from dpcompare.contract import Adapter, Capabilities, CommCounter, CommCounts, Note, Option, Wrapped
 from dpcompare.run.process_group import ProcessGroupMixin
 
 
@@ -25,10 +25,16 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         multi_process=True,
         launchers=frozenset({"python", "deepspeed", "torchrun", "mpirun", "slurm"}),
         launch_hint="deepspeed --num_gpus N --module dpcompare --backend deepspeed  (or torchrun --nproc_per_node=N -m dpcompare --backend deepspeed)",
-        native_comm_counters=True,
+        native_launcher="deepspeed",
         compressions=frozenset({"none", "fp16", "bf16"}),
         collective_transport="deepspeed",
     )
+    OPTIONS = (
+        Option("gradient_clipping", float, 0.0,
+               "clip the global gradient norm at this value (0: off; DeepSpeed's own default since 0.19.3 is 1.0)"),
+    )
+    NATIVE_NAMES = {"communication_data_type": "compression", "allreduce_bucket_size": "bucket_mb",
+                    "reduce_bucket_size": "bucket_mb", "wall_clock_breakdown": "instrument"}
 
     def setup(self, timeout_s: float) -> None:
         # Without RANK/WORLD_SIZE/MASTER_* DeepSpeed tries MPI discovery (mpi4py, a non-loopback address).
@@ -54,15 +60,15 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
             "train_batch_size": global_batch,
             "train_micro_batch_size_per_gpu": local_batch,
             "gradient_accumulation_steps": 1,
-            "gradient_clipping": 0.0,
+            "gradient_clipping": self.settings.options["gradient_clipping"],
             "zero_optimization": {"stage": 0},
             "steps_per_print": 1 << 30,
-            # Its timers are the native communication counter ('bwd_allreduce'); on CUDA they synchronise.
-            "wall_clock_breakdown": True,
+            # Its timers are the native communication counter ('bwd_allreduce'); on CUDA they synchronise,
+            # so they run only when the run is instrumented.
+            "wall_clock_breakdown": self.settings.instrument,
         }
-        compression = self.options.get("compression", "none")
-        if compression != "none":
-            config["communication_data_type"] = compression
+        if self.settings.compression != "none":
+            config["communication_data_type"] = self.settings.compression
         engine, ds_optimizer, _, _ = self.deepspeed.initialize(model=module, optimizer=optimizer, config=config)
         timers = engine.timers
 
@@ -74,11 +80,15 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
                     timers.timers[name].elapsed(reset=reset)
 
         timers.log = reset_quietly
-        notes = ["deepspeed: gradient_clipping set to 0.0 (DeepSpeed >= 0.19.3 clips at 1.0 by default, which "
-                 "changes the update relative to DDP and Horovod)"]
-        if self.options.get("bucket_mb"):
-            notes.append("deepspeed: --bucket-mb does not apply to ZeRO stage 0 (allreduce_bucket_size is a stage "
-                         "1-3 setting); all gradients go in one flattened all-reduce")
+        clip = self.settings.options["gradient_clipping"]
+        notes = [Note("deepspeed.gradient_clipping",
+                      "deepspeed: gradient_clipping set to 0.0 (DeepSpeed >= 0.19.3 clips at 1.0 by default, which "
+                      "changes the update relative to DDP and Horovod)" if not clip else
+                      f"deepspeed: gradient_clipping={clip:g} (--opt): the update is clipped, unlike DDP's and Horovod's")]
+        if self.settings.bucket_mb:
+            notes.append(Note("knob_not_applicable",
+                              "deepspeed: --bucket-mb does not apply to ZeRO stage 0 (allreduce_bucket_size is a stage "
+                              "1-3 setting); all gradients go in one flattened all-reduce"))
         self.wrapped = Wrapped(engine, module, ds_optimizer, notes)
         return self.wrapped
 
@@ -102,15 +112,25 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
     def comm_buffer_bytes(self, grad_bytes: int) -> int | None:
         return grad_bytes  # the flattened copy
 
-    def comm_counters_begin(self, workdir: str) -> None:
-        self._reduce_ms = 0.0
+    def comm_counter(self) -> CommCounter:
+        return _TimerCounter(self.wrapped.model)
 
-    def comm_counters_step(self) -> None:
-        # engine.step() caches each timer's value for the step, then logs and resets the timers.
+
+class _TimerCounter(CommCounter):
+    """DeepSpeed's wall_clock_breakdown timer bwd_allreduce_microstep: engine.step() caches each timer's value
+    for the step, then logs and resets the timers. ZeRO-0 reduces after the whole backward: no overlap."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def begin(self, window) -> None:
+        self._ms: list[float] = []
+
+    def step(self) -> None:
         from deepspeed.utils.timer import BACKWARD_REDUCE_MICRO_TIMER
 
-        self._reduce_ms += float(self.wrapped.model.get_wall_clock_timers().get(BACKWARD_REDUCE_MICRO_TIMER, 0.0))
+        self._ms.append(float(self.engine.get_wall_clock_timers().get(BACKWARD_REDUCE_MICRO_TIMER, 0.0)))
 
-    def comm_counters_end(self) -> dict:
-        return {"total_ms": self._reduce_ms, "overlap_ms": None,
-                "method": "DeepSpeed wall_clock_breakdown timer bwd_allreduce_microstep (no overlap in ZeRO-0)"}
+    def end(self) -> CommCounts:
+        return CommCounts(method="DeepSpeed wall_clock_breakdown timer bwd_allreduce_microstep (no overlap in ZeRO-0)",
+                          unit_s=1e-3, window_total=sum(self._ms))

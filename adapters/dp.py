@@ -11,33 +11,42 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpcompare.contract import Adapter, Capabilities, Wrapped
+import contextlib
+
+from dpcompare.contract import Adapter, Capabilities, CommCounter, CommCounts, Note, Wrapped
 
 
 class _CountingDataParallel(nn.DataParallel):
-    """DataParallel whose scatter, replicate and gather (its communication in the forward pass) are
-    bracketed by CUDA events while counting; the events are resolved once, after the measured window."""
+    """DataParallel whose scatter, replicate and gather (its communication in the forward pass) run inside
+    `interval()` while a measurement window counts them (measurement owns the clock)."""
 
-    counting = False
+    interval = None
 
-    def _timed(self, fn, *args, **kwargs):
-        if not self.counting:
+    def _bracketed(self, fn, *args, **kwargs):
+        with self.interval() if self.interval is not None else contextlib.nullcontext():
             return fn(*args, **kwargs)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = fn(*args, **kwargs)
-        end.record()
-        self.events.append((start, end))
-        return out
 
     def scatter(self, *args, **kwargs):
-        return self._timed(super().scatter, *args, **kwargs)
+        return self._bracketed(super().scatter, *args, **kwargs)
 
     def replicate(self, *args, **kwargs):
-        return self._timed(super().replicate, *args, **kwargs)
+        return self._bracketed(super().replicate, *args, **kwargs)
 
     def gather(self, *args, **kwargs):
-        return self._timed(super().gather, *args, **kwargs)
+        return self._bracketed(super().gather, *args, **kwargs)
+
+
+class _IntervalCounter(CommCounter):
+    def __init__(self, model: _CountingDataParallel) -> None:
+        self.model = model
+
+    def begin(self, window) -> None:
+        self.model.interval = window.interval
+
+    def end(self) -> CommCounts:
+        self.model.interval = None
+        return CommCounts(method="scatter/replicate/gather of DataParallel, timed by the window's clock (the gradient "
+                                 "sum onto device 0 runs inside autograd and is not included)", timed_intervals=True)
 
 
 class DataParallelAdapter(Adapter):
@@ -47,24 +56,30 @@ class DataParallelAdapter(Adapter):
         launchers=frozenset({"python"}),
         launch_hint="python -m dpcompare --backend dp  (one process drives all local GPUs)",
         can_disable_sync=False,
+        device_replicas=True,
     )
+    NATIVE_NAMES = {"device_ids": "dp_devices"}
 
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
         notes = []
         if self.device.type == "cuda":
-            count = int(self.options.get("dp_devices") or torch.cuda.device_count())
+            count = self.settings.dp_devices or torch.cuda.device_count()
+            if count > torch.cuda.device_count():
+                raise ValueError(f"--dp-devices={count} is more than the {torch.cuda.device_count()} visible CUDA "
+                                 f"devices: use at most {torch.cuda.device_count()}")
             device_ids = list(range(count))
             if global_batch < count:
                 raise ValueError(f"--global-batch={global_batch} is smaller than the {count} DataParallel devices: "
                                  f"use at least {count} samples")
             model = _CountingDataParallel(module, device_ids=device_ids, output_device=device_ids[0])
             if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()) and count > 1:
-                notes.append("dp: BatchNorm statistics are per replica and only device 0's running buffers survive")
-            notes.append(f"dp: replicating over {count} CUDA device(s)")
+                notes.append(Note("dp.batchnorm_per_replica",
+                                  "dp: BatchNorm statistics are per replica and only device 0's running buffers survive"))
+            notes.append(Note("dp.replicas", f"dp: replicating over {count} CUDA device(s)"))
         else:
             model = nn.DataParallel(module)
-            notes.append("dp: no CUDA device, so DataParallel is a pass-through (no parallelism on CPU): "
-                         "this run is the reference computation, not a speed-up")
+            notes.append(Note("no_parallelism", "dp: no CUDA device, so DataParallel is a pass-through (no parallelism "
+                              "on CPU): this run is the reference computation, not a speed-up"))
         self.wrapped = Wrapped(model, module, optimizer, notes)
         return self.wrapped
 
@@ -76,17 +91,8 @@ class DataParallelAdapter(Adapter):
         # Scatter/replicate/gather are inside forward and backward: no switch turns them off alone.
         return None
 
-    def comm_counters_begin(self, workdir: str) -> None:
-        self.wrapped.model.events = []
-        self.wrapped.model.counting = True
-
-    def comm_counters_end(self) -> dict:
-        model = self.wrapped.model
-        model.counting = False
-        torch.cuda.synchronize()
-        return {"total_ms": sum(a.elapsed_time(b) for a, b in model.events), "overlap_ms": None,
-                "method": "CUDA events around DataParallel scatter/replicate/gather (the gradient sum onto "
-                          "device 0 runs inside autograd and is not included)"}
+    def comm_counter(self) -> CommCounter | None:
+        return _IntervalCounter(self.wrapped.model) if isinstance(self.wrapped.model, _CountingDataParallel) else None
 
     def rng_replay_reason(self) -> str | None:
         if self.device.type == "cuda" and len(self.wrapped.model.device_ids) > 1:

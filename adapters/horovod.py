@@ -14,7 +14,7 @@ import os
 from torch import nn
 
 from dpcompare.run import syncbn
-from dpcompare.contract import Adapter, Capabilities, Wrapped
+from dpcompare.contract import Adapter, Capabilities, CommCounter, CommCounts, Note, Option, Wrapped
 
 
 class HorovodAdapter(Adapter):
@@ -23,11 +23,18 @@ class HorovodAdapter(Adapter):
         multi_process=True,
         launchers=frozenset({"python", "horovodrun", "mpirun", "slurm"}),
         launch_hint="horovodrun -np N -H localhost:N python -m dpcompare --backend horovod  (or mpirun -np N python -m dpcompare --backend horovod)",
-        native_comm_counters=True,
+        native_launcher="horovodrun",
         compressions=frozenset({"none", "fp16"}),
         has_buckets=True,
         collective_transport="horovod",
     )
+    OPTIONS = (
+        Option("broadcast_optimizer_state", bool, False,
+               "call hvd.broadcast_optimizer_state after wrapping, as Horovod's examples do (it runs a real step() "
+               "on zero gradients: horovod/horovod#3743)"),
+    )
+    NATIVE_NAMES = {"fusion_threshold": "bucket_mb", "HOROVOD_FUSION_THRESHOLD": "bucket_mb",
+                    "HOROVOD_TIMELINE": "instrument"}
 
     def setup(self, timeout_s: float) -> None:
         import horovod.torch as hvd
@@ -35,10 +42,11 @@ class HorovodAdapter(Adapter):
         # Horovod's own stall detector ends a job whose ranks stop submitting the same tensors.
         os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(int(timeout_s)))
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(timeout_s)))
-        # The timeline can then be started and stopped around the measured window (hvd.start_timeline).
-        os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
-        if self.options.get("bucket_mb"):
-            os.environ["HOROVOD_FUSION_THRESHOLD"] = str(int(float(self.options["bucket_mb"]) * 1024 * 1024))
+        if self.settings.instrument:
+            # The timeline can then be started and stopped around the measured window (hvd.start_timeline).
+            os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
+        if self.settings.bucket_mb:
+            os.environ["HOROVOD_FUSION_THRESHOLD"] = str(int(self.settings.bucket_mb * 1024 * 1024))
         hvd.init()
         # hvd.init() with no launcher silently runs as size 1: a run that thinks it is distributed is not.
         if hvd.size() != self.env.world_size or hvd.rank() != self.env.rank:
@@ -58,21 +66,23 @@ class HorovodAdapter(Adapter):
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
         hvd = self.hvd
         hvd.broadcast_parameters(module.state_dict(), root_rank=0)
-        compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[self.options.get("compression", "none")]
+        compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[self.settings.compression]
         dist_opt = hvd.DistributedOptimizer(
             optimizer, named_parameters=module.named_parameters(), op=hvd.Average, compression=compression
         )
         notes = []
-        if self.options.get("broadcast_optimizer_state") == "1":
+        if self.settings.options["broadcast_optimizer_state"]:
             # Horovod's documented order: wrap first, then broadcast the wrapped optimizer's state (the
             # DistributedOptimizer starts with a state of its own, so a broadcast before wrapping is lost).
             hvd.broadcast_optimizer_state(dist_opt, root_rank=0)
-            notes.append("horovod: broadcast_optimizer_state ran on a fresh optimizer; it calls step() on zero "
-                         "gradients (horovod/horovod#3743): Adam's step count and weight decay move the weights")
+            notes.append(Note("horovod.broadcast_optimizer_state",
+                              "horovod: broadcast_optimizer_state ran on a fresh optimizer; it calls step() on zero "
+                              "gradients (horovod/horovod#3743): Adam's step count and weight decay move the weights"))
         else:
-            notes.append("horovod: broadcast_optimizer_state skipped on the fresh optimizer (it would run a real "
-                         "step() on zero gradients, horovod/horovod#3743); its state is identical on all ranks "
-                         "by construction")
+            notes.append(Note("horovod.broadcast_optimizer_state_skipped",
+                              "horovod: broadcast_optimizer_state skipped on the fresh optimizer (it would run a real "
+                              "step() on zero gradients, horovod/horovod#3743); its state is identical on all ranks "
+                              "by construction"))
         self.wrapped = Wrapped(module, module, dist_opt, notes)
         return self.wrapped
 
@@ -113,24 +123,8 @@ class HorovodAdapter(Adapter):
     def _fusion_threshold() -> int:
         return int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 128 * 1024 * 1024))
 
-    def comm_counters_begin(self, workdir: str) -> None:
-        self._timeline = os.path.join(workdir, f"horovod-timeline-{os.getpid()}.json")
-        self.hvd.start_timeline(self._timeline, mark_cycles=False)
-
-    def comm_counters_end(self) -> dict:
-        from dpcompare.measure.timeline import allreduce_busy_ms
-
-        self.hvd.stop_timeline()
-        if self.env.rank != 0:
-            return {"reason": "Horovod writes its timeline on rank 0 only"}
-        try:
-            total = allreduce_busy_ms(self._timeline)
-        except (OSError, ValueError) as exc:
-            return {"reason": f"cannot read the Horovod timeline {self._timeline}: {exc}"}
-        finally:
-            if os.path.exists(self._timeline):
-                os.unlink(self._timeline)
-        return {"total_ms": total, "overlap_ms": None, "method": "Horovod timeline (union of ALLREDUCE intervals)"}
+    def comm_counter(self) -> CommCounter:
+        return _TimelineCounter(self.hvd, self.env.rank)
 
     def all_gather_object(self, obj):
         # One fixed name: by default Horovod names the collective after type(obj), so ranks sending objects
@@ -140,3 +134,21 @@ class HorovodAdapter(Adapter):
     def teardown(self) -> None:
         if getattr(self, "hvd", None) is not None:
             self.hvd.shutdown()
+
+
+class _TimelineCounter(CommCounter):
+    """Horovod's timeline, started and stopped around the window (HOROVOD_TIMELINE=DYNAMIC); rank 0 writes
+    it. Measurement reads the file: the union of its ALLREDUCE activity is the communication time."""
+
+    def __init__(self, hvd, rank: int) -> None:
+        self.hvd, self.rank = hvd, rank
+
+    def begin(self, window) -> None:
+        self.path = str(window.workdir / f"horovod-timeline-{os.getpid()}.json")
+        self.hvd.start_timeline(self.path, mark_cycles=False)
+
+    def end(self) -> CommCounts:
+        self.hvd.stop_timeline()
+        if self.rank != 0:
+            return CommCounts(reason="Horovod writes its timeline on rank 0 only")
+        return CommCounts(method="Horovod timeline (union of ALLREDUCE intervals)", timeline=self.path)

@@ -11,4 +11,5 @@ class ReferenceAdapter(Adapter):
         multi_process=False,
         launchers=frozenset({"python"}),
         launch_hint="python -m dpcompare --backend reference",
+        scaling_baseline=True,
     )

@@ -74,24 +74,23 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=d.out, help="directory for the JSON result")
     p.add_argument("--dump-grads", default=None, help="write checked-step gradients to this .npz")
     p.add_argument("--tag", default=None)
-    p.add_argument("--dp-devices", type=_whole, default=None)
-    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="adapter option (repeatable)")
+    p.add_argument("--dp-devices", type=_whole, default=None, help="dp: CUDA devices to replicate over (default: all)")
+    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option the backend declares (repeatable); an unknown key lists the accepted ones")
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
     # The deepspeed launcher appends --local_rank=N unless told --no_local_rank; LOCAL_RANK is read instead.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def config_from_args(ns: argparse.Namespace) -> RunConfig:
-    extra = {}
+    options = {}
     for item in ns.opt:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--opt {item!r} is invalid: use KEY=VALUE, e.g. --opt bucket_cap_mb=25")
-        extra[key] = value
-    if ns.dp_devices is not None:
-        extra["dp_devices"] = str(ns.dp_devices)
+            raise ValueError(f"--opt {item!r} is invalid: use KEY=VALUE, e.g. --opt gradient_as_bucket_view=true")
+        options[key] = value
     fields = {k: v for k, v in vars(ns).items() if k not in ("opt", "command", "local_rank")}
-    return RunConfig(**fields, extra=extra)
+    return RunConfig(**fields, options=options)
 
 
 def main(argv: list[str] | None = None) -> int:

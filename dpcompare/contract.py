@@ -1,15 +1,18 @@
 """The adapter contract: the only surface through which the trainer touches a backend.
 
-Owns: the `Adapter` base class, `Capabilities` (what an adapter declares instead of the trainer branching
-on its name) and `Wrapped`. An adapter translates; it holds no timers, no comparisons and no file I/O.
-Imports no adapter.
+Owns: the `Adapter` base class and the data it declares or returns: `Capabilities` (what the backend can
+do, instead of anyone branching on its name), `Option` (the `--opt` keys it accepts, typed), `Settings`
+(what reaches it from the config, one way), `Note` (a coded sentence for the verdict), `Wrapped`, and the
+native communication counter (`CommCounter` -> `CommCounts`). An adapter translates; it holds no timers,
+no comparisons and no file I/O: measurement times what the counter points at. Imports no adapter.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 from torch import nn
@@ -27,13 +30,121 @@ class Capabilities:
     """How to start it, shown when it was started wrongly."""
     can_disable_sync: bool = True
     """`sync(False)` really skips gradient communication for one step."""
-    native_comm_counters: bool = False
+    native_launcher: str = "python"
+    """The launcher its users start it with (compare and the tests start it the same way)."""
+    scaling_baseline: bool = False
+    """Its single-process throughput is the denominator of scaling efficiency (the plain reference run)."""
+    device_replicas: bool = False
+    """One process replicates the model over several devices (`--dp-devices` sizes it)."""
     compressions: frozenset[str] = frozenset({"none"})
     """Gradient compressions (`--compression`) the backend offers."""
     has_buckets: bool = False
     """`--bucket-mb` changes its all-reduce message size."""
     collective_transport: str = "torch"
     """Which bench-collectives transport measures the link this backend's all-reduce uses."""
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """A known semantic difference or fact stated with the verdict: readers match the code, people read the text."""
+
+    code: str
+    text: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"code": self.code, "text": self.text}
+
+
+_TYPE_WORDS = {bool: "true/false", int: "a whole number", float: "a number", str: "text"}
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """An `--opt NAME=VALUE` key an adapter accepts: its type, default and meaning, declared as data."""
+
+    name: str
+    type: type
+    default: Any
+    meaning: str
+    choices: tuple[Any, ...] = ()
+
+    def parse(self, value: Any) -> Any:
+        """The typed value of `value` (text from the command line, or already typed from Python)."""
+        try:
+            if self.type is bool:
+                parsed = value if isinstance(value, bool) else {"1": True, "true": True, "yes": True, "0": False,
+                                                                "false": False, "no": False}[str(value).lower()]
+            else:
+                parsed = self.type(value)
+        except (KeyError, ValueError, TypeError):
+            raise ValueError(f"--opt {self.name}={value!r} is invalid: expected {_TYPE_WORDS.get(self.type, self.type.__name__)} "
+                             f"({self.meaning})") from None
+        if self.choices and parsed not in self.choices:
+            raise ValueError(f"--opt {self.name}={value!r} is invalid: choose one of {', '.join(map(str, self.choices))}")
+        return parsed
+
+    def describe(self) -> str:
+        return f"{self.name} ({_TYPE_WORDS.get(self.type, self.type.__name__)}, default {self.default!r}: {self.meaning})"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What reaches an adapter from the run's config, validated once before the adapter is built: the knobs
+    every backend has are typed fields, the backend's own `--opt` keys are typed values of its declaration."""
+
+    compression: str = "none"
+    """Gradient dtype on the wire: none, fp16 or bf16 (one of Capabilities.compressions)."""
+    bucket_mb: float | None = None
+    """All-reduce message size in MiB (None: the backend's default)."""
+    dp_devices: int | None = None
+    """Devices one process replicates over (Capabilities.device_replicas; None: all visible)."""
+    instrument: bool = True
+    """Off (--no-instrument): the backend's own timers and logs stay off too."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """Every declared option, typed: the value given with --opt, else its default."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommCounts:
+    """What a native communication counter saw over a measured window, in its own units; measurement turns it
+    into figures (dpcompare.measure.comm). Either per-step values, a window total, a timeline file the
+    measurement reads, intervals the window's own clock timed, or a reason there is nothing."""
+
+    method: str = ""
+    unit_s: float = 1e-3
+    """Seconds per unit of the values below (1e-9: nanoseconds)."""
+    per_step_total: tuple[float, ...] = ()
+    per_step_overlap: tuple[float, ...] = ()
+    window_total: float | None = None
+    timeline: str | None = None
+    """A Horovod timeline (Chrome trace) whose ALLREDUCE activity is the communication."""
+    timed_intervals: bool = False
+    """The communication ran inside `CounterWindow.interval()`: the window's clock holds its time."""
+    reason: str | None = None
+
+
+@dataclass(slots=True)
+class CounterWindow:
+    """What measurement hands a counter when a window begins."""
+
+    workdir: Path
+    """A directory for files the backend must write (removed with the window)."""
+    interval: Callable[[], ContextManager[None]]
+    """Context manager timing one interval of communication with the window's clock (CUDA events or a
+    monotonic clock): for backends whose communication is a call the adapter can bracket."""
+
+
+class CommCounter:
+    """A backend's own communication counter for one measured window (returned by `Adapter.comm_counter`)."""
+
+    def begin(self, window: CounterWindow) -> None:
+        """Start counting."""
+
+    def step(self) -> None:
+        """Called after every measured step, for counters that only hold the latest step."""
+
+    def end(self) -> CommCounts:
+        return CommCounts(reason="no counter")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +169,7 @@ class Wrapped:
     module: nn.Module
     """The underlying module whose parameters hold the weights and the reduced gradients."""
     optimizer: Any
-    notes: list[str] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
     """Known semantic differences this backend introduces, stated for the verdict."""
 
 
@@ -72,11 +183,16 @@ class Adapter:
 
     name = "base"
     capabilities = Capabilities(multi_process=False, launchers=frozenset({"python"}), launch_hint="python -m dpcompare")
+    OPTIONS: tuple[Option, ...] = ()
+    """The `--opt` keys this backend accepts; any other key is refused before the run."""
+    NATIVE_NAMES: Mapping[str, str] = {}
+    """The backend's own names for settings every backend has (e.g. DDP's bucket_cap_mb for bucket_mb): given
+    as `--opt`, they are refused with a pointer to the run flag."""
 
-    def __init__(self, env: LaunchEnv, device: torch.device, options: dict[str, str] | None = None) -> None:
+    def __init__(self, env: LaunchEnv, device: torch.device, settings: Settings | None = None) -> None:
         self.env = env
         self.device = device
-        self.options = dict(options or {})
+        self.settings = settings or Settings(options={o.name: o.default for o in self.OPTIONS})
         self.wrapped: Wrapped | None = None
         self.model_facts = ModelFacts()
         """Set by the trainer before `wrap` (DDP needs `unused` for find_unused_parameters)."""
@@ -132,15 +248,10 @@ class Adapter:
         """Memory the backend holds for communication (buckets, fusion buffer, flat buffers)."""
         return 0
 
-    def comm_counters_begin(self, workdir: str) -> None:
-        """Start the backend's own communication counter for a measurement window."""
-
-    def comm_counters_step(self) -> None:
-        """Called after every measured step, for counters that only hold the latest step."""
-
-    def comm_counters_end(self) -> dict[str, Any]:
-        """The window's totals: {'total_ms', 'overlap_ms' (or None), 'method'} or {'reason'}."""
-        return {"reason": f"{self.name} exposes no communication counter"}
+    def comm_counter(self) -> CommCounter | None:
+        """The backend's own communication counter for a measured window, or None when it has none. Only
+        asked for when instrumentation is on."""
+        return None
 
     # -- control plane (small objects, not gradients) ---------------------------------------------
     def all_gather_object(self, obj: Any) -> list[Any]:

@@ -40,7 +40,7 @@ def measure_mlp() -> RunConfig:
 
 
 EXPERIMENTS = {f.__name__: f for f in (quick_check, cnn_syncbn, lm_adamw, lm_accumulate_fp16, measure_mlp)}
-_NOT_FLAGS = {"backend", "extra", "tag", "out", "dump_grads", "inject_fault"}
+_NOT_FLAGS = {"backend", "options", "tag", "out", "dump_grads", "inject_fault"}
 
 
 def to_args(cfg: RunConfig) -> list[str]:
@@ -56,6 +56,8 @@ def to_args(cfg: RunConfig) -> list[str]:
             args.append(flag if value else "--no-" + f.name.replace("_", "-"))
         else:
             args += [flag, str(value)]
+    for key, value in cfg.options.items():
+        args += ["--opt", f"{key}={value}"]
     return args
 
 

@@ -17,37 +17,35 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
 import jsonschema
-import psutil
 import pytest
+
+from dpcompare.run import launchers, registry
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN_DIR = Path(sys.executable).parent
 SCHEMA_PATH = REPO_ROOT / "dpcompare" / "schema" / "result.schema.json"
 
-TORCHRUN = str(BIN_DIR / "torchrun")
-HOROVODRUN = str(BIN_DIR / "horovodrun")
-DEEPSPEED = str(BIN_DIR / "deepspeed")
+# Every run starts under the launcher its adapter declares (Capabilities.native_launcher, the table compare
+# uses too), except deepspeed, which the tests start under torchrun: its own launcher adds ~5-10 s per run.
+# test_equivalence_matrix runs it under the deepspeed launcher once.
+TEST_LAUNCHER_OVERRIDE = {"deepspeed": "torchrun"}
 
-# What a user types for each built-in backend (ARCHITECTURE.md, "Launch matrix"). deepspeed defaults to
-# torchrun here because its own launcher adds ~5-10 s per run; test_equivalence_matrix runs it once.
-NATIVE_LAUNCHER = {
-    "reference": "python",
-    "dp": "python",
-    "ddp": "torchrun",
-    "horovod": "horovodrun",
-    "deepspeed": "torchrun",
-}
+
+def native_launcher(backend: str) -> str:
+    """The launcher a test starts `backend` under (a user's own adapter class: its declared launcher)."""
+    if backend in TEST_LAUNCHER_OVERRIDE:
+        return TEST_LAUNCHER_OVERRIDE[backend]
+    try:
+        return registry.load(backend, registry.BACKENDS, "backend").capabilities.native_launcher
+    except (ValueError, ImportError, AttributeError):
+        return "python"  # a bad --backend: the run itself must refuse it, with one line
+
 
 # Python modules a backend needs; a test of that backend is skipped only when the module is absent.
 BACKEND_MODULES = {"horovod": "horovod", "deepspeed": "deepspeed"}
@@ -125,45 +123,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
 
 
 # -- processes -----------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def mpirun_prefix(world_size: int) -> list[str]:
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        pytest.fail("mpirun is not on PATH: install Open MPI (apt-get install openmpi-bin libopenmpi-dev)")
-    cmd = [mpirun]
-    if os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-    # 3 ranks on 2 cores; loopback only; no core binding (it would pile oversubscribed ranks up).
-    cmd += ["--oversubscribe", "--bind-to", "none", "--mca", "btl_tcp_if_include", "lo",
-            "--mca", "oob_tcp_if_include", "lo", "-np", str(world_size)]
-    return cmd
-
-
 def command(launcher: str, world_size: int, dpcompare_args: Sequence[str], launcher_args: Sequence[str] = ()) -> list[str]:
     """The command line that starts `python -m dpcompare ARGS` with `world_size` ranks under `launcher`."""
-    module = [sys.executable, "-m", "dpcompare", *dpcompare_args]
-    if launcher == "python":
-        if world_size != 1:
-            raise ValueError("a plain python launch has exactly one process")
-        return module
-    if launcher == "torchrun":
-        return [TORCHRUN, "--standalone", f"--nproc_per_node={world_size}", *launcher_args,
-                "-m", "dpcompare", *dpcompare_args]
-    if launcher == "horovodrun":
-        return [HOROVODRUN, "--gloo", "--network-interface", "lo", "-np", str(world_size),
-                "-H", f"localhost:{world_size}", *launcher_args, *module]
-    if launcher == "mpirun":
-        return [*mpirun_prefix(world_size), *launcher_args, *module]
-    if launcher == "deepspeed":
-        # --master_port: its default (29500) collides with any other job on this host.
-        return [DEEPSPEED, "--num_gpus", str(world_size), "--master_addr", "127.0.0.1",
-                "--master_port", str(free_port()), *launcher_args, "--module", "dpcompare", *dpcompare_args]
-    raise ValueError(f"unknown launcher {launcher!r}")
+    return launchers.native_command(launcher, world_size, dpcompare_args, launcher_args)
 
 
 def child_env(tmp_path: Path) -> dict[str, str]:
@@ -177,32 +139,15 @@ def child_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
+@dataclass
+class Finished:
+    """A finished launch: its exit status, captured output and wall time."""
 
-
-def _kill(procs: Sequence[psutil.Process]) -> None:
-    """SIGKILL processes this helper started (directly or through a launcher), by pid."""
-    alive = []
-    for p in procs:
-        try:
-            if p.is_running():  # psutil compares creation times: a recycled pid is not ours
-                p.send_signal(signal.SIGKILL)
-                alive.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=10)
-
-
-class Finished(subprocess.CompletedProcess):
-    """A finished launch: what subprocess.run returns, plus its wall time."""
-
-    def __init__(self, args: list[str], returncode: int, stdout: str, stderr: str, wall_s: float) -> None:
-        super().__init__(args, returncode, stdout, stderr)
-        self.wall_s = wall_s
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_s: float
 
     @property
     def output(self) -> str:
@@ -210,32 +155,13 @@ class Finished(subprocess.CompletedProcess):
 
 
 def run_command(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], timeout_s: float) -> Finished:
-    """Run `cmd` to completion; on timeout kill its whole tree and fail the test with its output.
-
-    Launchers start their ranks in new sessions (torchrun, horovodrun), so the tree is sampled while the
-    launch runs: a rank the launcher leaves behind is still known by pid, and killed, when it exits."""
-    start = time.monotonic()
-    proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen: dict[int, psutil.Process] = {}
-    try:
-        while True:
-            try:
-                stdout, stderr = proc.communicate(timeout=0.5)  # retrying loses no output
-                break
-            except subprocess.TimeoutExpired:
-                seen.update((p.pid, p) for p in _descendants(proc.pid))
-                if time.monotonic() - start > timeout_s:
-                    proc.kill()
-                    _kill(list(seen.values()))
-                    stdout, stderr = proc.communicate()
-                    pytest.fail(f"timed out after {timeout_s:g} s: {' '.join(cmd)}\n--- stdout\n{stdout[-4000:]}\n"
-                                f"--- stderr\n{stderr[-4000:]}")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        _kill(list(seen.values()))
-    return Finished(list(cmd), proc.returncode, stdout, stderr, time.monotonic() - start)
+    """Run `cmd` to completion with the library's runner (dpcompare.run.launchers.run_process); on timeout its
+    whole tree is killed and the test fails with its output."""
+    done = launchers.run_process(cmd, timeout_s=timeout_s, capture=True, env=env, cwd=cwd)
+    if done.timed_out:
+        pytest.fail(f"timed out after {timeout_s:g} s: {' '.join(done.command)}\n--- stdout\n{done.stdout[-4000:]}\n"
+                    f"--- stderr\n{done.stderr[-4000:]}")
+    return Finished(done.command, done.returncode, done.stdout, done.stderr, done.wall_s)
 
 
 def _read_result(out_dir: Path, finished: Finished) -> dict | None:
@@ -278,7 +204,7 @@ class Launcher:
         """Run `backend` with `world_size` ranks on `model` under its native launcher (or `launcher`).
 
         Returns the finished process and the validated JSON result (None when the run failed)."""
-        launcher = launcher or NATIVE_LAUNCHER.get(backend, "torchrun")
+        launcher = launcher or native_launcher(backend)
         self.count += 1
         out_dir = self.tmp_path / f"out-{self.count}"
         args = ["--backend", backend, "--model", model, "--out", str(out_dir), *extra_args]

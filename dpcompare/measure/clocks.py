@@ -4,8 +4,9 @@ resident high-water mark VmHWM reset through /proc/self/clear_refs); the analyti
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -105,3 +106,33 @@ def model_state_mib(module: torch.nn.Module, optimizer: Any, comm_buffer_bytes: 
             "comm_buffers": None if comm_buffer_bytes is None else comm_buffer_bytes / MIB, "total": total / MIB}
 
 
+
+
+class IntervalClock:
+    """Sums intervals bracketed by `interval()` (a backend's communication calls): CUDA events resolved once
+    at the end, or a monotonic clock on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._pairs: list[tuple[Any, Any]] = []
+
+    def _now(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter_ns()
+
+    @contextlib.contextmanager
+    def interval(self) -> Iterator[None]:
+        start = self._now()
+        try:
+            yield
+        finally:
+            self._pairs.append((start, self._now()))
+
+    def total_ms(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(a.elapsed_time(b) for a, b in self._pairs)
+        return sum(b - a for a, b in self._pairs) / 1e6

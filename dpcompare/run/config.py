@@ -74,11 +74,12 @@ class RunConfig:
     tag: str | None = None
     """Free text copied into the result (compare uses it to group runs)."""
     dp_devices: int | None = None
-    """nn.DataParallel: how many CUDA devices to replicate over (default: all visible)."""
+    """Backends that replicate over devices in one process (dp): how many CUDA devices (default: all visible)."""
     inject_fault: str | None = None
     """Testing aid: `crash:RANK:STEP`, `hang:RANK:STEP` or `dupdata` (every rank reads rank 0's shard)."""
-    extra: dict = field(default_factory=dict)
-    """Adapter-specific options from `--opt key=value` (passed to the adapter untouched)."""
+    options: dict = field(default_factory=dict)
+    """The backend's own options, `--opt KEY=VALUE`: checked against what its adapter declares (an unknown key
+    or a bad value stops the run before it starts), typed, and handed to the adapter in its Settings."""
 
     def validate(self) -> None:
         def bad(name: str, value: object, fix: str) -> ValueError:

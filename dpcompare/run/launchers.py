@@ -44,28 +44,31 @@ def free_port() -> int:
 
 def native_command(launcher: str, world_size: int, args: Sequence[str], launcher_args: Sequence[str] = ()) -> list[str]:
     """The command a user would type to start `python -m dpcompare ARGS` with `world_size` ranks under
-    `launcher` on this host; `launcher_args` go to the launcher itself (before the program). The deepspeed
+    `launcher` on this one host (loopback rendezvous) on this host; `launcher_args` go to the launcher itself (before the program). The deepspeed
     launcher is told --no_local_rank: LOCAL_RANK, which it also sets, is read instead, and an argument
     before a subcommand would hide the subcommand."""
     py = [sys.executable, "-m", "dpcompare"]
     extra = list(launcher_args)
     if launcher == "python":
+        if world_size != 1:
+            raise ValueError(f"a plain python launch has exactly one process, not {world_size}")
         return py + list(args)
     if launcher == "torchrun":
         return [launcher_bin("torchrun"), "--standalone", f"--nproc_per_node={world_size}", *extra,
                 "-m", "dpcompare", *args]
     if launcher == "horovodrun":
-        return [launcher_bin("horovodrun"), "--gloo", "-np", str(world_size), "-H", f"localhost:{world_size}",
-                *extra, *py, *args]
+        return [launcher_bin("horovodrun"), "--gloo", "--network-interface", "lo", "-np", str(world_size),
+                "-H", f"localhost:{world_size}", *extra, *py, *args]
     if launcher == "deepspeed":
-        return [launcher_bin("deepspeed"), "--no_local_rank", "--num_gpus", str(world_size),
-                "--master_port", str(free_port()), *extra, "--module", "dpcompare", *args]
+        # --master_port: its default (29500) collides with any other job on this host.
+        return [launcher_bin("deepspeed"), "--no_local_rank", "--num_gpus", str(world_size), "--master_addr",
+                "127.0.0.1", "--master_port", str(free_port()), *extra, "--module", "dpcompare", *args]
     if launcher == "mpirun":
         root = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
         # --bind-to none: Open MPI pins each rank to a core when there are <= 2 ranks, which on a small
-        # shared machine puts the ranks' helper threads on one core.
-        return [launcher_bin("mpirun"), *root, "--oversubscribe", "--bind-to", "none", "-np", str(world_size),
-                *extra, *py, *args]
+        # shared machine puts the ranks' helper threads on one core. Loopback only: all ranks are on this host.
+        return [launcher_bin("mpirun"), *root, "--oversubscribe", "--bind-to", "none", "--mca", "btl_tcp_if_include",
+                "lo", "--mca", "oob_tcp_if_include", "lo", "-np", str(world_size), *extra, *py, *args]
     raise ValueError(f"unknown launcher {launcher!r}: use {', '.join(LAUNCHERS)}")
 
 
@@ -93,57 +96,86 @@ def child_env(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process, its session's process group and every descendant (some launchers start ranks in
-    sessions of their own, which the process group does not reach)."""
+def _kill(procs) -> None:
+    """SIGKILL processes by psutil handle (a recycled pid is not ours: psutil compares creation times)."""
     import psutil
 
-    try:
-        descendants = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        descendants = []
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for proc in descendants:
+    alive = []
+    for proc in procs:
         try:
-            proc.kill()
+            if proc.is_running():
+                proc.kill()
+                alive.append(proc)
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(descendants, timeout=10)
+    psutil.wait_procs(alive, timeout=10)
+
+
+class _Tree:
+    """A child and every process it started, sampled while it runs: launchers start ranks in sessions of their
+    own (torchrun, horovodrun), which neither the child's process group nor, once the launcher has exited,
+    its descendants reach; a rank seen once is still known by pid when it has to be killed."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.seen: dict[int, object] = {}
+
+    def sample(self) -> None:
+        import psutil
+
+        try:
+            self.seen.update((c.pid, c) for c in psutil.Process(self.proc.pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+
+    def kill(self) -> None:
+        self.sample()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        _kill(list(self.seen.values()))
 
 
 def run_process(command: Sequence[str], *, timeout_s: float, log: Path | None = None, capture: bool = False,
                 env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Finished:
     """Run `command` to completion in a session of its own. Its output goes to `log` (with the command line
     first) or, with capture=True, is returned. Past `timeout_s` the whole tree is killed and the result has
-    returncode None."""
+    returncode None; ranks a launcher leaves behind are killed either way."""
     command = [str(c) for c in command]
     env = dict(env) if env is not None else child_env()
-    start = time.monotonic()
-    if capture:
-        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-            code: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            out, err = proc.communicate()
-            code = None
-        return Finished(command, code, time.monotonic() - start, out or "", err or "")
-    if log is None:
+    if not capture and log is None:
         raise ValueError("run_process needs a log file or capture=True")
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as f:
-        f.write("$ " + " ".join(command) + "\n")
-        f.flush()
-        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
+    start = time.monotonic()
+    sink = None
+    if not capture:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        sink = log.open("w")
+        sink.write("$ " + " ".join(command) + "\n")
+        sink.flush()
+    pipe = subprocess.PIPE if capture else sink
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=pipe, stderr=subprocess.PIPE if capture else subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    tree = _Tree(proc)
+    out = err = ""
+    code: int | None = None
+    try:
+        while True:
+            try:
+                out, err = proc.communicate(timeout=0.5)  # retrying loses no output
+                code = proc.returncode
+                break
+            except subprocess.TimeoutExpired:
+                tree.sample()
+                if time.monotonic() - start > timeout_s:
+                    tree.kill()
+                    out, err = proc.communicate()
+                    break
+    finally:
+        if proc.poll() is None:
+            proc.kill()
             proc.wait()
-            code = None
-    return Finished(command, code, time.monotonic() - start)
+        _kill(list(tree.seen.values()))  # ranks left behind by a launcher that has exited
+        if sink is not None:
+            sink.close()
+    return Finished(command, code, time.monotonic() - start, out or "", err or "")

@@ -66,13 +66,3 @@ def availability(backend: str) -> tuple[bool, str]:
         return False, f"{top} is not installed: {install}"
     return True, ""
 
-
-# How `compare` starts each built-in backend under its native launcher: a launcher name and whether the
-# backend runs one process per replica. Commands are built in dpcompare.commands.compare.native_command.
-NATIVE_LAUNCHER: dict[str, str] = {
-    "reference": "python",
-    "dp": "python",
-    "ddp": "torchrun",
-    "horovod": "horovodrun",
-    "deepspeed": "deepspeed",
-}

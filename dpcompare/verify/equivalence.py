@@ -39,6 +39,7 @@ from typing import Callable, Iterable, Literal
 import torch
 from torch import nn
 
+from dpcompare.contract import Note
 from dpcompare.verify.stochastic import RngState, replaying
 from dpcompare.run.workloads import shard
 
@@ -314,13 +315,17 @@ class Verdict:
     initial_weights_identical: bool = True
     drift: list[dict] = field(default_factory=list)
     """The trajectory, judged: one entry per step (see dpcompare.verify.trajectory)."""
-    notes: list[str] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
+    """Known semantic differences and facts stated with the verdict (the adapter's and the checks')."""
     unverifiable: list[str] = field(default_factory=list)
     """Why part of the run could not be checked; any entry turns an `equivalent` into `unverifiable`."""
     stochastic: dict | None = None
     """What randomness the forward draws and how the check handled it (None: not probed)."""
     parameters: dict = field(default_factory=dict)
     """Unused and frozen parameters, and how the backend left the unused ones' gradients."""
+
+    def note(self, code: str, text: str) -> None:
+        self.notes.append(Note(code, text))
 
     def diverge(self, divergence: Divergence) -> None:
         """Record a failed check; the first one recorded is the run's first divergence."""
@@ -387,7 +392,7 @@ class Verdict:
             "parameters": self.parameters,
             "tolerance": tolerance_policy,
             "drift": self.drift,
-            "notes": self.notes,
+            "notes": [n.to_dict() for n in self.notes],
             "per_step": [
                 {
                     "step": c.step,

@@ -102,14 +102,14 @@ class Verifier:
         self.replay = facts.stochastic
         self.verdict.parameters = {"unused": list(facts.unused), "frozen": list(facts.frozen), "unused_grad": {}}
         if facts.frozen:
-            self.verdict.notes.append(f"frozen parameters (requires_grad=False) left out of every check: "
+            self.verdict.note("frozen_parameters", f"frozen parameters (requires_grad=False) left out of every check: "
                                       f"{', '.join(facts.frozen)}")
         if facts.unused:
-            self.verdict.notes.append(f"parameters that take no part in the loss: {', '.join(facts.unused)}; their "
+            self.verdict.note("unused_parameters", f"parameters that take no part in the loss: {', '.join(facts.unused)}; their "
                                       "gradient must be None or zero on every rank")
         self._probe_randomness(replay_reason)
         if self.optimizer is None:
-            self.verdict.notes.append("no torch optimizer holding the model's parameters was found behind the "
+            self.verdict.note("optimizer_state_unreadable", "no torch optimizer holding the model's parameters was found behind the "
                                       "backend's optimizer: its state cannot be read")
 
     # -- before the first step -------------------------------------------------------------------
@@ -134,7 +134,7 @@ class Verifier:
             self.verdict.stochastic["reason"] = "; ".join(blockers)
             return
         self.verdict.stochastic["replayed"] = True
-        self.verdict.notes.append(f"the forward draws random numbers ({modules}): the oracle, the floor and the "
+        self.verdict.note("rng_replayed", f"the forward draws random numbers ({modules}): the oracle, the floor and the "
                                   "reference trajectory replay each rank's generator state on that rank's shard")
 
     def _unverifiable(self, reason: str) -> None:

@@ -1,0 +1,105 @@
+"""The step runner: one training step's body, written once, for every phase of a run.
+
+Owns: this rank's shard of a step's global batch, the forward and backward over `grad_accum` equal
+micro-batches (synchronising only the last when the backend can switch sync off), the reduce, the
+optimizer step, the injected faults of the failure tests, and the watchdog's heartbeat at every stage.
+The verification phase hangs its checks on the hooks; measurement and the ablation time whole steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Callable
+
+import torch
+
+from dpcompare.contract import Adapter
+from dpcompare.run.watchdog import Watchdog
+from dpcompare.run.workloads import Workload, shard
+
+Hook = Callable[[], None] | None
+
+
+class StepRunner:
+    def __init__(self, *, adapter: Adapter, workload: Workload, device: torch.device, dtype: torch.dtype,
+                 grad_accum: int, watchdog: Watchdog, rank: int, world_size: int, global_batch: int,
+                 inject_fault: str | None = None) -> None:
+        self.adapter, self.workload, self.device, self.dtype = adapter, workload, device, dtype
+        self.grad_accum, self.watchdog = grad_accum, watchdog
+        self.rank, self.world_size, self.global_batch = rank, world_size, global_batch
+        self.inject_fault = inject_fault
+        # --inject-fault dupdata: every rank reads rank 0's shard (a data-sharding bug the check must catch).
+        self.sample_rank = 0 if inject_fault == "dupdata" else rank
+
+    # -- data --------------------------------------------------------------------------------------
+    def batch(self, step: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """(the step's global batch, this rank's shard as model inputs on the device)."""
+        batch = self.workload.make_batch(step, self.global_batch)
+        x, y = shard(batch, self.sample_rank, self.world_size)
+        x, y = self.inputs(x, y)
+        return batch, x, y
+
+    def inputs(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.to(self.device)
+        return (x.to(self.dtype) if x.is_floating_point() else x), y.to(self.device)
+
+    # -- the step ------------------------------------------------------------------------------------
+    def step(self, step: int, x: torch.Tensor, y: torch.Tensor, *, phase: str = "train", sync: bool = True,
+             update: bool = True, after_reduce: Hook = None, after_update: Hook = None) -> None:
+        """One step: forward and backward (sync=False: the ablation's unsynced arm, no communication), reduce,
+        then the optimizer step (update=False: gradients dropped, weights untouched). The hooks run where
+        the verification checks: after the reduce (gradients global, weights not yet moved) and after the
+        update."""
+        self._inject(step)
+        self.beat(f"{phase}: forward", step)
+        self.forward_backward(x, y, comm=sync)
+        if sync:
+            self.beat(f"{phase}: reduce", step)
+            self.adapter.reduce()
+        self.beat(f"{phase}: reduced", step)
+        if after_reduce is not None:
+            after_reduce()
+            self.beat(f"{phase}: checked", step)
+        if update:
+            self.adapter.step()
+        self.adapter.zero_grad()
+        self.beat(f"{phase}: stepped", step)
+        if after_update is not None:
+            after_update()
+            self.beat(f"{phase}: done", step)
+
+    def beat(self, phase: str, step: int) -> None:
+        self.watchdog.beat(phase, step)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, comm: bool = True) -> None:
+        """Forward and backward over the rank's shard in `grad_accum` equal micro-batches. Only the last one
+        synchronises (when the backend can switch sync off); each loss is scaled by 1/grad_accum so the
+        accumulated gradient is the mean over the shard. comm=False runs the whole step inside the adapter's
+        comm_off()."""
+        if not comm:
+            with self.adapter.comm_off():
+                self._micro_batches(x, y, lambda last: contextlib.nullcontext())
+            return
+        can_skip = self.adapter.capabilities.can_disable_sync
+        self._micro_batches(x, y, lambda last: self.adapter.sync(last or not can_skip))
+
+    def _micro_batches(self, x: torch.Tensor, y: torch.Tensor, context) -> None:
+        wrapped = self.adapter.wrapped
+        k = self.grad_accum
+        for j, (xj, yj) in enumerate(zip(x.chunk(k), y.chunk(k))):
+            with context(j == k - 1):
+                loss = self.workload.loss_fn(wrapped.model(xj), yj)
+                self.adapter.backward(loss / k if k > 1 else loss)
+
+    def _inject(self, step: int) -> None:
+        """--inject-fault crash:RANK:STEP or hang:RANK:STEP (failure tests): this rank dies or hangs there."""
+        if not self.inject_fault or self.inject_fault == "dupdata":
+            return
+        kind, fault_rank, fault_step = self.inject_fault.split(":")
+        if int(fault_rank) == self.rank and int(fault_step) == step:
+            if kind == "crash":
+                os._exit(17)
+            while True:
+                time.sleep(3600)

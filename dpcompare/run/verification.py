@@ -1,0 +1,122 @@
+"""The verification phase: `cfg.steps` training steps, each held against the float64 oracle.
+
+Owns: the cross-rank side of verification. At checked steps every rank sends rank 0 its shard's digest,
+its reduced gradients' digests and how it left unused parameters' gradients; rank 0's `Verifier`
+(dpcompare.verify.verifier) checks the gradient against the oracle, the update against a reference
+optimizer step and, after every step, the parameters against the reference trajectory. The replicas'
+weights are compared after checked steps and the last one, and the ranks' generators where the forward
+draws random numbers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dpcompare import results
+from dpcompare.contract import Adapter
+from dpcompare.run.config import RunConfig
+from dpcompare.run.optim import optimizer_factory
+from dpcompare.run.step import StepRunner
+from dpcompare.run.syncbn import has_batchnorm
+from dpcompare.verify import equivalence as eq
+from dpcompare.verify import stochastic, verifier
+
+
+class VerificationPhase:
+    def __init__(self, cfg: RunConfig, adapter: Adapter, runner: StepRunner, template: torch.nn.Module,
+                 is_rank0: bool) -> None:
+        self.cfg, self.adapter, self.runner, self.template = cfg, adapter, runner, template
+        self.wrapped = adapter.wrapped
+        self.facts = adapter.model_facts
+        self.names = [n for n, _ in self.wrapped.module.named_parameters()]
+        self.rank0 = is_rank0
+        self.check: verifier.Verifier | None = None
+
+    def run(self) -> eq.Verdict:
+        self.verdict = self._start()
+        for step in range(self.cfg.steps):
+            self._step(step)
+        if self.check is not None and self.cfg.dump_grads:
+            _save_npz_atomic(Path(self.cfg.dump_grads), self.check.dumps)
+        return self.verdict
+
+    def _start(self) -> eq.Verdict:
+        """Rank 0's verifier (initial weights against the workload's), then every rank's initial weights."""
+        if self.rank0 and self.cfg.check_every:
+            self.check = verifier.Verifier(
+                cfg=self.cfg, world_size=self.runner.world_size, template=self.template,
+                loss_fn=self.runner.workload.loss_fn, facts=self.facts, wrapped=self.wrapped, device=self.runner.device,
+                factory=optimizer_factory(self.cfg), has_batchnorm=has_batchnorm(self.template),
+                replay_reason=self.adapter.rng_replay_reason())
+            self.check.check_initial(self.wrapped.module)
+        verdict = self.check.verdict if self.check is not None else eq.Verdict(notes=list(self.wrapped.notes))
+        mismatch = eq.first_mismatch(self.adapter.all_gather_object(eq.param_digests(self.wrapped.module)), self.names)
+        if mismatch:
+            verdict.initial_weights_identical = False
+            verdict.replicas_identical = False
+            verdict.note("initial_weights", f"rank {mismatch[0]} started with different weights at parameter {mismatch[1]}")
+        return verdict
+
+    def _step(self, step: int) -> None:
+        checked = self.cfg.check_every > 0 and step % self.cfg.check_every == 0
+        batch, x, y = self.runner.batch(step)
+        rng = stochastic.capture(self.runner.device) if self.facts.stochastic else None
+        gathered: list[dict[str, Any]] = []
+
+        def after_reduce() -> None:
+            # Gradients are global now and the parameters are those the gradients were taken at.
+            if checked or self.facts.stochastic:
+                gathered.extend(self.adapter.all_gather_object(self._evidence(x, rng, checked)))
+            if self.check is not None:
+                if self.facts.stochastic:
+                    self.check.observe_generators(step, [i["rng"] for i in gathered])
+                if checked:
+                    self.check.check_gradient(step, batch, gathered)
+
+        def after_update() -> None:
+            if self.check is not None:
+                self.check.check_update(step)
+                self.check.trajectory_step(step, batch, [i["rng"] for i in gathered] if self.facts.stochastic else None)
+            if checked or step == self.cfg.steps - 1:
+                self._compare_replicas(step)
+
+        self.runner.step(step, x, y, phase="verify", after_reduce=after_reduce, after_update=after_update)
+
+    def _evidence(self, x: torch.Tensor, rng: Any, checked: bool) -> dict[str, Any]:
+        mine = {"shard": eq.tensor_digest(x), "rng": rng}
+        if checked:
+            mine["grads"] = eq.grad_digests(self.wrapped.module)
+            mine["unused"] = _unused_grad_forms(self.wrapped.module, self.facts.unused)
+        return mine
+
+    def _compare_replicas(self, step: int) -> None:
+        """After rank 0's extra work (oracle, trajectory): this gather is also where the ranks line up again."""
+        mismatch = eq.first_mismatch(self.adapter.all_gather_object(eq.param_digests(self.wrapped.module)), self.names)
+        if not (self.rank0 and mismatch):
+            return
+        self.verdict.replicas_identical = False
+        if self.verdict.checks and self.verdict.checks[-1].step == step:
+            self.verdict.checks[-1].replicas_identical = False
+        self.verdict.diverge(eq.Divergence(
+            step, mismatch[1], float("nan"), 0.0, float("nan"),
+            f"after the optimizer step rank {mismatch[0]} holds different values of {mismatch[1]} "
+            "than rank 0: the replicas diverged", check="replicas", cause="replicas"))
+
+
+def _unused_grad_forms(module: torch.nn.Module, unused: tuple[str, ...]) -> dict[str, str]:
+    """How this rank left the gradients of parameters that take no part in the loss: none, zero or nonzero."""
+    params = dict(module.named_parameters())
+    forms = {}
+    for name in unused:
+        g = params[name].grad
+        forms[name] = "none" if g is None else ("zero" if not bool(g.any()) else "nonzero")
+    return forms
+
+
+def _save_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    with results.atomic_file(path, "wb") as f:
+        np.savez(f, **arrays)
