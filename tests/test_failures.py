@@ -44,6 +44,18 @@ PYTHON_CASES = [
     pytest.param("reference", "mlp", ["--steps", "0"], ["--steps=0", "at least one step"], id="steps-0"),
     pytest.param("reference", "mlp", ["--lr", "-1"], ["--lr=-1.0", "positive learning rate"], id="lr-negative"),
     pytest.param("reference", "mlp", ["--opt", "foo"], ["--opt 'foo'", "KEY=VALUE"], id="opt-without-equals"),
+    pytest.param("ddp", "mlp", ["--opt", "compression=fp16"], ["--opt compression=fp16 is a run setting",
+                                                             "use --compression fp16"], id="opt-compression"),
+    pytest.param("horovod", "mlp", ["--opt", "compression=bf16"], ["--opt compression=bf16 is a run setting",
+                                                                 "use --compression bf16"], id="horovod-opt-bf16"),
+    pytest.param("horovod", "mlp", ["--compression", "bf16"], ["--compression=bf16 is not available for --backend horovod",
+                                                             "none, fp16"], id="horovod-bf16"),
+    pytest.param("ddp", "mlp", ["--opt", "bucket_cap_mb=25"], ["ddp's own name for --bucket-mb"], id="opt-bucket-cap-mb"),
+    pytest.param("deepspeed", "mlp", ["--opt", "communication_data_type=fp16"],
+                 ["deepspeed's own name for --compression"], id="opt-communication-data-type"),
+    pytest.param("ddp", "mlp", ["--opt", "broadcast_buffers=perhaps"], ["--opt broadcast_buffers='perhaps' is invalid",
+                                                                      "true/false"], id="opt-bad-value"),
+    pytest.param("ddp", "mlp", ["--dp-devices", "2"], ["--dp-devices=2 does not apply to --backend ddp"], id="dp-devices-not-dp"),
     pytest.param("tests.no_such_adapters:MyAdapter", "mlp", [],
                  ["cannot import module 'tests.no_such_adapters'", "PYTHONPATH"], id="adapter-module-missing"),
     pytest.param("tests.faulty_adapters:NoSuchAdapter", "mlp", [],
@@ -70,6 +82,8 @@ TORCHRUN_CASES = [
     pytest.param("horovod", [], ["cannot run under torchrun", "horovodrun -np N"], id="horovod-under-torchrun"),
     pytest.param("dp", [], ["runs in one process", "torchrun started 2", "python -m dpcompare --backend dp"],
                  id="dp-under-torchrun"),
+    pytest.param("ddp", ["--opt", "foo=1"], ["--opt foo=1 is not an option of --backend ddp", "gradient_as_bucket_view",
+                                            "broadcast_buffers"], id="unknown-opt-key"),
 ]
 
 
