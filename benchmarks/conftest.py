@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -24,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import pytest
 from rich.console import Console
 from rich.table import Table
 
+from dpcompare.run import launchers
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN_DIR = Path(sys.executable).parent
-TORCHRUN = str(BIN_DIR / "torchrun")
 PLAIN_DDP = REPO_ROOT / "experiments" / "plain_ddp.py"
 
 LAUNCH_TIMEOUT_S = 240.0
@@ -54,43 +52,22 @@ def child_env(work_dir: Path) -> dict[str, str]:
     return env
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a process this helper started and all its descendants, by pid."""
-    try:
-        root = psutil.Process(pid)
-        procs = root.children(recursive=True) + [root]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
-
-
 def run_checked(cmd: Sequence[str], work_dir: Path, timeout_s: float = LAUNCH_TIMEOUT_S) -> str:
-    """Run `cmd` in `work_dir`; fail the benchmark (with the output's tail) on timeout or non-zero exit."""
+    """Run `cmd` in `work_dir` with the library's runner; fail the benchmark (with the output's tail) on
+    timeout or non-zero exit."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(list(cmd), cwd=REPO_ROOT, env=child_env(work_dir), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)
-        output, _ = proc.communicate()
+    done = launchers.run_process(cmd, timeout_s=timeout_s, capture=True, env=child_env(work_dir), cwd=REPO_ROOT)
+    output = done.stdout + done.stderr
+    if done.timed_out:
         pytest.fail(f"timed out after {timeout_s:g} s: {' '.join(cmd)}\n{output[-4000:]}")
-    finally:
-        if proc.poll() is None:
-            _kill_tree(proc.pid)
-    if proc.returncode != 0:
-        pytest.fail(f"exit status {proc.returncode}: {' '.join(cmd)}\n{output[-4000:]}")
+    if done.returncode != 0:
+        pytest.fail(f"exit status {done.returncode}: {' '.join(cmd)}\n{output[-4000:]}")
     return output
 
 
 def torchrun(target: Sequence[str], nproc: int = 2) -> list[str]:
     """`torchrun --standalone --nproc_per_node=N TARGET...` (TARGET: a script path or `-m module`)."""
-    return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *target]
+    return [launchers.launcher_bin("torchrun"), "--standalone", f"--nproc_per_node={nproc}", *target]
 
 
 @dataclass

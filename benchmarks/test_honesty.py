@@ -106,8 +106,8 @@ def overhead_series(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], di
 
 def _bookkeeping_us(heartbeat_dir: Path, repeats: int = 2000) -> dict[str, float]:
     """What dpcompare's measured loop does per step beyond the hand-written loop, timed in this process:
-    the watchdog heartbeat (trainer._measure calls watchdog.beat once per step, outside the step clock but
-    inside loop_ms_per_step: a JSON file written and renamed) and module.train() (inside the clock)."""
+    the watchdog heartbeats (StepRunner.step beats at each of its 4 stages, inside the step clock; a beat is a
+    memory write, the watchdog thread writes the file) and module.train() (inside the clock)."""
     from benchmarks.workloads import wide_mlp
     from dpcompare.run.watchdog import Watchdog
 
@@ -116,7 +116,8 @@ def _bookkeeping_us(heartbeat_dir: Path, repeats: int = 2000) -> dict[str, float
         watchdog = Watchdog(rank=0, world_size=2, job_id="bookkeeping", timeout_s=3600)  # thread not started
         model = wide_mlp(0).model
         out = {}
-        work = {"watchdog_beat": lambda i: watchdog.beat("measured", i), "module_train": lambda i: model.train()}
+        work = {"watchdog_beats": lambda i: [watchdog.beat(stage, i) for stage in ("forward", "reduce", "reduced", "stepped")],
+                "module_train": lambda i: model.train()}
         for name, fn in work.items():
             for i in range(50):
                 fn(i)
@@ -185,7 +186,7 @@ def test_harness_overhead(benchmark, overhead_series, tmp_path: Path) -> None:
         ("ratio of best runs dpcompare / plain", figures["ratio_of_best_dpcompare_over_plain"],
          "fastest run of each side: the least disturbed"),
         ("ratio of best runs --no-instrument / plain", figures["ratio_of_best_dpcompare_no_instrument_over_plain"], ""),
-        ("watchdog.beat per step, us", bookkeeping["watchdog_beat"], "timed here; outside the step clock"),
+        ("watchdog beats per step, us", bookkeeping["watchdog_beats"], "timed here; 4 beats inside the step clock"),
         ("module.train() per step, us", bookkeeping["module_train"], "timed here; inside the step clock"),
         ("bookkeeping / plain loop_ms_per_step", figures["bookkeeping_fraction_of_plain_step"],
          "the overhead these two alone predict"),
@@ -325,7 +326,7 @@ def test_busbw_vs_microbenchmark(benchmark, runner: Runner) -> None:
     if missing:
         pytest.fail(missing)
     from benchmarks.workloads import wide_mlp
-    from dpcompare.commands.bench_collectives import busbw_at
+    from dpcompare.measure.bandwidth import busbw_at
 
     grad_bytes = sum(p.numel() * p.element_size() for p in wide_mlp(0).model.parameters())
     bucket_bytes = min(25 * 1024 * 1024, grad_bytes)  # DDP's default bucket_cap_mb, as adapters/ddp.py reports it

@@ -79,10 +79,11 @@ def result_path(out_dir: str | os.PathLike, backend: str, world_size: int, model
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
+def atomic_file(path: Path, mode: str = "w", *, durable: bool = True) -> Iterator[IO[Any]]:
     """Open a temporary file beside `path` for writing; on a clean exit it is flushed, synced and renamed
     over `path`, so a reader sees the old file or the whole new one, never half of it. The one atomic
-    writer: JSON results, gradient dumps, reports, plots and heartbeats all go through it."""
+    writer: JSON results, gradient dumps, reports, plots and heartbeats all go through it. durable=False skips
+    the fsync, for files that only matter while the process runs (heartbeats)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -93,7 +94,8 @@ def atomic_file(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -4,6 +4,8 @@
   busbw = algbw * 2(n-1)/n, so it equals algbw at n=2 and is 1.5x algbw at n=4.
 - busbw_at against hand-computed log-log interpolation, and against its refusals (outside the measured
   range, wrong transport, wrong world size, sizes whose result was wrong).
+- Each transport's worker command starts under the native launcher of the backend whose link it measures
+  (the adapter's declared capability; mpirun for mpi), built by the shared launcher table.
 - The size sweep against nccl-tests' -b/-e/-f (min * factor**k up to max); bad input against the
   project's error rule (ValueError saying the fix; the CLI prints one line and exits 2).
 - The correctness check against exact sums: the fill pattern sums exactly in float32 in any order, and
@@ -16,6 +18,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -29,7 +32,10 @@ import pytest
 
 from dpcompare import cli
 from dpcompare.commands import bench_collectives as collectives
-from dpcompare.commands.bench_collectives import Sweep, algbw_gbps, busbw_at, busbw_gbps, check_sum, parse_bytes, pattern
+from dpcompare.commands.bench_collectives import orchestrate, transports
+from dpcompare.commands.bench_collectives.sweep import PATTERN_PERIOD, Sweep, check_sum, parse_bytes, pattern
+from dpcompare.measure.bandwidth import algbw_gbps, busbw_at, busbw_gbps
+from dpcompare.run import launchers, registry
 
 REPO = Path(__file__).resolve().parents[1]
 KiB, MiB = 1 << 10, 1 << 20
@@ -161,7 +167,7 @@ def test_pattern_sums_exactly_in_float32_in_any_order():
 
 
 def test_check_catches_one_wrong_element_anywhere():
-    count = 3 * collectives.PATTERN_PERIOD * 4096 + 17  # several check chunks and a ragged tail
+    count = 3 * PATTERN_PERIOD * 4096 + 17  # several check chunks and a ragged tail
     reduced = pattern(count) * np.float32(3)  # n=2: 1+2
     assert check_sum(reduced, 2)
     for index in (0, count // 2, count - 1):
@@ -169,6 +175,30 @@ def test_check_catches_one_wrong_element_anywhere():
         wrong[index] += 1
         assert not check_sum(wrong, 2), index
     assert not check_sum(pattern(count) * np.float32(3), 3)  # the n=3 sum is 6x pattern
+
+
+# -- launchers --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("transport, backend, expected", [
+    ("torch", "ddp", "torchrun"),
+    ("horovod", "horovod", "horovodrun"),
+    ("deepspeed", "deepspeed", "deepspeed"),
+    ("mpi", None, "mpirun"),  # mpi4py is no dpcompare backend
+])
+def test_each_transport_starts_under_the_launcher_its_backend_declares(transport, backend, expected, monkeypatch,
+                                                                       tmp_path):
+    monkeypatch.setattr(launchers, "launcher_bin", lambda name: name)  # no launcher need be installed
+    if backend is not None:
+        assert registry.load(backend, registry.BACKENDS, "backend").capabilities.native_launcher == expected
+    assert transports.launcher(transport) == expected
+    parser = argparse.ArgumentParser()
+    collectives.add_arguments(parser)
+    command = orchestrate.worker_command(parser.parse_args([]), transport, 2, tmp_path / "result.json")
+    assert command[0] == expected
+    program = command[command.index("bench-collectives"):]
+    assert program[:4] == ["bench-collectives", "--worker", "--transport", transport]
+    assert program[program.index("--result-file") + 1] == str(tmp_path / "result.json")
+    # The deepspeed launcher is told once not to put --local_rank before the subcommand.
+    assert command.count("--no_local_rank") == (1 if expected == "deepspeed" else 0)
 
 
 # -- real launches ----------------------------------------------------------------------------------
@@ -186,7 +216,7 @@ def _bench(tmp_path: Path, transport: str, *extra: str) -> tuple[subprocess.Comp
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)  # the first deepspeed launch on a machine compiles its shm comm op (~1.5 min)
-@pytest.mark.parametrize("transport", collectives.TRANSPORTS)
+@pytest.mark.parametrize("transport", transports.TRANSPORTS)
 def test_each_transport_sums_correctly_under_its_own_launcher(tmp_path, transport):
     proc, doc = _bench(tmp_path, transport, "--max-bytes", "1MiB", "--iters", "10")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -197,7 +227,7 @@ def test_each_transport_sums_correctly_under_its_own_launcher(tmp_path, transpor
     assert entry["transport"] == transport and entry["world_size"] == 2 and entry["status"] == "ok"
     assert entry["backend"] == {"torch": "gloo", "deepspeed": "gloo", "mpi": "mpi", "horovod": "gloo"}[transport]
     assert entry["device"] == "cpu"
-    assert entry["launcher"] == collectives.NATIVE_LAUNCHER[transport]
+    assert entry["launcher"] == transports.launcher(transport)
     assert [s["bytes"] for s in entry["sizes"]] == [KiB * 4**k for k in range(6)]
     for s in entry["sizes"]:
         assert s["correct"] is True, s
@@ -211,7 +241,7 @@ def test_each_transport_sums_correctly_under_its_own_launcher(tmp_path, transpor
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", collectives.TRANSPORTS)
+@pytest.mark.parametrize("transport", transports.TRANSPORTS)
 def test_a_wrong_result_on_one_rank_fails_the_run(tmp_path, transport):
     proc, doc = _bench(tmp_path, transport, "--min-bytes", "4KiB", "--max-bytes", "16KiB", "--iters", "3",
                        "--corrupt")

@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+from dpcompare.results import atomic_file
+
 EXIT_PEER_FAILURE = 3
 
 
@@ -54,11 +56,9 @@ class Watchdog:
         self._last_progress = time.monotonic()
 
     def _write(self) -> None:
-        path = self.dir / f"rank{self.rank}.json"
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"rank": self.rank, "seq": self._seq, "step": self._step,
-                                   "phase": self._phase, "wall": time.time()}))
-        os.replace(tmp, path)
+        with atomic_file(self.dir / f"rank{self.rank}.json", durable=False) as f:
+            f.write(json.dumps({"rank": self.rank, "seq": self._seq, "step": self._step, "phase": self._phase,
+                                "wall": time.time()}))
 
     def peers(self) -> dict[int, dict | None]:
         out: dict[int, dict | None] = {}
