@@ -315,8 +315,8 @@ def test_exposed_communication(benchmark, runner: Runner) -> None:
 
 # -- d: in-training bus bandwidth against the microbenchmark ----------------------------------------
 def _collectives_available() -> str | None:
-    if not (REPO_ROOT / "dpcompare" / "collectives.py").exists():
-        return ("dpcompare/commands/bench_collectives.py does not exist: `python -m dpcompare bench-collectives` is needed to "
+    if not (REPO_ROOT / "dpcompare" / "commands" / "bench_collectives" / "__init__.py").exists():
+        return ("dpcompare/commands/bench_collectives/ does not exist: `python -m dpcompare bench-collectives` is needed to "
                 "measure the microbenchmark side of this benchmark")
     return None
 
