@@ -4,7 +4,8 @@ A real compare run (reference, dp, ddp at world sizes 1 and 2, with the measurem
 microbenchmark and the report) must produce verdicts, the gradient matrix, costs with scaling
 efficiency, and every file it promises; `--sweep` must keep the verdict `equivalent` under bucket size,
 gradient accumulation and fp16 compression and list the knobs a backend does not have. Planning must
-show an uninstalled backend as unavailable with its install command while the others still run.
+show an uninstalled backend as unavailable with its install command while the others still run, start each
+backend under the launcher its adapter declares, and refuse bad run flags with the run's own message.
 
 Without a launcher, from synthetic results (valid against the published schema) and gradient dumps: the
 verdict table shows `unverifiable` in yellow with its reason, the update and trajectory figures, and the
@@ -12,6 +13,8 @@ first divergence with the check that found it, within 160 columns; the gradient 
 between two runs whose forward draws random numbers at different world sizes as n/a with the reason,
 while runs at one world size, and deterministic runs at any, keep their numbers; unused parameters get
 one line per way the backends left their gradients; a result written before these checks still renders.
+Scaling efficiency is measured against the world-size-1 run whose result declares `scaling_baseline`, and
+notes are read by their code, never by their sentence.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from rich.console import Console
 
 from conftest import SYNTHETIC_TOLERANCE, UNVERIFIABLE_REASON, checked_equivalence, validate_result
 from dpcompare.commands import compare
-from dpcompare.run import registry
+from dpcompare.commands.compare import matrix, plan, render
+from dpcompare.run import launchers, registry
+from dpcompare.run.config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,30 +112,54 @@ def test_uninstalled_backend_is_unavailable_with_install_command(tmp_path, monke
     real = registry.availability
     monkeypatch.setattr(registry, "availability",
                         lambda b: (False, "horovod is not installed: bash scripts/setup.sh") if b == "horovod" else real(b))
-    jobs, unavailable = compare.plan(_ns(backends="reference,ddp,horovod", collectives="none"), tmp_path)
-    assert [u["backend"] for u in unavailable] == ["horovod"]
-    assert "scripts/setup.sh" in unavailable[0]["reason"]
-    assert [j.label for j in jobs] == ["reference/1", "ddp/1", "ddp/2"]
+    planned = plan.plan(_ns(backends="reference,ddp,horovod", collectives="none"), tmp_path)
+    assert [u["backend"] for u in planned.unavailable] == ["horovod"]
+    assert "scripts/setup.sh" in planned.unavailable[0]["reason"]
+    assert [j.label for j in planned.jobs] == ["reference/1", "ddp/1", "ddp/2"]
+    # The unavailable row still names the launcher the adapter declares.
+    text = _rendered([], unavailable=planned.unavailable)[0]
+    assert "horovodrun" in next(line for line in text.splitlines() if line.startswith("│ horovod"))
 
 
-def test_native_commands_are_the_users_commands():
-    assert compare.native_command("torchrun", 2, ["--backend", "ddp"])[1:4] == ["--standalone", "--nproc_per_node=2", "-m"]
-    hvd = compare.native_command("horovodrun", 3, ["--backend", "horovod"])
-    assert hvd[1:6] == ["--gloo", "-np", "3", "-H", "localhost:3"]
-    ds = compare.native_command("deepspeed", 2, ["--backend", "deepspeed"])
-    assert ds[1:3] == ["--num_gpus", "2"] and "--module" in ds
-    with pytest.raises(ValueError, match="unknown launcher"):
-        compare.native_command("srun", 2, [])
+def test_each_backend_runs_under_the_launcher_its_adapter_declares(tmp_path):
+    planned = plan.plan(_ns(backends="reference,dp,ddp", collectives="none"), tmp_path)
+    by_label = {j.label: j for j in planned.jobs}
+    assert list(by_label) == ["reference/1", "dp/1", "ddp/1", "ddp/2"]  # one process: world size 1 only
+    assert by_label["reference/1"].command[:3] == [sys.executable, "-m", "dpcompare"]
+    ddp2 = by_label["ddp/2"]
+    assert ddp2.launcher == "torchrun" and ddp2.command[1:3] == ["--standalone", "--nproc_per_node=2"]
+    assert ddp2.command[ddp2.command.index("--backend") + 1] == "ddp"
+    args = ddp2.command[ddp2.command.index("--backend"):]
+    assert ddp2.command == launchers.native_command("torchrun", 2, args)
+    assert _ns().backends == ",".join(registry.BACKENDS)  # default: every registered backend, in order
 
 
 @pytest.mark.parametrize("kw, match", [
     ({"backends": "reference,nccl"}, "unknown nccl"),
     ({"world_sizes": "1,x"}, "--world-sizes"),
-    ({"world_sizes": "1,5", "global_batch": 24}, "not divisible by world size 5"),
+    ({"world_sizes": "0,2"}, "--world-sizes"),
+    ({"steps": 0}, "--steps=0 is invalid: run at least one step"),
+    ({"warmup_steps": -1}, "--warmup-steps=-1 is invalid"),
 ])
 def test_bad_compare_input_is_one_clear_error(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
-        compare.plan(_ns(collectives="none", **kw), tmp_path)
+        plan.plan(_ns(collectives="none", **kw), tmp_path)
+
+
+def test_a_global_batch_the_world_sizes_cannot_shard_is_refused_with_the_runs_own_message(tmp_path):
+    with pytest.raises(ValueError) as refused:
+        plan.plan(_ns(collectives="none", world_sizes="1,5", global_batch=24), tmp_path)
+    with pytest.raises(ValueError) as run_says:
+        RunConfig(global_batch=24).batch_sizes(5)
+    assert str(refused.value) == str(run_says.value)
+    assert "--global-batch=24 is not divisible by world size 5" in str(refused.value)
+    # One process per replica only: world sizes no planned job runs at are not checked.
+    assert [j.label for j in plan.plan(_ns(backends="reference,dp", world_sizes="1,5"), tmp_path).jobs] == [
+        "reference/1", "dp/1"]
+    # From the command line: that one line and the usage exit status, before anything starts.
+    proc = _run(["--backends", "reference,ddp", "--world-sizes", "1,5"], tmp_path, 120)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"dpcompare: error: {run_says.value}"
+    assert not any(tmp_path.iterdir())
 
 
 # -- the verdict table and the matrix, from synthetic results --------------------------------------------
@@ -143,26 +172,42 @@ def _equivalence(verdict: str = "equivalent", *, stochastic: bool = False, **ove
     return checked_equivalence(verdict, stochastic=stochastic, **overrides)
 
 
-def _job(tmp_path: Path, backend: str, world_size: int, equivalence: dict, reduced: np.ndarray | None = None) -> compare.Job:
-    """A finished job: its schema-valid result, and a gradient dump of step 0 unless `reduced` is None."""
-    result = {"schema_version": 1, "backend": backend, "launcher": registry.NATIVE_LAUNCHER[backend],
+DECLARED = object()
+"""_job's default capabilities: what the backend's adapter declares, as a run records them."""
+
+
+def _declared(backend: str) -> dict:
+    caps = plan.capabilities(backend)
+    return {"multi_process": caps.multi_process, "native_launcher": caps.native_launcher,
+            "scaling_baseline": caps.scaling_baseline}
+
+
+def _job(tmp_path: Path, backend: str, world_size: int, equivalence: dict, reduced: np.ndarray | None = None, *,
+         capabilities: dict | None | object = DECLARED, metrics: dict | None = None) -> plan.Job:
+    """A finished job: its schema-valid result (capabilities None: a result written before they were recorded),
+    and a gradient dump of step 0 unless `reduced` is None."""
+    result = {"schema_version": 1, "backend": backend, "launcher": plan.capabilities(backend).native_launcher,
               "world_size": world_size, "device": "cpu", "model": "mlp", "global_batch": 24,
               "local_batch": 24 // world_size, "steps": 3, "config": {}, "equivalence": equivalence,
               "env": {"python": "3.11", "torch": "2.13.0", "deepspeed": None, "horovod": None, "mpi": None,
                       "host": "testhost", "device_names": ["x86_64"]}}
+    if capabilities is not None:
+        result["capabilities"] = _declared(backend) if capabilities is DECLARED else capabilities
+    if metrics is not None:
+        result["metrics"] = metrics
     validate_result(result)
     label = f"{backend}/{world_size}"
     dump = tmp_path / f"{backend}-ws{world_size}.npz"
     if reduced is not None:
         np.savez(dump, **{"0/reduced/w": reduced, "0/oracle/w": ORACLE, "0/floor/w": FLOOR})
-    return compare.Job(backend, world_size, [], label, dump, tmp_path / f"{label}.log", status=equivalence["verdict"],
-                       result=result, wall_s=3.0)
+    return plan.Job(backend, world_size, [], label, dump, tmp_path / f"{label}.log", status=equivalence["verdict"],
+                    result=result, wall_s=3.0)
 
 
-def _rendered(jobs: list[compare.Job], *, width: int = 160, unavailable: list[dict] | None = None) -> tuple[str, str]:
+def _rendered(jobs: list[plan.Job], *, width: int = 160, unavailable: list[dict] | None = None) -> tuple[str, str]:
     """(plain text, text with ANSI colours) of compare's console output."""
     console = Console(file=io.StringIO(), width=width, record=True, force_terminal=True, color_system="standard")
-    compare.render(console, jobs, unavailable or [], compare.build_matrix(jobs), compare.unused_parameter_grads(jobs))
+    render.render(console, jobs, unavailable or [], matrix.build_matrix(jobs), matrix.unused_parameter_grads(jobs))
     return console.export_text(clear=False), console.export_text(styles=True)
 
 
@@ -188,13 +233,13 @@ def test_note_prefers_the_divergence_then_the_unverifiable_reason_then_the_error
                   "check": "update", "cause": "lr_scaled", "parameters": ["fc1.weight"]}
     different = _job(tmp_path, "ddp", 2, _equivalence("different", first_divergence=divergence,
                                                       unverifiable_reason=UNVERIFIABLE_REASON))
-    assert compare._note(different) == "step 1 (update check) fc1.weight: the update is twice the reference's"
+    assert render._note(different) == "step 1 (update check) fc1.weight: the update is twice the reference's"
     unverifiable = _job(tmp_path, "ddp", 2, _equivalence("unverifiable", unverifiable_reason=UNVERIFIABLE_REASON))
     unverifiable.error = "exit status 1"
-    assert compare._note(unverifiable) == UNVERIFIABLE_REASON
-    failed = compare.Job("ddp", 2, [], "ddp/2", tmp_path / "none.npz", tmp_path / "log", status="failed",
+    assert render._note(unverifiable) == UNVERIFIABLE_REASON
+    failed = plan.Job("ddp", 2, [], "ddp/2", tmp_path / "none.npz", tmp_path / "log", status="failed",
                          error="gloo: connection refused")
-    assert compare._note(failed) == "gloo: connection refused"
+    assert render._note(failed) == "gloo: connection refused"
 
 
 def test_random_forward_at_different_world_sizes_is_not_comparable(tmp_path):
@@ -205,15 +250,15 @@ def test_random_forward_at_different_world_sizes_is_not_comparable(tmp_path):
             _job(tmp_path, "deepspeed", 2, _equivalence("unverifiable", unverifiable_reason=UNVERIFIABLE_REASON,
                                                         stochastic=True), None)]
     np.savez(jobs[-1].dump)
-    matrix = compare.build_matrix(jobs)
-    assert matrix["labels"] == ["reference/1", "ddp/2", "horovod/2"] and matrix["steps"] == [0]
-    step0 = matrix["per_step"]["0"]
+    built = matrix.build_matrix(jobs)
+    assert built["labels"] == ["reference/1", "ddp/2", "horovod/2"] and built["steps"] == [0]
+    step0 = built["per_step"]["0"]
     for a, b in (("reference/1", "ddp/2"), ("ddp/2", "reference/1"), ("horovod/2", "reference/1")):
         assert step0[a]["in_noise_floors"][b] is None and step0[a]["rel_err"][b] is None
         assert "different masks" in step0[a]["not_comparable"][b]
     # Same world size: the same per-rank seeds, the same masks: a number (here bitwise equal).
     assert step0["ddp/2"]["rel_err"]["horovod/2"] == 0.0
-    assert all(step0[a]["in_noise_floors"]["oracle"] > 0 for a in matrix["labels"])
+    assert all(step0[a]["in_noise_floors"]["oracle"] > 0 for a in built["labels"])
     text, _ = _rendered(jobs)
     matrix_rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
                    for line in text.splitlines() if line.startswith("│ ") and "/" in line.split("│")[1]
@@ -226,7 +271,7 @@ def test_random_forward_at_different_world_sizes_is_not_comparable(tmp_path):
 def test_deterministic_runs_at_different_world_sizes_stay_comparable(tmp_path):
     jobs = [_job(tmp_path, "reference", 1, _equivalence(stochastic=False), ORACLE + 1e-8),
             _job(tmp_path, "ddp", 2, _equivalence(stochastic=False), ORACLE + 3e-8)]
-    step0 = compare.build_matrix(jobs)["per_step"]["0"]
+    step0 = matrix.build_matrix(jobs)["per_step"]["0"]
     assert step0["reference/1"]["in_noise_floors"]["ddp/2"] == pytest.approx(2e-8 / 1e-7, rel=1e-6)
     assert step0["ddp/2"]["in_noise_floors"]["reference/1"] == pytest.approx(2e-8 / 1e-7, rel=1e-6)
     assert step0["ddp/2"]["not_comparable"] == {}
@@ -241,7 +286,7 @@ def test_unused_parameters_get_one_line_per_way_the_backends_left_them(tmp_path)
     jobs = [_job(tmp_path, "ddp", 2, _equivalence(parameters=unused("none", "none"))),
             _job(tmp_path, "horovod", 2, _equivalence(parameters=unused("zero", "zero"))),
             _job(tmp_path, "deepspeed", 2, _equivalence(parameters=unused("zero", "nonzero")))]
-    entries = compare.unused_parameter_grads(jobs)
+    entries = matrix.unused_parameter_grads(jobs)
     assert [e["line"] for e in entries] == [
         "unused parameters aux_head.weight: gradient None under ddp ws=2; zero under horovod ws=2, deepspeed ws=2",
         "unused parameters aux_head.bias: gradient None under ddp ws=2; zero under horovod ws=2; NONZERO under "
@@ -252,8 +297,8 @@ def test_unused_parameters_get_one_line_per_way_the_backends_left_them(tmp_path)
     assert entries[1]["line"] in text
     # Alike everywhere: one line for both parameters; none listed: no line.
     jobs[2].result["equivalence"]["parameters"] = unused("zero", "zero")
-    assert [e["parameters"] for e in compare.unused_parameter_grads(jobs)] == [["aux_head.weight", "aux_head.bias"]]
-    assert compare.unused_parameter_grads([_job(tmp_path, "ddp", 2, _equivalence())]) == []
+    assert [e["parameters"] for e in matrix.unused_parameter_grads(jobs)] == [["aux_head.weight", "aux_head.bias"]]
+    assert matrix.unused_parameter_grads([_job(tmp_path, "ddp", 2, _equivalence())]) == []
 
 
 def test_a_result_written_before_the_new_checks_still_renders(tmp_path):
@@ -270,5 +315,61 @@ def test_a_result_written_before_the_new_checks_still_renders(tmp_path):
     assert cells[7:10] == ["-", "-", "-"]  # no update or trajectory figures recorded
     assert cells[-1] == "step 0 (gradient check) fc1.weight: summed, not averaged"
     # An old result says nothing about randomness; its partner's random forward still makes the cell n/a.
-    assert compare.build_matrix(jobs)["per_step"]["0"]["ddp/2"]["in_noise_floors"]["reference/1"] is None
-    assert compare.unused_parameter_grads(jobs) == []
+    assert matrix.build_matrix(jobs)["per_step"]["0"]["ddp/2"]["in_noise_floors"]["reference/1"] is None
+    assert matrix.unused_parameter_grads(jobs) == []
+
+
+# -- scaling baseline and notes: read from what the results declare -----------------------------------------
+def _measured(samples_per_s: float) -> dict:
+    return {"samples_per_s": samples_per_s}
+
+
+def test_scaling_baseline_is_the_world_size_1_run_that_declares_it(tmp_path):
+    baseline = {"multi_process": False, "native_launcher": "python", "scaling_baseline": True}
+    jobs = [_job(tmp_path, "dp", 1, _equivalence(), capabilities=baseline, metrics=_measured(100.0)),
+            _job(tmp_path, "ddp", 1, _equivalence(), metrics=_measured(90.0)),
+            _job(tmp_path, "ddp", 2, _equivalence(), metrics=_measured(150.0))]
+    eff = {row["label"]: row["efficiency"] for row in matrix.scaling_rows(jobs, "strong")}
+    assert eff == {"dp/1": pytest.approx(1.0), "ddp/1": pytest.approx(0.9), "ddp/2": pytest.approx(0.75)}
+    # At world size 2 a run declaring it is not the baseline (throughput_1 is a single process's).
+    jobs[0].world_size = 2
+    assert all(row["efficiency"] is None for row in matrix.scaling_rows(jobs, "strong"))
+
+
+def test_a_reference_run_that_declares_nothing_is_not_the_scaling_baseline(tmp_path):
+    jobs = [_job(tmp_path, "reference", 1, _equivalence(), capabilities=None, metrics=_measured(100.0)),
+            _job(tmp_path, "ddp", 2, _equivalence(), metrics=_measured(150.0))]
+    rows = matrix.scaling_rows(jobs, "strong")
+    assert [row["efficiency"] for row in rows] == [None, None]
+    assert all("scaling_baseline" in row["reason"] for row in rows)
+    # The same run as a run writes it now: the reference declares itself the baseline.
+    jobs[0].result["capabilities"] = _declared("reference")
+    assert [row["efficiency"] for row in matrix.scaling_rows(jobs, "strong")] == [pytest.approx(1.0), pytest.approx(0.75)]
+
+
+PASS_THROUGH = ("dp: no CUDA device, so DataParallel is a pass-through (no parallelism on CPU): this run is the "
+                "reference computation, not a speed-up")
+
+
+def test_pass_through_is_read_from_the_note_code_not_its_sentence(tmp_path):
+    coded = _job(tmp_path, "dp", 1, _equivalence(notes=[{"code": "no_parallelism", "text": PASS_THROUGH}]))
+    assert render._note(coded) == "no parallelism on CPU (pass-through)"
+    assert "no parallelism on CPU (pass-through)" in _rendered([coded], width=400)[0]
+    other = _job(tmp_path, "dp", 1, _equivalence(notes=[{"code": "dp.replicas", "text": PASS_THROUGH}]))
+    assert render._note(other) == ""
+    old = _job(tmp_path, "dp", 1, _equivalence(notes=[PASS_THROUGH]))  # a plain string: no code to match
+    assert render._note(old) == ""
+
+
+def test_sweep_note_shows_the_text_of_knob_not_applicable_notes(tmp_path):
+    text = "deepspeed: --bucket-mb does not apply to ZeRO stage 0"
+    notes = [{"code": "deepspeed.gradient_clipping", "text": "deepspeed: gradient_clipping set to 0.0 (does not apply)"},
+             {"code": "knob_not_applicable", "text": text}]
+    job = _job(tmp_path, "deepspeed", 2, _equivalence(notes=notes))
+    job.variant = "bucket_mb=0.01"
+    console = Console(file=io.StringIO(), width=400, record=True)
+    render.render_sweep(console, [job], [{"backend": "ddp", "knob": "compression=bf16", "reason": "ddp offers fp16"}])
+    out = console.export_text()
+    row = next(line for line in out.splitlines() if "bucket_mb=0.01" in line)
+    assert row.split("│")[-2].strip() == text
+    assert "ddp offers fp16" in out

@@ -7,7 +7,10 @@ summary, collectives benchmarks) gives four valid PNGs of plausible size and a r
 and cost tables, every null as n/a with its reason; that missing inputs skip a plot and say why; that bad
 inputs (no directory, no results, malformed JSON) give a one-line error or a warning, never a traceback.
 The verdict table shows the update and trajectory figures beside the gradient's, `unverifiable` in bold
-with its reason; a result written before those checks shows them as n/a with why.
+with its reason; a result written before those checks shows them as n/a with why. The scaling baseline is the
+world-size-1 run that declares capabilities.scaling_baseline, whatever its backend is called; a result without
+capabilities is never one. Runs are ordered as dpcompare.run.registry.BACKENDS lists the backends, and verdict
+notes load whether written as {code, text} objects or as plain strings.
 """
 
 from __future__ import annotations
@@ -25,10 +28,22 @@ import pytest
 
 from conftest import UNVERIFIABLE_REASON, checked_equivalence, validate_result
 from dpcompare.commands import report
+from dpcompare.measure.scaling import other_ms, scaling_efficiency
+from dpcompare.results import note_code, note_text
+from dpcompare.run.registry import BACKENDS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOTS = (report.PLOT_THROUGHPUT, report.PLOT_BREAKDOWN, report.PLOT_BUSBW, report.PLOT_HEATMAP)
 MIB = 2**20
+
+
+def capabilities(scaling_baseline: bool = False, multi_process: bool = False) -> dict[str, Any]:
+    """`capabilities` as a run writes it: what its backend's adapter declares."""
+    return {"multi_process": multi_process, "native_launcher": "torchrun" if multi_process else "python",
+            "scaling_baseline": scaling_baseline}
+
+
+BASELINE = capabilities(scaling_baseline=True)  # what the reference backend declares
 
 
 # -- fixtures: what trainer, compare and bench-collectives write -----------------------------------------
@@ -109,7 +124,7 @@ def full_dir(tmp_path: Path) -> Path:
     """A compare run directory: reference/1, ddp/2 (an older and a newer result), deepspeed/2 with nulls,
     a compare summary and a collectives benchmark."""
     d = tmp_path / "results" / "20260101-000000"
-    write(d / "runs" / "reference-ws1.json", run_result("reference", 1, metrics_=metrics(
+    write(d / "runs" / "reference-ws1.json", run_result("reference", 1, capabilities=BASELINE, metrics_=metrics(
         comm_exposed_ms=0.0, comm_total_ms=None, comm_total_method=None, bucket_bytes=None, busbw_gbps=None,
         algbw_gbps=None, microbench_busbw_gbps=None, reasons={"comm_total_ms": "one process: no communication",
                                                               "bucket_bytes": "one process: no communication",
@@ -117,8 +132,9 @@ def full_dir(tmp_path: Path) -> Path:
                                                               "algbw_gbps": "one process: no communication",
                                                               "microbench_busbw_gbps": "one process: no communication",
                                                               "tokens_per_s": "the mlp workload has no tokens"})))
-    write(d / "runs" / "ddp-ws2-old.json", run_result("ddp", 2, 1_600_000_000.0, metrics_=metrics(samples_per_s=10.0)))
-    write(d / "runs" / "ddp-ws2.json", run_result("ddp", 2, metrics_=metrics(
+    write(d / "runs" / "ddp-ws2-old.json", run_result("ddp", 2, 1_600_000_000.0, metrics_=metrics(samples_per_s=10.0),
+                                                      capabilities=capabilities(multi_process=True)))
+    write(d / "runs" / "ddp-ws2.json", run_result("ddp", 2, capabilities=capabilities(multi_process=True), metrics_=metrics(
         samples_per_s=150.0, stragglers=[{"rank": 1, "slowest_fraction": 0.8, "excess_ms_mean": 1.5}])))
     write(d / "runs" / "deepspeed-ws2.json", run_result("deepspeed", 2, metrics_=metrics(
         samples_per_s=120.0, compute_ms_p50=None, comm_total_ms=None, comm_total_method=None, bucket_bytes=8 * MIB,
@@ -143,13 +159,13 @@ def png_size(path: Path) -> tuple[int, int]:
 
 # -- pure helpers ---------------------------------------------------------------------------------
 def test_scaling_efficiency_is_throughput_over_n_times_single_process() -> None:
-    assert report.scaling_efficiency(150.0, 2, 100.0) == pytest.approx(0.75)
-    assert report.scaling_efficiency(100.0, 1, 100.0) == pytest.approx(1.0)
-    assert report.scaling_efficiency(None, 2, 100.0) is None
-    assert report.scaling_efficiency(150.0, 2, None) is None
-    assert report.scaling_efficiency(150.0, 2, 0.0) is None
+    assert scaling_efficiency(150.0, 2, 100.0) == pytest.approx(0.75)
+    assert scaling_efficiency(100.0, 1, 100.0) == pytest.approx(1.0)
+    assert scaling_efficiency(None, 2, 100.0) is None
+    assert scaling_efficiency(150.0, 2, None) is None
+    assert scaling_efficiency(150.0, 2, 0.0) is None
     with pytest.raises(ValueError, match="world size"):
-        report.scaling_efficiency(1.0, 0, 1.0)
+        scaling_efficiency(1.0, 0, 1.0)
 
 
 def test_newest_run_per_backend_and_world_size_wins() -> None:
@@ -163,11 +179,17 @@ def test_newest_run_per_backend_and_world_size_wins() -> None:
         ("reference", 1, "reference/1"), ("ddp", 2, "new"), ("ddp", 4, "dated")]
 
 
+def test_runs_are_ordered_as_the_registry_lists_backends_unknown_ones_after() -> None:
+    names = ["zeta", *reversed(BACKENDS), "alpha"]
+    chosen = report.newest_per_backend_world_size([run_result(b, 1) for b in names])
+    assert [r["backend"] for r in chosen] == [*BACKENDS, "alpha", "zeta"]
+
+
 def test_other_time_is_step_minus_compute_minus_exposed_floored_at_zero() -> None:
-    assert report.other_ms(10.0, 6.0, 3.0) == pytest.approx(1.0)
-    assert report.other_ms(10.0, 8.0, 3.0) == 0.0  # separate p50s can add up to more than the step
-    assert report.other_ms(10.0, None, 3.0) is None
-    assert report.other_ms(None, 6.0, 3.0) is None
+    assert other_ms(10.0, 6.0, 3.0) == pytest.approx(1.0)
+    assert other_ms(10.0, 8.0, 3.0) == 0.0  # separate p50s can add up to more than the step
+    assert other_ms(10.0, None, 3.0) is None
+    assert other_ms(None, 6.0, 3.0) is None
 
 
 def test_format_bytes_uses_binary_units() -> None:
@@ -227,6 +249,7 @@ def test_full_report_has_four_plots_and_the_tables(full_dir: Path, tmp_path: Pat
     assert "| torch | gloo | 2 | cpu | ok | 9 | 2.95 | 64 MiB | 4 KiB |" in md
     assert "| mpi | - | 4 | - | timeout: no result within 600 s | 0 |" in md
     assert "unavailable: horovod is not installed" in md
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary file left behind
 
 
 def checked_run(backend: str, world_size: int, equivalence: dict[str, Any], **fields: Any) -> dict[str, Any]:
@@ -398,6 +421,81 @@ def test_empty_or_missing_directory_is_a_value_error(tmp_path: Path) -> None:
         report.build_report(tmp_path)
     with pytest.raises(ValueError, match="does not exist"):
         report.build_report(tmp_path / "nowhere")
+
+
+# -- the scaling baseline and verdict notes ------------------------------------------------------------
+def _row(md: str, start: str) -> list[str]:
+    return next(ln for ln in md.splitlines() if ln.startswith(start)).strip("| ").split(" | ")
+
+
+def test_a_world_size_1_run_that_declares_itself_the_scaling_baseline_is_the_baseline_whatever_its_name(
+        tmp_path: Path) -> None:
+    write(tmp_path / "mine-ws1.json", run_result("mine", 1, capabilities=BASELINE,
+                                                 metrics_=metrics(samples_per_s=50.0)))
+    write(tmp_path / "mine-ws2.json", run_result("mine", 2, capabilities=capabilities(True, multi_process=True),
+                                                 metrics_=metrics(samples_per_s=80.0)))  # world size 2: never one
+    write(tmp_path / "reference-ws1.json", run_result("reference", 1, metrics_=metrics()))  # declares nothing
+    write(tmp_path / "ddp-ws2.json", run_result("ddp", 2, capabilities=capabilities(multi_process=True),
+                                                metrics_=metrics(samples_per_s=150.0)))
+    inputs = report.load_inputs(tmp_path)
+    baseline = report.scaling_baseline(report.newest_per_backend_world_size(inputs.runs))
+    assert (baseline.run["backend"], baseline.run["world_size"], baseline.throughput) == ("mine", 1, 50.0)
+    md = report.build_report(tmp_path).read_text()
+    assert _row(md, "| ddp | 2 | 150 |")[3] == "1.50"  # 150 / (2 x 50)
+    assert _row(md, "| reference | 1 | 100 |")[3] == "2.00"
+    assert _row(md, "| mine | 1 | 50.0 |")[3] == "1.00"
+    assert _row(md, "| mine | 2 | 80.0 |")[3] == "0.80"
+    assert "the scaling baseline's (mine/1) samples/s" in md
+    # two declare it at world size 1: the newest is the baseline
+    write(tmp_path / "other-ws1.json", run_result("other", 1, 1_800_000_000.0, capabilities=BASELINE,
+                                                  metrics_=metrics(samples_per_s=75.0)))
+    md = report.build_report(tmp_path).read_text()
+    assert _row(md, "| ddp | 2 | 150 |")[3] == "1.00"  # 150 / (2 x 75)
+
+
+@pytest.mark.parametrize("declared", [None, capabilities(scaling_baseline=False)], ids=["no-capabilities", "false"])
+def test_a_reference_run_that_does_not_declare_itself_the_scaling_baseline_is_not_one(
+        tmp_path: Path, declared: dict[str, Any] | None) -> None:
+    fields = {} if declared is None else {"capabilities": declared}
+    write(tmp_path / "reference-ws1.json", run_result("reference", 1, metrics_=metrics(), **fields))
+    write(tmp_path / "ddp-ws2.json", run_result("ddp", 2, capabilities=capabilities(multi_process=True),
+                                                metrics_=metrics(samples_per_s=150.0)))
+    md = report.build_report(tmp_path).read_text()
+    footnotes = _footnotes(md)
+    for start in ("| reference | 1 | 100 |", "| ddp | 2 | 150 |"):
+        efficiency = _row(md, start)[3]
+        assert efficiency.startswith("n/a[^"), efficiency
+        reason = footnotes[efficiency[3:]]
+        assert reason.startswith("no run at world size 1 declares itself the scaling baseline "
+                                 "(capabilities.scaling_baseline)"), reason
+        assert "python -m dpcompare --backend reference" in reason
+    assert "No ideal line: no run at world size 1 declares itself the scaling baseline" in md
+    assert "0.75" not in md
+
+
+def test_a_scaling_baseline_without_samples_per_s_says_so(tmp_path: Path) -> None:
+    write(tmp_path / "reference-ws1.json", run_result("reference", 1, capabilities=BASELINE,
+                                                      metrics_=metrics(samples_per_s=None, reasons={})))
+    write(tmp_path / "ddp-ws2.json", run_result("ddp", 2, metrics_=metrics(samples_per_s=150.0)))
+    md = report.build_report(tmp_path).read_text()
+    efficiency = _row(md, "| ddp | 2 | 150 |")[3]
+    assert _footnotes(md)[efficiency[3:]].startswith("the scaling baseline reference/1 has no samples_per_s: ")
+
+
+def test_verdict_notes_load_as_objects_and_as_plain_strings(tmp_path: Path) -> None:
+    coded = [{"code": "ddp.bucket_order", "text": "DDP reduces buckets in reverse registration order"}]
+    plain = ["written before notes carried a code"]
+    write(tmp_path / "ddp.json", checked_run("ddp", 2, checked_equivalence(notes=coded)))
+    write(tmp_path / "reference.json", checked_run("reference", 1, checked_equivalence(notes=plain),
+                                                   capabilities=BASELINE))
+    inputs = report.load_inputs(tmp_path)
+    assert not inputs.skipped and inputs.ignored == 0
+    notes = {r["backend"]: r["equivalence"]["notes"] for r in inputs.runs}
+    assert [(note_code(n), note_text(n)) for n in notes["ddp"]] == [("ddp.bucket_order", coded[0]["text"])]
+    assert [(note_code(n), note_text(n)) for n in notes["reference"]] == [(None, plain[0])]
+    md = report.build_report(tmp_path).read_text()
+    assert _row(md, "| ddp | 2 | torchrun |")[4] == "equivalent"
+    assert _row(md, "| reference | 1 | python |")[4] == "equivalent"
 
 
 # -- command line ----------------------------------------------------------------------------------------

@@ -101,51 +101,75 @@ def summarize(
     m = Metrics()
     m.set("scaling", scaling)
     m.set("warmup_steps", warmup_steps)
+    why_no_steps = ("instrumentation off (--no-instrument): only loop_ms_per_step is measured" if not instrumented
+                    else "no measured steps (--measure-steps 0)")
+    per_rank = _step_times(m, samples, world_size * local_batch, tokens_per_sample, why_no_steps)
+    exposed = _ablation(m, samples, per_rank, comm_possible,
+                        why_no_steps if not instrumented else "no ablation steps ran (--ablation-steps 0)")
+    total = _native_comm(m, samples[0].comm or {}, comm_possible)
+    if total and exposed is not None:
+        m.set("overlap_fraction", min(max(1.0 - exposed / total, 0.0), 1.0))
+    else:
+        m.set("overlap_fraction", None, "needs both total and exposed communication time")
+    m.set("grad_bytes_per_step", grad_bytes)
+    m.set("bucket_bytes", message_bytes, message_reason)
+    _bandwidth(m, total, grad_bytes, world_size, microbench_busbw, microbench_reason, comm_possible)
+    _memory(m, samples, model_state)
+    return m.to_dict()
+
+
+def _step_times(m: Metrics, samples: list[RankSample], global_samples: int, tokens_per_sample: int,
+                why_no_steps: str) -> list[list[float]]:
+    """Step-time percentiles of the slowest rank per step, the rank spread and the throughput. Returns each
+    rank's measured step times, cut to the steps every rank measured."""
     steps = min(len(s.step_ms) for s in samples)
     m.set("measured_steps", steps)
     per_rank = [s.step_ms[:steps] for s in samples]
     slowest = np.max(np.asarray(per_rank), axis=0).tolist() if steps else []
     p = percentiles(slowest)
-    why_no_steps = ("instrumentation off (--no-instrument): only loop_ms_per_step is measured" if not instrumented
-                    else "no measured steps (--measure-steps 0)")
     m.set("step_ms_p50", p["p50"], why_no_steps)
     m.set("step_ms_p90", p["p90"], why_no_steps)
     m.set("step_ms_mean", p["mean"], why_no_steps)
     m.set("step_ms_per_rank_p50", [percentiles(r)["p50"] for r in per_rank])
     spread = (np.max(per_rank, axis=0) - np.min(per_rank, axis=0)).tolist() if steps and len(per_rank) > 1 else []
     m.set("rank_spread_ms_p50", percentiles(spread)["p50"], "one rank" if len(per_rank) == 1 else why_no_steps)
-    global_samples = local_batch * world_size
     m.set("samples_per_s", global_samples / (p["p50"] / 1e3) if p["p50"] else None, why_no_steps)
     if tokens_per_sample > 1:
         m.set("tokens_per_s", global_samples * tokens_per_sample / (p["p50"] / 1e3) if p["p50"] else None, why_no_steps)
     else:
         m.set("tokens_per_s", None, "not a token model")
+    return per_rank
 
-    # Ablation: the slowest rank per step of each arm, then the medians of the arms.
+
+def _ablation(m: Metrics, samples: list[RankSample], per_rank: list[list[float]], comm_possible: str | None,
+              why_no_pairs: str) -> float | None:
+    """The synced/unsynced ablation: the slowest rank per step of each arm, then the medians of the arms;
+    stragglers from the compute-only arm (the step times when no ablation ran). Returns the exposed
+    communication time, or None when it was not measured."""
     pairs = min(min(len(s.synced_ms), len(s.unsynced_ms)) for s in samples)
     synced = np.max([s.synced_ms[:pairs] for s in samples], axis=0) if pairs else np.array([])
     unsynced = np.max([s.unsynced_ms[:pairs] for s in samples], axis=0) if pairs else np.array([])
     compute_only = [s.unsynced_ms[:pairs] for s in samples]
     m.set("stragglers", stragglers(compute_only if pairs else per_rank))
-    exposed = None
-    if comm_possible:
+    if comm_possible or not pairs:
         for name in ("compute_ms_p50", "step_synced_ms_p50", "comm_exposed_ms"):
-            m.set(name, None, comm_possible)
-    elif not pairs:
-        for name in ("compute_ms_p50", "step_synced_ms_p50", "comm_exposed_ms"):
-            m.set(name, None, why_no_steps if not instrumented else "no ablation steps ran (--ablation-steps 0)")
-    else:
-        m.set("compute_ms_p50", float(np.median(unsynced)))
-        m.set("step_synced_ms_p50", float(np.median(synced)))
-        exposed = max(float(np.median(synced)) - float(np.median(unsynced)), 0.0)
-        m.set("comm_exposed_ms", exposed)
-        m.set("ablation_pairs", pairs)
+            m.set(name, None, comm_possible or why_no_pairs)
+        return None
+    m.set("compute_ms_p50", float(np.median(unsynced)))
+    m.set("step_synced_ms_p50", float(np.median(synced)))
+    exposed = max(float(np.median(synced)) - float(np.median(unsynced)), 0.0)
+    m.set("comm_exposed_ms", exposed)
+    m.set("ablation_pairs", pairs)
+    return exposed
 
-    comm = samples[0].comm or {}
-    total = None
+
+def _native_comm(m: Metrics, comm: dict[str, Any], comm_possible: str | None) -> float | None:
+    """The backend's own communication counter, per step. Returns the total communication time per step,
+    or None when there is none."""
     if comm_possible:
         m.set("comm_total_ms", None, comm_possible)
-    elif comm.get("per_step_total_ms"):
+        return None
+    if comm.get("per_step_total_ms"):
         # Per-step counters: medians, like the step times (a load spike does not drag the figure).
         total = float(np.median(comm["per_step_total_ms"]))
         m.set("comm_total_ms", total)
@@ -155,21 +179,22 @@ def summarize(
             m.set("comm_native_overlap_ms", overlap)
             m.set("comm_native_exposed_ms", float(np.median(np.subtract(comm["per_step_total_ms"],
                                                                           comm["per_step_overlap_ms"]))))
-    elif "total_ms" in comm and comm.get("steps"):
+        return total
+    if "total_ms" in comm and comm.get("steps"):
         total = comm["total_ms"] / comm["steps"]
         m.set("comm_total_ms", total)
         m.set("comm_total_method", comm.get("method"))
         if comm.get("overlap_ms") is not None:
             m.set("comm_native_overlap_ms", comm["overlap_ms"] / comm["steps"])
-    else:
-        m.set("comm_total_ms", None, comm.get("reason") or "the backend exposes no communication counter")
-    if total and exposed is not None:
-        m.set("overlap_fraction", min(max(1.0 - exposed / total, 0.0), 1.0))
-    else:
-        m.set("overlap_fraction", None, "needs both total and exposed communication time")
+        return total
+    m.set("comm_total_ms", None, comm.get("reason") or "the backend exposes no communication counter")
+    return None
 
-    m.set("grad_bytes_per_step", grad_bytes)
-    m.set("bucket_bytes", message_bytes, message_reason)
+
+def _bandwidth(m: Metrics, total: float | None, grad_bytes: int, world_size: int, microbench_busbw: float | None,
+               microbench_reason: str | None, comm_possible: str | None) -> None:
+    """In-training algbw and busbw from the total communication time, against the microbenchmark's busbw,
+    and the T_comm model."""
     if total and total > 0 and world_size > 1:
         alg = algbw_gbps(grad_bytes, total / 1e3)
         m.set("algbw_gbps", alg)
@@ -186,6 +211,9 @@ def summarize(
     m.set("tcomm_model_ms", tcomm_model_ms(grad_bytes, world_size, microbench_busbw),
           "one rank" if world_size < 2 else (microbench_reason or "no microbenchmark bandwidth"))
 
+
+def _memory(m: Metrics, samples: list[RankSample], model_state: dict[str, float | None]) -> None:
+    """Peak memory over the window: the highest rank's, each rank's, the allocator's reserve, and the model state."""
     peaks = [s.memory.get("peak_mem_mib") for s in samples]
     known = [x for x in peaks if x is not None]
     m.set("peak_mem_mib", max(known) if known else None, samples[0].memory_reason)
@@ -194,5 +222,3 @@ def summarize(
     m.set("peak_mem_reserved_mib", max(reserved) if reserved else None, "CPU: no allocator reserve to report")
     m.set("mem_method", "cuda max_memory_allocated" if reserved else "resident high-water mark (VmHWM) over the window")
     m.set("model_state_mib", model_state)
-    return m.to_dict()
-

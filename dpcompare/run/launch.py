@@ -14,6 +14,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Literal
 
+from dpcompare.run.launchers import free_port
+
 Launcher = Literal["python", "torchrun", "deepspeed", "horovodrun", "mpirun", "slurm"]
 
 
@@ -42,74 +44,94 @@ def _int(env: dict[str, str], *names: str) -> int | None:
     return None
 
 
+def _horovod(e: dict[str, str]) -> LaunchEnv | None:
+    if "HOROVOD_RANK" not in e or "HOROVOD_SIZE" not in e:
+        return None
+    return LaunchEnv(
+        "horovodrun",
+        _int(e, "HOROVOD_RANK") or 0,
+        _int(e, "HOROVOD_LOCAL_RANK") or 0,
+        _int(e, "HOROVOD_SIZE") or 1,
+        _int(e, "HOROVOD_LOCAL_SIZE") or 1,
+        f"hvd-{e.get('HOROVOD_GLOO_RENDEZVOUS_ADDR', '')}-{e.get('HOROVOD_GLOO_RENDEZVOUS_PORT', '')}",
+    )
+
+
+def _torch_style(e: dict[str, str]) -> LaunchEnv | None:
+    """RANK/WORLD_SIZE, set by torchrun, the deepspeed launcher, or by hand over mpirun or srun."""
+    if "RANK" not in e or "WORLD_SIZE" not in e:
+        return None
+    launcher: Launcher
+    if "TORCHELASTIC_RUN_ID" in e:
+        launcher = "torchrun"
+    elif "CROSS_RANK" in e and "LOCAL_SIZE" in e:
+        launcher = "deepspeed"
+    elif "OMPI_COMM_WORLD_RANK" in e:
+        launcher = "mpirun"
+    elif "SLURM_PROCID" in e:
+        launcher = "slurm"
+    else:
+        launcher = "torchrun"  # a torch.distributed-style environment set by hand or by another tool
+    return LaunchEnv(
+        launcher,
+        _int(e, "RANK") or 0,
+        _int(e, "LOCAL_RANK") or 0,
+        _int(e, "WORLD_SIZE") or 1,
+        _int(e, "LOCAL_WORLD_SIZE", "LOCAL_SIZE") or 1,
+        f"{launcher}-{e.get('TORCHELASTIC_RUN_ID', '')}-{e.get('MASTER_ADDR', '')}-{e.get('MASTER_PORT', '')}",
+    )
+
+
+def _open_mpi(e: dict[str, str]) -> LaunchEnv | None:
+    if "OMPI_COMM_WORLD_RANK" not in e:
+        return None
+    return LaunchEnv(
+        "mpirun",
+        _int(e, "OMPI_COMM_WORLD_RANK") or 0,
+        _int(e, "OMPI_COMM_WORLD_LOCAL_RANK") or 0,
+        _int(e, "OMPI_COMM_WORLD_SIZE") or 1,
+        _int(e, "OMPI_COMM_WORLD_LOCAL_SIZE") or 1,
+        "ompi-" + e.get("OMPI_MCA_ess_base_jobid", e.get("OMPI_MCA_orte_ess_jobid", "")),
+    )
+
+
+def _pmi(e: dict[str, str]) -> LaunchEnv | None:
+    """MPICH, Intel MPI (Hydra)."""
+    if "PMI_RANK" not in e or "PMI_SIZE" not in e:
+        return None
+    return LaunchEnv(
+        "mpirun", _int(e, "PMI_RANK") or 0, _int(e, "MPI_LOCALRANKID", "PMI_LOCAL_RANK") or 0,
+        _int(e, "PMI_SIZE") or 1, _int(e, "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE") or 1,
+        "pmi-" + e.get("PMI_ID", e.get("PMI_FD", "")),
+    )
+
+
+def _slurm(e: dict[str, str]) -> LaunchEnv | None:
+    """srun (also srun --mpi=pmix, which exports no size)."""
+    if "SLURM_PROCID" not in e or "SLURM_STEP_ID" not in e:
+        return None
+    return LaunchEnv(
+        "slurm",
+        _int(e, "SLURM_PROCID") or 0,
+        _int(e, "SLURM_LOCALID") or 0,
+        _int(e, "SLURM_NTASKS", "SLURM_NPROCS") or 1,
+        _int(e, "SLURM_NTASKS_PER_NODE") or 1,
+        f"slurm-{e.get('SLURM_JOB_ID', '')}.{e.get('SLURM_STEP_ID', '')}",
+    )
+
+
 def detect(env: dict[str, str] | None = None) -> LaunchEnv:
     """Read the launcher's variables. Order matters: horovodrun --mpi and deepspeed's MPI mode also set
     Open MPI's variables, and torchrun's variables are also set by the deepspeed launcher."""
     e = dict(os.environ if env is None else env)
-
-    if "HOROVOD_RANK" in e and "HOROVOD_SIZE" in e:
-        return LaunchEnv(
-            "horovodrun",
-            _int(e, "HOROVOD_RANK") or 0,
-            _int(e, "HOROVOD_LOCAL_RANK") or 0,
-            _int(e, "HOROVOD_SIZE") or 1,
-            _int(e, "HOROVOD_LOCAL_SIZE") or 1,
-            f"hvd-{e.get('HOROVOD_GLOO_RENDEZVOUS_ADDR', '')}-{e.get('HOROVOD_GLOO_RENDEZVOUS_PORT', '')}",
-        )
-    if "RANK" in e and "WORLD_SIZE" in e:
-        launcher: Launcher
-        if "TORCHELASTIC_RUN_ID" in e:
-            launcher = "torchrun"
-        elif "CROSS_RANK" in e and "LOCAL_SIZE" in e:
-            launcher = "deepspeed"
-        elif "OMPI_COMM_WORLD_RANK" in e:
-            launcher = "mpirun"
-        elif "SLURM_PROCID" in e:
-            launcher = "slurm"
-        else:
-            launcher = "torchrun"  # a torch.distributed-style environment set by hand or by another tool
-        return LaunchEnv(
-            launcher,
-            _int(e, "RANK") or 0,
-            _int(e, "LOCAL_RANK") or 0,
-            _int(e, "WORLD_SIZE") or 1,
-            _int(e, "LOCAL_WORLD_SIZE", "LOCAL_SIZE") or 1,
-            f"{launcher}-{e.get('TORCHELASTIC_RUN_ID', '')}-{e.get('MASTER_ADDR', '')}-{e.get('MASTER_PORT', '')}",
-        )
-    if "OMPI_COMM_WORLD_RANK" in e:
-        return LaunchEnv(
-            "mpirun",
-            _int(e, "OMPI_COMM_WORLD_RANK") or 0,
-            _int(e, "OMPI_COMM_WORLD_LOCAL_RANK") or 0,
-            _int(e, "OMPI_COMM_WORLD_SIZE") or 1,
-            _int(e, "OMPI_COMM_WORLD_LOCAL_SIZE") or 1,
-            "ompi-" + e.get("OMPI_MCA_ess_base_jobid", e.get("OMPI_MCA_orte_ess_jobid", "")),
-        )
-    if "PMI_RANK" in e and "PMI_SIZE" in e:  # MPICH, Intel MPI (Hydra)
-        return LaunchEnv(
-            "mpirun", _int(e, "PMI_RANK") or 0, _int(e, "MPI_LOCALRANKID", "PMI_LOCAL_RANK") or 0,
-            _int(e, "PMI_SIZE") or 1, _int(e, "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE") or 1,
-            "pmi-" + e.get("PMI_ID", e.get("PMI_FD", "")),
-        )
-    if "SLURM_PROCID" in e and "SLURM_STEP_ID" in e:  # srun (also srun --mpi=pmix, which exports no size)
-        return LaunchEnv(
-            "slurm",
-            _int(e, "SLURM_PROCID") or 0,
-            _int(e, "SLURM_LOCALID") or 0,
-            _int(e, "SLURM_NTASKS", "SLURM_NPROCS") or 1,
-            _int(e, "SLURM_NTASKS_PER_NODE") or 1,
-            f"slurm-{e.get('SLURM_JOB_ID', '')}.{e.get('SLURM_STEP_ID', '')}",
-        )
+    for launcher in (_horovod, _torch_style, _open_mpi, _pmi, _slurm):
+        found = launcher(e)
+        if found is not None:
+            return found
     if "PMIX_RANK" in e:
         raise RuntimeError("PMIx started this process (PMIX_RANK is set) but no launcher variable gives the world size: "
                            "start it with mpirun, srun, torchrun or horovodrun")
     return LaunchEnv("python", 0, 0, 1, 1, f"pid-{os.getpid()}")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_rendezvous(env: LaunchEnv) -> None:
@@ -125,7 +147,7 @@ def ensure_rendezvous(env: LaunchEnv) -> None:
         return
     if env.world_size == 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         return
     if env.launcher == "mpirun":
         try:
@@ -135,7 +157,7 @@ def ensure_rendezvous(env: LaunchEnv) -> None:
         if MPI is not None:
             comm = MPI.COMM_WORLD
             addr, port = comm.bcast((socket.gethostname() if env.world_size > env.local_world_size else "127.0.0.1",
-                                     _free_port()) if env.rank == 0 else None, root=0)
+                                     free_port()) if env.rank == 0 else None, root=0)
             os.environ.setdefault("MASTER_ADDR", addr)
             os.environ.setdefault("MASTER_PORT", str(port))
             return

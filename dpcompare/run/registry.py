@@ -10,10 +10,11 @@ import importlib
 from typing import Any
 
 BACKENDS: dict[str, str] = {
+    # The order is the order every table, plot and `compare` run uses.
     "reference": "dpcompare.adapters.reference:ReferenceAdapter",
+    "dp": "dpcompare.adapters.dp:DataParallelAdapter",
     "ddp": "dpcompare.adapters.ddp:DDPAdapter",
     "horovod": "dpcompare.adapters.horovod:HorovodAdapter",
-    "dp": "dpcompare.adapters.dp:DataParallelAdapter",
     "deepspeed": "dpcompare.adapters.deepspeed:DeepSpeedAdapter",
 }
 

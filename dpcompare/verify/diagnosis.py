@@ -1,6 +1,7 @@
 """Diagnosis: why a check failed, found by testing what each known fault would have produced.
 
-Owns: the hypotheses for a failed gradient check and for a failed update check. Each hypothesis builds the
+Owns: the hypotheses for a failed gradient check and for a failed update check, the methods of
+_GradientHypotheses and _UpdateHypotheses, tried in a fixed order. Each hypothesis builds the
 gradient (or update) its fault would give; a failing parameter is explained by the first hypothesis whose
 candidate matches the backend's value within that parameter's tolerance. The reason names the cause, the
 parameters it explains when that is not all of them, and the fix. "Matches none of the known patterns"
@@ -54,7 +55,11 @@ def _which(params: list[str], all_names: list[str]) -> str:
     return shown
 
 
-def _explain(failing: list[str], hypotheses: list[Callable[[list[str]], list[Diagnosis]]], all_names: list[str],
+_Hypothesis = Callable[[list[str]], list[Diagnosis]]
+"""Takes the failing parameters not yet explained; returns the diagnoses its fault explains."""
+
+
+def _explain(failing: list[str], hypotheses: list[_Hypothesis], all_names: list[str],
              none_reason: str) -> list[Diagnosis]:
     remaining = list(failing)
     found: list[Diagnosis] = []
@@ -114,24 +119,45 @@ class GradientEvidence:
         return out
 
 
-def diagnose_gradient(ev: GradientEvidence, failing: list[str]) -> list[Diagnosis]:
-    names = ev.oracle.names
-    n = ev.world_size
-    g, o = ev.grads, ev.oracle_grads
-    share = _share(o, names)
-    locals_: list[Grads] = []
+class _GradientHypotheses:
+    """The known faults of a reduced gradient, in the order they are tried. Each method takes the failing
+    parameters not yet explained and returns the diagnoses whose candidate gradient matches the backend's.
+    Each rank's local gradient is computed once, on first use."""
 
-    def local() -> list[Grads]:
-        if not locals_:
-            locals_.extend(ev.local())
-        return locals_
+    def __init__(self, ev: GradientEvidence) -> None:
+        self.ev = ev
+        self.names = ev.oracle.names
+        self.n = ev.world_size
+        self.g, self.o = ev.grads, ev.oracle_grads
+        self.share = _share(self.o, self.names)
+        self._locals: list[Grads] = []
 
-    def non_finite(remaining: list[str]) -> list[Diagnosis]:
-        bad = [p for p in remaining if not bool(torch.isfinite(g[p]).all())]
+    def ordered(self) -> list[_Hypothesis]:
+        return [self.non_finite, self.data, self.scaled, self.unsynchronised, self.stale, self.batchnorm, self.wire]
+
+    def none_reason(self) -> str:
+        none = ("the reduced gradient matches none of the known fault patterns (sum, 1/N, one rank's local gradient, "
+                "a stale gradient, an undeclared wire dtype, per-rank or per-micro-batch BatchNorm, duplicated data)")
+        if self.ev.rngs:
+            none += ("; the model draws random numbers and its masks were replayed from each rank's generator state: a "
+                     "backend that draws them elsewhere cannot be replayed (rerun with --no-dropout)")
+        return none
+
+    def local(self) -> list[Grads]:
+        if not self._locals:
+            self._locals.extend(self.ev.local())
+        return self._locals
+
+    def match(self, candidate: Grads, remaining: list[str]) -> list[str]:
+        return _matching(self.g, candidate, remaining, self.ev.tolerance, self.share)
+
+    def non_finite(self, remaining: list[str]) -> list[Diagnosis]:
+        bad = [p for p in remaining if not bool(torch.isfinite(self.g[p]).all())]
         return [Diagnosis("non_finite", "the backend's reduced gradient holds inf or NaN where the float64 oracle is "
                           "finite: an overflow inside the backend (a narrower wire dtype, an unscaled fp16 sum)", bad)]
 
-    def data(remaining: list[str]) -> list[Diagnosis]:
+    def data(self, remaining: list[str]) -> list[Diagnosis]:
+        ev, n = self.ev, self.n
         seen: dict[str, int] = {}
         for rank, digest in enumerate(ev.shard_digests):
             if digest in seen:
@@ -145,16 +171,17 @@ def diagnose_gradient(ev: GradientEvidence, failing: list[str]) -> list[Diagnosi
                               "differs between ranks (seed, sampler or shuffling)", remaining)]
         return []
 
-    def scaled(remaining: list[str]) -> list[Diagnosis]:
+    def scaled(self, remaining: list[str]) -> list[Diagnosis]:
+        g, o, n = self.g, self.o, self.n
         c = _scale_fit(g, o, remaining)
         if not math.isfinite(c) or abs(c - 1.0) < 1e-3:
             return []
-        explained = _matching(g, {p: c * o[p] for p in remaining}, remaining, ev.tolerance, share)
+        explained = self.match({p: c * o[p] for p in remaining}, remaining)
         if n > 1 and abs(c - n) <= 1e-3 * n:
             return [Diagnosis("summed", f"the reduced gradient is {n}x the oracle: gradients were summed, not averaged; "
                               "divide by the world size (op=Average / a mean comm hook)", explained)]
         if n > 1 and abs(c * n - 1.0) <= 1e-3:
-            if _loss_is_sum(ev):
+            if _loss_is_sum(self.ev):
                 return [Diagnosis("loss_sum", f"the reduced gradient is 1/{n} of the oracle because the loss is reduced "
                                   "with sum, not mean: the mean of the ranks' sums is 1/N of the global-batch sum; "
                                   "reduce the loss with mean (reduction='mean')", explained)]
@@ -163,12 +190,12 @@ def diagnose_gradient(ev: GradientEvidence, failing: list[str]) -> list[Diagnosi
         return [Diagnosis("scaled", f"the reduced gradient is {c:.4g}x the oracle: a scale factor was applied and not "
                           "undone (loss scaling, a wrong divisor)", explained)]
 
-    def unsynchronised(remaining: list[str]) -> list[Diagnosis]:
-        if n < 2:
+    def unsynchronised(self, remaining: list[str]) -> list[Diagnosis]:
+        if self.n < 2:
             return []
-        for rank, l in enumerate(local()):
-            explained = _matching(g, l, remaining, ev.tolerance, share)
-            if explained and set(explained) >= set(names):
+        for rank, l in enumerate(self.local()):
+            explained = self.match(l, remaining)
+            if explained and set(explained) >= set(self.names):
                 return [Diagnosis("unsynchronised", f"the reduced gradient equals rank {rank}'s local gradient: gradients "
                                   "were not synchronised on this step (sync switched off, or the reduction skipped)", explained)]
             if explained:
@@ -177,29 +204,29 @@ def diagnose_gradient(ev: GradientEvidence, failing: list[str]) -> list[Diagnosi
                                   "or a hook that skips them)", explained)]
         return []
 
-    def stale(remaining: list[str]) -> list[Diagnosis]:
-        if ev.previous is None:
+    def stale(self, remaining: list[str]) -> list[Diagnosis]:
+        if self.ev.previous is None:
             return []
-        prev_step, prev = ev.previous
-        explained = _matching(g, prev, remaining, ev.tolerance, share)
+        prev_step, prev = self.ev.previous
+        explained = self.match(prev, remaining)
         return [Diagnosis("stale", f"the reduced gradient is step {prev_step}'s: a stale gradient (the reduction did not "
                           "wait for this step's all-reduce, or a buffer from the previous step was used)", explained)]
 
-    def batchnorm(remaining: list[str]) -> list[Diagnosis]:
+    def batchnorm(self, remaining: list[str]) -> list[Diagnosis]:
+        ev, n, names = self.ev, self.n, self.names
         if not ev.has_batchnorm:
             return []
         k = ev.grad_accum
         out = []
         if n > 1 and not ev.sync_bn:
-            mean_local = _mean(local(), names)
-            explained = _matching(g, mean_local, remaining, ev.tolerance, share)
+            explained = self.match(_mean(self.local(), names), remaining)
             out.append(Diagnosis("batchnorm", f"BatchNorm normalised each rank's shard with that shard's own statistics "
                                  f"(local batch {ev.batch[0].shape[0] // n}), so the mean of the rank gradients is not the "
                                  "global-batch gradient; rerun with --sync-bn for global-batch statistics", explained))
         if k > 1:
             groups = _micro_batch_groups(ev.batch, n, k, across_ranks=ev.sync_bn)
             grads = [ev.oracle.oracle_of(ev.state, global_groups(group)) for group in groups]
-            explained = _matching(g, _mean(grads, names), remaining, ev.tolerance, share)
+            explained = self.match(_mean(grads, names), remaining)
             size = groups[0][0].shape[0]
             where = "across ranks (synchronised BatchNorm)" if ev.sync_bn else "on each rank"
             out.append(Diagnosis("batchnorm", f"BatchNorm normalised each micro-batch ({size} samples {where}) with its own "
@@ -208,21 +235,23 @@ def diagnose_gradient(ev: GradientEvidence, failing: list[str]) -> list[Diagnosi
                                  "micro-batch, or a normalisation without batch statistics", explained))
         return out
 
-    def wire(remaining: list[str]) -> list[Diagnosis]:
-        if n < 2:
+    def wire(self, remaining: list[str]) -> list[Diagnosis]:
+        if self.n < 2:
             return []
-        base = _mean(local(), names)
+        g, share, tolerance = self.g, self.share, self.ev.tolerance
+        base = _mean(self.local(), self.names)
         for wire_name in ("float16", "bfloat16"):
-            declared = WIRE_DTYPE[ev.compression]
+            declared = WIRE_DTYPE[self.ev.compression]
             if declared == wire_name:
                 continue
             short = {"float16": "fp16", "bfloat16": "bf16"}[wire_name]
-            sims = [_simulate_wire(local(), names, getattr(torch, wire_name), pre_divide) for pre_divide in (True, False)]
+            sims = [_simulate_wire(self.local(), self.names, getattr(torch, wire_name), pre_divide)
+                    for pre_divide in (True, False)]
             explained = []
             for p in remaining:
                 d0 = rel_fro(g[p], base[p], share)
                 d1 = min(rel_fro(g[p], s[p], share) for s in sims)
-                if d0 > ev.tolerance[p] and d1 <= 0.25 * d0:
+                if d0 > tolerance[p] and d1 <= 0.25 * d0:
                     explained.append(p)
             if explained:
                 err = max(rel_fro(g[p], base[p], share) for p in explained)
@@ -233,13 +262,11 @@ def diagnose_gradient(ev: GradientEvidence, failing: list[str]) -> list[Diagnosi
                                   "compression off", explained)]
         return []
 
-    hypotheses = [non_finite, data, scaled, unsynchronised, stale, batchnorm, wire]
-    none = ("the reduced gradient matches none of the known fault patterns (sum, 1/N, one rank's local gradient, "
-            "a stale gradient, an undeclared wire dtype, per-rank or per-micro-batch BatchNorm, duplicated data)")
-    if ev.rngs:
-        none += ("; the model draws random numbers and its masks were replayed from each rank's generator state: a "
-                 "backend that draws them elsewhere cannot be replayed (rerun with --no-dropout)")
-    return _explain(failing, hypotheses, names, none)
+
+def diagnose_gradient(ev: GradientEvidence, failing: list[str]) -> list[Diagnosis]:
+    """Explain each failing parameter by the first known fault whose gradient matches the backend's."""
+    h = _GradientHypotheses(ev)
+    return _explain(failing, h.ordered(), h.names, h.none_reason())
 
 
 def _mean(grads: list[Grads], names: list[str]) -> Grads:
@@ -314,37 +341,51 @@ class UpdateEvidence:
                               times=times, **overrides).delta
 
 
-def diagnose_update(ev: UpdateEvidence, failing: list[str]) -> list[Diagnosis]:
-    names, d, ref = ev.names, ev.delta, ev.reference
-    share = _share(ref, names)
-    n = ev.world_size
-    backend_lr = sorted({float(h["lr"]) for h in ev.backend_hparams if "lr" in h})
-    lr_said = (f"the backend's optimizer runs at lr {', '.join(f'{v:g}' for v in backend_lr)}, --lr is {ev.lr:g}"
-               if backend_lr and backend_lr != [ev.lr] else f"--lr is {ev.lr:g}")
+class _UpdateHypotheses:
+    """The known faults of an optimizer update, in the order they are tried. Each method takes the failing
+    parameters not yet explained and returns the diagnoses whose candidate update matches the backend's."""
 
-    def match(candidate: Grads, remaining: list[str]) -> list[str]:
-        return _matching(d, candidate, remaining, ev.tolerance, share)
+    NONE = ("the update matches none of the known patterns (learning rate x N, a double step, optimizer state, "
+            "weight decay, clipping, a scaled step size)")
 
-    def non_finite(remaining: list[str]) -> list[Diagnosis]:
-        bad = [p for p in remaining if not bool(torch.isfinite(d[p]).all())]
+    def __init__(self, ev: UpdateEvidence) -> None:
+        self.ev = ev
+        self.names, self.d, self.ref = ev.names, ev.delta, ev.reference
+        self.share = _share(self.ref, self.names)
+        self.n = ev.world_size
+        self.backend_lr = sorted({float(h["lr"]) for h in ev.backend_hparams if "lr" in h})
+        self.lr_said = (f"the backend's optimizer runs at lr {', '.join(f'{v:g}' for v in self.backend_lr)}, --lr is "
+                        f"{ev.lr:g}" if self.backend_lr and self.backend_lr != [ev.lr] else f"--lr is {ev.lr:g}")
+
+    def ordered(self) -> list[_Hypothesis]:
+        return [self.non_finite, self.lr_scaled, self.double_step, self.state, self.unused_zero_grad,
+                self.weight_decay, self.clipped, self.scale]
+
+    def match(self, candidate: Grads, remaining: list[str]) -> list[str]:
+        return _matching(self.d, candidate, remaining, self.ev.tolerance, self.share)
+
+    def non_finite(self, remaining: list[str]) -> list[Diagnosis]:
+        bad = [p for p in remaining if not bool(torch.isfinite(self.d[p]).all())]
         return [Diagnosis("non_finite", "the backend's update holds inf or NaN where the reference's is finite", bad)]
 
-    def lr_scaled(remaining: list[str]) -> list[Diagnosis]:
+    def lr_scaled(self, remaining: list[str]) -> list[Diagnosis]:
+        ev, n, backend_lr = self.ev, self.n, self.backend_lr
         if n < 2 or (backend_lr and all(math.isclose(v, ev.lr) for v in backend_lr)):
             return []  # the backend's optimizer runs at the run's learning rate: not this
         unsure = ("" if backend_lr else "; the backend's learning rate could not be read, and a double step of Adam "
                   "from a fresh state gives the same update")
         return [Diagnosis("lr_scaled", f"the update is {n}x the reference: the learning rate is scaled by the world size "
-                          f"(the linear-scaling rule applied in this backend only; {lr_said}); apply it in every backend "
-                          f"or in none{unsure}", match(ev.step_with(lr=ev.lr * n), remaining))]
+                          f"(the linear-scaling rule applied in this backend only; {self.lr_said}); apply it in every "
+                          f"backend or in none{unsure}", self.match(ev.step_with(lr=ev.lr * n), remaining))]
 
-    def double_step(remaining: list[str]) -> list[Diagnosis]:
-        ratio = _norm_ratio(d, ref, remaining)
+    def double_step(self, remaining: list[str]) -> list[Diagnosis]:
+        ratio = _norm_ratio(self.d, self.ref, remaining)
         return [Diagnosis("double_step", f"the optimizer step was applied twice (||update|| / ||reference|| = {ratio:.2f}): "
                           "step() runs twice per training step (in the wrapper and in the loop); call it once",
-                          match(ev.step_with(times=2), remaining))]
+                          self.match(self.ev.step_with(times=2), remaining))]
 
-    def state(remaining: list[str]) -> list[Diagnosis]:
+    def state(self, remaining: list[str]) -> list[Diagnosis]:
+        ev = self.ev
         if ev.backend_state is None or _same_state(ev.backend_state, ev.expected_state):
             return []
         trap = (" — at step 0 this is what Horovod's broadcast_optimizer_state does to a fresh optimizer: it runs step() "
@@ -353,22 +394,24 @@ def diagnose_update(ev: UpdateEvidence, failing: list[str]) -> list[Diagnosis]:
         return [Diagnosis("optimizer_state", f"the optimizer state before step {ev.step} is not {ev.expected_from}: it "
                           f"holds {state_summary(ev.backend_state)} where {state_summary(ev.expected_state)} was "
                           f"expected, and the update taken from the backend's own state matches{trap}",
-                          match(ev.step_with(state=ev.backend_state), remaining))]
+                          self.match(ev.step_with(state=ev.backend_state), remaining))]
 
-    def unused_zero_grad(remaining: list[str]) -> list[Diagnosis]:
+    def unused_zero_grad(self, remaining: list[str]) -> list[Diagnosis]:
+        ev = self.ev
         none = [p for p in remaining if ev.grads.get(p) is None]
         if not none:
             return []
         zeros = dict(ev.grads, **{p: torch.zeros_like(ev.params[p]) for p in none})
         return [Diagnosis("unused_zero_grad", "these parameters take no part in the loss; the backend gave them a zero "
                           "gradient instead of None, so its optimizer steps them (weight decay, momentum) where a single "
-                          "process leaves them alone", match(ev.step_with(grads=zeros), none))]
+                          "process leaves them alone", self.match(ev.step_with(grads=zeros), none))]
 
-    def weight_decay(remaining: list[str]) -> list[Diagnosis]:
+    def weight_decay(self, remaining: list[str]) -> list[Diagnosis]:
+        ev, d, ref = self.ev, self.d, self.ref
         out = []
         if ev.weight_decay > 0:
             out.append(Diagnosis("weight_decay", f"weight decay was not applied (--weight-decay is {ev.weight_decay:g})",
-                                 match(ev.step_with(weight_decay=0.0), remaining)))
+                                 self.match(ev.step_with(weight_decay=0.0), remaining)))
         theta = flat(ev.params, remaining)
         resid = flat(d, remaining) - flat(ref, remaining)
         denom = float(theta @ theta)
@@ -379,10 +422,11 @@ def diagnose_update(ev: UpdateEvidence, failing: list[str]) -> list[Diagnosis]:
             out.append(Diagnosis("weight_decay", f"weight decay differs: the parameters {'shrink' if c > 0 else 'grow'} by "
                                  f"an extra {abs(c):.3g} of themselves per step (lr x wd = {abs(c):.3g}, wd = "
                                  f"{abs(c) / ev.lr:.3g} {word} --weight-decay {ev.weight_decay:g})",
-                                 match(candidate, remaining)))
+                                 self.match(candidate, remaining)))
         return out
 
-    def clipped(remaining: list[str]) -> list[Diagnosis]:
+    def clipped(self, remaining: list[str]) -> list[Diagnosis]:
+        ev, d = self.ev, self.d
         usable = {p: g for p, g in ev.grads.items() if g is not None}
         if not usable:
             return []
@@ -403,19 +447,20 @@ def diagnose_update(ev: UpdateEvidence, failing: list[str]) -> list[Diagnosis]:
         return [Diagnosis("clipped", f"the gradient was clipped before the step (scaled by {s:.3g}: total norm "
                           f"{total:.3g} capped at {s * total:.3g}); set the same clipping in every backend or none "
                           "(DeepSpeed clips at 1.0 by default since 0.19.3: gradient_clipping)",
-                          match(scaled(s), remaining))]
+                          self.match(scaled(s), remaining))]
 
-    def scale(remaining: list[str]) -> list[Diagnosis]:
-        c = _scale_fit(d, ref, remaining)
+    def scale(self, remaining: list[str]) -> list[Diagnosis]:
+        c = _scale_fit(self.d, self.ref, remaining)
         if not math.isfinite(c) or abs(c - 1.0) < 1e-3:
             return []
-        return [Diagnosis("scaled", f"the update is {c:.4g}x the reference: the step size differs ({lr_said})",
-                          match({p: c * ref[p] for p in remaining}, remaining))]
+        return [Diagnosis("scaled", f"the update is {c:.4g}x the reference: the step size differs ({self.lr_said})",
+                          self.match({p: c * self.ref[p] for p in remaining}, remaining))]
 
-    hypotheses = [non_finite, lr_scaled, double_step, state, unused_zero_grad, weight_decay, clipped, scale]
-    none = ("the update matches none of the known patterns (learning rate x N, a double step, optimizer state, "
-            "weight decay, clipping, a scaled step size)")
-    return _explain(failing, hypotheses, names, none)
+
+def diagnose_update(ev: UpdateEvidence, failing: list[str]) -> list[Diagnosis]:
+    """Explain each failing parameter by the first known fault whose update matches the backend's."""
+    h = _UpdateHypotheses(ev)
+    return _explain(failing, h.ordered(), h.names, h.NONE)
 
 
 def _norm_ratio(a: Grads, b: Grads, names: list[str]) -> float:

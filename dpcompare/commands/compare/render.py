@@ -1,0 +1,135 @@
+"""What `compare` prints: the verdict table (is it the same computation?) with the gradient matrix and the
+unused-parameter lines under it, the cost table (what does it cost?), and the --sweep table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from dpcompare.commands.compare.plan import Job, capabilities
+from dpcompare.results import note_code, note_text
+
+STATUS_STYLE = {"equivalent": "green", "different": "red", "failed": "red", "timeout": "red", "unverifiable": "yellow"}
+
+
+def _fmt(x: float | None, spec: str = ".2e") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _note(job: Job) -> str:
+    """The last column of the verdict table: the first divergence, else why the run could not be checked,
+    else the job's error, else a pass-through note."""
+    e = (job.result or {}).get("equivalence") or {}
+    d = e.get("first_divergence")
+    if d:
+        # Results written before the update and trajectory checks name no check: theirs was the gradient's.
+        return f"step {d['step']} ({d.get('check', 'gradient')} check) {d['parameter']}: {d['reason']}"
+    if e.get("unverifiable_reason"):
+        return e["unverifiable_reason"]
+    if job.error:
+        return job.error
+    if any(note_code(n) == "no_parallelism" for n in e.get("notes", [])):
+        return "no parallelism on CPU (pass-through)"
+    return ""
+
+
+def render(console, jobs: list[Job], unavailable: list[dict], matrix: dict[str, Any],
+           unused: list[dict[str, Any]] | None = None) -> None:
+    """The verdict table, the gradient matrix at its first step, and one line per unused-parameter group."""
+    console.print(_verdict_table(jobs, unavailable))
+    if matrix["steps"]:
+        table, reasons = _matrix_table(matrix)
+        console.print(table)
+        for reason in reasons:
+            console.print(f"n/a: {reason}", highlight=False)
+    for entry in unused or []:
+        console.print(entry["line"], highlight=False)
+
+
+def _verdict_table(jobs: list[Job], unavailable: list[dict]) -> Table:
+    table = Table(title="dpcompare: is it the same computation?", show_lines=False)
+    # Two-line headers keep the figures narrow enough for the note to have room at width 160.
+    # x floor: the worst error in multiples of the run dtype's own noise floor; norm: ||update|| / ||reference update||.
+    for col in ("backend", "ws", "launcher", "verdict", "grad\nrel err", "grad\nfloor", "grad\nx floor",
+                "update\nx floor", "update\nnorm", "traj\nx floor", "replicas", "s"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("first divergence / note", overflow="fold", min_width=24)
+    for j in jobs:
+        r = j.result or {}
+        e = r.get("equivalence", {})
+        checks = e.get("checks") or {}
+        update, trajectory = checks.get("update") or {}, checks.get("trajectory") or {}
+        table.add_row(j.backend, str(j.world_size), r.get("launcher", j.launcher),
+                      f"[{STATUS_STYLE.get(j.status, 'white')}]{j.status}[/]", _fmt(e.get("max_rel_fro_err")),
+                      _fmt(e.get("noise_floor_rel_fro")), _fmt(e.get("noise_ratio"), ".2f"),
+                      _fmt(update.get("noise_ratio"), ".2f"), _fmt(update.get("norm_ratio"), ".4f"),
+                      _fmt(trajectory.get("noise_ratio"), ".2f"),
+                      {True: "identical", False: "DIFFER"}.get(e.get("replicas_identical"), "-"),
+                      _fmt(j.wall_s, ".0f"), Text(_note(j)))  # Text: a log line's [brackets] are not markup
+    for u in unavailable:
+        table.add_row(u["backend"], "-", capabilities(u["backend"]).native_launcher, "[yellow]unavailable[/]",
+                      "-", "-", "-", "-", "-", "-", "-", "-", u["reason"])
+    return table
+
+
+def _matrix_table(matrix: dict[str, Any]) -> tuple[Table, list[str]]:
+    """The matrix at its first step in noise floors, and the reasons behind its n/a cells (each once)."""
+    step = str(matrix["steps"][0])
+    table = Table(title=f"gradient matrix at step {step}, in noise floors (0 = bitwise equal)")
+    table.add_column("run", no_wrap=True)
+    for label in ["oracle", *matrix["labels"]]:
+        table.add_column(label, justify="right", no_wrap=True)
+    reasons: list[str] = []
+    for a in matrix["labels"]:
+        row = matrix["per_step"][step][a]
+        cells = []
+        for b in ["oracle", *matrix["labels"]]:
+            reason = (row.get("not_comparable") or {}).get(b)
+            if reason is not None:
+                if reason not in reasons:
+                    reasons.append(reason)
+                cells.append("n/a")
+            else:
+                cells.append("0" if row["rel_err"][b] == 0 else _fmt(row["in_noise_floors"][b], ".2f"))
+        table.add_row(a, *cells)
+    return table, reasons
+
+
+def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None:
+    eff = {row["label"]: row["efficiency"] for row in scaling}
+    table = Table(title="what does it cost? (measured steps; a step is as slow as its slowest rank)")
+    for col in ("run", "samples/s", "scaling eff", "step p50 ms", "compute ms", "exposed comm ms", "total comm ms",
+                "overlap", "busbw GB/s", "vs microbench", "peak MiB"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for j in jobs:
+        m = (j.result or {}).get("metrics") or {}
+        table.add_row(j.label, _fmt(m.get("samples_per_s"), ".0f"), _fmt(eff.get(j.label), ".2f"),
+                      _fmt(m.get("step_ms_p50"), ".2f"), _fmt(m.get("compute_ms_p50"), ".2f"),
+                      _fmt(m.get("comm_exposed_ms"), ".2f"), _fmt(m.get("comm_total_ms"), ".2f"),
+                      _fmt(m.get("overlap_fraction"), ".2f"), _fmt(m.get("busbw_gbps"), ".3f"),
+                      _fmt(m.get("busbw_vs_microbench"), ".2f"), _fmt(m.get("peak_mem_mib"), ".0f"))
+    console.print(table)
+
+
+def _sweep_note(job: Job) -> str:
+    """The job's error, else the run's own notes that the knob does not apply to its backend."""
+    notes = ((job.result or {}).get("equivalence") or {}).get("notes", [])
+    return job.error or "; ".join(note_text(n) for n in notes if note_code(n) == "knob_not_applicable")
+
+
+def render_sweep(console, jobs: list[Job], skipped: list[dict]) -> None:
+    table = Table(title="sweep: one knob at a time")
+    for col in ("backend", "ws", "knob", "verdict", "rel err", "step p50 ms", "exposed comm ms", "busbw GB/s", "note"):
+        table.add_column(col, no_wrap=col != "note", overflow="fold")
+    for j in jobs:
+        r = j.result or {}
+        e, m = r.get("equivalence", {}), r.get("metrics") or {}
+        table.add_row(j.backend, str(j.world_size), j.variant, j.status, _fmt(e.get("max_rel_fro_err")),
+                      _fmt(m.get("step_ms_p50"), ".2f"), _fmt(m.get("comm_exposed_ms"), ".2f"),
+                      _fmt(m.get("busbw_gbps"), ".3f"), _sweep_note(j))
+    for k in skipped:
+        table.add_row(k["backend"], "-", k["knob"], "n/a", "-", "-", "-", "-", k["reason"])
+    console.print(table)

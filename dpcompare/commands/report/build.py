@@ -1,0 +1,167 @@
+"""Building one report: load the inputs, choose the runs to report and their scaling baseline, draw the
+plots, assemble report.md from its sections in reading order and write it atomically."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from dpcompare.commands.report.derive import (Baseline, Derived, derive, newest_per_backend_world_size,
+                                              scaling_baseline, scaling_mode, variant_of)
+from dpcompare.commands.report.load import Inputs, label, load_inputs, metric
+from dpcompare.commands.report.markdown import (Footnotes, cost_sections, environment_section, footnotes_section,
+                                                inputs_not_used_section, microbench_section, plot_md, sweep_section,
+                                                unavailable_section, verdict_section)
+from dpcompare.commands.report.plots_cost import plot_busbw, plot_step_breakdown, plot_throughput
+from dpcompare.commands.report.plots_verify import plot_heatmap, plot_trajectory_drift
+from dpcompare.commands.report.style import (ALL_PLOTS, PLOT_BREAKDOWN, PLOT_BUSBW, PLOT_HEATMAP, PLOT_THROUGHPUT,
+                                             PLOT_TRAJECTORY)
+from dpcompare.results import write_text_atomic
+
+BREAKDOWN_CAPTION = "Compute = the step with gradient sync switched off; exposed communication = synced - unsynced step."
+HEATMAP_CAPTION = (
+    "Rows: the run whose reduced gradient is measured; columns: the float64 oracle and every other run. "
+    "Values: ||g_row - g_col|| / ||oracle|| in units of that run's float32 noise floor; 0 = bitwise "
+    "equal; grey n/a = noise floor of 0, or two runs whose forward draws random numbers at different world "
+    "sizes (they drew different dropout masks: the distance would measure randomness, not rounding).")
+TRAJECTORY_CAPTION = (
+    "Each run's parameter distance to a float64 single process after every verification step, "
+    "against the floor (solid: a single process in the run dtype) and the pass tolerance (dashed), "
+    "grey when all runs share them, else faint in each run's colour; red rings mark failed steps.")
+
+
+@dataclass(slots=True)
+class Report:
+    path: Path
+    runs: list[dict[str, Any]]
+    derived: list[Derived]
+    skipped: list[str]
+
+
+class Plot(NamedTuple):
+    name: str
+    title: str
+    why: str | None
+    """Why it was skipped; None when drawn."""
+    caption: str
+
+
+@dataclass(slots=True)
+class Selection:
+    """What the report is about: the newest run per backend and world size among those that vary no knob, the
+    sweep variants, the scaling baseline, the scaling mode and each reported run's derived figures."""
+    runs: list[dict[str, Any]]
+    variants: list[dict[str, Any]]
+    baseline: Baseline
+    scaling: str
+    derived: list[Derived]
+
+
+def _load(in_dir: Path) -> Inputs:
+    inputs = load_inputs(in_dir)
+    for item in inputs.skipped:
+        print(f"dpcompare: warning: skipped {item}", file=sys.stderr, flush=True)
+    if not inputs.runs and inputs.compare is None and not inputs.collectives:
+        raise ValueError(
+            f"{str(in_dir)!r} holds no dpcompare result JSON (searched recursively; {len(inputs.skipped)} file(s) "
+            "skipped as malformed): expected run results (*.json with schema_version and backend, from python -m "
+            "dpcompare --out DIR), a compare.json (python -m dpcompare compare) or a collectives benchmark")
+    return inputs
+
+
+def select(inputs: Inputs) -> Selection:
+    # Runs that vary no knob make the tables and plots; sweep variants get their own table.
+    runs = newest_per_backend_world_size(r for r in inputs.runs if not variant_of(r))
+    baseline = scaling_baseline(runs)
+    return Selection(runs, [r for r in inputs.runs if variant_of(r)], baseline, scaling_mode(runs, inputs.compare),
+                     [derive(r, baseline) for r in runs])
+
+
+def _throughput_caption(baseline: Baseline) -> str:
+    if baseline.throughput is None:
+        return f"No ideal line: {baseline.reason}."
+    return (f"Dashed: the scaling baseline's ({label(baseline.run)}) samples/s at world size 1 times N; "
+            "right: scaling efficiency.")
+
+
+def _busbw_plot(inputs: Inputs, runs: list[dict[str, Any]], link_peak_gbps: float | None, out_dir: Path) -> Plot:
+    why, sentence = plot_busbw(inputs.collectives, runs, link_peak_gbps, out_dir / PLOT_BUSBW)
+    unplaced = [label(r) for r in runs if metric(r, "busbw_gbps")[0] and not metric(r, "bucket_bytes")[0]]
+    if unplaced:
+        sentence += f" Not placed (busbw without bucket_bytes): {', '.join(unplaced)}."
+    return Plot(PLOT_BUSBW, "Bus bandwidth vs message size", why, sentence)
+
+
+def draw_plots(inputs: Inputs, sel: Selection, link_peak_gbps: float | None, out_dir: Path) -> tuple[list[Plot], Plot]:
+    """(the plots for the Plots section, the trajectory drift plot shown beside the verdict)."""
+    for name in ALL_PLOTS:
+        (out_dir / name).unlink(missing_ok=True)  # a skipped plot must not leave a stale one behind
+    runs = sel.runs
+    plots = [
+        Plot(PLOT_THROUGHPUT, "Throughput vs world size",
+             plot_throughput(runs, sel.baseline.throughput, sel.scaling, out_dir / PLOT_THROUGHPUT),
+             _throughput_caption(sel.baseline)),
+        Plot(PLOT_BREAKDOWN, "Step time breakdown", plot_step_breakdown(runs, out_dir / PLOT_BREAKDOWN),
+             BREAKDOWN_CAPTION),
+        _busbw_plot(inputs, runs, link_peak_gbps, out_dir),
+        Plot(PLOT_HEATMAP, "Gradient error matrix", plot_heatmap(inputs.compare, out_dir / PLOT_HEATMAP),
+             HEATMAP_CAPTION),
+    ]
+    drift = Plot(PLOT_TRAJECTORY, "Trajectory drift", plot_trajectory_drift(runs, out_dir / PLOT_TRAJECTORY),
+                 TRAJECTORY_CAPTION)
+    return plots, drift
+
+
+def _header(in_dir: Path, inputs: Inputs, sel: Selection) -> list[str]:
+    stamps = [r["created_unix"] for r in inputs.runs if isinstance(r.get("created_unix"), (int, float))]
+    span = (f"; runs from {time.strftime('%Y-%m-%d %H:%M', time.localtime(min(stamps)))} to "
+            f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(max(stamps)))}" if stamps else "")
+    superseded = len(inputs.runs) - len(sel.runs) - len(sel.variants)
+    lines = ["# dpcompare report", "",
+             f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} from `{in_dir}`" + span + ".", "",
+             f"{len(sel.runs)} run(s) reported ({superseded} older result(s) for the same "
+             f"backend and world size superseded by newer ones, {len(sel.variants)} sweep variant(s)), scaling: "
+             f"{sel.scaling}, {len(inputs.collectives)} microbenchmark curve(s), "
+             f"{'a' if inputs.compare else 'no'} compare summary.", ""]
+    batch = ("local_batch", "per-rank batches") if sel.scaling == "weak" else ("global_batch", "global batches")
+    for key, what in (("model", "models"), batch):
+        seen = sorted({str(r.get(key)) for r in sel.runs})
+        if len(seen) > 1:
+            lines += [f"**Note:** the runs mix {what} ({', '.join(seen)}): their costs are not directly comparable.", ""]
+    return lines
+
+
+def compose(in_dir: Path, inputs: Inputs, sel: Selection, plots: list[Plot], drift: Plot) -> list[str]:
+    """report.md line by line; the footnotes are numbered in the order the sections are built."""
+    notes = Footnotes()
+    lines = _header(in_dir, inputs, sel)
+    if sel.runs:
+        lines += ["## Environment", "", *environment_section(sel.runs)]
+        lines += ["## Is it the same computation?", "", *verdict_section(sel.runs, inputs.compare, notes), ""]
+        lines += plot_md(*drift)
+    lines += unavailable_section(inputs.compare)
+    lines += ["## What does it cost?", ""]
+    lines += cost_sections(sel.runs, sel.derived, notes) if sel.runs else ["No run results: nothing to cost.", ""]
+    lines += sweep_section(sel.variants)
+    lines += microbench_section(inputs.collectives, inputs.unavailable_transports)
+    lines += ["## Plots", ""]
+    for plot in plots:
+        lines += plot_md(*plot)
+    lines += inputs_not_used_section(inputs.skipped, inputs.ignored)
+    lines += footnotes_section(notes)
+    return lines
+
+
+def write_report(in_dir: Path, out_dir: Path | None, link_peak_gbps: float | None) -> Report:
+    if link_peak_gbps is not None and not link_peak_gbps > 0:
+        raise ValueError(f"--link-peak-gbps must be a positive number of GB/s, got {link_peak_gbps}")
+    inputs = _load(in_dir)
+    out_dir = in_dir if out_dir is None else out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sel = select(inputs)
+    plots, drift = draw_plots(inputs, sel, link_peak_gbps, out_dir)
+    path = write_text_atomic(out_dir / "report.md", "\n".join(compose(in_dir, inputs, sel, plots, drift)))
+    return Report(path, sel.runs, sel.derived, inputs.skipped)

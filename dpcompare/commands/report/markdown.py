@@ -1,0 +1,291 @@
+"""The Markdown of report.md, section by section: the verdict table, the cost tables (throughput and step
+time, communication, memory), the sweep, the collective microbenchmarks, the environment and the plots.
+Every n/a cell points at a numbered footnote holding its reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from dpcompare.commands.report.derive import Derived, fmt_sweep, format_bytes, num, variant_of
+from dpcompare.commands.report.load import created, is_number, label, metric, reasons, run_order
+
+NO_CHECKS = ("this result has no equivalence.checks (written before dpcompare checked the update and the "
+             "trajectory): rerun to check them")
+VERDICT_INTRO = (
+    "Three checks per checked step, each as its worst error in multiples of the run dtype's own noise floor "
+    "(x floor): the reduced gradient against the float64 oracle, the update against a float64 optimizer step "
+    "from the same parameters and state (norm ratio: ||update|| / ||reference update||, 1 = the same step "
+    "length), and the trajectory, the parameters' distance to a float64 single process trained beside the "
+    "run. **unverifiable**: part of the run could not be checked; the reason is in the last column.")
+VERDICT_HEADER = ["backend", "ws", "launcher", "model", "verdict", "gradient (x floor)", "gradient max rel fro err",
+                  "update (x floor)", "update norm ratio", "trajectory (x floor)",
+                  "first divergence / unverifiable reason / error"]
+
+
+# -- tables and footnotes -------------------------------------------------------------------------------
+class Footnotes:
+    """n/a cells point at a numbered reason; one number per distinct reason."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+
+    def na(self, reason: str) -> str:
+        return f"n/a[^{self._ids.setdefault(reason, len(self._ids) + 1)}]"
+
+    def lines(self) -> list[str]:
+        return [f"[^{n}]: {escape(reason)}" for reason, n in self._ids.items()]
+
+
+def escape(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    out += ["| " + " | ".join(escape(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def cell(run: dict[str, Any], name: str, notes: Footnotes, fmt: Callable[[Any], str] = num) -> str:
+    value, reason = metric(run, name)
+    return notes.na(reason) if value is None else fmt(value)
+
+
+def plot_md(name: str, title: str, why: str | None, caption: str) -> list[str]:
+    return [f"### {title}", "", *([f"![{title}]({name})", "", caption, ""] if why is None else
+                                  [f"Skipped `{name}`: {why}.", ""])]
+
+
+# -- is it the same computation? ----------------------------------------------------------------------------
+def verdict_cell(verdict: str) -> str:
+    """Bold where the verdict is not a clean pass: the reader's eye goes there first."""
+    return f"**{verdict}**" if verdict in ("different", "unverifiable", "failed", "timeout") else verdict
+
+
+@dataclass(slots=True)
+class _VerdictFigures:
+    """The cells of one run's verdict row, each a figure or n/a with its reason."""
+    e: dict[str, Any]
+    notes: Footnotes
+    unchecked: str | None
+    unverifiable: str | None
+
+    def figure(self, name: str, spec: str) -> str:
+        v = self.e.get(name)
+        return format(v, spec) if is_number(v) else self.notes.na(
+            self.unchecked or self.unverifiable
+            or f"equivalence.{name} is {'null' if v is None else repr(v)} and no reason was recorded")
+
+    def check_figure(self, check: str, name: str, spec: str) -> str:
+        checks = self.e.get("checks")
+        if not isinstance(checks, dict):
+            return self.notes.na(self.unchecked or NO_CHECKS)
+        c = checks.get(check) if isinstance(checks.get(check), dict) else {}
+        v, status = c.get(name), c.get("status")
+        if is_number(v):
+            return format(v, spec)
+        if status == "unverifiable":
+            return self.notes.na(self.unverifiable or f"the {check} check could not be made and no reason was recorded")
+        if status == "off":
+            return self.notes.na(self.unchecked or f"the {check} check did not run (checks.{check}.status: off)")
+        return self.notes.na(f"equivalence.checks.{check}.{name} is {'null' if v is None else repr(v)} and no reason "
+                             "was recorded")
+
+    def divergence(self) -> str:
+        d = self.e.get("first_divergence")
+        if not d:
+            return self.unverifiable or "none"
+        check = f" ({d['check']} check)" if d.get("check") else ""
+        return f"step {d.get('step')}{check}, `{d.get('parameter')}`: {d.get('reason', '')}"
+
+
+def _verdict_row(run: dict[str, Any], notes: Footnotes) -> list[str]:
+    e = run.get("equivalence") or {}
+    verdict = e.get("verdict") or "n/a"
+    f = _VerdictFigures(e, notes, "no gradient check ran (verdict unchecked)" if verdict == "unchecked" else None,
+                        e.get("unverifiable_reason") if verdict == "unverifiable" else None)
+    return [run["backend"], str(run["world_size"]), str(run.get("launcher", "?")), str(run.get("model", "?")),
+            verdict_cell(verdict), f.figure("noise_ratio", ".2f"), f.figure("max_rel_fro_err", ".2e"),
+            f.check_figure("update", "noise_ratio", ".2f"), f.check_figure("update", "norm_ratio", ".4f"),
+            f.check_figure("trajectory", "noise_ratio", ".2f"), f.divergence()]
+
+
+def _failed_job_rows(runs: list[dict[str, Any]], compare: dict[str, Any] | None) -> list[list[str]]:
+    """Jobs the compare summary lists as failed or timed out that left no result behind."""
+    have = {(r["backend"], r["world_size"]) for r in runs}
+    return [[str(job.get("backend")), str(job.get("world_size")), "-", "-", verdict_cell(job["status"]),
+             "-", "-", "-", "-", "-", job.get("error") or "no result written"]
+            for job in (compare or {}).get("runs") or []
+            if job.get("status") in ("failed", "timeout") and (job.get("backend"), job.get("world_size")) not in have]
+
+
+def verdict_section(runs: list[dict[str, Any]], compare: dict[str, Any] | None, notes: Footnotes) -> list[str]:
+    rows = [_verdict_row(run, notes) for run in runs] + _failed_job_rows(runs, compare)
+    return [VERDICT_INTRO, "", *table(VERDICT_HEADER, rows)]
+
+
+# -- what does it cost? -----------------------------------------------------------------------------------
+def _stragglers(value: list[Any]) -> str:
+    shown = []
+    for s in value:
+        if not isinstance(s, dict):
+            continue
+        fraction, excess = s.get("slowest_fraction"), s.get("excess_ms_mean")
+        shown.append(f"rank {s.get('rank')} (" + (f"{fraction:.0%} slowest" if is_number(fraction) else "slowest")
+                     + (f", {excess:+.3g} ms" if is_number(excess) else "") + ")")
+    return "; ".join(shown) or "none"
+
+
+def _time_rows(runs: list[dict[str, Any]], derived: list[Derived], tokens: bool, notes: Footnotes) -> list[list[str]]:
+    rows = []
+    for run, d in zip(runs, derived):
+        warm, (measured, measured_reason) = metric(run, "warmup_steps")[0], metric(run, "measured_steps")
+        strag, strag_reason = metric(run, "stragglers")
+        rows.append([
+            run["backend"], str(run["world_size"]), cell(run, "samples_per_s", notes),
+            *([cell(run, "tokens_per_s", notes)] if tokens else []),
+            f"{d.efficiency:.2f}" if d.efficiency is not None else notes.na(d.efficiency_reason),
+            cell(run, "step_ms_p50", notes), cell(run, "step_ms_p90", notes), cell(run, "compute_ms_p50", notes),
+            cell(run, "comm_exposed_ms", notes),
+            num(d.other_ms) if d.other_ms is not None else notes.na(d.other_reason),
+            cell(run, "rank_spread_ms_p50", notes),
+            notes.na(strag_reason) if strag is None else _stragglers(strag),
+            notes.na(measured_reason) if measured is None else f"{measured}" + (f" (+{warm} warm-up)" if warm else "")])
+    return rows
+
+
+def _comm_rows(runs: list[dict[str, Any]], derived: list[Derived], notes: Footnotes) -> list[list[str]]:
+    rows = []
+    for run, d in zip(runs, derived):
+        total, total_reason = metric(run, "comm_total_ms")
+        method = metric(run, "comm_total_method")[0]
+        rows.append([
+            run["backend"], str(run["world_size"]), cell(run, "grad_bytes_per_step", notes, format_bytes),
+            cell(run, "bucket_bytes", notes, format_bytes),
+            notes.na(total_reason) if total is None else num(total) + (f" ({method})" if method else ""),
+            cell(run, "comm_exposed_ms", notes), cell(run, "overlap_fraction", notes, lambda v: f"{v:.0%}"),
+            cell(run, "tcomm_model_ms", notes), cell(run, "algbw_gbps", notes), cell(run, "busbw_gbps", notes),
+            cell(run, "microbench_busbw_gbps", notes),
+            f"{d.busbw_ratio:.2f}" if d.busbw_ratio is not None else notes.na(d.busbw_ratio_reason)])
+    return rows
+
+
+def _memory_rows(runs: list[dict[str, Any]], notes: Footnotes) -> list[list[str]]:
+    rows = []
+    for run in runs:
+        state, state_reason = metric(run, "model_state_mib")
+        cells = []
+        for part in ("params", "grads", "optimizer", "comm_buffers", "total"):
+            value = state.get(part) if state is not None else None
+            cells.append(num(value) if is_number(value) else notes.na(
+                state_reason or reasons(run).get(f"model_state_mib.{part}")
+                or f"model_state_mib.{part} is {'null' if value is None else repr(value)} and no reason was recorded"))
+        rows.append([run["backend"], str(run["world_size"]), cell(run, "peak_mem_mib", notes), *cells])
+    return rows
+
+
+def cost_sections(runs: list[dict[str, Any]], derived: list[Derived], notes: Footnotes) -> list[str]:
+    # One table after the other, so the footnote numbers run in reading order.
+    tokens = any(metric(r, "tokens_per_s")[0] is not None for r in runs)
+    lines = [
+        "### Throughput and step time", "",
+        "Scaling efficiency = samples/s at N / (N x samples/s of the scaling baseline, the run at world size 1 "
+        "whose capabilities.scaling_baseline is true). Times are p50 over measured steps of the slowest rank, in "
+        "ms; other = step - compute - exposed comm, floored at 0.", "",
+        *table(["backend", "ws", "samples/s", *(["tokens/s"] if tokens else []), "scaling eff.", "step p50",
+                "step p90", "compute p50", "exposed comm", "other", "rank spread p50", "stragglers",
+                "measured steps"], _time_rows(runs, derived, tokens, notes)), ""]
+    lines += [
+        "### Communication", "",
+        "Total comm is the backend's own counter (method in brackets); exposed comm is the ablation (synced - "
+        "unsynced step). Bandwidths in GB/s follow nccl-tests (busbw = algbw x 2(N-1)/N for all-reduce).", "",
+        *table(["backend", "ws", "grad bytes/step", "bucket", "total comm (ms)", "exposed comm (ms)", "overlap",
+                "model t_comm (ms)", "algbw", "busbw", "microbench busbw", "busbw / microbench"],
+               _comm_rows(runs, derived, notes)), ""]
+    lines += [
+        "### Memory (MiB)", "",
+        *table(["backend", "ws", "peak", "params", "grads", "optimizer", "comm buffers", "model state total"],
+               _memory_rows(runs, notes)), ""]
+    return lines
+
+
+def sweep_section(variants: list[dict[str, Any]]) -> list[str]:
+    if not variants:
+        return []
+    rows = [[str(r["backend"]), str(r["world_size"]), variant_of(r),
+             verdict_cell(str(r.get("equivalence", {}).get("verdict"))),
+             fmt_sweep(r.get("equivalence", {}).get("max_rel_fro_err"), ".2e"),
+             fmt_sweep(metric(r, "step_ms_p50")[0], ".2f"), fmt_sweep(metric(r, "comm_exposed_ms")[0], ".2f"),
+             fmt_sweep(metric(r, "busbw_gbps")[0], ".3f")]
+            for r in sorted(variants, key=lambda r: (run_order(r), variant_of(r)))]
+    return ["## Sweep (one knob at a time)", "",
+            "Each row changes one knob from the baseline run of the same backend and world size.", "",
+            *table(["backend", "ws", "knob", "verdict", "max rel fro err", "step p50 (ms)", "exposed comm (ms)",
+                    "busbw (GB/s)"], rows), ""]
+
+
+def microbench_section(entries: list[dict[str, Any]], unavailable: list[dict[str, Any]]) -> list[str]:
+    if not entries and not unavailable:
+        return []
+    rows = []
+    for e in entries:
+        good = [s for s in e["sizes"] if s.get("busbw_gbps") is not None and s.get("correct") is not False]
+        top = max(good, key=lambda s: s["busbw_gbps"], default=None)
+        wrong = [format_bytes(s["bytes"]) for s in e["sizes"] if s.get("correct") is False]
+        status = str(e.get("status") or "ok") + (f": {e['error']}" if e.get("error") else "")
+        rows.append([str(e.get("transport") or "?"), str(e.get("backend") or "-"), str(e["world_size"]),
+                     str(e.get("device") or "-"), status, str(len(e["sizes"])),
+                     "-" if top is None else num(top["busbw_gbps"]),
+                     "-" if top is None else format_bytes(top["bytes"]), ", ".join(wrong) or "none"])
+    rows += [[str(u.get("transport")), "-", "-", "-", f"unavailable: {u.get('reason')}", "0", "-", "-", "-"]
+             for u in unavailable]
+    return ["### Collective microbenchmarks", "",
+            *table(["transport", "backend", "N", "device", "status", "sizes", "best busbw (GB/s)", "at",
+                    "wrong results at"], rows), ""]
+
+
+# -- where the numbers come from ---------------------------------------------------------------------------
+ENV_ORDER = ["dpcompare", "python", "torch", "cuda", "nccl", "gloo", "deepspeed", "horovod", "mpi", "mpi4py", "host",
+             "platform", "cpu_count", "device_names"]
+
+
+def _show_env(v: Any) -> str:
+    if v is None:
+        return "not installed / not found"
+    return ", ".join(map(str, v)) if isinstance(v, list) else str(v)
+
+
+def environment_section(runs: list[dict[str, Any]]) -> list[str]:
+    newest = max(runs, key=created)
+    env = newest.get("env") or {}
+    keys = [k for k in ENV_ORDER if k in env] + sorted(k for k in env if k not in ENV_ORDER)
+    lines = [f"From the newest run ({label(newest)}, {newest['_source']}).", "",
+             *table(["component", "version / value"], [[k, _show_env(env[k])] for k in keys]), ""]
+    for key in ("host", "torch"):
+        seen = sorted({str((r.get("env") or {}).get(key)) for r in runs})
+        if len(seen) > 1:
+            lines += [f"Note: the reported runs come from more than one {key}: {', '.join(seen)}.", ""]
+    return lines
+
+
+def unavailable_section(compare: dict[str, Any] | None) -> list[str]:
+    unavailable = (compare or {}).get("unavailable") or []
+    if not unavailable:
+        return []
+    return ["## Unavailable backends", "",
+            *table(["backend", "reason"], [[str(u.get("backend")), str(u.get("reason"))] for u in unavailable]), ""]
+
+
+def inputs_not_used_section(skipped: list[str], ignored: int) -> list[str]:
+    if not skipped and not ignored:
+        return []
+    lines = ["## Inputs not used", "", *[f"- skipped {escape(s)}" for s in skipped]]
+    if ignored:
+        lines += [f"- {ignored} JSON file(s) that are not dpcompare results were ignored"]
+    return lines + [""]
+
+
+def footnotes_section(notes: Footnotes) -> list[str]:
+    footnotes = notes.lines()
+    return ["## Why values are n/a", "", *footnotes, ""] if footnotes else []

@@ -1,0 +1,249 @@
+"""The cost plots: throughput and scaling efficiency against world size, where a step's time goes, and bus
+bandwidth by message size (microbenchmark curves with the training runs placed at their bucket size).
+Each plot function draws its PNG and returns None, or returns why it was skipped and draws nothing."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+from dpcompare.commands.report.derive import STEP_PARTS, format_bytes
+from dpcompare.commands.report.load import label, metric
+from dpcompare.commands.report.style import TRAINING_MARKERS, colour, marker, save
+from dpcompare.measure.scaling import other_ms, scaling_efficiency
+
+
+# -- throughput ------------------------------------------------------------------------------------------
+def _throughput_series(runs: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    series: dict[str, list[tuple[int, float]]] = {}
+    for run in runs:
+        samples, _ = metric(run, "samples_per_s")
+        if samples is not None:
+            series.setdefault(run["backend"], []).append((run["world_size"], samples))
+    for points in series.values():
+        points.sort()
+    return series
+
+
+def _draw_throughput(axes: list[Axes], series: dict[str, list[tuple[int, float]]], baseline: float | None,
+                     sizes: list[int], ideal: str) -> float:
+    """The ideal line and one line per backend; returns the largest efficiency drawn (at least 1)."""
+    if baseline is not None:
+        axes[0].plot(sizes, [baseline * n for n in sizes], "--", color="black", linewidth=1.2, label=ideal)
+        axes[1].axhline(1.0, linestyle="--", color="black", linewidth=1.2, label=ideal)
+    best_eff = 1.0
+    for backend, points in series.items():
+        xs, ys = zip(*points)
+        style = dict(color=colour(backend), marker=marker(backend), markersize=7, label=backend)
+        axes[0].plot(xs, ys, "-", **style)
+        if baseline is not None:
+            effs = [scaling_efficiency(y, x, baseline) for x, y in points]
+            axes[1].plot(xs, effs, "-", **style)
+            best_eff = max(best_eff, *effs)
+    return best_eff
+
+
+def _world_size_axes(axes: list[Axes], sizes: list[int]) -> None:
+    for ax in axes:
+        if sizes[-1] / sizes[0] >= 16:
+            ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(sizes))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x:g}"))
+        ax.set_xlabel("world size (processes)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+
+
+def plot_throughput(runs: list[dict[str, Any]], baseline_throughput: float | None, scaling: str,
+                    path: Path) -> str | None:
+    """samples/s against world size per backend with the ideal line N x the scaling baseline's samples/s,
+    and beside it the scaling efficiency when the baseline is known. Returns why it was skipped, or None
+    when drawn."""
+    series = _throughput_series(runs)
+    if not series:
+        return "no run recorded samples_per_s (see the n/a reasons in the cost table)"
+    panels = 2 if baseline_throughput is not None else 1
+    fig = Figure(figsize=(6.5 * panels, 4.8), layout="constrained")
+    axes = list(fig.subplots(1, panels, squeeze=False)[0])
+    sizes = sorted({ws for points in series.values() for ws, _ in points} | {1})
+    ideal = f"ideal ({scaling} scaling)" if scaling in ("strong", "weak") else "ideal (N x baseline)"
+    best_eff = _draw_throughput(axes, series, baseline_throughput, sizes, ideal)
+    _world_size_axes(axes, sizes)
+    axes[0].set_ylim(bottom=0)
+    axes[0].set_ylabel("throughput (samples/s)")
+    axes[0].set_title("Throughput vs world size")
+    if panels == 2:
+        axes[1].set_ylim(0, best_eff * 1.1)
+        axes[1].yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:.0%}"))
+        axes[1].set_ylabel("scaling efficiency (samples/s / (N x baseline))")
+        axes[1].set_title("Scaling efficiency vs world size")
+    save(fig, path)
+    return None
+
+
+# -- step breakdown ---------------------------------------------------------------------------------------
+_PART_NAMES = {"compute": "compute (sync off)", "exposed": "exposed communication", "other": "other",
+               "unknown": "n/a (not attributed)"}
+
+
+def _draw_step(ax: Axes, y: int, parts: tuple[float | None, ...], labelled: set[str]) -> tuple[float, list[str]]:
+    """One stacked bar; returns where it ends and what to say about its missing parts."""
+    step, compute, exposed = parts
+
+    def bar(left: float, width: float, key: str, **style: Any) -> None:
+        ax.barh(y, width, left=left, height=0.6, label=None if key in labelled else _PART_NAMES[key], **style)
+        labelled.add(key)
+
+    left = 0.0
+    if compute is not None:
+        bar(left, compute, "compute", color="#4C72B0")
+        left += compute
+    if exposed is not None:
+        bar(left, exposed, "exposed", color="#DD8452")
+        left += exposed
+    other = other_ms(step, compute, exposed)
+    notes = []
+    if other is not None:
+        bar(left, other, "other", color="#A0A0A0")
+    elif step is not None:
+        bar(left, max(step - left, 0.0), "unknown", color="white", edgecolor="#555555", hatch="//")
+        notes.append("n/a: " + ", ".join(n.replace("_ms_p50", "").replace("comm_exposed_ms", "exposed comm")
+                                          for n, v in zip(STEP_PARTS[1:], (compute, exposed)) if v is None))
+    else:
+        notes.append("step time n/a")
+    return max(left, step or 0.0), notes
+
+
+def _part_legend(fig: Figure, ax: Axes) -> None:
+    handles, names = ax.get_legend_handles_labels()
+    order = sorted(range(len(names)), key=lambda i: ["compute", "exposed", "other", "n/a"].index(names[i].split()[0]))
+    fig.legend([handles[i] for i in order], [names[i] for i in order], loc="outside lower center",
+               ncol=len(order), fontsize=8, frameon=False)
+
+
+def plot_step_breakdown(runs: list[dict[str, Any]], path: Path) -> str | None:
+    """Stacked horizontal bars: compute, exposed communication, other; the unattributed rest of a step
+    whose parts are unknown is hatched and the missing parts are named."""
+    rows = [(run, tuple(metric(run, n)[0] for n in STEP_PARTS)) for run in runs]
+    rows = [r for r in rows if any(v is not None for v in r[1])]
+    if not rows:
+        return "no run recorded step_ms_p50, compute_ms_p50 or comm_exposed_ms"
+    fig = Figure(figsize=(8.5, 1.6 + 0.55 * len(rows)), layout="constrained")
+    ax = fig.add_subplot()
+    labelled: set[str] = set()
+    longest = max(max(v for v in parts if v is not None) for _, parts in rows)
+    for y, (run, parts) in enumerate(reversed(rows)):
+        end, notes = _draw_step(ax, y, parts, labelled)
+        step = parts[0]
+        text = (f"{step:.3g} ms" if step is not None else "") + ("  " + "; ".join(notes) if notes else "")
+        ax.text(end + longest * 0.01, y, text.strip(), va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), [label(r[0]) for r in reversed(rows)])
+    ax.set_xlim(0, longest * 1.45)
+    ax.set_xlabel("time per step, p50 (ms)")
+    ax.set_title("Where a step's time goes (p50 of each part)")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
+    _part_legend(fig, ax)
+    save(fig, path)
+    return None
+
+
+# -- bus bandwidth -----------------------------------------------------------------------------------------
+def _log2_ticks(lo: float, hi: float, most: int = 10) -> list[float]:
+    first, last = math.floor(math.log2(lo)), math.ceil(math.log2(hi))
+    stride = max(1, math.ceil((last - first + 1) / most))
+    return [2.0**e for e in range(first, last + 1, stride)]
+
+
+def _draw_microbench(ax: Axes, entries: list[dict[str, Any]], xs_all: list[float], ys_all: list[float]) -> float:
+    """One curve per microbenchmark entry, wrong results crossed in red; returns the best correct busbw."""
+    best, wrong_labelled = 0.0, False
+    for entry in entries:
+        points = sorted((s["bytes"], s["busbw_gbps"], s.get("correct", True)) for s in entry["sizes"]
+                        if s.get("bytes") and s.get("busbw_gbps") is not None and s["busbw_gbps"] > 0)
+        if not points:
+            continue
+        xs, ys, ok = zip(*points)
+        transport, backend = entry.get("transport") or "?", entry.get("backend")
+        name = (f"{transport}/{backend}" if backend and backend != transport else transport) \
+            + f" N={entry['world_size']} (microbenchmark)"
+        ax.plot(xs, ys, "-o", markersize=4, label=name)
+        bad = [(x, y) for x, y, c in points if c is False]
+        if bad:
+            ax.scatter(*zip(*bad), marker="x", s=70, color="red", zorder=5,
+                       label=None if wrong_labelled else "wrong result (correct: false)")
+            wrong_labelled = True
+        best = max(best, max(y for y, c in zip(ys, ok) if c is not False) if any(c is not False for c in ok) else 0.0)
+        xs_all += xs
+        ys_all += ys
+    return best
+
+
+def _draw_training(ax: Axes, runs: list[dict[str, Any]], xs_all: list[float], ys_all: list[float]) -> None:
+    for i, run in enumerate(runs):
+        bucket, _ = metric(run, "bucket_bytes")
+        busbw, _ = metric(run, "busbw_gbps")
+        if bucket and busbw:
+            ax.scatter([bucket], [busbw], marker=TRAINING_MARKERS[i % len(TRAINING_MARKERS)], s=140,
+                       color=colour(run["backend"]), edgecolor="black", zorder=6, label=f"{label(run)} in training")
+            xs_all.append(bucket)
+            ys_all.append(busbw)
+
+
+def _peak_line(link_peak_gbps: float | None, best: float) -> tuple[float | None, str, str]:
+    """(the peak to draw or None, its legend label, the sentence for report.md)."""
+    if link_peak_gbps is not None:
+        return (link_peak_gbps, f"link peak (given): {link_peak_gbps:g} GB/s",
+                f"The dashed line is the link peak given with --link-peak-gbps: {link_peak_gbps:g} GB/s.")
+    if best > 0:
+        return (best, f"best observed (microbenchmark): {best:.3g} GB/s",
+                f"The dashed line is the best bus bandwidth any microbenchmark reached ({best:.3g} GB/s), not the "
+                "link's nominal peak: pass --link-peak-gbps to draw that instead.")
+    return None, "", "No peak line: no microbenchmark size gave a correct result."
+
+
+def _busbw_axes(ax: Axes, xs_all: list[float], ys_all: list[float]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(_log2_ticks(min(xs_all), max(xs_all))))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: format_bytes(x)))
+    log_y = max(ys_all) / min(ys_all) > 100
+    if log_y:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0, top=max(ys_all) * 1.1)
+    ax.set_xlabel("message size (bytes, log2 scale)")
+    ax.set_ylabel("bus bandwidth (GB/s" + (", log scale)" if log_y else ")"))
+    ax.set_title("All-reduce bus bandwidth vs message size")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+
+
+def plot_busbw(entries: list[dict[str, Any]], runs: list[dict[str, Any]], link_peak_gbps: float | None,
+               path: Path) -> tuple[str | None, str]:
+    """Microbenchmark busbw by message size, training points at their bucket size, and a peak line.
+    Returns (why skipped or None, a sentence about the peak line)."""
+    if not entries:
+        return ("no collectives microbenchmark (JSON with kind: collectives) under the directory: run "
+                "python -m dpcompare bench-collectives and put its JSON beside the results"), ""
+    fig = Figure(figsize=(8.5, 5.2), layout="constrained")
+    ax = fig.add_subplot()
+    xs_all: list[float] = []
+    ys_all: list[float] = []
+    best = _draw_microbench(ax, entries, xs_all, ys_all)
+    _draw_training(ax, runs, xs_all, ys_all)
+    if not xs_all:
+        return "the collectives files hold no size with a positive busbw_gbps", ""
+    peak, peak_label, sentence = _peak_line(link_peak_gbps, best)
+    if peak is not None:
+        ax.axhline(peak, linestyle="--", color="black", linewidth=1.2, label=peak_label)
+        ys_all.append(peak)
+    _busbw_axes(ax, xs_all, ys_all)
+    save(fig, path)
+    return None, sentence
