@@ -14,6 +14,15 @@ MIB = 1024.0 * 1024.0
 
 
 # -- clocks ----------------------------------------------------------------------------------------
+def now(cuda: bool) -> Any:
+    """A point in time: a recorded CUDA event (resolved later, no synchronisation now) or perf_counter_ns."""
+    if cuda:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter_ns()
+
+
 class SegmentClock:
     """Times a step made of segments (the check in the middle is left out). On CUDA it records events
     and resolves them once at the end, so nothing synchronises the device inside the measured region."""
@@ -26,11 +35,7 @@ class SegmentClock:
         self.steps: list[Any] = []  # per step: list of (start, end) pairs
 
     def _now(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter_ns()
+        return now(self.cuda)
 
     def start(self) -> None:
         if self.enabled:
@@ -117,11 +122,7 @@ class IntervalClock:
         self._pairs: list[tuple[Any, Any]] = []
 
     def _now(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter_ns()
+        return now(self.cuda)
 
     @contextlib.contextmanager
     def interval(self) -> Iterator[None]:
