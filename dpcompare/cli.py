@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import get_args
 
 from dpcompare.run.config import Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
 
 SUBCOMMANDS = ("run", "compare", "report", "bench-collectives")
 EXIT_USAGE = 2
+QUIET_RANK_EXIT_DELAY_S = 3.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -133,9 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         _exit_now_if_distributed()
         return 0
     except (ValueError, ImportError) as exc:
-        # Configuration errors are the same on every rank: let rank 0 say it once.
+        # Configuration errors are the same on every rank: let rank 0 say it once. The other ranks leave a
+        # moment later, so a launcher that stops every rank when the first one exits does not stop rank 0
+        # before it has said it.
         if _rank() == 0:
             _fail(str(exc))
+        else:
+            time.sleep(QUIET_RANK_EXIT_DELAY_S)
         return EXIT_USAGE
     except RuntimeError as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
