@@ -45,6 +45,16 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+def _env_number(name: str, default: float) -> float:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is invalid: use a number, e.g. {name}=0.2") from None
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
     p.add_argument("--backend", default=d.backend, help="reference, ddp, horovod, dp, deepspeed, or package.module:Class")
@@ -80,6 +90,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="an option the backend declares (repeatable); an unknown key lists the accepted ones")
     p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--inject-slowdown", type=_number, default=_env_number("DPCOMPARE_INJECT_SLOWDOWN", 0.0),
+                   help="testing aid: each step spins this fraction of its compute time longer (a planted regression; "
+                        "env DPCOMPARE_INJECT_SLOWDOWN)")
     # The deepspeed launcher appends --local_rank=N unless told --no_local_rank; LOCAL_RANK is read instead.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 

@@ -40,7 +40,7 @@ def measure_mlp() -> RunConfig:
 
 
 EXPERIMENTS = {f.__name__: f for f in (quick_check, cnn_syncbn, lm_adamw, lm_accumulate_fp16, measure_mlp)}
-_NOT_FLAGS = {"backend", "options", "tag", "out", "dump_grads", "inject_fault"}
+_NOT_FLAGS = {"backend", "options", "tag", "out", "dump_grads", "inject_fault", "inject_slowdown"}
 
 
 def to_args(cfg: RunConfig) -> list[str]:

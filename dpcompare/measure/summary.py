@@ -130,6 +130,7 @@ def _step_times(m: Metrics, samples: list[RankSample], global_samples: int, toke
     m.set("step_ms_p50", p["p50"], why_no_steps)
     m.set("step_ms_p90", p["p90"], why_no_steps)
     m.set("step_ms_mean", p["mean"], why_no_steps)
+    m.set("step_ms", slowest)
     m.set("step_ms_per_rank_p50", [percentiles(r)["p50"] for r in per_rank])
     spread = (np.max(per_rank, axis=0) - np.min(per_rank, axis=0)).tolist() if steps and len(per_rank) > 1 else []
     m.set("rank_spread_ms_p50", percentiles(spread)["p50"], "one rank" if len(per_rank) == 1 else why_no_steps)

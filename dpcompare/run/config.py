@@ -75,6 +75,10 @@ class RunConfig:
     """Free text copied into the result (compare uses it to group runs)."""
     dp_devices: int | None = None
     """Backends that replicate over devices in one process (dp): how many CUDA devices (default: all visible)."""
+    inject_slowdown: float = 0.0
+    """Testing aid for regression gates: every step spins for this fraction of its compute time on every rank
+    (0.2: compute 20 % slower), a planted slowdown. Compute is taken as 3x the measured forward time, since the
+    backward's wall time also holds communication. Default from DPCOMPARE_INJECT_SLOWDOWN."""
     inject_fault: str | None = None
     """Testing aid: `crash:RANK:STEP`, `hang:RANK:STEP` or `dupdata` (every rank reads rank 0's shard)."""
     options: dict = field(default_factory=dict)
@@ -117,6 +121,8 @@ class RunConfig:
             raise bad("timeout_s", self.timeout_s, "use a positive number of seconds")
         if self.dp_devices is not None and self.dp_devices < 1:
             raise bad("dp_devices", self.dp_devices, "use a positive device count")
+        if not 0.0 <= self.inject_slowdown <= 10.0:
+            raise bad("inject_slowdown", self.inject_slowdown, "use a fraction of the compute time between 0 and 10")
         if self.inject_fault is not None:
             parts = self.inject_fault.split(":")
             ok = parts == ["dupdata"] or (

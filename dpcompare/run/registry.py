@@ -26,6 +26,7 @@ REQUIREMENTS: dict[str, tuple[str, str]] = {
 
 MODELS: dict[str, str] = {
     "mlp": "dpcompare.run.workloads:mlp",
+    "mlp-wide": "dpcompare.run.workloads:mlp_wide",
     "mlp-dropout": "dpcompare.run.workloads:mlp_dropout",
     "mlp-unused": "dpcompare.run.workloads:mlp_unused",
     "cnn": "dpcompare.run.workloads:cnn",

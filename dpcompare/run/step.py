@@ -20,16 +20,20 @@ from dpcompare.run.watchdog import Watchdog
 from dpcompare.run.workloads import Workload, shard
 
 Hook = Callable[[], None] | None
+BACKWARD_FLOPS_FACTOR = 3.0
+"""Forward + backward costs about 3 forwards (the backward about twice the forward's arithmetic)."""
 
 
 class StepRunner:
     def __init__(self, *, adapter: Adapter, workload: Workload, device: torch.device, dtype: torch.dtype,
                  grad_accum: int, watchdog: Watchdog, rank: int, world_size: int, global_batch: int,
-                 inject_fault: str | None = None) -> None:
+                 inject_fault: str | None = None, inject_slowdown: float = 0.0) -> None:
         self.adapter, self.workload, self.device, self.dtype = adapter, workload, device, dtype
         self.grad_accum, self.watchdog = grad_accum, watchdog
         self.rank, self.world_size, self.global_batch = rank, world_size, global_batch
         self.inject_fault = inject_fault
+        self.inject_slowdown = inject_slowdown
+        self.forward_s = 0.0
         # --inject-fault dupdata: every rank reads rank 0's shard (a data-sharding bug the check must catch).
         self.sample_rank = 0 if inject_fault == "dupdata" else rank
 
@@ -54,7 +58,11 @@ class StepRunner:
         update."""
         self._inject(step)
         self.beat(f"{phase}: forward", step)
+        self.forward_s = 0.0
         self.forward_backward(x, y, comm=sync)
+        if self.inject_slowdown:
+            # Compute = forward + backward ~ 3 x forward (the backward's wall time also holds the all-reduce).
+            _spin(self.inject_slowdown * BACKWARD_FLOPS_FACTOR * self.forward_s)
         if sync:
             self.beat(f"{phase}: reduce", step)
             self.adapter.reduce()
@@ -69,6 +77,14 @@ class StepRunner:
         if after_update is not None:
             after_update()
             self.beat(f"{phase}: done", step)
+
+    def _host_time(self) -> float:
+        """Now; with --inject-slowdown on CUDA, after the device has finished what was queued."""
+        if not self.inject_slowdown:
+            return 0.0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def beat(self, phase: str, step: int) -> None:
         self.watchdog.beat(phase, step)
@@ -90,7 +106,9 @@ class StepRunner:
         k = self.grad_accum
         for j, (xj, yj) in enumerate(zip(x.chunk(k), y.chunk(k))):
             with context(j == k - 1):
+                started = self._host_time()
                 loss = self.workload.loss_fn(wrapped.model(xj), yj)
+                self.forward_s += self._host_time() - started
                 self.adapter.backward(loss / k if k > 1 else loss)
 
     def _inject(self, step: int) -> None:
@@ -103,3 +121,10 @@ class StepRunner:
                 os._exit(17)
             while True:
                 time.sleep(3600)
+
+
+def _spin(seconds: float) -> None:
+    """--inject-slowdown: keep this core busy for `seconds` (a sleep would hand the core to another rank)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass

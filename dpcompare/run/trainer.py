@@ -52,7 +52,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         template = _build(cfg, env, adapter, workload, device, global_batch, local_batch)
         runner = StepRunner(adapter=adapter, workload=workload, device=device, dtype=eq.DTYPES[cfg.dtype],
                             grad_accum=cfg.grad_accum, watchdog=watchdog, rank=env.rank, world_size=env.world_size,
-                            global_batch=global_batch, inject_fault=cfg.inject_fault)
+                            global_batch=global_batch, inject_fault=cfg.inject_fault,
+                            inject_slowdown=cfg.inject_slowdown)
         verdict = VerificationPhase(cfg, adapter, runner, template, env.is_rank0).run()
         metrics = MeasurementPhase(cfg, adapter, runner, local_batch, env.is_rank0).run()
         _compare_final_replicas(adapter, verdict, env.is_rank0)

@@ -1,6 +1,6 @@
 """Workloads: a model and its deterministic synthetic data, built from one seed.
 
-Owns: the built-in models (mlp, mlp-dropout, mlp-unused with a head forward never calls and a frozen layer,
+Owns: the built-in models (mlp, mlp-wide (compute-bound), mlp-dropout, mlp-unused with a head forward never calls and a frozen layer,
 cnn with BatchNorm, a small causal transformer LM with a tied head), the
 synthetic global batch of every step, and sharding (DistributedSampler's rule: rank r takes samples
 r, r+N, r+2N, ... of the global batch, so shards are disjoint, equal and cover it). Every rank builds the
@@ -54,6 +54,23 @@ def mlp(seed: int) -> Workload:
         return x, (x @ weight).argmax(dim=1)
 
     return Workload("mlp", model, make_batch, _cross_entropy)
+
+
+def mlp_wide(seed: int) -> Workload:
+    """3 x Linear(512, 512) + GELU and a 10-way head (~0.8 M parameters, 3.2 MB of float32 gradients): a step
+    is compute-bound on a CPU core (several ms at a local batch of 32), so it times the backend rather than
+    Python overhead. The regression suite's default model."""
+    torch.manual_seed(seed)
+    width = 512
+    model = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
+                          nn.Linear(width, width), nn.GELU(), nn.Linear(width, 10))
+    weight = torch.randn(width, 10, generator=_generator(seed, -1))
+
+    def make_batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(global_batch, width, generator=_generator(seed, step))
+        return x, (x @ weight).argmax(dim=1)
+
+    return Workload("mlp-wide", model, make_batch, _cross_entropy)
 
 
 def mlp_dropout(seed: int) -> Workload:

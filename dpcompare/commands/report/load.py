@@ -14,7 +14,7 @@ from typing import Any
 from dpcompare import SCHEMA_VERSION
 from dpcompare.run.registry import BACKENDS
 
-NON_NUMERIC_METRICS: dict[str, type] = {"stragglers": list, "comm_total_method": str, "model_state_mib": dict,
+NON_NUMERIC_METRICS: dict[str, type] = {"stragglers": list, "step_ms": list, "comm_total_method": str, "model_state_mib": dict,
                                          "scaling": str, "reasons": dict}
 
 
