@@ -17,7 +17,7 @@ table of medians and min-max, puts every figure in the benchmark's extra_info, a
   d. bandwidth               the in-training busbw against bench-collectives' torch transport at the same
                              message size (busbw_vs_microbench): reported; asserted only positive and finite.
 
-Run them with (pyproject's addopts say --benchmark-skip; --benchmark-only overrides it):
+Run them with (`pytest` alone collects tests/ only):
 
     cd /work/main && OMP_NUM_THREADS=1 .venv/bin/python -m pytest benchmarks -s -p no:cacheprovider --benchmark-only
 

@@ -14,7 +14,7 @@ from typing import get_args
 
 from dpcompare.run.config import Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
 
-SUBCOMMANDS = ("run", "compare", "report", "bench-collectives")
+SUBCOMMANDS = ("run", "compare", "report", "bench-collectives", "regress")
 EXIT_USAGE = 2
 QUIET_RANK_EXIT_DELAY_S = 3.0
 
@@ -136,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
                              formatter_class=argparse.RawDescriptionHelpFormatter)
             collectives.add_arguments(parser)
             return collectives.main(parser.parse_args(argv))
+        if command == "regress":
+            from dpcompare.commands import regress
+
+            parser = _Parser(prog="dpcompare regress", description=regress.__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+            regress.add_arguments(parser)
+            return regress.main(parser.parse_args(argv))
 
         parser = _Parser(prog="dpcompare run", description="Train one workload under one backend and check its gradients against a float64 oracle.")
         add_run_arguments(parser)
