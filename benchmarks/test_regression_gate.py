@@ -1,16 +1,17 @@
 """Regression gate benchmark: does `dpcompare regress` catch a planted 20 % compute slowdown every time without
 crying wolf, on this noisy shared machine, where plain `--benchmark-compare-fail=median:10%` is a coin toss?
 
-Run it with (about 20 minutes on two cores):
+Run it with (about 40 minutes on two cores; nothing else should run meanwhile):
 
     cd /work/main && OMP_NUM_THREADS=1 .venv/bin/python -m pytest benchmarks/test_regression_gate.py -s -p no:cacheprovider
 
-Design. ddp at world size 2 on mlp-wide (global batch 512: compute-bound, ~14 ms compute and ~5 ms exposed
+Design. ddp at world size 2 on mlp-wide at global batch 2048 (compute-bound: ~45 ms compute, ~5 ms of
 communication per step). COMPARISONS rounds; in each, RUNS_PER_SIDE repeats of three sides, interleaved
 (B S U, B S U, ...): B a baseline build, S the same build with DPCOMPARE_INJECT_SLOWDOWN=0.2, U the unchanged
 build again. Every run is the real user path: `pytest --pyargs dpcompare.regression --benchmark-json`.
 Comparison k of the planted kind is `dpcompare regress --baseline B_k --current S_k` (exit 1 = caught);
-of the unchanged kind `--baseline B_k --current U_k` (exit 1 = false alarm). The plain rule is
+of the unchanged kind `--baseline B_k --current U_k` (exit 1 = false alarm). The runs interleave, so the gate
+pairs them (Wilcoxon signed-rank over the rounds; a run's neighbour shares its machine state). The plain rule is
 pytest-benchmark's own `median:10%` check on one saved run against one new run (the first of each side):
 flagged when current median > 1.10 x baseline median. Targets: caught >= 10/10, false alarms <= 1/10.
 """
@@ -28,11 +29,11 @@ from benchmarks.conftest import print_table, run_checked
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMPARISONS = 10
-RUNS_PER_SIDE = 4
+RUNS_PER_SIDE = 6
 SLOWDOWN = 0.2
 PLAIN_THRESHOLD = 0.10
 SUITE = ["--pyargs", "dpcompare.regression", "--dpcompare-backends", "ddp", "--dpcompare-world-sizes", "2",
-         "--dpcompare-steps", "20", "--dpcompare-warmup", "3"]
+         "--dpcompare-global-batch", "2048", "--dpcompare-steps", "20", "--dpcompare-warmup", "3"]
 
 
 def _suite_run(out: Path, work: Path, slowdown: float) -> float:

@@ -45,7 +45,7 @@ def _benchmark(name: str, median_s: float, min_s: float | None = None) -> dict[s
 
 
 def write_runs(directory: Path, times_s: dict[str, list[float]], machine: dict[str, Any] | None = None,
-               min_s: dict[str, list[float]] | None = None) -> Path:
+               min_s: dict[str, list[float]] | None = None, started: list[str] | None = None) -> Path:
     """One pytest-benchmark JSON file per run: run k holds times_s[name][k] as each benchmark's median."""
     directory.mkdir(parents=True, exist_ok=True)
     runs = max(len(v) for v in times_s.values())
@@ -53,7 +53,8 @@ def write_runs(directory: Path, times_s: dict[str, list[float]], machine: dict[s
         benchmarks = [_benchmark(name, figures[k], (min_s or {}).get(name, [None] * runs)[k])
                       for name, figures in times_s.items() if k < len(figures)]
         payload = {"machine_info": machine if machine is not None else MACHINE, "commit_info": {},
-                   "benchmarks": benchmarks, "datetime": "2025-01-01T00:00:00", "version": "5.2.3"}
+                   "benchmarks": benchmarks, "datetime": started[k] if started else "2025-01-01T00:00:00",
+                   "version": "5.2.3"}
         (directory / f"run-{k}.json").write_text(json.dumps(payload))
     return directory
 
@@ -298,3 +299,59 @@ def test_the_bootstrap_interval_is_reproducible_and_brackets_the_ratio() -> None
     assert first.ci90[0] < first.ratio < first.ci90[1] and first.verdict == "regression"
     other_seed = gate.decide(baseline, current, name=BENCH, seed=1)
     assert other_seed.ci90 != first.ci90 and other_seed.ci90 == pytest.approx(first.ci90, abs=0.02)
+
+
+# -- paired: interleaved runs ------------------------------------------------------------------------------
+def _at(minute: int) -> str:
+    return f"2025-01-01T00:{minute:02d}:00"
+
+
+# The machine drifts from round to round (a neighbour comes and goes); within a round both sides see the same.
+DRIFT = [1.00, 1.30, 0.85, 1.20, 0.90, 1.25]
+
+
+def _paired(tmp_path: Path, capsys, factor: float, *extra: str, interleave: bool = True) -> tuple[int, dict]:
+    base = [BASE_S * d for d in DRIFT]
+    cur = [BASE_S * d * factor * n for d, n in zip(DRIFT, [1.01, 0.99, 1.02, 1.0, 0.98, 1.01])]
+    b_times = [_at(2 * k) for k in range(6)]
+    c_times = [_at(2 * k + 1) for k in range(6)] if interleave else [_at(30 + k) for k in range(6)]
+    write_runs(tmp_path / "baseline", {BENCH: base}, started=b_times)
+    write_runs(tmp_path / "current", {BENCH: cur}, started=c_times)
+    out = tmp_path / "regress.json"
+    status = cli.main(["regress", "--baseline", str(tmp_path / "baseline"), "--current", str(tmp_path / "current"),
+                       "--json", str(out), *extra])
+    capsys.readouterr()
+    return status, (only_decision(json.loads(out.read_text())) if out.exists() else {})
+
+
+def test_interleaved_runs_are_paired_and_a_slowdown_hidden_in_drift_is_caught(tmp_path, capsys):
+    status, d = _paired(tmp_path, capsys, 1.12)
+    assert status == 1 and d["design"] == "paired" and d["verdict"] == "regression", d
+    assert d["ratio"] == pytest.approx(1.12, rel=0.02) and d["p_value"] == pytest.approx(1 / 64)
+
+
+def test_the_same_drift_without_interleaving_is_tested_unpaired_and_not_caught(tmp_path, capsys):
+    """Negative twin: the unpaired test counts the drift as noise (which is why interleaving and pairing matter)."""
+    status, d = _paired(tmp_path, capsys, 1.12, interleave=False)
+    assert status == 0 and d["design"] == "unpaired" and d["verdict"] == "same", d
+
+
+def test_interleaved_unchanged_runs_are_the_same(tmp_path, capsys):
+    status, d = _paired(tmp_path, capsys, 1.0)
+    assert status == 0 and d["design"] == "paired" and d["verdict"] == "same", d
+
+
+def test_pairing_runs_that_do_not_interleave_is_refused(tmp_path, capsys):
+    base = [BASE_S] * 6
+    write_runs(tmp_path / "baseline", {BENCH: base}, started=[_at(k) for k in range(6)])
+    write_runs(tmp_path / "current", {BENCH: base}, started=[_at(10 + k) for k in range(6)])
+    status = cli.main(["regress", "--baseline", str(tmp_path / "baseline"), "--current", str(tmp_path / "current"),
+                       "--pairing", "paired"])
+    _, err = capsys.readouterr()
+    assert status == 2 and "do not alternate in time" in err and err.count("\n") == 1, err
+
+
+def test_four_pairs_cannot_reach_alpha_005_and_are_refused():
+    with pytest.raises(ValueError, match="1/2\\^4 = 0.0625"):
+        gate.decide_paired([1.0, 1.1, 0.9, 1.0], [1.2, 1.3, 1.1, 1.2], alpha=0.05)
+    assert gate.decide_paired([1.0, 1.1, 0.9, 1.0, 1.05], [1.2, 1.3, 1.1, 1.2, 1.25], alpha=0.05).verdict == "regression"

@@ -8,6 +8,10 @@ Per benchmark (matched by its pytest-benchmark fullname), each run contributes o
 stats[--statistic] (median of its rounds by default). The rounds of one run are autocorrelated, so the test
 is over runs, never over the rounds of one run. Then (dpcompare.measure.gate):
 
+Interleaved runs (A B A B ..., told by pytest-benchmark's `datetime`) are paired, the k-th of each side,
+since neighbouring runs share the machine's state: a one-sided Wilcoxon signed-rank test over the pairs'
+log ratios, the ratio being the median per-pair ratio (needs 5 pairs at alpha 0.05). Otherwise, unpaired:
+
   ratio r       median(current figures) / median(baseline figures)
   90% CI        bootstrap of r, resampling each side's runs (10,000 resamples, fixed seed)
   regression    one-sided Mann-Whitney U (current slower) p < --alpha  AND  r >= 1 + --min-effect
@@ -16,21 +20,23 @@ is over runs, never over the rounds of one run. Then (dpcompare.measure.gate):
 
 At least 3 runs per side. With n runs per side the smallest one-sided p-value is 1/C(2n, n) (3: 0.05,
 4: 0.014, 5: 0.004), so alpha 0.05 needs 4 runs per side and alpha 0.01 needs 5; a configuration that could
-never flag anything is refused with the runs it needs.
+never flag anything is refused with the runs it needs. On a shared machine 6 per side leave room for a few
+runs that land in a slow spell (benchmarks/test_regression_gate.py).
 
 Producing the inputs: run baseline and current alternately (A B A B ...), so that drift of the machine
 (heat, a noisy neighbour, a background job) falls on both sides alike, each run writing its own file:
 
   gate=$PWD/gate; mkdir -p $gate/baseline $gate/current
-  for k in 1 2 3 4 5; do
+  for k in 1 2 3 4 5 6; do
     (cd ~/src/baseline && python -m pytest benchmarks/ --benchmark-json $gate/baseline/run-$k.json)
     (cd ~/src/current  && python -m pytest benchmarks/ --benchmark-json $gate/current/run-$k.json)
   done
   python -m dpcompare regress --baseline $gate/baseline --current $gate/current
 
 Both sides must come from one machine: the runs' machine_info["dpcompare"] (written by dpcompare's pytest
-plugin) must agree on the hardware (devices, CPU count, architecture; versions may differ); where no run has it, machine_info's node, machine
-and cpu brand are compared. --allow-other-machine compares anyway.
+plugin) must agree on the hardware (devices, CPU count, architecture; software versions may differ); where
+no run has it, machine_info's node, machine and cpu brand are compared. --allow-other-machine compares
+anyway.
 
 Benchmarks on one side only are listed as not compared. Exit status: 1 if any benchmark regressed, 0
 otherwise, 2 for unusable inputs. --json FILE writes every decision (kind: regress).
@@ -72,6 +78,9 @@ class Side:
     files: list[Path] = field(default_factory=list)
     machine_info: list[dict[str, Any]] = field(default_factory=list)
     figures_s: dict[str, list[float]] = field(default_factory=dict)
+    """Each benchmark's figure per run, in the order the runs started."""
+    started: dict[str, list[str]] = field(default_factory=dict)
+    """Each benchmark's runs' start times (pytest-benchmark's `datetime`), in the same order."""
 
     @property
     def where(self) -> str:
@@ -86,6 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="smallest slowdown that counts, as a fraction: 0.05 flags 5%% or more (default: 0.05)")
     p.add_argument("--statistic", choices=STATISTICS, default="median",
                    help="each run's figure: this statistic of its rounds (default: median)")
+    p.add_argument("--pairing", choices=("auto", "paired", "unpaired"), default="auto",
+                   help="paired: the k-th baseline and current runs, interleaved in time, form a pair (Wilcoxon "
+                        "signed-rank); unpaired: Mann-Whitney U over the sides; auto: paired when the runs interleave")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the decisions to this JSON file")
     p.add_argument("--allow-other-machine", action="store_true",
                    help="compare even when the two sides' machine_info differ")
@@ -106,8 +118,7 @@ def main(ns: argparse.Namespace) -> int:
     for name in common:
         gate.check_runs(name, len(baseline.figures_s[name]), len(current.figures_s[name]), ns.alpha,
                         baseline.where, current.where)
-    decisions = {name: gate.decide(baseline.figures_s[name], current.figures_s[name], ns.alpha, ns.min_effect, name)
-                 for name in common}
+    decisions = {name: _decide(ns, baseline, current, name) for name in common}
     not_compared = ([{"name": n, "only_in": "baseline"} for n in sorted(set(baseline.figures_s) - set(current.figures_s))]
                     + [{"name": n, "only_in": "current"} for n in sorted(set(current.figures_s) - set(baseline.figures_s))])
     console = Console()
@@ -117,6 +128,23 @@ def main(ns: argparse.Namespace) -> int:
     if ns.json:
         results.write_atomic(Path(ns.json), _payload(ns, baseline, current, decisions, not_compared))
     return 1 if any(d.verdict == "regression" for d in decisions.values()) else 0
+
+
+def interleaved(baseline: list[str], current: list[str]) -> bool:
+    """Whether two sides' runs alternate in time (A B A B ... or B A B A ...), so the k-th of each pair up."""
+    if len(baseline) != len(current) or "" in baseline + current:
+        return False
+    merged = sorted([(t, "b") for t in baseline] + [(t, "c") for t in current])
+    return all({merged[i][1], merged[i + 1][1]} == {"b", "c"} for i in range(0, len(merged), 2))
+
+
+def _decide(ns: argparse.Namespace, baseline: Side, current: Side, name: str) -> gate.Decision:
+    paired = ns.pairing == "paired" or (ns.pairing == "auto" and interleaved(baseline.started[name], current.started[name]))
+    if ns.pairing == "paired" and not interleaved(baseline.started[name], current.started[name]):
+        raise ValueError(f"--pairing paired: the runs of {name} do not alternate in time between {baseline.where} and "
+                         f"{current.where} (or their counts differ): run them A B A B ..., or use --pairing unpaired")
+    decide = gate.decide_paired if paired else gate.decide
+    return decide(baseline.figures_s[name], current.figures_s[name], ns.alpha, ns.min_effect, name)
 
 
 # -- inputs ---------------------------------------------------------------------------------------------
@@ -130,16 +158,18 @@ def load_side(flag: str, directory: Path, statistic: str) -> Side:
     if not side.files:
         raise ValueError(f"{side.where} holds no .json file: write one per run with "
                          f"pytest --benchmark-json {directory}/run-K.json")
-    for path in side.files:
-        machine_info, figures = read_run(path, statistic)
+    runs = sorted((read_run(path, statistic) + (path,) for path in side.files), key=lambda run: (run[2], str(run[3])))
+    for machine_info, figures, started, _ in runs:
         side.machine_info.append(machine_info)
         for name, figure in figures.items():
             side.figures_s.setdefault(name, []).append(figure)
+            side.started.setdefault(name, []).append(started)
     return side
 
 
-def read_run(path: Path, statistic: str) -> tuple[dict[str, Any], dict[str, float]]:
-    """One pytest-benchmark JSON file: its machine_info and {fullname: stats[statistic]} in seconds."""
+def read_run(path: Path, statistic: str) -> tuple[dict[str, Any], dict[str, float], str]:
+    """One pytest-benchmark JSON file: its machine_info, {fullname: stats[statistic]} in seconds, and when the
+    run started (its ISO `datetime`; empty when absent)."""
     hint = "expected the file pytest --benchmark-json writes"
     try:
         obj = json.loads(path.read_text())
@@ -160,7 +190,8 @@ def read_run(path: Path, statistic: str) -> tuple[dict[str, Any], dict[str, floa
         if name in figures:
             raise ValueError(f"{path} lists {name} twice: one file must hold one run of each benchmark")
         figures[name] = float(figure)
-    return obj["machine_info"], figures
+    started = obj.get("datetime")
+    return obj["machine_info"], figures, started if isinstance(started, str) else ""
 
 
 # -- one machine ----------------------------------------------------------------------------------------

@@ -17,6 +17,13 @@ rounds of one run are autocorrelated):
 With m and n runs the smallest one-sided p-value Mann-Whitney U can give (exact distribution, no ties) is
 1 / C(m + n, m): 1/20 = 0.05 with 3 per side, 1/70 ~ 0.014 with 4, 1/252 ~ 0.004 with 5. A configuration
 whose alpha is at or below that floor could never flag anything, so it is refused, naming the runs needed.
+
+Paired (runs interleaved A B A B ..., the k-th baseline run paired with the k-th current run): consecutive
+runs share the machine's state (load, heat, a neighbour), which the unpaired test counts as noise. Then
+
+  ratio r        exp(median(log(current_k / baseline_k))), the typical per-pair slowdown
+  90% CI of r    percentile bootstrap over the pairs
+  the test       one-sided Wilcoxon signed-rank on log(current_k / baseline_k); smallest p = 1 / 2^n
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ class Decision:
     current faster otherwise)."""
     verdict: Verdict
     reason: str
+    design: str = "unpaired"
+    """unpaired (Mann-Whitney U over the two sides' runs) or paired (Wilcoxon signed-rank over interleaved pairs)."""
 
 
 def smallest_p(n_baseline: int, n_current: int) -> float:
@@ -111,20 +120,61 @@ def decide(baseline_s: Sequence[float], current_s: Sequence[float], alpha: float
     if not (np.all(np.isfinite(baseline)) and np.all(np.isfinite(current))
             and baseline.min() > 0.0 and current.min() > 0.0):
         raise ValueError(f"{name}: every per-run time must be a positive number of seconds")
-    base_med, cur_med = float(np.median(baseline)), float(np.median(current))
-    ratio = cur_med / base_med
+    ratio = float(np.median(current)) / float(np.median(baseline))
     p_slower = float(stats.mannwhitneyu(current, baseline, alternative="greater").pvalue)
     p_faster = float(stats.mannwhitneyu(current, baseline, alternative="less").pvalue)
+    return _decision(baseline, current, ratio, p_slower, p_faster, bootstrap_ratio_ci(baseline, current, seed=seed),
+                     alpha, min_effect, "unpaired")
+
+
+def _decision(baseline: np.ndarray, current: np.ndarray, ratio: float, p_slower: float, p_faster: float,
+              ci90: tuple[float, float], alpha: float, min_effect: float, design: str) -> Decision:
     verdict: Verdict = "same"
     if p_slower < alpha and ratio >= 1.0 + min_effect:
         verdict = "regression"
     elif p_faster < alpha and ratio <= 1.0 / (1.0 + min_effect):
         verdict = "improvement"
     p_value = p_faster if verdict == "improvement" or (verdict == "same" and ratio < 1.0) else p_slower
-    ci90 = bootstrap_ratio_ci(baseline, current, seed=seed)
-    return Decision(n_baseline=int(baseline.size), n_current=int(current.size), baseline_median_s=base_med,
-                    current_median_s=cur_med, ratio=ratio, ci90=ci90, p_value=p_value, verdict=verdict,
-                    reason=_reason(ratio, ci90, p_value, verdict, alpha, min_effect))
+    return Decision(n_baseline=int(baseline.size), n_current=int(current.size),
+                    baseline_median_s=float(np.median(baseline)), current_median_s=float(np.median(current)),
+                    ratio=ratio, ci90=ci90, p_value=p_value, verdict=verdict,
+                    reason=f"{design}: " + _reason(ratio, ci90, p_value, verdict, alpha, min_effect), design=design)
+
+
+def smallest_paired_p(pairs: int) -> float:
+    """The smallest one-sided p-value of the exact Wilcoxon signed-rank test over this many pairs."""
+    return 0.5**pairs
+
+
+def decide_paired(baseline_s: Sequence[float], current_s: Sequence[float], alpha: float = 0.05,
+                  min_effect: float = 0.05, name: str = "the benchmark", seed: int = SEED) -> Decision:
+    """The verdict from interleaved runs, the k-th of each side paired (same length, in time order)."""
+    baseline = np.asarray(baseline_s, dtype=float)
+    current = np.asarray(current_s, dtype=float)
+    if baseline.size != current.size:
+        raise ValueError(f"{name}: pairing needs as many baseline as current runs ({baseline.size} and {current.size})")
+    if not (np.all(np.isfinite(baseline)) and np.all(np.isfinite(current))
+            and baseline.min() > 0.0 and current.min() > 0.0):
+        raise ValueError(f"{name}: every per-run time must be a positive number of seconds")
+    floor = smallest_paired_p(baseline.size)
+    if alpha <= floor:
+        needed = next(n for n in range(MIN_RUNS, 64) if smallest_paired_p(n) < alpha)
+        raise ValueError(f"alpha {alpha:g} cannot be reached by {name} with {baseline.size} pairs (the smallest "
+                         f"one-sided signed-rank p-value is 1/2^{baseline.size} = {floor:.3g}): use at least "
+                         f"{needed} interleaved pairs, or --pairing unpaired")
+    logs = np.log(current / baseline)
+    ratio = float(np.exp(np.median(logs)))
+    if not np.any(logs):
+        p_slower = p_faster = 1.0
+    else:
+        p_slower = float(stats.wilcoxon(logs, alternative="greater").pvalue)
+        p_faster = float(stats.wilcoxon(logs, alternative="less").pvalue)
+    rng = np.random.default_rng(seed)
+    boot = np.exp(np.median(logs[rng.integers(0, logs.size, size=(RESAMPLES, logs.size))], axis=1))
+    tail = (1.0 - CI_LEVEL) / 2.0 * 100.0
+    low, high = np.percentile(boot, [tail, 100.0 - tail])
+    return _decision(baseline, current, ratio, p_slower, p_faster, (float(low), float(high)), alpha, min_effect,
+                     "paired")
 
 
 def _reason(ratio: float, ci90: tuple[float, float], p_value: float, verdict: Verdict, alpha: float,
