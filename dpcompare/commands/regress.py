@@ -5,8 +5,12 @@ slower beyond the noise. A single run against a single saved run (pytest-benchma
 cannot tell a slowdown from a noisy neighbour; this gate repeats whole runs and tests the runs.
 
 Per benchmark (matched by its pytest-benchmark fullname), each run contributes one figure: its
-stats[--statistic] (median of its rounds by default). The rounds of one run are autocorrelated, so the test
-is over runs, never over the rounds of one run. Then (dpcompare.measure.gate):
+stats[--statistic] (its fastest round by default). The rounds of one run are autocorrelated, so the test
+is over runs, never over the rounds of one run. Why the fastest: on a shared machine noise only ever adds
+time (a neighbour, a preempted rank), so each run's fastest step is its steadiest figure, and a slower
+build makes every step slower, the fastest included. A regression that only widens the tail (a straggler
+now and then) shows in --statistic median, not min: gate on both when that is what you guard against.
+Then (dpcompare.measure.gate):
 
 Interleaved runs (A B A B ..., told by pytest-benchmark's `datetime`) are paired, the k-th of each side,
 since neighbouring runs share the machine's state: a one-sided Wilcoxon signed-rank test over the pairs'
@@ -93,8 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=float, default=0.05, help="significance level of the one-sided test (default: 0.05)")
     p.add_argument("--min-effect", type=float, default=0.05,
                    help="smallest slowdown that counts, as a fraction: 0.05 flags 5%% or more (default: 0.05)")
-    p.add_argument("--statistic", choices=STATISTICS, default="median",
-                   help="each run's figure: this statistic of its rounds (default: median)")
+    p.add_argument("--statistic", choices=STATISTICS, default="min",
+                   help="each run's figure: this statistic of its rounds (default: min, the steadiest on a shared "
+                        "machine, where noise only ever adds time; median also sees slower tails)")
     p.add_argument("--pairing", choices=("auto", "paired", "unpaired"), default="auto",
                    help="paired: the k-th baseline and current runs, interleaved in time, form a pair (Wilcoxon "
                         "signed-rank); unpaired: Mann-Whitney U over the sides; auto: paired when the runs interleave")
