@@ -15,7 +15,7 @@ from torch import nn
 
 from dpcompare.run import launch
 from dpcompare.contract import Adapter, Capabilities, CommCounter, CommCounts, Note, Option, Wrapped
-from dpcompare.run.process_group import ProcessGroupMixin
+from dpcompare.run.process_group import DIST_BACKEND, ProcessGroupMixin
 
 
 DEFAULT_BUCKET_MB = 25.0
@@ -33,6 +33,7 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
         has_buckets=True,
     )
     OPTIONS = (
+        DIST_BACKEND,
         Option("gradient_as_bucket_view", bool, False,
                "gradients are views into the all-reduce buckets: one copy of the gradients less in memory"),
         Option("broadcast_buffers", bool, True, "broadcast rank 0's module buffers (BatchNorm statistics) every forward"),
@@ -42,12 +43,13 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
     def setup(self, timeout_s: float) -> None:
         launch.ensure_rendezvous(self.env)
         if not dist.is_initialized():
+            backend = self.dist_backend()
             dist.init_process_group(
-                backend="nccl" if self.device.type == "cuda" else "gloo",
+                backend=backend,
                 rank=self.env.rank,
                 world_size=self.env.world_size,
                 timeout=timedelta(seconds=timeout_s),
-                device_id=self.device if self.device.type == "cuda" else None,
+                device_id=self.device if backend == "nccl" else None,
             )
 
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:

@@ -9,6 +9,8 @@ would make its parameters differ from DDP's) is set to 0.0, and nothing else sca
 
 from __future__ import annotations
 
+import argparse
+
 from datetime import timedelta
 
 import torch
@@ -16,7 +18,7 @@ from torch import nn
 
 from dpcompare.run import launch
 from dpcompare.contract import Adapter, Capabilities, CommCounter, CommCounts, Note, Option, Wrapped
-from dpcompare.run.process_group import ProcessGroupMixin
+from dpcompare.run.process_group import DIST_BACKEND, ProcessGroupMixin
 
 
 class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
@@ -30,6 +32,7 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         collective_transport="deepspeed",
     )
     OPTIONS = (
+        DIST_BACKEND,
         Option("gradient_clipping", float, 0.0,
                "clip the global gradient norm at this value (0: off; DeepSpeed's own default since 0.19.3 is 1.0)"),
     )
@@ -48,7 +51,7 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         logger.setLevel(logging.WARNING)
         self.deepspeed = deepspeed
         deepspeed.init_distributed(
-            dist_backend="nccl" if self.device.type == "cuda" else "gloo",
+            dist_backend=self.dist_backend(),
             timeout=timedelta(seconds=timeout_s),
             rank=self.env.rank,
             world_size=self.env.world_size,
@@ -69,7 +72,10 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         }
         if self.settings.compression != "none":
             config["communication_data_type"] = self.settings.compression
-        engine, ds_optimizer, _, _ = self.deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+        # DeepSpeed puts the engine on cuda:LOCAL_RANK unless told the device: several ranks sharing one GPU
+        # (--opt dist_backend=gloo) would reach for a device that does not exist.
+        args = argparse.Namespace(device_rank=self.device.index) if self.device.type == "cuda" else None
+        engine, ds_optimizer, _, _ = self.deepspeed.initialize(args=args, model=module, optimizer=optimizer, config=config)
         timers = engine.timers
 
         def reset_quietly(names, normalizer=1.0, reset=True, **_):

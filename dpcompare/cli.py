@@ -12,6 +12,7 @@ import sys
 import time
 from typing import get_args
 
+from dpcompare.run import registry
 from dpcompare.run.config import Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
 
 SUBCOMMANDS = ("run", "compare", "report", "bench-collectives", "regress")
@@ -57,8 +58,8 @@ def _env_number(name: str, default: float) -> float:
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
-    p.add_argument("--backend", default=d.backend, help="reference, ddp, horovod, dp, deepspeed, or package.module:Class")
-    p.add_argument("--model", default=d.model, help="mlp, mlp-dropout, mlp-unused, cnn, lm, or package.module:function")
+    p.add_argument("--backend", default=d.backend, help=f"{', '.join(registry.BACKENDS)}, or package.module:Class")
+    p.add_argument("--model", default=d.model, help=f"{', '.join(registry.MODELS)}, or package.module:function")
     p.add_argument("--device", default=d.device, choices=get_args(DeviceChoice))
     p.add_argument("--global-batch", type=_whole, default=d.global_batch)
     p.add_argument("--local-batch", type=_whole, default=None, help="per-rank batch (weak scaling)")
@@ -155,13 +156,16 @@ def main(argv: list[str] | None = None) -> int:
         _exit_now_if_distributed()
         return 0
     except (ValueError, ImportError) as exc:
-        # Configuration errors are the same on every rank: let rank 0 say it once. The other ranks leave a
-        # moment later, so a launcher that stops every rank when the first one exits does not stop rank 0
-        # before it has said it.
-        if _rank() == 0:
+        # Configuration errors are usually the same on every rank: let rank 0 say it once. The other ranks
+        # wait a moment first, so a launcher that stops every rank when the first one exits does not stop
+        # rank 0 before it has said it; a rank still alive after that moment failed alone (its device, its
+        # environment) and says so itself, with its rank.
+        rank = _rank()
+        if rank == 0:
             _fail(str(exc))
         else:
             time.sleep(QUIET_RANK_EXIT_DELAY_S)
+            _fail(f"[rank {rank}] {exc}")
         return EXIT_USAGE
     except RuntimeError as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

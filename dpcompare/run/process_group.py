@@ -9,15 +9,41 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
+from dpcompare.contract import Option
 from dpcompare.run import syncbn
+
+DIST_BACKEND = Option("dist_backend", str, "auto",
+                      "process-group backend: auto (NCCL on CUDA, gloo on CPU), nccl, or gloo (gloo also carries "
+                      "CUDA tensors, through host memory: the way to run several ranks on one GPU)",
+                      choices=("auto", "nccl", "gloo"))
 
 
 class ProcessGroupMixin:
     device: Any
     env: Any
+    settings: Any
+
+    def dist_backend(self) -> str:
+        """The process-group backend for --opt dist_backend; refuses what NCCL or the device cannot do."""
+        choice = self.settings.options.get("dist_backend", "auto")
+        if self.device.type != "cuda":
+            if choice == "nccl":
+                raise ValueError(f"--opt dist_backend=nccl needs CUDA tensors, but this rank runs on {self.device}: "
+                                 "use --device cuda, or --opt dist_backend=gloo")
+            return "gloo"
+        if choice == "gloo":
+            return "gloo"
+        devices = torch.cuda.device_count()
+        if self.env.local_world_size > devices:
+            raise ValueError(
+                f"{self.env.local_world_size} ranks on this node share {devices} CUDA device(s), and NCCL refuses two "
+                f"ranks on one device: use --opt dist_backend=gloo (CUDA tensors reduced through host memory), or at "
+                f"most {devices} rank(s) per node")
+        return "nccl"
 
     def sync_batchnorm(self, module: nn.Module) -> nn.Module:
         if self.device.type == "cuda":

@@ -31,6 +31,14 @@ MODELS: dict[str, str] = {
     "mlp-unused": "dpcompare.run.workloads:mlp_unused",
     "cnn": "dpcompare.run.workloads:cnn",
     "lm": "dpcompare.run.workloads:lm",
+    "resnet18": "dpcompare.run.real_models:resnet18",
+    "resnet50": "dpcompare.run.real_models:resnet50",
+    "resnet18-cifar": "dpcompare.run.real_models:resnet18_cifar",
+    "resnet50-cifar": "dpcompare.run.real_models:resnet50_cifar",
+    "gpt-tiny": "dpcompare.run.real_models:gpt_tiny",
+    "gpt-mini": "dpcompare.run.real_models:gpt_mini",
+    "gpt2-small": "dpcompare.run.real_models:gpt2_small",
+    "gpt2-medium": "dpcompare.run.real_models:gpt2_medium",
 }
 
 

@@ -117,7 +117,9 @@ def _write_result(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workl
     policy = eq.tolerance_policy(cfg.dtype, env.world_size, eq.depth_of(template), cfg.compression)
     payload = results.base_payload(
         backend=cfg.backend, launcher=env.launcher, world_size=env.world_size, device=str(adapter.device),
-        model=workload.name, global_batch=global_batch, local_batch=local_batch, scaling=cfg.scaling,
+        model=workload.name, model_info={"source": workload.source,
+                                         "parameters": sum(p.numel() for p in workload.model.parameters())},
+        global_batch=global_batch, local_batch=local_batch, scaling=cfg.scaling,
         steps=cfg.steps, tag=cfg.tag, config=cfg.to_dict(),
         capabilities={"multi_process": caps.multi_process, "native_launcher": caps.native_launcher,
                       "scaling_baseline": caps.scaling_baseline},

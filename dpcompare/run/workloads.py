@@ -27,6 +27,8 @@ class Workload:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """Mean loss over the samples given: the mean of equal shards' losses is the global-batch loss."""
     tokens_per_sample: int = 1
+    source: str = "dpcompare"
+    """Where the network's definition comes from (e.g. "torchvision 0.26.0"): recorded in the result."""
 
 
 def _generator(seed: int, step: int) -> torch.Generator:
