@@ -8,7 +8,6 @@ has nothing left to wait for. `no_sync()` accumulates locally; it must surround 
 from __future__ import annotations
 
 import contextlib
-from datetime import timedelta
 
 import torch.distributed as dist
 from torch import nn
@@ -42,15 +41,7 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
 
     def setup(self, timeout_s: float) -> None:
         launch.ensure_rendezvous(self.env)
-        if not dist.is_initialized():
-            backend = self.dist_backend()
-            dist.init_process_group(
-                backend=backend,
-                rank=self.env.rank,
-                world_size=self.env.world_size,
-                timeout=timedelta(seconds=timeout_s),
-                device_id=self.device if backend == "nccl" else None,
-            )
+        self.init_process_group(timeout_s)
 
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
         # find_unused_parameters costs a graph traversal every step: on only when the model needs it.

@@ -50,6 +50,9 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         # wall_clock_breakdown logs every step's timers at INFO; the run prints its own summary.
         logger.setLevel(logging.WARNING)
         self.deepspeed = deepspeed
+        # The group first, as ddp makes it: DeepSpeed's own init binds it to cuda:LOCAL_RANK, which does not
+        # exist when gloo ranks share one GPU. init_distributed then adopts the existing group.
+        self.init_process_group(timeout_s)
         deepspeed.init_distributed(
             dist_backend=self.dist_backend(),
             timeout=timedelta(seconds=timeout_s),

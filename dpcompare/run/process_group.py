@@ -7,6 +7,7 @@ not inherit from one another.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -44,6 +45,15 @@ class ProcessGroupMixin:
                 f"ranks on one device: use --opt dist_backend=gloo (CUDA tensors reduced through host memory), or at "
                 f"most {devices} rank(s) per node")
         return "nccl"
+
+    def init_process_group(self, timeout_s: float) -> None:
+        """The default process group, bound to this rank's device only under NCCL (gloo ranks may share a GPU)."""
+        if dist.is_initialized():
+            return
+        backend = self.dist_backend()
+        dist.init_process_group(backend=backend, rank=self.env.rank, world_size=self.env.world_size,
+                                timeout=timedelta(seconds=timeout_s),
+                                device_id=self.device if backend == "nccl" else None)
 
     def sync_batchnorm(self, module: nn.Module) -> nn.Module:
         if self.device.type == "cuda":

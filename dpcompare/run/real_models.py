@@ -18,13 +18,13 @@ through. `gpt2-small` is the real 124M configuration (vocab 50257, context 1024,
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from dpcompare.run.workloads import Workload, _cross_entropy, _generator
 
@@ -109,7 +109,7 @@ _RESNETS = {"resnet18": (BasicBlock, (2, 2, 2, 2)), "resnet50": (Bottleneck, (3,
 def torchvision_problem() -> str | None:
     """None when torchvision's models import; otherwise one line saying why and how to install it."""
     try:
-        import torchvision.models  # noqa: F401
+        importlib.import_module("torchvision.models")
     except Exception as exc:  # a CUDA build of torchvision on a CPU torch raises RuntimeError, not ImportError
         return (f"torchvision does not import ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                 f"install the build matching torch {torch.__version__}: pip install torchvision "
