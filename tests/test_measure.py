@@ -179,3 +179,36 @@ def test_timeline_union_counts_fused_tensors_once(tmp_path):
 def test_timeline_sums_disjoint_intervals():
     assert timeline.union_ms([(0, 1000), (2000, 3000)]) == pytest.approx(2.0)
     assert timeline.union_ms([(0, 1000), (500, 3000)]) == pytest.approx(3.0)
+
+
+# -- contradicting figures are flagged, not printed silently -------------------------------------------------
+@pytest.mark.parametrize(("exposed", "total", "flagged"), [
+    (2.14, 1.04, True), (1.15, 1.0, True), (1.05, 1.0, False), (0.4, 1.0, False), (2.0, None, False)])
+def test_exposed_beyond_total_is_a_contradiction(exposed, total, flagged) -> None:
+    why = measure.contradiction({"comm_exposed_ms": exposed, "comm_total_ms": total})
+    assert (why is not None) == flagged
+    if flagged:
+        assert f"{exposed:.2f} ms > total {total:.2f} ms" in why and "upper bound" in why
+
+
+def test_compare_and_report_flag_the_contradiction(tmp_path) -> None:
+    from rich.console import Console
+
+    from dpcompare.commands.compare.plan import Job
+    from dpcompare.commands.compare.render import render_cost
+    from dpcompare.commands.report.markdown import Footnotes, _exposed_cell
+
+    metrics = {"comm_exposed_ms": 2.14, "comm_total_ms": 1.04, "step_ms_p50": 5.0}
+    calm = {"comm_exposed_ms": 0.5, "comm_total_ms": 1.04, "step_ms_p50": 5.0}
+    jobs = [Job("horovod", 2, [], "horovod/2", tmp_path / "a.npz", tmp_path / "a.log", result={"metrics": metrics}),
+            Job("ddp", 2, [], "ddp/2", tmp_path / "b.npz", tmp_path / "b.log", result={"metrics": calm})]
+    console = Console(record=True, width=200)
+    render_cost(console, jobs, [])
+    text = console.export_text()
+    assert "2.14 (!1)" in text and "(!1) horovod/2: exposed communication 2.14 ms > total 1.04 ms" in text
+    assert "(!2)" not in text and "0.50 (!" not in text
+
+    notes = Footnotes()
+    assert _exposed_cell({"metrics": metrics}, notes) == "**2.14 (!)**[^1]"
+    assert _exposed_cell({"metrics": calm}, notes) == "0.5"
+    assert "exposed is an upper bound" in notes.lines()[0]

@@ -64,3 +64,4 @@ def figures(counts: CommCounts, clock: IntervalClock, steps: int) -> dict[str, A
     else:
         return {"reason": f"the counter ({counts.method or 'unnamed'}) returned no figure"}
     return out
+

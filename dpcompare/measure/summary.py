@@ -223,3 +223,23 @@ def _memory(m: Metrics, samples: list[RankSample], model_state: dict[str, float 
     m.set("peak_mem_reserved_mib", max(reserved) if reserved else None, "CPU: no allocator reserve to report")
     m.set("mem_method", "cuda max_memory_allocated" if reserved else "resident high-water mark (VmHWM) over the window")
     m.set("model_state_mib", model_state)
+
+
+CONTRADICTION_SLACK = 0.10
+"""Exposed communication may exceed the total by this fraction (two methods, each with its own noise)."""
+
+
+def contradiction(metrics: dict[str, Any]) -> str | None:
+    """Why a run's communication figures contradict each other, or None: exposed communication (the synced
+    minus the unsynced step) is part of the total (the backend's own counter), so it cannot be larger.
+    When it is, the collectives slowed the computation around them (cores, memory bandwidth or a PCIe link
+    shared with compute), and the ablation booked that slowdown as communication: read exposed as an upper
+    bound, and the total as what the collectives themselves took."""
+    exposed, total = metrics.get("comm_exposed_ms"), metrics.get("comm_total_ms")
+    if not isinstance(exposed, (int, float)) or not isinstance(total, (int, float)) or total <= 0:
+        return None
+    if exposed <= total * (1.0 + CONTRADICTION_SLACK):
+        return None
+    return (f"exposed communication {exposed:.2f} ms > total {total:.2f} ms: the collectives slowed the "
+            f"computation around them and the synced-minus-unsynced ablation counted that as communication; "
+            f"exposed is an upper bound here")

@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dpcompare.commands.compare.plan import Job, capabilities
+from dpcompare.measure import summary
 from dpcompare.results import note_code, note_text
 
 STATUS_STYLE = {"equivalent": "green", "different": "red", "failed": "red", "timeout": "red", "unverifiable": "yellow"}
@@ -104,14 +105,22 @@ def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None
     for col in ("run", "samples/s", "scaling eff", "step p50 ms", "compute ms", "exposed comm ms", "total comm ms",
                 "overlap", "busbw GB/s", "vs microbench", "peak MiB"):
         table.add_column(col, justify="right", no_wrap=True)
+    flagged = []
     for j in jobs:
         m = (j.result or {}).get("metrics") or {}
+        clash = summary.contradiction(m)
+        exposed = _fmt(m.get("comm_exposed_ms"), ".2f")
+        if clash:
+            flagged.append(f"{j.label}: {clash}")
+            exposed = Text(f"{exposed} (!{len(flagged)})", style="bold yellow")
         table.add_row(j.label, _fmt(m.get("samples_per_s"), ".0f"), _fmt(eff.get(j.label), ".2f"),
                       _fmt(m.get("step_ms_p50"), ".2f"), _fmt(m.get("compute_ms_p50"), ".2f"),
-                      _fmt(m.get("comm_exposed_ms"), ".2f"), _fmt(m.get("comm_total_ms"), ".2f"),
+                      exposed, _fmt(m.get("comm_total_ms"), ".2f"),
                       _fmt(m.get("overlap_fraction"), ".2f"), _fmt(m.get("busbw_gbps"), ".3f"),
                       _fmt(m.get("busbw_vs_microbench"), ".2f"), _fmt(m.get("peak_mem_mib"), ".0f"))
     console.print(table)
+    for n, line in enumerate(flagged, 1):
+        console.print(Text(f"(!{n}) {line}", style="yellow"))
 
 
 def _sweep_note(job: Job) -> str:

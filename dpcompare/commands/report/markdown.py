@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from dpcompare.commands.report.derive import Derived, fmt_sweep, format_bytes, num, variant_of
+from dpcompare.measure import summary
 from dpcompare.commands.report.load import created, is_number, label, metric, reasons, run_order
 
 NO_CHECKS = ("this result has no equivalence.checks (written before dpcompare checked the update and the "
@@ -31,7 +32,10 @@ class Footnotes:
         self._ids: dict[str, int] = {}
 
     def na(self, reason: str) -> str:
-        return f"n/a[^{self._ids.setdefault(reason, len(self._ids) + 1)}]"
+        return "n/a" + self.ref(reason)
+
+    def ref(self, reason: str) -> str:
+        return f"[^{self._ids.setdefault(reason, len(self._ids) + 1)}]"
 
     def lines(self) -> list[str]:
         return [f"[^{n}]: {escape(reason)}" for reason, n in self._ids.items()]
@@ -147,12 +151,19 @@ def _time_rows(runs: list[dict[str, Any]], derived: list[Derived], tokens: bool,
             *([cell(run, "tokens_per_s", notes)] if tokens else []),
             f"{d.efficiency:.2f}" if d.efficiency is not None else notes.na(d.efficiency_reason),
             cell(run, "step_ms_p50", notes), cell(run, "step_ms_p90", notes), cell(run, "compute_ms_p50", notes),
-            cell(run, "comm_exposed_ms", notes),
+            _exposed_cell(run, notes),
             num(d.other_ms) if d.other_ms is not None else notes.na(d.other_reason),
             cell(run, "rank_spread_ms_p50", notes),
             notes.na(strag_reason) if strag is None else _stragglers(strag),
             notes.na(measured_reason) if measured is None else f"{measured}" + (f" (+{warm} warm-up)" if warm else "")])
     return rows
+
+
+def _exposed_cell(run: dict[str, Any], notes: Footnotes) -> str:
+    """Exposed communication, flagged in bold with its footnote when it contradicts the total."""
+    text = cell(run, "comm_exposed_ms", notes)
+    clash = summary.contradiction(run.get("metrics") or {})
+    return text if clash is None else f"**{text} (!)**" + notes.ref(clash)
 
 
 def _comm_rows(runs: list[dict[str, Any]], derived: list[Derived], notes: Footnotes) -> list[list[str]]:
@@ -164,7 +175,7 @@ def _comm_rows(runs: list[dict[str, Any]], derived: list[Derived], notes: Footno
             run["backend"], str(run["world_size"]), cell(run, "grad_bytes_per_step", notes, format_bytes),
             cell(run, "bucket_bytes", notes, format_bytes),
             notes.na(total_reason) if total is None else num(total) + (f" ({method})" if method else ""),
-            cell(run, "comm_exposed_ms", notes), cell(run, "overlap_fraction", notes, lambda v: f"{v:.0%}"),
+            _exposed_cell(run, notes), cell(run, "overlap_fraction", notes, lambda v: f"{v:.0%}"),
             cell(run, "tcomm_model_ms", notes), cell(run, "algbw_gbps", notes), cell(run, "busbw_gbps", notes),
             cell(run, "microbench_busbw_gbps", notes),
             f"{d.busbw_ratio:.2f}" if d.busbw_ratio is not None else notes.na(d.busbw_ratio_reason)])
