@@ -577,3 +577,20 @@ def test_old_style_drift_entries_still_plot(tmp_path: Path) -> None:
     width, height = png_size(tmp_path / report.PLOT_TRAJECTORY)
     assert width >= 600 and height >= 300
     assert f"]({report.PLOT_TRAJECTORY})" in md
+
+
+@pytest.mark.parametrize(("floors", "calm"), [(0.0, True), (0.67, True), (3.0, True), (10.0, True), (10.5, False),
+                                              (400.0, False), (5e6, False)])
+def test_heatmap_colours_are_calm_within_tolerance_and_alarming_outside(floors: float, calm: bool) -> None:
+    from dpcompare.commands.report.plots_verify import heatmap_scale
+
+    norm, cmap = heatmap_scale(10.0)
+    r, g, b, _ = cmap(norm(np.array([floors])))[0]
+    assert (g > r) == calm, (floors, r, g, b)  # green within tolerance, red beyond it
+
+
+def test_heatmap_tolerance_comes_from_the_runs() -> None:
+    from dpcompare.commands.report.plots_verify import tolerance_floors
+
+    assert tolerance_floors([{"equivalence": {"tolerance": {"factor": 25.0}}}, {}]) == 25.0
+    assert tolerance_floors([{}]) == 10.0

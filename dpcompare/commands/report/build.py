@@ -16,7 +16,7 @@ from dpcompare.commands.report.markdown import (Footnotes, cost_sections, enviro
                                                 inputs_not_used_section, microbench_section, plot_md, sweep_section,
                                                 unavailable_section, verdict_section)
 from dpcompare.commands.report.plots_cost import plot_busbw, plot_step_breakdown, plot_throughput
-from dpcompare.commands.report.plots_verify import plot_heatmap, plot_trajectory_drift
+from dpcompare.commands.report.plots_verify import plot_heatmap, plot_trajectory_drift, tolerance_floors
 from dpcompare.commands.report.style import (ALL_PLOTS, PLOT_BREAKDOWN, PLOT_BUSBW, PLOT_HEATMAP, PLOT_THROUGHPUT,
                                              PLOT_TRAJECTORY)
 from dpcompare.results import write_text_atomic
@@ -107,7 +107,8 @@ def draw_plots(inputs: Inputs, sel: Selection, link_peak_gbps: float | None, out
         Plot(PLOT_BREAKDOWN, "Step time breakdown", plot_step_breakdown(runs, out_dir / PLOT_BREAKDOWN),
              BREAKDOWN_CAPTION),
         _busbw_plot(inputs, runs, link_peak_gbps, out_dir),
-        Plot(PLOT_HEATMAP, "Gradient error matrix", plot_heatmap(inputs.compare, out_dir / PLOT_HEATMAP),
+        Plot(PLOT_HEATMAP, "Gradient error matrix", plot_heatmap(inputs.compare, out_dir / PLOT_HEATMAP,
+                                                                     tolerance_floors(runs)),
              HEATMAP_CAPTION),
     ]
     drift = Plot(PLOT_TRAJECTORY, "Trajectory drift", plot_trajectory_drift(runs, out_dir / PLOT_TRAJECTORY),

@@ -203,7 +203,12 @@ def cost_sections(runs: list[dict[str, Any]], derived: list[Derived], notes: Foo
         "### Throughput and step time", "",
         "Scaling efficiency = samples/s at N / (N x samples/s of the scaling baseline, the run at world size 1 "
         "whose capabilities.scaling_baseline is true). Times are p50 over measured steps of the slowest rank, in "
-        "ms; other = step - compute - exposed comm, floored at 0.", "",
+        "ms. compute is forward and backward with gradient synchronisation switched off, exposed comm the "
+        "synced minus that unsynced step, both from the ablation's interleaved pairs (which do not update the "
+        "weights); other = step - compute - exposed comm, floored at 0: the optimizer step, the backend's own "
+        "communication counters (they run in the measured window only: DDP's per-iteration logging, Horovod's "
+        "timeline, DeepSpeed's synchronising timers) and drift of the machine between the two windows. "
+        "--no-instrument switches the counters off.", "",
         *table(["backend", "ws", "samples/s", *(["tokens/s"] if tokens else []), "scaling eff.", "step p50",
                 "step p90", "compute p50", "exposed comm", "other", "rank spread p50", "stragglers",
                 "measured steps"], _time_rows(runs, derived, tokens, notes)), ""]

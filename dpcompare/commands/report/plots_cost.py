@@ -88,7 +88,7 @@ def plot_throughput(runs: list[dict[str, Any]], baseline_throughput: float | Non
 
 
 # -- step breakdown ---------------------------------------------------------------------------------------
-_PART_NAMES = {"compute": "compute (sync off)", "exposed": "exposed communication", "other": "other",
+_PART_NAMES = {"compute": "compute (sync off)", "exposed": "exposed communication", "other": "other (counters, drift: see report.md)",
                "unknown": "n/a (not attributed)"}
 
 

@@ -4,15 +4,13 @@ returns None, or returns why it was skipped and draws nothing."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from matplotlib import colormaps
 from matplotlib.axes import Axes
-from matplotlib.colors import Colormap, LogNorm
+from matplotlib.colors import BoundaryNorm, Colormap, ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
 
@@ -59,23 +57,32 @@ def matrix_panels(matrix: dict[str, Any]) -> list[Panel]:
     return panels
 
 
-def _heatmap_norm(panels: list[Panel]) -> LogNorm:
-    positive = np.concatenate([p.values[(p.values > 0) & np.isfinite(p.values)] for p in panels])
-    vmax = float(positive.max()) if positive.size else 1.0
-    # The decade below the smallest distance: bitwise-equal cells take the lowest colour and stay
-    # distinguishable from the smallest non-zero one.
-    vmin = 10.0 ** math.floor(math.log10((float(positive.min()) if positive.size else 1.0) / 2))
-    return LogNorm(vmin=vmin, vmax=vmax)
+DEFAULT_TOLERANCE_FLOORS = 10.0
+"""dpcompare.verify.equivalence.TOLERANCE_FACTOR, for summaries whose runs do not record their tolerance."""
 
 
-def _draw_panel(ax: Axes, panel: Panel, cmap: Colormap, norm: LogNorm) -> Any:
+def heatmap_scale(tolerance: float) -> tuple[BoundaryNorm, ListedColormap]:
+    """Fixed bands in noise floors, anchored at the tolerance, so a colour means the same in every report:
+    greens up to the tolerance (within noise is calm), reds beyond it (outside tolerance is alarming)."""
+    # Bands are closed on the left; the verdict's rule is err <= tolerance, so the tolerance itself is green.
+    bounds = [0.0, 1.0, tolerance / 3.0, float(np.nextafter(tolerance, np.inf)), tolerance * 10.0, tolerance * 100.0]
+    colours = ["#EDF8E9", "#BAE4B3", "#74C476", "#FC9272", "#EF3B2C", "#A50F15"]  # the last: beyond 100x
+    return BoundaryNorm(bounds, len(colours), extend="max"), ListedColormap(colours).with_extremes(bad="#D0D0D0")
+
+
+def tolerance_floors(runs: list[dict[str, Any]]) -> float:
+    """The tolerance factor (in noise floors) the runs were judged with: the largest any of them records."""
+    factors = [((r.get("equivalence") or {}).get("tolerance") or {}).get("factor") for r in runs]
+    return max((f for f in factors if is_number(f) and f > 0), default=DEFAULT_TOLERANCE_FLOORS)
+
+
+def _draw_panel(ax: Axes, panel: Panel, cmap: Colormap, norm: BoundaryNorm) -> Any:
     """One panel with its value written in each cell; returns the image for the colour bar."""
-    vmin = norm.vmin
-    shown = np.ma.masked_invalid(np.where(panel.values == 0, vmin, panel.values))
+    shown = np.ma.masked_invalid(panel.values)
     image = ax.imshow(shown, cmap=cmap, norm=norm, aspect="auto")
     for (i, j), v in np.ndenumerate(panel.values):
         text = "n/a" if np.isnan(v) else "0" if v == 0 else f"{v:.3g}"
-        r, g, b, _ = cmap(norm(v if v > 0 else vmin)) if not np.isnan(v) else (0.8, 0.8, 0.8, 1)
+        r, g, b, _ = cmap(norm(v)) if not np.isnan(v) else (0.8, 0.8, 0.8, 1)
         ax.text(j, i, text, ha="center", va="center", fontsize=8,
                 color="white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.5 else "black")
     n_rows, n_cols = panel.values.shape
@@ -87,23 +94,21 @@ def _draw_panel(ax: Axes, panel: Panel, cmap: Colormap, norm: LogNorm) -> Any:
     return image
 
 
-def _colour_bar(fig: Figure, image: Any, axes: list[Axes], norm: LogNorm) -> None:
-    vmin, vmax = norm.vmin, norm.vmax
-    bar = fig.colorbar(image, ax=axes, label="noise floors (log scale)")
-    ticks = [m * 10.0**k for k in range(math.floor(math.log10(vmin)), math.ceil(math.log10(vmax)) + 1) for m in (1, 2, 5)]
-    bar.set_ticks([t for t in ticks if vmin <= t <= vmax] or [vmin, vmax])
-    bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+def _colour_bar(fig: Figure, image: Any, axes: list[Axes], norm: BoundaryNorm, tolerance: float) -> None:
+    bar = fig.colorbar(image, ax=axes, label=f"noise floors (tolerance {tolerance:g}: green within, red outside)",
+                       spacing="uniform")
+    bar.set_ticks(list(norm.boundaries))
+    bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:.3g}"))
     bar.ax.yaxis.set_minor_locator(NullLocator())
 
 
-def plot_heatmap(compare: dict[str, Any] | None, path: Path) -> str | None:
+def plot_heatmap(compare: dict[str, Any] | None, path: Path, tolerance: float = DEFAULT_TOLERANCE_FLOORS) -> str | None:
     if compare is None:
         return "no compare summary (JSON with kind: compare) under the directory: run python -m dpcompare compare"
     panels = matrix_panels(compare.get("matrix") or {})
     if not panels:
         return "the compare summary holds no gradient matrix (no two runs dumped gradients at a common checked step)"
-    norm = _heatmap_norm(panels)
-    cmap = colormaps["YlOrRd"].with_extremes(bad="#D0D0D0")
+    norm, cmap = heatmap_scale(tolerance)
     n_rows, n_cols = panels[0].values.shape
     fig = Figure(figsize=(max(5.0, 1.4 + 1.0 * n_cols) * len(panels) + 1.2, max(3.6, 1.8 + 0.55 * n_rows)),
                  layout="constrained")
@@ -111,7 +116,7 @@ def plot_heatmap(compare: dict[str, Any] | None, path: Path) -> str | None:
     image = None
     for ax, panel in zip(axes, panels):
         image = _draw_panel(ax, panel, cmap, norm)
-    _colour_bar(fig, image, axes, norm)
+    _colour_bar(fig, image, axes, norm, tolerance)
     fig.suptitle("Reduced gradients: distance to the float64 oracle and to each other,\n"
                  "in float32 noise floors (0 = bitwise equal, grey = unknown)")
     save(fig, path)
