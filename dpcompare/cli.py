@@ -10,9 +10,11 @@ import argparse
 import os
 import sys
 import time
+import traceback
 from typing import get_args
 
 from dpcompare.run import registry
+from dpcompare.run.registry import UserCodeError
 from dpcompare.run.config import Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
 
 SUBCOMMANDS = ("run", "compare", "report", "bench-collectives", "regress")
@@ -163,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         rank = _rank()
         if rank == 0:
             _fail(str(exc))
+            if isinstance(exc, UserCodeError) and exc.__cause__ is not None:
+                traceback.print_exception(exc.__cause__, file=sys.stderr)
         else:
             time.sleep(QUIET_RANK_EXIT_DELAY_S)
             _fail(f"[rank {rank}] {exc}")

@@ -19,7 +19,7 @@ def _fmt(value: Any, spec: str) -> str:
 
 def run_rows(out: Path) -> list[str]:
     rows = ["| model | backend | ws | device | verdict | step p50 ms | samples/s | tokens/s | peak MiB | "
-            "exposed / total comm ms | clock | memory |", "|" + " --- |" * 12]
+            "exposed / total comm ms | clock (by device type) | memory |", "|" + " --- |" * 12]
     results = []
     for path in sorted(out.rglob("*.json")):
         try:
@@ -32,9 +32,9 @@ def run_rows(out: Path) -> list[str]:
         m = r.get("metrics") or {}
         e = r["equivalence"]
         verdict = e["verdict"]
-        if verdict != "equivalent" and e.get("notes"):
-            first = e["notes"][0]
-            verdict += f" ({first['text'] if isinstance(first, dict) else first})"[:160]
+        why = e.get("unverifiable_reason") or e.get("first_divergence")
+        if verdict != "equivalent" and why:
+            verdict += f" ({why if isinstance(why, str) else json.dumps(why)})"[:200]
         rows.append(
             f"| {r['model']} | {r['backend']} | {r['world_size']} | {r['device']} | {verdict} | "
             f"{_fmt(m.get('step_ms_p50'), '.1f')} | {_fmt(m.get('samples_per_s'), '.1f')} | "

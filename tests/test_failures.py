@@ -56,6 +56,25 @@ PYTHON_CASES = [
     pytest.param("ddp", "mlp", ["--opt", "broadcast_buffers=perhaps"], ["--opt broadcast_buffers='perhaps' is invalid",
                                                                       "true/false"], id="opt-bad-value"),
     pytest.param("ddp", "mlp", ["--dp-devices", "2"], ["--dp-devices=2 does not apply to --backend ddp"], id="dp-devices-not-dp"),
+    pytest.param("reference", "mlp", ["--timeout-s", "inf"], ["--timeout-s=inf is invalid", "finite"], id="timeout-inf"),
+    pytest.param("reference", "mlp", ["--timeout-s", "1e12"], ["--timeout-s=1000000000000.0 is invalid", "at most"],
+                 id="timeout-huge"),
+    pytest.param("reference", "mlp", ["--seed", "99999999999999999999999"], ["--seed=99999999999999999999999 is invalid",
+                                                                           "0 to 4294967295"], id="seed-huge"),
+    pytest.param("reference", "mlp", ["--weight-decay", "nan"], ["--weight-decay=nan is invalid", "finite"],
+                 id="weight-decay-nan"),
+    pytest.param("reference", "mlp", ["--lr", "inf"], ["--lr=inf is invalid", "finite"], id="lr-inf"),
+    pytest.param("reference", "mlp", ["--out", "/etc/passwd"], ["--out='/etc/passwd' is invalid", "is a file"],
+                 id="out-is-a-file"),
+    pytest.param("reference", "mlp", ["--out", "/proc/dpcompare-x"], ["--out='/proc/dpcompare-x' is invalid"],
+                 id="out-unwritable"),
+    pytest.param("reference", "mlp", ["--dump-grads", "/proc/dpcompare-x/g.npz"],
+                 ["--dump-grads='/proc/dpcompare-x/g.npz' is invalid"], id="dump-grads-unwritable"),
+    pytest.param(":Adapter", "mlp", [], ["--backend ':Adapter' is invalid", "needs both parts"], id="backend-empty-module"),
+    pytest.param("reference", "mlp", ["--sync-bn"], ["--sync-bn is invalid for --model mlp", "no BatchNorm"],
+                 id="sync-bn-without-batchnorm"),
+    pytest.param("ddp", "mlp", ["--opt", "dist_backend=nccl"], ["--opt dist_backend=nccl needs CUDA tensors"],
+                 id="nccl-on-cpu"),
     pytest.param("tests.no_such_adapters:MyAdapter", "mlp", [],
                  ["cannot import module 'tests.no_such_adapters'", "PYTHONPATH"], id="adapter-module-missing"),
     pytest.param("tests.faulty_adapters:NoSuchAdapter", "mlp", [],
@@ -73,6 +92,35 @@ def test_bad_input_is_one_line_and_exit_2(launch, backend, model, extra, expecte
     assert_one_error_line(proc.stderr, *expected)
     assert "Traceback" not in proc.output
     assert proc.stdout == "", "no summary line for a run that did not happen"
+
+
+# -- the user's own code raising -------------------------------------------------------------------------------
+USER_CODE = {
+    "syntax": ("broken_user_model", "def build(seed)\n    return None\n", "broken_user_model:build",
+               ["importing your module 'broken_user_model' raised SyntaxError"]),
+    "signature": ("user_model_signature", "def build():\n    return None\n", "user_model_signature:build",
+                  ["--model user_model_signature:build: your function raised TypeError", "function(seed: int)"]),
+    "raises": ("user_model_raises", "def build(seed):\n    raise KeyError('no such layer')\n", "user_model_raises:build",
+               ["your function raised KeyError", "no such layer"]),
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("case", sorted(USER_CODE))
+def test_the_users_code_raising_is_one_line_then_its_traceback(launch, case):
+    module, source, spec, expected = USER_CODE[case]
+    (launch.cwd / f"{module}.py").write_text(source)  # python -m puts the working directory on sys.path
+    proc, result = launch("reference", 1, spec, [], "python")
+    assert proc.returncode == 2, proc.output[-4000:]
+    assert result is None
+    first, *rest = proc.stderr.splitlines()
+    assert first.startswith(ERROR_PREFIX), proc.stderr
+    for text in expected:
+        assert text in first, first
+    # then the traceback of the user's code, naming their file
+    assert rest and rest[0].startswith("Traceback") or any("SyntaxError" in line for line in rest), proc.stderr
+    assert f"{module}.py" in proc.stderr
 
 
 # -- bad input, several ranks under torchrun ---------------------------------------------------------------

@@ -6,7 +6,11 @@ Imports no backend and no torch.
 
 from __future__ import annotations
 
+import math
+import os
+import tempfile
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Literal
 
 Optimizer = Literal["sgd", "adamw"]
@@ -89,6 +93,14 @@ class RunConfig:
         def bad(name: str, value: object, fix: str) -> ValueError:
             return ValueError(f"--{name.replace('_', '-')}={value!r} is invalid: {fix}")
 
+        for name in ("lr", "momentum", "weight_decay", "timeout_s", "inject_slowdown", "bucket_mb"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise bad(name, value, "use a finite number")
+        if not 0 <= self.seed < 2**32:
+            raise bad("seed", self.seed, "use a whole number from 0 to 4294967295")
+        if self.timeout_s > MAX_TIMEOUT_S:
+            raise bad("timeout_s", self.timeout_s, f"use at most {MAX_TIMEOUT_S:g} seconds (a week)")
         if not self.backend:
             raise bad("backend", self.backend, "name a backend (reference, ddp, horovod, dp, deepspeed) or package.module:Class")
         if self.global_batch < 1:
@@ -131,6 +143,17 @@ class RunConfig:
             if not ok:
                 raise bad("inject_fault", self.inject_fault, "use crash:RANK:STEP, hang:RANK:STEP or dupdata")
 
+    def check_outputs(self) -> None:
+        """Refuse, before any work, outputs that could not be written after it: --out must be (or become) a
+        writable directory, --dump-grads a writable .npz path in an existing or creatable directory."""
+        check_writable_dir("out", Path(self.out))
+        if self.dump_grads:
+            dump = Path(self.dump_grads)
+            if dump.is_dir():
+                raise ValueError(f"--dump-grads={self.dump_grads!r} is invalid: it is a directory; name a file, "
+                                 "e.g. grads.npz")
+            check_writable_dir("dump_grads", dump.parent if str(dump.parent) else Path("."), self.dump_grads)
+
     def batch_sizes(self, world_size: int) -> tuple[int, int]:
         """(global, local) batch per optimizer step; raises ValueError when they cannot be equal shards."""
         if self.scaling == "weak":
@@ -154,3 +177,28 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""--timeout-s above this is refused: watchdogs and socket timeouts take it as a C integer of milliseconds."""
+
+
+def check_writable_dir(flag: str, directory: Path, shown: str | None = None) -> None:
+    """One line naming the flag when `directory` is not, and cannot become, a writable directory."""
+    shown = shown if shown is not None else str(directory)
+    option = f"--{flag.replace('_', '-')}={shown!r}"
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{option} is invalid: {directory} is a file, not a directory; choose a directory")
+    existing = directory
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} is invalid: {existing} is not writable by this user; choose a writable "
+                         "directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=directory, prefix=".dpcompare-probe-", delete=True)
+        probe.close()
+    except OSError as exc:
+        raise ValueError(f"{option} is invalid: cannot write there ({exc.strerror or exc}); choose a writable "
+                         "directory") from None

@@ -42,26 +42,38 @@ MODELS: dict[str, str] = {
 }
 
 
+class UserCodeError(ValueError):
+    """The user's own code (a --model function, a --backend class, their module) raised: one line saying so,
+    then the traceback of their code (the exception's __cause__), exit 2."""
+
+
 def load(spec: str, table: dict[str, str], kind: str) -> Any:
     """Resolve a registered name or `package.module:Name`; errors list what is available."""
     path = table.get(spec, spec)
+    module_name, _, attr = path.partition(":")
     if ":" not in path:
         raise ValueError(
             f"unknown {kind} {spec!r}: choose one of {', '.join(sorted(table))} or give package.module:Name"
         )
-    module_name, _, attr = path.partition(":")
+    if not module_name.strip() or not attr.strip():
+        raise ValueError(f"--{kind} {spec!r} is invalid: package.module:Name needs both parts, e.g. mypkg.models:build")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
+        if exc.name and module_name != exc.name and not module_name.startswith(exc.name + "."):
+            raise UserCodeError(f"--{kind} {spec!r}: importing your module {module_name!r} failed") from exc
         missing = exc.name or module_name
         for name, (requirement, install) in REQUIREMENTS.items():
             if spec == name or missing.split(".")[0] == requirement.split(".")[0]:
                 raise ImportError(f"{kind} {spec!r} needs {requirement}, which is not installed: {install}") from exc
-        raise ValueError(f"{kind} {spec!r}: cannot import module {module_name!r} ({exc}); check the name and PYTHONPATH") from exc
+        raise ValueError(f"--{kind} {spec!r}: cannot import module {module_name!r} ({exc}); check the name and PYTHONPATH") from exc
+    except Exception as exc:  # the user's module itself raised (a syntax error, an import inside it, ...)
+        raise UserCodeError(f"--{kind} {spec!r}: importing your module {module_name!r} raised "
+                            f"{type(exc).__name__}: {exc}") from exc
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise ValueError(f"{kind} {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+        raise ValueError(f"--{kind} {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
 
 
 def availability(backend: str) -> tuple[bool, str]:

@@ -13,6 +13,8 @@ import copy
 import time
 from typing import Any
 
+from torch import nn
+
 from dpcompare import results
 from dpcompare.contract import Adapter, Note
 from dpcompare.run import backend, launch, registry
@@ -29,15 +31,28 @@ from dpcompare.verify import stochastic, verifier
 
 def load_workload(cfg: RunConfig) -> Workload:
     factory = registry.load(cfg.model, registry.MODELS, "model")
-    workload = factory(cfg.seed)
+    if not callable(factory):
+        raise ValueError(f"--model {cfg.model}: {type(factory).__name__} is not callable; give a function (seed) -> Workload")
+    try:
+        workload = factory(cfg.seed)
+    except Exception as exc:
+        if cfg.model in registry.MODELS:
+            raise
+        raise registry.UserCodeError(f"--model {cfg.model}: your function raised {type(exc).__name__}: {exc} "
+                                     "(it is called as function(seed: int) and must return a Workload)") from exc
     if not isinstance(workload, Workload):
         raise ValueError(f"--model {cfg.model}: the function must return dpcompare.run.workloads.Workload, got {type(workload).__name__}")
+    if cfg.sync_bn and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in workload.model.modules()):
+        raise ValueError(f"--sync-bn is invalid for --model {cfg.model}: it has no BatchNorm layer, so there are no "
+                         "statistics to synchronise; drop --sync-bn")
     return workload
 
 
 def run(cfg: RunConfig) -> dict[str, Any]:
     cfg.validate()
     env = launch.detect()
+    if env.is_rank0:
+        cfg.check_outputs()  # before any work: a result that cannot be written would lose the whole run
     adapter_cls = backend.load_adapter_class(cfg, env)
     settings = backend.settings_for(adapter_cls, cfg)  # every --opt checked before anything starts
     global_batch, local_batch = cfg.batch_sizes(env.world_size)
