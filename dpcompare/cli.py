@@ -14,11 +14,17 @@ import traceback
 from typing import get_args
 
 from dpcompare.run import registry
+from dpcompare.run.launch import tell_launcher
 from dpcompare.run.registry import UserCodeError
 from dpcompare.run.config import Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
 
 SUBCOMMANDS = ("run", "compare", "report", "bench-collectives", "regress")
+# Exit status of `run` (README, "Failures"): 0 done; 2 bad input (nothing ran); 3 a rank made no progress for
+# --timeout-s (the watchdog stopped it); 4 the run failed while running (a collective failed or timed out, a
+# peer died, a backend error); 130 interrupted.
 EXIT_USAGE = 2
+EXIT_RUN_FAILURE = 4
+EXIT_INTERRUPTED = 130
 QUIET_RANK_EXIT_DELAY_S = 3.0
 
 
@@ -30,8 +36,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _fail(message: str) -> int:
-    print(f"dpcompare: error: {message}", file=sys.stderr, flush=True)
+    line = f"dpcompare: error: {message}"
+    print(line, file=sys.stderr, flush=True)
+    tell_launcher(line)
     return EXIT_USAGE
+
 
 
 def _whole(text: str) -> int:
@@ -173,9 +182,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except RuntimeError as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return _fail(f"[rank {_rank()}] {message}")
+        _fail(f"[rank {_rank()}] {message}")
+        return EXIT_RUN_FAILURE
     except KeyboardInterrupt:
-        return _fail("interrupted")
+        _fail("interrupted")
+        return EXIT_INTERRUPTED
 
 
 def _exit_now_if_distributed() -> None:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up dpcompare's whole stack in .venv/ at the repository root. Idempotent: a second run only checks.
+# Set up dpcompare's whole stack in .venv/ at the repository root. Idempotent: a second run only checks
+# (no package index is contacted when nothing changed since the last complete run).
 #
 #   bash scripts/setup.sh          torch (CPU wheel), DeepSpeed, mpi4py + Open MPI, Horovod, test tools
 #
@@ -15,6 +16,7 @@
 #   DPCOMPARE_PYTHON      interpreter to build the venv from (default: python3.11, else python3)
 #   DPCOMPARE_TORCH       torch requirement (default: torch==2.13.0; set it to your CUDA build's pin)
 #   DPCOMPARE_NO_HOROVOD=1  skip the Horovod build (compare then lists horovod as unavailable)
+#   DPCOMPARE_NO_TORCHVISION=1  do not try torchvision (resnet models then use dpcompare's own definition)
 #   DPCOMPARE_CACHE       where built wheels are cached (default: ~/.cache/dpcompare)
 set -euo pipefail
 
@@ -61,6 +63,19 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+
+# A second run only checks: when nothing that decides the install changed since the last complete run
+# (this script, pyproject.toml, the torch pin) and everything imports, no package index is contacted.
+stamp="$venv/.dpcompare-setup"
+fingerprint=$(cat "$root/scripts/setup.sh" "$root/pyproject.toml" | sha256sum | cut -c1-16)-$torch_req-${DPCOMPARE_NO_HOROVOD:-0}
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$fingerprint" ] \
+    && "$venv/bin/python" -c 'import torch, dpcompare, deepspeed, mpi4py, pytest, pytest_benchmark, jsonschema, rich' 2>/dev/null; then
+  say "already set up (nothing changed since the last run; remove $stamp to force a reinstall)"
+  say "ready: $venv"
+  exit 0
+fi
+rm -f "$stamp"
+
 "${pip[@]}" install --upgrade "pip>=23" "setuptools>=69,<80" wheel
 
 if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
@@ -109,4 +124,19 @@ else
   say "horovod $horovod_version built with gloo and MPI"
 fi
 
+# --- torchvision (optional: dpcompare has its own ResNet with torchvision's layout) ---------------------------
+# Only a build matching torch works: the plain PyPI wheel is a CUDA build and does not import on a CPU torch.
+if [ "${DPCOMPARE_NO_TORCHVISION:-0}" != 1 ] && ! "$venv/bin/python" -c 'import torchvision.models' 2>/dev/null; then
+  tv_req=$("$venv/bin/python" -c 'import torch; v = torch.__version__; minor = int(v.split("+")[0].split(".")[1]); local = v.partition("+")[2]; print(f"torchvision==0.{minor + 15}.*" + (f" --index-url https://download.pytorch.org/whl/{local}" if local else ""))')
+  # shellcheck disable=SC2086  # the requirement and its index are separate words on purpose
+  if PIP_FIND_LINKS= "${pip[@]}" install --no-deps --timeout 20 --retries 1 $tv_req 2>/dev/null \
+      && "$venv/bin/python" -c 'import torchvision.models' 2>/dev/null; then
+    say "torchvision installed ($tv_req)"
+  else
+    "${pip[@]}" uninstall -y torchvision >/dev/null 2>&1 || true
+    say "torchvision's build for this torch could not be installed ($tv_req): --model resnet18/resnet50 use dpcompare's own definition of the same network"
+  fi
+fi
+
+echo "$fingerprint" >"$stamp"
 say "ready: $venv"

@@ -8,10 +8,13 @@ launchers that do not set them (mpirun, srun, horovodrun). Imports no adapter.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import time
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from dpcompare.run.launchers import free_port
@@ -182,3 +185,20 @@ def pick_device(choice: str, local_rank: int):
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def tell_launcher(line: str) -> None:
+    """Under torchrun, leave dpcompare's error line in the worker's error file (TORCHELASTIC_ERROR_FILE), so
+    torchrun's failure report names it as the root cause instead of "To enable traceback see ...". The
+    format is torch elastic's: {"message": {"message": ..., "extraInfo": {"py_callstack": ..., "timestamp": ...}}}.
+    The first error of a process wins; the line is on stderr already, so a write that fails is let go."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    from dpcompare import results
+
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        results.write_text_atomic(Path(path), json.dumps(data))
+    except OSError:
+        pass

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import tempfile
 import threading
@@ -21,8 +22,10 @@ import time
 from pathlib import Path
 
 from dpcompare.results import atomic_file
+from dpcompare.run import launch
 
 EXIT_PEER_FAILURE = 3
+"""The exit status of a rank the watchdog stopped (README, "Failures")."""
 
 
 def heartbeat_dir(job_id: str) -> Path:
@@ -43,6 +46,8 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="dpcompare-watchdog", daemon=True)
 
     def start(self) -> "Watchdog":
+        if self.rank == 0:
+            prune_stale(self.dir.parent)
         self.beat("start", -1)
         self._write()
         self._written = self._seq
@@ -58,7 +63,7 @@ class Watchdog:
     def _write(self) -> None:
         with atomic_file(self.dir / f"rank{self.rank}.json", durable=False) as f:
             f.write(json.dumps({"rank": self.rank, "seq": self._seq, "step": self._step, "phase": self._phase,
-                                "wall": time.time()}))
+                                "wall": time.time(), "pid": os.getpid(), "host": socket.gethostname()}))
 
     def peers(self) -> dict[int, dict | None]:
         out: dict[int, dict | None] = {}
@@ -78,7 +83,11 @@ class Watchdog:
         missing = [r for r, p in peers.items() if p is None]
         seen = {r: p for r, p in peers.items() if p is not None}
         parts = []
-        if seen:
+        gone = {r: why for r, p in seen.items() if r != self.rank and (why := _not_running(p))}
+        if gone:
+            parts.append("; ".join(f"rank {r} {why} (last at step {seen[r]['step']} '{seen[r]['phase']}')"
+                                   for r, why in gone.items()))
+        if seen and not gone:
             lowest = min(p["seq"] for p in seen.values())
             behind = [r for r, p in seen.items() if p["seq"] == lowest]
             if len(behind) < len(seen):
@@ -104,6 +113,7 @@ class Watchdog:
                        f"last at step {self._step} '{self._phase}'); culprit: {self.culprits()}. "
                        "Raise --timeout-s if steps are legitimately this slow.")
                 print(msg, file=sys.stderr, flush=True)
+                launch.tell_launcher(msg)
                 os._exit(EXIT_PEER_FAILURE)
 
     def stop(self, clean: bool = True) -> None:
@@ -119,3 +129,50 @@ class Watchdog:
                 self.dir.rmdir()
         except OSError:
             pass
+
+
+STALE_AFTER_S = 24 * 3600.0
+"""Heartbeat directories of failed runs (kept so the surviving ranks could name the culprit) are removed
+by the next run's rank 0 once nothing in them has changed for this long."""
+
+
+def prune_stale(base: Path, older_than_s: float = STALE_AFTER_S) -> list[Path]:
+    """Remove the heartbeat directories under `base` whose files are all older than `older_than_s`."""
+    removed = []
+    cutoff = time.time() - older_than_s
+    try:
+        candidates = [d for d in base.iterdir() if d.is_dir()]
+    except OSError:
+        return removed
+    for d in candidates:
+        try:
+            files = list(d.iterdir())
+            if all(f.is_file() and f.stat().st_mtime < cutoff for f in files) and d.stat().st_mtime < cutoff:
+                for f in files:
+                    f.unlink()
+                d.rmdir()
+                removed.append(d)
+        except OSError:
+            continue  # another run's directory, in use or not ours to remove
+    return removed
+
+
+def _not_running(beat: dict) -> str | None:
+    """Why the rank that wrote `beat` cannot be making progress, when that can be seen from here: its process
+    is gone or stopped (only for a rank on this host; a rank on another host is judged by its heartbeat)."""
+    pid, host = beat.get("pid"), beat.get("host")
+    if not isinstance(pid, int) or host != socket.gethostname():
+        return None
+    import psutil
+
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return f"died: its process {pid} is gone"
+    except psutil.Error:
+        return None
+    if status == psutil.STATUS_ZOMBIE:
+        return f"died: its process {pid} has exited"
+    if status == psutil.STATUS_STOPPED:
+        return f"is stopped: its process {pid} was suspended (SIGSTOP or a debugger)"
+    return None

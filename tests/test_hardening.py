@@ -1,0 +1,99 @@
+"""Hardening of the failure paths, unit by unit: naming a dead or stopped rank from its heartbeat, pruning
+stale heartbeat directories, leaving the error line where torchrun's report reads it, and the exit codes.
+
+Each check has its twin that must come out the other way: a live process is not called dead, a rank on
+another host is not judged by a local pid, a fresh heartbeat directory is kept, an existing error file is
+not overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dpcompare import cli
+from dpcompare.run import launch, watchdog
+
+
+def _beat(pid: int, host: str | None = None) -> dict:
+    return {"rank": 1, "seq": 3, "step": 1, "phase": "forward", "wall": time.time(), "pid": pid,
+            "host": host or socket.gethostname()}
+
+
+def test_a_dead_rank_is_named_dead() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert watchdog._not_running(_beat(proc.pid)) == f"died: its process {proc.pid} is gone"
+
+
+def test_a_stopped_rank_is_named_stopped_and_a_running_one_is_not_blamed() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert watchdog._not_running(_beat(proc.pid)) is None
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.time() + 5
+        while watchdog._not_running(_beat(proc.pid)) is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert "is stopped" in (watchdog._not_running(_beat(proc.pid)) or "")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_rank_on_another_host_is_judged_by_its_heartbeat_only() -> None:
+    assert watchdog._not_running(_beat(2**22 + 12345, host="some-other-host")) is None
+
+
+def test_culprits_put_the_dead_rank_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DPCOMPARE_HEARTBEAT_DIR", str(tmp_path))
+    dog = watchdog.Watchdog(rank=0, world_size=2, job_id="culprit-test", timeout_s=60)
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    dog._write()
+    (dog.dir / "rank1.json").write_text(json.dumps(_beat(proc.pid)))
+    said = dog.culprits()
+    assert said.startswith(f"rank 1 died: its process {proc.pid} is gone"), said
+    assert "no rank is ahead" not in said
+
+
+def test_stale_heartbeat_directories_are_pruned_fresh_ones_kept(tmp_path: Path) -> None:
+    old, fresh = tmp_path / "old-job", tmp_path / "fresh-job"
+    for d in (old, fresh):
+        d.mkdir()
+        (d / "rank0.json").write_text("{}")
+    past = time.time() - 2 * watchdog.STALE_AFTER_S
+    os.utime(old / "rank0.json", (past, past))
+    os.utime(old, (past, past))
+    assert watchdog.prune_stale(tmp_path) == [old]
+    assert not old.exists() and fresh.exists()
+
+
+def test_the_error_line_lands_in_torchruns_error_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    launch.tell_launcher("dpcompare: error: first")
+    launch.tell_launcher("dpcompare: error: second")  # the first error of a process wins
+    data = json.loads(error_file.read_text())
+    assert data["message"]["message"] == "dpcompare: error: first"
+    assert data["message"]["extraInfo"]["py_callstack"] == "dpcompare: error: first"
+    assert int(data["message"]["extraInfo"]["timestamp"]) > 0
+
+
+def test_without_torchrun_no_error_file_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    launch.tell_launcher("dpcompare: error: x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_exit_codes_are_distinct() -> None:
+    codes = {cli.EXIT_USAGE, watchdog.EXIT_PEER_FAILURE, cli.EXIT_RUN_FAILURE, cli.EXIT_INTERRUPTED}
+    assert len(codes) == 4 and 0 not in codes and 1 not in codes
