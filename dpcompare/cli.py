@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 import traceback
@@ -126,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     while argv and (argv[0].startswith("--local_rank") or argv[0].startswith("--local-rank")):
         argv.pop(0)
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "run"
+    if command in ("compare", "bench-collectives"):
+        # SIGTERM (a CI job cancelled, `kill`) must unwind like Ctrl-C, so the launches this command started
+        # are killed with their whole process tree by the runner's cleanup, never left training as orphans.
+        signal.signal(signal.SIGTERM, _unwind_on_signal)
     try:
         if command == "compare":
             from dpcompare.commands import compare
@@ -187,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _fail("interrupted")
         return EXIT_INTERRUPTED
+
+
+def _unwind_on_signal(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _exit_now_if_distributed() -> None:

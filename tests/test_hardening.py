@@ -97,3 +97,57 @@ def test_without_torchrun_no_error_file_is_written(tmp_path: Path, monkeypatch: 
 def test_exit_codes_are_distinct() -> None:
     codes = {cli.EXIT_USAGE, watchdog.EXIT_PEER_FAILURE, cli.EXIT_RUN_FAILURE, cli.EXIT_INTERRUPTED}
     assert len(codes) == 4 and 0 not in codes and 1 not in codes
+
+
+def test_a_suspended_peer_is_ended_when_the_watchdog_fires_a_running_one_is_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DPCOMPARE_HEARTBEAT_DIR", str(tmp_path))
+    dog = watchdog.Watchdog(rank=0, world_size=3, job_id="end-stopped", timeout_s=60)
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        deadline = time.time() + 5
+        while "is stopped" not in (watchdog._not_running(_beat(stopped.pid)) or "") and time.time() < deadline:
+            time.sleep(0.05)
+        (dog.dir / "rank1.json").write_text(json.dumps(_beat(stopped.pid)))
+        (dog.dir / "rank2.json").write_text(json.dumps(dict(_beat(running.pid), rank=2)))
+        dog._end_stopped_peers()
+        assert stopped.wait(timeout=10) == -signal.SIGKILL
+        assert running.poll() is None
+    finally:
+        for p in (stopped, running):
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_sigterm_to_compare_ends_every_rank_it_started(tmp_path: Path) -> None:
+    import psutil
+
+    from dpcompare.run import launchers
+
+    out = tmp_path / "results"
+    proc = subprocess.Popen([sys.executable, "-m", "dpcompare", "compare", "--backends", "ddp", "--world-sizes", "2",
+                             "--model", "mlp-wide", "--steps", "200", "--measure-steps", "0", "--collectives", "none",
+                             "--no-report", "--out", str(out)], env=launchers.child_env(), cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def ranks() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            cmdline = " ".join(p.info["cmdline"] or [])
+            if str(out) in cmdline and p.pid != proc.pid:
+                found.append(p)
+        return found
+
+    deadline = time.time() + 120
+    while len(ranks()) < 3 and time.time() < deadline:  # torchrun and its two ranks
+        time.sleep(0.5)
+    assert len(ranks()) >= 3, "the ranks never started"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    time.sleep(1)
+    left = [p for p in ranks() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"left behind: {[(p.pid, p.cmdline()[:6]) for p in left]}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -114,7 +115,20 @@ class Watchdog:
                        "Raise --timeout-s if steps are legitimately this slow.")
                 print(msg, file=sys.stderr, flush=True)
                 launch.tell_launcher(msg)
+                self._end_stopped_peers()
                 os._exit(EXIT_PEER_FAILURE)
+
+    def _end_stopped_peers(self) -> None:
+        """A suspended rank cannot act on the launcher's SIGTERM, so the launcher would wait out its grace period
+        (30 s and more) before the launch ends: the run is over, so end such a rank on this host now."""
+        for r, beat in self.peers().items():
+            if r != self.rank and beat is not None and (_not_running(beat) or "").startswith("is stopped"):
+                try:
+                    os.kill(beat["pid"], signal.SIGKILL)
+                    print(f"dpcompare: rank {r} was suspended; ended it (pid {beat['pid']}) so the launch can end "
+                          "now", file=sys.stderr, flush=True)
+                except OSError:
+                    pass
 
     def stop(self, clean: bool = True) -> None:
         """Stop watching; on a clean finish remove this rank's heartbeat (on failure it stays, so the
