@@ -130,7 +130,7 @@ def test_sigterm_to_compare_ends_every_rank_it_started(tmp_path: Path) -> None:
 
     out = tmp_path / "results"
     proc = subprocess.Popen([sys.executable, "-m", "dpcompare", "compare", "--backends", "ddp", "--world-sizes", "2",
-                             "--model", "mlp-wide", "--steps", "200", "--measure-steps", "0", "--collectives", "none",
+                             "--model", "mlp-wide", "--steps", "2000", "--measure-steps", "0", "--collectives", "none",
                              "--no-report", "--out", str(out)], env=launchers.child_env(), cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
