@@ -39,7 +39,10 @@ class HorovodAdapter(Adapter):
     def setup(self, timeout_s: float) -> None:
         import horovod.torch as hvd
 
-        # Horovod's own stall detector ends a job whose ranks stop submitting the same tensors.
+        # Horovod's own stall detector ends a job whose ranks stop submitting the same tensors. It checks every
+        # HOROVOD_STALL_CHECK_TIME_SECONDS (60) and switches the shutdown off, with a warning on every run, when
+        # the shutdown time is below that: check at half the timeout so a short --timeout-s keeps it on.
+        os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, min(60, int(timeout_s) // 2))))
         os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(int(timeout_s)))
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(timeout_s)))
         if self.settings.instrument:

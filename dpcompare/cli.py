@@ -7,6 +7,7 @@ into one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -132,35 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         # are killed with their whole process tree by the runner's cleanup, never left training as orphans.
         signal.signal(signal.SIGTERM, _unwind_on_signal)
     try:
-        if command == "compare":
-            from dpcompare.commands import compare
-
-            parser = _Parser(prog="dpcompare compare", description=compare.__doc__,
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
-            compare.add_arguments(parser)
-            return compare.main(parser.parse_args(argv))
-        if command == "report":
-            from dpcompare.commands import report
-
-            parser = _Parser(prog="dpcompare report", description=report.__doc__,
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
-            report.add_arguments(parser)
-            return report.main(parser.parse_args(argv))
-        if command == "bench-collectives":
-            from dpcompare.commands import bench_collectives as collectives
-
-            parser = _Parser(prog="dpcompare bench-collectives", description=collectives.__doc__,
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
-            collectives.add_arguments(parser)
-            return collectives.main(parser.parse_args(argv))
-        if command == "regress":
-            from dpcompare.commands import regress
-
-            parser = _Parser(prog="dpcompare regress", description=regress.__doc__,
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
-            regress.add_arguments(parser)
-            return regress.main(parser.parse_args(argv))
-
+        if command in COMMAND_MODULES:
+            return _command(command, argv)
         parser = _Parser(prog="dpcompare run", description="Train one workload under one backend and check its gradients against a float64 oracle.")
         add_run_arguments(parser)
         cfg = config_from_args(parser.parse_args(argv))
@@ -192,6 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _fail("interrupted")
         return EXIT_INTERRUPTED
+
+
+COMMAND_MODULES = {"compare": "dpcompare.commands.compare", "report": "dpcompare.commands.report",
+                   "bench-collectives": "dpcompare.commands.bench_collectives", "regress": "dpcompare.commands.regress"}
+"""The subcommands other than run, imported only when named (a rank of a run loads no command module)."""
+
+
+def _command(command: str, argv: list[str]) -> int:
+    module = importlib.import_module(COMMAND_MODULES[command])
+    parser = _Parser(prog=f"dpcompare {command}", description=module.__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(parser)
+    return module.main(parser.parse_args(argv))
 
 
 def _unwind_on_signal(signum: int, _frame) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -239,3 +240,46 @@ def test_failed_serialisation_leaves_an_existing_result_untouched(tmp_path: Path
         results.write_atomic(path, {"run": "later", "bad": _Unserialisable()})
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+# -- the fault campaign: a rank killed, suspended or hung, under every launcher ----------------------------------
+FAULT_TIMEOUT_S = 20
+FAULT_LAUNCHES = [("ddp", "torchrun"), ("deepspeed", "torchrun"), ("horovod", "horovodrun"), ("ddp", "mpirun"),
+                  ("deepspeed", "deepspeed")]
+FAULT_NAMING = {"kill": "rank 1 died", "stop": "rank 1 is stopped", "hang": "rank(s) 1 (stuck at step 1"}
+FAULT_CASES = [pytest.param(b, launcher, fault, id=f"{fault}-{b}-{launcher}")
+               for fault in ("kill", "stop", "hang") for b, launcher in FAULT_LAUNCHES]
+
+
+def _processes_mentioning(text: str) -> list:
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if text in " ".join(p.info["cmdline"] or []) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(FAULT_TIMEOUT_S + 150)
+@pytest.mark.parametrize(("backend", "launcher", "fault"), FAULT_CASES, indirect=["backend"])
+def test_fault_campaign(launch, tmp_path, backend, launcher, fault):
+    """Rank 1 is SIGKILLed, SIGSTOPped or hangs at step 1 of 4 (--inject-fault KIND:1:1, --timeout-s 20): the
+    launch ends within the timeout plus startup and teardown, writes no result, leaves no process behind, and
+    dpcompare's own output names rank 1 and what became of it."""
+    proc, result = launch(backend, 2, "mlp", ["--steps", "4", "--measure-steps", "0", "--inject-fault",
+                                              f"{fault}:1:1", "--timeout-s", str(FAULT_TIMEOUT_S)], launcher,
+                          timeout_s=FAULT_TIMEOUT_S + 120)
+    assert proc.returncode != 0 and result is None
+    bound = FAULT_TIMEOUT_S + 25 if fault != "kill" else 40  # startup and teardown included
+    assert proc.wall_s < bound, f"{launcher}: {proc.wall_s:.0f} s for a {FAULT_TIMEOUT_S} s timeout"
+    ours = [line for line in proc.output.splitlines() if "dpcompare: error" in line]
+    assert any(FAULT_NAMING[fault] in line for line in ours), "\n".join(ours) or proc.output[-3000:]
+    time.sleep(1)
+    left = _processes_mentioning(str(tmp_path))
+    assert not left, f"left behind: {[(p.pid, p.cmdline()[:5]) for p in left]}"
+    print(f"FAULT {fault} {backend} {launcher}: exit {proc.returncode} in {proc.wall_s:.1f} s")

@@ -84,7 +84,8 @@ class RunConfig:
     (0.2: compute 20 % slower), a planted slowdown. Compute is taken as 3x the measured forward time, since the
     backward's wall time also holds communication. Default from DPCOMPARE_INJECT_SLOWDOWN."""
     inject_fault: str | None = None
-    """Testing aid: `crash:RANK:STEP`, `hang:RANK:STEP` or `dupdata` (every rank reads rank 0's shard)."""
+    """Testing aid: `crash:RANK:STEP` (exit 17), `kill:RANK:STEP` (SIGKILL), `stop:RANK:STEP` (SIGSTOP),
+    `hang:RANK:STEP` or `dupdata` (every rank reads rank 0's shard)."""
     options: dict = field(default_factory=dict)
     """The backend's own options, `--opt KEY=VALUE`: checked against what its adapter declares (an unknown key
     or a bad value stops the run before it starts), typed, and handed to the adapter in its Settings."""
@@ -138,10 +139,12 @@ class RunConfig:
         if self.inject_fault is not None:
             parts = self.inject_fault.split(":")
             ok = parts == ["dupdata"] or (
-                len(parts) == 3 and parts[0] in ("crash", "hang") and parts[1].isdigit() and parts[2].isdigit()
+                len(parts) == 3 and parts[0] in ("crash", "kill", "stop", "hang") and parts[1].isdigit()
+                and parts[2].isdigit()
             )
             if not ok:
-                raise bad("inject_fault", self.inject_fault, "use crash:RANK:STEP, hang:RANK:STEP or dupdata")
+                raise bad("inject_fault", self.inject_fault,
+                          "use crash:RANK:STEP, kill:RANK:STEP, stop:RANK:STEP, hang:RANK:STEP or dupdata")
 
     def check_outputs(self) -> None:
         """Refuse, before any work, outputs that could not be written after it: --out must be (or become) a

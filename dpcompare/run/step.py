@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from typing import Callable
 
@@ -112,13 +113,16 @@ class StepRunner:
                 self.adapter.backward(loss / k if k > 1 else loss)
 
     def _inject(self, step: int) -> None:
-        """--inject-fault crash:RANK:STEP or hang:RANK:STEP (failure tests): this rank dies or hangs there."""
+        """--inject-fault KIND:RANK:STEP (failure tests): at that step this rank exits 17 (crash), is killed by
+        SIGKILL (kill), suspends itself with SIGSTOP (stop), or sleeps forever (hang)."""
         if not self.inject_fault or self.inject_fault == "dupdata":
             return
         kind, fault_rank, fault_step = self.inject_fault.split(":")
         if int(fault_rank) == self.rank and int(fault_step) == step:
             if kind == "crash":
                 os._exit(17)
+            if kind in ("kill", "stop"):
+                os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
             while True:
                 time.sleep(3600)
 
