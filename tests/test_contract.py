@@ -54,10 +54,10 @@ def test_every_adapter_declares_typed_options_and_native_names_that_point_at_run
 def test_declared_options_are_typed_and_defaulted():
     cfg = RunConfig(backend="ddp", options={"gradient_as_bucket_view": "true"})
     settings = backend.settings_for(adapter_class("ddp"), cfg)
-    assert settings.options == {"gradient_as_bucket_view": True, "broadcast_buffers": True}
+    assert settings.options == {"dist_backend": "auto", "gradient_as_bucket_view": True, "broadcast_buffers": True}
     # From Python an option may already be typed.
     typed = backend.settings_for(adapter_class("deepspeed"), RunConfig(backend="deepspeed", options={"gradient_clipping": 1.0}))
-    assert typed.options == {"gradient_clipping": 1.0}
+    assert typed.options == {"dist_backend": "auto", "gradient_clipping": 1.0}
 
 
 @pytest.mark.parametrize(("name", "options", "expected"), [
