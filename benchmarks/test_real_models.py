@@ -1,0 +1,53 @@
+"""Real models on CPU: ResNet-50 and GPT-2 small under every multi-process backend at world size 2, each under
+its native launcher, with the throughput each reaches on this machine.
+
+    cd /work/main && OMP_NUM_THREADS=1 .venv/bin/python -m pytest benchmarks/test_real_models.py -s -p no:cacheprovider
+
+Sizes that fit a 2-core box: ResNet-50 at 4 ImageNet-shaped images per step (2 per rank), GPT-2 small at 2
+sequences of 1024 tokens (1 per rank). One verification step (checked against the float64 oracle; GPT-2 with
+its dropout on, replayed in the oracle), one warm-up step and 3 measured steps. Every run must finish with a
+verdict that is not `different`; the table prints step time and throughput per backend.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.conftest import print_table, run_checked
+from dpcompare.run import launchers, registry
+
+CASES = [("resnet50", 4, []), ("gpt2-small", 2, [])]
+BACKENDS = ("ddp", "horovod", "deepspeed")
+
+
+def _installed(backend: str) -> bool:
+    return registry.availability(backend)[0]
+
+
+def test_real_models_run_under_every_backend_at_world_size_2(tmp_path: Path) -> None:
+    rows = []
+    for model, batch, extra in CASES:
+        for backend in BACKENDS:
+            if not _installed(backend):
+                rows.append((f"{model} {backend} ws=2", "not installed", registry.availability(backend)[1]))
+                continue
+            out = tmp_path / f"{model}-{backend}"
+            launcher = registry.load(backend, registry.BACKENDS, "backend").capabilities.native_launcher
+            cmd = launchers.native_command(launcher, 2, [
+                "--backend", backend, "--model", model, "--global-batch", str(batch), "--steps", "1",
+                "--warmup-steps", "1", "--measure-steps", "3", "--timeout-s", "1800", "--out", str(out), *extra])
+            run_checked(cmd, tmp_path / "work", timeout_s=2400)
+            (path,) = out.glob("*.json")
+            result = json.loads(path.read_text())
+            verdict = result["equivalence"]["verdict"]
+            m = result.get("metrics") or {}
+            assert verdict != "different", result["equivalence"]["notes"]
+            tokens = f", {m['tokens_per_s']:.0f} tokens/s" if m.get("tokens_per_s") else ""
+            rows.append((f"{model} {backend} ws=2", f"{m.get('step_ms_p50', float('nan')) / 1e3:.2f} s/step",
+                         f"{m.get('samples_per_s', float('nan')):.2f} samples/s{tokens}; {verdict}"))
+    print_table("real models on this CPU, world size 2 (2 ranks, one core each)", rows)
+    if not any("samples/s" in r[2] for r in rows):
+        pytest.fail("no backend ran")
