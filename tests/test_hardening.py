@@ -57,11 +57,16 @@ def test_culprits_put_the_dead_rank_first(tmp_path: Path, monkeypatch: pytest.Mo
     dog = watchdog.Watchdog(rank=0, world_size=2, job_id="culprit-test", timeout_s=60)
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
+    for step in range(4):  # this rank got as far as the dead one (seq 3), so the dead one explains the stall
+        dog.beat("forward", step)
     dog._write()
     (dog.dir / "rank1.json").write_text(json.dumps(_beat(proc.pid)))
     said = dog.culprits()
     assert said.startswith(f"rank 1 died: its process {proc.pid} is gone"), said
     assert "no rank is ahead" not in said
+    # a dead peer that had got further than this rank is not why this rank is stuck
+    (dog.dir / "rank1.json").write_text(json.dumps(dict(_beat(proc.pid), seq=99)))
+    assert "died" not in dog.culprits()
 
 
 def test_stale_heartbeat_directories_are_pruned_fresh_ones_kept(tmp_path: Path) -> None:
@@ -112,7 +117,7 @@ def test_a_suspended_peer_is_ended_when_the_watchdog_fires_a_running_one_is_not(
             time.sleep(0.05)
         (dog.dir / "rank1.json").write_text(json.dumps(_beat(stopped.pid)))
         (dog.dir / "rank2.json").write_text(json.dumps(dict(_beat(running.pid), rank=2)))
-        dog._end_stopped_peers()
+        dog.end_stopped_peers()
         assert stopped.wait(timeout=10) == -signal.SIGKILL
         assert running.poll() is None
     finally:

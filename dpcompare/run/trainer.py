@@ -89,7 +89,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         # A collective that timed out or lost a peer: say which rank fell behind, not only what broke.
         if watchdog is not None and env.world_size > 1:
             first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise RuntimeError(f"{first_line}; culprit: {watchdog.culprits()}") from exc
+            culprit = watchdog.culprits()
+            watchdog.end_stopped_peers()  # the launcher could not end a suspended rank; the run is over
+            raise RuntimeError(f"{first_line}; culprit: {culprit}") from exc
         raise
     finally:
         if watchdog is not None:
@@ -134,6 +136,7 @@ def _name_the_culprit_when_stopped(watchdog: Watchdog, rank: int) -> None:
                 f"culprit: {watchdog.culprits()}")
         print(line, file=sys.stderr, flush=True)
         launch.tell_launcher(line)
+        watchdog.end_stopped_peers()
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stopped)

@@ -84,7 +84,10 @@ class Watchdog:
         missing = [r for r, p in peers.items() if p is None]
         seen = {r: p for r, p in peers.items() if p is not None}
         parts = []
-        gone = {r: why for r, p in seen.items() if r != self.rank and (why := _not_running(p))}
+        # A peer that is gone or suspended explains the stall only if it was not ahead of this rank (a peer that
+        # got further and then exited, its own watchdog having fired, is not why this rank is stuck).
+        gone = {r: why for r, p in seen.items()
+                if r != self.rank and p["seq"] <= self._seq and (why := _not_running(p))}
         if gone:
             parts.append("; ".join(f"rank {r} {why} (last at step {seen[r]['step']} '{seen[r]['phase']}')"
                                    for r, why in gone.items()))
@@ -115,10 +118,10 @@ class Watchdog:
                        "Raise --timeout-s if steps are legitimately this slow.")
                 print(msg, file=sys.stderr, flush=True)
                 launch.tell_launcher(msg)
-                self._end_stopped_peers()
+                self.end_stopped_peers()
                 os._exit(EXIT_PEER_FAILURE)
 
-    def _end_stopped_peers(self) -> None:
+    def end_stopped_peers(self) -> None:
         """A suspended rank cannot act on the launcher's SIGTERM, so the launcher would wait out its grace period
         (30 s and more) before the launch ends: the run is over, so end such a rank on this host now."""
         for r, beat in self.peers().items():
