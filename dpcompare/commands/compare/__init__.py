@@ -32,11 +32,14 @@ from dpcompare.run import registry
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default=",".join(registry.BACKENDS), help="comma-separated backends")
     p.add_argument("--world-sizes", default="1,2", help="comma-separated world sizes for multi-process backends")
-    p.add_argument("--model", default="mlp")
+    p.add_argument("--model", default="mlp-wide",
+                   help="default mlp-wide (0.8 M parameters): compute-bound on a CPU core at the default batch, so "
+                        "the costs compare backends rather than Python overhead")
     p.add_argument("--steps", type=int, default=3, help="verification steps (each checked against the oracle)")
     p.add_argument("--measure-steps", type=int, default=20, help="timed steps per run (0: verdicts only)")
     p.add_argument("--warmup-steps", type=int, default=3)
-    p.add_argument("--global-batch", type=int, default=24)
+    p.add_argument("--global-batch", type=int, default=2048,
+                   help="default 2048: ~35 ms of compute per rank at world size 2 against ~5-13 ms of communication")
     p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
                    help="strong: fixed global batch; weak: fixed per-rank batch (global batch / largest world size)")
     p.add_argument("--collectives", default="auto",
