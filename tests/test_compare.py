@@ -157,7 +157,7 @@ def test_a_global_batch_the_world_sizes_cannot_shard_is_refused_with_the_runs_ow
     assert [j.label for j in plan.plan(_ns(backends="reference,dp", world_sizes="1,5"), tmp_path).jobs] == [
         "reference/1", "dp/1"]
     # From the command line: that one line and the usage exit status, before anything starts.
-    proc = _run(["--backends", "reference,ddp", "--world-sizes", "1,5"], tmp_path, 120)
+    proc = _run(["--backends", "reference,ddp", "--world-sizes", "1,5", "--global-batch", "24"], tmp_path, 120)
     assert proc.returncode == 2 and proc.stderr.strip() == f"dpcompare: error: {run_says.value}"
     assert not any(tmp_path.iterdir())
 
