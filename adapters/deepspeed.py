@@ -10,7 +10,6 @@ would make its parameters differ from DDP's) is set to 0.0, and nothing else sca
 from __future__ import annotations
 
 import argparse
-
 from datetime import timedelta
 
 import torch
@@ -52,9 +51,9 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         self.deepspeed = deepspeed
         # The group first, as ddp makes it: DeepSpeed's own init binds it to cuda:LOCAL_RANK, which does not
         # exist when gloo ranks share one GPU. init_distributed then adopts the existing group.
-        self.init_process_group(timeout_s)
+        backend = self.init_process_group(timeout_s)
         deepspeed.init_distributed(
-            dist_backend=self.dist_backend(),
+            dist_backend=backend,
             timeout=timedelta(seconds=timeout_s),
             rank=self.env.rank,
             world_size=self.env.world_size,

@@ -44,7 +44,6 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
-
 def _whole(text: str) -> int:
     try:
         return int(text)

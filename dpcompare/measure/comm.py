@@ -64,4 +64,3 @@ def figures(counts: CommCounts, clock: IntervalClock, steps: int) -> dict[str, A
     else:
         return {"reason": f"the counter ({counts.method or 'unnamed'}) returned no figure"}
     return out
-

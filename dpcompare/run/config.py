@@ -155,7 +155,7 @@ class RunConfig:
             if dump.is_dir():
                 raise ValueError(f"--dump-grads={self.dump_grads!r} is invalid: it is a directory; name a file, "
                                  "e.g. grads.npz")
-            check_writable_dir("dump_grads", dump.parent if str(dump.parent) else Path("."), self.dump_grads)
+            check_writable_dir("dump_grads", dump.parent, self.dump_grads)
 
     def batch_sizes(self, world_size: int) -> tuple[int, int]:
         """(global, local) batch per optimizer step; raises ValueError when they cannot be equal shards."""

@@ -172,10 +172,11 @@ def run_process(command: Sequence[str], *, timeout_s: float, log: Path | None = 
                     out, err = proc.communicate()
                     break
     finally:
-        if proc.poll() is None:  # interrupted (Ctrl-C, SIGTERM): the tree as it is now, then all of it
+        if proc.poll() is None:  # interrupted (Ctrl-C, SIGTERM): the tree as it is now, all of it
             tree.kill()
             proc.wait()
-        _kill(list(tree.seen.values()))  # ranks left behind by a launcher that has exited
+        else:
+            _kill(list(tree.seen.values()))  # ranks left behind by a launcher that has exited
         if sink is not None:
             sink.close()
     return Finished(command, code, time.monotonic() - start, out or "", err or "")

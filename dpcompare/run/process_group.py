@@ -46,14 +46,16 @@ class ProcessGroupMixin:
                 f"most {devices} rank(s) per node")
         return "nccl"
 
-    def init_process_group(self, timeout_s: float) -> None:
-        """The default process group, bound to this rank's device only under NCCL (gloo ranks may share a GPU)."""
+    def init_process_group(self, timeout_s: float) -> str:
+        """The default process group, bound to this rank's device only under NCCL (gloo ranks may share a GPU);
+        returns its backend."""
         if dist.is_initialized():
-            return
+            return dist.get_backend()
         backend = self.dist_backend()
         dist.init_process_group(backend=backend, rank=self.env.rank, world_size=self.env.world_size,
                                 timeout=timedelta(seconds=timeout_s),
                                 device_id=self.device if backend == "nccl" else None)
+        return backend
 
     def sync_batchnorm(self, module: nn.Module) -> nn.Module:
         if self.device.type == "cuda":

@@ -10,10 +10,6 @@ body is dpcompare.run.step; the phases are dpcompare.run.verification and dpcomp
 from __future__ import annotations
 
 import copy
-import os
-import signal
-import sys
-import threading
 import time
 from typing import Any
 
@@ -69,7 +65,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         adapter.setup(cfg.timeout_s)
         watchdog = Watchdog(rank=env.rank, world_size=env.world_size, job_id=env.job_id, timeout_s=cfg.timeout_s).start()
         if env.world_size > 1:
-            _name_the_culprit_when_stopped(watchdog, env.rank)
+            watchdog.name_the_culprit_on_sigterm()
         template = _build(cfg, env, adapter, workload, device, global_batch, local_batch)
         runner = StepRunner(adapter=adapter, workload=workload, device=device, dtype=eq.DTYPES[cfg.dtype],
                             grad_accum=cfg.grad_accum, watchdog=watchdog, rank=env.rank, world_size=env.world_size,
@@ -123,23 +119,6 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
         wrapped.notes.append(Note("dropout_off", f"--no-dropout: dropout switched off in {', '.join(switched)}"))
     wrapped.model.train()  # once: every step trains (the oracle and the shadow have their own copies)
     return template
-
-
-def _name_the_culprit_when_stopped(watchdog: Watchdog, rank: int) -> None:
-    """A launcher ends every rank with SIGTERM once one rank fails (torchrun, mpirun): before going, say which
-    rank failed, from the heartbeats (a dead or suspended peer on this host is named by its pid)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def stopped(signum: int, _frame) -> None:
-        line = (f"dpcompare: error: [rank {rank}] stopped by the launcher ({signal.Signals(signum).name}); "
-                f"culprit: {watchdog.culprits()}")
-        print(line, file=sys.stderr, flush=True)
-        launch.tell_launcher(line)
-        watchdog.end_stopped_peers()
-        os._exit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stopped)
 
 
 def _compare_final_replicas(adapter: Adapter, verdict: eq.Verdict, is_rank0: bool) -> None:

@@ -86,8 +86,8 @@ class Watchdog:
         parts = []
         # A peer that is gone or suspended explains the stall only if it was not ahead of this rank (a peer that
         # got further and then exited, its own watchdog having fired, is not why this rank is stuck).
-        gone = {r: why for r, p in seen.items()
-                if r != self.rank and p["seq"] <= self._seq and (why := _not_running(p))}
+        gone = {r: _not_running(p) for r, p in seen.items()
+                if r != self.rank and p["seq"] <= self._seq and _process_state(p) is not None}
         if gone:
             parts.append("; ".join(f"rank {r} {why} (last at step {seen[r]['step']} '{seen[r]['phase']}')"
                                    for r, why in gone.items()))
@@ -113,19 +113,35 @@ class Watchdog:
                 self._write()
             idle = time.monotonic() - self._last_progress
             if idle > self.timeout_s:
-                msg = (f"dpcompare: error: rank {self.rank} made no progress for {idle:.0f} s (timeout {self.timeout_s:g} s, "
-                       f"last at step {self._step} '{self._phase}'); culprit: {self.culprits()}. "
-                       "Raise --timeout-s if steps are legitimately this slow.")
-                print(msg, file=sys.stderr, flush=True)
-                launch.tell_launcher(msg)
-                self.end_stopped_peers()
-                os._exit(EXIT_PEER_FAILURE)
+                self.give_up(f"dpcompare: error: rank {self.rank} made no progress for {idle:.0f} s (timeout "
+                             f"{self.timeout_s:g} s, last at step {self._step} '{self._phase}'); culprit: "
+                             f"{self.culprits()}. Raise --timeout-s if steps are legitimately this slow.",
+                             EXIT_PEER_FAILURE)
+
+    def give_up(self, line: str, status: int) -> None:
+        """End this rank now: say `line` (stderr and the launcher's error file), end suspended peers, exit."""
+        print(line, file=sys.stderr, flush=True)
+        launch.tell_launcher(line)
+        self.end_stopped_peers()
+        os._exit(status)
+
+    def name_the_culprit_on_sigterm(self) -> None:
+        """A launcher ends every rank with SIGTERM once one rank fails (torchrun, mpirun): before going, say
+        which rank failed, from the heartbeats. Only the main thread may install a handler."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def stopped(signum: int, _frame) -> None:
+            self.give_up(f"dpcompare: error: [rank {self.rank}] stopped by the launcher "
+                         f"({signal.Signals(signum).name}); culprit: {self.culprits()}", 128 + signum)
+
+        signal.signal(signal.SIGTERM, stopped)
 
     def end_stopped_peers(self) -> None:
         """A suspended rank cannot act on the launcher's SIGTERM, so the launcher would wait out its grace period
         (30 s and more) before the launch ends: the run is over, so end such a rank on this host now."""
         for r, beat in self.peers().items():
-            if r != self.rank and beat is not None and (_not_running(beat) or "").startswith("is stopped"):
+            if r != self.rank and beat is not None and _process_state(beat) == "stopped":
                 try:
                     os.kill(beat["pid"], signal.SIGKILL)
                     print(f"dpcompare: rank {r} was suspended; ended it (pid {beat['pid']}) so the launch can end "
@@ -174,9 +190,9 @@ def prune_stale(base: Path, older_than_s: float = STALE_AFTER_S) -> list[Path]:
     return removed
 
 
-def _not_running(beat: dict) -> str | None:
-    """Why the rank that wrote `beat` cannot be making progress, when that can be seen from here: its process
-    is gone or stopped (only for a rank on this host; a rank on another host is judged by its heartbeat)."""
+def _process_state(beat: dict) -> str | None:
+    """"gone", "exited" (a zombie) or "stopped" when the rank that wrote `beat` visibly cannot be making
+    progress; None when it runs or cannot be seen from here (a rank on another host is judged by its heartbeat)."""
     pid, host = beat.get("pid"), beat.get("host")
     if not isinstance(pid, int) or host != socket.gethostname():
         return None
@@ -185,11 +201,17 @@ def _not_running(beat: dict) -> str | None:
     try:
         status = psutil.Process(pid).status()
     except psutil.NoSuchProcess:
-        return f"died: its process {pid} is gone"
+        return "gone"
     except psutil.Error:
         return None
-    if status == psutil.STATUS_ZOMBIE:
-        return f"died: its process {pid} has exited"
-    if status == psutil.STATUS_STOPPED:
-        return f"is stopped: its process {pid} was suspended (SIGSTOP or a debugger)"
-    return None
+    return {psutil.STATUS_ZOMBIE: "exited", psutil.STATUS_STOPPED: "stopped"}.get(status)
+
+
+_STATE_WORDS = {"gone": "died: its process {pid} is gone", "exited": "died: its process {pid} has exited",
+                "stopped": "is stopped: its process {pid} was suspended (SIGSTOP or a debugger)"}
+
+
+def _not_running(beat: dict) -> str | None:
+    """Why the rank that wrote `beat` cannot be making progress, in words, or None (see _process_state)."""
+    state = _process_state(beat)
+    return None if state is None else _STATE_WORDS[state].format(pid=beat["pid"])

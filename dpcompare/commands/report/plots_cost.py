@@ -88,8 +88,8 @@ def plot_throughput(runs: list[dict[str, Any]], baseline_throughput: float | Non
 
 
 # -- step breakdown ---------------------------------------------------------------------------------------
-_PART_NAMES = {"compute": "compute (sync off)", "exposed": "exposed communication", "other": "other (counters, drift: see report.md)",
-               "unknown": "n/a (not attributed)"}
+_PART_NAMES = {"compute": "compute (sync off)", "exposed": "exposed communication",
+               "other": "other (counters, drift: see report.md)", "unknown": "n/a (not attributed)"}
 
 
 def _draw_step(ax: Axes, y: int, parts: tuple[float | None, ...], labelled: set[str]) -> tuple[float, list[str]]:
