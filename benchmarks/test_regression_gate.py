@@ -1,12 +1,15 @@
 """Regression gate benchmark: does `dpcompare regress` catch a planted 20 % compute slowdown every time without
 crying wolf, on this noisy shared machine, where plain `--benchmark-compare-fail=median:10%` is a coin toss?
 
-Run it with (about 40 minutes on two cores; nothing else should run meanwhile):
+Run it with (about 70 minutes on two cores; nothing else should run meanwhile):
 
-    cd /work/main && OMP_NUM_THREADS=1 .venv/bin/python -m pytest benchmarks/test_regression_gate.py -s -p no:cacheprovider
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest benchmarks/test_regression_gate.py -s -p no:cacheprovider
+
+Every run's figures and every decision are also written as JSON to $DPCOMPARE_GATE_RECORD (default: the
+test's tmp_path/gate-record.json), so a measurement can be kept and re-read.
 
 Design. ddp at world size 2 on mlp-wide at global batch 2048 (compute-bound: ~45 ms compute, ~5 ms of
-communication per step). COMPARISONS rounds; in each, RUNS_PER_SIDE repeats of three sides, interleaved
+communication per step), 60 measured steps per run. COMPARISONS rounds; in each, RUNS_PER_SIDE repeats of three sides, interleaved
 (B S U, B S U, ...): B a baseline build, S the same build with DPCOMPARE_INJECT_SLOWDOWN=0.2, U the unchanged
 build again. Every run is the real user path: `pytest --pyargs dpcompare.regression --benchmark-json`.
 Comparison k of the planted kind is `dpcompare regress --baseline B_k --current S_k` (exit 1 = caught);
@@ -32,11 +35,11 @@ from benchmarks.conftest import print_table, run_checked
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMPARISONS = 10
-RUNS_PER_SIDE = 8
+RUNS_PER_SIDE = 12
 SLOWDOWN = 0.2
 PLAIN_THRESHOLD = 0.10
 SUITE = ["--pyargs", "dpcompare.regression", "--dpcompare-backends", "ddp", "--dpcompare-world-sizes", "2",
-         "--dpcompare-global-batch", "2048", "--dpcompare-steps", "20", "--dpcompare-warmup", "3"]
+         "--dpcompare-global-batch", "2048", "--dpcompare-steps", "60", "--dpcompare-warmup", "3"]
 
 
 def _suite_run(out: Path, work: Path, slowdown: float) -> tuple[float, float]:
@@ -82,17 +85,27 @@ def test_gate_catches_a_planted_20_percent_slowdown_without_false_alarms(tmp_pat
     rules = {"default": (), "median": ("--statistic", "median")}
     gate = {rule: {"caught": 0, "false": 0} for rule in rules}
     plain = {"caught": 0, "false": 0}
+    decided: list[dict] = []
     for k in range(COMPARISONS):
         for rule, flags in rules.items():
             caught, said = _gate(tmp_path / f"base-{k}", tmp_path / f"slow-{k}", *flags)
             alarm, said_same = _gate(tmp_path / f"base-{k}", tmp_path / f"same-{k}", *flags)
             gate[rule]["caught"] += caught
             gate[rule]["false"] += alarm
+            decided.append({"comparison": k, "rule": rule, "planted_caught": caught, "planted_said": said,
+                            "unchanged_flagged": alarm, "unchanged_said": said_same})
             print(f"  {k + 1} [{rule}]: planted -> {said}\n     unchanged -> {said_same}", flush=True)
         base0 = medians[(k, "base")][0][0]
         plain["caught"] += medians[(k, "slow")][0][0] > base0 * (1 + PLAIN_THRESHOLD)
         plain["false"] += medians[(k, "same")][0][0] > base0 * (1 + PLAIN_THRESHOLD)
 
+    record = Path(os.environ.get("DPCOMPARE_GATE_RECORD") or tmp_path / "gate-record.json")
+    record.write_text(json.dumps({
+        "suite": SUITE, "comparisons": COMPARISONS, "runs_per_side": RUNS_PER_SIDE, "slowdown": SLOWDOWN,
+        "runs_s": [{"comparison": k, "side": side, "median_min": medians[(k, side)]}
+                   for k in range(COMPARISONS) for side in sides],
+        "decisions": decided, "gate": gate, "plain_median_10pct": plain}, indent=1))
+    print(f"  every run's figures and every decision: {record}", flush=True)
     by_median = [_ratio(medians, k, 0) for k in range(COMPARISONS)]
     by_min = [_ratio(medians, k, 1) for k in range(COMPARISONS)]
     print_table(f"regression gate, ddp ws=2 mlp-wide, {COMPARISONS} comparisons of each kind, "
