@@ -99,6 +99,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=d.out, help="directory for the JSON result")
     p.add_argument("--dump-grads", default=None, help="write checked-step gradients to this .npz")
     p.add_argument("--tag", default=None)
+    p.add_argument("--closed-if", default=None, metavar="FILE", help=argparse.SUPPRESS)
     p.add_argument("--dp-devices", type=_whole, default=None, help="dp: CUDA devices to replicate over (default: all)")
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="an option the backend declares (repeatable); an unknown key lists the accepted ones")

@@ -78,12 +78,18 @@ def result_path(out_dir: str | os.PathLike, backend: str, world_size: int, model
     return Path(out_dir) / f"{stamp}-{safe_backend}-ws{world_size}-{model}-{os.getpid()}.json"
 
 
+class Closed(RuntimeError):
+    """A fenced write found its fence: whoever would read the file has stopped waiting for it."""
+
+
 @contextlib.contextmanager
-def atomic_file(path: Path, mode: str = "w", *, durable: bool = True) -> Iterator[IO[Any]]:
+def atomic_file(path: Path, mode: str = "w", *, durable: bool = True,
+                unless: str | os.PathLike | None = None) -> Iterator[IO[Any]]:
     """Open a temporary file beside `path` for writing; on a clean exit it is flushed, synced and renamed
     over `path`, so a reader sees the old file or the whole new one, never half of it. The one atomic
     writer: JSON results, gradient dumps, reports, plots and heartbeats all go through it. durable=False skips
-    the fsync, for files that only matter while the process runs (heartbeats)."""
+    the fsync, for files that only matter while the process runs (heartbeats). `unless`: a fence file; when it
+    exists at the moment of the rename, nothing is written and Closed is raised."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -96,15 +102,18 @@ def atomic_file(path: Path, mode: str = "w", *, durable: bool = True) -> Iterato
             f.flush()
             if durable:
                 os.fsync(f.fileno())
+        if unless is not None and os.path.exists(unless):
+            raise Closed(f"not writing {path}: {unless} exists, so the command that started this run has "
+                         "finished or given up on it (a late result must not land in its folder)")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def write_atomic(path: Path, payload: dict[str, Any]) -> Path:
-    """Write a JSON object atomically (non-finite floats become null)."""
-    with atomic_file(path) as f:
+def write_atomic(path: Path, payload: dict[str, Any], *, unless: str | os.PathLike | None = None) -> Path:
+    """Write a JSON object atomically (non-finite floats become null); `unless` as in atomic_file."""
+    with atomic_file(path, unless=unless) as f:
         json.dump(sanitize(payload), f, indent=2, allow_nan=False, default=str)
         f.write("\n")
     return Path(path)

@@ -74,6 +74,9 @@ def test_compare_produces_verdicts_matrix_costs_and_report(tmp_path):
         assert (run_dir / name).stat().st_size > 1000, name
     for word in ("is it the same computation?", "gradient matrix", "what does it cost?"):
         assert word in proc.stdout
+    # Every launch's fence is closed once compare stopped waiting for it: nothing late lands in run_dir.
+    assert sorted(p.name for p in (run_dir / "logs").glob("*.closed")) == [
+        "ddp-ws1.closed", "ddp-ws2.closed", "dp-ws1.closed", "reference-ws1.closed"]
 
 
 @pytest.mark.multiproc

@@ -244,6 +244,37 @@ def test_failed_serialisation_leaves_an_existing_result_untouched(tmp_path: Path
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
+def test_a_fenced_write_finds_its_fence_and_writes_nothing(tmp_path: Path):
+    fence = tmp_path / "job.closed"
+    path = tmp_path / "runs" / "r.json"
+    results.write_atomic(path, {"run": "on time"}, unless=fence)  # no fence yet: written
+    assert json.loads(path.read_text()) == {"run": "on time"}
+    fence.touch()
+    with pytest.raises(results.Closed, match="job.closed exists"):
+        results.write_atomic(path, {"run": "late"}, unless=fence)
+    assert json.loads(path.read_text()) == {"run": "on time"}
+    assert [p.name for p in path.parent.iterdir()] == ["r.json"], "no temporary file left behind"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("closed", [False, True], ids=["open", "closed"])
+def test_a_run_whose_fence_is_closed_writes_no_result_and_no_dump(launch, tmp_path, closed):
+    """A rank that outlived its compare (the fence exists) fails in one line and leaves the folder as it was."""
+    fence, dump = tmp_path / "job.closed", tmp_path / "grads" / "g.npz"
+    if closed:
+        fence.touch()
+    proc, result = launch("reference", 1, "mlp", ["--steps", "1", "--measure-steps", "0", "--closed-if", str(fence),
+                                                  "--dump-grads", str(dump)], "python")
+    if not closed:
+        assert proc.returncode == 0 and result is not None and dump.exists(), proc.output[-3000:]
+        return
+    assert proc.returncode == 4, proc.output[-3000:]
+    assert result is None and not dump.exists()
+    assert_one_error_line(proc.stderr, "not writing", "job.closed exists")
+    assert "Traceback" not in proc.output
+
+
 # -- the fault campaign: a rank killed, suspended or hung, under every launcher ----------------------------------
 FAULT_TIMEOUT_S = 20
 FAULT_LAUNCHES = [("ddp", "torchrun"), ("deepspeed", "torchrun"), ("horovod", "horovodrun"), ("ddp", "mpirun"),

@@ -84,6 +84,17 @@ def test_ablation_overlap_and_bandwidth():
     assert m["tcomm_model_ms"] == pytest.approx(2.0)
 
 
+def test_every_ranks_own_total_is_kept_beside_rank_0s():
+    r0 = {"per_step_total_ms": [3.0, 9.0, 4.0], "method": "test counter"}
+    r1 = {"per_step_total_ms": [7.0, 8.0, 6.0], "method": "test counter"}
+    m = summarize([sample([20] * 3, [15] * 3, [12] * 3, r0), sample([20] * 3, [16] * 3, [11] * 3, r1),
+                   sample([20] * 3, [16] * 3, [11] * 3)])
+    assert m["comm_total_ms"] == pytest.approx(4.0)  # rank 0's median
+    assert m["comm_total_ms_per_rank"] == [pytest.approx(4.0), pytest.approx(7.0), None]
+    none = summarize([sample([5, 5])], comm_possible="one process")
+    assert none["comm_total_ms_per_rank"] is None and none["reasons"]["comm_total_ms_per_rank"]
+
+
 def test_overlap_fraction_when_half_is_hidden():
     comm = {"total_ms": 80.0, "overlap_ms": None, "steps": 10, "method": "test counter"}
     m = summarize([sample([20] * 4, [16] * 4, [12] * 4, comm), sample([20] * 4, [16] * 4, [12] * 4)])

@@ -18,7 +18,6 @@ import time
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.data import DistributedSampler
 
 from conftest import validate_result

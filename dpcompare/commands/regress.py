@@ -24,14 +24,14 @@ log ratios, the ratio being the median per-pair ratio (needs 5 pairs at alpha 0.
 
 At least 3 runs per side. With n runs per side the smallest one-sided p-value is 1/C(2n, n) (3: 0.05,
 4: 0.014, 5: 0.004), so alpha 0.05 needs 4 runs per side and alpha 0.01 needs 5; a configuration that could
-never flag anything is refused with the runs it needs. On a shared machine 8 per side leave room for a few
-runs that land in a slow spell (benchmarks/test_regression_gate.py).
+never flag anything is refused with the runs it needs. On a shared machine 12 per side, of 60 steps each,
+leave room for a few runs that land in a slow spell (benchmarks/test_regression_gate.py).
 
 Producing the inputs: run baseline and current alternately (A B A B ...), so that drift of the machine
 (heat, a noisy neighbour, a background job) falls on both sides alike, each run writing its own file:
 
   gate=$PWD/gate; mkdir -p $gate/baseline $gate/current
-  for k in 1 2 3 4 5 6 7 8; do
+  for k in $(seq 12); do
     (cd ~/src/baseline && python -m pytest benchmarks/ --benchmark-json $gate/baseline/run-$k.json)
     (cd ~/src/current  && python -m pytest benchmarks/ --benchmark-json $gate/current/run-$k.json)
   done

@@ -107,6 +107,8 @@ def summarize(
     exposed = _ablation(m, samples, per_rank, comm_possible,
                         why_no_steps if not instrumented else "no ablation steps ran (--ablation-steps 0)")
     total = _native_comm(m, samples[0].comm or {}, comm_possible)
+    m.set("comm_total_ms_per_rank", [per_step_total_ms(s.comm or {}) for s in samples] if total is not None else None,
+          "no total communication time on rank 0")
     if total and exposed is not None:
         m.set("overlap_fraction", min(max(1.0 - exposed / total, 0.0), 1.0))
     else:
@@ -162,6 +164,15 @@ def _ablation(m: Metrics, samples: list[RankSample], per_rank: list[list[float]]
     m.set("comm_exposed_ms", exposed)
     m.set("ablation_pairs", pairs)
     return exposed
+
+
+def per_step_total_ms(comm: dict[str, Any]) -> float | None:
+    """One rank's counter as total communication time per step (median over steps where it has them)."""
+    if comm.get("per_step_total_ms"):
+        return float(np.median(comm["per_step_total_ms"]))
+    if "total_ms" in comm and comm.get("steps"):
+        return comm["total_ms"] / comm["steps"]
+    return None
 
 
 def _native_comm(m: Metrics, comm: dict[str, Any], comm_possible: str | None) -> float | None:

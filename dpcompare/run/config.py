@@ -77,6 +77,10 @@ class RunConfig:
     """Write the reduced and oracle gradients of every checked step to this .npz file (for `compare`)."""
     tag: str | None = None
     """Free text copied into the result (compare uses it to group runs)."""
+    closed_if: str | None = None
+    """A fence file: when it exists, the run writes neither its result nor its gradient dump and fails. compare
+    creates it for a launch it has stopped waiting for, so a rank that outlived its launcher (on another host,
+    say) never adds a late result to a finished run folder."""
     dp_devices: int | None = None
     """Backends that replicate over devices in one process (dp): how many CUDA devices (default: all visible)."""
     inject_slowdown: float = 0.0

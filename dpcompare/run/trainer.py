@@ -149,7 +149,7 @@ def _write_result(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workl
     path = results.result_path(cfg.out, cfg.backend, env.world_size, workload.name)
     payload = results.sanitize(payload)
     results.validate(payload)
-    results.write_atomic(path, payload)
+    results.write_atomic(path, payload, unless=cfg.closed_if)
     payload["result_path"] = str(path)
     return payload
 

@@ -41,7 +41,7 @@ class VerificationPhase:
         for step in range(self.cfg.steps):
             self._step(step)
         if self.check is not None and self.cfg.dump_grads:
-            _save_npz_atomic(Path(self.cfg.dump_grads), self.check.dumps)
+            _save_npz_atomic(Path(self.cfg.dump_grads), self.check.dumps, self.cfg.closed_if)
         return self.verdict
 
     def _start(self) -> eq.Verdict:
@@ -117,6 +117,6 @@ def _unused_grad_forms(module: torch.nn.Module, unused: tuple[str, ...]) -> dict
     return forms
 
 
-def _save_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    with results.atomic_file(path, "wb") as f:
+def _save_npz_atomic(path: Path, arrays: dict[str, np.ndarray], unless: str | None) -> None:
+    with results.atomic_file(path, "wb", unless=unless) as f:
         np.savez(f, **arrays)

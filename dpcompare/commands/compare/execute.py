@@ -41,8 +41,14 @@ def drop_collectives(jobs: list[Job]) -> None:
 
 
 def execute(job: Job, timeout_s: float) -> None:
-    """Run the job under its launcher and record its wall time, result and status."""
-    finished = run_process(job.command, timeout_s=timeout_s, log=job.log)
+    """Run the job under its launcher and record its wall time, result and status. Once the launcher has
+    returned (or compare is interrupted), the job's fence is closed: a rank that outlived the process-tree
+    kill writes nothing into this run folder afterwards."""
+    try:
+        finished = run_process(job.command, timeout_s=timeout_s, log=job.log)
+    finally:
+        job.fence.parent.mkdir(parents=True, exist_ok=True)
+        job.fence.touch()
     job.wall_s = finished.wall_s
     job.result, job.result_path = _find_result(job)
     if finished.timed_out:

@@ -44,6 +44,11 @@ class Job:
     def launcher(self) -> str:
         return capabilities(self.backend).native_launcher
 
+    @property
+    def fence(self) -> Path:
+        """Created once compare stops waiting for this job; the run writes nothing once it exists (--closed-if)."""
+        return self.log.with_suffix(".closed")
+
 
 @dataclass(slots=True)
 class Plan:
@@ -88,9 +93,11 @@ def plan(ns: argparse.Namespace, run_dir: Path) -> Plan:
         label = f"{backend}/{ws}" + ("" if variant == "baseline" else f" {variant}")
         stem = label.replace("/", "-ws").replace(" ", "-").replace("=", "")
         dump = run_dir / "grads" / f"{stem}.npz"
-        args = ["--backend", backend, *common, "--dump-grads", str(dump), "--tag", label, *extra, *ns.run_arg]
+        log = run_dir / "logs" / f"{stem}.log"
+        args = ["--backend", backend, *common, "--dump-grads", str(dump), "--tag", label,
+                "--closed-if", str(log.with_suffix(".closed")), *extra, *ns.run_arg]
         command = native_command(capabilities(backend).native_launcher, ws, args)
-        result.jobs.append(Job(backend, ws, command, label, dump, run_dir / "logs" / f"{stem}.log", variant))
+        result.jobs.append(Job(backend, ws, command, label, dump, log, variant))
 
     for backend, ws in baseline:
         add(backend, ws, "baseline", [])
