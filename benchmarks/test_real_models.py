@@ -3,7 +3,7 @@ its native launcher, with the throughput each reaches on this machine.
 
     cd /work/main && OMP_NUM_THREADS=1 .venv/bin/python -m pytest benchmarks/test_real_models.py -s -p no:cacheprovider
 
-Sizes that fit a 2-core box: ResNet-50 at 4 ImageNet-shaped images per step (2 per rank), GPT-2 small at 2
+Sizes that fit a 2-core box: ResNet-50 at 4 ImageNet-shaped images per step (2 per rank, --sync-bn), GPT-2 small at 2
 sequences of 1024 tokens (1 per rank). One verification step (checked against the float64 oracle; GPT-2 with
 its dropout on, replayed in the oracle), one warm-up step, 3 measured steps and one synced/unsynced ablation
 pair. Every run must finish with a verdict that is not `different`; the table prints step time, throughput and
@@ -21,7 +21,7 @@ import pytest
 from benchmarks.conftest import print_table, run_checked
 from dpcompare.run import launchers, registry
 
-CASES = [("resnet50", 4, []), ("gpt2-small", 2, [])]
+CASES = [("resnet50", 4, ["--sync-bn"]), ("gpt2-small", 2, [])]  # BatchNorm over 2 ranks: global statistics
 BACKENDS = ("ddp", "horovod", "deepspeed")
 
 

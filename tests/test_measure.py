@@ -84,15 +84,26 @@ def test_ablation_overlap_and_bandwidth():
     assert m["tcomm_model_ms"] == pytest.approx(2.0)
 
 
-def test_every_ranks_own_total_is_kept_beside_rank_0s():
+def test_total_is_the_rank_longest_in_communication_and_bandwidth_uses_the_shortest():
     r0 = {"per_step_total_ms": [3.0, 9.0, 4.0], "method": "test counter"}
     r1 = {"per_step_total_ms": [7.0, 8.0, 6.0], "method": "test counter"}
     m = summarize([sample([20] * 3, [15] * 3, [12] * 3, r0), sample([20] * 3, [16] * 3, [11] * 3, r1),
                    sample([20] * 3, [16] * 3, [11] * 3)])
-    assert m["comm_total_ms"] == pytest.approx(4.0)  # rank 0's median
+    # The total is the rank that spent longest in communication (its wait included), the transfer the shortest.
     assert m["comm_total_ms_per_rank"] == [pytest.approx(4.0), pytest.approx(7.0), None]
+    assert m["comm_total_ms"] == pytest.approx(7.0) and m["comm_total_rank"] == 1
+    assert m["comm_transfer_ms"] == pytest.approx(4.0)
+    assert m["algbw_gbps"] == pytest.approx(1.0)  # 4e6 bytes in the 4 ms transfer
     none = summarize([sample([5, 5])], comm_possible="one process")
     assert none["comm_total_ms_per_rank"] is None and none["reasons"]["comm_total_ms_per_rank"]
+
+
+def test_a_timeline_counter_gives_the_total_with_negotiation_and_the_transfer_without():
+    comm = {"total_ms": 90.0, "transfer_ms": 40.0, "steps": 10, "method": "timeline"}
+    m = summarize([sample([20] * 10, [15] * 10, [12] * 10, comm), sample([20] * 10, [16] * 10, [11] * 10,
+                                                                         {"reason": "rank 0 only"})])
+    assert m["comm_total_ms"] == pytest.approx(9.0) and m["comm_transfer_ms"] == pytest.approx(4.0)
+    assert m["busbw_gbps"] == pytest.approx(1.0)
 
 
 def test_overlap_fraction_when_half_is_hidden():
@@ -185,6 +196,8 @@ def test_timeline_union_counts_fused_tensors_once(tmp_path):
     assert timeline.allreduce_busy_ms(_trace(tmp_path, events)) == pytest.approx(1.75)
     # Horovod leaves the array open while it writes: still readable
     assert timeline.allreduce_busy_ms(_trace(tmp_path, events, close=False)) == pytest.approx(1.75)
+    # With the negotiation (the wait for the other ranks): [0, 500], [1000, 2500], [4000, 4250]
+    assert timeline.allreduce_busy_ms(_trace(tmp_path, events), timeline.NEGOTIATED) == pytest.approx(2.25)
 
 
 def test_timeline_sums_disjoint_intervals():

@@ -15,7 +15,7 @@ import torch
 
 from dpcompare.contract import CommCounter, CommCounts, CounterWindow
 from dpcompare.measure.clocks import IntervalClock
-from dpcompare.measure.timeline import allreduce_busy_ms
+from dpcompare.measure.timeline import NEGOTIATED, allreduce_busy_ms
 
 
 class CommWindow:
@@ -37,8 +37,10 @@ class CommWindow:
 
 
 def figures(counts: CommCounts, clock: IntervalClock, steps: int) -> dict[str, Any]:
-    """{'total_ms', 'overlap_ms' (or None), 'steps', 'method'[, 'per_step_total_ms', 'per_step_overlap_ms']}
-    over the window, or {'reason'} when the counter saw nothing it can vouch for."""
+    """{'total_ms', 'overlap_ms' (or None), 'steps', 'method'[, 'per_step_total_ms', 'per_step_overlap_ms',
+    'transfer_ms']} over the window, or {'reason'} when the counter saw nothing it can vouch for. total_ms holds
+    the time this rank spent waiting for its peers inside communication; transfer_ms, where the counter tells
+    them apart (Horovod's timeline), the transfer alone."""
     if counts.reason:
         return {"reason": counts.reason}
     to_ms = counts.unit_s * 1e3
@@ -51,7 +53,8 @@ def figures(counts: CommCounts, clock: IntervalClock, steps: int) -> dict[str, A
             out["overlap_ms"] = sum(out["per_step_overlap_ms"])
     elif counts.timeline:
         try:
-            out["total_ms"] = allreduce_busy_ms(counts.timeline)
+            out["total_ms"] = allreduce_busy_ms(counts.timeline, NEGOTIATED)
+            out["transfer_ms"] = allreduce_busy_ms(counts.timeline)
         except (OSError, ValueError) as exc:
             return {"reason": f"cannot read the Horovod timeline {counts.timeline}: {exc}"}
         finally:

@@ -11,9 +11,12 @@ Definitions:
                        either arm of the ablation, so the arms differ only by communication)
   exposed comm         median(synced) - median(unsynced) (ablation: alternating blocks of the same step with
                        gradient sync on and off, each arm without the optimizer step)
-  total comm           the backend's own counter (DDP logging data, Horovod timeline, DeepSpeed timers)
+  total comm           the backend's own counter (DDP logging data, Horovod timeline with negotiation,
+                       DeepSpeed timers) on the rank that spent longest in communication, its wait for the
+                       other ranks included (the ablation's exposed figure includes that wait too)
+  transfer             the same counter on the rank that spent least there (Horovod: ALLREDUCE alone)
   overlap fraction     1 - exposed / total
-  algbw, busbw         nccl-tests: algbw = bytes / time, all-reduce busbw = algbw * 2(n-1)/n, in GB/s
+  algbw, busbw         nccl-tests: algbw = bytes / transfer time, all-reduce busbw = algbw * 2(n-1)/n, in GB/s
   T_comm model         2 * P * (N-1) / (N * B), B = the microbenchmark's busbw at the run's message size
 """
 
@@ -106,16 +109,14 @@ def summarize(
     per_rank = _step_times(m, samples, world_size * local_batch, tokens_per_sample, why_no_steps)
     exposed = _ablation(m, samples, per_rank, comm_possible,
                         why_no_steps if not instrumented else "no ablation steps ran (--ablation-steps 0)")
-    total = _native_comm(m, samples[0].comm or {}, comm_possible)
-    m.set("comm_total_ms_per_rank", [per_step_total_ms(s.comm or {}) for s in samples] if total is not None else None,
-          "no total communication time on rank 0")
+    total, transfer = _native_comm(m, samples, comm_possible)
     if total and exposed is not None:
         m.set("overlap_fraction", min(max(1.0 - exposed / total, 0.0), 1.0))
     else:
         m.set("overlap_fraction", None, "needs both total and exposed communication time")
     m.set("grad_bytes_per_step", grad_bytes)
     m.set("bucket_bytes", message_bytes, message_reason)
-    _bandwidth(m, total, grad_bytes, world_size, microbench_busbw, microbench_reason, comm_possible)
+    _bandwidth(m, transfer, grad_bytes, world_size, microbench_busbw, microbench_reason, comm_possible)
     _memory(m, samples, model_state)
     return m.to_dict()
 
@@ -166,8 +167,11 @@ def _ablation(m: Metrics, samples: list[RankSample], per_rank: list[list[float]]
     return exposed
 
 
-def per_step_total_ms(comm: dict[str, Any]) -> float | None:
-    """One rank's counter as total communication time per step (median over steps where it has them)."""
+def per_step_total_ms(comm: dict[str, Any], key: str = "total") -> float | None:
+    """One rank's counter per step (median over steps where it has them): its total communication time, or
+    with key="transfer" the transfer alone where the counter tells it apart (else the total)."""
+    if key == "transfer" and comm.get("transfer_ms") is not None and comm.get("steps"):
+        return comm["transfer_ms"] / comm["steps"]
     if comm.get("per_step_total_ms"):
         return float(np.median(comm["per_step_total_ms"]))
     if "total_ms" in comm and comm.get("steps"):
@@ -175,38 +179,45 @@ def per_step_total_ms(comm: dict[str, Any]) -> float | None:
     return None
 
 
-def _native_comm(m: Metrics, comm: dict[str, Any], comm_possible: str | None) -> float | None:
-    """The backend's own communication counter, per step. Returns the total communication time per step,
-    or None when there is none."""
+def _native_comm(m: Metrics, samples: list[RankSample], comm_possible: str | None) -> tuple[float | None, float | None]:
+    """The backends' own communication counters, per step. A rank's counter holds the time it waited inside
+    communication for its peers; the rank that spent longest there shows everything synchronisation cost the
+    step (as the ablation's slowest-rank figure does): that is the total. The rank that spent least there
+    (or the transfer a timeline tells apart) is closest to the collective itself: bandwidth is taken from it.
+    Returns (total, transfer) in ms per step, None where there is no counter."""
     if comm_possible:
-        m.set("comm_total_ms", None, comm_possible)
-        return None
-    if comm.get("per_step_total_ms"):
-        # Per-step counters: medians, like the step times (a load spike does not drag the figure).
-        total = float(np.median(comm["per_step_total_ms"]))
-        m.set("comm_total_ms", total)
-        m.set("comm_total_method", comm.get("method"))
-        if comm.get("per_step_overlap_ms"):
-            overlap = float(np.median(comm["per_step_overlap_ms"]))
-            m.set("comm_native_overlap_ms", overlap)
-            m.set("comm_native_exposed_ms", float(np.median(np.subtract(comm["per_step_total_ms"],
-                                                                          comm["per_step_overlap_ms"]))))
-        return total
-    if "total_ms" in comm and comm.get("steps"):
-        total = comm["total_ms"] / comm["steps"]
-        m.set("comm_total_ms", total)
-        m.set("comm_total_method", comm.get("method"))
-        if comm.get("overlap_ms") is not None:
-            m.set("comm_native_overlap_ms", comm["overlap_ms"] / comm["steps"])
-        return total
-    m.set("comm_total_ms", None, comm.get("reason") or "the backend exposes no communication counter")
-    return None
+        for name in ("comm_total_ms", "comm_transfer_ms", "comm_total_ms_per_rank"):
+            m.set(name, None, comm_possible)
+        return None, None
+    comms = [s.comm or {} for s in samples]
+    per_rank = [per_step_total_ms(c) for c in comms]
+    known = [(t, rank) for rank, t in enumerate(per_rank) if t is not None]
+    if not known:
+        reason = comms[0].get("reason") or "the backend exposes no communication counter"
+        for name in ("comm_total_ms", "comm_transfer_ms", "comm_total_ms_per_rank"):
+            m.set(name, None, reason)
+        return None, None
+    total, longest = max(known)
+    transfer = min(t for t in (per_step_total_ms(c, "transfer") for c in comms) if t is not None)
+    m.set("comm_total_ms", total)
+    m.set("comm_total_rank", longest)
+    m.set("comm_transfer_ms", transfer)
+    m.set("comm_total_ms_per_rank", per_rank)
+    m.set("comm_total_method", comms[longest].get("method"))
+    rank0 = comms[0]
+    if rank0.get("per_step_overlap_ms"):
+        m.set("comm_native_overlap_ms", float(np.median(rank0["per_step_overlap_ms"])))
+        m.set("comm_native_exposed_ms", float(np.median(np.subtract(rank0["per_step_total_ms"],
+                                                                      rank0["per_step_overlap_ms"]))))
+    elif rank0.get("overlap_ms") is not None and rank0.get("steps"):
+        m.set("comm_native_overlap_ms", rank0["overlap_ms"] / rank0["steps"])
+    return total, transfer
 
 
 def _bandwidth(m: Metrics, total: float | None, grad_bytes: int, world_size: int, microbench_busbw: float | None,
                microbench_reason: str | None, comm_possible: str | None) -> None:
-    """In-training algbw and busbw from the total communication time, against the microbenchmark's busbw,
-    and the T_comm model."""
+    """In-training algbw and busbw from the transfer time (`total`: comm_transfer_ms), against the
+    microbenchmark's busbw, and the T_comm model."""
     if total and total > 0 and world_size > 1:
         alg = algbw_gbps(grad_bytes, total / 1e3)
         m.set("algbw_gbps", alg)

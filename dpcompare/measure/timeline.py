@@ -2,8 +2,10 @@
 
 Owns: tolerant parsing of the timeline file (Horovod leaves the JSON array open while it writes) and the
 union of the top-level ALLREDUCE intervals over all tensors (fusion runs several tensors through one
-all-reduce at once; a union counts that time once). NEGOTIATE_* phases are coordination, not
-communication of gradients, and are left out. Imports no adapter and no Horovod.
+all-reduce at once; a union counts that time once): the transfer. With NEGOTIATE_ALLREDUCE added (on rank
+0's timeline it begins when the first rank asks for a tensor and ends when the last has), the union is the
+time spent in communication waiting for peers included, what DDP's own counter books on its fastest rank.
+Imports no adapter and no Horovod.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ def load_events(path: str | Path) -> list[dict]:
     return json.loads(text)
 
 
-def allreduce_intervals(events: list[dict], op: str = "ALLREDUCE") -> list[tuple[float, float]]:
-    """(begin_us, end_us) of each top-level `op` activity, per tensor (pid), from B/E pairs."""
+def allreduce_intervals(events: list[dict], ops: tuple[str, ...] = ("ALLREDUCE",)) -> list[tuple[float, float]]:
+    """(begin_us, end_us) of each top-level activity named in `ops`, per tensor (pid), from B/E pairs."""
     stacks: dict[int, list[tuple[str, float]]] = {}
     out = []
     for e in events:
@@ -32,7 +34,7 @@ def allreduce_intervals(events: list[dict], op: str = "ALLREDUCE") -> list[tuple
             stacks.setdefault(pid, []).append((e.get("name", ""), float(e["ts"])))
         elif ph == "E" and stacks.get(pid):
             name, begin = stacks[pid].pop()
-            if name == op and not stacks[pid]:
+            if name in ops and not stacks[pid]:
                 out.append((begin, float(e["ts"])))
     return out
 
@@ -49,5 +51,8 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
-def allreduce_busy_ms(path: str | Path) -> float:
-    return union_ms(allreduce_intervals(load_events(path)))
+NEGOTIATED = ("NEGOTIATE_ALLREDUCE", "ALLREDUCE")
+
+
+def allreduce_busy_ms(path: str | Path, ops: tuple[str, ...] = ("ALLREDUCE",)) -> float:
+    return union_ms(allreduce_intervals(load_events(path), ops))
