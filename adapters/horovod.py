@@ -154,4 +154,4 @@ class _TimelineCounter(CommCounter):
         self.hvd.stop_timeline()
         if self.rank != 0:
             return CommCounts(reason="Horovod writes its timeline on rank 0 only")
-        return CommCounts(method="Horovod timeline (union of ALLREDUCE intervals)", timeline=self.path)
+        return CommCounts(method="Horovod timeline (union of NEGOTIATE_ALLREDUCE and ALLREDUCE intervals)", timeline=self.path)

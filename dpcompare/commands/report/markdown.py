@@ -175,7 +175,7 @@ def _comm_rows(runs: list[dict[str, Any]], derived: list[Derived], notes: Footno
             run["backend"], str(run["world_size"]), cell(run, "grad_bytes_per_step", notes, format_bytes),
             cell(run, "bucket_bytes", notes, format_bytes),
             notes.na(total_reason) if total is None else num(total) + (f" ({method})" if method else ""),
-            _exposed_cell(run, notes), cell(run, "overlap_fraction", notes, lambda v: f"{v:.0%}"),
+            cell(run, "comm_transfer_ms", notes), _exposed_cell(run, notes), cell(run, "overlap_fraction", notes, lambda v: f"{v:.0%}"),
             cell(run, "tcomm_model_ms", notes), cell(run, "algbw_gbps", notes), cell(run, "busbw_gbps", notes),
             cell(run, "microbench_busbw_gbps", notes),
             f"{d.busbw_ratio:.2f}" if d.busbw_ratio is not None else notes.na(d.busbw_ratio_reason)])
@@ -214,9 +214,13 @@ def cost_sections(runs: list[dict[str, Any]], derived: list[Derived], notes: Foo
                 "measured steps"], _time_rows(runs, derived, tokens, notes)), ""]
     lines += [
         "### Communication", "",
-        "Total comm is the backend's own counter (method in brackets); exposed comm is the ablation (synced - "
-        "unsynced step). Bandwidths in GB/s follow nccl-tests (busbw = algbw x 2(N-1)/N for all-reduce).", "",
-        *table(["backend", "ws", "grad bytes/step", "bucket", "total comm (ms)", "exposed comm (ms)", "overlap",
+        "Total comm is the backend's own counter (method in brackets) on the rank that spent longest in "
+        "communication, its wait for the other ranks included; transfer is the same counter on the rank that "
+        "spent least there (Horovod: ALLREDUCE without negotiation). Exposed comm is the ablation (synced - "
+        "unsynced step of the slowest rank, its wait included too). Bandwidths in GB/s follow nccl-tests, from "
+        "the transfer time (busbw = algbw x 2(N-1)/N for all-reduce).", "",
+        *table(["backend", "ws", "grad bytes/step", "bucket", "total comm (ms)", "transfer (ms)",
+                "exposed comm (ms)", "overlap",
                 "model t_comm (ms)", "algbw", "busbw", "microbench busbw", "busbw / microbench"],
                _comm_rows(runs, derived, notes)), ""]
     lines += [
