@@ -53,7 +53,7 @@ def test_real_models_run_under_every_backend_at_world_size_2(tmp_path: Path) -> 
             result = json.loads(path.read_text())
             verdict = result["equivalence"]["verdict"]
             m = result.get("metrics") or {}
-            assert verdict != "different", result["equivalence"]["notes"]
+            assert verdict != "different", result["equivalence"].get("first_divergence") or result["equivalence"]["notes"]
             tokens = f", {m['tokens_per_s']:.0f} tokens/s" if m.get("tokens_per_s") else ""
             comm = (f"; exposed {_ms(m.get('comm_exposed_ms'))}, total {_ms(m.get('comm_total_ms'))}, "
                     f"compute {_ms(m.get('compute_ms_p50'))}")
