@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dpcompare.run.workloads import Workload, _cross_entropy, _generator
 
@@ -209,6 +210,8 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(c.dropout)
         self.h = nn.ModuleList(GPTBlock(c) for _ in range(c.layers))
         self.ln_f = nn.LayerNorm(c.dim)
+        self.recompute_activations = False
+        """Recompute each block's activations in backward (dpcompare's float64 verification copies set it)."""
         for name, p in self.named_parameters():
             if p.dim() == 2:  # GPT-2's init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers)
                 std = 0.02 / math.sqrt(2 * c.layers) if name.endswith(("c_proj.weight", "mlp.2.weight")) else 0.02
@@ -220,7 +223,10 @@ class GPT(nn.Module):
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.drop(self.wte(tokens) + self.wpe(pos))
         for block in self.h:
-            x = block(x)
+            if self.recompute_activations and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False, preserve_rng_state=True)
+            else:
+                x = block(x)
         return self.ln_f(x) @ self.wte.weight.t()
 
 

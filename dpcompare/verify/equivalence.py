@@ -193,6 +193,24 @@ def accumulate_gradient(model: nn.Module, loss_fn: Callable, groups: list[Group]
     return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().cpu() for n, p in named}, none
 
 
+RECOMPUTE_ATTRIBUTE = "recompute_activations"
+"""A model (or any of its modules) with this boolean attribute recomputes its activations in backward
+instead of keeping them when it is True (activation checkpointing). The verification copies switch it on:
+recomputation on the same device draws the same random numbers and rounds the same way, so the gradient is
+unchanged while a float64 copy of a large model keeps one block's activations instead of all of them. The
+ranks' own models are never switched: the run is measured as the user would run it."""
+
+
+def verification_copy(template: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A plain copy of the workload's model for checking, in `dtype` on `device`, recomputing activations in
+    backward where the model offers it (`RECOMPUTE_ATTRIBUTE`)."""
+    model = copy.deepcopy(template).to(device=device, dtype=dtype)
+    for m in model.modules():
+        if isinstance(getattr(m, RECOMPUTE_ATTRIBUTE, None), bool):
+            setattr(m, RECOMPUTE_ATTRIBUTE, True)
+    return model
+
+
 class Oracle:
     """Recomputes gradients of the global-batch loss on rank 0 from the run's current parameters.
 
@@ -205,8 +223,8 @@ class Oracle:
     def __init__(self, template: nn.Module, loss_fn: Callable, dtype: str, device: torch.device) -> None:
         self.loss_fn = loss_fn
         self.device = device
-        self.model64 = copy.deepcopy(template).to(device=device, dtype=torch.float64)
-        self.model_run = copy.deepcopy(template).to(device=device, dtype=DTYPES[dtype])
+        self.model64 = verification_copy(template, device, torch.float64)
+        self.model_run = verification_copy(template, device, DTYPES[dtype])
         self.names = [n for n, p in template.named_parameters() if p.requires_grad]
         self.none: frozenset[str] = frozenset()
         """Parameters whose oracle gradient was None at the last `oracle_of` call (not in the loss)."""

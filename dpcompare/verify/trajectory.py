@@ -15,13 +15,13 @@ step (u_wire: the compressed wire dtype's unit roundoff under --compression, els
 
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 import torch
 from torch import nn
 
-from dpcompare.verify.equivalence import DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Group, accumulate_gradient, rel_fro
+from dpcompare.verify.equivalence import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Group, accumulate_gradient, rel_fro,
+                                        verification_copy)
 from dpcompare.verify.update_check import OptimizerFactory
 
 
@@ -36,8 +36,8 @@ class Trajectory:
         self.loss_fn, self.device, self.depth = loss_fn, device, depth
         self.u = UNIT_ROUNDOFF[dtype]
         self.u_wire = self.u if u_wire is None else u_wire
-        self.model64 = copy.deepcopy(template).to(device=device, dtype=torch.float64)
-        self.model_run = copy.deepcopy(template).to(device=device, dtype=DTYPES[dtype])
+        self.model64 = verification_copy(template, device, torch.float64)
+        self.model_run = verification_copy(template, device, DTYPES[dtype])
         self.names = [n for n, p in template.named_parameters() if p.requires_grad]
         self.opt64 = factory([p for p in self.model64.parameters() if p.requires_grad])
         self.opt_run = factory([p for p in self.model_run.parameters() if p.requires_grad])

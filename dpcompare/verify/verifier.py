@@ -16,7 +16,6 @@ forked from the run's, so checking never changes the random numbers the run draw
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -44,7 +43,7 @@ roundoffs x depth of the float64 replay (rounding only); one differing mask elem
 def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> ModelFacts:
     """One float64 forward/backward of the first global batch (which parameters get no gradient), and a
     second forward of the same input (does the forward draw random numbers?)."""
-    model = copy.deepcopy(template).to(device=device, dtype=torch.float64).train()
+    model = eq.verification_copy(template, device, torch.float64).train()
     x, y = batch
     x = x.to(device)
     x = x.double() if x.is_floating_point() else x
