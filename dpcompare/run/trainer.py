@@ -179,7 +179,7 @@ def summary_line(payload: dict[str, Any]) -> str:
         detail += f" ({e['tolerance']['compression']} on the wire, tolerance widened to match)"
     m = payload.get("metrics")
     if m and m.get("step_ms_p50") is not None:
-        detail += f"; step p50 {m['step_ms_p50']:.1f} ms, {m['samples_per_s']:.0f} samples/s"
+        detail += f"; step p50 {m['step_ms_p50']:.1f} ms, {m['samples_per_s']:.3g} samples/s"
     if e["first_divergence"]:
         d = e["first_divergence"]
         detail += f"; first divergence at step {d['step']} ({d.get('check', 'gradient')} check), {d['parameter']}: {d['reason']}"

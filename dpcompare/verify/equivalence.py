@@ -231,7 +231,9 @@ class Oracle:
 
     def _grad(self, model: nn.Module, state: dict, groups: list[Group]) -> tuple[Grads, frozenset[str]]:
         model.load_state_dict(state)
-        return accumulate_gradient(model, self.loss_fn, groups, self.device)
+        grads, none = accumulate_gradient(model, self.loss_fn, groups, self.device)
+        model.zero_grad(set_to_none=True)  # the float64 gradients live on in `grads`; a run-dtype copy is freed
+        return grads, none
 
     def oracle_of(self, state: dict, groups: list[Group]) -> Grads:
         grads, self.none = self._grad(self.model64, state, groups)

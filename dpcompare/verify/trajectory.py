@@ -46,6 +46,7 @@ class Trajectory:
         for model, optimizer in ((self.model64, self.opt64), (self.model_run, self.opt_run)):
             accumulate_gradient(model, self.loss_fn, groups, self.device)
             optimizer.step()
+            model.zero_grad(set_to_none=True)  # not needed until the next step: memory for the next check
 
     def judge(self, step: int, module: nn.Module, world_size: int) -> dict:
         """The drift entry of `step` for the backend's `module` (after the step)."""
