@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -205,6 +206,31 @@ def test_timeline_sums_disjoint_intervals():
     assert timeline.union_ms([(0, 1000), (500, 3000)]) == pytest.approx(3.0)
 
 
+# -- exposed communication's interval ----------------------------------------------------------------------
+def test_the_exposed_interval_holds_a_real_difference_and_excludes_none_that_is_absent() -> None:
+    rng = np.random.default_rng(7)
+    unsynced = 50.0 + rng.normal(0.0, 1.0, 20)
+    clear = measure.exposed_interval(unsynced + 10.0 + rng.normal(0.0, 1.0, 20), unsynced)
+    assert clear[0] > 7.0 and 10.0 < clear[1] < 13.0
+    # the same distribution in both arms: the interval reaches 0 (clipped there, as the figure is)
+    same = measure.exposed_interval(50.0 + rng.normal(0.0, 5.0, 20), 50.0 + rng.normal(0.0, 5.0, 20))
+    assert same[0] == 0.0 and same[1] > 0.0
+    # wider noise, wider interval; too few steps, no interval
+    noisy = measure.exposed_interval(unsynced + 10.0 + rng.normal(0.0, 8.0, 20), unsynced)
+    assert noisy[1] - noisy[0] > clear[1] - clear[0]
+    assert measure.exposed_interval(np.array([2.0, 3.0]), np.array([1.0, 1.0])) is None
+
+
+def test_summarize_records_the_ablation_steps_and_the_interval() -> None:
+    ranks = [sample([20] * 10, [15, 16] * 5, [12, 11] * 5), sample([20] * 10, [16] * 10, [11] * 10)]
+    m = summarize(ranks)
+    assert m["step_synced_ms"] == [16.0] * 10 and m["step_unsynced_ms"] == [12.0, 11.0] * 5
+    lo, hi = m["comm_exposed_ci_ms"]
+    assert lo <= m["comm_exposed_ms"] <= hi and lo >= 4.0 - 1e-9 and hi <= 5.0 + 1e-9
+    few = summarize([sample([20] * 3, [16] * 3, [12] * 3)])
+    assert few["comm_exposed_ci_ms"] is None and "too few" in few["reasons"]["comm_exposed_ci_ms"]
+
+
 # -- contradicting figures are flagged, not printed silently -------------------------------------------------
 @pytest.mark.parametrize(("exposed", "total", "flagged"), [
     (2.14, 1.04, True), (1.15, 1.0, True), (1.05, 1.0, False), (0.4, 1.0, False), (2.0, None, False)])
@@ -213,6 +239,24 @@ def test_exposed_beyond_total_is_a_contradiction(exposed, total, flagged) -> Non
     assert (why is not None) == flagged
     if flagged:
         assert f"{exposed:.2f} ms > total {total:.2f} ms" in why and "upper bound" in why
+
+
+@pytest.mark.parametrize(("interval", "kind"), [
+    ([9.0, 14.0], "contradiction"),   # the whole interval above the total (with its 10 % slack): contradiction
+    ([7.0, 14.0], "noise"),           # the interval reaches the total: noise, shown as such
+    (None, "contradiction"),          # no interval recorded: judged on the figure
+])
+def test_exposed_above_total_is_a_contradiction_only_beyond_its_interval(interval, kind) -> None:
+    metrics = {"comm_exposed_ms": 11.0, "comm_total_ms": 7.5, "comm_exposed_ci_ms": interval, "ablation_pairs": 20}
+    clash, noisy = measure.contradiction(metrics), measure.within_noise(metrics)
+    assert (clash is not None, noisy is not None) == (kind == "contradiction", kind == "noise")
+    if kind == "noise":
+        assert "11.00 ms is above total 7.50 ms" in noisy and "7.00-14.00 ms over 20 ablation pairs" in noisy
+    if interval and kind == "contradiction":
+        assert "(95 % interval 9.00-14.00 ms) > total 7.50 ms" in clash
+    # below the total nothing is said, whatever the interval
+    calm = dict(metrics, comm_exposed_ms=5.0)
+    assert measure.contradiction(calm) is None and measure.within_noise(calm) is None
 
 
 def test_compare_and_report_flag_the_contradiction(tmp_path) -> None:
@@ -224,15 +268,19 @@ def test_compare_and_report_flag_the_contradiction(tmp_path) -> None:
 
     metrics = {"comm_exposed_ms": 2.14, "comm_total_ms": 1.04, "step_ms_p50": 5.0}
     calm = {"comm_exposed_ms": 0.5, "comm_total_ms": 1.04, "step_ms_p50": 5.0}
+    noisy = {"comm_exposed_ms": 1.6, "comm_total_ms": 1.04, "step_ms_p50": 5.0, "comm_exposed_ci_ms": [0.8, 2.5]}
     jobs = [Job("horovod", 2, [], "horovod/2", tmp_path / "a.npz", tmp_path / "a.log", result={"metrics": metrics}),
-            Job("ddp", 2, [], "ddp/2", tmp_path / "b.npz", tmp_path / "b.log", result={"metrics": calm})]
+            Job("ddp", 2, [], "ddp/2", tmp_path / "b.npz", tmp_path / "b.log", result={"metrics": calm}),
+            Job("deepspeed", 2, [], "deepspeed/2", tmp_path / "c.npz", tmp_path / "c.log", result={"metrics": noisy})]
     console = Console(record=True, width=200)
     render_cost(console, jobs, [])
     text = console.export_text()
     assert "2.14 (!1)" in text and "(!1) horovod/2: exposed communication 2.14 ms > total 1.04 ms" in text
-    assert "(!2)" not in text and "0.50 (!" not in text
+    assert "1.60 (~2)" in text and "(~2) deepspeed/2: exposed communication 1.60 ms is above total" in text
+    assert "(!2)" not in text and "0.50 (" not in text
 
     notes = Footnotes()
     assert _exposed_cell({"metrics": metrics}, notes) == "**2.14 (!)**[^1]"
     assert _exposed_cell({"metrics": calm}, notes) == "0.5"
-    assert "exposed is an upper bound" in notes.lines()[0]
+    assert _exposed_cell({"metrics": noisy}, notes) == "1.60 (~)[^2]"
+    assert "exposed is an upper bound" in notes.lines()[0] and "not a contradiction" in notes.lines()[1]

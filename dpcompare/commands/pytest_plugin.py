@@ -31,8 +31,8 @@ DEFAULT_STEPS = 30
 DEFAULT_WARMUP = 5
 HARDWARE_KEYS = ("device_names", "cpu_count", "platform_machine")
 """Machine-info keys that name the hardware: a baseline that differs in one of them is refused."""
-EXTRA_INFO = ("samples_per_s", "tokens_per_s", "step_ms_p50", "peak_mem_mib", "comm_exposed_ms", "comm_total_ms",
-              "overlap_fraction", "busbw_gbps", "measured_steps")
+EXTRA_INFO = ("samples_per_s", "tokens_per_s", "step_ms_p50", "peak_mem_mib", "comm_exposed_ms", "comm_exposed_ci_ms",
+              "comm_total_ms", "overlap_fraction", "busbw_gbps", "measured_steps")
 
 
 class ReplayClock:

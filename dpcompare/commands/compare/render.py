@@ -108,19 +108,20 @@ def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None
     flagged = []
     for j in jobs:
         m = (j.result or {}).get("metrics") or {}
-        clash = summary.contradiction(m)
+        clash, noisy = summary.contradiction(m), summary.within_noise(m)
         exposed = _fmt(m.get("comm_exposed_ms"), ".2f")
-        if clash:
-            flagged.append(f"{j.label}: {clash}")
-            exposed = Text(f"{exposed} (!{len(flagged)})", style="bold yellow")
+        if clash or noisy:
+            mark = f"!{len(flagged) + 1}" if clash else f"~{len(flagged) + 1}"
+            flagged.append((mark, f"{j.label}: {clash or noisy}"))
+            exposed = Text(f"{exposed} ({mark})", style="bold yellow" if clash else "dim")
         table.add_row(j.label, _fmt(m.get("samples_per_s"), ".0f"), _fmt(eff.get(j.label), ".2f"),
                       _fmt(m.get("step_ms_p50"), ".2f"), _fmt(m.get("compute_ms_p50"), ".2f"),
                       exposed, _fmt(m.get("comm_total_ms"), ".2f"),
                       _fmt(m.get("overlap_fraction"), ".2f"), _fmt(m.get("busbw_gbps"), ".3f"),
                       _fmt(m.get("busbw_vs_microbench"), ".2f"), _fmt(m.get("peak_mem_mib"), ".0f"))
     console.print(table)
-    for n, line in enumerate(flagged, 1):
-        console.print(Text(f"(!{n}) {line}", style="yellow"))
+    for mark, line in flagged:
+        console.print(Text(f"({mark}) {line}", style="yellow" if mark.startswith("!") else "dim"))
 
 
 def _sweep_note(job: Job) -> str:

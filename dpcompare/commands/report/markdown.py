@@ -160,10 +160,14 @@ def _time_rows(runs: list[dict[str, Any]], derived: list[Derived], tokens: bool,
 
 
 def _exposed_cell(run: dict[str, Any], notes: Footnotes) -> str:
-    """Exposed communication, flagged in bold with its footnote when it contradicts the total."""
+    """Exposed communication, flagged in bold with its footnote when it contradicts the total, marked (~) with
+    its footnote when it is above the total only within its interval."""
     text = cell(run, "comm_exposed_ms", notes)
-    clash = summary.contradiction(run.get("metrics") or {})
-    return text if clash is None else f"**{text} (!)**" + notes.ref(clash)
+    metrics = run.get("metrics") or {}
+    clash, noisy = summary.contradiction(metrics), summary.within_noise(metrics)
+    if clash is not None:
+        return f"**{text} (!)**" + notes.ref(clash)
+    return text if noisy is None else f"{text} (~)" + notes.ref(noisy)
 
 
 def _comm_rows(runs: list[dict[str, Any]], derived: list[Derived], notes: Footnotes) -> list[list[str]]:
