@@ -161,11 +161,12 @@ def _ablation(m: Metrics, samples: list[RankSample], per_rank: list[list[float]]
         for name in ("compute_ms_p50", "step_synced_ms_p50", "comm_exposed_ms"):
             m.set(name, None, comm_possible or why_no_pairs)
         return None
-    m.set("compute_ms_p50", float(np.median(unsynced)))
-    m.set("step_synced_ms_p50", float(np.median(synced)))
+    compute, synced_p50 = float(np.median(unsynced)), float(np.median(synced))
+    m.set("compute_ms_p50", compute)
+    m.set("step_synced_ms_p50", synced_p50)
     m.set("step_synced_ms", synced.tolist())
     m.set("step_unsynced_ms", unsynced.tolist())
-    exposed = max(float(np.median(synced)) - float(np.median(unsynced)), 0.0)
+    exposed = max(synced_p50 - compute, 0.0)
     m.set("comm_exposed_ms", exposed)
     interval = exposed_interval(synced, unsynced)
     m.set("comm_exposed_ci_ms", interval, None if interval else
@@ -178,7 +179,7 @@ MIN_PAIRS_FOR_INTERVAL = 5
 """Fewer steps per arm than this and a bootstrap interval of the medians means nothing."""
 
 
-def exposed_interval(synced: np.ndarray, unsynced: np.ndarray, confidence: float = 0.95) -> list[float] | None:
+def exposed_interval(synced: np.ndarray, unsynced: np.ndarray) -> list[float] | None:
     """The 95 % bootstrap interval of median(synced) - median(unsynced), each arm resampled on its own
     (percentile method, a fixed seed so a result is reproducible from its step times), clipped at 0 like the
     exposed figure itself; None with too few steps."""
@@ -186,7 +187,7 @@ def exposed_interval(synced: np.ndarray, unsynced: np.ndarray, confidence: float
         return None
     res = stats.bootstrap((np.asarray(synced, float), np.asarray(unsynced, float)),
                           lambda a, b, axis: np.median(a, axis=axis) - np.median(b, axis=axis),
-                          vectorized=True, paired=False, confidence_level=confidence, n_resamples=2000,
+                          vectorized=True, paired=False, confidence_level=0.95, n_resamples=2000,
                           method="percentile", random_state=np.random.default_rng(0))
     lo, hi = res.confidence_interval
     return [max(float(lo), 0.0), max(float(hi), 0.0)]
@@ -276,44 +277,40 @@ CONTRADICTION_SLACK = 0.10
 """Exposed communication may exceed the total by this fraction (two methods, each with its own noise)."""
 
 
-def _above_total(metrics: dict[str, Any]) -> tuple[float, float, list[float] | None] | None:
-    """(exposed, total, interval) when exposed exceeds the total beyond the slack, else None."""
+def exposed_flag(metrics: dict[str, Any]) -> tuple[str, str] | None:
+    """("!", why) when exposed communication contradicts the total, ("~", why) when it is above the total only
+    within its 95 % interval, None otherwise. Exposed (the synced minus the unsynced step) is part of the total
+    (the backend's own counter), so it cannot be larger; it contradicts the total only when its whole interval
+    lies above it (a result without an interval is judged on its figure alone). Then the collectives slowed the
+    computation around them (cores, memory bandwidth or a PCIe link shared with compute), and the ablation
+    booked that slowdown as communication: read exposed as an upper bound, and the total as what the
+    collectives themselves took."""
     exposed, total = metrics.get("comm_exposed_ms"), metrics.get("comm_total_ms")
     if not isinstance(exposed, (int, float)) or not isinstance(total, (int, float)) or total <= 0:
         return None
-    if exposed <= total * (1.0 + CONTRADICTION_SLACK):
+    bound = total * (1.0 + CONTRADICTION_SLACK)
+    if exposed <= bound:
         return None
     interval = metrics.get("comm_exposed_ci_ms")
-    return exposed, total, interval if isinstance(interval, list) and len(interval) == 2 else None
+    if isinstance(interval, list) and len(interval) == 2 and interval[0] <= bound:
+        pairs = metrics.get("ablation_pairs")
+        return "~", (f"exposed communication {exposed:.2f} ms is above total {total:.2f} ms, but its 95 % interval "
+                     f"({interval[0]:.2f}-{interval[1]:.2f} ms{f' over {pairs} ablation pairs' if pairs else ''}) "
+                     f"reaches the total: the ablation's noise, not a contradiction; more --measure-steps "
+                     f"(or --ablation-steps) narrow it")
+    within = f" (95 % interval {interval[0]:.2f}-{interval[1]:.2f} ms)" if isinstance(interval, list) else ""
+    return "!", (f"exposed communication {exposed:.2f} ms{within} > total {total:.2f} ms: the collectives slowed "
+                 f"the computation around them and the synced-minus-unsynced ablation counted that as "
+                 f"communication; exposed is an upper bound here")
 
 
 def contradiction(metrics: dict[str, Any]) -> str | None:
-    """Why a run's communication figures contradict each other, or None: exposed communication (the synced
-    minus the unsynced step) is part of the total (the backend's own counter), so it cannot be larger.
-    It contradicts the total only when its whole 95 % interval lies above it (a result without an interval
-    is judged on its figure alone). Then the collectives slowed the computation around them (cores, memory
-    bandwidth or a PCIe link shared with compute), and the ablation booked that slowdown as communication:
-    read exposed as an upper bound, and the total as what the collectives themselves took."""
-    above = _above_total(metrics)
-    if above is None:
-        return None
-    exposed, total, interval = above
-    if interval is not None and interval[0] <= total * (1.0 + CONTRADICTION_SLACK):
-        return None
-    within = f" (95 % interval {interval[0]:.2f}-{interval[1]:.2f} ms)" if interval else ""
-    return (f"exposed communication {exposed:.2f} ms{within} > total {total:.2f} ms: the collectives slowed the "
-            f"computation around them and the synced-minus-unsynced ablation counted that as communication; "
-            f"exposed is an upper bound here")
+    """Why exposed communication contradicts the total (see exposed_flag), or None."""
+    flag = exposed_flag(metrics)
+    return flag[1] if flag and flag[0] == "!" else None
 
 
 def within_noise(metrics: dict[str, Any]) -> str | None:
-    """Why an exposed figure above the total is not a contradiction (its 95 % interval reaches the total),
-    or None: shown next to the figure, so a reader sees the figure is noisy rather than wrong."""
-    above = _above_total(metrics)
-    if above is None or above[2] is None or contradiction(metrics) is not None:
-        return None
-    exposed, total, (lo, hi) = above
-    pairs = metrics.get("ablation_pairs")
-    return (f"exposed communication {exposed:.2f} ms is above total {total:.2f} ms, but its 95 % interval "
-            f"({lo:.2f}-{hi:.2f} ms{f' over {pairs} ablation pairs' if pairs else ''}) reaches the total: the "
-            f"ablation's noise, not a contradiction; more --measure-steps (or --ablation-steps) narrow it")
+    """Why exposed communication above the total is the ablation's noise (see exposed_flag), or None."""
+    flag = exposed_flag(metrics)
+    return flag[1] if flag and flag[0] == "~" else None

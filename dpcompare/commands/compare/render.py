@@ -99,6 +99,10 @@ def _matrix_table(matrix: dict[str, Any]) -> tuple[Table, list[str]]:
     return table, reasons
 
 
+_FLAG_STYLE = {"!": "bold yellow", "~": "dim"}
+"""A contradiction stands out; a figure above the total within its noise is shown, quietly."""
+
+
 def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None:
     eff = {row["label"]: row["efficiency"] for row in scaling}
     table = Table(title="what does it cost? (measured steps; a step is as slow as its slowest rank)")
@@ -108,12 +112,12 @@ def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None
     flagged = []
     for j in jobs:
         m = (j.result or {}).get("metrics") or {}
-        clash, noisy = summary.contradiction(m), summary.within_noise(m)
+        flag = summary.exposed_flag(m)
         exposed = _fmt(m.get("comm_exposed_ms"), ".2f")
-        if clash or noisy:
-            mark = f"!{len(flagged) + 1}" if clash else f"~{len(flagged) + 1}"
-            flagged.append((mark, f"{j.label}: {clash or noisy}"))
-            exposed = Text(f"{exposed} ({mark})", style="bold yellow" if clash else "dim")
+        if flag:
+            mark = f"{flag[0]}{len(flagged) + 1}"
+            flagged.append((mark, f"{j.label}: {flag[1]}"))
+            exposed = Text(f"{exposed} ({mark})", style=_FLAG_STYLE[flag[0]])
         table.add_row(j.label, _fmt(m.get("samples_per_s"), ".0f"), _fmt(eff.get(j.label), ".2f"),
                       _fmt(m.get("step_ms_p50"), ".2f"), _fmt(m.get("compute_ms_p50"), ".2f"),
                       exposed, _fmt(m.get("comm_total_ms"), ".2f"),
@@ -121,7 +125,8 @@ def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None
                       _fmt(m.get("busbw_vs_microbench"), ".2f"), _fmt(m.get("peak_mem_mib"), ".0f"))
     console.print(table)
     for mark, line in flagged:
-        console.print(Text(f"({mark}) {line}", style="yellow" if mark.startswith("!") else "dim"))
+        console.print(Text(f"({mark}) {line}", style=_FLAG_STYLE[mark[0]]))
+
 
 
 def _sweep_note(job: Job) -> str:

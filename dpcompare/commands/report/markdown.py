@@ -163,11 +163,10 @@ def _exposed_cell(run: dict[str, Any], notes: Footnotes) -> str:
     """Exposed communication, flagged in bold with its footnote when it contradicts the total, marked (~) with
     its footnote when it is above the total only within its interval."""
     text = cell(run, "comm_exposed_ms", notes)
-    metrics = run.get("metrics") or {}
-    clash, noisy = summary.contradiction(metrics), summary.within_noise(metrics)
-    if clash is not None:
-        return f"**{text} (!)**" + notes.ref(clash)
-    return text if noisy is None else f"{text} (~)" + notes.ref(noisy)
+    flag = summary.exposed_flag(run.get("metrics") or {})
+    if flag is None:
+        return text
+    return (f"**{text} (!)**" if flag[0] == "!" else f"{text} (~)") + notes.ref(flag[1])
 
 
 def _comm_rows(runs: list[dict[str, Any]], derived: list[Derived], notes: Footnotes) -> list[list[str]]:
