@@ -69,6 +69,40 @@ def test_culprits_put_the_dead_rank_first(tmp_path: Path, monkeypatch: pytest.Mo
     assert "died" not in dog.culprits()
 
 
+def test_a_peer_still_dying_when_the_collective_fails_is_named_once_it_is_gone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A killed peer's sockets close before its process is gone, so the collective's failure can reach this
+    rank while the peer still shows as running: the failure path waits for it to go, then names it. A peer that
+    stays alive is not blamed, however long the wait."""
+    monkeypatch.setenv("DPCOMPARE_HEARTBEAT_DIR", str(tmp_path))
+    dog = watchdog.Watchdog(rank=0, world_size=2, job_id="dying-peer", timeout_s=60)
+    for step in range(4):
+        dog.beat("forward", step)
+    dog._write()
+    dying = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.7)"])
+    try:
+        (dog.dir / "rank1.json").write_text(json.dumps(_beat(dying.pid)))
+        assert "died" not in dog.culprits()  # at the moment of the failure it still runs
+        reaper = __import__("threading").Thread(target=dying.wait)
+        reaper.start()
+        said = dog.culprits_after_failure(settle_s=10)
+        reaper.join()
+        assert said.startswith(f"rank 1 died: its process {dying.pid}"), said
+    finally:
+        dying.kill()
+        dying.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (dog.dir / "rank1.json").write_text(json.dumps(_beat(alive.pid)))
+        started = time.monotonic()
+        said = dog.culprits_after_failure(settle_s=0.5)
+        assert "died" not in said and said.startswith("rank(s) 1 (stuck at step 1"), said
+        assert time.monotonic() - started >= 0.5
+    finally:
+        alive.kill()
+        alive.wait()
+
+
 def test_stale_heartbeat_directories_are_pruned_fresh_ones_kept(tmp_path: Path) -> None:
     old, fresh = tmp_path / "old-job", tmp_path / "fresh-job"
     for d in (old, fresh):

@@ -85,7 +85,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         # A collective that timed out or lost a peer: say which rank fell behind, not only what broke.
         if watchdog is not None and env.world_size > 1:
             first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            culprit = watchdog.culprits()
+            culprit = watchdog.culprits_after_failure()
             watchdog.end_stopped_peers()  # the launcher could not end a suspended rank; the run is over
             raise RuntimeError(f"{first_line}; culprit: {culprit}") from exc
         raise

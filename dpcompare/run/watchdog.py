@@ -84,10 +84,7 @@ class Watchdog:
         missing = [r for r, p in peers.items() if p is None]
         seen = {r: p for r, p in peers.items() if p is not None}
         parts = []
-        # A peer that is gone or suspended explains the stall only if it was not ahead of this rank (a peer that
-        # got further and then exited, its own watchdog having fired, is not why this rank is stuck).
-        gone = {r: _not_running(p) for r, p in seen.items()
-                if r != self.rank and p["seq"] <= self._seq and _process_state(p) is not None}
+        gone = self._not_running_peers(seen)
         if gone:
             parts.append("; ".join(f"rank {r} {why} (last at step {seen[r]['step']} '{seen[r]['phase']}')"
                                    for r, why in gone.items()))
@@ -105,6 +102,28 @@ class Watchdog:
             parts.append(f"rank(s) {', '.join(map(str, missing))} not visible (never started, or on another host "
                          "without a shared DPCOMPARE_HEARTBEAT_DIR)")
         return "; ".join(parts)
+
+    def _not_running_peers(self, seen: dict[int, dict]) -> dict[int, str]:
+        """Peers visibly not running, with why. A peer that is gone or suspended explains the stall only if it
+        was not ahead of this rank (a peer that got further and then exited, its own watchdog having fired, is
+        not why this rank is stuck)."""
+        out = {}
+        for r, beat in seen.items():
+            why = _not_running(beat) if r != self.rank and beat["seq"] <= self._seq else None
+            if why is not None:
+                out[r] = why
+        return out
+
+    def culprits_after_failure(self, settle_s: float = 3.0, poll_s: float = 0.05) -> str:
+        """`culprits()` for a collective that just failed on a lost peer. The peer that broke it may still be
+        dying: its sockets close before its process is gone, so the failure can reach this rank first. Wait up
+        to `settle_s` for a peer that was not ahead of this rank to be visibly not running, then name it."""
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline:
+            if self._not_running_peers({r: p for r, p in self.peers().items() if p is not None}):
+                break
+            time.sleep(poll_s)
+        return self.culprits()
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
