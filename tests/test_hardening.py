@@ -103,6 +103,54 @@ def test_a_peer_still_dying_when_the_collective_fails_is_named_once_it_is_gone(
         alive.wait()
 
 
+SIGTERM_RANK = """
+import json, os, signal, subprocess, sys, time
+from dpcompare.run import watchdog
+dead = subprocess.Popen([sys.executable, "-c", "pass"]); dead.wait()
+dog = watchdog.Watchdog(rank=0, world_size=2, job_id="sigterm-" + str(os.getpid()), timeout_s=60)
+for step in range(4):
+    dog.beat("forward", step)
+dog._write()
+(dog.dir / "rank1.json").write_text(json.dumps({"rank": 1, "seq": 3, "step": 1, "phase": "forward",
+    "wall": time.time(), "pid": dead.pid, "host": __import__("socket").gethostname()}))
+if sys.argv[1] == "broken":  # what a half-initialised psutil did: the peers' state cannot be read
+    def broken(beat):
+        raise AttributeError("partially initialized module 'psutil' has no attribute 'NoSuchProcess'")
+    watchdog._process_state = broken
+dog.name_the_culprit_on_sigterm()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("peers", ["readable", "broken"])
+def test_a_rank_stopped_by_its_launcher_always_says_so_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, peers: str) -> None:
+    """The launcher's SIGTERM gets dpcompare's line naming the dead peer; when the peers' state cannot be read
+    (a signal that once landed during psutil's first import), the line still comes, saying the culprit is
+    unknown and why, and no traceback takes its place."""
+    monkeypatch.setenv("DPCOMPARE_HEARTBEAT_DIR", str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_RANK, peers], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("dpcompare: error: [rank 0] stopped by the launcher (SIGTERM); culprit: "), err
+    if peers == "readable":
+        assert "rank 1 died: its process" in lines[0], err
+    else:
+        assert "culprit: unknown (the peers' state could not be read: AttributeError: partially" in lines[0], err
+
+
+def test_psutil_is_loaded_with_the_watchdog_not_when_a_signal_needs_it() -> None:
+    code = "import sys; from dpcompare.run import watchdog; print('psutil' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "True", out.stderr
+
+
 def test_stale_heartbeat_directories_are_pruned_fresh_ones_kept(tmp_path: Path) -> None:
     old, fresh = tmp_path / "old-job", tmp_path / "fresh-job"
     for d in (old, fresh):

@@ -22,6 +22,10 @@ import threading
 import time
 from pathlib import Path
 
+# Imported here, never lazily: the launcher's SIGTERM handler asks psutil about peers, and a signal that lands
+# while the main thread is half-way through a first `import psutil` would find the module half-initialised.
+import psutil
+
 from dpcompare.results import atomic_file
 from dpcompare.run import launch
 
@@ -103,6 +107,14 @@ class Watchdog:
                          "without a shared DPCOMPARE_HEARTBEAT_DIR)")
         return "; ".join(parts)
 
+    def culprits_or_why_not(self) -> str:
+        """`culprits()` for a rank on its way out: naming the culprit must not cost the line that says why the
+        rank stopped, so a failure to read the peers' state is reported in its place."""
+        try:
+            return self.culprits()
+        except Exception as exc:  # noqa: BLE001 - any failure here would lose the error line itself
+            return f"unknown (the peers' state could not be read: {type(exc).__name__}: {exc})"
+
     def _not_running_peers(self, seen: dict[int, dict]) -> dict[int, str]:
         """Peers visibly not running, with why. A peer that is gone or suspended explains the stall only if it
         was not ahead of this rank (a peer that got further and then exited, its own watchdog having fired, is
@@ -120,10 +132,13 @@ class Watchdog:
         to `settle_s` for a peer that was not ahead of this rank to be visibly not running, then name it."""
         deadline = time.monotonic() + settle_s
         while time.monotonic() < deadline:
-            if self._not_running_peers({r: p for r, p in self.peers().items() if p is not None}):
+            try:
+                if self._not_running_peers({r: p for r, p in self.peers().items() if p is not None}):
+                    break
+            except Exception:  # noqa: BLE001 - culprits_or_why_not reports it
                 break
             time.sleep(poll_s)
-        return self.culprits()
+        return self.culprits_or_why_not()
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -134,15 +149,19 @@ class Watchdog:
             if idle > self.timeout_s:
                 self.give_up(f"dpcompare: error: rank {self.rank} made no progress for {idle:.0f} s (timeout "
                              f"{self.timeout_s:g} s, last at step {self._step} '{self._phase}'); culprit: "
-                             f"{self.culprits()}. Raise --timeout-s if steps are legitimately this slow.",
+                             f"{self.culprits_or_why_not()}. Raise --timeout-s if steps are legitimately this slow.",
                              EXIT_PEER_FAILURE)
 
     def give_up(self, line: str, status: int) -> None:
         """End this rank now: say `line` (stderr and the launcher's error file), end suspended peers, exit."""
-        print(line, file=sys.stderr, flush=True)
-        launch.tell_launcher(line)
-        self.end_stopped_peers()
-        os._exit(status)
+        try:
+            print(line, file=sys.stderr, flush=True)
+            launch.tell_launcher(line)
+            self.end_stopped_peers()
+        except Exception:  # noqa: BLE001 - the line is said; nothing may keep this rank from ending
+            pass
+        finally:
+            os._exit(status)
 
     def name_the_culprit_on_sigterm(self) -> None:
         """A launcher ends every rank with SIGTERM once one rank fails (torchrun, mpirun): before going, say
@@ -152,7 +171,7 @@ class Watchdog:
 
         def stopped(signum: int, _frame) -> None:
             self.give_up(f"dpcompare: error: [rank {self.rank}] stopped by the launcher "
-                         f"({signal.Signals(signum).name}); culprit: {self.culprits()}", 128 + signum)
+                         f"({signal.Signals(signum).name}); culprit: {self.culprits_or_why_not()}", 128 + signum)
 
         signal.signal(signal.SIGTERM, stopped)
 
@@ -215,8 +234,6 @@ def _process_state(beat: dict) -> str | None:
     pid, host = beat.get("pid"), beat.get("host")
     if not isinstance(pid, int) or host != socket.gethostname():
         return None
-    import psutil
-
     try:
         status = psutil.Process(pid).status()
     except psutil.NoSuchProcess:
