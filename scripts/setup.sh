@@ -138,5 +138,17 @@ if [ "${DPCOMPARE_NO_TORCHVISION:-0}" != 1 ] && ! "$venv/bin/python" -c 'import 
   fi
 fi
 
+# --- DeepSpeed's CPU communication op --------------------------------------------------------------------------
+# DeepSpeed JIT-compiles a shared-memory all-reduce op on its first start on a CPU (~40-70 s on two cores), cached
+# under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). Build it here, once, so the first compare does not
+# spend that inside its runs. On a CUDA build the op does not apply and this does nothing.
+if "$venv/bin/python" -c 'import deepspeed' 2>/dev/null; then
+  if "$venv/bin/python" -c 'from deepspeed.comm.torch import build_shm_op; build_shm_op()' >/dev/null 2>&1; then
+    say "DeepSpeed's CPU communication op is built (cached under ${TORCH_EXTENSIONS_DIR:-~/.cache/torch_extensions})"
+  else
+    say "DeepSpeed's CPU communication op could not be built here: DeepSpeed will try again on its first start"
+  fi
+fi
+
 echo "$fingerprint" >"$stamp"
 say "ready: $venv"

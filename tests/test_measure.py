@@ -284,3 +284,46 @@ def test_compare_and_report_flag_the_contradiction(tmp_path) -> None:
     assert _exposed_cell({"metrics": calm}, notes) == "0.5"
     assert _exposed_cell({"metrics": noisy}, notes) == "1.60 (~)[^2]"
     assert "exposed is an upper bound" in notes.lines()[0] and "not a contradiction" in notes.lines()[1]
+
+
+# -- a step breakdown that does not add up is flagged, not floored silently -------------------------------------
+@pytest.mark.parametrize(("step", "compute", "exposed", "flagged"), [
+    (77.65, 108.75, 6.85, True),    # measured on the 2-core VM: the ablation's pairs ran in a slow spell
+    (64.0, 56.9, 3.4, False),       # adds up, with 3.7 ms of other
+    (60.0, 58.0, 7.0, False),       # 8 % over: within the two windows' noise
+    (60.0, 70.0, -3.0, True),       # a negative exposed does not hide compute alone overrunning the step
+    (60.0, None, 3.0, False),       # nothing to judge
+])
+def test_compute_and_exposed_beyond_the_step_are_flagged(step, compute, exposed, flagged) -> None:
+    why = measure.breakdown_flag({"step_ms_p50": step, "compute_ms_p50": compute, "comm_exposed_ms": exposed})
+    assert (why is not None) == flagged
+    if flagged:
+        assert f"more than the measured step p50 {step:.2f} ms" in why and "ablation's pairs ran slower" in why
+
+
+def test_compare_and_report_flag_a_breakdown_that_does_not_add_up(tmp_path) -> None:
+    from rich.console import Console
+
+    from dpcompare.commands.compare.plan import Job
+    from dpcompare.commands.compare.render import render_cost
+    from dpcompare.commands.report.derive import Baseline, derive
+    from dpcompare.commands.report.markdown import Footnotes, _compute_cell
+
+    slow = {"step_ms_p50": 77.65, "compute_ms_p50": 108.75, "comm_exposed_ms": 6.85, "comm_total_ms": 13.02}
+    fits = {"step_ms_p50": 64.0, "compute_ms_p50": 56.9, "comm_exposed_ms": 3.4, "comm_total_ms": 7.1}
+    jobs = [Job("ddp", 2, [], "ddp/2", tmp_path / "a.npz", tmp_path / "a.log", result={"metrics": slow}),
+            Job("deepspeed", 2, [], "deepspeed/2", tmp_path / "b.npz", tmp_path / "b.log", result={"metrics": fits})]
+    console = Console(record=True, width=400)
+    render_cost(console, jobs, [])
+    text = console.export_text()
+    assert "108.75 (!1)" in text and "(!1) ddp/2: compute 108.75 ms + exposed 6.85 ms = 115.60 ms" in text
+    assert "56.90 (" not in text and "(!2)" not in text
+
+    notes = Footnotes()
+    assert _compute_cell({"metrics": slow}, notes) == "**109 (!)**[^1]"
+    assert _compute_cell({"metrics": fits}, notes) == "56.9"
+    baseline = Baseline(None, 1.0, None)
+    run = {"world_size": 2, "metrics": slow}
+    d = derive(run, baseline)
+    assert d.other_ms is None and "ran slower than the measured steps" in d.other_reason
+    assert derive({"world_size": 2, "metrics": fits}, baseline).other_ms == pytest.approx(3.7)

@@ -304,6 +304,25 @@ def exposed_flag(metrics: dict[str, Any]) -> tuple[str, str] | None:
                  f"communication; exposed is an upper bound here")
 
 
+def breakdown_flag(metrics: dict[str, Any]) -> str | None:
+    """Why compute and exposed communication do not fit in the measured step, or None. The step is the p50 of the
+    measured window; compute and exposed come from the ablation's pairs after it, whose synced arm (compute +
+    exposed) skips the optimizer step, so in one state of the machine it is at most the step. More than
+    CONTRADICTION_SLACK beyond it, the machine ran slower during the ablation than during the measured steps
+    (another tenant on a shared machine, a slow spell): the breakdown does not add up and is not printed as if
+    it did."""
+    step, compute, exposed = (metrics.get(k) for k in ("step_ms_p50", "compute_ms_p50", "comm_exposed_ms"))
+    if not all(isinstance(v, (int, float)) for v in (step, compute, exposed)) or step <= 0:
+        return None
+    parts = compute + max(exposed, 0.0)
+    if parts <= step * (1.0 + CONTRADICTION_SLACK):
+        return None
+    return (f"compute {compute:.2f} ms + exposed {max(exposed, 0.0):.2f} ms = {parts:.2f} ms is {parts / step - 1:.0%} "
+            f"more than the measured step p50 {step:.2f} ms: the ablation's pairs ran slower than the measured steps "
+            f"(the machine's load changed between the two windows), so compute and exposed compare with each other, "
+            f"not with the step, and the rest of the step is not known; rerun when the machine is quieter")
+
+
 def contradiction(metrics: dict[str, Any]) -> str | None:
     """Why exposed communication contradicts the total (see exposed_flag), or None."""
     flag = exposed_flag(metrics)

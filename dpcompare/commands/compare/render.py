@@ -112,15 +112,19 @@ def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None
     flagged = []
     for j in jobs:
         m = (j.result or {}).get("metrics") or {}
-        flag = summary.exposed_flag(m)
-        exposed = _fmt(m.get("comm_exposed_ms"), ".2f")
-        if flag:
+
+        def marked(text: str, flag: tuple[str, str] | None) -> str | Text:
+            if not flag:
+                return text
             mark = f"{flag[0]}{len(flagged) + 1}"
             flagged.append((mark, f"{j.label}: {flag[1]}"))
-            exposed = Text(f"{exposed} ({mark})", style=_FLAG_STYLE[flag[0]])
+            return Text(f"{text} ({mark})", style=_FLAG_STYLE[flag[0]])
+
+        breakdown = summary.breakdown_flag(m)
+        compute = marked(_fmt(m.get("compute_ms_p50"), ".2f"), ("!", breakdown) if breakdown else None)
+        exposed = marked(_fmt(m.get("comm_exposed_ms"), ".2f"), summary.exposed_flag(m))
         table.add_row(j.label, _fmt(m.get("samples_per_s"), ".0f"), _fmt(eff.get(j.label), ".2f"),
-                      _fmt(m.get("step_ms_p50"), ".2f"), _fmt(m.get("compute_ms_p50"), ".2f"),
-                      exposed, _fmt(m.get("comm_total_ms"), ".2f"),
+                      _fmt(m.get("step_ms_p50"), ".2f"), compute, exposed, _fmt(m.get("comm_total_ms"), ".2f"),
                       _fmt(m.get("overlap_fraction"), ".2f"), _fmt(m.get("busbw_gbps"), ".3f"),
                       _fmt(m.get("busbw_vs_microbench"), ".2f"), _fmt(m.get("peak_mem_mib"), ".0f"))
     console.print(table)

@@ -150,13 +150,20 @@ def _time_rows(runs: list[dict[str, Any]], derived: list[Derived], tokens: bool,
             run["backend"], str(run["world_size"]), cell(run, "samples_per_s", notes),
             *([cell(run, "tokens_per_s", notes)] if tokens else []),
             f"{d.efficiency:.2f}" if d.efficiency is not None else notes.na(d.efficiency_reason),
-            cell(run, "step_ms_p50", notes), cell(run, "step_ms_p90", notes), cell(run, "compute_ms_p50", notes),
+            cell(run, "step_ms_p50", notes), cell(run, "step_ms_p90", notes), _compute_cell(run, notes),
             _exposed_cell(run, notes),
             num(d.other_ms) if d.other_ms is not None else notes.na(d.other_reason),
             cell(run, "rank_spread_ms_p50", notes),
             notes.na(strag_reason) if strag is None else _stragglers(strag),
             notes.na(measured_reason) if measured is None else f"{measured}" + (f" (+{warm} warm-up)" if warm else "")])
     return rows
+
+
+def _compute_cell(run: dict[str, Any], notes: Footnotes) -> str:
+    """Compute, flagged in bold with its footnote when compute + exposed communication exceed the measured step."""
+    text = cell(run, "compute_ms_p50", notes)
+    why = summary.breakdown_flag(run.get("metrics") or {})
+    return text if why is None else f"**{text} (!)**" + notes.ref(why)
 
 
 def _exposed_cell(run: dict[str, Any], notes: Footnotes) -> str:

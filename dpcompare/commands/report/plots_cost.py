@@ -15,6 +15,7 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 from dpcompare.commands.report.derive import STEP_PARTS, format_bytes
 from dpcompare.commands.report.load import label, metric
 from dpcompare.commands.report.style import TRAINING_MARKERS, colour, marker, save
+from dpcompare.measure import summary
 from dpcompare.measure.scaling import other_ms, scaling_efficiency
 
 
@@ -140,6 +141,8 @@ def plot_step_breakdown(runs: list[dict[str, Any]], path: Path) -> str | None:
     longest = max(max(v for v in parts if v is not None) for _, parts in rows)
     for y, (run, parts) in enumerate(reversed(rows)):
         end, notes = _draw_step(ax, y, parts, labelled)
+        if summary.breakdown_flag(run.get("metrics") or {}):
+            notes.append("(!) compute + exposed > step: the machine was slower during the ablation")
         step = parts[0]
         text = (f"{step:.3g} ms" if step is not None else "") + ("  " + "; ".join(notes) if notes else "")
         ax.text(end + longest * 0.01, y, text.strip(), va="center", fontsize=8)
