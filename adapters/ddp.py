@@ -8,6 +8,7 @@ has nothing left to wait for. `no_sync()` accumulates locally; it must surround 
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch.distributed as dist
 from torch import nn
@@ -19,6 +20,16 @@ from dpcompare.run.process_group import DIST_BACKEND, ProcessGroupMixin
 
 DEFAULT_BUCKET_MB = 25.0
 """DDP's own default bucket_cap_mb."""
+
+
+def _buffer_sync(every_forward: bool) -> dict[str, bool]:
+    """DDP's keyword for syncing buffers every forward: `forward_sync_buffers` where DDP has it (torch 2.13
+    deprecates `broadcast_buffers` with a FutureWarning on every construction), else `broadcast_buffers`.
+    The new keyword still syncs buffers once at construction; every rank builds them from the same seed, so
+    that sync changes nothing here."""
+    if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": every_forward}
+    return {"broadcast_buffers": every_forward}
 
 
 class DDPAdapter(ProcessGroupMixin, Adapter):
@@ -49,8 +60,8 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
         self._ddp_kwargs = {"bucket_cap_mb": s.bucket_mb or DEFAULT_BUCKET_MB,
                             "find_unused_parameters": bool(self.model_facts.unused),
                             "gradient_as_bucket_view": s.options["gradient_as_bucket_view"],
-                            "broadcast_buffers": s.options["broadcast_buffers"],
-                            "device_ids": [self.device.index] if self.device.type == "cuda" else None}
+                            "device_ids": [self.device.index] if self.device.type == "cuda" else None,
+                            **_buffer_sync(s.options["broadcast_buffers"])}
         model = nn.parallel.DistributedDataParallel(module, **self._ddp_kwargs)
         compression = s.compression
         if compression != "none":

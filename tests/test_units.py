@@ -465,3 +465,34 @@ def test_schema_rejects_a_malformed_result(break_it):
         validate_result(payload)
     with pytest.raises(jsonschema.ValidationError):
         results.validate(payload)
+
+
+# -- DDP's buffer-sync keyword -----------------------------------------------------------------------------------
+def _ddp_warnings(tmp_path, kwargs: dict) -> tuple[list[str], nn.parallel.DistributedDataParallel]:
+    """Construct DDP over a one-rank gloo group with `kwargs`; the FutureWarnings it raised, and the model."""
+    import warnings
+
+    import torch.distributed as dist
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = nn.parallel.DistributedDataParallel(nn.Linear(2, 2), **kwargs)
+        return [str(w.message) for w in caught if issubclass(w.category, FutureWarning)], model
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("every_forward", [True, False])
+def test_ddp_buffer_sync_uses_the_keyword_ddp_does_not_deprecate(tmp_path, every_forward) -> None:
+    from dpcompare.adapters.ddp import _buffer_sync
+
+    said, model = _ddp_warnings(tmp_path, _buffer_sync(every_forward))
+    assert said == [] and model.forward_sync_buffers is every_forward
+    # the twin: the deprecated keyword this replaced warns on every construction (when torch has the new one)
+    if "forward_sync_buffers" in _buffer_sync(every_forward):
+        said, _ = _ddp_warnings(tmp_path / "old", {"broadcast_buffers": every_forward})
+        assert any("`broadcast_buffers` is deprecated" in s for s in said)
