@@ -6,6 +6,7 @@ Imports no backend and no torch.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -149,6 +150,23 @@ class RunConfig:
             if not ok:
                 raise bad("inject_fault", self.inject_fault,
                           "use crash:RANK:STEP, kill:RANK:STEP, stop:RANK:STEP, hang:RANK:STEP or dupdata")
+
+    def check_inputs(self) -> None:
+        """Refuse, before any work, an input file that the run would read only after it: --collectives must be
+        a bench-collectives JSON (its busbw is looked up in the measurement's summary, at any world size)."""
+        if not self.collectives:
+            return
+        option = f"--collectives={self.collectives!r}"
+        try:
+            data = json.loads(Path(self.collectives).read_text())
+        except OSError as exc:
+            raise ValueError(f"{option} cannot be read ({exc.strerror or exc}): pass the JSON that "
+                             "`python -m dpcompare bench-collectives --out FILE` writes") from None
+        except ValueError as exc:
+            raise ValueError(f"{option} is not JSON ({exc}): pass a bench-collectives result") from None
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+            raise ValueError(f"{option} is not a bench-collectives result (no 'entries' list): pass the JSON that "
+                             "`python -m dpcompare bench-collectives --out FILE` writes")
 
     def check_outputs(self) -> None:
         """Refuse, before any work, outputs that could not be written after it: --out must be (or become) a

@@ -52,6 +52,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     cfg.validate()
     env = launch.detect()
     if env.is_rank0:
+        cfg.check_inputs()  # before any work: an input read only after the run would lose it
         cfg.check_outputs()  # before any work: a result that cannot be written would lose the whole run
     adapter_cls = backend.load_adapter_class(cfg, env)
     settings = backend.settings_for(adapter_cls, cfg)  # every --opt checked before anything starts
