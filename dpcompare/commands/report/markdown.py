@@ -218,7 +218,9 @@ def cost_sections(runs: list[dict[str, Any]], derived: list[Derived], notes: Foo
         "weights); other = step - compute - exposed comm, floored at 0: the optimizer step, the backend's own "
         "communication counters (they run in the measured window only: DDP's per-iteration logging, Horovod's "
         "timeline, DeepSpeed's synchronising timers) and drift of the machine between the two windows. "
-        "--no-instrument switches the counters off.", "",
+        "--no-instrument switches the counters off. When compute + exposed comm exceed the step by more than 10 %, "
+        "the machine was slower during the ablation than during the measured steps: compute is bold with (!) and "
+        "other is n/a, with the reason.", "",
         *table(["backend", "ws", "samples/s", *(["tokens/s"] if tokens else []), "scaling eff.", "step p50",
                 "step p90", "compute p50", "exposed comm", "other", "rank spread p50", "stragglers",
                 "measured steps"], _time_rows(runs, derived, tokens, notes)), ""]
