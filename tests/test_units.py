@@ -496,3 +496,20 @@ def test_ddp_buffer_sync_uses_the_keyword_ddp_does_not_deprecate(tmp_path, every
     if "forward_sync_buffers" in _buffer_sync(every_forward):
         said, _ = _ddp_warnings(tmp_path / "old", {"broadcast_buffers": every_forward})
         assert any("`broadcast_buffers` is deprecated" in s for s in said)
+
+
+# -- --collectives is read before the run ----------------------------------------------------------------------
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "cannot be read"), ("not json", "is not JSON"), ('{"sizes": []}', "no 'entries' list"),
+    ('{"entries": []}', None),  # a bench-collectives result passes
+])
+def test_collectives_file_is_checked_before_the_run(tmp_path, content, message) -> None:
+    path = tmp_path / "collectives.json"
+    if content is not None:
+        path.write_text(content)
+    cfg = RunConfig(collectives=str(path))
+    if message is None:
+        cfg.check_inputs()
+    else:
+        with pytest.raises(ValueError, match=message):
+            cfg.check_inputs()

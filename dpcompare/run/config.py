@@ -157,16 +157,15 @@ class RunConfig:
         if not self.collectives:
             return
         option = f"--collectives={self.collectives!r}"
+        fix = "pass the JSON that `python -m dpcompare bench-collectives --out FILE` writes"
         try:
             data = json.loads(Path(self.collectives).read_text())
         except OSError as exc:
-            raise ValueError(f"{option} cannot be read ({exc.strerror or exc}): pass the JSON that "
-                             "`python -m dpcompare bench-collectives --out FILE` writes") from None
+            raise ValueError(f"{option} cannot be read ({exc.strerror or exc}): {fix}") from None
         except ValueError as exc:
             raise ValueError(f"{option} is not JSON ({exc}): pass a bench-collectives result") from None
         if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
-            raise ValueError(f"{option} is not a bench-collectives result (no 'entries' list): pass the JSON that "
-                             "`python -m dpcompare bench-collectives --out FILE` writes")
+            raise ValueError(f"{option} is not a bench-collectives result (no 'entries' list): {fix}")
 
     def check_outputs(self) -> None:
         """Refuse, before any work, outputs that could not be written after it: --out must be (or become) a
