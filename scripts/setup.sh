@@ -142,8 +142,10 @@ fi
 # DeepSpeed JIT-compiles a shared-memory all-reduce op on its first start on a CPU (~40-70 s on two cores), cached
 # under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). Build it here, once, so the first compare does not
 # spend that inside its runs. On a CUDA build the op does not apply and this does nothing.
+# With the environment's bin first on PATH, as dpcompare puts it for the runs it starts: DeepSpeed builds with the
+# first ninja on PATH, and the environment's (PyPI) and a system ninja each take the other's build as stale.
 if "$venv/bin/python" -c 'import deepspeed' 2>/dev/null; then
-  if "$venv/bin/python" -c 'from deepspeed.comm.torch import build_shm_op; build_shm_op()' >/dev/null 2>&1; then
+  if PATH="$venv/bin:$PATH" "$venv/bin/python" -c 'from deepspeed.comm.torch import build_shm_op; build_shm_op()' >/dev/null 2>&1; then
     say "DeepSpeed's CPU communication op is built (cached under ${TORCH_EXTENSIONS_DIR:-~/.cache/torch_extensions})"
   else
     say "DeepSpeed's CPU communication op could not be built here: DeepSpeed will try again on its first start"

@@ -160,7 +160,7 @@ def test_the_ddp_slurm_script_runs_under_a_stand_in_srun(tmp_path: Path) -> None
         pytest.skip("the Slurm scripts call .venv/bin/torchrun: bash scripts/setup.sh makes it")
     (run_dir / ".venv").symlink_to(repo / ".venv")
     (run_dir / "job.sbatch").write_text(script)
-    env = _env(tmp_path, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_SUBMIT_DIR=str(run_dir),
+    env = _env(tmp_path, PATH=f"{bin_dir}{os.pathsep}{launchers.child_env()['PATH']}", SLURM_SUBMIT_DIR=str(run_dir),
                SLURM_JOB_NODELIST="node[1-2]", SLURM_JOB_ID="4242", SLURM_NNODES="2")
     d = launchers.run_process(["bash", str(run_dir / "job.sbatch")], timeout_s=AGENT_TIMEOUT_S, capture=True, env=env,
                               cwd=run_dir)

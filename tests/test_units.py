@@ -513,3 +513,23 @@ def test_collectives_file_is_checked_before_the_run(tmp_path, content, message) 
     else:
         with pytest.raises(ValueError, match=message):
             cfg.check_inputs()
+
+
+# -- child processes find the environment's tools first ----------------------------------------------------------
+def test_child_env_puts_the_virtual_environments_bin_first_once(monkeypatch) -> None:
+    import os
+    import sys
+    from pathlib import Path
+
+    from dpcompare.run import launchers
+
+    bin_dir = str(Path(sys.executable).parent)
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", bin_dir, "/bin"]))
+    monkeypatch.setattr(sys, "prefix", "/some/venv")
+    monkeypatch.setattr(sys, "base_prefix", "/usr")
+    assert launchers.child_env()["PATH"].split(os.pathsep) == [bin_dir, "/usr/bin", "/bin"]
+    # outside a virtual environment PATH is left as it is (a system Python's bin must not shadow /usr/local/bin)
+    monkeypatch.setattr(sys, "prefix", "/usr")
+    assert launchers.child_env()["PATH"] == os.pathsep.join(["/usr/bin", bin_dir, "/bin"])
+    # an explicit PATH override still wins
+    assert launchers.child_env({"PATH": "/x"})["PATH"] == "/x"

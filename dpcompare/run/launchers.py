@@ -90,8 +90,17 @@ class Finished:
 
 
 def child_env(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This process's environment for a child run: one thread per rank unless told otherwise, unbuffered."""
+    """This process's environment for a child run: one thread per rank unless told otherwise, unbuffered, and
+    inside a virtual environment its bin directory first on PATH, as `activate` would put it. The tools a
+    backend calls by name then come from the environment dpcompare runs in: DeepSpeed JIT-builds its CPU
+    communication op with the first `ninja` on PATH, and the PyPI ninja in the environment and a system one
+    (Debian's ninja-build) read each other's build log as stale, so alternating between them rebuilt the op
+    (~40 s on two cores) on every switch."""
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
+    if sys.prefix != sys.base_prefix:
+        bin_dir = str(Path(sys.executable).parent)
+        rest = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != bin_dir]
+        env["PATH"] = os.pathsep.join([bin_dir, *rest])
     env.update(overrides or {})
     return env
 
