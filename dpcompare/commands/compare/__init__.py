@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="mlp-wide",
                    help="default mlp-wide (0.8 M parameters): compute-bound on a CPU core at the default batch, so "
                         "the costs compare backends rather than Python overhead")
-    p.add_argument("--steps", type=int, default=3, help="verification steps (each checked against the oracle)")
+    p.add_argument("--steps", type=int, default=2, help="verification steps, each checked against the oracle (default 2: a fresh optimizer, then the state the first step left)")
     p.add_argument("--measure-steps", type=int, default=20, help="timed steps per run (0: verdicts only)")
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--global-batch", type=int, default=2048,
