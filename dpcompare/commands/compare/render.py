@@ -103,26 +103,27 @@ _FLAG_STYLE = {"!": "bold yellow", "~": "dim"}
 """A contradiction stands out; a figure above the total within its noise is shown, quietly."""
 
 
+def _marked(text: str, flag: tuple[str, str] | None, label: str, flagged: list[tuple[str, str]]) -> str | Text:
+    """A cell with its numbered flag mark, the flag's line appended to `flagged`; the text alone when unflagged."""
+    if not flag:
+        return text
+    mark = f"{flag[0]}{len(flagged) + 1}"
+    flagged.append((mark, f"{label}: {flag[1]}"))
+    return Text(f"{text} ({mark})", style=_FLAG_STYLE[flag[0]])
+
+
 def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None:
     eff = {row["label"]: row["efficiency"] for row in scaling}
     table = Table(title="what does it cost? (measured steps; a step is as slow as its slowest rank)")
     for col in ("run", "samples/s", "scaling eff", "step p50 ms", "compute ms", "exposed comm ms", "total comm ms",
                 "overlap", "busbw GB/s", "vs microbench", "peak MiB"):
         table.add_column(col, justify="right", no_wrap=True)
-    flagged = []
+    flagged: list[tuple[str, str]] = []
     for j in jobs:
         m = (j.result or {}).get("metrics") or {}
-
-        def marked(text: str, flag: tuple[str, str] | None) -> str | Text:
-            if not flag:
-                return text
-            mark = f"{flag[0]}{len(flagged) + 1}"
-            flagged.append((mark, f"{j.label}: {flag[1]}"))
-            return Text(f"{text} ({mark})", style=_FLAG_STYLE[flag[0]])
-
         breakdown = summary.breakdown_flag(m)
-        compute = marked(_fmt(m.get("compute_ms_p50"), ".2f"), ("!", breakdown) if breakdown else None)
-        exposed = marked(_fmt(m.get("comm_exposed_ms"), ".2f"), summary.exposed_flag(m))
+        compute = _marked(_fmt(m.get("compute_ms_p50"), ".2f"), ("!", breakdown) if breakdown else None, j.label, flagged)
+        exposed = _marked(_fmt(m.get("comm_exposed_ms"), ".2f"), summary.exposed_flag(m), j.label, flagged)
         table.add_row(j.label, _fmt(m.get("samples_per_s"), ".0f"), _fmt(eff.get(j.label), ".2f"),
                       _fmt(m.get("step_ms_p50"), ".2f"), compute, exposed, _fmt(m.get("comm_total_ms"), ".2f"),
                       _fmt(m.get("overlap_fraction"), ".2f"), _fmt(m.get("busbw_gbps"), ".3f"),
