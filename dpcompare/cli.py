@@ -15,10 +15,11 @@ import time
 import traceback
 from typing import get_args
 
+from dpcompare import __version__
 from dpcompare.run import registry
 from dpcompare.run.launch import tell_launcher
 from dpcompare.run.registry import UserCodeError
-from dpcompare.run.config import Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
+from dpcompare.run.config import DEFAULT_GLOBAL_BATCH, Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
 
 SUBCOMMANDS = ("run", "compare", "report", "bench-collectives", "regress")
 # Exit status of `run` (README, "Failures"): 0 done; 2 bad input (nothing ran); 3 a rank made no progress for
@@ -35,6 +36,60 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # noqa: D102
         raise SystemExit(_fail(f"{message} (see python -m dpcompare {self.prog.split()[-1]} --help)"))
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; every option's help ends with its default (unless it says it already, or has
+    none worth saying: None, False, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or default in (None, False, [], argparse.SUPPRESS) or not action.option_strings
+                or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+COMMAND_SUMMARIES = {
+    "run": "train one workload under one backend, check it against the float64 oracle, measure its costs "
+           "(the default: `python -m dpcompare --backend ddp` is `python -m dpcompare run --backend ddp`)",
+    "compare": "run every installed backend at several world sizes and print verdicts, the gradient matrix and costs",
+    "report": "rebuild report.md and the plots from the JSON results under a directory",
+    "bench-collectives": "measure all-reduce bus bandwidth over each transport the backends use",
+    "regress": "decide whether a build's pytest-benchmark runs are slower than a baseline's (noise-aware)",
+}
+"""One line per subcommand, for the top-level --help."""
+
+
+def _top_level_help() -> str:
+    lines = [f"usage: python -m dpcompare [COMMAND] [ARGS...]   (dpcompare {__version__})", "",
+             "Runs one model on one data stream through DDP, Horovod, nn.DataParallel and DeepSpeed; checks the",
+             "reduced gradients against a float64 oracle and measures what each backend costs.", "", "commands:"]
+    lines += [f"  {name:<18} {text}" for name, text in COMMAND_SUMMARIES.items()]
+    lines += ["", "options:", "  -h, --help         this overview; `python -m dpcompare COMMAND --help` shows a command's flags",
+              "  --version          print the version and exit", "",
+              "Under a launcher: torchrun --nproc_per_node=N -m dpcompare --backend ddp;",
+              "horovodrun -np N python -m dpcompare --backend horovod; deepspeed --num_gpus N --module dpcompare",
+              "--backend deepspeed; mpirun -np N python -m dpcompare --backend ddp|horovod.",
+              "Exit status: 0 done (whatever the verdict); 2 bad input; 3 a rank hung; 4 a run failed; 130 interrupted."]
+    return "\n".join(lines)
+
+
+def parser_for(command: str) -> argparse.ArgumentParser:
+    """The argument parser of `command` (one of SUBCOMMANDS), as `python -m dpcompare COMMAND` builds it."""
+    if command == "run":
+        parser = _Parser(prog="dpcompare run", formatter_class=_HelpFormatter,
+                         description="Train one workload under one backend and check its gradients against a float64 "
+                                     "oracle; then measure its costs.")
+        add_run_arguments(parser)
+        return parser
+    if command not in COMMAND_MODULES:
+        raise ValueError(f"unknown command {command!r}: use one of {', '.join(SUBCOMMANDS)}")
+    module = importlib.import_module(COMMAND_MODULES[command])
+    parser = _Parser(prog=f"dpcompare {command}", description=module.__doc__, formatter_class=_HelpFormatter)
+    module.add_arguments(parser)
+    return parser
 
 
 def _fail(message: str) -> int:
@@ -70,40 +125,50 @@ def _env_number(name: str, default: float) -> float:
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
+    p.add_argument("--version", action="version", version=f"dpcompare {__version__}")
     p.add_argument("--backend", default=d.backend, help=f"{', '.join(registry.BACKENDS)}, or package.module:Class")
     p.add_argument("--model", default=d.model, help=f"{', '.join(registry.MODELS)}, or package.module:function")
-    p.add_argument("--device", default=d.device, choices=get_args(DeviceChoice))
-    p.add_argument("--global-batch", type=_whole, default=d.global_batch)
+    p.add_argument("--device", default=d.device, choices=get_args(DeviceChoice),
+                   help="auto: CUDA when present (NCCL process group), else CPU (gloo)")
+    p.add_argument("--global-batch", type=_whole, default=d.global_batch,
+                   help=f"samples per step over all ranks (default: the smallest multiple of the world size x "
+                        f"--grad-accum that is at least {DEFAULT_GLOBAL_BATCH}, said in the run's line)")
     p.add_argument("--local-batch", type=_whole, default=None, help="per-rank batch (weak scaling)")
-    p.add_argument("--scaling", default=d.scaling, choices=get_args(Scaling))
-    p.add_argument("--steps", type=_whole, default=d.steps)
-    p.add_argument("--lr", type=_number, default=d.lr)
-    p.add_argument("--optimizer", default=d.optimizer, choices=get_args(Optimizer))
-    p.add_argument("--momentum", type=_number, default=d.momentum)
-    p.add_argument("--weight-decay", type=_number, default=d.weight_decay)
-    p.add_argument("--dtype", default=d.dtype, choices=get_args(Dtype))
-    p.add_argument("--seed", type=_whole, default=d.seed)
+    p.add_argument("--scaling", default=d.scaling, choices=get_args(Scaling),
+                   help="strong: fixed global batch; weak: fixed --local-batch per rank")
+    p.add_argument("--steps", type=_whole, default=d.steps, help="verification steps, each checked against the oracle")
+    p.add_argument("--lr", type=_number, default=d.lr, help="learning rate")
+    p.add_argument("--optimizer", default=d.optimizer, choices=get_args(Optimizer), help="optimizer")
+    p.add_argument("--momentum", type=_number, default=d.momentum, help="SGD momentum")
+    p.add_argument("--weight-decay", type=_number, default=d.weight_decay, help="weight decay")
+    p.add_argument("--dtype", default=d.dtype, choices=get_args(Dtype), help="parameter and compute dtype")
+    p.add_argument("--seed", type=_whole, default=d.seed, help="seed of the weights and the data")
     p.add_argument("--warmup-steps", type=_whole, default=d.warmup_steps, help="measurement: steps not timed")
-    p.add_argument("--measure-steps", type=_whole, default=d.measure_steps, help="measurement: timed steps (0: none)")
-    p.add_argument("--ablation-steps", type=_whole, default=None, help="synced/unsynced pairs (default: --measure-steps)")
+    p.add_argument("--measure-steps", type=_whole, default=d.measure_steps,
+                   help="measurement: timed steps after the verification (0: no costs, verdict only)")
+    p.add_argument("--ablation-steps", type=_whole, default=None,
+                   help="measurement: synced/unsynced step pairs for exposed communication (default: --measure-steps)")
     p.add_argument("--no-instrument", dest="instrument", action="store_false", help="measurement: only the loop wall clock")
     p.add_argument("--collectives", default=None, help="bench-collectives JSON to quote the microbenchmark busbw from")
-    p.add_argument("--check-every", type=_whole, default=d.check_every, help="0 disables gradient checks")
+    p.add_argument("--check-every", type=_whole, default=d.check_every, help="check every Nth step (0: no checks)")
     p.add_argument("--grad-accum", type=_whole, default=d.grad_accum, help="micro-batches per step")
     p.add_argument("--compression", default=d.compression, choices=get_args(Compression), help="gradient compression on the wire")
-    p.add_argument("--bucket-mb", type=_number, default=None, help="all-reduce bucket / fusion size in MiB")
+    p.add_argument("--bucket-mb", type=_number, default=None,
+                   help="all-reduce bucket / fusion size in MiB (default: the backend's own)")
     p.add_argument("--sync-bn", action="store_true", help="global-batch BatchNorm statistics")
     p.add_argument("--no-dropout", action="store_true",
                    help="switch dropout off (p=0) so the forward is deterministic and the verdict can check it")
     p.add_argument("--timeout-s", type=_number, default=d.timeout_s, help="exit when a rank makes no progress this long")
     p.add_argument("--out", default=d.out, help="directory for the JSON result")
     p.add_argument("--dump-grads", default=None, help="write checked-step gradients to this .npz")
-    p.add_argument("--tag", default=None)
+    p.add_argument("--tag", default=None, help="free text copied into the result (compare groups runs by it)")
     p.add_argument("--closed-if", default=None, metavar="FILE", help=argparse.SUPPRESS)
     p.add_argument("--dp-devices", type=_whole, default=None, help="dp: CUDA devices to replicate over (default: all)")
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="an option the backend declares (repeatable); an unknown key lists the accepted ones")
-    p.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--inject-fault", default=None, metavar="KIND[:RANK:STEP]",
+                   help="testing aid: crash|kill|stop|hang:RANK:STEP makes that rank fail at that step, dupdata gives "
+                        "every rank rank 0's shard (a planted fault the run must catch)")
     p.add_argument("--inject-slowdown", type=_number, default=_env_number("DPCOMPARE_INJECT_SLOWDOWN", 0.0),
                    help="testing aid: each step spins this fraction of its compute time longer (a planted regression; "
                         "env DPCOMPARE_INJECT_SLOWDOWN)")
@@ -127,7 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     # The deepspeed launcher puts --local_rank=N before the user's arguments (LOCAL_RANK is read instead).
     while argv and (argv[0].startswith("--local_rank") or argv[0].startswith("--local-rank")):
         argv.pop(0)
-    command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "run"
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_top_level_help())
+        return 0
+    if argv[0] == "--version":
+        print(f"dpcompare {__version__}")
+        return 0
+    command = argv.pop(0) if argv[0] in SUBCOMMANDS else "run"
     if command in ("compare", "bench-collectives"):
         # SIGTERM (a CI job cancelled, `kill`) must unwind like Ctrl-C, so the launches this command started
         # are killed with their whole process tree by the runner's cleanup, never left training as orphans.
@@ -135,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command in COMMAND_MODULES:
             return _command(command, argv)
-        parser = _Parser(prog="dpcompare run", description="Train one workload under one backend and check its gradients against a float64 oracle.")
-        add_run_arguments(parser)
-        cfg = config_from_args(parser.parse_args(argv))
+        cfg = config_from_args(parser_for("run").parse_args(argv))
         from dpcompare.run import trainer
 
         payload = trainer.run(cfg)
@@ -175,10 +244,7 @@ COMMAND_MODULES = {"compare": "dpcompare.commands.compare", "report": "dpcompare
 
 def _command(command: str, argv: list[str]) -> int:
     module = importlib.import_module(COMMAND_MODULES[command])
-    parser = _Parser(prog=f"dpcompare {command}", description=module.__doc__,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    module.add_arguments(parser)
-    return module.main(parser.parse_args(argv))
+    return module.main(parser_for(command).parse_args(argv))
 
 
 def _unwind_on_signal(signum: int, _frame) -> None:

@@ -29,8 +29,10 @@ class RunConfig:
     """Built-in workload (mlp, mlp-dropout, mlp-unused, cnn, lm) or `package.module:function` returning a Workload."""
     device: DeviceChoice = "auto"
     """auto: CUDA when available (process group NCCL), else CPU (gloo)."""
-    global_batch: int = 24
-    """Strong scaling: samples per step over all ranks; each rank gets global_batch / world_size."""
+    global_batch: int | None = None
+    """Strong scaling: samples per step over all ranks; each rank gets global_batch / world_size. None: the smallest
+    multiple of world_size x grad_accum that is at least DEFAULT_GLOBAL_BATCH, so a run starts at any world size
+    (16 ranks: 32); the run's line says what it chose."""
     local_batch: int | None = None
     """Weak scaling: samples per step per rank; the global batch is local_batch * world_size."""
     scaling: Scaling = "strong"
@@ -38,8 +40,9 @@ class RunConfig:
     """Verification phase: optimizer steps with the equivalence check (see check_every)."""
     warmup_steps: int = 2
     """Measurement phase: unmeasured steps first (allocator, bucket rebuild, caches)."""
-    measure_steps: int = 0
-    """Measurement phase: timed steps after the warm-up, with no check running (0: no measurement)."""
+    measure_steps: int = 10
+    """Measurement phase: timed steps after the warm-up, with no check running (0: no measurement). A few by default,
+    so a launcher run reports its costs; compare and the regression suite set their own."""
     ablation_steps: int | None = None
     """Pairs of synced/unsynced steps for exposed communication (default: measure_steps)."""
     instrument: bool = True
@@ -109,7 +112,7 @@ class RunConfig:
             raise bad("timeout_s", self.timeout_s, f"use at most {MAX_TIMEOUT_S:g} seconds (a week)")
         if not self.backend:
             raise bad("backend", self.backend, "name a backend (reference, ddp, horovod, dp, deepspeed) or package.module:Class")
-        if self.global_batch < 1:
+        if self.global_batch is not None and self.global_batch < 1:
             raise bad("global_batch", self.global_batch, "use a positive whole number of samples")
         if self.local_batch is not None and self.local_batch < 1:
             raise bad("local_batch", self.local_batch, "use a positive whole number of samples per rank")
@@ -183,6 +186,9 @@ class RunConfig:
         if self.scaling == "weak":
             assert self.local_batch is not None
             global_batch, local_batch = self.local_batch * world_size, self.local_batch
+        elif self.global_batch is None:
+            global_batch = default_global_batch(world_size, self.grad_accum)
+            local_batch = global_batch // world_size
         elif self.global_batch % world_size:
             lower = self.global_batch - self.global_batch % world_size
             raise ValueError(
@@ -201,6 +207,17 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+DEFAULT_GLOBAL_BATCH = 24
+"""The global batch a run aims at when --global-batch is not given (rounded up to what its world size divides)."""
+
+
+def default_global_batch(world_size: int, grad_accum: int = 1) -> int:
+    """The smallest multiple of world_size x grad_accum that is at least DEFAULT_GLOBAL_BATCH: equal shards of equal
+    micro-batches at any world size (1-3 ranks: 24; 16 ranks: 32; 5 ranks: 25)."""
+    unit = world_size * grad_accum
+    return unit * -(-DEFAULT_GLOBAL_BATCH // unit)
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
