@@ -45,15 +45,15 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         default = action.default
-        if ("default" in text or default in (None, False, [], argparse.SUPPRESS) or not action.option_strings
-                or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+        if ("default" in text or default in (None, [], argparse.SUPPRESS) or not action.option_strings
+                or isinstance(action, (argparse._HelpAction, argparse._VersionAction, argparse._StoreConstAction))):
             return text
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 COMMAND_SUMMARIES = {
-    "run": "train one workload under one backend, check it against the float64 oracle, measure its costs "
-           "(the default: `python -m dpcompare --backend ddp` is `python -m dpcompare run --backend ddp`)",
+    "run": "(the default command) train one workload under one backend, check it against the float64 oracle, "
+           "measure its costs",
     "compare": "run every installed backend at several world sizes and print verdicts, the gradient matrix and costs",
     "report": "rebuild report.md and the plots from the JSON results under a directory",
     "bench-collectives": "measure all-reduce bus bandwidth over each transport the backends use",
@@ -89,6 +89,9 @@ def parser_for(command: str) -> argparse.ArgumentParser:
     module = importlib.import_module(COMMAND_MODULES[command])
     parser = _Parser(prog=f"dpcompare {command}", description=module.__doc__, formatter_class=_HelpFormatter)
     module.add_arguments(parser)
+    for action in parser._actions:  # an option without help still shows its default
+        if action.help is None and action.option_strings and action.default not in (None, [], False):
+            action.help = "(default: %(default)s)"
     return parser
 
 

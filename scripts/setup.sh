@@ -16,6 +16,8 @@
 #   DPCOMPARE_PYTHON      interpreter to build the venv from (default: python3.11, else python3)
 #   DPCOMPARE_TORCH       torch requirement (default: torch==2.13.0; set it to your CUDA build's pin)
 #   DPCOMPARE_NO_HOROVOD=1  skip the Horovod build (compare then lists horovod as unavailable)
+#   HOROVOD_NCCL_HOME, CUDA_HOME  NCCL and the CUDA toolkit for Horovod's NCCL operations (CUDA torch only; found
+#                         from torch's nvidia-nccl wheel and nvcc when unset)
 #   DPCOMPARE_NO_TORCHVISION=1  do not try torchvision (resnet models then use dpcompare's own definition)
 #   DPCOMPARE_CACHE       where built wheels are cached (default: ~/.cache/dpcompare)
 set -euo pipefail
@@ -89,10 +91,41 @@ say "torch $torch_version"
 "${pip[@]}" install -e ".[deepspeed,mpi,test]"
 
 # --- Horovod -----------------------------------------------------------------------------------------
+# On a CUDA torch Horovod is built with NCCL operations (HOROVOD_GPU_OPERATIONS=NCCL), which needs NCCL's headers
+# and library and a CUDA toolkit (nvcc): NCCL from HOROVOD_NCCL_HOME, else the nvidia-nccl-cu* wheel that CUDA torch
+# installs; the toolkit from CUDA_HOME, else the nvcc on PATH, else /usr/local/cuda. When one is missing Horovod is
+# built without NCCL (its GPU tensors then go through gloo or MPI on the host) and this says why.
+horovod_gpu_env=()
+horovod_nccl=0
+with_nccl=""
+torch_cuda=$("$venv/bin/python" -c 'import torch; print(torch.version.cuda or "")')
+if [ -n "$torch_cuda" ] && [ "${DPCOMPARE_NO_HOROVOD:-0}" != 1 ]; then
+  nccl_home="${HOROVOD_NCCL_HOME:-$("$venv/bin/python" -c 'import importlib.util as u; s = u.find_spec("nvidia.nccl"); print(list(s.submodule_search_locations)[0] if s else "")' 2>/dev/null)}"
+  nvcc_path=$(command -v nvcc 2>/dev/null || true)
+  cuda_home="${CUDA_HOME:-${nvcc_path:+$(dirname "$(dirname "$nvcc_path")")}}"
+  cuda_home="${cuda_home:-/usr/local/cuda}"
+  if [ -z "$nccl_home" ] || [ ! -f "$nccl_home/include/nccl.h" ]; then
+    say "torch has CUDA $torch_cuda, but NCCL's headers were not found (HOROVOD_NCCL_HOME='${nccl_home}'): Horovod is built WITHOUT NCCL operations; set HOROVOD_NCCL_HOME to a directory with include/nccl.h and lib/libnccl.so*, then rerun"
+  elif [ ! -x "$cuda_home/bin/nvcc" ]; then
+    say "torch has CUDA $torch_cuda, but no CUDA toolkit was found (no $cuda_home/bin/nvcc): Horovod is built WITHOUT NCCL operations; install the CUDA toolkit matching torch (nvcc) or set CUDA_HOME, then rerun"
+  else
+    # The nvidia-nccl wheel ships lib/libnccl.so.2 without the unversioned link Horovod's CMake looks for.
+    if [ ! -e "$nccl_home/lib/libnccl.so" ] && [ -e "$nccl_home/lib/libnccl.so.2" ]; then
+      ln -s libnccl.so.2 "$nccl_home/lib/libnccl.so"
+    fi
+    horovod_gpu_env=(HOROVOD_GPU_OPERATIONS=NCCL "HOROVOD_NCCL_HOME=$nccl_home" "HOROVOD_CUDA_HOME=$cuda_home")
+    horovod_nccl=1
+    with_nccl=" and NCCL"
+    say "torch has CUDA $torch_cuda: Horovod is built with NCCL operations (NCCL: $nccl_home, CUDA: $cuda_home)"
+  fi
+fi
+
 horovod_ok() {
-  "$venv/bin/python" - <<'EOF' 2>/dev/null
-import torch, horovod.torch as hvd, sys
-sys.exit(0 if hvd.gloo_built() and hvd.mpi_built() else 1)
+  HOROVOD_NCCL_WANTED=$horovod_nccl "$venv/bin/python" - <<'EOF' 2>/dev/null
+import os, sys
+import torch, horovod.torch as hvd
+nccl = os.environ["HOROVOD_NCCL_WANTED"] == "1"
+sys.exit(0 if hvd.gloo_built() and hvd.mpi_built() and (hvd.nccl_built() or not nccl) else 1)
 EOF
 }
 if [ "${DPCOMPARE_NO_HOROVOD:-0}" = 1 ]; then
@@ -100,7 +133,7 @@ if [ "${DPCOMPARE_NO_HOROVOD:-0}" = 1 ]; then
 elif horovod_ok; then
   say "horovod $horovod_version already built against this torch"
 else
-  wheel_dir="$cache/wheels/horovod-$horovod_version-torch-$torch_version-$("$venv/bin/python" -c 'import sys; print("py%d%d" % sys.version_info[:2])')"
+  wheel_dir="$cache/wheels/horovod-$horovod_version-torch-$torch_version-$("$venv/bin/python" -c 'import sys; print("py%d%d" % sys.version_info[:2])')${with_nccl:+-nccl}"
   if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
     say "building Horovod $horovod_version against torch $torch_version (C++17; 3-12 minutes, once)"
     build=$(mktemp -d)
@@ -112,7 +145,7 @@ else
     grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" || die "Horovod's CMakeLists.txt no longer has the C++14 line this script raises to 17"
     "${pip[@]}" install cloudpickle psutil pyyaml packaging cffi
     mkdir -p "$wheel_dir"
-    HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+    env "${horovod_gpu_env[@]}" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
     HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
     MAKEFLAGS="-j$(nproc)" \
       "$venv/bin/python" -m pip wheel -q --no-build-isolation --no-deps -w "$wheel_dir" "$src" \
@@ -120,8 +153,8 @@ else
   fi
   "${pip[@]}" install --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
   "${pip[@]}" install cloudpickle psutil pyyaml packaging cffi
-  horovod_ok || die "Horovod installed but does not load with gloo and MPI: see '$venv/bin/horovodrun --check-build'"
-  say "horovod $horovod_version built with gloo and MPI"
+  horovod_ok || die "Horovod installed but does not load with gloo and MPI$with_nccl: see '$venv/bin/horovodrun --check-build'"
+  say "horovod $horovod_version built with gloo and MPI$with_nccl"
 fi
 
 # --- torchvision (optional: dpcompare has its own ResNet with torchvision's layout) ---------------------------

@@ -218,6 +218,29 @@ def launch(tmp_path: Path) -> Callable[..., tuple[Finished, dict | None]]:
     return Launcher(tmp_path)
 
 
+@pytest.fixture(scope="session")
+def shared_launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Finished, dict | None]]:
+    """`launch` for runs that several tests read: the same launch (backend, world size, model, arguments,
+    launcher) starts once per session, and every test that asks for it reads that one finished run."""
+    launcher = Launcher(tmp_path_factory.mktemp("shared"))
+    done: dict[tuple, tuple[Finished, dict | None]] = {}
+
+    def run(backend: str, world_size: int, model: str, extra_args: Sequence[str] = (),
+            launcher_name: str | None = None) -> tuple[Finished, dict | None]:
+        key = (backend, world_size, model, tuple(extra_args), launcher_name or native_launcher(backend))
+        if key not in done:
+            done[key] = launcher(backend, world_size, model, extra_args, key[-1])
+        return done[key]
+
+    return run
+
+
+def finished(done: launchers.Finished) -> Finished:
+    """A launch started with dpcompare.run.launchers.run_process (multi-node shapes), as the tests' Finished."""
+    assert not done.timed_out, f"timed out: {' '.join(done.command)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return Finished(done.command, done.returncode, done.stdout, done.stderr, done.wall_s)
+
+
 @pytest.fixture
 def record_noise_ratio(record_property) -> Callable[[dict], None]:
     """Keep a result's noise ratio for the end-of-session table (and the junit XML)."""

@@ -214,9 +214,14 @@ def _bench(tmp_path: Path, transport: str, *extra: str) -> tuple[subprocess.Comp
     return proc, json.loads(out.read_text())
 
 
+def _tiered(transport: str):
+    """torch (gloo) in the default tier, the other transports in the `slow` one."""
+    return pytest.param(transport, id=transport, marks=() if transport == "torch" else pytest.mark.slow)
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)  # the first deepspeed launch on a machine compiles its shm comm op (~1.5 min)
-@pytest.mark.parametrize("transport", transports.TRANSPORTS)
+@pytest.mark.parametrize("transport", [_tiered(t) for t in transports.TRANSPORTS])
 def test_each_transport_sums_correctly_under_its_own_launcher(tmp_path, transport):
     proc, doc = _bench(tmp_path, transport, "--max-bytes", "1MiB", "--iters", "10")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -241,7 +246,7 @@ def test_each_transport_sums_correctly_under_its_own_launcher(tmp_path, transpor
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", transports.TRANSPORTS)
+@pytest.mark.parametrize("transport", [_tiered(t) for t in transports.TRANSPORTS])
 def test_a_wrong_result_on_one_rank_fails_the_run(tmp_path, transport):
     proc, doc = _bench(tmp_path, transport, "--min-bytes", "4KiB", "--max-bytes", "16KiB", "--iters", "3",
                        "--corrupt")

@@ -80,6 +80,7 @@ def test_compare_produces_verdicts_matrix_costs_and_report(tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sweep_stays_equivalent_and_names_what_does_not_apply(tmp_path):
     backends = "ddp,deepspeed" if registry.availability("deepspeed")[0] else "ddp"

@@ -8,7 +8,12 @@ worst reduced-gradient error, the worst update error (against a float64 optimize
 trajectory drift (against a float64 single process) all stay below 10x their noise floors (the ratios are
 printed at the end of the session). mlp-dropout draws dropout masks: the check replays each rank's
 generator; mlp-unused has a head forward never calls and a frozen layer. The result must also say which launcher and world size actually ran, so a run that silently
-fell back to one process (`hvd.init()` without a launcher) cannot pass as a distributed one.
+fell back to one process (`hvd.init()` without a launcher) cannot pass as a distributed one. At 16 ranks, a
+run given no --global-batch picks one its world size divides and comes out `equivalent`.
+
+Tiers: the default tier runs every backend, every launcher and every model once (DEFAULT_CASES); the `slow`
+tier runs the rest of the matrix and 16 ranks. horovod at world size 2 on the mlp is the two-host horovodrun
+launch and ddp under mpirun the hostfile launch of test_multinode.py, which check it with assert_equivalent.
 
 The negative twins (the same checks coming out `different` on planted faults) are in test_negative.py.
 The cnn runs use --sync-bn at world size > 1: without it BatchNorm normalises per shard, which
@@ -23,6 +28,13 @@ MODELS = ("mlp", "cnn", "lm", "mlp-dropout", "mlp-unused")
 STEPS = ["--steps", "2"]
 
 
+# Every backend, launcher and model once, in the default tier (the rest of the matrix is `slow`).
+DEFAULT_CASES = {"reference-ws1-mlp-python", "dp-ws1-mlp-python", "ddp-ws2-mlp-torchrun", "ddp-ws3-cnn-torchrun",
+                 "horovod-ws2-mlp-unused-horovodrun", "horovod-ws3-lm-mpirun", "deepspeed-ws2-mlp-dropout-torchrun"}
+# Launched by test_multinode.py in a multi-host shape, with the same checks (assert_equivalent).
+ELSEWHERE = {"horovod-ws2-mlp-horovodrun"}
+
+
 def _cases() -> list:
     cases = []
     for model in MODELS:
@@ -33,7 +45,12 @@ def _cases() -> list:
             # horovodrun's gloo controller at 1-2 ranks; Open MPI's mpirun (Horovod's MPI controller) at 3.
             cases.append(("horovod", ws, model, "horovodrun" if ws < 3 else "mpirun"))
             cases.append(("deepspeed", ws, model, "torchrun"))
-    return [pytest.param(*c, id=f"{c[0]}-ws{c[1]}-{c[2]}-{c[3]}") for c in cases]
+    params = []
+    for c in cases:
+        case_id = f"{c[0]}-ws{c[1]}-{c[2]}-{c[3]}"
+        if case_id not in ELSEWHERE:
+            params.append(pytest.param(*c, id=case_id, marks=() if case_id in DEFAULT_CASES else pytest.mark.slow))
+    return params
 
 
 def run_args(model: str, world_size: int) -> list[str]:
@@ -66,8 +83,9 @@ def assert_equivalent(proc, result: dict | None, *, backend: str, world_size: in
 @pytest.mark.multiproc
 @pytest.mark.timeout(330)
 @pytest.mark.parametrize(("backend", "world_size", "model", "launcher"), _cases(), indirect=["backend"])
-def test_backend_is_equivalent_to_the_float64_oracle(backend, world_size, model, launcher, launch, record_noise_ratio):
-    proc, result = launch(backend, world_size, model, run_args(model, world_size), launcher)
+def test_backend_is_equivalent_to_the_float64_oracle(backend, world_size, model, launcher, shared_launch,
+                                                     record_noise_ratio):
+    proc, result = shared_launch(backend, world_size, model, run_args(model, world_size), launcher)
     assert_equivalent(proc, result, backend=backend, world_size=world_size, model=model, launcher=launcher)
     record_noise_ratio(result)
     if model == "mlp-dropout":
@@ -94,10 +112,18 @@ def test_deepspeed_under_its_own_launcher(backend, launch, record_noise_ratio):
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", ["ddp"], indirect=True)
-def test_ddp_under_mpirun(backend, launch, record_noise_ratio):
-    """`mpirun -np 2 python -m dpcompare --backend ddp`: rank 0's address and port travel through mpi4py."""
-    proc, result = launch(backend, 2, "mlp", STEPS, "mpirun")
-    assert_equivalent(proc, result, backend=backend, world_size=2, model="mlp", launcher="mpirun")
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sixteen_ranks_pick_a_global_batch_they_divide(launch, record_noise_ratio):
+    """`torchrun --nproc_per_node=16 -m dpcompare --backend ddp --model mlp --steps 1`, as written: with no
+    --global-batch the run takes 32 (the smallest multiple of 16 that is at least 24), says so, and is checked."""
+    proc, result = launch("ddp", 16, "mlp", ["--steps", "1"], "torchrun", timeout_s=540)
+    assert proc.returncode == 0, proc.output[-6000:]
+    assert (result["world_size"], result["global_batch"], result["local_batch"]) == (16, 32, 2)
+    assert result["config"]["global_batch"] is None
+    e = result["equivalence"]
+    assert e["verdict"] == "equivalent" and e["replicas_identical"] is True, e["first_divergence"]
+    assert e["noise_ratio"] < 10
+    assert result["metrics"]["step_ms_p50"] is not None, "a launcher run measures its costs by default"
+    assert "global batch 32 chosen for 16 rank(s)" in proc.stdout, proc.stdout[-2000:]
     record_noise_ratio(result)

@@ -10,6 +10,9 @@ that names the fault, and an error far above the noise floor (correct runs stay 
 test_equivalence_matrix.py). These are the negative twins of the matrix; the positive twin of the adapter
 faults (the same command with the faultless parent adapter) is `test_faultless_parent_adapter_is_equivalent`,
 and the positive twins of the update faults are the matrix's runs plus the benign Horovod trap below.
+
+Tiers: the default tier plants one fault per check (gradient, a skipped synchronisation at step 1, replicas,
+update, generators, BatchNorm per shard, unverifiable dropout, divergence); the `slow` tier plants the rest.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ def test_skipped_synchronisation_is_named_at_step_1(launch):
     assert e["replicas_identical"] is False, "local-only updates must leave the replicas apart"
 
 
+@pytest.mark.slow
 def test_duplicated_shard_is_named_at_step_0(launch):
     proc, result = launch("ddp", WORLD_SIZE, "mlp", [*STEPS, "--inject-fault", "dupdata"])
     d = different(proc, result)
@@ -101,14 +105,15 @@ def test_replica_that_starts_from_other_weights_is_named(launch):
                for n in e["notes"]), e["notes"]
 
 
-def test_faultless_parent_adapter_is_equivalent(launch):
-    """The faulty adapters' command with the fault taken out: their parent class, loaded by path too."""
-    backend = "dpcompare.adapters.ddp:DDPAdapter"
-    proc, result = launch(backend, WORLD_SIZE, "mlp", STEPS)
-    assert_equivalent(proc, result, backend=backend, world_size=WORLD_SIZE, model="mlp", launcher="torchrun")
+def test_faultless_parent_adapter_is_equivalent(shared_launch):
+    """The faulty adapters' command with the fault taken out: their parent class, ddp, in the same launch as the
+    equivalence matrix's ddp run (shared, not repeated). The faulty adapters themselves are loaded by path."""
+    proc, result = shared_launch("ddp", WORLD_SIZE, "mlp", STEPS)
+    assert_equivalent(proc, result, backend="ddp", world_size=WORLD_SIZE, model="mlp", launcher="torchrun")
 
 
 # -- the update check ----------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["horovod"], indirect=True)
 def test_learning_rate_scaled_by_the_world_size_is_named_at_step_0(backend, launch):
     """Horovod with the linear-scaling rule (lr x hvd.size()), which the other backends do not apply."""
@@ -127,6 +132,7 @@ def test_double_step_is_named_at_step_0(launch):
     assert "applied twice" in d["reason"], d["reason"]
 
 
+@pytest.mark.slow
 def test_clipping_in_one_backend_is_named_at_step_0(launch):
     proc, result = launch("tests.faulty_adapters:ClippingDDP", WORLD_SIZE, "mlp", STEPS)
     d = update_failed(proc, result)
@@ -146,6 +152,7 @@ def test_horovod_broadcast_optimizer_state_trap_is_named_at_step_0(backend, laun
     assert result["equivalence"]["replicas_identical"] is True, "every rank took the same wrong step"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["horovod"], indirect=True)
 def test_horovod_trap_with_weight_decay_moves_the_weights_before_step_0(backend, launch):
     proc, result = launch("horovod", WORLD_SIZE, "mlp", [*STEPS, "--optimizer", "adamw", "--weight-decay", "0.01",
@@ -156,6 +163,7 @@ def test_horovod_trap_with_weight_decay_moves_the_weights_before_step_0(backend,
     assert result["equivalence"]["initial_weights_identical"] is False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["horovod"], indirect=True)
 def test_horovod_trap_is_benign_for_sgd_without_weight_decay(backend, launch):
     """Positive twin: the trap leaves SGD a zero momentum buffer, which steps exactly like a fresh one."""
@@ -164,6 +172,7 @@ def test_horovod_trap_is_benign_for_sgd_without_weight_decay(backend, launch):
     assert any(n["code"] == "horovod.broadcast_optimizer_state" for n in result["equivalence"]["notes"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["horovod"], indirect=True)
 def test_weight_decay_on_zero_filled_unused_parameters_is_named(backend, launch):
     """Horovod gives parameters outside the loss a zero gradient (DDP leaves None): with weight decay its
@@ -176,6 +185,7 @@ def test_weight_decay_on_zero_filled_unused_parameters_is_named(backend, launch)
 
 
 # -- gradient faults that used to match none ---------------------------------------------------------------
+@pytest.mark.slow
 def test_loss_reduced_with_sum_is_named_at_step_0(launch):
     proc, result = launch("ddp", WORLD_SIZE, "tests.faulty_workloads:sum_loss_mlp", STEPS)
     d = different(proc, result)
@@ -183,6 +193,7 @@ def test_loss_reduced_with_sum_is_named_at_step_0(launch):
     assert "1/2 of the oracle" in d["reason"] and "reduced with sum" in d["reason"], d["reason"]
 
 
+@pytest.mark.slow
 def test_biases_left_unsynchronised_are_named_at_step_0(launch):
     proc, result = launch("tests.faulty_adapters:UnsyncedBiasDDP", WORLD_SIZE, "mlp", STEPS)
     d = different(proc, result)
@@ -192,6 +203,7 @@ def test_biases_left_unsynchronised_are_named_at_step_0(launch):
     assert d["noise_ratio"] > 10, d
 
 
+@pytest.mark.slow
 def test_undeclared_fp16_wire_is_named_at_step_0(launch):
     proc, result = launch("tests.faulty_adapters:Fp16WireDDP", WORLD_SIZE, "mlp", STEPS)
     d = different(proc, result)
@@ -237,6 +249,7 @@ def test_dropout_that_cannot_be_replayed_is_unverifiable(launch):
     assert "unverifiable" in proc.stdout
 
 
+@pytest.mark.slow
 def test_no_dropout_makes_the_same_model_checkable(launch):
     """Positive twin: the fix the unverifiable verdict names."""
     proc, result = launch("ddp", WORLD_SIZE, "tests.faulty_workloads:dropout_cnn", [*STEPS, "--sync-bn", "--no-dropout"])

@@ -68,6 +68,7 @@ def test_summing_ddp(dpcompare_benchmark):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_different_verdict_fails_the_benchmark_test(tmp_path):
     """A user's own test file with the fixture: a backend that sums instead of averaging fails its test."""

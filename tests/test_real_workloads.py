@@ -140,6 +140,7 @@ def test_nccl_on_a_shared_gpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
     assert _group("auto", "cuda:0", local_world_size=1).dist_backend() == "nccl"
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
 def test_dist_backend_nccl_on_cpu_is_one_line_under_torchrun(launch) -> None:
@@ -150,6 +151,7 @@ def test_dist_backend_nccl_on_cpu_is_one_line_under_torchrun(launch) -> None:
 
 
 # -- multi-process: the real models are checkable ---------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.timeout(330)
 @pytest.mark.parametrize("backend", ["ddp", "horovod", "deepspeed"], indirect=True)
@@ -162,6 +164,7 @@ def test_dropout_gpt_is_equivalent_under_every_backend(backend: str, launch) -> 
     assert result["model_info"]["parameters"] == _params(real_models.gpt_tiny(0).model)
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.timeout(330)
 @pytest.mark.parametrize(("sync_bn", "verdict"), [(True, "equivalent"), (False, "different")])
