@@ -27,15 +27,23 @@ At least 3 runs per side. With n runs per side the smallest one-sided p-value is
 never flag anything is refused with the runs it needs. On a shared machine 12 per side, of 60 steps each,
 leave room for a few runs that land in a slow spell (benchmarks/test_regression_gate.py).
 
-Producing the inputs: run baseline and current alternately (A B A B ...), so that drift of the machine
-(heat, a noisy neighbour, a background job) falls on both sides alike, each run writing its own file:
+Producing the inputs: run baseline and current alternately (B C B C ...), so that drift of the machine
+(heat, a noisy neighbour, a background job) falls on both sides alike, each run writing its own file. Each side
+runs in its own checkout with its own environment (the suite imports dpcompare from the environment it runs in).
+The measured recipe, from the current checkout's root, with the baseline set up in ../dpcompare-baseline
+(README, "A regression gate in CI"; docs/regression-gate.md):
 
-  gate=$PWD/gate; mkdir -p $gate/baseline $gate/current
+  suite() {
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest --pyargs dpcompare.regression --dpcompare-backends ddp \\
+      --dpcompare-world-sizes 2 --dpcompare-global-batch 2048 --dpcompare-steps 60 --dpcompare-warmup 3 \\
+      -q --benchmark-json "$1"
+  }
+  gate=$PWD/gate; mkdir -p "$gate/baseline" "$gate/current"
   for k in $(seq 12); do
-    (cd ~/src/baseline && python -m pytest benchmarks/ --benchmark-json $gate/baseline/run-$k.json)
-    (cd ~/src/current  && python -m pytest benchmarks/ --benchmark-json $gate/current/run-$k.json)
+    (cd ../dpcompare-baseline && suite "$gate/baseline/run-$k.json")
+    suite "$gate/current/run-$k.json"
   done
-  python -m dpcompare regress --baseline $gate/baseline --current $gate/current
+  .venv/bin/python -m dpcompare regress --baseline "$gate/baseline" --current "$gate/current"
 
 Both sides must come from one machine: the runs' machine_info["dpcompare"] (written by dpcompare's pytest
 plugin) must agree on the hardware (devices, CPU count, architecture; software versions may differ); where

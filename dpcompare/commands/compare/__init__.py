@@ -10,8 +10,14 @@ prints a table, and writes everything under OUT/<timestamp>/:
   runs/*.json      one result per run (schema: dpcompare/schema/result.schema.json)
   grads/*.npz      reduced, oracle and noise-floor gradients of every checked step
   logs/*.log       each launcher's output
+  collectives.json the all-reduce microbenchmark run first (--collectives auto), quoted by every run
   compare.json     the summary: runs, unavailable backends with the reason, the matrix, and how each
                    backend left the gradients of unused parameters (unused_parameter_grads)
+  report.md, *.png the report and its plots (python -m dpcompare report OUT/<timestamp> rebuilds them; --no-report
+                   skips them)
+
+Exit status: 0 when every launch finished (whatever the verdicts), 1 when a launch failed or timed out, 2 for bad
+input.
 """
 
 from __future__ import annotations
@@ -33,13 +39,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default=",".join(registry.BACKENDS), help="comma-separated backends")
     p.add_argument("--world-sizes", default="1,2", help="comma-separated world sizes for multi-process backends")
     p.add_argument("--model", default="mlp-wide",
-                   help="default mlp-wide (0.8 M parameters): compute-bound on a CPU core at the default batch, so "
-                        "the costs compare backends rather than Python overhead")
-    p.add_argument("--steps", type=int, default=2, help="verification steps, each checked against the oracle (default 2: a fresh optimizer, then the state the first step left)")
+                   help="workload, a name or package.module:function; mlp-wide (0.8 M parameters) is compute-bound on "
+                        "a CPU core at the default global batch, so the costs compare backends rather than Python "
+                        "overhead")
+    p.add_argument("--steps", type=int, default=2,
+                   help="verification steps, each checked against the oracle; 2 check a fresh optimizer, then the "
+                        "state the first step left")
     p.add_argument("--measure-steps", type=int, default=20, help="timed steps per run (0: verdicts only)")
-    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps per run before the timed ones")
     p.add_argument("--global-batch", type=int, default=2048,
-                   help="default 2048: ~35 ms of compute per rank at world size 2 against ~5-13 ms of communication")
+                   help="samples per step over all ranks; at 2048, compute dominates a step of mlp-wide at world "
+                        "size 2 on a CPU core")
     p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
                    help="strong: fixed global batch; weak: fixed per-rank batch (global batch / largest world size)")
     p.add_argument("--collectives", default="auto",
@@ -50,8 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-accum", default="4", help="gradient accumulation steps for --sweep")
     p.add_argument("--sweep-compression", default="fp16", help="compressions for --sweep")
     p.add_argument("--no-report", dest="report", action="store_false", help="skip report.md and the plots")
-    p.add_argument("--out", default="results")
-    p.add_argument("--timeout-s", type=float, default=600.0, help="per launch")
+    p.add_argument("--out", default="results", help="directory; each compare writes OUT/<timestamp>/")
+    p.add_argument("--timeout-s", type=float, default=600.0,
+                   help="seconds per launch before its whole process tree is killed")
     p.add_argument("--run-arg", action="append", default=[], metavar="ARG",
                    help="extra argument passed to every run (repeat: --run-arg=--sync-bn)")
 
