@@ -49,17 +49,18 @@ def _run(args: list[str], tmp_path: Path, timeout: int) -> subprocess.CompletedP
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_compare_produces_verdicts_matrix_costs_and_report(tmp_path):
-    proc = _run(["--backends", "reference,dp,ddp", "--world-sizes", "1,2", "--steps", "2", "--measure-steps", "5",
+    # World size 2 only: the one-process backends run at 1 whatever the world sizes, and reference/1 is the baseline.
+    proc = _run(["--backends", "reference,dp,ddp", "--world-sizes", "2", "--steps", "2", "--measure-steps", "5",
                  "--warmup-steps", "1"], tmp_path, 540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     summary = json.loads((run_dir / "compare.json").read_text())
     labels = [r["label"] for r in summary["runs"]]
-    assert labels == ["reference/1", "dp/1", "ddp/1", "ddp/2"]
+    assert labels == ["reference/1", "dp/1", "ddp/2"]
     assert all(r["verdict"] == "equivalent" for r in summary["runs"])
     # The matrix: every pair at step 0; runs from identical weights at ws 1 are bitwise equal.
     step0 = summary["matrix"]["per_step"]["0"]
-    assert step0["reference/1"]["rel_err"]["ddp/1"] == 0.0
+    assert step0["reference/1"]["rel_err"]["dp/1"] == 0.0
     assert 0 < step0["ddp/2"]["rel_err"]["oracle"] < 1e-5
     # Scaling efficiency against the reference measured in the same invocation.
     eff = {row["label"]: row["efficiency"] for row in summary["scaling"]}
@@ -76,7 +77,7 @@ def test_compare_produces_verdicts_matrix_costs_and_report(tmp_path):
         assert word in proc.stdout
     # Every launch's fence is closed once compare stopped waiting for it: nothing late lands in run_dir.
     assert sorted(p.name for p in (run_dir / "logs").glob("*.closed")) == [
-        "ddp-ws1.closed", "ddp-ws2.closed", "dp-ws1.closed", "reference-ws1.closed"]
+        "ddp-ws2.closed", "dp-ws1.closed", "reference-ws1.closed"]
 
 
 @pytest.mark.multiproc

@@ -11,8 +11,9 @@ test_equivalence_matrix.py). These are the negative twins of the matrix; the pos
 faults (the same command with the faultless parent adapter) is `test_faultless_parent_adapter_is_equivalent`,
 and the positive twins of the update faults are the matrix's runs plus the benign Horovod trap below.
 
-Tiers: the default tier plants one fault per check (gradient, a skipped synchronisation at step 1, replicas,
-update, generators, BatchNorm per shard, unverifiable dropout, divergence); the `slow` tier plants the rest.
+Tiers: the default tier plants one fault per check (gradient, replicas, update, generators) and per verdict
+path (BatchNorm per shard diagnosed, dropout that cannot be replayed, a diverged run); the `slow` tier plants
+the rest.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def test_summed_gradients_are_named_at_step_0(launch):
     assert result["equivalence"]["replicas_identical"] is True
 
 
+@pytest.mark.slow
 def test_skipped_synchronisation_is_named_at_step_1(launch):
     proc, result = launch("tests.faulty_adapters:SkipSyncOnceDDP", WORLD_SIZE, "mlp", STEPS)
     d = different(proc, result)
@@ -140,6 +142,7 @@ def test_clipping_in_one_backend_is_named_at_step_0(launch):
     assert "capped at 0.001" in d["reason"], d["reason"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["horovod"], indirect=True)
 def test_horovod_broadcast_optimizer_state_trap_is_named_at_step_0(backend, launch):
     """horovod/horovod#3743: broadcast_optimizer_state on a fresh AdamW steps it once on zero gradients."""
@@ -212,6 +215,7 @@ def test_undeclared_fp16_wire_is_named_at_step_0(launch):
     assert 10 < d["noise_ratio"] < 1e5, "of the size of fp16 rounding, far below a wrong gradient"
 
 
+@pytest.mark.slow
 def test_stale_gradient_is_named_at_step_1(launch):
     proc, result = launch("tests.faulty_adapters:StaleGradDDP", WORLD_SIZE, "mlp", STEPS)
     d = different(proc, result)
