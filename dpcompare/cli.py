@@ -22,7 +22,7 @@ from dpcompare.run.registry import UserCodeError
 from dpcompare.run.config import DEFAULT_GLOBAL_BATCH, Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
 
 SUBCOMMANDS = ("run", "compare", "report", "bench-collectives", "regress")
-# Exit status of `run` (README, "Failures"): 0 done; 2 bad input (nothing ran); 3 a rank made no progress for
+# Exit status of `run` (docs/failures.md): 0 done; 2 bad input (nothing ran); 3 a rank made no progress for
 # --timeout-s (the watchdog stopped it); 4 the run failed while running (a collective failed or timed out, a
 # peer died, a backend error); 130 interrupted.
 EXIT_USAGE = 2

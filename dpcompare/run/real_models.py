@@ -5,7 +5,7 @@ Owns: `--model resnet18|resnet50` (ImageNet-shaped: 3x224x224, 1000 classes) and
 data built from the seed. Nothing is downloaded: weights are initialised from the seed, data is generated.
 
 ResNet: torchvision's own `resnet18` / `resnet50` when torchvision imports (it is an optional extra: the
-CPU build must match torch, see README); otherwise this module's definition of the same network, with
+CPU build must match torch, see docs/workloads.md); otherwise this module's definition of the same network, with
 torchvision's module names, shapes and initialisation (v1.5: the stride sits in the bottleneck's 3x3), so a
 state_dict moves between the two. `Workload.source` records which one ran.
 

@@ -30,7 +30,7 @@ from dpcompare.results import atomic_file
 from dpcompare.run import launch
 
 EXIT_PEER_FAILURE = 3
-"""The exit status of a rank the watchdog stopped (README, "Failures")."""
+"""The exit status of a rank the watchdog stopped (docs/failures.md)."""
 
 
 def heartbeat_dir(job_id: str) -> Path:

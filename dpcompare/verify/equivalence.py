@@ -25,7 +25,7 @@ in that dtype, with a different summation order than the single process: the sam
 world_size * u term bounds the extra rounding of averaging N gradients (a ring or tree sum of N terms plus
 one division: at most N-1 additions of relative error u each, and pre- vs post-division differing by an
 ulp when N is not a power of two). TOLERANCE_FACTOR is 10: measured noise ratios of correct backends on the
-built-in workloads stay below 3 (README, "Tolerance"), and every planted fault measured lands above 10^4.
+built-in workloads stay below 3 (docs/verification.md, "Tolerance"), and every planted fault measured lands above 10^4.
 """
 
 from __future__ import annotations
