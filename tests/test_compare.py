@@ -151,6 +151,20 @@ def test_bad_compare_input_is_one_clear_error(tmp_path, kw, match):
         plan.plan(_ns(collectives="none", **kw), tmp_path)
 
 
+@pytest.mark.parametrize(("world_sizes", "sweep", "expected"), [
+    ("1,2", False, 2048), ("1,2,4,8", False, 2048), ("1,6", False, 2052), ("1,3", False, 2049), ("1,16", False, 2048),
+    ("2", True, 2048), ("1,3", True, 2052)])
+def test_without_a_global_batch_compare_picks_one_every_world_size_divides(tmp_path, world_sizes, sweep, expected):
+    ns = _ns(collectives="none", backends="reference,ddp", world_sizes=world_sizes, sweep=sweep)
+    assert ns.global_batch is None
+    planned = plan.plan(ns, tmp_path)
+    assert ns.global_batch == expected  # what compare.json records and compare prints
+    for job in planned.jobs:
+        assert job.command[job.command.index("--global-batch") + 1] == str(expected)
+        accum = job.command[job.command.index("--grad-accum") + 1] if "--grad-accum" in job.command else "1"
+        assert expected % (job.world_size * int(accum)) == 0, job.label
+
+
 def test_a_global_batch_the_world_sizes_cannot_shard_is_refused_with_the_runs_own_message(tmp_path):
     with pytest.raises(ValueError) as refused:
         plan.plan(_ns(collectives="none", world_sizes="1,5", global_batch=24), tmp_path)

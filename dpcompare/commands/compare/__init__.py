@@ -47,9 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "state the first step left")
     p.add_argument("--measure-steps", type=int, default=20, help="timed steps per run (0: verdicts only)")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps per run before the timed ones")
-    p.add_argument("--global-batch", type=int, default=2048,
-                   help="samples per step over all ranks; at 2048, compute dominates a step of mlp-wide at world "
-                        "size 2 on a CPU core")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="samples per step over all ranks (default: 2048, or the smallest multiple of every world size "
+                        "above it; at 2048, compute dominates a step of mlp-wide at world size 2 on a CPU core)")
     p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
                    help="strong: fixed global batch; weak: fixed per-rank batch (global batch / largest world size)")
     p.add_argument("--collectives", default="auto",
@@ -72,8 +72,12 @@ def main(ns: argparse.Namespace) -> int:
     if not console.is_terminal:
         console = Console(width=160)  # logs and CI: wide enough for the matrix, no wrapped numbers
     run_dir = Path(ns.out) / time.strftime("%Y%m%d-%H%M%S")
+    given = ns.global_batch
     planned = plan.plan(ns, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if given is None and ns.global_batch != plan.DEFAULT_GLOBAL_BATCH:
+        console.print(f"global batch {ns.global_batch}: the smallest multiple of every world size at least "
+                      f"{plan.DEFAULT_GLOBAL_BATCH} (--global-batch sets it)")
     for u in planned.unavailable:
         console.print(f"[yellow]{u['backend']} unavailable:[/] {u['reason']}")
     _run_all(console, ns, run_dir, planned.jobs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -107,9 +108,25 @@ def plan(ns: argparse.Namespace, run_dir: Path) -> Plan:
     return result
 
 
+DEFAULT_GLOBAL_BATCH = 2048
+"""compare's global batch when --global-batch is not given (rounded up to what every world size divides)."""
+
+
+def default_global_batch(ns: argparse.Namespace, world_sizes: list[int]) -> int:
+    """The smallest multiple of every world size (and, under --sweep, of the largest world size x each
+    accumulation) that is at least DEFAULT_GLOBAL_BATCH: 2048 at world sizes 1, 2, 4, 8; 2052 at 1, 6."""
+    unit = math.lcm(*world_sizes)
+    if ns.sweep:
+        unit = math.lcm(unit, *(max(world_sizes) * k for k in comma_separated(ns.sweep_accum, "--sweep-accum", int)))
+    return unit * -(-DEFAULT_GLOBAL_BATCH // unit)
+
+
 def run_config(ns: argparse.Namespace, world_sizes: list[int]) -> RunConfig:
     """The run flags every job shares, as the run itself will read them. Weak scaling fixes the per-rank
-    batch at the global batch over the largest world size."""
+    batch at the global batch over the largest world size. Without --global-batch, ns.global_batch is set to
+    the one chosen (default_global_batch), which compare then reports."""
+    if ns.global_batch is None:
+        ns.global_batch = default_global_batch(ns, world_sizes)
     shared = dict(model=ns.model, steps=ns.steps, measure_steps=ns.measure_steps, warmup_steps=ns.warmup_steps)
     if ns.scaling == "weak":
         return RunConfig(**shared, scaling="weak", local_batch=max(ns.global_batch // max(world_sizes), 1))
