@@ -12,6 +12,7 @@ explicit global batch the world size does not divide is still refused.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import subprocess
 import sys
@@ -113,3 +114,15 @@ def test_the_runs_line_says_what_it_chose_and_what_it_did_not_measure():
     line = summary_line(_payload(32, 0))
     assert "chosen" not in line
     assert "costs not measured (--measure-steps 0): add --measure-steps 20" in line
+
+
+@pytest.mark.parametrize(("old", "name", "new"), [
+    ("dpcompare.workloads", "Workload", "Workload"), ("dpcompare.process_group", "ProcessGroupMixin", "ProcessGroupMixin"),
+    ("dpcompare.config", "RunConfig", "RunConfig"), ("dpcompare.launch", "LaunchEnv", "LaunchEnv")])
+def test_the_paths_before_the_layers_still_import_with_a_deprecation_warning(old, name, new):
+    module = importlib.import_module(old)
+    with pytest.warns(DeprecationWarning, match=f"import .*{new}.* from dpcompare"):
+        value = getattr(module, name)
+    assert value is getattr(dpcompare, new)
+    with pytest.warns(DeprecationWarning), pytest.raises(AttributeError):
+        module.NoSuchName  # noqa: B018
