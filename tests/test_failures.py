@@ -251,6 +251,7 @@ def test_bad_input_under_other_launchers_is_said_once(launch, backend, launcher)
 
 # -- crashed and hung ranks ----------------------------------------------------------------------------
 @pytest.mark.multiproc
+@pytest.mark.slow  # the default tier kills a rank in the fault campaign (kill-ddp-torchrun)
 @pytest.mark.timeout(150)
 def test_crashed_rank_ends_the_launch_quickly(launch):
     # The default --timeout-s is 120 s: ending well before it means the crash, not a timeout, ended the run.
