@@ -533,3 +533,43 @@ def test_child_env_puts_the_virtual_environments_bin_first_once(monkeypatch) -> 
     assert launchers.child_env()["PATH"] == os.pathsep.join(["/usr/bin", bin_dir, "/bin"])
     # an explicit PATH override still wins
     assert launchers.child_env({"PATH": "/x"})["PATH"] == "/x"
+
+
+# -- the trajectory check: a faithful float32 run passes, one that drifts fails --------------------------------
+def _trajectory_and_a_run(lr_factor: float = 1.0, nudge: float = 0.0):
+    """Two steps of the mlp beside the reference trajectory; the 'run' is a float32 single process stepping with
+    lr x lr_factor, and `nudge` added to one weight after the last step (a fault between checks)."""
+    from dpcompare.verify.equivalence import global_groups
+    from dpcompare.verify.trajectory import Trajectory
+
+    w = workloads.mlp(7)
+    factory = lambda params, **kw: torch.optim.SGD(params, lr=kw.get("lr", 0.05), momentum=0.9)  # noqa: E731
+    trajectory = Trajectory(w.model, w.loss_fn, factory, "float32", torch.device("cpu"), depth=3)
+    run = copy.deepcopy(w.model).float()
+    optimizer = torch.optim.SGD(run.parameters(), lr=0.05 * lr_factor, momentum=0.9)
+    judged = []
+    for step in range(2):
+        batch = w.make_batch(step, 24)
+        trajectory.step(global_groups(batch))
+        optimizer.zero_grad()
+        w.loss_fn(run(batch[0]), batch[1]).backward()
+        optimizer.step()
+        if step == 1 and nudge:
+            with torch.no_grad():
+                next(run.parameters()).view(-1)[0] += nudge
+        judged.append(trajectory.judge(step, run, world_size=1))
+    return judged
+
+
+def test_trajectory_passes_a_faithful_float32_run():
+    for entry in _trajectory_and_a_run():
+        assert entry["ok"] is True and entry["noise_ratio"] < 10, entry
+
+
+@pytest.mark.parametrize(("lr_factor", "nudge"), [(1.001, 0.0), (1.0, 1e-3)], ids=["lr-off-by-0.1%", "weight-nudged"])
+def test_trajectory_fails_a_run_that_drifts(lr_factor, nudge):
+    """The negative twin: a learning rate 0.1 % off, or one weight moved by 1e-3 between checks, is outside the
+    trajectory's tolerance at the step it happens, and the worst parameter is named."""
+    last = _trajectory_and_a_run(lr_factor, nudge)[-1]
+    assert last["ok"] is False and last["rel_param_distance"] > last["tolerance"], last
+    assert last["worst_parameter"] == "0.weight" or nudge == 0.0, last
