@@ -1,15 +1,6 @@
 """Deprecated: dpcompare.workloads moved to dpcompare.run.workloads (internal) in 0.1.0. Import Workload and shard from
-`dpcompare`, the public API (docs/extending.md). Until 0.3.0 this module forwards every name there, with a
-DeprecationWarning, so code written against the old path keeps running."""
+`dpcompare`, the public API (docs/extending.md); until 0.3.0 every name here is forwarded with a warning."""
 
-from __future__ import annotations
+from dpcompare._moved import forward
 
-import importlib
-import warnings
-from typing import Any
-
-
-def __getattr__(name: str) -> Any:
-    warnings.warn(f"dpcompare.workloads.{name}: dpcompare.workloads is deprecated and goes in 0.3.0; import Workload and shard from "
-                  "dpcompare (the public API)", DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module("dpcompare.run.workloads"), name)
+__getattr__ = forward(__name__, "dpcompare.run.workloads", "Workload and shard")
