@@ -20,7 +20,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jsonschema
 import pytest
@@ -128,9 +128,13 @@ def command(launcher: str, world_size: int, dpcompare_args: Sequence[str], launc
     return launchers.native_command(launcher, world_size, dpcompare_args, launcher_args)
 
 
+def without_launcher_vars(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` less every variable a launcher or scheduler sets (a test run inside a job must not leak them)."""
+    return {k: v for k, v in env.items() if k not in _LAUNCHER_VARS and not k.startswith(_LAUNCHER_VAR_PREFIXES)}
+
+
 def child_env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCHER_VARS and not k.startswith(_LAUNCHER_VAR_PREFIXES)}
+    env = without_launcher_vars(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env["PATH"] = os.pathsep.join([str(BIN_DIR), env.get("PATH", "")])

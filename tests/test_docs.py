@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import _LAUNCHER_VAR_PREFIXES, _LAUNCHER_VARS
+from conftest import without_launcher_vars
 from dpcompare import cli
 from dpcompare.commands import pytest_plugin
 from dpcompare.run import launchers
@@ -357,8 +357,7 @@ def run_example(path: Path, flag: str, tmp_path: Path) -> str:
     module, _, name = words[words.index(flag) + 1].partition(":")
     assert re.search(rf"^(def|class) {name}\b", code, re.MULTILINE), f"the Python block defines no {name}"
     (tmp_path / f"{module}.py").write_text(code)
-    env = {k: v for k, v in launchers.child_env({"OMP_NUM_THREADS": "1"}).items()
-           if not k.startswith(_LAUNCHER_VAR_PREFIXES) and k not in _LAUNCHER_VARS}
+    env = without_launcher_vars(launchers.child_env({"OMP_NUM_THREADS": "1"}))
     env["DPCOMPARE_HEARTBEAT_DIR"] = str(tmp_path / "heartbeat")
     done = launchers.run_process([*words, "--out", str(tmp_path / "results")], timeout_s=240, capture=True,
                                  env=env, cwd=tmp_path)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import _LAUNCHER_VAR_PREFIXES, _LAUNCHER_VARS, REPO_ROOT, torchrun_rank_logs
+from conftest import REPO_ROOT, torchrun_rank_logs, without_launcher_vars
 from dpcompare import cli, results
 
 ERROR_PREFIX = "dpcompare: error:"
@@ -96,10 +96,9 @@ def in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.C
     """Run `python -m dpcompare ARGS` in this process through dpcompare.cli.main, as a plain one-process launch
     would (no launcher variables, the working directory on sys.path, results under tmp_path/out): returns
     (exit status, stdout, stderr, the results written)."""
-    saved = dict(os.environ)  # a backend may set launcher variables (RANK, MASTER_PORT, ...) for its world of one
-    for name in list(os.environ):
-        if name in _LAUNCHER_VARS or name.startswith(_LAUNCHER_VAR_PREFIXES):
-            monkeypatch.delenv(name)
+    saved = dict(os.environ)  # restored whole: a backend may set RANK, MASTER_PORT, ... for its world of one
+    os.environ.clear()
+    os.environ.update(without_launcher_vars(saved))
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.syspath_prepend(str(REPO_ROOT))  # --backend tests.faulty_adapters:...

@@ -213,11 +213,15 @@ DEFAULT_GLOBAL_BATCH = 24
 """The global batch a run aims at when --global-batch is not given (rounded up to what its world size divides)."""
 
 
+def smallest_multiple(unit: int, at_least: int) -> int:
+    """The smallest multiple of `unit` that is at least `at_least`."""
+    return unit * -(-at_least // unit)
+
+
 def default_global_batch(world_size: int, grad_accum: int = 1) -> int:
     """The smallest multiple of world_size x grad_accum that is at least DEFAULT_GLOBAL_BATCH: equal shards of equal
     micro-batches at any world size (1-3 ranks: 24; 16 ranks: 32; 5 ranks: 25)."""
-    unit = world_size * grad_accum
-    return unit * -(-DEFAULT_GLOBAL_BATCH // unit)
+    return smallest_multiple(world_size * grad_accum, DEFAULT_GLOBAL_BATCH)
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0

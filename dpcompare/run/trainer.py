@@ -159,14 +159,14 @@ def summary_line(payload: dict[str, Any]) -> str:
     e = payload["equivalence"]
     head = f"{payload['backend']} ws={payload['world_size']} {payload['model']} [{payload['launcher']}]: {e['verdict']}"
     config = payload.get("config") or {}
-    chosen = ""
+    about_the_run = []  # what the run chose, and what it did not do
     if config.get("scaling", "strong") == "strong" and "global_batch" in config and config["global_batch"] is None:
-        chosen = f"; global batch {payload['global_batch']} chosen for {payload['world_size']} rank(s) (--global-batch sets it)"
-    m = payload.get("metrics")
-    costs = ("; costs not measured (--measure-steps 0): add --measure-steps 20 to measure them"
-             if config.get("measure_steps") == 0 else "")
+        about_the_run.append(f"global batch {payload['global_batch']} chosen for {payload['world_size']} rank(s) "
+                             "(--global-batch sets it)")
+    if config.get("measure_steps") == 0:
+        about_the_run.append("costs not measured (--measure-steps 0): add --measure-steps 20 to measure them")
     if e["verdict"] == "unchecked":
-        detail = "; ".join(filter(None, [chosen[2:], costs[2:]]))
+        detail = "; ".join(about_the_run)
         return f"{head}{f' ({detail})' if detail else ''} -> {payload.get('result_path')}"
     def f(x: float | None, spec: str) -> str:  # a non-finite figure is stored as null
         return "non-finite" if x is None else format(x, spec)
@@ -186,6 +186,7 @@ def summary_line(payload: dict[str, Any]) -> str:
     detail = "; ".join(parts) or "no figures"
     if e["tolerance"].get("compression", "none") != "none":
         detail += f" ({e['tolerance']['compression']} on the wire, tolerance widened to match)"
+    m = payload.get("metrics")
     if m and m.get("step_ms_p50") is not None:
         detail += f"; step p50 {m['step_ms_p50']:.1f} ms, {m['samples_per_s']:.3g} samples/s"
     if e["first_divergence"]:
@@ -194,4 +195,4 @@ def summary_line(payload: dict[str, Any]) -> str:
     if e.get("unverifiable_reason"):
         detail += f"; unverifiable: {e['unverifiable_reason']}"
     detail += "; replicas identical" if e["replicas_identical"] else "; REPLICAS DIFFER"
-    return f"{head} ({detail}{chosen}{costs}) -> {payload.get('result_path')}"
+    return f"{head} ({'; '.join([detail, *about_the_run])}) -> {payload.get('result_path')}"

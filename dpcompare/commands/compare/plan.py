@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from dpcompare.contract import Capabilities
 from dpcompare.run import registry
-from dpcompare.run.config import RunConfig
+from dpcompare.run.config import RunConfig, smallest_multiple
 from dpcompare.run.launchers import native_command
 
 
@@ -118,7 +118,7 @@ def default_global_batch(ns: argparse.Namespace, world_sizes: list[int]) -> int:
     unit = math.lcm(*world_sizes)
     if ns.sweep:
         unit = math.lcm(unit, *(max(world_sizes) * k for k in comma_separated(ns.sweep_accum, "--sweep-accum", int)))
-    return unit * -(-DEFAULT_GLOBAL_BATCH // unit)
+    return smallest_multiple(unit, DEFAULT_GLOBAL_BATCH)
 
 
 def run_config(ns: argparse.Namespace, world_sizes: list[int]) -> RunConfig:
