@@ -94,10 +94,12 @@ class DataParallelAdapter(Adapter):
     def comm_counter(self) -> CommCounter | None:
         return _IntervalCounter(self.wrapped.model) if isinstance(self.wrapped.model, _CountingDataParallel) else None
 
-    def rng_replay_reason(self) -> str | None:
-        if self.device.type == "cuda" and len(self.wrapped.model.device_ids) > 1:
-            return "DataParallel's replicas draw their random numbers on their own devices, which one rank's state does not hold"
-        return None
+    def replicas_per_process(self) -> int:
+        # Each replica normalises (BatchNorm) and draws dropout masks on its own part of the micro-batch; the
+        # masks are captured per device, and the oracle splits the micro-batch as DataParallel's scatter does.
+        if self.device.type == "cuda" and isinstance(self.wrapped.model, _CountingDataParallel):
+            return len(self.wrapped.model.device_ids)
+        return 1
 
     def comm_buffer_bytes(self, grad_bytes: int) -> int | None:
         if self.device.type != "cuda":

@@ -160,6 +160,8 @@ class ModelFacts:
     """Modules that draw random numbers in training mode (dropout)."""
     stochastic: bool = False
     """Two forwards of the same input differ: the forward draws random numbers."""
+    uncaptured: str | None = None
+    """The module that draws random numbers where no dropout mask can be captured (None: all captured)."""
 
 
 @dataclass(slots=True)
@@ -259,9 +261,14 @@ class Adapter:
         return [obj]
 
     def rng_replay_reason(self) -> str | None:
-        """Why rank 0 cannot replay this backend's random numbers from each rank's generator state (they are
-        drawn somewhere else than in the rank's own forward), or None when it can."""
+        """Why rank 0 cannot check this backend's random numbers: they are drawn somewhere the dropout modules'
+        captured masks do not reach (not in the modules of `wrapped.module`), or None when they are captured."""
         return None
+
+    def replicas_per_process(self) -> int:
+        """Model replicas one process runs per step (nn.DataParallel over several devices; else 1): each
+        normalises its own part of a micro-batch, and each draws its own dropout masks."""
+        return 1
 
     def allreduce_sum_autograd(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """A differentiable all-reduce(sum), for global BatchNorm; None when there is one replica."""

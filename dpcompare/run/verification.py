@@ -1,7 +1,9 @@
 """The verification phase: `cfg.steps` training steps, each held against the float64 oracle.
 
 Owns: the cross-rank side of verification. At checked steps every rank sends rank 0 its shard's digest,
-its reduced gradients' digests and how it left unused parameters' gradients; rank 0's `Verifier`
+its reduced gradients' digests, how it left unused parameters' gradients and its module buffers before the
+forward and after the backward; at every step of a model that draws random numbers, the dropout masks its
+forward drew (captured by dpcompare.verify.masks) and its generator's digest. Rank 0's `Verifier`
 (dpcompare.verify.verifier) checks the gradient against the oracle, the update against a reference
 optimizer step and, after every step, the parameters against the reference trajectory. The replicas'
 weights are compared after checked steps and the last one, and the ranks' generators where the forward
@@ -10,6 +12,7 @@ draws random numbers.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +24,9 @@ from dpcompare.contract import Adapter
 from dpcompare.run.config import RunConfig
 from dpcompare.run.optim import optimizer_factory
 from dpcompare.run.step import StepRunner
-from dpcompare.run.syncbn import has_batchnorm
+from dpcompare.verify import buffers
 from dpcompare.verify import equivalence as eq
+from dpcompare.verify import masks as mk
 from dpcompare.verify import stochastic, verifier
 
 
@@ -35,6 +39,7 @@ class VerificationPhase:
         self.names = [n for n, _ in self.wrapped.module.named_parameters()]
         self.rank0 = is_rank0
         self.check: verifier.Verifier | None = None
+        self.recorder = mk.MaskRecorder(self.wrapped.module) if self.facts.stochastic else None
 
     def run(self) -> eq.Verdict:
         self.verdict = self._start()
@@ -50,7 +55,8 @@ class VerificationPhase:
             self.check = verifier.Verifier(
                 cfg=self.cfg, world_size=self.runner.world_size, template=self.template,
                 loss_fn=self.runner.workload.loss_fn, facts=self.facts, wrapped=self.wrapped, device=self.runner.device,
-                factory=optimizer_factory(self.cfg), has_batchnorm=has_batchnorm(self.template),
+                factory=optimizer_factory(self.cfg),
+                layout=eq.Layout(self.runner.world_size, self.cfg.grad_accum, self.adapter.replicas_per_process()),
                 replay_reason=self.adapter.rng_replay_reason())
             self.check.check_initial(self.wrapped.module)
         verdict = self.check.verdict if self.check is not None else eq.Verdict(notes=list(self.wrapped.notes))
@@ -65,12 +71,13 @@ class VerificationPhase:
         checked = self.cfg.check_every > 0 and step % self.cfg.check_every == 0
         batch, x, y = self.runner.batch(step)
         rng = stochastic.capture(self.runner.device) if self.facts.stochastic else None
+        before = buffers.snapshot(self.wrapped.module) if checked else None
         gathered: list[dict[str, Any]] = []
 
         def after_reduce() -> None:
             # Gradients are global now and the parameters are those the gradients were taken at.
             if checked or self.facts.stochastic:
-                gathered.extend(self.adapter.all_gather_object(self._evidence(x, rng, checked)))
+                gathered.extend(self.adapter.all_gather_object(self._evidence(x, rng, checked, before)))
             if self.check is not None:
                 if self.facts.stochastic:
                     self.check.observe_generators(step, [i["rng"] for i in gathered])
@@ -80,17 +87,21 @@ class VerificationPhase:
         def after_update() -> None:
             if self.check is not None:
                 self.check.check_update(step)
-                self.check.trajectory_step(step, batch, [i["rng"] for i in gathered] if self.facts.stochastic else None)
+                self.check.trajectory_step(step, batch, [i["masks"] for i in gathered] if self.facts.stochastic else None)
             if checked or step == self.cfg.steps - 1:
                 self._compare_replicas(step)
 
-        self.runner.step(step, x, y, phase="verify", after_reduce=after_reduce, after_update=after_update)
+        with self.recorder.recording() if self.recorder is not None else contextlib.nullcontext():
+            self.runner.step(step, x, y, phase="verify", after_reduce=after_reduce, after_update=after_update)
 
-    def _evidence(self, x: torch.Tensor, rng: Any, checked: bool) -> dict[str, Any]:
+    def _evidence(self, x: torch.Tensor, rng: Any, checked: bool, before: buffers.Buffers | None) -> dict[str, Any]:
         mine = {"shard": eq.tensor_digest(x), "rng": rng}
+        if self.recorder is not None:
+            mine["masks"] = self.recorder.take()
         if checked:
             mine["grads"] = eq.grad_digests(self.wrapped.module)
             mine["unused"] = _unused_grad_forms(self.wrapped.module, self.facts.unused)
+            mine["buffers"] = {"before": before, "after": buffers.snapshot(self.wrapped.module)}
         return mine
 
     def _compare_replicas(self, step: int) -> None:

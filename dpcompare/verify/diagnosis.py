@@ -17,9 +17,8 @@ from typing import Any, Callable
 import torch
 from scipy.optimize import minimize_scalar
 
-from dpcompare.verify.equivalence import (UNIT_ROUNDOFF, WIRE_DTYPE, Grads, Group, Oracle, flat, global_groups,
-                                   rel_fro, tensor_digest)
-from dpcompare.verify.stochastic import RngState
+from dpcompare.verify.equivalence import (UNIT_ROUNDOFF, WIRE_DTYPE, Grads, Layout, Masks, Oracle, flat, global_pieces,
+                                          rel_fro, replica_pieces, tensor_digest)
 from dpcompare.verify.update_check import OptState, OptimizerFactory, reference_step, state_summary
 from dpcompare.run.workloads import shard
 
@@ -102,21 +101,23 @@ class GradientEvidence:
     sync_bn: bool
     compression: str
     dtype: str
-    rngs: list[RngState] | None = None
-    """Each rank's generator state before its forward, when the model draws random numbers."""
+    layout: Layout = Layout()
+    """How the backend split the global batch into forwards."""
+    per_replica: bool = False
+    """The oracle was each replica's own forwards (BatchNorm without --sync-bn), not the global batch."""
+    masks: list[Masks | None] | None = None
+    """The dropout masks each forward of the layout drew, when the model draws random numbers."""
     previous: tuple[int, Grads] | None = None
     """(step, reduced gradient) of the previous step when it was checked."""
 
+    @property
+    def stochastic(self) -> bool:
+        return bool(self.masks)
+
     def local(self) -> list[Grads]:
-        """Each rank's own gradient of its shard (float64, its micro-batches, its random numbers)."""
-        out = []
-        for rank in range(self.world_size):
-            x, y = shard(self.batch, rank, self.world_size)
-            rng = self.rngs[rank] if self.rngs else None
-            k = self.grad_accum
-            groups: list[Group] = [(rng, [(xj, yj, 1.0 / k) for xj, yj in zip(x.chunk(k), y.chunk(k))])]
-            out.append(self.oracle.oracle_of(self.state, groups))
-        return out
+        """Each rank's own gradient of its shard (float64, its micro-batches, the masks it drew)."""
+        return [self.oracle.oracle_of(self.state, replica_pieces(self.batch, self.layout, self.masks, ranks=[rank]))
+                for rank in range(self.world_size)]
 
 
 class _GradientHypotheses:
@@ -138,9 +139,8 @@ class _GradientHypotheses:
     def none_reason(self) -> str:
         none = ("the reduced gradient matches none of the known fault patterns (sum, 1/N, one rank's local gradient, "
                 "a stale gradient, an undeclared wire dtype, per-rank or per-micro-batch BatchNorm, duplicated data)")
-        if self.ev.rngs:
-            none += ("; the model draws random numbers and its masks were replayed from each rank's generator state: a "
-                     "backend that draws them elsewhere cannot be replayed (rerun with --no-dropout)")
+        if self.ev.stochastic:
+            none += "; the model draws random numbers: the oracle applied the dropout masks each rank drew"
         return none
 
     def local(self) -> list[Grads]:
@@ -213,26 +213,35 @@ class _GradientHypotheses:
                           "wait for this step's all-reduce, or a buffer from the previous step was used)", explained)]
 
     def batchnorm(self, remaining: list[str]) -> list[Diagnosis]:
-        ev, n, names = self.ev, self.n, self.names
-        if not ev.has_batchnorm:
+        ev, names, layout = self.ev, self.names, self.ev.layout
+        if not ev.has_batchnorm or not layout.splits_the_batch:
             return []
-        k = ev.grad_accum
         out = []
-        if n > 1 and not ev.sync_bn:
-            explained = self.match(_mean(self.local(), names), remaining)
+        if ev.per_replica:
+            # The oracle normalised each forward's own samples, as data parallelism without SyncBN does.
+            explained = self.match(ev.oracle.oracle_of(ev.state, global_pieces(ev.batch)), remaining)
+            out.append(Diagnosis("batchnorm", "BatchNorm normalised the global batch as one, though --sync-bn was not "
+                                 "given: the backend synchronises BatchNorm statistics on its own (each replica should "
+                                 f"normalise its local batch of {ev.batch[0].shape[0] // layout.world_size}); pass --sync-bn "
+                                 "to judge it as one computation", explained))
+            return out
+        if layout.world_size > 1:
+            per_rank = Layout(layout.world_size, 1, layout.replicas)
+            explained = self.match(ev.oracle.oracle_of(ev.state, replica_pieces(ev.batch, per_rank, None)), remaining)
             out.append(Diagnosis("batchnorm", f"BatchNorm normalised each rank's shard with that shard's own statistics "
-                                 f"(local batch {ev.batch[0].shape[0] // n}), so the mean of the rank gradients is not the "
-                                 "global-batch gradient; rerun with --sync-bn for global-batch statistics", explained))
+                                 f"(local batch {ev.batch[0].shape[0] // layout.world_size}) though --sync-bn was given: "
+                                 "the backend's sync_batchnorm left BatchNorm layers unsynchronised", explained))
+        k = ev.grad_accum
         if k > 1:
-            groups = _micro_batch_groups(ev.batch, n, k, across_ranks=ev.sync_bn)
-            grads = [ev.oracle.oracle_of(ev.state, global_groups(group)) for group in groups]
+            groups = _micro_batch_groups(ev.batch, layout.world_size, k)
+            grads = [ev.oracle.oracle_of(ev.state, global_pieces(group)) for group in groups]
             explained = self.match(_mean(grads, names), remaining)
             size = groups[0][0].shape[0]
-            where = "across ranks (synchronised BatchNorm)" if ev.sync_bn else "on each rank"
-            out.append(Diagnosis("batchnorm", f"BatchNorm normalised each micro-batch ({size} samples {where}) with its own "
-                                 f"statistics under gradient accumulation (--grad-accum {k}), so the accumulated gradient is "
-                                 "not the global-batch gradient; any backend does this: use --grad-accum 1, a larger "
-                                 "micro-batch, or a normalisation without batch statistics", explained))
+            out.append(Diagnosis("batchnorm", f"BatchNorm normalised each micro-batch ({size} samples across ranks, "
+                                 f"synchronised BatchNorm) with its own statistics under gradient accumulation "
+                                 f"(--grad-accum {k}), so the accumulated gradient is not the global-batch gradient; any "
+                                 "backend does this: use --grad-accum 1, a larger micro-batch, or drop --sync-bn to judge "
+                                 "each micro-batch as its own replica", explained))
         return out
 
     def wire(self, remaining: list[str]) -> list[Diagnosis]:
@@ -273,12 +282,11 @@ def _mean(grads: list[Grads], names: list[str]) -> Grads:
     return {p: torch.stack([g[p] for g in grads]).mean(dim=0) for p in names}
 
 
-def _micro_batch_groups(batch: tuple[torch.Tensor, torch.Tensor], n: int, k: int, *, across_ranks: bool):
+def _micro_batch_groups(batch: tuple[torch.Tensor, torch.Tensor], n: int, k: int):
+    """Micro-batch j of every rank, joined: what synchronised BatchNorm normalises under gradient accumulation."""
     per_rank = [tuple(t.chunk(k) for t in shard(batch, r, n)) for r in range(n)]
-    if across_ranks:
-        return [(torch.cat([per_rank[r][0][j] for r in range(n)]), torch.cat([per_rank[r][1][j] for r in range(n)]))
-                for j in range(k)]
-    return [(per_rank[r][0][j], per_rank[r][1][j]) for r in range(n) for j in range(k)]
+    return [(torch.cat([per_rank[r][0][j] for r in range(n)]), torch.cat([per_rank[r][1][j] for r in range(n)]))
+            for j in range(k)]
 
 
 def _simulate_wire(local: list[Grads], names: list[str], wire: torch.dtype, pre_divide: bool) -> Grads:

@@ -30,6 +30,7 @@ built-in workloads stay below 3 (docs/verification.md, "Tolerance"), and every p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import math
@@ -40,8 +41,7 @@ import torch
 from torch import nn
 
 from dpcompare.contract import Note
-from dpcompare.verify.stochastic import RngState, replaying
-from dpcompare.run.workloads import shard
+from dpcompare.verify.masks import MaskReplayer
 
 TOLERANCE_FACTOR = 10.0
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
@@ -149,45 +149,87 @@ def compare_grads(
 
 
 # -- the oracle ------------------------------------------------------------------------------------
-Piece = tuple[torch.Tensor, torch.Tensor, float]
-"""Inputs, targets and the weight of that piece's loss in the step's gradient."""
-Group = tuple[RngState | None, list[Piece]]
-"""Pieces run in order from one generator state (None: deterministic, no state needed)."""
+Masks = dict[str, list[torch.Tensor]]
+"""Captured dropout masks of one forward: module name -> bool masks in call order (dpcompare.verify.masks)."""
 
 
-def global_groups(batch: tuple[torch.Tensor, torch.Tensor]) -> list[Group]:
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One forward the oracle runs: inputs, targets, the weight of its loss in the step's gradient, and the
+    dropout masks the backend drew for exactly these samples (None: the forward draws nothing)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    weight: float
+    masks: Masks | None = None
+    rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How a step's global batch was split into the forwards the backend ran: rank r's shard (strided, like
+    DistributedSampler), its `grad_accum` micro-batches (contiguous chunks of the shard), and, for a backend
+    that replicates one process's model over devices (nn.DataParallel), each micro-batch scattered over
+    `replicas` devices (contiguous chunks, as DataParallel's scatter cuts them)."""
+
+    world_size: int = 1
+    grad_accum: int = 1
+    replicas: int = 1
+
+    def positions(self, batch_size: int) -> list[tuple[int, int, int, torch.Tensor]]:
+        """(rank, micro-batch, replica, positions in the global batch) of every forward, in the order each
+        rank ran them."""
+        out = []
+        for rank in range(self.world_size):
+            own = torch.arange(rank, batch_size, self.world_size)
+            for micro, part in enumerate(own.chunk(self.grad_accum)):
+                for replica, piece in enumerate(part.chunk(self.replicas)):
+                    out.append((rank, micro, replica, piece))
+        return out
+
+    @property
+    def splits_the_batch(self) -> bool:
+        """More than one forward per step: statistics over the batch (BatchNorm) see only part of it."""
+        return self.world_size * self.grad_accum * self.replicas > 1
+
+
+def global_pieces(batch: tuple[torch.Tensor, torch.Tensor], masks: Masks | None = None) -> list[Piece]:
     """The global batch in one forward: the gradient of the global-batch loss itself."""
-    return [(None, [(batch[0], batch[1], 1.0)])]
+    return [Piece(batch[0], batch[1], 1.0, masks)]
 
 
-def replay_groups(batch: tuple[torch.Tensor, torch.Tensor], world_size: int, grad_accum: int,
-                  rngs: list[RngState]) -> list[Group]:
-    """What the ranks computed, rank by rank: each rank's shard in its micro-batches, from the generator
-    state that rank had before its forward. For a loss that is a mean over samples and a model without
-    cross-sample coupling (no BatchNorm) the weighted sum is the gradient of the global-batch loss under
-    the random numbers the ranks drew."""
-    groups: list[Group] = []
-    weight = 1.0 / (world_size * grad_accum)
-    for rank in range(world_size):
-        x, y = shard(batch, rank, world_size)
-        groups.append((rngs[rank], [(xj, yj, weight) for xj, yj in zip(x.chunk(grad_accum), y.chunk(grad_accum))]))
-    return groups
+def replica_pieces(batch: tuple[torch.Tensor, torch.Tensor], layout: Layout,
+                   masks: list[Masks | None] | None = None, ranks: Iterable[int] | None = None) -> list[Piece]:
+    """What the backend computed, forward by forward: each rank's micro-batches (each replica's part of them),
+    weighted by their share of the global batch, with the masks that forward drew (`masks[i]` for the i-th
+    forward of `layout.positions`). The weighted sum of their gradients is the data-parallel gradient: the
+    global-batch gradient for a model without cross-sample coupling, and for a model with BatchNorm the mean
+    of the losses each replica normalised with its own statistics. `ranks`: only those ranks' forwards,
+    weighted as a share of their own samples (a rank's local gradient)."""
+    x, y = batch
+    n = x.shape[0]
+    chosen = None if ranks is None else set(ranks)
+    positions = [(i, p) for i, p in enumerate(layout.positions(n)) if chosen is None or p[0] in chosen]
+    total = sum(len(p[3]) for _, p in positions)
+    return [Piece(x[idx], y[idx], len(idx) / total, masks[i] if masks else None, rank)
+            for i, (rank, _, _, idx) in positions]
 
 
-def accumulate_gradient(model: nn.Module, loss_fn: Callable, groups: list[Group], device: torch.device) -> tuple[Grads, frozenset[str]]:
-    """Sum over pieces of weight * grad(loss(piece)) at the model's current parameters. Returns the
-    gradients (float64, CPU; zeros where autograd left None) and the names whose gradient stayed None."""
+def accumulate_gradient(model: nn.Module, loss_fn: Callable, pieces: list[Piece], device: torch.device,
+                        replayer: MaskReplayer | None = None) -> tuple[Grads, frozenset[str]]:
+    """Sum over pieces of weight * grad(loss(piece)) at the model's current parameters, each piece's forward
+    applying its captured dropout masks (`replayer`, a MaskReplayer of `model`). Returns the gradients
+    (float64, CPU; zeros where autograd left None) and the names whose gradient stayed None."""
     dtype = next(model.parameters()).dtype
     model.train()
     model.zero_grad(set_to_none=True)
-    for rng, pieces in groups:
-        with replaying(rng, device):
-            for x, y, weight in pieces:
-                x = x.to(device)
-                if x.is_floating_point():
-                    x = x.to(dtype)
-                loss = loss_fn(model(x), y.to(device))
-                (loss * weight if weight != 1.0 else loss).backward()
+    for piece in pieces:
+        x = piece.x.to(device)
+        if x.is_floating_point():
+            x = x.to(dtype)
+        with replayer.applying(piece.masks) if replayer is not None else contextlib.nullcontext():
+            loss = loss_fn(model(x), piece.y.to(device))
+        (loss * piece.weight if piece.weight != 1.0 else loss).backward()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     none = frozenset(n for n, p in named if p.grad is None)
     return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().cpu() for n, p in named}, none
@@ -212,12 +254,14 @@ def verification_copy(template: nn.Module, device: torch.device, dtype: torch.dt
 
 
 class Oracle:
-    """Recomputes gradients of the global-batch loss on rank 0 from the run's current parameters.
+    """Recomputes gradients of the step's loss on rank 0 from the run's current parameters.
 
     It holds two plain copies of the workload's model (no wrapper, no global BatchNorm): one in float64
     (the oracle) and one in the run dtype (the noise floor). Each check loads the run's state dict into
-    them, so no error carries over from earlier steps. Only trainable parameters are checked (`names`);
-    frozen ones (requires_grad=False) are listed apart. Work here never advances the run's generators.
+    them, so no error carries over from earlier steps, and runs the pieces it is given (the global batch, or
+    each replica's forwards with the dropout masks they drew). Only trainable parameters are checked
+    (`names`); frozen ones (requires_grad=False) are listed apart. Work here never advances the run's
+    generators.
     """
 
     def __init__(self, template: nn.Module, loss_fn: Callable, dtype: str, device: torch.device) -> None:
@@ -225,32 +269,33 @@ class Oracle:
         self.device = device
         self.model64 = verification_copy(template, device, torch.float64)
         self.model_run = verification_copy(template, device, DTYPES[dtype])
+        self.replay64, self.replay_run = MaskReplayer(self.model64), MaskReplayer(self.model_run)
         self.names = [n for n, p in template.named_parameters() if p.requires_grad]
         self.none: frozenset[str] = frozenset()
         """Parameters whose oracle gradient was None at the last `oracle_of` call (not in the loss)."""
 
-    def _grad(self, model: nn.Module, state: dict, groups: list[Group]) -> tuple[Grads, frozenset[str]]:
+    def _grad(self, model: nn.Module, replayer: MaskReplayer, state: dict, pieces: list[Piece]) -> tuple[Grads, frozenset[str]]:
         model.load_state_dict(state)
-        grads, none = accumulate_gradient(model, self.loss_fn, groups, self.device)
+        grads, none = accumulate_gradient(model, self.loss_fn, pieces, self.device, replayer)
         model.zero_grad(set_to_none=True)  # the float64 gradients live on in `grads`; a run-dtype copy is freed
         return grads, none
 
-    def oracle_of(self, state: dict, groups: list[Group]) -> Grads:
-        grads, self.none = self._grad(self.model64, state, groups)
+    def oracle_of(self, state: dict, pieces: list[Piece]) -> Grads:
+        grads, self.none = self._grad(self.model64, self.replay64, state, pieces)
         return grads
 
-    def floor_of(self, state: dict, groups: list[Group]) -> Grads:
-        return self._grad(self.model_run, state, groups)[0]
+    def floor_of(self, state: dict, pieces: list[Piece]) -> Grads:
+        return self._grad(self.model_run, self.replay_run, state, pieces)[0]
 
     def oracle(self, state: dict, x: torch.Tensor, y: torch.Tensor) -> Grads:
-        return self._grad(self.model64, state, global_groups((x, y)))[0]
+        return self.oracle_of(state, global_pieces((x, y)))
 
     def floor(self, state: dict, x: torch.Tensor, y: torch.Tensor) -> Grads:
-        return self._grad(self.model_run, state, global_groups((x, y)))[0]
+        return self.floor_of(state, global_pieces((x, y)))
 
 
 # -- verdict ---------------------------------------------------------------------------------------
-Check = Literal["initial", "gradient", "update", "trajectory", "replicas", "rng"]
+Check = Literal["initial", "gradient", "update", "trajectory", "replicas", "rng", "buffers"]
 
 
 @dataclass(slots=True)
@@ -262,7 +307,8 @@ class Divergence:
     noise_ratio: float
     reason: str
     check: Check = "gradient"
-    """Which check broke: initial weights, gradient, update, trajectory, replicas, or the ranks' generators."""
+    """Which check broke: initial weights, gradient, update, trajectory, replicas, the ranks' generators, or the
+    module buffers."""
     cause: str = "unknown"
     """The diagnosis' code (dpcompare.verify.diagnosis.Diagnosis.cause)."""
     parameters: list[str] = field(default_factory=list)
@@ -343,6 +389,12 @@ class Verdict:
     """What randomness the forward draws and how the check handled it (None: not probed)."""
     parameters: dict = field(default_factory=dict)
     """Unused and frozen parameters, and how the backend left the unused ones' gradients."""
+    batchnorm: dict | None = None
+    """BatchNorm judged per replica (no --sync-bn): its modules, local batch and measured distance from the
+    global batch (None: the model has no BatchNorm, it was synchronised, or the batch was not split)."""
+    buffers: list[dict] = field(default_factory=list)
+    """Every module buffer after the checked steps: do the ranks agree, and which semantics it follows
+    (dpcompare.verify.buffers)."""
 
     def note(self, code: str, text: str) -> None:
         self.notes.append(Note(code, text))
@@ -410,6 +462,8 @@ class Verdict:
             "initial_weights_identical": self.initial_weights_identical,
             "stochastic": self.stochastic,
             "parameters": self.parameters,
+            "batchnorm": self.batchnorm,
+            "buffers": self.buffers,
             "tolerance": tolerance_policy,
             "drift": self.drift,
             "notes": [n.to_dict() for n in self.notes],

@@ -1,8 +1,8 @@
 """The reference trajectory, judged: how far the run's parameters drift from a float64 single process.
 
 Owns: two plain single-process copies of the model trained on rank 0 beside the run, from the run's initial
-weights on the same global batches (and, for a model that draws random numbers, the ranks' replayed
-masks): one in float64, one in the run dtype. After every step the backend's parameters are measured
+weights on the same global batches, split as the backend split them (and, for a model that draws random
+numbers, with the masks the ranks drew): one in float64, one in the run dtype. After every step the backend's parameters are measured
 against the float64 copy, and that distance is judged in multiples of the run-dtype copy's distance to it,
 the drift a correct single process in the run dtype already has at that step. Imports no adapter.
 
@@ -20,8 +20,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dpcompare.verify.equivalence import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Group, accumulate_gradient, rel_fro,
-                                        verification_copy)
+from dpcompare.verify.equivalence import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Piece, accumulate_gradient, rel_fro,
+                                          verification_copy)
+from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.update_check import OptimizerFactory
 
 
@@ -41,10 +42,12 @@ class Trajectory:
         self.names = [n for n, p in template.named_parameters() if p.requires_grad]
         self.opt64 = factory([p for p in self.model64.parameters() if p.requires_grad])
         self.opt_run = factory([p for p in self.model_run.parameters() if p.requires_grad])
+        self.replayers = (MaskReplayer(self.model64), MaskReplayer(self.model_run))
 
-    def step(self, groups: list[Group]) -> None:
-        for model, optimizer in ((self.model64, self.opt64), (self.model_run, self.opt_run)):
-            accumulate_gradient(model, self.loss_fn, groups, self.device)
+    def step(self, pieces: list[Piece]) -> None:
+        for model, optimizer, replayer in ((self.model64, self.opt64, self.replayers[0]),
+                                           (self.model_run, self.opt_run, self.replayers[1])):
+            accumulate_gradient(model, self.loss_fn, pieces, self.device, replayer)
             optimizer.step()
             model.zero_grad(set_to_none=True)  # not needed until the next step: memory for the next check
 

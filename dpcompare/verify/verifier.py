@@ -8,7 +8,13 @@ the verification phase
     parameters, the expected optimizer state and the oracle gradient (dpcompare.verify.update_check);
   - the trajectory: the parameters after the step against a float64 single process trained beside the
     run (dpcompare.verify.trajectory);
-  - the ranks' generators, when the forward draws random numbers: each rank must draw its own.
+  - the ranks' generators, when the forward draws random numbers: each rank must draw its own;
+  - the module buffers (BatchNorm running statistics and any other): across ranks, and against what the
+    oracle's forwards predict under each known semantics (dpcompare.verify.buffers).
+The oracle computes what data parallelism computes: the global batch in one forward, or, where the model
+couples the samples of a batch (BatchNorm without --sync-bn), each replica's own forwards as the backend
+split them, its distance from the global batch stated as a note. Dropout masks are the ones the ranks drew,
+captured during their forward (dpcompare.verify.masks), never redrawn.
 A failed check is diagnosed (dpcompare.verify.diagnosis); a part that cannot be checked is recorded as such and
 the verdict says `unverifiable` with the reason, never `equivalent`. Everything here runs on generators
 forked from the run's, so checking never changes the random numbers the run draws. Imports no adapter.
@@ -25,8 +31,10 @@ import torch
 from torch import nn
 
 from dpcompare.verify import equivalence as eq
+from dpcompare.verify import masks as mk
 from dpcompare.verify import stochastic
 from dpcompare.contract import ModelFacts, Wrapped
+from dpcompare.verify.buffers import BufferCheck
 from dpcompare.verify.diagnosis import (GradientEvidence, UpdateEvidence, diagnose_gradient, diagnose_update, reason_of)
 from dpcompare.verify.stochastic import RngState
 from dpcompare.verify.trajectory import Trajectory
@@ -35,14 +43,12 @@ from dpcompare.verify.update_check import OptState, OptimizerFactory, find_torch
 STOCHASTIC_REL_DIFF = 2.0**-30
 """Two float64 forwards of the same input that differ by more than this (relative) draw random numbers:
 some 10^6 float64 roundings, far below what one changed dropout mask element does (~1e-3)."""
-REPLAY_LIMIT = 1e3
-"""Replayed masks are the ones the ranks drew when the run-dtype replay stays within this many unit
-roundoffs x depth of the float64 replay (rounding only); one differing mask element costs far more."""
 
 
 def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> ModelFacts:
-    """One float64 forward/backward of the first global batch (which parameters get no gradient), and a
-    second forward of the same input (does the forward draw random numbers?)."""
+    """One float64 forward/backward of the first global batch (which parameters get no gradient), a second
+    forward of the same input (does the forward draw random numbers?) and, when it does, whether capturing
+    the dropout modules' masks accounts for all of it (which module draws where no mask can be captured)."""
     model = eq.verification_copy(template, device, torch.float64).train()
     x, y = batch
     x = x.to(device)
@@ -55,11 +61,17 @@ def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, tor
     diff = float(torch.linalg.vector_norm((first.detach() - second).double()))
     norm = float(torch.linalg.vector_norm(first.detach().double()))
     named = list(model.named_parameters())
+    drawn = diff > STOCHASTIC_REL_DIFF * max(norm, 1e-300)
+    uncaptured = None
+    if drawn:
+        with stochastic.isolated(device):
+            uncaptured = mk.uncaptured(eq.verification_copy(template, device, torch.float64), x)
     return ModelFacts(
         unused=tuple(n for n, p in named if p.requires_grad and p.grad is None),
         frozen=tuple(n for n, p in named if not p.requires_grad),
         random_modules=tuple(stochastic.random_modules(template)),
-        stochastic=diff > STOCHASTIC_REL_DIFF * max(norm, 1e-300),
+        stochastic=drawn,
+        uncaptured=uncaptured,
     )
 
 
@@ -77,17 +89,22 @@ class _Pending:
 
 class Verifier:
     def __init__(self, *, cfg, world_size: int, template: nn.Module, loss_fn: Callable, facts: ModelFacts,
-                 wrapped: Wrapped, device: torch.device, factory: OptimizerFactory, has_batchnorm: bool,
+                 wrapped: Wrapped, device: torch.device, factory: OptimizerFactory, layout: eq.Layout,
                  replay_reason: str | None) -> None:
         self.cfg, self.world_size, self.device, self.factory = cfg, world_size, device, factory
         self.template, self.facts, self.wrapped = template, facts, wrapped
-        self.has_batchnorm = has_batchnorm
+        self.layout = layout
+        self.batchnorms = [n for n, m in template.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        self.has_batchnorm = bool(self.batchnorms)
+        self.per_replica = self.has_batchnorm and not cfg.sync_bn and layout.splits_the_batch
+        """BatchNorm without --sync-bn: the oracle runs each replica's forwards, as the backend does."""
         self.dtype = eq.DTYPES[cfg.dtype]
         self.depth = eq.depth_of(template)
         self.oracle = eq.Oracle(template, loss_fn, cfg.dtype, device)
         self.names = self.oracle.names
         self.u_wire = eq.wire_roundoff(cfg.dtype, cfg.compression)
         self.trajectory = Trajectory(template, loss_fn, factory, cfg.dtype, device, self.depth, self.u_wire)
+        self.buffers = BufferCheck(self.oracle, self.depth, cfg.dtype)
         self.verdict = eq.Verdict(notes=list(wrapped.notes))
         self.optimizer = find_torch_optimizer(wrapped.optimizer, wrapped.module)
         self.expected_state: OptState | None = {}  # a fresh optimizer's
@@ -95,10 +112,9 @@ class Verifier:
         self.pending: _Pending | None = None
         self.previous: tuple[int, eq.Grads] | None = None
         self.stopped = False
-        """No further check: the run diverged, or its randomness cannot be replayed."""
+        """No further check: the run diverged, or its randomness cannot be captured."""
         self.dumps: dict[str, np.ndarray] = {}
 
-        self.replay = facts.stochastic
         self.verdict.parameters = {"unused": list(facts.unused), "frozen": list(facts.frozen), "unused_grad": {}}
         if facts.frozen:
             self.verdict.note("frozen_parameters", f"frozen parameters (requires_grad=False) left out of every check: "
@@ -116,25 +132,26 @@ class Verifier:
         facts = self.facts
         modules = ", ".join(facts.random_modules) or "an operation in forward"
         self.verdict.stochastic = {"stochastic": facts.stochastic, "modules": list(facts.random_modules),
-                                   "replayed": False, "reason": None}
+                                   "captured": False, "reason": None, "capture_bytes_per_step": None}
         if not facts.stochastic:
             return
         blockers = []
-        if self.has_batchnorm:
-            blockers.append("BatchNorm couples the samples of a batch, so the ranks' forwards cannot be replayed shard "
-                            "by shard")
+        if facts.uncaptured:
+            blockers.append(f"{facts.uncaptured} draws random numbers where no mask can be captured (dropout inside a "
+                            "functional call or a fused kernel, such as scaled_dot_product_attention's dropout_p, or a "
+                            "random operation other than dropout)")
         if replay_reason:
             blockers.append(replay_reason)
         if blockers:
-            self.replay = False
             self._unverifiable(f"the forward draws random numbers ({modules}) and {'; '.join(blockers)}: comparing "
                                "against an oracle that draws its own would measure randomness, not rounding; rerun "
                                "with --no-dropout to check the computation deterministically")
             self.verdict.stochastic["reason"] = "; ".join(blockers)
             return
-        self.verdict.stochastic["replayed"] = True
-        self.verdict.note("rng_replayed", f"the forward draws random numbers ({modules}): the oracle, the floor and the "
-                                  "reference trajectory replay each rank's generator state on that rank's shard")
+        self.verdict.stochastic["captured"] = True
+        self.verdict.note("masks_captured", f"the forward draws random numbers ({modules}): each rank's dropout masks are "
+                                  "captured during its forward and applied in the oracle, the floor and the reference "
+                                  "trajectory")
 
     def _unverifiable(self, reason: str) -> None:
         self.verdict.unverifiable.append(reason)
@@ -175,29 +192,104 @@ class Verifier:
                 return
             seen[state.digest] = rank
 
-    def _groups(self, batch, rngs: list[RngState] | None) -> list[eq.Group]:
-        if self.replay:
-            assert rngs is not None
-            return eq.replay_groups(batch, self.world_size, self.cfg.grad_accum, rngs)
-        return eq.global_groups(batch)
+    def _pieces(self, batch, records: list[mk.MaskRecord] | None) -> list[eq.Piece]:
+        """The forwards the oracle runs for this step (see the module docstring); raises MaskMismatch when the
+        captured masks do not fit them."""
+        n = batch[0].shape[0]
+        masks = self._forward_masks(n, records) if records is not None else None
+        if self.per_replica or (masks is not None and not self.has_batchnorm):
+            return eq.replica_pieces(batch, self.layout, masks)
+        if masks is None:
+            return eq.global_pieces(batch)
+        return eq.global_pieces(batch, mk.combine(masks, [p[3] for p in self.layout.positions(n)], n))
+
+    def _forward_masks(self, batch_size: int, records: list[mk.MaskRecord]) -> list[eq.Masks]:
+        """Each forward's masks, in the order of `layout.positions`: a rank's masks split by micro-batch."""
+        for record in records:
+            for name, why in record.problems.items():
+                raise mk.MaskMismatch(name, why)
+        k = self.layout.grad_accum
+        calls: dict[tuple[int, int], dict[str, list[torch.Tensor]]] = {}
+        out = []
+        for rank, micro, replica, _ in self.layout.positions(batch_size):
+            key = (rank, replica)
+            if key not in calls:
+                calls[key] = records[rank].calls(replica if self.layout.replicas > 1 else None)
+            forward = {}
+            for name, masks in calls[key].items():
+                if len(masks) % k:
+                    raise mk.MaskMismatch(name, f"{len(masks)} masks were captured over {k} micro-batches")
+                c = len(masks) // k
+                forward[name] = masks[micro * c:(micro + 1) * c]
+            out.append(forward)
+        return out
+
+    def _note_per_replica(self, step: int, state: dict, batch, oracle: eq.Grads, floor: eq.Grads,
+                          pieces: list[eq.Piece]) -> None:
+        """The distance between the per-replica gradient the run is judged against and the single-process
+        global-batch gradient, measured once (the first checked step), in floors of the gradient check."""
+        if not self.per_replica or self.verdict.batchnorm is not None:
+            return
+        n = batch[0].shape[0]
+        whole = None
+        try:
+            masks = (mk.combine([p.masks or {} for p in pieces], [p[3] for p in self.layout.positions(n)], n)
+                     if self.facts.stochastic else None)
+            whole = self.oracle.oracle_of(state, eq.global_pieces(batch, masks))
+        except mk.MaskMismatch:
+            pass  # masks that are not batch-first cannot be joined: the distance stays unmeasured, and says so
+        self.oracle.oracle_of(state, pieces)  # `none` stays the judged oracle's
+        names = self.names
+        floor_rel = max(eq.rel_fro(eq.flat(floor, names), eq.flat(oracle, names)), self.depth * eq.UNIT_ROUNDOFF[self.cfg.dtype])
+        distance = eq.rel_fro(eq.flat(whole, names), eq.flat(oracle, names)) if whole is not None else None
+        ws, k, r = self.layout.world_size, self.layout.grad_accum, self.layout.replicas
+        forwards = ws * k * r
+        local = n // forwards
+        shown = ", ".join(self.batchnorms[:4]) + (f" and {len(self.batchnorms) - 4} more" if len(self.batchnorms) > 4 else "")
+        split = " x ".join([f"{ws} rank(s)"] + ([f"{k} micro-batches"] if k > 1 else []) +
+                           ([f"{r} device replicas"] if r > 1 else []))
+        measured = (f"at step {step} that gradient is {distance:.3g} (relative) from the single-process global-batch "
+                    f"gradient, {distance / floor_rel:.3g}x the {self.cfg.dtype} noise floor" if distance is not None else
+                    "its distance from the global-batch gradient was not measured (the captured masks are not batch-first)")
+        self.verdict.batchnorm = {"semantics": "per_replica", "modules": list(self.batchnorms), "local_batch": local,
+                                  "forwards": forwards, "step": step, "distance_rel_fro": distance,
+                                  "floors": distance / floor_rel if distance is not None else None}
+        self.verdict.note("per_replica_batchnorm",
+                          f"BatchNorm without --sync-bn ({len(self.batchnorms)} module(s): {shown}): each of the {split} "
+                          f"normalises its own {local} samples, so the run computes the mean of those forwards' losses, "
+                          f"and the oracle computes exactly that; {measured}; --sync-bn makes it one computation")
 
     def check_gradient(self, step: int, batch, info: list[dict]) -> None:
-        """After `reduce()`, before the optimizer step: the gradient check, and the snapshot the update check
-        of this step starts from."""
+        """After `reduce()`, before the optimizer step: the gradient check, the buffers, and the snapshot the
+        update check of this step starts from."""
         self.pending = None
         if self.stopped:
             return
         module = self.wrapped.module
-        rngs = [i["rng"] for i in info] if self.replay else None
-        groups = self._groups(batch, rngs)
+        records = [i["masks"] for i in info] if self.facts.stochastic else None
+        n = batch[0].shape[0]
+        try:
+            pieces = self._pieces(batch, records)
+            forward_masks = self._forward_masks(n, records) if records is not None else None
+        except mk.MaskMismatch as exc:
+            self._mask_failure(step, exc)
+            return
+        if records is not None:
+            self.verdict.stochastic["capture_bytes_per_step"] = max(r.nbytes for r in records)
         with stochastic.isolated(self.device):
             state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+            # The forward ran from the buffers before it (it has updated them since): the oracle starts there too.
+            state.update({k: v for k, v in info[0]["buffers"]["before"].items() if k in state})
             named = dict(module.named_parameters())
             grads = {n: (named[n].grad if named[n].grad is not None else torch.zeros_like(named[n])).detach().double().cpu()
                      for n in self.names}
-            oracle = self.oracle.oracle_of(state, groups)
-            none = self.oracle.none
-            floor = self.oracle.floor_of(state, groups)
+            try:
+                oracle = self.oracle.oracle_of(state, pieces)
+                none = self.oracle.none
+                floor = self.oracle.floor_of(state, pieces)
+            except mk.MaskMismatch as exc:
+                self._mask_failure(step, exc)
+                return
             # A run whose single process overflows too has diverged: that is no backend difference.
             for what, g in (("float64 oracle's gradient", oracle), (f"{self.cfg.dtype} single-process gradient", floor)):
                 if not all(bool(torch.isfinite(t).all()) for t in g.values()):
@@ -205,8 +297,7 @@ class Verifier:
                                        "at the run's parameters (the loss or the parameters overflowed), so nothing "
                                        "from there on can be compared; lower --lr")
                     return
-            if self.replay and not self._masks_reproduced(step, floor, oracle):
-                return
+            self._note_per_replica(step, state, batch, oracle, floor, pieces)
             params = eq.compare_grads(grads, oracle, floor, dtype=self.cfg.dtype, world_size=self.world_size,
                                       depth=self.depth, compression=self.cfg.compression)
             digests = eq.first_mismatch([i["grads"] for i in info], [n for n, _ in module.named_parameters()])
@@ -220,12 +311,21 @@ class Verifier:
                     oracle=self.oracle, state=state, batch=batch, world_size=self.world_size,
                     grad_accum=self.cfg.grad_accum, shard_digests=[i["shard"] for i in info],
                     has_batchnorm=self.has_batchnorm, sync_bn=self.cfg.sync_bn, compression=self.cfg.compression,
-                    dtype=self.cfg.dtype, rngs=rngs, previous=self.previous)
+                    dtype=self.cfg.dtype, layout=self.layout, per_replica=self.per_replica, masks=forward_masks,
+                    previous=self.previous)
                 found = diagnose_gradient(evidence, [p.parameter for p in failing])
                 first = failing[0]
                 self.verdict.diverge(eq.Divergence(
                     step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
                     reason_of(found), check="gradient", cause=found[0].cause, parameters=[p.parameter for p in failing]))
+            failure = self.buffers.check(step, state, batch, self.layout, [i["buffers"] for i in info], forward_masks,
+                                         sync_bn=self.cfg.sync_bn)
+            self.verdict.buffers = self.buffers.entries()
+            if (text := self.buffers.note()) is not None:
+                self.verdict.notes = [n for n in self.verdict.notes if n.code != "buffers_per_rank"]
+                self.verdict.note("buffers_per_rank", text)
+            if failure is not None:
+                self.verdict.diverge(failure)
             if self.cfg.dump_grads:
                 for kind, g in (("reduced", grads), ("oracle", oracle), ("floor", floor)):
                     for n, t in g.items():
@@ -238,18 +338,11 @@ class Verifier:
                 {n: (None if n in none else floor[n]) for n in self.names},
                 backend_state, read_hparams(self.optimizer) if self.optimizer is not None else [])
 
-    def _masks_reproduced(self, step: int, floor: eq.Grads, oracle: eq.Grads) -> bool:
-        error = eq.rel_fro(eq.flat(floor, self.names), eq.flat(oracle, self.names))
-        limit = REPLAY_LIMIT * self.depth * eq.UNIT_ROUNDOFF[self.cfg.dtype]
-        if error <= limit:
-            return True
-        self._unverifiable(f"the forward draws random numbers and replaying the ranks' generator states does not "
-                           f"reproduce their masks in float64 on {self.device.type} (the run-dtype replay is {error:.2e} "
-                           f"from the float64 one at step {step}, rounding allows {limit:.1e}): the oracle would measure "
-                           "randomness, not rounding; rerun with --no-dropout")
-        self.verdict.stochastic["replayed"] = False
-        self.verdict.stochastic["reason"] = "masks not reproduced in float64"
-        return False
+    def _mask_failure(self, step: int, exc: mk.MaskMismatch) -> None:
+        self._unverifiable(f"the dropout masks of {exc.module} could not be captured at step {step} ({exc}): the "
+                           "oracle would measure randomness, not rounding; rerun with --no-dropout")
+        self.verdict.stochastic["captured"] = False
+        self.verdict.stochastic["reason"] = f"{exc.module}: {exc}"
 
     def _record_unused(self, info: list[dict]) -> None:
         forms = self.verdict.parameters["unused_grad"]
@@ -305,12 +398,17 @@ class Verifier:
                                                      pending.backend_state, torch.float64, self.device).state
             self.expected_from = f"the state step {step} left"
 
-    def trajectory_step(self, step: int, batch, rngs: list[RngState] | None) -> None:
+    def trajectory_step(self, step: int, batch, records: list[mk.MaskRecord] | None) -> None:
         if self.stopped:
             return
-        with stochastic.isolated(self.device):
-            self.trajectory.step(self._groups(batch, rngs))
-            entry = self.trajectory.judge(step, self.wrapped.module, self.world_size)
+        try:
+            pieces = self._pieces(batch, records)
+            with stochastic.isolated(self.device):
+                self.trajectory.step(pieces)
+        except mk.MaskMismatch as exc:
+            self._mask_failure(step, exc)
+            return
+        entry = self.trajectory.judge(step, self.wrapped.module, self.world_size)
         self.verdict.drift.append(entry)
         if entry["ok"] is False:
             self.verdict.diverge(eq.Divergence(

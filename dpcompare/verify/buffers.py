@@ -1,0 +1,228 @@
+"""Module buffers: do the ranks agree, and which data-parallel semantics does each buffer follow?
+
+Owns: the buffer check of a checked step. Every rank snapshots its buffers (every registered buffer, float,
+integer or bool) before its forward and after its backward; rank 0 predicts, with forwards of the float64
+oracle's model from those snapshots, what each buffer would be under each semantics a backend can give it:
+
+  global_batch      the global batch's statistics, one forward per micro-batch across ranks (a single
+                    process, synchronised BatchNorm)
+  rank0_broadcast   rank 0's buffers at the synchronising forward, then each rank's own shard (DDP with
+                    broadcast_buffers, its default: the history is rank 0's shards)
+  own_shard         each rank's own buffers and shard, never synchronised after the start (Horovod,
+                    DeepSpeed; nn.DataParallel keeps replica 0's)
+
+A buffer matches a semantics when every rank's value is within tolerance of it (integer and bool buffers:
+exactly). Buffers that differ across ranks are a semantic difference of the backend (evaluation and
+checkpoints then differ by rank), stated, never a failure. A buffer that matches no semantics fails the
+verdict only when the prediction is reproducible (a second float64 prediction gives the same value: the
+buffer is a function of the forward, not the model's own clock or random source) -- then the backend did
+it: an extra training-mode forward, an update skipped, a buffer overwritten. Checking never touches the
+run's buffers: the snapshots are copies, the predictions run on the oracle's own models. Imports no adapter.
+
+Tolerance (float buffers): rel_fro(value, prediction) <= factor * (max(floor, depth * u) + world_size * u),
+floor = how far a run-dtype prediction lands from the float64 one (rank 0's own shard), as for gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dpcompare.verify.equivalence import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, Divergence, Layout, Masks, Oracle, Piece,
+                                          rel_fro)
+from dpcompare.verify.masks import MaskReplayer, combine
+
+SEMANTICS = {
+    "global_batch": "the global batch's statistics",
+    "rank0_broadcast": "rank 0's buffers broadcast at the forward, then each rank's own shard",
+    "own_shard": "each rank's own buffers and shard",
+}
+REPRODUCIBLE = 1e-12
+"""Two float64 predictions of a buffer that is a function of the forward agree to rounding (bitwise on one
+device); a buffer fed by a clock or a random source other than the captured masks does not."""
+
+Buffers = dict[str, torch.Tensor]
+
+
+def snapshot(module: nn.Module) -> Buffers:
+    """Copies of every registered buffer, on the CPU (the run's own buffers are never handed out)."""
+    return {name: b.detach().to("cpu", copy=True) for name, b in module.named_buffers()}
+
+
+def _float(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative distance of two buffers; integer and bool buffers are equal (0) or not (inf)."""
+    if a.shape != b.shape:
+        return math.inf
+    if _float(a) and _float(b):
+        return rel_fro(a.double(), b.double())
+    return 0.0 if torch.equal(a.to(torch.int64), b.to(torch.int64)) else math.inf
+
+
+@dataclass(slots=True)
+class _Entry:
+    name: str
+    dtype: str
+    steps: list[int] = field(default_factory=list)
+    ranks_agree: bool = True
+    max_rel_diff_between_ranks: float = 0.0
+    updated: bool = False
+    semantics: list[str] | None = None
+    """Matched at every checked step (None until the first check)."""
+    unexplained: dict | None = None
+    """The first step where no semantics matched: the distances to each, and whether the prediction was
+    reproducible (then it failed the verdict)."""
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "steps": self.steps, "ranks_agree": self.ranks_agree,
+                "max_rel_diff_between_ranks": self.max_rel_diff_between_ranks, "updated_by_forward": self.updated,
+                "semantics": self.semantics or [], "tried": list(SEMANTICS), "unexplained": self.unexplained}
+
+
+class BufferCheck:
+    def __init__(self, oracle: Oracle, depth: int, dtype: str) -> None:
+        self.oracle, self.depth = oracle, depth
+        self.u = UNIT_ROUNDOFF[dtype]
+        self._entries: dict[str, _Entry] = {}
+        self.noted = False
+
+    def entries(self) -> list[dict]:
+        return [e.to_dict() for e in self._entries.values()]
+
+    # -- predictions -----------------------------------------------------------------------------------------
+    def _run(self, model: nn.Module, replayer: MaskReplayer, state: dict, start: Buffers, pieces: list[Piece],
+             times: int = 1) -> Buffers:
+        """The buffers after the training-mode forwards of `pieces` (each `times` times) from `start`."""
+        model.load_state_dict(state)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in start:
+                    b.copy_(start[name].to(b.device, b.dtype) if _float(b) else start[name].to(b.device))
+            model.train()
+            for piece in pieces:
+                for _ in range(times):
+                    x = piece.x.to(self.oracle.device)
+                    x = x.to(next(model.parameters()).dtype) if x.is_floating_point() else x
+                    with replayer.applying(piece.masks) if piece.masks else contextlib.nullcontext():
+                        model(x)
+            return snapshot(model)
+
+    def _f64(self, state: dict, start: Buffers, pieces: list[Piece], times: int = 1) -> Buffers:
+        return self._run(self.oracle.model64, self.oracle.replay64, state, start, pieces, times)
+
+    # -- the check -------------------------------------------------------------------------------------------
+    def check(self, step: int, state: dict, batch, layout: Layout, evidence: list[dict],
+              masks: list[Masks] | None, *, sync_bn: bool) -> Divergence | None:
+        """`evidence[r]`: rank r's {"before": Buffers, "after": Buffers}. Returns the failure to record, if any."""
+        before = [e["before"] for e in evidence]
+        after = [e["after"] for e in evidence]
+        if not after[0]:
+            return None
+        x, y = batch
+        positions = layout.positions(x.shape[0])
+        k, ws = layout.grad_accum, layout.world_size
+
+        def pieces_of(rank: int, micros: range) -> list[Piece]:
+            return [Piece(x[idx], y[idx], 1.0, masks[i] if masks else None)
+                    for i, (r, j, d, idx) in enumerate(positions) if r == rank and j in micros and d == 0]
+
+        predicted: dict[str, list[Buffers | None]] = {}
+        own = [self._f64(state, before[r], pieces_of(r, range(k))) for r in range(ws)]
+        predicted["own_shard"] = own
+        synced = self._f64(state, before[0], pieces_of(0, range(k - 1))) if k > 1 else before[0]
+        predicted["rank0_broadcast"] = [self._f64(state, synced, pieces_of(r, range(k - 1, k))) for r in range(ws)]
+        whole = self._global(state, before[0], x, y, positions, masks, k)
+        predicted["global_batch"] = [whole] * ws if whole is not None else [None] * ws
+
+        again = self._f64(state, before[0], pieces_of(0, range(k)))
+        run_dtype = self._run(self.oracle.model_run, self.oracle.replay_run, state, before[0], pieces_of(0, range(k)))
+        failure = None
+        differing = []
+        for name, mine in after[0].items():
+            entry = self._entries.setdefault(name, _Entry(name, str(mine.dtype).replace("torch.", "")))
+            entry.steps.append(step)
+            if not all(name in a for a in after):
+                continue
+            between = max((_distance(a[name], mine) for a in after[1:]), default=0.0)
+            entry.max_rel_diff_between_ranks = max(entry.max_rel_diff_between_ranks, between)
+            if between > 0.0:
+                entry.ranks_agree = False
+                differing.append(name)
+            entry.updated = entry.updated or _distance(own[0][name], before[0][name]) > 0.0
+            floor = _distance(run_dtype[name], own[0][name]) if _float(mine) else 0.0
+            tol = TOLERANCE_FACTOR * (max(floor, self.depth * self.u) + ws * self.u) if _float(mine) else 0.0
+            matched, distances = [], {}
+            for semantics, per_rank in predicted.items():
+                if per_rank[0] is None:
+                    distances[semantics] = None
+                    continue
+                worst = max(_distance(after[r][name], per_rank[r][name]) for r in range(ws))
+                distances[semantics] = worst
+                if worst <= tol:
+                    matched.append(semantics)
+            matched = [s for s in SEMANTICS if s in matched]
+            entry.semantics = matched if entry.semantics is None else [s for s in entry.semantics if s in matched]
+            if matched or entry.unexplained is not None:
+                continue
+            reproducible = _distance(again[name], own[0][name]) <= (REPRODUCIBLE if _float(mine) else 0.0)
+            entry.unexplained = {"step": step, "distances": distances, "tolerance": tol, "reproducible": reproducible}
+            if reproducible and failure is None:
+                failure = self._failure(step, name, distances, tol, floor, state, before, after, pieces_of, k)
+        if differing and not self.noted:
+            self.noted = True
+            self._differing = differing
+        return failure
+
+    def _global(self, state: dict, start: Buffers, x, y, positions, masks: list[Masks] | None, k: int) -> Buffers | None:
+        """The buffers a single process (or synchronised BatchNorm) leaves: one forward per micro-batch, each
+        across all ranks; None when the captured masks cannot be joined into one forward."""
+        pieces = []
+        for j in range(k):
+            chosen = [(i, idx) for i, (_, micro, _, idx) in enumerate(positions) if micro == j]
+            joined = torch.cat([idx for _, idx in chosen]).sort().values
+            joined_masks = None
+            if masks:
+                local = [torch.searchsorted(joined, idx) for _, idx in chosen]
+                try:
+                    joined_masks = combine([masks[i] for i, _ in chosen], local, len(joined))
+                except RuntimeError:
+                    return None
+            pieces.append(Piece(x[joined], y[joined], 1.0, joined_masks))
+        return self._f64(state, start, pieces)
+
+    def _failure(self, step: int, name: str, distances: dict, tol: float, floor: float, state: dict,
+                 before: list[Buffers], after: list[Buffers], pieces_of, k: int) -> Divergence:
+        nearest = min((d for d in distances.values() if d is not None), default=math.inf)
+        tried = ", ".join(f"{SEMANTICS[s]} ({'not computed' if d is None else f'{d:.2e}'})" for s, d in distances.items())
+        rank = next((r for r in range(len(after)) if _distance(after[r][name], before[r][name]) == 0.0), None)
+        twice = [self._f64(state, before[r], pieces_of(r, range(k)), times=2) for r in range(len(after))]
+        if all(_distance(after[r][name], twice[r][name]) <= max(tol, 0.0) for r in range(len(after))):
+            cause, why = "buffer_updated_twice", ("every rank updated it twice per forward: an extra training-mode "
+                                                  "forward (or a module called twice) in the backend")
+        elif rank is not None and _distance(before[rank][name], self._f64(state, before[rank], pieces_of(rank, range(k)))[name]) > 0:
+            cause, why = "buffer_not_updated", (f"rank {rank} left it unchanged where its forward updates it: the forward "
+                                                "ran in eval mode, or the backend restored the buffer after it")
+        else:
+            cause, why = "buffer_semantics", "no semantics a data-parallel backend gives a buffer explains it"
+        return Divergence(step, name, nearest, tol, nearest / max(floor, self.depth * self.u),
+                          f"module buffer {name} after step {step} matches none of the semantics tried ({tried}; "
+                          f"tolerance {tol:.1e}): {why}", check="buffers", cause=cause, parameters=[name])
+
+    def note(self) -> str | None:
+        """The `buffers_per_rank` note, once buffers were seen to differ across ranks."""
+        if not self.noted:
+            return None
+        names = self._differing
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        follows = sorted({s for n in names for s in (self._entries[n].semantics or [])})
+        how = (" (" + "; ".join(SEMANTICS[s] for s in follows) + ")") if follows else ""
+        return (f"module buffers differ across ranks after the step: {shown}{how}; evaluation and checkpoints taken on "
+                "different ranks differ: broadcast rank 0's buffers (or average them) before evaluating or saving, or "
+                "use --sync-bn for BatchNorm statistics")
