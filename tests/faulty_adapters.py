@@ -160,3 +160,32 @@ class SameSeedDDP(DDPAdapter):
     def wrap(self, module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
         torch.manual_seed(0)
         return super().wrap(module, optimizer, local_batch, global_batch)
+
+
+class SelfSyncingBatchNormDDP(DDPAdapter):
+    """DDP that synchronises BatchNorm statistics although --sync-bn was not given (a wrapper converting BatchNorm
+    behind the user's back): the gradient is the global batch's, where data parallelism without SyncBN computes
+    each replica's own. Wrong from step 0 on every parameter before the last BatchNorm."""
+
+    name = "self-syncing-bn-ddp"
+
+    def wrap(self, module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
+        from dpcompare.run import syncbn
+
+        return super().wrap(syncbn.convert(module, syncbn.process_group_allreduce_sum()), optimizer, local_batch,
+                            global_batch)
+
+
+class TwiceForwardBatchNormDDP(DDPAdapter):
+    """DDP whose BatchNorm layers run their forward twice per call (an extra training-mode forward, as a wrapper
+    that re-runs a module would): the output and the gradient are unchanged, the running statistics are
+    updated twice per step."""
+
+    name = "twice-forward-bn-ddp"
+
+    def wrap(self, module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
+        for m in module.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                forward = m.forward
+                m.forward = lambda x, forward=forward: (forward(x), forward(x))[1]
+        return super().wrap(module, optimizer, local_batch, global_batch)

@@ -5,6 +5,9 @@ Not a test module (no `test_` prefix): pytest does not collect it.
 
 from __future__ import annotations
 
+import time
+
+import torch
 from torch import nn
 from torch.nn import functional as F
 
@@ -20,8 +23,45 @@ def sum_loss_mlp(seed: int) -> Workload:
 
 def dropout_cnn(seed: int) -> Workload:
     """The CNN (BatchNorm) with dropout before its head: a random forward whose samples are coupled by
-    BatchNorm, so the ranks' masks cannot be replayed shard by shard."""
+    BatchNorm: the oracle joins the ranks' captured masks into one forward (--sync-bn) or applies each
+    replica's own."""
     base = cnn(seed)
     layers = list(base.model.children())
     model = nn.Sequential(*layers[:-1], nn.Dropout(0.2), layers[-1])
     return Workload("dropout-cnn", model, base.make_batch, base.loss_fn)
+
+
+class _FunctionalDropout(nn.Module):
+    """Dropout written in the module's own forward (F.dropout), as fused attention does it: no module to hook."""
+
+    def forward(self, x):
+        return F.dropout(x, 0.2, training=self.training)
+
+
+def functional_dropout_mlp(seed: int) -> Workload:
+    """The MLP with dropout drawn by F.dropout inside a module's forward: its masks cannot be captured."""
+    base = mlp(seed)
+    layers = list(base.model.children())
+    model = nn.Sequential(*layers[:2], _FunctionalDropout(), *layers[2:])
+    return Workload("functional-dropout-mlp", model, base.make_batch, base.loss_fn)
+
+
+class _ClockBuffer(nn.Module):
+    """Identity whose float buffer records the wall clock at every training forward: a buffer of the model's own
+    that no replay of the forward can predict (and that differs between ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("last_seen", torch.zeros(1))
+
+    def forward(self, x):
+        if self.training:
+            self.last_seen.fill_(float(time.perf_counter_ns() % 1_000_003))
+        return x
+
+
+def clock_buffer_mlp(seed: int) -> Workload:
+    base = mlp(seed)
+    layers = list(base.model.children())
+    model = nn.Sequential(*layers[:2], _ClockBuffer(), *layers[2:])
+    return Workload("clock-buffer-mlp", model, base.make_batch, base.loss_fn)

@@ -82,34 +82,46 @@ def test_the_gpt_draws_dropout_in_modules_the_verifier_finds() -> None:
     assert "drop" in found and "h.0.attn.attn_dropout" in found and len(found) == 1 + 3 * 2
 
 
-def _oracle_gradient(model: torch.nn.Module, workload, rng_state) -> dict[str, torch.Tensor]:
+def _drawn_masks(workload, seed: int):
+    """The masks a float32 forward of the workload's model draws from `seed` (captured, as on a rank)."""
+    from dpcompare.verify import masks as mk
+
+    x, _ = workload.make_batch(0, 2)
+    recorder = mk.MaskRecorder(workload.model)
+    torch.manual_seed(seed)
+    with recorder.recording():
+        workload.model.train()(x)
+    return recorder.take().calls()
+
+
+def _oracle_gradient(model: torch.nn.Module, workload, masks) -> dict[str, torch.Tensor]:
     from dpcompare.verify import equivalence as eq
+    from dpcompare.verify import masks as mk
 
     x, y = workload.make_batch(0, 2)
-    return eq.accumulate_gradient(model, workload.loss_fn, [(rng_state, [(x, y, 1.0)])], torch.device("cpu"))[0]
+    return eq.accumulate_gradient(model, workload.loss_fn, eq.global_pieces((x, y), masks), torch.device("cpu"),
+                                  mk.MaskReplayer(model))[0]
 
 
 def test_the_verification_copy_recomputes_activations_without_changing_the_gradient() -> None:
     """The float64 copies the verifier checks against recompute the GPT's blocks in backward (a 124M model's
-    float64 activations would not fit beside the run); the gradient, dropout masks included, is bit for bit
-    the one the plain copy computes. Negative: another generator state (other masks) gives another gradient,
-    so the equality is not that of a model without randomness."""
+    float64 activations would not fit beside the run); the gradient, captured dropout masks applied in the
+    forward and again in the recomputation, is bit for bit the one the plain copy computes. Negative: other
+    masks give another gradient, so the equality is not that of a model without randomness."""
     import copy
 
     from dpcompare.verify import equivalence as eq
-    from dpcompare.verify import stochastic
 
     workload = real_models.gpt_tiny(0)
     lean = eq.verification_copy(workload.model, torch.device("cpu"), torch.float64)
     plain = copy.deepcopy(workload.model).double()
     assert lean.recompute_activations and not plain.recompute_activations and not workload.model.recompute_activations
-    torch.manual_seed(7)
-    state = stochastic.capture(torch.device("cpu"))
-    want = _oracle_gradient(plain, workload, state)
-    got = _oracle_gradient(lean, workload, state)
+    masks = _drawn_masks(workload, 7)
+    assert masks and all(masks.values())
+    want = _oracle_gradient(plain, workload, masks)
+    got = _oracle_gradient(lean, workload, masks)
     assert all(torch.equal(got[n], want[n]) for n in want)
-    torch.manual_seed(8)
-    other = _oracle_gradient(lean, workload, stochastic.capture(torch.device("cpu")))
+    other = _oracle_gradient(lean, workload, _drawn_masks(workload, 8))
     assert not all(torch.equal(other[n], want[n]) for n in want)
 
 

@@ -539,7 +539,7 @@ def test_child_env_puts_the_virtual_environments_bin_first_once(monkeypatch) -> 
 def _trajectory_and_a_run(lr_factor: float = 1.0, nudge: float = 0.0):
     """Two steps of the mlp beside the reference trajectory; the 'run' is a float32 single process stepping with
     lr x lr_factor, and `nudge` added to one weight after the last step (a fault between checks)."""
-    from dpcompare.verify.equivalence import global_groups
+    from dpcompare.verify.equivalence import global_pieces
     from dpcompare.verify.trajectory import Trajectory
 
     w = workloads.mlp(7)
@@ -550,7 +550,7 @@ def _trajectory_and_a_run(lr_factor: float = 1.0, nudge: float = 0.0):
     judged = []
     for step in range(2):
         batch = w.make_batch(step, 24)
-        trajectory.step(global_groups(batch))
+        trajectory.step(global_pieces(batch))
         optimizer.zero_grad()
         w.loss_fn(run(batch[0]), batch[1]).backward()
         optimizer.step()

@@ -155,6 +155,22 @@ def _write_result(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workl
     return payload
 
 
+def _semantic_facts(e: dict[str, Any]) -> list[str]:
+    """What the backend computes that a single process would not, in a phrase each (the notes say it in full)."""
+    facts = []
+    bn = e.get("batchnorm") or {}
+    if bn.get("semantics") == "per_replica":
+        distance = (f"{bn['floors']:.3g}x floor from the global batch" if bn.get("floors") is not None
+                    else "distance from the global batch not measured")
+        facts.append(f"per-replica BatchNorm over {bn['local_batch']} samples: {distance} (--sync-bn makes it one "
+                     "computation)")
+    differ = [b for b in e.get("buffers") or [] if not b.get("ranks_agree", True)]
+    if differ:
+        follows = sorted({s for b in differ for s in b.get("semantics") or []}) or ["no known semantics"]
+        facts.append(f"{len(differ)} buffer(s) differ across ranks ({', '.join(follows)})")
+    return facts
+
+
 def summary_line(payload: dict[str, Any]) -> str:
     e = payload["equivalence"]
     head = f"{payload['backend']} ws={payload['world_size']} {payload['model']} [{payload['launcher']}]: {e['verdict']}"
@@ -195,4 +211,5 @@ def summary_line(payload: dict[str, Any]) -> str:
     if e.get("unverifiable_reason"):
         detail += f"; unverifiable: {e['unverifiable_reason']}"
     detail += "; replicas identical" if e["replicas_identical"] else "; REPLICAS DIFFER"
+    detail += "".join(f"; {fact}" for fact in _semantic_facts(e))
     return f"{head} ({'; '.join([detail, *about_the_run])}) -> {payload.get('result_path')}"

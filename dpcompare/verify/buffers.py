@@ -156,6 +156,12 @@ class BufferCheck:
                 entry.ranks_agree = False
                 differing.append(name)
             entry.updated = entry.updated or _distance(own[0][name], before[0][name]) > 0.0
+            if _distance(again[name], own[0][name]) > (REPRODUCIBLE if _float(mine) else 0.0):
+                # Not a function of the forward (a clock, a random source of its own): no semantics can be judged.
+                entry.semantics = []
+                if entry.unexplained is None:
+                    entry.unexplained = {"step": step, "distances": None, "tolerance": None, "reproducible": False}
+                continue
             floor = _distance(run_dtype[name], own[0][name]) if _float(mine) else 0.0
             tol = TOLERANCE_FACTOR * (max(floor, self.depth * self.u) + ws * self.u) if _float(mine) else 0.0
             matched, distances = [], {}
@@ -171,9 +177,8 @@ class BufferCheck:
             entry.semantics = matched if entry.semantics is None else [s for s in entry.semantics if s in matched]
             if matched or entry.unexplained is not None:
                 continue
-            reproducible = _distance(again[name], own[0][name]) <= (REPRODUCIBLE if _float(mine) else 0.0)
-            entry.unexplained = {"step": step, "distances": distances, "tolerance": tol, "reproducible": reproducible}
-            if reproducible and failure is None:
+            entry.unexplained = {"step": step, "distances": distances, "tolerance": tol, "reproducible": True}
+            if failure is None:
                 failure = self._failure(step, name, distances, tol, floor, state, before, after, pieces_of, k)
         if differing and not self.noted:
             self.noted = True

@@ -227,9 +227,10 @@ def accumulate_gradient(model: nn.Module, loss_fn: Callable, pieces: list[Piece]
         x = piece.x.to(device)
         if x.is_floating_point():
             x = x.to(dtype)
+        # backward inside: a model that recomputes activations runs its dropout again there, on the same masks
         with replayer.applying(piece.masks) if replayer is not None else contextlib.nullcontext():
             loss = loss_fn(model(x), piece.y.to(device))
-        (loss * piece.weight if piece.weight != 1.0 else loss).backward()
+            (loss * piece.weight if piece.weight != 1.0 else loss).backward()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     none = frozenset(n for n, p in named if p.grad is None)
     return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().cpu() for n, p in named}, none

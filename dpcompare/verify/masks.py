@@ -97,6 +97,12 @@ def _functional(module: nn.Module) -> Callable[..., torch.Tensor]:
     return next(fn for kind, fn in _FUNCTIONAL if isinstance(module, kind))
 
 
+def _recomputing() -> bool:
+    """Inside backward: a checkpointed block recomputing its forward (torch.utils.checkpoint restores the
+    generator state, so it redraws the very mask of the forward call it repeats)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _key(name: str) -> tuple[str, int]:
     # nn.DataParallel runs each replica's forward in its own thread: a pre-hook and its forward hook meet by thread
     return (name, threading.get_ident())
@@ -156,8 +162,8 @@ class MaskRecorder:
             self._problems.setdefault(name, reason)
 
     def _before(self, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if not _draws(module):
-            return None
+        if not _draws(module) or _recomputing():
+            return None  # a recomputation repeats a call already recorded
         if not args or not isinstance(args[0], torch.Tensor):
             self._problem(name, "called without a tensor as its first positional argument")
             return None
@@ -209,6 +215,8 @@ class _Replay:
     def __init__(self, masks: dict[str, list[torch.Tensor]]) -> None:
         self.masks = masks
         self.used: dict[str, int] = {}
+        self.recomputed: dict[str, int] = {}
+        """Calls made by a checkpointed block's recomputation in backward: they repeat forward calls, in order."""
         self.inputs: dict[tuple[str, int], torch.Tensor] = {}
         self.lock = threading.Lock()
 
@@ -230,10 +238,11 @@ class _Replay:
             calls = self.masks.get(name)
             if calls is None:
                 raise MaskMismatch(name, "no mask was captured for this module")
-            i = self.used.get(name, 0)
+            counter = self.recomputed if _recomputing() else self.used
+            i = counter.get(name, 0)
             if i >= len(calls):
                 raise MaskMismatch(name, f"called {i + 1} times, but {len(calls)} masks were captured")
-            self.used[name] = i + 1
+            counter[name] = i + 1
         mask = calls[i]
         if tuple(mask.shape) != tuple(x.shape):
             raise MaskMismatch(name, f"call {i + 1}: captured mask has shape {tuple(mask.shape)}, "

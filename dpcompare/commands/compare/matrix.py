@@ -28,7 +28,7 @@ def _load(dump: Path) -> dict[int, dict[str, np.ndarray]]:
 RANDOM_ACROSS_WORLD_SIZES = (
     "not comparable: the forward draws random numbers (dropout) and the two runs have different world sizes; each "
     "rank seeds its own generator from (seed, rank), so they drew different masks and their distance measures "
-    "randomness, not rounding (each run's oracle column replays its own masks; compare with --run-arg=--no-dropout)")
+    "randomness, not rounding (each run's oracle column applies its own captured masks; compare with --run-arg=--no-dropout)")
 
 
 def _stochastic(job: Job) -> bool:
@@ -37,11 +37,26 @@ def _stochastic(job: Job) -> bool:
     return bool(probe.get("stochastic"))
 
 
+PER_REPLICA_ACROSS_SPLITS = (
+    "not comparable: BatchNorm is judged per replica (no --sync-bn) and the two runs split the global batch into "
+    "different forwards, so each normalises other sets of samples and computes another function; each run's oracle "
+    "column judges it against its own split (compare with --run-arg=--sync-bn for one computation)")
+
+
+def _per_replica_split(job: Job) -> int | None:
+    """The number of forwards a run normalised separately (BatchNorm per replica), or None when it did not."""
+    bn = ((job.result or {}).get("equivalence") or {}).get("batchnorm") or {}
+    return bn.get("forwards") if bn.get("semantics") == "per_replica" else None
+
+
 def _not_comparable(a: Job, b: Job) -> str | None:
     """Why the gradients of runs a and b cannot be compared, or None. Runs at the same world size seed their
-    ranks alike and draw the same masks; at different world sizes a rank's shard and generator differ."""
+    ranks alike and draw the same masks; at different world sizes a rank's shard and generator differ. Runs that
+    normalise BatchNorm per replica compute the same function only when they split the batch alike."""
     if a.world_size != b.world_size and (_stochastic(a) or _stochastic(b)):
         return RANDOM_ACROSS_WORLD_SIZES
+    if _per_replica_split(a) != _per_replica_split(b):
+        return PER_REPLICA_ACROSS_SPLITS
     return None
 
 

@@ -124,9 +124,24 @@ def _failed_job_rows(runs: list[dict[str, Any]], compare: dict[str, Any] | None)
             if job.get("status") in ("failed", "timeout") and (job.get("backend"), job.get("world_size")) not in have]
 
 
+SEMANTIC_NOTES = ("per_replica_batchnorm", "buffers_per_rank")
+"""Notes that say what a backend computes that a single process does not: listed under the verdicts."""
+
+
+def _semantic_lines(runs: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for run in runs:
+        for note in (run.get("equivalence") or {}).get("notes") or []:
+            if isinstance(note, dict) and note.get("code") in SEMANTIC_NOTES:
+                lines.append(f"- {run['backend']} ws={run['world_size']} {run.get('model', '?')} "
+                             f"(`{note['code']}`): {note.get('text', '')}")
+    return ["What the backends compute beside the single process (equivalent, and stated):", "", *lines] if lines else []
+
+
 def verdict_section(runs: list[dict[str, Any]], compare: dict[str, Any] | None, notes: Footnotes) -> list[str]:
     rows = [_verdict_row(run, notes) for run in runs] + _failed_job_rows(runs, compare)
-    return [VERDICT_INTRO, "", *table(VERDICT_HEADER, rows)]
+    semantics = _semantic_lines(runs)
+    return [VERDICT_INTRO, "", *table(VERDICT_HEADER, rows), *([""] + semantics if semantics else [])]
 
 
 # -- what does it cost? -----------------------------------------------------------------------------------
