@@ -166,7 +166,7 @@ def _semantic_facts(e: dict[str, Any]) -> list[str]:
                      "computation)")
     differ = [b for b in e.get("buffers") or [] if not b.get("ranks_agree", True)]
     if differ:
-        follows = sorted({s for b in differ for s in b.get("semantics") or []}) or ["no known semantics"]
+        follows = sorted({s for b in differ for s in b.get("nearest", b.get("semantics")) or []}) or ["no known semantics"]
         facts.append(f"{len(differ)} buffer(s) differ across ranks ({', '.join(follows)})")
     return facts
 

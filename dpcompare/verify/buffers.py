@@ -76,6 +76,9 @@ class _Entry:
     updated: bool = False
     semantics: list[str] | None = None
     """Matched at every checked step (None until the first check)."""
+    nearest: list[str] | None = None
+    """Of those, the closest at every checked step (several when their predictions coincide): where rounding
+    lets more than one semantics pass, this is the one the buffer follows."""
     unexplained: dict | None = None
     """The first step where no semantics matched: the distances to each, and whether the prediction was
     reproducible (then it failed the verdict)."""
@@ -83,7 +86,7 @@ class _Entry:
     def to_dict(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "steps": self.steps, "ranks_agree": self.ranks_agree,
                 "max_rel_diff_between_ranks": self.max_rel_diff_between_ranks, "updated_by_forward": self.updated,
-                "semantics": self.semantics or [], "tried": list(SEMANTICS), "unexplained": self.unexplained}
+                "semantics": self.semantics or [], "nearest": self.nearest or [], "tried": list(SEMANTICS), "unexplained": self.unexplained}
 
 
 class BufferCheck:
@@ -158,7 +161,7 @@ class BufferCheck:
             entry.updated = entry.updated or _distance(own[0][name], before[0][name]) > 0.0
             if _distance(again[name], own[0][name]) > (REPRODUCIBLE if _float(mine) else 0.0):
                 # Not a function of the forward (a clock, a random source of its own): no semantics can be judged.
-                entry.semantics = []
+                entry.semantics, entry.nearest = [], []
                 if entry.unexplained is None:
                     entry.unexplained = {"step": step, "distances": None, "tolerance": None, "reproducible": False}
                 continue
@@ -175,6 +178,9 @@ class BufferCheck:
                     matched.append(semantics)
             matched = [s for s in SEMANTICS if s in matched]
             entry.semantics = matched if entry.semantics is None else [s for s in entry.semantics if s in matched]
+            best = min((distances[s] for s in matched), default=None)
+            closest = [s for s in matched if distances[s] <= best] if best is not None else []
+            entry.nearest = closest if entry.nearest is None else [s for s in entry.nearest if s in closest]
             if matched or entry.unexplained is not None:
                 continue
             entry.unexplained = {"step": step, "distances": distances, "tolerance": tol, "reproducible": True}
@@ -226,7 +232,7 @@ class BufferCheck:
             return None
         names = self._differing
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        follows = sorted({s for n in names for s in (self._entries[n].semantics or [])})
+        follows = [s for s in SEMANTICS if any(s in (self._entries[n].nearest or []) for n in names)]
         how = (" (" + "; ".join(SEMANTICS[s] for s in follows) + ")") if follows else ""
         return (f"module buffers differ across ranks after the step: {shown}{how}; evaluation and checkpoints taken on "
                 "different ranks differ: broadcast rank 0's buffers (or average them) before evaluating or saving, or "
