@@ -10,7 +10,9 @@
 #   nccl-refused   two ranks on one GPU with NCCL: must be refused in one line, exit 2 (NCCL cannot do it)
 #   ddp/deepspeed/horovod-ws2   world size 2 on the one device over gloo (--opt dist_backend=gloo;
 #                  Horovod's gloo controller), CUDA tensors; with two or more GPUs, NCCL one rank per GPU
-#   resnet50, gpt2-small        throughput of every installed backend (world size 1 and 2), dropout on
+#   gpt2-small-dropout   GPT-2 small with its dropout at world size 1: the CUDA masks captured, not replayed
+#   resnet50, gpt2-small        throughput of every installed backend (world size 1 and 2), dropout on;
+#                  ResNet-50 without --sync-bn is judged per replica (its distance from the global batch stated)
 # then `python -m dpcompare report` per model, and OUT_DIR/gpu_check.md: one table of every run (verdict,
 # step time, samples/s, peak memory, clock) and one of every step (exit status, seconds).
 #
@@ -106,8 +108,11 @@ fi
 if has horovod; then
   step horovod-ws2 0 horovod_n 2 --backend horovod --model gpt-tiny --steps 2 --measure-steps "$steps" --out "$f"
 fi
-# GPT-2 small trains with dropout; CUDA does not draw the same masks in float64, so with dropout its verdict
-# is `unverifiable`. Without dropout the same network is checked against the float64 oracle.
+# GPT-2 small trains with dropout: each rank's CUDA masks are captured during its forward and applied in the
+# float64 oracle, so the verdict is `equivalent`, or `unverifiable` naming the one module whose mask cannot be
+# captured. Without dropout the same network is checked deterministically.
+step gpt2-small-dropout-ws1 0 torchrun_n 1 --backend ddp --model gpt2-small --global-batch 2 --steps 2 \
+  --measure-steps 0 --out "$out/gpt2-small-dropout"
 step gpt2-small-no-dropout-ws2 0 torchrun_n 2 --backend ddp "${ws2_args[@]}" --model gpt2-small --no-dropout \
   --global-batch 4 --steps 2 --measure-steps 0 --out "$out/gpt2-small-no-dropout"
 fi
@@ -133,7 +138,7 @@ for spec in resnet50:64 gpt2-small:8; do
 done
 
 # --- reports --------------------------------------------------------------------------------------------------
-for d in "$out/functional" "$out/gpt2-small-no-dropout" "$out/resnet50" "$out/gpt2-small"; do
+for d in "$out/functional" "$out/gpt2-small-dropout" "$out/gpt2-small-no-dropout" "$out/resnet50" "$out/gpt2-small"; do
   [ -d "$d" ] && step "report-$(basename "$d")" 0 bound "$py" -m dpcompare report "$d"
 done
 "$py" "$root/experiments/gpu_summary.py" "$out" >"$out/gpu_check.md" 2>"$out/logs/summary.log" || failed=1

@@ -17,8 +17,8 @@ from torch.nn import functional as F
 
 from dpcompare.verify import equivalence as eq
 from dpcompare.run import workloads
-from dpcompare.verify.diagnosis import (GradientEvidence, UpdateEvidence, _same_state, diagnose_gradient, diagnose_update,
-                                 reason_of)
+from dpcompare.verify.diagnosis import (Diagnosis, GradientEvidence, UpdateEvidence, _same_state, diagnose_gradient,
+                                        diagnose_update, reason_of)
 from dpcompare.verify.update_check import reference_step
 
 
@@ -43,23 +43,45 @@ def _setup(model: nn.Module, world_size: int = 2, loss_fn=None):
     return oracle, state, (x, y), shards, digests
 
 
-def _diagnose(model: nn.Module, grads_for, *, digests_for=None, has_batchnorm=False, sync_bn=False, grad_accum=1,
-              previous=None, loss_fn=None, tolerance=1e-6) -> str:
+def _diagnoses(model: nn.Module, grads_for, *, digests_for=None, has_batchnorm=False, sync_bn=False, per_replica=False,
+               grad_accum=1, previous=None, loss_fn=None, tolerance=1e-6, compression="none") -> list[Diagnosis]:
+    """The diagnosis of `grads_for`'s gradient at a check whose failing parameters are found as the verifier finds
+    them (distance from the oracle against the parameter's share of the model's gradient)."""
     oracle, state, batch, shards, digests = _setup(model, loss_fn=loss_fn)
-    oracle_grads = oracle.oracle(state, *batch)
+    layout = eq.Layout(2, grad_accum)
+    oracle_grads = (oracle.oracle_of(state, eq.replica_pieces(batch, layout)) if per_replica
+                    else oracle.oracle(state, *batch))
     grads = grads_for(oracle, state, oracle_grads, shards)
     evidence = GradientEvidence(
         step=1, grads=grads, oracle_grads=oracle_grads, tolerance={n: tolerance for n in oracle.names}, oracle=oracle,
         state=state, batch=batch, world_size=2, grad_accum=grad_accum,
         shard_digests=digests_for(digests) if digests_for else digests, has_batchnorm=has_batchnorm, sync_bn=sync_bn,
-        compression="none", dtype="float32", previous=previous(oracle, state, shards) if previous else None)
-    failing = [n for n in oracle.names if eq.rel_fro(grads[n], oracle_grads[n]) > tolerance]
-    return reason_of(diagnose_gradient(evidence, failing or oracle.names))
+        compression=compression, dtype="float32", layout=layout, per_replica=per_replica,
+        previous=previous(oracle, state, shards) if previous else None)
+    share = float(torch.linalg.vector_norm(eq.flat(oracle_grads, oracle.names))) / math.sqrt(len(oracle.names))
+    failing = [n for n in oracle.names if not eq.rel_fro(grads[n], oracle_grads[n], share) <= tolerance]
+    return diagnose_gradient(evidence, failing or oracle.names)
+
+
+def _diagnose(model: nn.Module, grads_for, **kwargs) -> str:
+    return reason_of(_diagnoses(model, grads_for, **kwargs))
 
 
 def _mean_of_locals(o, s, og, sh):
     local = [o.oracle(s, *shard) for shard in sh]
     return {k: (local[0][k] + local[1][k]) / 2 for k in og}
+
+
+def _fp16_all_reduce(o, s, og, sh):
+    """Each rank's float32 gradient divided by the world size, cast to fp16, summed in fp16 (DDP's fp16 hook)."""
+    local = [o.oracle(s, *shard) for shard in sh]
+    return {k: ((local[0][k].float() / 2).half().float() + (local[1][k].float() / 2).half().float()).half().double()
+            for k in og}
+
+
+def _global_batch(o, s, og, sh):
+    """The gradient of the global batch in one forward (its BatchNorm normalises all the samples together)."""
+    return o.oracle(s, torch.cat([sh[0][0], sh[1][0]]), torch.cat([sh[0][1], sh[1][1]]))
 
 
 # -- gradients ---------------------------------------------------------------------------------------
@@ -104,13 +126,10 @@ def test_names_a_stale_gradient():
 
 
 def test_names_an_undeclared_fp16_wire():
-    def fp16_all_reduce(o, s, og, sh):
-        local = [o.oracle(s, *shard) for shard in sh]
-        return {k: ((local[0][k].float() / 2).half().float() + (local[1][k].float() / 2).half().float()).half().double()
-                for k in og}
-
-    reason = _diagnose(_linear(), fp16_all_reduce)
-    assert "float16 on the wire" in reason and "--compression fp16" in reason
+    """Values in fp16's range, rounded to its precision: the rounding is named, not the range."""
+    found = _diagnoses(_linear(), _fp16_all_reduce)
+    assert [d.cause for d in found] == ["wire_dtype"], reason_of(found)
+    assert "float16 on the wire" in found[0].reason and "--compression fp16" in found[0].reason
 
 
 def test_wire_dtype_is_not_blamed_for_noise_of_that_size():
@@ -131,14 +150,24 @@ def test_names_shards_from_another_data_stream():
     assert "not the shards of the global batch" in reason
 
 
-def test_names_per_rank_batchnorm():
-    reason = _diagnose(_with_batchnorm(), _mean_of_locals, has_batchnorm=True)
-    assert "BatchNorm" in reason and "--sync-bn" in reason
+def test_names_per_rank_batchnorm_though_sync_bn_was_given():
+    """--sync-bn asked for global-batch statistics; each rank normalised its own shard."""
+    found = _diagnoses(_with_batchnorm(), _mean_of_locals, has_batchnorm=True, sync_bn=True)
+    assert [d.cause for d in found] == ["batchnorm"]
+    assert "each rank's shard" in found[0].reason and "though --sync-bn was given" in found[0].reason
 
 
-def test_does_not_blame_batchnorm_when_it_was_synchronised_or_absent():
-    for kwargs in ({"has_batchnorm": True, "sync_bn": True}, {"has_batchnorm": False}):
-        reason = _diagnose(_with_batchnorm(), _mean_of_locals, **kwargs)
+def test_names_a_backend_that_synchronises_batchnorm_on_its_own():
+    """Without --sync-bn the oracle normalises each replica's shard; the backend normalised the global batch."""
+    found = _diagnoses(_with_batchnorm(), _global_batch, has_batchnorm=True, per_replica=True)
+    assert [d.cause for d in found] == ["batchnorm"]
+    assert "synchronises BatchNorm statistics on its own" in found[0].reason
+
+
+def test_does_not_blame_batchnorm_when_absent():
+    """Twin: the same gradients, from a model the run does not know to have BatchNorm."""
+    for grads_for, kwargs in ((_mean_of_locals, {"sync_bn": True}), (_global_batch, {"per_replica": True})):
+        reason = _diagnose(_with_batchnorm(), grads_for, has_batchnorm=False, **kwargs)
         assert "matches none of the known fault patterns" in reason, kwargs
 
 
@@ -155,8 +184,9 @@ def test_names_batchnorm_over_micro_batches():
 
 
 def test_names_a_non_finite_gradient():
-    reason = _diagnose(_linear(), lambda o, s, og, sh: {k: v * math.inf for k, v in og.items()})
-    assert "inf or NaN" in reason
+    """Also the twin of the wire's overflow: infs that no all-reduce on a narrow wire produces."""
+    found = _diagnoses(_linear(), lambda o, s, og, sh: {k: v * math.inf for k, v in og.items()})
+    assert [d.cause for d in found] == ["non_finite"] and "inf or NaN" in found[0].reason
 
 
 def test_admits_an_unknown_fault():
@@ -164,6 +194,146 @@ def test_admits_an_unknown_fault():
     reason = _diagnose(_linear(), lambda o, s, og, sh: {k: v + 0.3 * torch.randn(v.shape, generator=noise, dtype=v.dtype)
                                                         for k, v in og.items()})
     assert "matches none of the known fault patterns" in reason
+
+
+def test_names_gradients_that_underflow_on_a_declared_fp16_wire():
+    """Gradients ~1e-20 (a loss scaled by 1e-20) all flush to zero on the fp16 wire: not a scale factor of 0."""
+    found = _diagnoses(_linear(), _fp16_all_reduce, loss_fn=lambda out, t: 1e-20 * F.cross_entropy(out, t),
+                       compression="fp16", tolerance=1e-2)
+    assert [d.cause for d in found] == ["wire_underflow"], reason_of(found)
+    reason = found[0].reason
+    assert "underflow to zero on the fp16 wire" in reason and "smallest subnormal is 6.0e-08" in reason
+    assert 1e-23 < float(reason.split("gradients of size ~")[1].split(" ")[0]) < 1e-19 and "loss scaling" in reason
+    assert "scale factor" not in reason
+
+
+def test_does_not_call_a_scaled_gradient_an_underflow():
+    """Twin: a gradient halved under a declared fp16 wire, with gradients of normal size or tiny ones, is a
+    second division, not an underflow: the fp16 all-reduce does not reproduce it."""
+    for scale in (1.0, 1e-20):
+        found = _diagnoses(_linear(), lambda o, s, og, sh: {k: v / 2 for k, v in og.items()}, compression="fp16",
+                           tolerance=1e-2, loss_fn=lambda out, t: scale * F.cross_entropy(out, t))
+        assert [d.cause for d in found] == ["averaged_twice"], (scale, reason_of(found))
+
+
+def test_names_gradients_that_overflow_on_a_declared_fp16_wire():
+    """Gradients ~1e5 pass 65504 on the fp16 wire and become inf: the wire's overflow, not only a non-finite value."""
+    found = _diagnoses(_linear(), _fp16_all_reduce, loss_fn=lambda out, t: 1e6 * F.cross_entropy(out, t),
+                       compression="fp16", tolerance=1e-2)
+    assert [d.cause for d in found] == ["wire_overflow"], reason_of(found)
+    assert "exceed fp16's largest value 65504 on the wire and become inf" in found[0].reason
+
+
+def _square() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+
+
+def test_names_two_gradients_that_were_swapped():
+    def exchanged(o, s, og, sh):
+        return dict(og, **{"0.weight": og["2.weight"], "2.weight": og["0.weight"]})
+
+    found = _diagnoses(_square(), exchanged)
+    assert [d.cause for d in found] == ["swapped"] and found[0].parameters == ["0.weight", "2.weight"]
+    assert "the gradients of 0.weight and 2.weight (same shape (4, 4)) were exchanged" in found[0].reason
+
+
+def test_does_not_call_a_copied_gradient_a_swap():
+    """Twin: one parameter holds the other's gradient, the other its own (or something else): no exchange."""
+    noise = torch.Generator().manual_seed(6)
+    for other in ("own", "noisy"):
+        def copied(o, s, og, sh):
+            second = og["2.weight"] + (0.5 * torch.randn(4, 4, generator=noise, dtype=torch.float64) if other == "noisy"
+                                       else 0)
+            return dict(og, **{"0.weight": og["2.weight"], "2.weight": second})
+
+        found = _diagnoses(_square(), copied)
+        assert "swapped" not in [d.cause for d in found] and found[-1].cause == "unknown", reason_of(found)
+
+
+class _Block(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class _TinyResNet(nn.Module):
+    def __init__(self, c: int = 4, blocks: int = 3) -> None:
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.blocks = nn.Sequential(*[_Block(c) for _ in range(blocks)])
+        self.fc = nn.Linear(c, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(x.shape[0], 1, 2, 2)
+        return self.fc(self.blocks(F.relu(self.bn(self.stem(x)))).mean((2, 3)))
+
+
+def _tiny_resnet() -> nn.Module:
+    torch.manual_seed(0)
+    return _TinyResNet()
+
+
+@pytest.mark.parametrize("fault", ["per_rank_batchnorm", "summed"])
+def test_one_cause_for_a_fault_of_every_parameter(fault):
+    """One fault that changes every parameter's gradient is named alone. With a loose tolerance, as a deep
+    ResNet's many small gradients give, a greedy first match also gave some parameters to a scale factor fitted
+    on the rest and to one rank's local gradient, by chance."""
+    faults = {"per_rank_batchnorm": ("batchnorm", _mean_of_locals),
+              "summed": ("summed", lambda o, s, og, sh: {k: 2 * v for k, v in og.items()})}
+    cause, grads_for = faults[fault]
+    found = _diagnoses(_tiny_resnet(), grads_for, has_batchnorm=True, sync_bn=True, tolerance=0.1)
+    assert [d.cause for d in found] == [cause], reason_of(found)
+
+
+def test_noise_on_top_of_a_partial_cause_is_unknown_not_a_second_cause():
+    """Biases left out of the all-reduce, and the weights perturbed by noise no fault explains: the biases are
+    named, the weights match none."""
+    noise = torch.Generator().manual_seed(9)
+
+    def biases_local_weights_noisy(o, s, og, sh):
+        local = o.oracle(s, *sh[0])
+        return {k: (local[k] if k.endswith("bias") else v + 0.3 * torch.randn(v.shape, generator=noise, dtype=v.dtype))
+                for k, v in og.items()}
+
+    found = _diagnoses(_linear(), biases_local_weights_noisy)
+    assert [d.cause for d in found] == ["unsynchronised", "unknown"], reason_of(found)
+    assert found[0].parameters == ["0.bias", "2.bias"] and found[1].parameters == ["0.weight", "2.weight"]
+
+
+def test_names_a_scale_shared_by_some_parameters_among_unrelated_errors():
+    """The weights summed, the biases far off in no known way: the scale is the one the weights share (a fit over
+    all failing parameters is pulled off 2 by the biases), and the biases match none."""
+    noise = torch.Generator().manual_seed(1)
+
+    def weights_summed(o, s, og, sh):
+        return {k: (2 * v if k.endswith("weight") else v + 3 * v.norm() * torch.randn(v.shape, generator=noise,
+                                                                                     dtype=v.dtype))
+                for k, v in og.items()}
+
+    found = _diagnoses(_linear(), weights_summed)
+    assert [(d.cause, d.parameters) for d in found] == [("summed", ["0.weight", "2.weight"]),
+                                                        ("unknown", ["0.bias", "2.bias"])], reason_of(found)
+
+
+def test_noise_on_a_few_parameters_leaves_them_unknown():
+    """Per-rank BatchNorm everywhere, two parameters also perturbed: BatchNorm on the rest, the two match none.
+    With the loose tolerance a greedy first match gave two of the rest to a fitted scale and to rank 0's local
+    gradient (the shape of a real ResNet-50 diagnosis: one right cause and two made-up ones)."""
+    noise = torch.Generator().manual_seed(4)
+
+    def per_rank_some_noisy(o, s, og, sh):
+        g = _mean_of_locals(o, s, og, sh)
+        return {k: (v + 0.3 * v.norm() * torch.randn(v.shape, generator=noise, dtype=v.dtype)
+                    if k in ("blocks.0.conv1.weight", "blocks.2.bn2.weight") else v) for k, v in g.items()}
+
+    found = _diagnoses(_tiny_resnet(), per_rank_some_noisy, has_batchnorm=True, sync_bn=True, tolerance=0.1)
+    assert [d.cause for d in found] == ["batchnorm", "unknown"], reason_of(found)
+    assert found[1].parameters == ["blocks.0.conv1.weight", "blocks.2.bn2.weight"]
 
 
 # -- updates -----------------------------------------------------------------------------------------
