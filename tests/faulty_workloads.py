@@ -65,3 +65,10 @@ def clock_buffer_mlp(seed: int) -> Workload:
     layers = list(base.model.children())
     model = nn.Sequential(*layers[:2], _ClockBuffer(), *layers[2:])
     return Workload("clock-buffer-mlp", model, base.make_batch, base.loss_fn)
+
+
+def tiny_loss_mlp(seed: int) -> Workload:
+    """The MLP with its loss scaled by 1e-20: gradients far below fp16's smallest subnormal (6e-8), which an fp16
+    wire flushes to zero (the loss scaling a GradScaler would have applied is missing)."""
+    base = mlp(seed)
+    return Workload("tiny-loss-mlp", base.model, base.make_batch, lambda out, y: 1e-20 * base.loss_fn(out, y))

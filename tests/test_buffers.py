@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -141,22 +140,28 @@ def test_checking_never_changes_the_runs_buffers():
     assert not torch.equal(moved["1.running_mean"].float(), mine["1.running_mean"])
 
 
-@pytest.mark.parametrize("k", [2])
-def test_ddp_broadcast_under_accumulation_is_rank_0s_buffers_at_the_synchronising_forward(k):
-    """With --grad-accum, DDP skips the broadcast under no_sync and broadcasts at the last micro-batch's forward."""
+def test_ddp_broadcast_under_accumulation_is_rank_0s_buffers_at_the_steps_first_forward():
+    """With --grad-accum, DDP broadcasts before the forward that follows a synchronised one (the first micro-batch)
+    and not under no_sync; each rank then runs all its micro-batches. Twin: broadcasting at the last micro-batch
+    instead matches no semantics."""
     model = _model()
     batch = _batch()
     start = bf.snapshot(model)
     before = [start, _moved(start)]
+    micro = [shard(batch, r, WS)[0].chunk(2) for r in range(WS)]
 
-    def micro(r):
-        return shard(batch, r, WS)[0].chunk(k)
+    def check(after):
+        oracle = eq.Oracle(model, lambda out, t: F.cross_entropy(out, t), "float32", torch.device("cpu"))
+        c = bf.BufferCheck(oracle, eq.depth_of(model), "float32")
+        state = {key: v.clone() for key, v in model.state_dict().items()}
+        failure = c.check(0, state, batch, eq.Layout(WS, 2), [{"before": before[r], "after": after[r]}
+                                                                 for r in range(WS)], None, sync_bn=False)
+        return {e["name"]: e for e in c.entries()}["1.running_mean"], failure
 
-    rank0_first = _after(model, before[0], micro(0)[0])
-    evidence = [{"before": before[r], "after": _after(model, rank0_first, micro(r)[1])} for r in range(WS)]
-    oracle = eq.Oracle(model, lambda out, t: F.cross_entropy(out, t), "float32", torch.device("cpu"))
-    check = bf.BufferCheck(oracle, eq.depth_of(model), "float32")
-    state = {key: v.clone() for key, v in model.state_dict().items()}
-    failure = check.check(0, state, batch, eq.Layout(WS, k), evidence, None, sync_bn=False)
-    entries = {e["name"]: e for e in check.entries()}
-    assert failure is None and entries["1.running_mean"]["semantics"] == ["rank0_broadcast"], entries["1.running_mean"]
+    first = [_after(model, _after(model, before[0], micro[r][0]), micro[r][1]) for r in range(WS)]
+    entry, failure = check(first)
+    assert failure is None and entry["semantics"] == ["rank0_broadcast"], entry
+    rank0_after_first = _after(model, before[0], micro[0][0])
+    last = [_after(model, rank0_after_first, micro[r][1]) for r in range(WS)]
+    entry, failure = check(last)
+    assert entry["semantics"] == [] and failure is not None and failure.cause == "buffer_semantics", entry

@@ -207,6 +207,15 @@ def test_undeclared_fp16_wire_is_named_at_step_0(launch):
 
 
 @pytest.mark.slow
+def test_gradients_that_underflow_on_a_declared_fp16_wire_are_named(launch):
+    """--compression fp16 is declared (its rounding is tolerated), but gradients of ~1e-21 flush to zero on it."""
+    proc, result = launch("ddp", WORLD_SIZE, "tests.faulty_workloads:tiny_loss_mlp", [*STEPS, "--compression", "fp16"])
+    d = different(proc, result)
+    assert (d["step"], d["cause"]) == (0, "wire_underflow"), d
+    assert "underflow to zero on the fp16 wire" in d["reason"] and "scale factor" not in d["reason"], d["reason"]
+
+
+@pytest.mark.slow
 def test_stale_gradient_is_named_at_step_1(launch):
     proc, result = launch("tests.faulty_adapters:StaleGradDDP", WORLD_SIZE, "mlp", STEPS)
     d = different(proc, result)

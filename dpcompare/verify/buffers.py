@@ -6,8 +6,9 @@ oracle's model from those snapshots, what each buffer would be under each semant
 
   global_batch      the global batch's statistics, one forward per micro-batch across ranks (a single
                     process, synchronised BatchNorm)
-  rank0_broadcast   rank 0's buffers at the synchronising forward, then each rank's own shard (DDP with
-                    broadcast_buffers, its default: the history is rank 0's shards)
+  rank0_broadcast   rank 0's buffers broadcast at the step's first forward, then each rank's own shard
+                    (DDP with broadcast_buffers, its default, which broadcasts before any forward that
+                    follows a synchronised one: the history is rank 0's shards)
   own_shard         each rank's own buffers and shard, never synchronised after the start (Horovod,
                     DeepSpeed; nn.DataParallel keeps replica 0's)
 
@@ -139,8 +140,8 @@ class BufferCheck:
         predicted: dict[str, list[Buffers | None]] = {}
         own = [self._f64(state, before[r], pieces_of(r, range(k))) for r in range(ws)]
         predicted["own_shard"] = own
-        synced = self._f64(state, before[0], pieces_of(0, range(k - 1))) if k > 1 else before[0]
-        predicted["rank0_broadcast"] = [self._f64(state, synced, pieces_of(r, range(k - 1, k))) for r in range(ws)]
+        # DDP broadcasts before a forward that follows a synchronised one: the step's first micro-batch.
+        predicted["rank0_broadcast"] = [self._f64(state, before[0], pieces_of(r, range(k))) for r in range(ws)]
         whole = self._global(state, before[0], x, y, positions, masks, k)
         predicted["global_batch"] = [whole] * ws if whole is not None else [None] * ws
 
