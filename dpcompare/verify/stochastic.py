@@ -1,11 +1,11 @@
-"""Randomness in the forward pass: find it, give every rank its own stream, capture it, replay it.
+"""Randomness in the forward pass: find it, give every rank its own stream, fingerprint each rank's state.
 
 Owns: which modules of a model draw random numbers in training (dropout and its kin), the per-rank seed
-(seed 000: the same seed for the weights, a different one per replica for dropout and augmentation), the
-capture of a rank's generator state before its forward, and the replay of that state on rank 0 so the
-float64 oracle draws the very masks the rank drew. Also `isolated()`: rank 0's verification work runs
-on a forked generator, so checking a run never changes the random numbers the run itself draws.
-Imports no adapter.
+(seed 000: the same seed for the weights, a different one per replica for dropout and augmentation), and
+the capture of a rank's generator state before its forward, whose digest tells ranks that would draw the
+same masks (the masks themselves are captured by dpcompare.verify.masks). Also `isolated()`: rank 0's
+verification work runs on a forked generator, so checking a run never changes the random numbers the run
+itself draws. Imports no adapter.
 """
 
 from __future__ import annotations
@@ -56,17 +56,6 @@ def _devices(device: torch.device) -> list[int]:
 def isolated(device: torch.device) -> Iterator[None]:
     """Random numbers drawn inside do not advance the run's generators."""
     with torch.random.fork_rng(devices=_devices(device)):
-        yield
-
-
-@contextlib.contextmanager
-def replaying(state: RngState | None, device: torch.device) -> Iterator[None]:
-    """Inside, the generators are where `state` left them; outside, as they were."""
-    with isolated(device):
-        if state is not None:
-            torch.set_rng_state(torch.frombuffer(bytearray(state.cpu), dtype=torch.uint8))
-            if state.cuda is not None and device.type == "cuda":
-                torch.cuda.set_rng_state(torch.frombuffer(bytearray(state.cuda), dtype=torch.uint8), device)
         yield
 
 
