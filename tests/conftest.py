@@ -96,8 +96,8 @@ def checked_equivalence(verdict: str = "equivalent", *, stochastic: bool = False
                                "noise_floor_rel_fro": 2e-8, "norm_ratio": 1.001},
                     "trajectory": {"status": "pass", "noise_ratio": 2.25, "rel_param_distance": 4.5e-8,
                                    "floor_rel_param_distance": 2e-8, "step": 0}},
-         "stochastic": {"stochastic": stochastic, "modules": ["drop"] if stochastic else [], "replayed": stochastic,
-                        "reason": None},
+         "stochastic": {"stochastic": stochastic, "modules": ["drop"] if stochastic else [], "captured": stochastic,
+                        "reason": None, "capture_bytes_per_step": 96 if stochastic else None},
          "parameters": {"unused": [], "frozen": [], "unused_grad": {}}}
     e.update(overrides)
     return e

@@ -54,7 +54,7 @@ def _check(model: nn.Module, make_after, before: list[bf.Buffers] | None = None)
     oracle = eq.Oracle(model, lambda out, t: F.cross_entropy(out, t), "float32", torch.device("cpu"))
     check = bf.BufferCheck(oracle, eq.depth_of(model), "float32")
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    failure = check.check(0, state, batch, eq.Layout(WS), evidence, None, sync_bn=False)
+    failure = check.check(0, state, batch, eq.Layout(WS), evidence, None)
     return {e["name"]: e for e in check.entries()}, failure, check
 
 
@@ -155,7 +155,7 @@ def test_ddp_broadcast_under_accumulation_is_rank_0s_buffers_at_the_steps_first_
         c = bf.BufferCheck(oracle, eq.depth_of(model), "float32")
         state = {key: v.clone() for key, v in model.state_dict().items()}
         failure = c.check(0, state, batch, eq.Layout(WS, 2), [{"before": before[r], "after": after[r]}
-                                                                 for r in range(WS)], None, sync_bn=False)
+                                                                 for r in range(WS)], None)
         return {e["name"]: e for e in c.entries()}["1.running_mean"], failure
 
     first = [_after(model, _after(model, before[0], micro[r][0]), micro[r][1]) for r in range(WS)]

@@ -287,6 +287,23 @@ def test_random_forward_at_different_world_sizes_is_not_comparable(tmp_path):
     assert "n/a: not comparable: the forward draws random numbers" in text
 
 
+def _per_replica(forwards: int) -> dict:
+    return {"semantics": "per_replica", "modules": ["1"], "local_batch": 24 // forwards, "forwards": forwards,
+            "step": 0, "distance_rel_fro": 0.1, "floors": 4e5}
+
+
+def test_batchnorm_split_differently_is_not_comparable(tmp_path):
+    """BatchNorm per replica: ws=1 normalises the global batch, ws=2 each shard, --grad-accum 2 each micro-batch:
+    three functions. Twin: two backends that split alike are compared."""
+    jobs = [_job(tmp_path, "reference", 1, _equivalence(), ORACLE + 1e-8),
+            _job(tmp_path, "ddp", 2, _equivalence(batchnorm=_per_replica(2)), ORACLE + 3e-8),
+            _job(tmp_path, "horovod", 2, _equivalence(batchnorm=_per_replica(2)), ORACLE + 3e-8)]
+    step0 = matrix.build_matrix(jobs)["per_step"]["0"]
+    assert step0["ddp/2"]["rel_err"]["reference/1"] is None
+    assert "split the global batch into different forwards" in step0["ddp/2"]["not_comparable"]["reference/1"]
+    assert step0["ddp/2"]["rel_err"]["horovod/2"] == 0.0 and "horovod/2" not in step0["ddp/2"]["not_comparable"]
+
+
 def test_deterministic_runs_at_different_world_sizes_stay_comparable(tmp_path):
     jobs = [_job(tmp_path, "reference", 1, _equivalence(stochastic=False), ORACLE + 1e-8),
             _job(tmp_path, "ddp", 2, _equivalence(stochastic=False), ORACLE + 3e-8)]

@@ -94,6 +94,13 @@ def test_backend_is_equivalent_to_the_float64_oracle(backend, world_size, model,
             "stochastic": True, "modules": ["2", "5"], "captured": True, "reason": None}, probe
         # Each rank's masks: its local batch x 64 features, in two dropout modules, packed to bits.
         assert probe["capture_bytes_per_step"] == 2 * ((result["local_batch"] * 64 + 7) // 8), probe
+    if model == "cnn" and world_size > 1:
+        # --sync-bn: one computation with the global batch, whose statistics every rank holds.
+        e = result["equivalence"]
+        assert e["batchnorm"] is None and not [n for n in e["notes"] if n["code"] in ("per_replica_batchnorm",
+                                                                                     "buffers_per_rank")], e["notes"]
+        buffers = {b["name"]: b for b in e["buffers"]}
+        assert buffers["1.running_mean"]["ranks_agree"] and buffers["1.running_mean"]["nearest"] == ["global_batch"]
     if model == "mlp-unused":
         p = result["equivalence"]["parameters"]
         assert p["unused"] == ["aux_head.weight", "aux_head.bias"] and p["frozen"] == ["embed.weight", "embed.bias"]

@@ -153,19 +153,26 @@ def test_eval_mode_and_p_zero_record_nothing():
 
 
 # -- replay ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("inplace", [False, True])
-def test_captured_masks_make_a_float64_copy_compute_the_same_forward_and_gradients(inplace):
-    model, x = _net(inplace=inplace), _x(8, 6)
-    copy64 = copy.deepcopy(model).double()
-    record, (y,) = _record(model, x)
+def _assert_replayed(model: nn.Module, copy64: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                     record: MaskRecord) -> dict[str, torch.Tensor]:
+    """The float64 copy under the captured masks computes the recorded forward and its gradients (float32 rounding);
+    returns the recorded model's gradients."""
     (y ** 2).sum().backward()
-
     with MaskReplayer(copy64).applying(record.calls()):
         y64 = copy64(x.double())
     (y64 ** 2).sum().backward()
     assert _rel(y, y64) < 1e-5
     grads, grads64 = _grads(model), _grads(copy64)
     assert all(_rel(grads[n], grads64[n]) < 1e-5 for n in grads), {n: _rel(grads[n], grads64[n]) for n in grads}
+    return grads
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_captured_masks_make_a_float64_copy_compute_the_same_forward_and_gradients(inplace):
+    model, x = _net(inplace=inplace), _x(8, 6)
+    copy64 = copy.deepcopy(model).double()
+    record, (y,) = _record(model, x)
+    grads = _assert_replayed(model, copy64, x, y, record)
 
     # Twin: without the masks the copy draws its own and computes another function.
     free64 = copy.deepcopy(model).double()
@@ -422,14 +429,7 @@ def test_masks_drawn_on_cuda_make_a_float64_copy_compute_the_same_forward_and_gr
     record, (y,) = _record(model, x)
     assert torch.equal(y, plain) and torch.equal(torch.cuda.get_rng_state(device), plain_state)
     assert record.problems == {} and all(m.replica == x.device.index for m in record.masks["2"])
-    (y ** 2).sum().backward()
-
-    with MaskReplayer(copy64).applying(record.calls()):
-        y64 = copy64(x.double())
-    (y64 ** 2).sum().backward()
-    assert _rel(y, y64) < 1e-5
-    grads, grads64 = _grads(model), _grads(copy64)
-    assert all(_rel(grads[n], grads64[n]) < 1e-5 for n in grads)
+    _assert_replayed(model, copy64, x, y, record)
 
     torch.manual_seed(6)
     assert _rel(y, copy.deepcopy(model).double()(x.double())) > 1e-2  # twin: the copy's own draw differs

@@ -289,6 +289,22 @@ def test_unverifiable_is_bold_with_its_reason_beside_the_update_and_trajectory_f
     assert "| ddp | 2 | grad_accum=4 | **unverifiable** |" in md  # the sweep table too
 
 
+def test_what_a_backend_computes_beside_a_single_process_is_listed_under_the_verdicts(tmp_path: Path) -> None:
+    """Per-replica BatchNorm and buffers that differ by rank are equivalent and stated; other notes stay out, and a
+    run without them adds no list (the twin)."""
+    per_replica = "BatchNorm without --sync-bn (2 module(s): 1, 4): ... 4.31e+05x the float32 noise floor"
+    notes = [{"code": "per_replica_batchnorm", "text": per_replica},
+             {"code": "buffers_per_rank", "text": "module buffers differ across ranks after the step: 1.running_mean"},
+             {"code": "division_order", "text": "ddp divides each gradient by 3 before summing"}]
+    write(tmp_path / "runs" / "ddp.json", checked_run("ddp", 2, checked_equivalence(notes=notes)))
+    md = report.build_report(tmp_path).read_text()
+    assert f"- ddp ws=2 mlp (`per_replica_batchnorm`): {per_replica}" in md
+    assert "- ddp ws=2 mlp (`buffers_per_rank`): module buffers differ across ranks" in md
+    assert "division_order" not in md
+    write(tmp_path / "runs" / "ddp.json", checked_run("ddp", 2, checked_equivalence()))
+    assert "What the backends compute beside the single process" not in report.build_report(tmp_path).read_text()
+
+
 def test_a_result_written_before_the_update_and_trajectory_checks_is_na_with_why(tmp_path: Path) -> None:
     old = run_result("ddp", 2)  # no checks, unverifiable_reason, stochastic or parameters
     assert "checks" not in old["equivalence"]

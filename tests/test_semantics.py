@@ -7,7 +7,8 @@ statistics differ across ranks and the result names the semantics each backend g
 buffers broadcast at the forward; Horovod: each rank's own) with a `buffers_per_rank` note. Dropout masks
 are captured during the ranks' forward, also where BatchNorm couples the samples.
 
-Negative twins: a backend that synchronises BatchNorm behind the user's back, one that updates the running
+With --sync-bn the statistics are the global batch's on every rank: the matrix's cnn runs check that
+(test_equivalence_matrix.py). Negative twins: a backend that synchronises BatchNorm behind the user's back, one that updates the running
 statistics twice per step, and a model whose dropout cannot be captured (F.dropout in its own forward) --
 `different` with the cause, or `unverifiable` naming the module. The unit-level twins of the buffer check are
 in test_buffers.py, of the mask capture in test_masks.py.
@@ -75,17 +76,6 @@ def test_batchnorm_per_micro_batch_is_judged_as_its_own_replica(launch):
     assert result["equivalence"]["batchnorm"]["forwards"] == 2 * WS
     buffers = {b["name"]: b for b in result["equivalence"]["buffers"]}
     assert buffers["1.running_mean"]["semantics"] == ["rank0_broadcast"], buffers["1.running_mean"]
-
-
-def test_sync_bn_is_one_computation_with_the_global_batch(shared_launch):
-    """Twin of the per-replica judgement: with --sync-bn the statistics are the global batch's on every rank."""
-    proc, result = shared_launch("ddp", WS, "cnn", [*STEPS, "--sync-bn"])
-    assert_equivalent(proc, result, backend="ddp", world_size=WS, model="cnn", launcher="torchrun")
-    e = result["equivalence"]
-    assert e["batchnorm"] is None and not [n for n in e["notes"] if n["code"] in ("per_replica_batchnorm",
-                                                                                 "buffers_per_rank")]
-    buffers = {b["name"]: b for b in e["buffers"]}
-    assert buffers["1.running_mean"]["ranks_agree"] and buffers["1.running_mean"]["semantics"] == ["global_batch"]
 
 
 def test_batchnorm_synchronised_behind_the_users_back_is_named(launch):

@@ -12,7 +12,7 @@ state_dict moves between the two. `Workload.source` records which one ran.
 GPT: the GPT-2 architecture (learned positions, pre-LayerNorm blocks, tanh-GELU MLP, output head tied to
 the token embedding, scaled init of the residual projections) with dropout 0.1 on embeddings, attention
 probabilities and residuals, in nn.Dropout modules, as GPT-2 trains. dpcompare's verifier finds those
-modules and replays each rank's masks in the float64 oracle, so a dropout GPT is checkable, not waved
+modules and applies the masks each rank drew in the float64 oracle, so a dropout GPT is checkable, not waved
 through. `gpt2-small` is the real 124M configuration (vocab 50257, context 1024, 12 layers, 12 heads, 768).
 """
 

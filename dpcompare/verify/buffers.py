@@ -96,6 +96,7 @@ class BufferCheck:
         self.u = UNIT_ROUNDOFF[dtype]
         self._entries: dict[str, _Entry] = {}
         self.noted = False
+        self._differing: list[str] = []
 
     def entries(self) -> list[dict]:
         return [e.to_dict() for e in self._entries.values()]
@@ -123,7 +124,7 @@ class BufferCheck:
 
     # -- the check -------------------------------------------------------------------------------------------
     def check(self, step: int, state: dict, batch, layout: Layout, evidence: list[dict],
-              masks: list[Masks] | None, *, sync_bn: bool) -> Divergence | None:
+              masks: list[Masks] | None) -> Divergence | None:
         """`evidence[r]`: rank r's {"before": Buffers, "after": Buffers}. Returns the failure to record, if any."""
         before = [e["before"] for e in evidence]
         after = [e["after"] for e in evidence]
@@ -187,9 +188,9 @@ class BufferCheck:
             entry.unexplained = {"step": step, "distances": distances, "tolerance": tol, "reproducible": True}
             if failure is None:
                 failure = self._failure(step, name, distances, tol, floor, state, before, after, pieces_of, k)
-        if differing and not self.noted:
+        if differing:
             self.noted = True
-            self._differing = differing
+            self._differing = list(dict.fromkeys([*self._differing, *differing]))
         return failure
 
     def _global(self, state: dict, start: Buffers, x, y, positions, masks: list[Masks] | None, k: int) -> Buffers | None:

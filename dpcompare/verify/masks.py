@@ -103,6 +103,21 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+@contextlib.contextmanager
+def _hooked(targets: dict[str, nn.Module], before: Callable[..., Any], after: Callable[..., Any]) -> Iterator[None]:
+    """Inside, `before(name, module, args)` and `after(name, module, args, output)` hook every target's forward;
+    on leaving, even on an error, every hook is removed."""
+    handles = []
+    try:
+        for name, m in targets.items():
+            handles.append(m.register_forward_pre_hook(functools.partial(before, name)))
+            handles.append(m.register_forward_hook(functools.partial(after, name)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _key(name: str) -> tuple[str, int]:
     # nn.DataParallel runs each replica's forward in its own thread: a pre-hook and its forward hook meet by thread
     return (name, threading.get_ident())
@@ -132,16 +147,11 @@ class MaskRecorder:
         """Inside, every training-mode call of a capturable module records its mask; outside, nothing is hooked."""
         if self._active:
             raise RuntimeError("MaskRecorder.recording() is already active")
-        handles = []
         self._active = True
         try:
-            for name, m in self._targets.items():
-                handles.append(m.register_forward_pre_hook(functools.partial(self._before, name)))
-                handles.append(m.register_forward_hook(functools.partial(self._after, name)))
-            yield
+            with _hooked(self._targets, self._before, self._after):
+                yield
         finally:
-            for handle in handles:
-                handle.remove()
             with self._lock:
                 self._pending.clear()
             self._active = False
@@ -282,15 +292,8 @@ class MaskReplayer:
             if name not in self._targets:
                 raise MaskMismatch(name, "the model has no capturable module of this name")
         replay = _Replay(masks)
-        handles = []
-        try:
-            for name, m in self._targets.items():
-                handles.append(m.register_forward_pre_hook(functools.partial(replay.before, name)))
-                handles.append(m.register_forward_hook(functools.partial(replay.after, name)))
+        with _hooked(self._targets, replay.before, replay.after):
             yield
-        finally:
-            for handle in handles:
-                handle.remove()
         left = replay.unused()
         if left is not None:
             raise MaskMismatch(*left)

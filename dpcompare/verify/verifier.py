@@ -231,14 +231,14 @@ class Verifier:
         if not self.per_replica or self.verdict.batchnorm is not None:
             return
         n = batch[0].shape[0]
-        whole = None
+        whole, none = None, self.oracle.none
         try:
             masks = (mk.combine([p.masks or {} for p in pieces], [p[3] for p in self.layout.positions(n)], n)
                      if self.facts.stochastic else None)
             whole = self.oracle.oracle_of(state, eq.global_pieces(batch, masks))
         except mk.MaskMismatch:
             pass  # masks that are not batch-first cannot be joined: the distance stays unmeasured, and says so
-        self.oracle.oracle_of(state, pieces)  # `none` stays the judged oracle's
+        self.oracle.none = none  # the judged oracle's
         names = self.names
         floor_rel = max(eq.rel_fro(eq.flat(floor, names), eq.flat(oracle, names)), self.depth * eq.UNIT_ROUNDOFF[self.cfg.dtype])
         distance = eq.rel_fro(eq.flat(whole, names), eq.flat(oracle, names)) if whole is not None else None
@@ -318,8 +318,7 @@ class Verifier:
                 self.verdict.diverge(eq.Divergence(
                     step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
                     reason_of(found), check="gradient", cause=found[0].cause, parameters=[p.parameter for p in failing]))
-            failure = self.buffers.check(step, state, batch, self.layout, [i["buffers"] for i in info], forward_masks,
-                                         sync_bn=self.cfg.sync_bn)
+            failure = self.buffers.check(step, state, batch, self.layout, [i["buffers"] for i in info], forward_masks)
             self.verdict.buffers = self.buffers.entries()
             if (text := self.buffers.note()) is not None:
                 self.verdict.notes = [n for n in self.verdict.notes if n.code != "buffers_per_rank"]
