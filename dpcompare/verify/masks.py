@@ -118,6 +118,19 @@ def _hooked(targets: dict[str, nn.Module], before: Callable[..., Any], after: Ca
             handle.remove()
 
 
+def _ones_aligned_like(x: torch.Tensor) -> torch.Tensor:
+    """Ones of x's shape and strides, and on CUDA at x's pointer alignment: CUDA's dropout kernel vectorises by the
+    input's alignment, and which random number lands on which element follows the vector width. (The proof in
+    `_after` still checks the mask; this only makes a misaligned view capturable.)"""
+    ones = torch.ones_like(x)
+    if x.device.type != "cuda" or not x.is_contiguous():
+        return ones
+    shift = (x.data_ptr() % 16) // x.element_size()
+    if shift == 0:
+        return ones
+    return torch.ones(shift + x.numel(), dtype=x.dtype, device=x.device)[shift:].view(x.shape)
+
+
 def _key(name: str) -> tuple[str, int]:
     # nn.DataParallel runs each replica's forward in its own thread: a pre-hook and its forward hook meet by thread
     return (name, threading.get_ident())
@@ -199,7 +212,7 @@ class MaskRecorder:
             torch.set_rng_state(saved.cpu)
             if saved.cuda is not None:
                 torch.cuda.set_rng_state(saved.cuda, x.device)
-            mask = _functional(module)(torch.ones_like(x), p=module.p, training=True, inplace=False) != 0
+            mask = _functional(module)(_ones_aligned_like(x), p=module.p, training=True, inplace=False) != 0
             # The proof: kept where the output is nonzero, dropped where a nonzero input became zero. Non-finite
             # values prove nothing (a dropped NaN stays NaN).
             out = output.detach()
