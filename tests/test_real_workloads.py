@@ -4,9 +4,10 @@ The networks must be the published ones: ResNet-18 and ResNet-50 have torchvisio
 (11,689,512 and 25,557,032 with 1000 classes; where torchvision imports, the very same state_dict layout)
 and gpt2-small is GPT-2's 124M configuration (124,439,808 parameters with the tied head). Their data is
 deterministic per (seed, step) and shaped as named. Multi-process: a dropout GPT is `equivalent` under every
-backend at world size 2 because the oracle replays each rank's masks (on CPU), and its negative twin, an
+backend at world size 2 because the oracle applies the masks each rank drew, and its negative twin, an
 adapter that gives every rank the same dropout seed, is caught (test_negative.py); ResNet with BatchNorm is
-`equivalent` with --sync-bn and `different` without it. `--opt dist_backend=nccl` on CPU is refused in one
+`equivalent` with --sync-bn (the global batch) and without it (per replica, its distance stated; the negative
+twins of that judgement are in test_semantics.py). `--opt dist_backend=nccl` on CPU is refused in one
 line, and NCCL on ranks that share one GPU is refused before it can fail obscurely.
 """
 
