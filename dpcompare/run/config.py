@@ -72,7 +72,8 @@ class RunConfig:
     """Convert BatchNorm layers to a global-batch (synchronised) BatchNorm."""
     no_dropout: bool = False
     """Set every dropout probability to 0: a forward that draws no random numbers can always be checked
-    (with dropout on, the check replays each rank's masks where it can, else says `unverifiable`)."""
+    (with dropout on, the check applies the masks each rank drew where they can be captured, else says
+    `unverifiable` and names the module)."""
     timeout_s: float = 120.0
     """A rank that makes no progress for this long makes every rank exit with an error naming it."""
     out: str = "results"
