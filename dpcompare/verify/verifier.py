@@ -110,6 +110,8 @@ class Verifier:
         self.expected_state: OptState | None = {}  # a fresh optimizer's
         self.expected_from = "a fresh optimizer's"
         self.pending: _Pending | None = None
+        self._unpacked: tuple[list[mk.MaskRecord], list[eq.Masks]] | None = None
+        """The last step's records and their unpacked masks."""
         self.previous: tuple[int, eq.Grads] | None = None
         self.stopped = False
         """No further check: the run diverged, or its randomness cannot be captured."""
@@ -204,7 +206,16 @@ class Verifier:
         return eq.global_pieces(batch, mk.combine(masks, [p[3] for p in self.layout.positions(n)], n))
 
     def _forward_masks(self, batch_size: int, records: list[mk.MaskRecord]) -> list[eq.Masks]:
-        """Each forward's masks, in the order of `layout.positions`: a rank's masks split by micro-batch."""
+        """Each forward's masks, in the order of `layout.positions`: a rank's masks split by micro-batch. Unpacked
+        once per step: the gradient check, the buffers and the trajectory of a step share them."""
+        cached = self._unpacked
+        if cached is not None and len(cached[0]) == len(records) and all(a is b for a, b in zip(cached[0], records)):
+            return cached[1]
+        out = self._split_masks(batch_size, records)
+        self._unpacked = (list(records), out)
+        return out
+
+    def _split_masks(self, batch_size: int, records: list[mk.MaskRecord]) -> list[eq.Masks]:
         for record in records:
             for name, why in record.problems.items():
                 raise mk.MaskMismatch(name, why)
