@@ -5,11 +5,18 @@ whole backward (no overlap) the gradients are flattened into buffers, summed and
 `engine.step()` sets them to None, so the trainer reads them before the step. Two defaults are changed
 on purpose and stated in the verdict's notes: gradient clipping (1.0 by default since 0.19.3, which
 would make its parameters differ from DDP's) is set to 0.0, and nothing else scales the loss.
+
+Mixed precision, two recipes (`--opt amp_recipe=`): `autocast` (default) is DeepSpeed's `torch_autocast` section,
+float32 weights with the engine's forward under torch.autocast and, for fp16, the GradScaler the engine keeps at
+stage 0; `engine` is its `bf16`/`fp16` section: the model's weights and gradients in 16 bits, all-reduced in 16
+bits, an fp32 master copy of every weight stepped by the client optimizer (FP16_UnfusedOptimizer at stage 0),
+fp16 with DeepSpeed's dynamic loss scaler. The checks read the master copies and their optimizer state.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from datetime import timedelta
 
 import torch
@@ -17,7 +24,10 @@ from torch import nn
 
 from dpcompare.run import launch
 from dpcompare.contract import Adapter, Capabilities, CommCounter, CommCounts, Note, Option, Wrapped
+from dpcompare.run.precision import AMP_NAMES, ScalerState
 from dpcompare.run.process_group import DIST_BACKEND, ProcessGroupMixin
+
+WIRE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
@@ -34,6 +44,9 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         DIST_BACKEND,
         Option("gradient_clipping", float, 0.0,
                "clip the global gradient norm at this value (0: off; DeepSpeed's own default since 0.19.3 is 1.0)"),
+        Option("amp_recipe", str, "autocast",
+               "with --amp: autocast (its torch_autocast section, float32 weights) or engine (its bf16/fp16 section: "
+               "16-bit weights, gradients and all-reduce, fp32 master weights)", choices=("autocast", "engine")),
     )
     NATIVE_NAMES = {"communication_data_type": "compression", "allreduce_bucket_size": "bucket_mb",
                     "reduce_bucket_size": "bucket_mb", "wall_clock_breakdown": "instrument"}
@@ -45,6 +58,8 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
 
         import deepspeed
         from deepspeed.utils import logger
+
+        self._check_precision()
 
         # wall_clock_breakdown logs every step's timers at INFO; the run prints its own summary.
         logger.setLevel(logging.WARNING)
@@ -60,6 +75,32 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
             verbose=False,
         )
 
+    def _check_precision(self) -> None:
+        """Refuse, before any work, a recipe DeepSpeed cannot run here (one line, exit 2)."""
+        amp, recipe = self.settings.amp, self.settings.options["amp_recipe"]
+        if recipe == "engine" and amp == "none":
+            raise ValueError("--opt amp_recipe=engine selects DeepSpeed's bf16/fp16 engine: add --amp bf16 or --amp fp16")
+        if recipe == "engine" and amp == "fp16":
+            from deepspeed.accelerator import get_accelerator
+
+            accelerator = get_accelerator()
+            if not accelerator.is_fp16_supported():
+                raise ValueError(f"--amp fp16 --opt amp_recipe=engine: DeepSpeed's {accelerator.device_name()} "
+                                 "accelerator does not support fp16 weights here (is_fp16_supported() is False); use "
+                                 "--amp bf16, or the autocast recipe (--opt amp_recipe=autocast), or a CUDA device")
+
+    def _precision_config(self) -> dict:
+        amp, recipe = self.settings.amp, self.settings.options["amp_recipe"]
+        if amp == "none":
+            return {}
+        if recipe == "autocast":
+            return {"torch_autocast": {"enabled": True, "dtype": AMP_NAMES[amp]}}
+        if amp == "bf16":
+            return {"bf16": {"enabled": True}}
+        # loss_scale 0: dynamic; the initial scale is 2^initial_scale_power (a power of two, checked by the config)
+        return {"fp16": {"enabled": True, "loss_scale": 0,
+                         "initial_scale_power": int(math.log2(self.settings.loss_scale or 2.0**16))}}
+
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
         config = {
             "train_batch_size": global_batch,
@@ -71,6 +112,7 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
             # Its timers are the native communication counter ('bwd_allreduce'); on CUDA they synchronise,
             # so they run only when the run is instrumented.
             "wall_clock_breakdown": self.settings.instrument,
+            **self._precision_config(),
         }
         if self.settings.compression != "none":
             config["communication_data_type"] = self.settings.compression
@@ -88,6 +130,13 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
                     timers.timers[name].elapsed(reset=reset)
 
         timers.log = reset_quietly
+        self._skipped = 0
+        self._engine_recipe = self.settings.amp != "none" and self.settings.options["amp_recipe"] == "engine"
+        scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
+        if scaler is not None and self.settings.loss_scale:
+            # Its torch_autocast section has no initial-scale key: the engine's own GradScaler (stage 0, fp16) is
+            # replaced before its first use by the same class at the run's initial scale; every call stays DeepSpeed's.
+            engine.torch_autocast_z0_gradscaler = torch.amp.GradScaler(self.device.type, init_scale=self.settings.loss_scale)
         clip = self.settings.options["gradient_clipping"]
         notes = [Note("deepspeed.gradient_clipping",
                       "deepspeed: gradient_clipping set to 0.0 (DeepSpeed >= 0.19.3 clips at 1.0 by default, which "
@@ -97,17 +146,83 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
             notes.append(Note("knob_not_applicable",
                               "deepspeed: --bucket-mb does not apply to ZeRO stage 0 (allreduce_bucket_size is a stage "
                               "1-3 setting); all gradients go in one flattened all-reduce"))
+        notes += self._precision_notes(engine, ds_optimizer)
         self.wrapped = Wrapped(engine, module, ds_optimizer, notes)
         return self.wrapped
+
+    def _precision_notes(self, engine, ds_optimizer) -> list[Note]:
+        amp = self.settings.amp
+        if amp == "none":
+            return []
+        if not self._engine_recipe:
+            scaled = " with the engine's own GradScaler (dynamic loss scale)" if amp == "fp16" else ""
+            return [Note("deepspeed.amp_recipe", f"deepspeed: autocast recipe (torch_autocast section, {AMP_NAMES[amp]}): "
+                                                 f"float32 weights, the engine's forward under torch.autocast{scaled}")]
+        wire = WIRE_NAMES.get(engine.communication_data_type, "float32")
+        return [Note("deepspeed.amp_recipe",
+                     f"deepspeed: engine recipe ({amp} section): {AMP_NAMES[amp]} weights and gradients, all-reduced in "
+                     f"{wire}; fp32 master weights stepped by the client optimizer inside "
+                     f"{type(ds_optimizer).__name__}, which takes one optimizer step on zero gradients when it is built "
+                     "(initialize_optimizer_states)" + ("; dynamic loss scale" if amp == "fp16" else ""))]
 
     def sync(self, enabled: bool):
         return super().sync(enabled) if enabled else self.wrapped.model.no_sync()
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.wrapped.model.backward(loss)
+        self.wrapped.model.backward(loss)  # the engine scales the loss itself (its GradScaler or loss scaler)
+
+    def unscale(self) -> None:
+        # The autocast recipe's GradScaler: unscaled here, as DeepSpeed itself does before clipping; its step then
+        # finds the gradients unscaled. The engine recipe unscales the fp32 copies inside its step: the gradients
+        # are read unscaled by reduced_grads().
+        scaler = self._autocast_scaler()
+        if scaler is not None:
+            scaler.unscale_(self.wrapped.model.optimizer)
 
     def step(self) -> None:
+        scaler = self._autocast_scaler()
+        before = scaler.get_scale() if scaler is not None else None
         self.wrapped.model.step()
+        if scaler is not None and scaler.get_scale() < before:
+            self._skipped += 1
+
+    def _autocast_scaler(self):
+        return getattr(self.wrapped.model, "torch_autocast_z0_gradscaler", None)
+
+    def _engine_scale(self) -> float:
+        return float(getattr(self.wrapped.model.optimizer, "loss_scale", 1.0) or 1.0)
+
+    def scaler_state(self) -> ScalerState | None:
+        if self.settings.amp != "fp16":
+            return None
+        scaler = self._autocast_scaler()
+        if scaler is not None:
+            return ScalerState(scaler.get_scale(), self._skipped, "DeepSpeed torch_autocast GradScaler (stage 0)")
+        return ScalerState(self._engine_scale(), int(self.wrapped.model.skipped_steps),
+                           f"DeepSpeed fp16 dynamic loss scaler ({type(self.wrapped.model.optimizer).__name__})")
+
+    def reduced_grads(self) -> dict[str, torch.Tensor | None]:
+        grads = super().reduced_grads()
+        if not self._engine_recipe:
+            return grads
+        scale = self._engine_scale()  # a power of two: dividing is exact
+        return {n: None if g is None else g.float() / scale for n, g in grads.items()}
+
+    def master_params(self) -> dict[str, torch.Tensor]:
+        named = super().master_params()
+        if not self._engine_recipe:
+            return named
+        opt = self.wrapped.model.optimizer
+        master = {id(lp): hp for lows, highs in zip(opt.fp16_groups, opt.fp32_groups) for lp, hp in zip(lows, highs)}
+        return {n: master.get(id(p), p) for n, p in named.items()}
+
+    def gradient_wire(self) -> str:
+        if self._engine_recipe:
+            return WIRE_NAMES.get(self.wrapped.model.communication_data_type, self.settings.compression)
+        return self.settings.compression
+
+    def amp_recipe(self) -> str:
+        return "none" if self.settings.amp == "none" else self.settings.options["amp_recipe"]
 
     def zero_grad(self) -> None:
         self.wrapped.model.zero_grad()

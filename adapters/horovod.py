@@ -3,7 +3,9 @@
 Gradient hooks start an asynchronous all-reduce per tensor during backward (tensor fusion batches them:
 128 MiB buffer, 1 ms cycle, so the summation grouping can vary step to step); `.grad` is the global mean
 only after `optimizer.synchronize()` (op=Average: sum, then x 1/N). The step then runs inside
-`skip_synchronize()` so it does not reduce twice.
+`skip_synchronize()` so it does not reduce twice. Under --amp fp16, Horovod's documented AMP order: the scaled
+loss's backward, `synchronize()`, `scaler.unscale_(optimizer)`, then `scaler.step(optimizer)` inside
+`skip_synchronize()` and `scaler.update()`.
 """
 
 from __future__ import annotations
@@ -112,9 +114,8 @@ class HorovodAdapter(Adapter):
             self.wrapped.optimizer.synchronize()
 
     def step(self) -> None:
-        opt = self.wrapped.optimizer
-        with opt.skip_synchronize():
-            opt.step()
+        with self.wrapped.optimizer.skip_synchronize():
+            super().step()  # the optimizer's step, or the GradScaler's under --amp fp16
 
     def message_bytes(self, grad_bytes: int) -> tuple[int | None, str | None]:
         return min(self._fusion_threshold(), grad_bytes), None

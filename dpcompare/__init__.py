@@ -34,6 +34,7 @@ _EXPORTS = {
     "CommCounter": "dpcompare.contract",
     "CommCounts": "dpcompare.contract",
     "CounterWindow": "dpcompare.contract",
+    "ScalerState": "dpcompare.run.precision",
     "LaunchEnv": "dpcompare.run.launch",
     # the process-group helper a torch.distributed backend mixes in (process group, global BatchNorm, gather)
     "ProcessGroupMixin": "dpcompare.run.process_group",
@@ -47,6 +48,7 @@ __all__ = ["__version__", "SCHEMA_VERSION", *_EXPORTS]
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from dpcompare.contract import (Adapter, Capabilities, CommCounter, CommCounts, CounterWindow, ModelFacts, Note,
                                     Option, Settings, Wrapped)
+    from dpcompare.run.precision import ScalerState
     from dpcompare.run.config import RunConfig
     from dpcompare.run.launch import LaunchEnv
     from dpcompare.run.process_group import DIST_BACKEND, ProcessGroupMixin

@@ -19,7 +19,7 @@ from dpcompare import __version__
 from dpcompare.run import registry
 from dpcompare.run.launch import tell_launcher
 from dpcompare.run.registry import UserCodeError
-from dpcompare.run.config import DEFAULT_GLOBAL_BATCH, Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
+from dpcompare.run.config import DEFAULT_GLOBAL_BATCH, Amp, Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
 
 SUBCOMMANDS = ("run", "compare", "report", "bench-collectives", "regress")
 # Exit status of `run` (docs/failures.md): 0 done; 2 bad input (nothing ran); 3 a rank made no progress for
@@ -145,6 +145,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--momentum", type=_number, default=d.momentum, help="SGD momentum")
     p.add_argument("--weight-decay", type=_number, default=d.weight_decay, help="weight decay")
     p.add_argument("--dtype", default=d.dtype, choices=get_args(Dtype), help="parameter and compute dtype")
+    p.add_argument("--amp", default=d.amp, choices=get_args(Amp),
+                   help="mixed precision: forward and loss under torch.autocast in bf16 or fp16, parameters and optimizer "
+                        "float32; fp16 scales the loss dynamically (deepspeed: --opt amp_recipe=engine for its own "
+                        "bf16/fp16 engine with fp32 master weights)")
+    p.add_argument("--loss-scale", type=_number, default=None,
+                   help="--amp fp16: initial dynamic loss scale, a power of two (default: 65536 = 2^16; 16777216 = 2^24 "
+                        "makes the first steps overflow, which every backend must skip)")
     p.add_argument("--seed", type=_whole, default=d.seed, help="seed of the weights and the data")
     p.add_argument("--warmup-steps", type=_whole, default=d.warmup_steps, help="measurement: steps not timed")
     p.add_argument("--measure-steps", type=_whole, default=d.measure_steps,

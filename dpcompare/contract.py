@@ -17,7 +17,9 @@ from typing import Any, Callable, ContextManager, Mapping
 import torch
 from torch import nn
 
+from dpcompare.run import precision
 from dpcompare.run.launch import LaunchEnv
+from dpcompare.run.precision import ScalerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,10 @@ class Settings:
     """Devices one process replicates over (Capabilities.device_replicas; None: all visible)."""
     instrument: bool = True
     """Off (--no-instrument): the backend's own timers and logs stay off too."""
+    amp: str = "none"
+    """Mixed precision (--amp): none, bf16 or fp16; the forward and the loss run under `Adapter.autocast()`."""
+    loss_scale: float | None = None
+    """--amp fp16: the initial dynamic loss scale (None when the loss is not scaled)."""
     options: Mapping[str, Any] = field(default_factory=dict)
     """Every declared option, typed: the value given with --opt, else its default."""
 
@@ -198,6 +204,7 @@ class Adapter:
         self.wrapped: Wrapped | None = None
         self.model_facts = ModelFacts()
         """Set by the trainer before `wrap` (DDP needs `unused` for find_unused_parameters)."""
+        self._scaling: precision.GradScaling | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def setup(self, timeout_s: float) -> None:
@@ -220,15 +227,41 @@ class Adapter:
         backward run as a synced step would, minus the communication. Default: sync(False)."""
         return self.sync(False)
 
+    def autocast(self) -> ContextManager[None]:
+        """Context for the forward and the loss: torch.autocast in the --amp dtype (a no-op without --amp)."""
+        return precision.autocast(self.device, self.settings.amp)
+
+    @property
+    def grad_scaling(self) -> precision.GradScaling | None:
+        """The torch.amp.GradScaler recipe under --amp fp16 (made on first use; None when the loss is not scaled).
+        Backends with a loss scaler of their own (DeepSpeed) never touch it."""
+        if self._scaling is None and self.settings.amp == "fp16":
+            self._scaling = precision.GradScaling(self.device, self.settings.loss_scale or 2.0**16)
+        return self._scaling
+
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        scaling = self.grad_scaling
+        (scaling.scale(loss) if scaling is not None else loss).backward()
 
     def reduce(self) -> None:
-        """Return when `.grad` holds the global mean (wait for outstanding communication)."""
+        """Return when `.grad` holds the global mean (wait for outstanding communication); under a loss scale the
+        mean of the scaled gradients."""
+
+    def unscale(self) -> None:
+        """After `reduce()`, before anything reads or steps the gradients: undo the loss scale, so `.grad` holds the
+        global mean of the unscaled gradients (a no-op when the loss is not scaled). Not called on a step whose
+        update is dropped (the ablation's arms)."""
+        if self.grad_scaling is not None:
+            assert self.wrapped is not None
+            self.grad_scaling.unscale(self.wrapped.optimizer)
 
     def step(self) -> None:
+        """The optimizer step; under a loss scale the scaler's, which skips it when the gradients hold inf or NaN."""
         assert self.wrapped is not None
-        self.wrapped.optimizer.step()
+        if self.grad_scaling is not None:
+            self.grad_scaling.step(self.wrapped.optimizer)
+        else:
+            self.wrapped.optimizer.step()
 
     def zero_grad(self) -> None:
         assert self.wrapped is not None
@@ -236,6 +269,48 @@ class Adapter:
 
     def teardown(self) -> None:
         """Stop the backend's runtime; must not raise when setup failed half-way."""
+
+    # -- what verification reads (where the backend keeps it) ------------------------------------
+    def reduced_grads(self) -> dict[str, torch.Tensor | None]:
+        """After `unscale()`: every trainable parameter's reduced, unscaled gradient by name, in the dtype the
+        backend holds it (None: no gradient). Default: `.grad` of the wrapped module's parameters."""
+        assert self.wrapped is not None
+        return {n: p.grad for n, p in self.wrapped.module.named_parameters() if p.requires_grad}
+
+    def master_params(self) -> dict[str, torch.Tensor]:
+        """The values the optimizer steps, by parameter name: fp32 master copies where the backend keeps them
+        apart from the model's low-precision weights (DeepSpeed's bf16/fp16 engine), else the parameters."""
+        assert self.wrapped is not None
+        return {n: p for n, p in self.wrapped.module.named_parameters()}
+
+    def optimizer_view(self) -> tuple[torch.optim.Optimizer | None, dict[str, torch.Tensor]]:
+        """The torch optimizer that steps `master_params()`, and those tensors by name (its state is keyed by
+        them), or (None, ...) when no such optimizer can be found behind the backend's."""
+        assert self.wrapped is not None
+        masters = self.master_params()
+        wanted = {id(t) for n, t in masters.items() if t.requires_grad}
+        obj = self.wrapped.optimizer
+        for _ in range(8):  # through wrappers that keep theirs in `.optimizer` (DeepSpeed's engine side)
+            if obj is None:
+                break
+            if isinstance(obj, torch.optim.Optimizer) and wanted <= {id(p) for g in obj.param_groups for p in g["params"]}:
+                return obj, masters
+            obj = getattr(obj, "optimizer", None)
+        return None, masters
+
+    def scaler_state(self) -> ScalerState | None:
+        """The loss scaler's scale and skipped steps (None when the loss is not scaled)."""
+        return self.grad_scaling.state() if self.grad_scaling is not None else None
+
+    def gradient_wire(self) -> str:
+        """The dtype gradients are all-reduced in when it is narrower than the parameters': none, fp16 or bf16
+        (the --compression given, or what the backend's precision recipe sends)."""
+        return self.settings.compression
+
+    def amp_recipe(self) -> str:
+        """The mixed-precision recipe that runs: none, autocast (torch.autocast, float32 parameters) or engine (the
+        backend's own low-precision weights with fp32 master copies)."""
+        return "none" if self.settings.amp == "none" else "autocast"
 
     # -- what measurement needs to know (translations of the backend's own facts) -----------------
     def no_communication_reason(self) -> str | None:

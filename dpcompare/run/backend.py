@@ -12,7 +12,7 @@ from dataclasses import fields
 
 from dpcompare.contract import Adapter, Settings
 from dpcompare.run import registry
-from dpcompare.run.config import RunConfig
+from dpcompare.run.config import RunConfig, initial_loss_scale
 from dpcompare.run.launch import LaunchEnv
 
 
@@ -72,4 +72,5 @@ def settings_for(cls: type[Adapter], cfg: RunConfig) -> Settings:
         raise ValueError(f"--dp-devices={cfg.dp_devices} does not apply to --backend {cfg.backend}: it sizes backends "
                          "that replicate over devices in one process (dp); leave it out")
     return Settings(compression=cfg.compression, bucket_mb=cfg.bucket_mb, dp_devices=cfg.dp_devices,
-                    instrument=cfg.instrument, options=parse_options(cls, cfg))
+                    instrument=cfg.instrument, amp=cfg.amp, loss_scale=initial_loss_scale(cfg),
+                    options=parse_options(cls, cfg))

@@ -17,6 +17,7 @@ from typing import Literal
 Optimizer = Literal["sgd", "adamw"]
 Dtype = Literal["float32", "float64", "bfloat16"]
 Compression = Literal["none", "fp16", "bf16"]
+Amp = Literal["none", "bf16", "fp16"]
 Scaling = Literal["strong", "weak"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 
@@ -57,6 +58,13 @@ class RunConfig:
     weight_decay: float = 0.0
     dtype: Dtype = "float32"
     """Parameter and compute dtype of the run; the oracle is always float64."""
+    amp: Amp = "none"
+    """Mixed precision: the forward and the loss run under torch.autocast in bf16 or fp16 while parameters and optimizer
+    stay float32 (DeepSpeed: `--opt amp_recipe=engine` selects its bf16/fp16 engine with fp32 master weights instead).
+    fp16 scales the loss dynamically, each backend its own documented way; bf16 needs no scaling."""
+    loss_scale: float | None = None
+    """--amp fp16: the initial dynamic loss scale, a power of two (None: 2^16, the default of torch.amp.GradScaler and
+    of DeepSpeed). 2^24 makes the first steps overflow: every backend must skip them alike."""
     seed: int = 1234
     check_every: int = 1
     """Run the equivalence check every N steps (step 0 always); 0 disables gradient checks."""
@@ -103,7 +111,7 @@ class RunConfig:
         def bad(name: str, value: object, fix: str) -> ValueError:
             return ValueError(f"--{name.replace('_', '-')}={value!r} is invalid: {fix}")
 
-        for name in ("lr", "momentum", "weight_decay", "timeout_s", "inject_slowdown", "bucket_mb"):
+        for name in ("lr", "momentum", "weight_decay", "timeout_s", "inject_slowdown", "bucket_mb", "loss_scale"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise bad(name, value, "use a finite number")
@@ -141,6 +149,17 @@ class RunConfig:
             raise bad("check_every", self.check_every, "use 0 (no checks) or a positive step interval")
         if not self.timeout_s > 0:
             raise bad("timeout_s", self.timeout_s, "use a positive number of seconds")
+        if self.amp != "none" and self.dtype != "float32":
+            raise bad("dtype", self.dtype, f"--amp {self.amp} keeps parameters and optimizer in float32 and runs the "
+                      "forward in lower precision itself; drop --dtype (or drop --amp for a whole-model dtype)")
+        if self.loss_scale is not None:
+            if self.amp != "fp16":
+                raise bad("loss_scale", self.loss_scale, "a loss scale applies to --amp fp16 only (bf16 has float32's "
+                          "range and is not scaled); add --amp fp16 or drop --loss-scale")
+            if not (math.isfinite(self.loss_scale) and self.loss_scale >= 1
+                    and math.frexp(self.loss_scale)[0] == 0.5):
+                raise bad("loss_scale", self.loss_scale, "use a power of two of at least 1, e.g. 65536 (2^16) or "
+                          "16777216 (2^24)")
         if self.dp_devices is not None and self.dp_devices < 1:
             raise bad("dp_devices", self.dp_devices, "use a positive device count")
         if not 0.0 <= self.inject_slowdown <= 10.0:
@@ -208,6 +227,18 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+DEFAULT_LOSS_SCALE = 2.0**16
+"""The initial dynamic loss scale under --amp fp16 when --loss-scale is not given (torch.amp.GradScaler's and
+DeepSpeed's initial_scale_power 16)."""
+
+
+def initial_loss_scale(cfg: RunConfig) -> float | None:
+    """The run's initial dynamic loss scale, or None when the loss is not scaled (no --amp fp16)."""
+    if cfg.amp != "fp16":
+        return None
+    return cfg.loss_scale if cfg.loss_scale is not None else DEFAULT_LOSS_SCALE
 
 
 DEFAULT_GLOBAL_BATCH = 24

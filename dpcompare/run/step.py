@@ -1,8 +1,8 @@
 """The step runner: one training step's body, written once, for every phase of a run.
 
 Owns: this rank's shard of a step's global batch, the forward and backward over `grad_accum` equal
-micro-batches (synchronising only the last when the backend can switch sync off), the reduce, the
-optimizer step, the injected faults of the failure tests, and the watchdog's heartbeat at every stage.
+micro-batches (synchronising only the last when the backend can switch sync off; forward and loss inside the
+adapter's autocast), the reduce, the loss scale undone, the optimizer step, the injected faults of the failure tests, and the watchdog's heartbeat at every stage.
 The verification phase hangs its checks on the hooks; measurement and the ablation time whole steps.
 """
 
@@ -35,6 +35,10 @@ class StepRunner:
         self.inject_fault = inject_fault
         self.inject_slowdown = inject_slowdown
         self.forward_s = 0.0
+        # Floating inputs go in the dtype of the model's weights: the run dtype, or a backend's low-precision
+        # weights (DeepSpeed's bf16/fp16 engine); under autocast the weights stay float32 and autocast casts.
+        weights = [p for p in adapter.wrapped.module.parameters() if p.is_floating_point()] if adapter.wrapped else []
+        self.input_dtype = weights[0].dtype if weights else dtype
         # --inject-fault dupdata: every rank reads rank 0's shard (a data-sharding bug the check must catch).
         self.sample_rank = 0 if inject_fault == "dupdata" else rank
 
@@ -48,15 +52,15 @@ class StepRunner:
 
     def inputs(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.to(self.device)
-        return (x.to(self.dtype) if x.is_floating_point() else x), y.to(self.device)
+        return (x.to(self.input_dtype) if x.is_floating_point() else x), y.to(self.device)
 
     # -- the step ------------------------------------------------------------------------------------
     def step(self, step: int, x: torch.Tensor, y: torch.Tensor, *, phase: str = "train", sync: bool = True,
              update: bool = True, after_reduce: Hook = None, after_update: Hook = None) -> None:
         """One step: forward and backward (sync=False: the ablation's unsynced arm, no communication), reduce,
-        then the optimizer step (update=False: gradients dropped, weights untouched). The hooks run where
-        the verification checks: after the reduce (gradients global, weights not yet moved) and after the
-        update."""
+        the loss scale undone, then the optimizer step (update=False: gradients dropped unscaled, weights
+        untouched). The hooks run where the verification checks: after the reduce and the unscale (gradients
+        global, weights not yet moved) and after the update."""
         self._inject(step)
         self.beat(f"{phase}: forward", step)
         self.forward_s = 0.0
@@ -67,6 +71,8 @@ class StepRunner:
         if sync:
             self.beat(f"{phase}: reduce", step)
             self.adapter.reduce()
+        if update:
+            self.adapter.unscale()
         self.beat(f"{phase}: reduced", step)
         if after_reduce is not None:
             after_reduce()
@@ -108,7 +114,8 @@ class StepRunner:
         for j, (xj, yj) in enumerate(zip(x.chunk(k), y.chunk(k))):
             with context(j == k - 1):
                 started = self._host_time()
-                loss = self.workload.loss_fn(wrapped.model(xj), yj)
+                with self.adapter.autocast():
+                    loss = self.workload.loss_fn(wrapped.model(xj), yj)
                 self.forward_s += self._host_time() - started
                 self.adapter.backward(loss / k if k > 1 else loss)
 

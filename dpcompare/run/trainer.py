@@ -10,6 +10,7 @@ body is dpcompare.run.step; the phases are dpcompare.run.verification and dpcomp
 from __future__ import annotations
 
 import copy
+import math
 import time
 from typing import Any
 
@@ -134,7 +135,7 @@ def _compare_final_replicas(adapter: Adapter, verdict: eq.Verdict, is_rank0: boo
 def _write_result(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Workload, template,
                   verdict: eq.Verdict, metrics: dict[str, Any] | None, global_batch: int, local_batch: int) -> dict[str, Any]:
     caps = adapter.capabilities
-    policy = eq.tolerance_policy(cfg.dtype, env.world_size, eq.depth_of(template), cfg.compression)
+    policy = eq.tolerance_policy(cfg.dtype, env.world_size, eq.depth_of(template), adapter.gradient_wire())
     payload = results.base_payload(
         backend=cfg.backend, launcher=env.launcher, world_size=env.world_size, device=str(adapter.device),
         model=workload.name, model_info={"source": workload.source,
@@ -169,6 +170,25 @@ def _semantic_facts(e: dict[str, Any]) -> list[str]:
         follows = sorted({s for b in differ for s in b.get("nearest", b.get("semantics")) or []}) or ["no known semantics"]
         facts.append(f"{len(differ)} buffer(s) differ across ranks ({', '.join(follows)})")
     return facts
+
+
+def _precision_facts(e: dict[str, Any]) -> list[str]:
+    """The mixed-precision recipe and what its loss scaler skipped, in a phrase each."""
+    p = e.get("precision") or {}
+    if p.get("amp", "none") == "none":
+        return []
+    facts = [f"--amp {p['amp']} {p['recipe']} recipe" + (f", {p['wire']} on the wire" if p.get("wire", "none") != "none"
+                                                         else "")]
+    if p.get("loss_scaler"):
+        skipped = p.get("skipped_steps") or []
+        facts.append(f"loss scale {_power_of_two(p['initial_scale'])} at the start, " +
+                     (f"step(s) {', '.join(map(str, skipped))} skipped on overflow" if skipped else "no step skipped"))
+    return facts
+
+
+def _power_of_two(x: float) -> str:
+    exponent = math.log2(x) if x > 0 else math.nan
+    return f"2^{exponent:.0f}" if math.isfinite(exponent) and exponent == round(exponent) else f"{x:g}"
 
 
 def summary_line(payload: dict[str, Any]) -> str:
@@ -211,5 +231,5 @@ def summary_line(payload: dict[str, Any]) -> str:
     if e.get("unverifiable_reason"):
         detail += f"; unverifiable: {e['unverifiable_reason']}"
     detail += "; replicas identical" if e["replicas_identical"] else "; REPLICAS DIFFER"
-    detail += "".join(f"; {fact}" for fact in _semantic_facts(e))
+    detail += "".join(f"; {fact}" for fact in _precision_facts(e) + _semantic_facts(e))
     return f"{head} ({'; '.join([detail, *about_the_run])}) -> {payload.get('result_path')}"

@@ -57,7 +57,7 @@ class VerificationPhase:
                 loss_fn=self.runner.workload.loss_fn, facts=self.facts, wrapped=self.wrapped, device=self.runner.device,
                 factory=optimizer_factory(self.cfg),
                 layout=eq.Layout(self.runner.world_size, self.cfg.grad_accum, self.adapter.replicas_per_process()),
-                replay_reason=self.adapter.rng_replay_reason())
+                replay_reason=self.adapter.rng_replay_reason(), backend=self.adapter)
             self.check.check_initial(self.wrapped.module)
         verdict = self.check.verdict if self.check is not None else eq.Verdict(notes=list(self.wrapped.notes))
         mismatch = eq.first_mismatch(self.adapter.all_gather_object(eq.param_digests(self.wrapped.module)), self.names)

@@ -29,9 +29,10 @@ from dpcompare.run.workloads import shard
 @dataclass(slots=True)
 class Diagnosis:
     cause: str
-    """A short code: summed, averaged_twice, loss_sum, scaled, unsynchronised, stale, swapped, wire_dtype,
-    wire_underflow, wire_overflow, batchnorm, duplicated_data, wrong_shards, non_finite, lr_scaled, double_step,
-    optimizer_state, unused_zero_grad, weight_decay, clipped, unknown."""
+    """A short code: summed, averaged_twice, loss_sum, loss_scale_not_undone, loss_scale_undone_twice, scaled,
+    unsynchronised, stale, swapped, wire_dtype, wire_underflow, wire_overflow, batchnorm, duplicated_data,
+    wrong_shards, non_finite, skipped_step, lr_scaled, double_step, optimizer_state, unused_zero_grad, weight_decay,
+    clipped, unknown."""
     reason: str
     parameters: list[str] = field(default_factory=list)
 
@@ -176,6 +177,8 @@ class GradientEvidence:
     """The dropout masks each forward of the layout drew, when the model draws random numbers."""
     previous: tuple[int, Grads] | None = None
     """(step, reduced gradient) of the previous step when it was checked."""
+    loss_scale: float | None = None
+    """The loss scale of this step's backward, when the run scales its loss (--amp fp16)."""
 
     @property
     def stochastic(self) -> bool:
@@ -338,10 +341,21 @@ class _GradientHypotheses:
 
     def scaled(self, remaining: list[str]) -> list[Diagnosis]:
         g, o, n = self.g, self.o, self.n
-        c, agreeing = _common_scale(g, o, remaining, (float(n), 1.0 / n) if n > 1 else ())
+        s = self.ev.loss_scale
+        preferred = ((float(n), 1.0 / n) if n > 1 else ()) + ((s, 1.0 / s) if s and s != 1.0 else ())
+        c, agreeing = _common_scale(g, o, remaining, preferred)
         if not math.isfinite(c) or c == 0.0 or abs(c - 1.0) < 1e-3:
             return []  # a zero gradient is no scale factor; the wire's underflow is tested apart
         explained = self.match({p: c * o[p] for p in agreeing}, agreeing)
+        if s and s != 1.0 and abs(c - s) <= 1e-3 * s:
+            return [Diagnosis("loss_scale_not_undone", f"the reduced gradient is {c:.6g}x the oracle, the loss scale "
+                              f"{s:g} of this step: the scaled gradients reached the check (and the optimizer) without "
+                              "being unscaled; call scaler.unscale_(optimizer) after the reduce, or step through "
+                              "scaler.step(optimizer), which unscales", explained)]
+        if s and s != 1.0 and abs(c * s - 1.0) <= 1e-3:
+            return [Diagnosis("loss_scale_undone_twice", f"the reduced gradient is 1/{s:g} ({c:.4g}x) of the oracle: "
+                              f"the loss scale {s:g} was undone twice (GradScaler.unscale_ and a division of its "
+                              "own, or an unscale before and inside the step); undo it once", explained)]
         if n > 1 and abs(c - n) <= 1e-3 * n:
             return [Diagnosis("summed", f"the reduced gradient is {n}x the oracle: gradients were summed, not averaged; "
                               "divide by the world size (op=Average / a mean comm hook)", explained)]
@@ -518,6 +532,8 @@ class UpdateEvidence:
     weight_decay: float
     backend_hparams: list[dict[str, Any]] = field(default_factory=list)
     expected_from: str = "a fresh optimizer's"
+    skipped: bool = False
+    """The backend's loss scaler counted this step as skipped."""
 
     def step_with(self, grads: dict[str, torch.Tensor | None] | None = None, state: OptState | None = None,
                   times: int = 1, **overrides: Any) -> Grads:
@@ -543,7 +559,7 @@ class _UpdateHypotheses:
                         f"{ev.lr:g}" if self.backend_lr and self.backend_lr != [ev.lr] else f"--lr is {ev.lr:g}")
 
     def ordered(self) -> list[_Hypothesis]:
-        return [self.non_finite, self.lr_scaled, self.double_step, self.state, self.unused_zero_grad,
+        return [self.non_finite, self.skipped, self.lr_scaled, self.double_step, self.state, self.unused_zero_grad,
                 self.weight_decay, self.clipped, self.scale]
 
     def match(self, candidate: Grads, remaining: list[str]) -> list[str]:
@@ -552,6 +568,17 @@ class _UpdateHypotheses:
     def non_finite(self, remaining: list[str]) -> list[Diagnosis]:
         bad = [p for p in remaining if not bool(torch.isfinite(self.d[p]).all())]
         return [Diagnosis("non_finite", "the backend's update holds inf or NaN where the reference's is finite", bad)]
+
+    def skipped(self, remaining: list[str]) -> list[Diagnosis]:
+        """The loss scaler skipped a step whose gradient is finite (it found inf/NaN where there was none)."""
+        if not self.ev.skipped:
+            return []
+        still = [p for p in remaining if not bool(self.d[p].any())]
+        return [Diagnosis("skipped_step", f"the backend's loss scaler skipped step {self.ev.step} (the weights did not "
+                          "move and it counted a skip) although the reduced gradient passed the check and is finite: "
+                          "it tests for overflow on something other than the unscaled reduced gradient (a rank's "
+                          "gradient before the reduce, a stale flag), so it skips where the other backends step",
+                          still)]
 
     def lr_scaled(self, remaining: list[str]) -> list[Diagnosis]:
         ev, n, backend_lr = self.ev, self.n, self.backend_lr
@@ -573,9 +600,10 @@ class _UpdateHypotheses:
         ev = self.ev
         if ev.backend_state is None or _same_state(ev.backend_state, ev.expected_state):
             return []
-        trap = (" — at step 0 this is what Horovod's broadcast_optimizer_state does to a fresh optimizer: it runs step() "
-                "on zero gradients (horovod/horovod#3743); broadcast the state after the first step, or not at all"
-                if ev.step == 0 else "")
+        trap = (" — at step 0 this is a fresh optimizer that already ran step() on zero gradients: Horovod's "
+                "broadcast_optimizer_state does that (horovod/horovod#3743; broadcast after the first step, or not at "
+                "all), and so do DeepSpeed's fp16/bf16 optimizer wrappers when they are built "
+                "(initialize_optimizer_states)" if ev.step == 0 else "")
         return [Diagnosis("optimizer_state", f"the optimizer state before step {ev.step} is not {ev.expected_from}: it "
                           f"holds {state_summary(ev.backend_state)} where {state_summary(ev.expected_state)} was "
                           f"expected, and the update taken from the backend's own state matches{trap}",

@@ -42,6 +42,8 @@ from torch import nn
 
 from dpcompare.contract import Note
 from dpcompare.verify.masks import MaskReplayer
+from dpcompare.verify.precision import NONE as NO_RECIPE
+from dpcompare.verify.precision import PrecisionReport, Recipe
 
 TOLERANCE_FACTOR = 10.0
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
@@ -216,24 +218,37 @@ def replica_pieces(batch: tuple[torch.Tensor, torch.Tensor], layout: Layout,
 
 
 def accumulate_gradient(model: nn.Module, loss_fn: Callable, pieces: list[Piece], device: torch.device,
-                        replayer: MaskReplayer | None = None) -> tuple[Grads, frozenset[str]]:
+                        replayer: MaskReplayer | None = None, recipe: Recipe = NO_RECIPE,
+                        loss_scale: float = 1.0) -> tuple[Grads, frozenset[str]]:
     """Sum over pieces of weight * grad(loss(piece)) at the model's current parameters, each piece's forward
     applying its captured dropout masks (`replayer`, a MaskReplayer of `model`). Returns the gradients
-    (float64, CPU; zeros where autograd left None) and the names whose gradient stayed None."""
+    (float64, CPU; zeros where autograd left None) and the names whose gradient stayed None.
+
+    Under a mixed-precision `recipe` each piece runs as its rank ran it (dpcompare.verify.precision): forward and
+    loss under the recipe, the loss multiplied in the graph by `loss_scale` and by the rank's own share (the
+    piece's weight times the number of ranks in `pieces`), and the summed gradients divided by both afterwards."""
     dtype = next(model.parameters()).dtype
+    ranks = len({p.rank for p in pieces}) if recipe.active else 1
     model.train()
     model.zero_grad(set_to_none=True)
     for piece in pieces:
         x = piece.x.to(device)
         if x.is_floating_point():
             x = x.to(dtype)
+        in_graph = piece.weight * ranks * loss_scale
         # backward inside: a model that recomputes activations runs its dropout again there, on the same masks
         with replayer.applying(piece.masks) if replayer is not None else contextlib.nullcontext():
-            loss = loss_fn(model(x), piece.y.to(device))
-            (loss * piece.weight if piece.weight != 1.0 else loss).backward()
+            with recipe.autocast():
+                loss = loss_fn(model(x), piece.y.to(device))
+            if in_graph != 1.0:
+                # the product in at least float32, as loss scalers take it (a 16-bit loss times 2^16 would overflow)
+                loss = loss.to(torch.promote_types(loss.dtype, torch.float32)) * in_graph
+            loss.backward()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     none = frozenset(n for n, p in named if p.grad is None)
-    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().cpu() for n, p in named}, none
+    undo = 1.0 / (ranks * loss_scale)
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().cpu() for n, p in named}
+    return ({n: g * undo for n, g in grads.items()} if undo != 1.0 else grads), none
 
 
 RECOMPUTE_ATTRIBUTE = "recompute_activations"
@@ -258,26 +273,30 @@ class Oracle:
     """Recomputes gradients of the step's loss on rank 0 from the run's current parameters.
 
     It holds two plain copies of the workload's model (no wrapper, no global BatchNorm): one in float64
-    (the oracle) and one in the run dtype (the noise floor). Each check loads the run's state dict into
-    them, so no error carries over from earlier steps, and runs the pieces it is given (the global batch, or
-    each replica's forwards with the dropout masks they drew). Only trainable parameters are checked
-    (`names`); frozen ones (requires_grad=False) are listed apart. Work here never advances the run's
-    generators.
+    (the oracle) and one that computes as the run does (the noise floor): in the run dtype, or under the run's
+    mixed-precision recipe (autocast on float32 weights, or 16-bit weights loaded from the fp32 master values).
+    Each check loads the run's state dict into them (its master weights where it keeps them apart), so no error
+    carries over from earlier steps, and runs the pieces it is given (the global batch, or each replica's
+    forwards with the dropout masks they drew). Only trainable parameters are checked (`names`); frozen ones
+    (requires_grad=False) are listed apart. Work here never advances the run's generators.
     """
 
-    def __init__(self, template: nn.Module, loss_fn: Callable, dtype: str, device: torch.device) -> None:
+    def __init__(self, template: nn.Module, loss_fn: Callable, dtype: str, device: torch.device,
+                 recipe: Recipe = NO_RECIPE) -> None:
         self.loss_fn = loss_fn
         self.device = device
+        self.recipe = recipe
         self.model64 = verification_copy(template, device, torch.float64)
-        self.model_run = verification_copy(template, device, DTYPES[dtype])
+        self.model_run = verification_copy(template, device, recipe.weights_dtype or DTYPES[dtype])
         self.replay64, self.replay_run = MaskReplayer(self.model64), MaskReplayer(self.model_run)
         self.names = [n for n, p in template.named_parameters() if p.requires_grad]
         self.none: frozenset[str] = frozenset()
         """Parameters whose oracle gradient was None at the last `oracle_of` call (not in the loss)."""
 
-    def _grad(self, model: nn.Module, replayer: MaskReplayer, state: dict, pieces: list[Piece]) -> tuple[Grads, frozenset[str]]:
+    def _grad(self, model: nn.Module, replayer: MaskReplayer, state: dict, pieces: list[Piece],
+              recipe: Recipe = NO_RECIPE, loss_scale: float = 1.0) -> tuple[Grads, frozenset[str]]:
         model.load_state_dict(state)
-        grads, none = accumulate_gradient(model, self.loss_fn, pieces, self.device, replayer)
+        grads, none = accumulate_gradient(model, self.loss_fn, pieces, self.device, replayer, recipe, loss_scale)
         model.zero_grad(set_to_none=True)  # the float64 gradients live on in `grads`; a run-dtype copy is freed
         return grads, none
 
@@ -285,8 +304,9 @@ class Oracle:
         grads, self.none = self._grad(self.model64, self.replay64, state, pieces)
         return grads
 
-    def floor_of(self, state: dict, pieces: list[Piece]) -> Grads:
-        return self._grad(self.model_run, self.replay_run, state, pieces)[0]
+    def floor_of(self, state: dict, pieces: list[Piece], loss_scale: float = 1.0) -> Grads:
+        """The run's own recipe on one process (`pieces`: as the ranks split the batch, under a recipe)."""
+        return self._grad(self.model_run, self.replay_run, state, pieces, self.recipe, loss_scale)[0]
 
     def oracle(self, state: dict, x: torch.Tensor, y: torch.Tensor) -> Grads:
         return self.oracle_of(state, global_pieces((x, y)))
@@ -296,7 +316,7 @@ class Oracle:
 
 
 # -- verdict ---------------------------------------------------------------------------------------
-Check = Literal["initial", "gradient", "update", "trajectory", "replicas", "rng", "buffers"]
+Check = Literal["initial", "gradient", "update", "trajectory", "replicas", "rng", "buffers", "loss_scale"]
 
 
 @dataclass(slots=True)
@@ -308,8 +328,8 @@ class Divergence:
     noise_ratio: float
     reason: str
     check: Check = "gradient"
-    """Which check broke: initial weights, gradient, update, trajectory, replicas, the ranks' generators, or the
-    module buffers."""
+    """Which check broke: initial weights, gradient, update, trajectory, replicas, the ranks' generators, the
+    module buffers, or the loss scaler (a step skipped, or stepped, against the recipe's overflow)."""
     cause: str = "unknown"
     """The diagnosis' code (dpcompare.verify.diagnosis.Diagnosis.cause)."""
     parameters: list[str] = field(default_factory=list)
@@ -396,6 +416,8 @@ class Verdict:
     buffers: list[dict] = field(default_factory=list)
     """Every module buffer after the checked steps: do the ranks agree, and which semantics it follows
     (dpcompare.verify.buffers)."""
+    precision: "PrecisionReport | None" = None
+    """The mixed-precision recipe that ran and what its loss scaler did at every checked step (None: not recorded)."""
 
     def note(self, code: str, text: str) -> None:
         self.notes.append(Note(code, text))
@@ -465,6 +487,7 @@ class Verdict:
             "parameters": self.parameters,
             "batchnorm": self.batchnorm,
             "buffers": self.buffers,
+            "precision": self.precision.to_dict() if self.precision is not None else None,
             "tolerance": tolerance_policy,
             "drift": self.drift,
             "notes": [n.to_dict() for n in self.notes],

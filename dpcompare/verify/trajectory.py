@@ -2,7 +2,9 @@
 
 Owns: two plain single-process copies of the model trained on rank 0 beside the run, from the run's initial
 weights on the same global batches, split as the backend split them (and, for a model that draws random
-numbers, with the masks the ranks drew): one in float64, one in the run dtype. After every step the backend's parameters are measured
+numbers, with the masks the ranks drew): one in float64, one in the run dtype or the run's mixed-precision
+recipe (autocast with the run's loss scale, or 16-bit weights from fp32 master weights). A step the run's loss
+scaler skipped is skipped by both; the run-recipe copy also skips a step whose own scaled gradient overflows. After every step the backend's parameters are measured
 against the float64 copy, and that distance is judged in multiples of the run-dtype copy's distance to it,
 the drift a correct single process in the run dtype already has at that step. Imports no adapter.
 
@@ -23,17 +25,19 @@ from torch import nn
 from dpcompare.verify.equivalence import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Piece, accumulate_gradient, rel_fro,
                                           verification_copy)
 from dpcompare.verify.masks import MaskReplayer
+from dpcompare.verify.precision import NONE as NO_RECIPE
+from dpcompare.verify.precision import Recipe
 from dpcompare.verify.update_check import OptimizerFactory
 
 
-def _flat(module: nn.Module, names: list[str]) -> torch.Tensor:
-    params = dict(module.named_parameters())
+def _flat(module: nn.Module | dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    params = module if isinstance(module, dict) else dict(module.named_parameters())
     return torch.cat([params[n].detach().double().reshape(-1).cpu() for n in names])
 
 
 class Trajectory:
     def __init__(self, template: nn.Module, loss_fn: Callable, factory: OptimizerFactory, dtype: str,
-                 device: torch.device, depth: int, u_wire: float | None = None) -> None:
+                 device: torch.device, depth: int, u_wire: float | None = None, recipe: Recipe = NO_RECIPE) -> None:
         self.loss_fn, self.device, self.depth = loss_fn, device, depth
         self.u = UNIT_ROUNDOFF[dtype]
         self.u_wire = self.u if u_wire is None else u_wire
@@ -42,17 +46,48 @@ class Trajectory:
         self.names = [n for n, p in template.named_parameters() if p.requires_grad]
         self.opt64 = factory([p for p in self.model64.parameters() if p.requires_grad])
         self.opt_run = factory([p for p in self.model_run.parameters() if p.requires_grad])
-        self.replayers = (MaskReplayer(self.model64), MaskReplayer(self.model_run))
+        self.recipe = recipe
+        # The engine recipe's forward runs on 16-bit weights loaded from the master copy (model_run) each step.
+        self.work = verification_copy(template, device, recipe.weights_dtype) if recipe.weights_dtype else None
+        if self.work is not None:
+            # The engine's master copies are made from the weights after their conversion to 16 bits: they start
+            # from the initial weights rounded once (the float64 copy starts from the initial weights themselves).
+            with torch.no_grad():
+                for p, w in zip(self.model_run.parameters(), self.work.parameters()):
+                    p.copy_(w)
+        self.replayers = (MaskReplayer(self.model64), MaskReplayer(self.work if self.work is not None else self.model_run))
 
-    def step(self, pieces: list[Piece]) -> None:
-        for model, optimizer, replayer in ((self.model64, self.opt64, self.replayers[0]),
-                                           (self.model_run, self.opt_run, self.replayers[1])):
-            accumulate_gradient(model, self.loss_fn, pieces, self.device, replayer)
-            optimizer.step()
-            model.zero_grad(set_to_none=True)  # not needed until the next step: memory for the next check
+    def step(self, pieces: list[Piece], loss_scale: float = 1.0, skip: bool = False) -> None:
+        """One optimizer step of both copies on `pieces`; none when the run's loss scaler skipped this step."""
+        if skip:
+            return
+        accumulate_gradient(self.model64, self.loss_fn, pieces, self.device, self.replayers[0])
+        self.opt64.step()
+        self.model64.zero_grad(set_to_none=True)  # not needed until the next step: memory for the next check
+        if not self.recipe.active:
+            accumulate_gradient(self.model_run, self.loss_fn, pieces, self.device, self.replayers[1])
+        else:
+            work = self.work if self.work is not None else self.model_run
+            if self.work is not None:
+                self.work.load_state_dict(self.model_run.state_dict())
+            grads, none = accumulate_gradient(work, self.loss_fn, pieces, self.device, self.replayers[1], self.recipe,
+                                              loss_scale)
+            finite = all(bool(torch.isfinite(g).all()) for g in grads.values())
+            work.zero_grad(set_to_none=True)  # the scaled sums; the unscaled gradients are in `grads`
+            for n, p in self.model_run.named_parameters():
+                p.grad = None if (n in none or not finite) or not p.requires_grad else grads[n].to(p.dtype).to(p.device)
+            if not finite:  # its own loss scaler would skip this step
+                return
+            if self.work is not None:  # buffers (BatchNorm statistics) follow the forward's
+                buffers = dict(self.work.named_buffers())
+                for n, b in self.model_run.named_buffers():
+                    b.copy_(buffers[n])
+        self.opt_run.step()
+        self.model_run.zero_grad(set_to_none=True)
 
-    def judge(self, step: int, module: nn.Module, world_size: int) -> dict:
-        """The drift entry of `step` for the backend's `module` (after the step)."""
+    def judge(self, step: int, module: nn.Module | dict[str, torch.Tensor], world_size: int) -> dict:
+        """The drift entry of `step` for the backend's parameters after the step (a module, or its master values by
+        name)."""
         ref = _flat(self.model64, self.names)
         if not bool(torch.isfinite(ref).all()):
             return {"step": step, "rel_param_distance": None, "floor_rel_param_distance": None, "noise_ratio": None,
@@ -68,8 +103,8 @@ class Trajectory:
                 "noise_ratio": distance / floor_eff, "tolerance": tolerance, "ok": distance <= tolerance,
                 "worst_parameter": self._worst(module)}
 
-    def _worst(self, module: nn.Module) -> str:
-        params = dict(module.named_parameters())
+    def _worst(self, module: nn.Module | dict[str, torch.Tensor]) -> str:
+        params = module if isinstance(module, dict) else dict(module.named_parameters())
         ref = dict(self.model64.named_parameters())
         share = float(torch.linalg.vector_norm(_flat(self.model64, self.names))) / max(len(self.names), 1) ** 0.5
         return max(self.names, key=lambda n: rel_fro(params[n].detach().double().cpu(), ref[n].detach().double().cpu(),

@@ -33,12 +33,13 @@ from torch import nn
 from dpcompare.verify import equivalence as eq
 from dpcompare.verify import masks as mk
 from dpcompare.verify import stochastic
-from dpcompare.contract import ModelFacts, Wrapped
+from dpcompare.contract import Adapter, ModelFacts, Wrapped
 from dpcompare.verify.buffers import BufferCheck
 from dpcompare.verify.diagnosis import (GradientEvidence, UpdateEvidence, diagnose_gradient, diagnose_update, reason_of)
 from dpcompare.verify.stochastic import RngState
 from dpcompare.verify.trajectory import Trajectory
-from dpcompare.verify.update_check import OptState, OptimizerFactory, find_torch_optimizer, read_hparams, read_state, reference_step
+from dpcompare.verify.precision import PrecisionReport, Recipe, ScaleStep
+from dpcompare.verify.update_check import OptState, OptimizerFactory, read_hparams, read_state, reference_step
 
 STOCHASTIC_REL_DIFF = 2.0**-30
 """Two float64 forwards of the same input that differ by more than this (relative) draw random numbers:
@@ -85,12 +86,16 @@ class _Pending:
     floor: dict[str, torch.Tensor | None]
     backend_state: OptState | None
     backend_hparams: list[dict[str, Any]]
+    scale: ScaleStep | None = None
+    """The loss scaler at this step (None: the loss is not scaled)."""
+    skipped_before: int = 0
+    """The backend's count of skipped steps before this step's optimizer step."""
 
 
 class Verifier:
     def __init__(self, *, cfg, world_size: int, template: nn.Module, loss_fn: Callable, facts: ModelFacts,
                  wrapped: Wrapped, device: torch.device, factory: OptimizerFactory, layout: eq.Layout,
-                 replay_reason: str | None) -> None:
+                 replay_reason: str | None, backend: Adapter) -> None:
         self.cfg, self.world_size, self.device, self.factory = cfg, world_size, device, factory
         self.template, self.facts, self.wrapped = template, facts, wrapped
         self.layout = layout
@@ -100,13 +105,20 @@ class Verifier:
         """BatchNorm without --sync-bn: the oracle runs each replica's forwards, as the backend does."""
         self.dtype = eq.DTYPES[cfg.dtype]
         self.depth = eq.depth_of(template)
-        self.oracle = eq.Oracle(template, loss_fn, cfg.dtype, device)
+        self.backend = backend
+        self.recipe = Recipe(backend.amp_recipe(), cfg.amp, device.type)
+        self.wire = backend.gradient_wire()
+        """The gradients' dtype on the wire: --compression, or what the backend's precision recipe sends."""
+        self.oracle = eq.Oracle(template, loss_fn, cfg.dtype, device, self.recipe)
         self.names = self.oracle.names
-        self.u_wire = eq.wire_roundoff(cfg.dtype, cfg.compression)
-        self.trajectory = Trajectory(template, loss_fn, factory, cfg.dtype, device, self.depth, self.u_wire)
+        self.u_wire = eq.wire_roundoff(cfg.dtype, self.wire)
+        self.trajectory = Trajectory(template, loss_fn, factory, cfg.dtype, device, self.depth, self.u_wire, self.recipe)
         self.buffers = BufferCheck(self.oracle, self.depth, cfg.dtype)
         self.verdict = eq.Verdict(notes=list(wrapped.notes))
-        self.optimizer = find_torch_optimizer(wrapped.optimizer, wrapped.module)
+        scaler = backend.scaler_state()
+        self.verdict.precision = PrecisionReport(cfg.amp, self.recipe.kind, self.recipe.describe(), self.wire,
+                                                 scaler.method if scaler else None, scaler.scale if scaler else None)
+        self.optimizer, self.masters = backend.optimizer_view()
         self.expected_state: OptState | None = {}  # a fresh optimizer's
         self.expected_from = "a fresh optimizer's"
         self.pending: _Pending | None = None
@@ -270,9 +282,28 @@ class Verifier:
                           f"normalises its own {local} samples, so the run computes the mean of those forwards' losses, "
                           f"and the oracle computes exactly that; {measured}; --sync-bn makes it one computation")
 
+    def _floor_pieces(self, batch, pieces: list[eq.Piece], forward_masks: list[eq.Masks] | None) -> list[eq.Piece]:
+        """The forwards the floor runs: the oracle's, or under a mixed-precision recipe each rank's own (as its
+        loss scale and its rounding act rank by rank), except with global BatchNorm, which is one forward."""
+        if not self.recipe.active or (self.has_batchnorm and self.cfg.sync_bn) or len(pieces) > 1:
+            return pieces
+        return eq.replica_pieces(batch, self.layout, forward_masks)
+
+    def _run_state(self, module: nn.Module, before: dict) -> dict:
+        """The state the step's forward ran from: the parameters the optimizer holds (fp32 master values where the
+        backend keeps them apart) and the module buffers as they were before the forward."""
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        for name, t in self.masters.items():
+            if name in state:
+                state[name] = t.detach().clone()
+        # The forward ran from the buffers before it (it has updated them since): the oracle starts there too.
+        state.update({k: v for k, v in before.items() if k in state})
+        return state
+
     def check_gradient(self, step: int, batch, info: list[dict]) -> None:
-        """After `reduce()`, before the optimizer step: the gradient check, the buffers, and the snapshot the
-        update check of this step starts from."""
+        """After `reduce()` and `unscale()`, before the optimizer step: the gradient check (or, where the run's loss
+        scale overflows, the skip it must make), the buffers, and the snapshot the update check of this step
+        starts from."""
         self.pending = None
         if self.stopped:
             return
@@ -287,30 +318,56 @@ class Verifier:
             return
         if records is not None:
             self.verdict.stochastic["capture_bytes_per_step"] = max(r.nbytes for r in records)
+        scaler = self.backend.scaler_state()
+        loss_scale = scaler.scale if scaler is not None else 1.0
         with stochastic.isolated(self.device):
-            state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-            # The forward ran from the buffers before it (it has updated them since): the oracle starts there too.
-            state.update({k: v for k, v in info[0]["buffers"]["before"].items() if k in state})
-            named = dict(module.named_parameters())
-            grads = {n: (named[n].grad if named[n].grad is not None else torch.zeros_like(named[n])).detach().double().cpu()
+            state = self._run_state(module, info[0]["buffers"]["before"])
+            reduced = self.backend.reduced_grads()
+            zeros = {n: p for n, p in module.named_parameters()}
+            grads = {n: (reduced[n] if reduced.get(n) is not None else torch.zeros_like(zeros[n])).detach().double().cpu()
                      for n in self.names}
             try:
                 oracle = self.oracle.oracle_of(state, pieces)
                 none = self.oracle.none
-                floor = self.oracle.floor_of(state, pieces)
+                floor = self.oracle.floor_of(state, self._floor_pieces(batch, pieces, forward_masks), loss_scale)
             except mk.MaskMismatch as exc:
                 self._mask_failure(step, exc)
                 return
-            # A run whose single process overflows too has diverged: that is no backend difference.
-            for what, g in (("float64 oracle's gradient", oracle), (f"{self.cfg.dtype} single-process gradient", floor)):
-                if not all(bool(torch.isfinite(t).all()) for t in g.values()):
+            # A run whose single process overflows too has diverged: that is no backend difference. Under a loss
+            # scale, the recipe's overflow is the scaler's to handle: the step must be skipped.
+            overflow = not all(bool(torch.isfinite(t).all()) for t in floor.values())
+            for what, g, diverged in (("float64 oracle's gradient", oracle, True),
+                                      (f"{self._floor_name()} single-process gradient", floor, scaler is None)):
+                if diverged and not all(bool(torch.isfinite(t).all()) for t in g.values()):
                     self._unverifiable(f"the training diverged numerically at step {step}: the {what} is not finite "
                                        "at the run's parameters (the loss or the parameters overflowed), so nothing "
                                        "from there on can be compared; lower --lr")
                     return
+            scale_step = None
+            if scaler is not None:
+                scale_step = ScaleStep(step, loss_scale, overflow,
+                                       not all(bool(torch.isfinite(g).all()) for g in grads.values()))
+                self.verdict.precision.steps.append(scale_step)
+            failure = self.buffers.check(step, state, batch, self.layout, [i["buffers"] for i in info], forward_masks)
+            self.verdict.buffers = self.buffers.entries()
+            if (text := self.buffers.note()) is not None:
+                self.verdict.notes = [n for n in self.verdict.notes if n.code != "buffers_per_rank"]
+                self.verdict.note("buffers_per_rank", text)
+            if failure is not None:
+                self.verdict.diverge(failure)
+            backend_state = read_state(self.optimizer, self.masters) if self.optimizer is not None else None
+            pending = _Pending(
+                step, {n: self.masters[n].detach().double().cpu().clone() for n in self.names},
+                {n: (None if n in none else oracle[n]) for n in self.names},
+                {n: (None if n in none else floor[n]) for n in self.names},
+                backend_state, read_hparams(self.optimizer) if self.optimizer is not None else [],
+                scale_step, scaler.skipped_steps if scaler is not None else 0)
+            if overflow:
+                self._expect_skip(scale_step, pending)
+                return
             self._note_per_replica(step, state, batch, oracle, floor, pieces)
             params = eq.compare_grads(grads, oracle, floor, dtype=self.cfg.dtype, world_size=self.world_size,
-                                      depth=self.depth, compression=self.cfg.compression)
+                                      depth=self.depth, compression=self.wire)
             digests = eq.first_mismatch([i["grads"] for i in info], [n for n, _ in module.named_parameters()])
             check = eq.StepCheck(step, params, True, digests is None)
             self.verdict.checks.append(check)
@@ -321,32 +378,38 @@ class Verifier:
                     step=step, grads=grads, oracle_grads=oracle, tolerance={p.parameter: p.tolerance_rel_fro for p in params},
                     oracle=self.oracle, state=state, batch=batch, world_size=self.world_size,
                     grad_accum=self.cfg.grad_accum, shard_digests=[i["shard"] for i in info],
-                    has_batchnorm=self.has_batchnorm, sync_bn=self.cfg.sync_bn, compression=self.cfg.compression,
+                    has_batchnorm=self.has_batchnorm, sync_bn=self.cfg.sync_bn, compression=self.wire,
                     dtype=self.cfg.dtype, layout=self.layout, per_replica=self.per_replica, masks=forward_masks,
-                    previous=self.previous)
+                    previous=self.previous, loss_scale=loss_scale if scaler is not None else None)
                 found = diagnose_gradient(evidence, [p.parameter for p in failing])
                 first = failing[0]
                 self.verdict.diverge(eq.Divergence(
                     step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
                     reason_of(found), check="gradient", cause=found[0].cause, parameters=[p.parameter for p in failing]))
-            failure = self.buffers.check(step, state, batch, self.layout, [i["buffers"] for i in info], forward_masks)
-            self.verdict.buffers = self.buffers.entries()
-            if (text := self.buffers.note()) is not None:
-                self.verdict.notes = [n for n in self.verdict.notes if n.code != "buffers_per_rank"]
-                self.verdict.note("buffers_per_rank", text)
-            if failure is not None:
-                self.verdict.diverge(failure)
             if self.cfg.dump_grads:
                 for kind, g in (("reduced", grads), ("oracle", oracle), ("floor", floor)):
                     for n, t in g.items():
                         self.dumps[f"{step}/{kind}/{n}"] = t.numpy()
             self.previous = (step, grads)
-            backend_state = read_state(self.optimizer, module) if self.optimizer is not None else None
-            self.pending = _Pending(
-                step, {n: named[n].detach().double().cpu().clone() for n in self.names},
-                {n: (None if n in none else oracle[n]) for n in self.names},
-                {n: (None if n in none else floor[n]) for n in self.names},
-                backend_state, read_hparams(self.optimizer) if self.optimizer is not None else [])
+            self.pending = pending
+
+    def _floor_name(self) -> str:
+        return f"{self.cfg.amp} {self.recipe.kind}" if self.recipe.active else self.cfg.dtype
+
+    def _expect_skip(self, scale_step: ScaleStep, pending: _Pending) -> None:
+        """The recipe overflows at this step's loss scale in the oracle's emulation of the ranks: the backend's
+        reduced gradient must hold inf or NaN too, and its optimizer step must be skipped (checked after it)."""
+        self.pending = pending
+        if scale_step.reduced_non_finite:
+            return
+        scale_step.ok = False
+        scale_step.reason = (f"at step {scale_step.step} the ranks' {self.cfg.amp} gradients overflow at loss scale "
+                             f"{scale_step.scale:g} (the oracle's rank-by-rank emulation of the recipe holds inf or "
+                             "NaN), but the backend's reduced gradient is finite: the backend does not scale the loss "
+                             "as its recipe says, or reduces before the scaled gradients are formed, so it will not "
+                             "skip the steps the other backends skip")
+        self.verdict.diverge(eq.Divergence(scale_step.step, "(loss scale)", math.nan, 0.0, math.nan, scale_step.reason,
+                                           check="loss_scale", cause="overflow_not_seen"))
 
     def _mask_failure(self, step: int, exc: mk.MaskMismatch) -> None:
         self._unverifiable(f"the dropout masks of {exc.module} could not be captured at step {step} ({exc}): the "
@@ -361,20 +424,21 @@ class Verifier:
             forms[name] = seen.pop() if len(seen) == 1 else "mixed"
 
     def check_update(self, step: int) -> None:
-        """After the optimizer step: the update check of a step whose gradient was checked."""
+        """After the optimizer step: the update check of a step whose gradient was checked, or, where the loss
+        scale overflowed, the skip."""
         pending, self.pending = self.pending, None
         if pending is None or pending.step != step or self.stopped:
             self.expected_state = None  # an unchecked step: the next step's state cannot be predicted
+            return
+        if pending.scale is not None and self._judge_scaler(pending):
             return
         expected = self.expected_state if self.expected_state is not None else pending.backend_state
         if expected is None:
             self._unverifiable(f"the update check at step {step} cannot know the optimizer state: no torch optimizer "
                                "holding the model's parameters was found behind the backend's optimizer")
             return
-        module = self.wrapped.module
-        named = dict(module.named_parameters())
         with stochastic.isolated(self.device):
-            after = {n: named[n].detach().double().cpu() for n in self.names}
+            after = {n: self.masters[n].detach().double().cpu() for n in self.names}
             delta = {n: after[n] - pending.params[n] for n in self.names}
             ref = reference_step(self.factory, pending.params, pending.oracle, expected, torch.float64, self.device)
             floor = reference_step(self.factory, pending.params, pending.floor, expected, self.dtype, self.device)
@@ -391,7 +455,7 @@ class Verifier:
                     grads=pending.oracle, expected_state=expected, backend_state=pending.backend_state,
                     factory=self.factory, device=self.device, world_size=self.world_size, lr=self.cfg.lr,
                     weight_decay=self.cfg.weight_decay, backend_hparams=pending.backend_hparams,
-                    expected_from=self.expected_from)
+                    expected_from=self.expected_from, skipped=self._skipped_since(pending))
                 found = diagnose_update(evidence, [p.parameter for p in failing])
                 first = failing[0]
                 self.verdict.diverge(eq.Divergence(
@@ -408,17 +472,61 @@ class Verifier:
                                                      pending.backend_state, torch.float64, self.device).state
             self.expected_from = f"the state step {step} left"
 
+    def _skipped_since(self, pending: _Pending) -> bool:
+        scaler = self.backend.scaler_state()
+        return scaler is not None and scaler.skipped_steps > pending.skipped_before
+
+    def _judge_scaler(self, pending: _Pending) -> bool:
+        """The loss scaler's side of a step: its scale afterwards and whether the backend skipped. A step the recipe
+        overflows must be skipped (master weights unchanged to the bit); a finite one must not be. Returns True
+        when the step was an overflow (nothing further to check)."""
+        scale_step = pending.scale
+        scaler = self.backend.scaler_state()
+        skipped = self._skipped_since(pending)
+        unchanged = all(torch.equal(self.masters[n].detach().double().cpu(), pending.params[n]) for n in self.names)
+        scale_step.skipped = skipped and unchanged
+        scale_step.scale_after = scaler.scale if scaler is not None else None
+        if not scale_step.predicted_overflow:
+            if scale_step.ok is None:
+                scale_step.ok = not scale_step.skipped
+            return False
+        if scale_step.ok is False:  # the overflow was not seen: already recorded at the gradient check
+            return True
+        moved = [n for n in self.names if not torch.equal(self.masters[n].detach().double().cpu(), pending.params[n])]
+        if scale_step.skipped:
+            scale_step.ok = True
+            # The state the next step starts from is the one this step found: a skipped step changes nothing.
+            return True
+        scale_step.ok = False
+        stepped = not skipped and moved
+        scale_step.reason = (f"at step {pending.step} the scaled {self.cfg.amp} gradients overflowed (loss scale "
+                             f"{scale_step.scale:g}; the reduced gradient holds inf or NaN) and the backend "
+                             + (f"still stepped the optimizer: {len(moved)} parameter(s) moved, first {moved[0]}; a "
+                                "loss scaler must skip a step whose unscaled gradients are not finite (GradScaler.step, "
+                                "DeepSpeed's overflow check)" if stepped else
+                                "did not count the step as skipped" + (f" and moved {moved[0]}" if moved else "")))
+        self.verdict.diverge(eq.Divergence(pending.step, moved[0] if moved else "(loss scale)", math.inf, 0.0, math.inf,
+                                           scale_step.reason, check="loss_scale",
+                                           cause="stepped_on_overflow" if stepped else "skip_not_counted",
+                                           parameters=moved))
+        return True
+
     def trajectory_step(self, step: int, batch, records: list[mk.MaskRecord] | None) -> None:
         if self.stopped:
             return
+        steps = self.verdict.precision.steps
+        scale_step = steps[-1] if steps and steps[-1].step == step else None
+        scaler = self.backend.scaler_state()
+        # the scale this step's backward used: before the step (the scaler may have changed it since)
+        loss_scale = scale_step.scale if scale_step is not None else (scaler.scale if scaler is not None else 1.0)
         try:
             pieces = self._pieces(batch, records)
             with stochastic.isolated(self.device):
-                self.trajectory.step(pieces)
+                self.trajectory.step(pieces, loss_scale, skip=bool(scale_step and scale_step.predicted_overflow))
         except mk.MaskMismatch as exc:
             self._mask_failure(step, exc)
             return
-        entry = self.trajectory.judge(step, self.wrapped.module, self.world_size)
+        entry = self.trajectory.judge(step, {n: t for n, t in self.masters.items()}, self.world_size)
         self.verdict.drift.append(entry)
         if entry["ok"] is False:
             self.verdict.diverge(eq.Divergence(
