@@ -600,10 +600,7 @@ class _UpdateHypotheses:
         ev = self.ev
         if ev.backend_state is None or _same_state(ev.backend_state, ev.expected_state):
             return []
-        trap = (" — at step 0 this is a fresh optimizer that already ran step() on zero gradients: Horovod's "
-                "broadcast_optimizer_state does that (horovod/horovod#3743; broadcast after the first step, or not at "
-                "all), and so do DeepSpeed's fp16/bf16 optimizer wrappers when they are built "
-                "(initialize_optimizer_states)" if ev.step == 0 else "")
+        trap = FRESH_STEPPED_TRAP if ev.step == 0 else ""
         return [Diagnosis("optimizer_state", f"the optimizer state before step {ev.step} is not {ev.expected_from}: it "
                           f"holds {state_summary(ev.backend_state)} where {state_summary(ev.expected_state)} was "
                           f"expected, and the update taken from the backend's own state matches{trap}",
@@ -704,3 +701,20 @@ def _same_state(a: OptState, b: OptState) -> bool:
             elif va != vb:
                 return False
     return True
+
+
+FRESH_STEPPED_TRAP = (" — at step 0 this is a fresh optimizer that already ran step() on zero gradients: Horovod's "
+                      "broadcast_optimizer_state does that (horovod/horovod#3743; broadcast after the first step, or "
+                      "not at all), and so do DeepSpeed's fp16/bf16 optimizer wrappers when they are built "
+                      "(initialize_optimizer_states: with Adam the first real step then runs at step count 2)")
+
+
+def step_count_mismatch(backend: OptState, expected: OptState) -> tuple[str, str] | None:
+    """(parameter, phrase) of the first parameter whose optimizer step count (Adam's `step`, a whole number: no
+    rounding excuses it) is not the expected one, or None. A missing count is 0 (a fresh optimizer's)."""
+    for name in sorted(set(backend) | set(expected)):
+        have = float(backend.get(name, {}).get("step", 0))
+        want = float(expected.get(name, {}).get("step", 0))
+        if have != want:
+            return name, f"{name} has optimizer step count {have:g} where {want:g} was expected"
+    return None

@@ -35,7 +35,8 @@ from dpcompare.verify import masks as mk
 from dpcompare.verify import stochastic
 from dpcompare.contract import Adapter, ModelFacts, Wrapped
 from dpcompare.verify.buffers import BufferCheck
-from dpcompare.verify.diagnosis import (GradientEvidence, UpdateEvidence, diagnose_gradient, diagnose_update, reason_of)
+from dpcompare.verify.diagnosis import (GradientEvidence, UpdateEvidence, diagnose_gradient, diagnose_update, reason_of,
+                                        step_count_mismatch, FRESH_STEPPED_TRAP)
 from dpcompare.verify.stochastic import RngState
 from dpcompare.verify.trajectory import Trajectory
 from dpcompare.verify.precision import PrecisionReport, Recipe, ScaleStep
@@ -448,6 +449,18 @@ class Verifier:
             whole = _ratio(eq.flat(delta, self.names), eq.flat(ref.delta, self.names))
             self.verdict.checks[-1].update = eq.UpdateCheck(params, ratios, whole)
             failing = [p for p in params if not p.ok]
+            # A step count is a whole number: a wrong one is a fault whatever the update's noise (Adam's first steps
+            # are near sign(g), where a recipe's rounding can hide a 26 % smaller update), so it fails on its own.
+            counted = step_count_mismatch(pending.backend_state, expected) if pending.backend_state is not None else None
+            if counted is not None and self.verdict.first_divergence is None:
+                name, text = counted
+                worst = next(p for p in params if p.parameter == name)
+                worst.ok = False
+                self.verdict.diverge(eq.Divergence(
+                    step, name, worst.rel_fro_err, worst.tolerance_rel_fro, worst.noise_ratio,
+                    f"the optimizer state before step {step} is not {self.expected_from}: {text}"
+                    f"{FRESH_STEPPED_TRAP if step == 0 else ''}", check="update", cause="optimizer_state",
+                    parameters=[name]))
             if failing and self.verdict.first_divergence is None:
                 evidence = UpdateEvidence(
                     step=step, names=self.names, delta=delta, reference=ref.delta,
