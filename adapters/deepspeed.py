@@ -54,6 +54,8 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
     def setup(self, timeout_s: float) -> None:
         # Without RANK/WORLD_SIZE/MASTER_* DeepSpeed tries MPI discovery (mpi4py, a non-loopback address).
         launch.ensure_rendezvous(self.env)
+        if self.settings.options["amp_recipe"] == "engine" and self.settings.amp == "none":
+            raise ValueError("--opt amp_recipe=engine selects DeepSpeed's bf16/fp16 engine: add --amp bf16 or --amp fp16")
         import logging
 
         import deepspeed
@@ -77,10 +79,7 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
 
     def _check_precision(self) -> None:
         """Refuse, before any work, a recipe DeepSpeed cannot run here (one line, exit 2)."""
-        amp, recipe = self.settings.amp, self.settings.options["amp_recipe"]
-        if recipe == "engine" and amp == "none":
-            raise ValueError("--opt amp_recipe=engine selects DeepSpeed's bf16/fp16 engine: add --amp bf16 or --amp fp16")
-        if recipe == "engine" and amp == "fp16":
+        if self.settings.options["amp_recipe"] == "engine" and self.settings.amp == "fp16":
             from deepspeed.accelerator import get_accelerator
 
             accelerator = get_accelerator()

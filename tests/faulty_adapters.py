@@ -189,3 +189,60 @@ class TwiceForwardBatchNormDDP(DDPAdapter):
                 forward = m.forward
                 m.forward = lambda x, forward=forward: (forward(x), forward(x))[1]
         return super().wrap(module, optimizer, local_batch, global_batch)
+
+
+class NeverUnscaledDDP(DDPAdapter):
+    """DDP under --amp fp16 whose loop never undoes the loss scale: no scaler.unscale_ after the reduce, and a plain
+    optimizer.step() where scaler.step (which unscales) belongs. `.grad` and the update are S times too large."""
+
+    name = "never-unscaled-ddp"
+
+    def unscale(self) -> None:
+        pass
+
+    def step(self) -> None:
+        self.wrapped.optimizer.step()
+
+
+class UnscaledTwiceDDP(DDPAdapter):
+    """DDP under --amp fp16 that divides the gradients by the loss scale itself after GradScaler.unscale_ has
+    already done so (a hand-written unscale left in beside the scaler's): `.grad` is 1/S of the mean."""
+
+    name = "unscaled-twice-ddp"
+
+    def unscale(self) -> None:
+        super().unscale()
+        inv = 1.0 / self.grad_scaling.scaler.get_scale()
+        for p in self.wrapped.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(inv)
+
+
+class SteppingOnInfDDP(DDPAdapter):
+    """DDP under --amp fp16 that steps the optimizer whatever the scaler found (optimizer.step() then
+    scaler.update(), instead of scaler.step): an overflowing step moves the weights to inf/NaN."""
+
+    name = "stepping-on-inf-ddp"
+
+    def step(self) -> None:
+        self.wrapped.optimizer.step()
+        self.grad_scaling.scaler.update()
+
+
+class SkipSecondStepDDP(DDPAdapter):
+    """DDP under --amp fp16 whose loss scaler skips the second step (step 1) although its gradient is finite (an
+    overflow check on a stale flag): the weights stay, the skip is counted, the scale halves."""
+
+    name = "skip-second-step-ddp"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._steps = 0
+
+    def step(self) -> None:
+        self._steps += 1
+        if self._steps != 2:
+            return super().step()
+        scaler = self.grad_scaling.scaler
+        scaler.update(scaler.get_scale() / 2)
+        self.grad_scaling.skipped += 1

@@ -44,7 +44,8 @@ def _setup(model: nn.Module, world_size: int = 2, loss_fn=None):
 
 
 def _diagnoses(model: nn.Module, grads_for, *, digests_for=None, has_batchnorm=False, sync_bn=False, per_replica=False,
-               grad_accum=1, previous=None, loss_fn=None, tolerance=1e-6, compression="none") -> list[Diagnosis]:
+               grad_accum=1, previous=None, loss_fn=None, tolerance=1e-6, compression="none",
+               loss_scale=None) -> list[Diagnosis]:
     """The diagnosis of `grads_for`'s gradient at a check whose failing parameters are found as the verifier finds
     them (distance from the oracle against the parameter's share of the model's gradient)."""
     oracle, state, batch, shards, digests = _setup(model, loss_fn=loss_fn)
@@ -57,7 +58,7 @@ def _diagnoses(model: nn.Module, grads_for, *, digests_for=None, has_batchnorm=F
         state=state, batch=batch, world_size=2, grad_accum=grad_accum,
         shard_digests=digests_for(digests) if digests_for else digests, has_batchnorm=has_batchnorm, sync_bn=sync_bn,
         compression=compression, dtype="float32", layout=layout, per_replica=per_replica,
-        previous=previous(oracle, state, shards) if previous else None)
+        previous=previous(oracle, state, shards) if previous else None, loss_scale=loss_scale)
     share = float(torch.linalg.vector_norm(eq.flat(oracle_grads, oracle.names))) / math.sqrt(len(oracle.names))
     failing = [n for n in oracle.names if not eq.rel_fro(grads[n], oracle_grads[n], share) <= tolerance]
     return diagnose_gradient(evidence, failing or oracle.names)

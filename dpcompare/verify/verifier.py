@@ -405,7 +405,7 @@ class Verifier:
             return
         scale_step.ok = False
         scale_step.reason = (f"at step {scale_step.step} the ranks' {self.cfg.amp} gradients overflow at loss scale "
-                             f"{scale_step.scale:g} (the oracle's rank-by-rank emulation of the recipe holds inf or "
+                             f"{scale_step.scale:.9g} (the oracle's rank-by-rank emulation of the recipe holds inf or "
                              "NaN), but the backend's reduced gradient is finite: the backend does not scale the loss "
                              "as its recipe says, or reduces before the scaled gradients are formed, so it will not "
                              "skip the steps the other backends skip")
@@ -513,7 +513,7 @@ class Verifier:
         scale_step.ok = False
         stepped = not skipped and moved
         scale_step.reason = (f"at step {pending.step} the scaled {self.cfg.amp} gradients overflowed (loss scale "
-                             f"{scale_step.scale:g}; the reduced gradient holds inf or NaN) and the backend "
+                             f"{scale_step.scale:.9g}; the reduced gradient holds inf or NaN) and the backend "
                              + (f"still stepped the optimizer: {len(moved)} parameter(s) moved, first {moved[0]}; a "
                                 "loss scaler must skip a step whose unscaled gradients are not finite (GradScaler.step, "
                                 "DeepSpeed's overflow check)" if stepped else

@@ -1,0 +1,308 @@
+"""Mixed precision (--amp bf16|fp16): every backend's recipe is judged against the float64 oracle.
+
+Checks, against what each part must produce:
+  - the loss scaler (dpcompare.run.precision.GradScaling) counts a skipped step exactly when the scale backs off;
+  - the noise floor of a mixed-precision run recomputes the recipe rank by rank at the step's loss scale, so it
+    overflows where a rank overflows, which the global batch in one forward does not (its negative twin);
+  - the diagnosis names a loss scale that was never undone, or undone twice, with the factor, and a plain scale
+    factor stays `scaled` when the run has no loss scale (the twin that must not fire);
+  - an optimizer step count that is not the expected one is found exactly;
+  - real runs at world size 2 under their native launchers: bf16 autocast under ddp, DeepSpeed's bf16 engine with
+    its fp32 master weights (the update check judged on them), a forced fp16 overflow (initial scale 2^24) that
+    Horovod skips exactly where the oracle's emulation of the ranks overflows, and the planted faults
+    (tests/faulty_adapters.py): scale never undone, undone twice, stepping on inf, skipping a finite step.
+
+Tiers: the default tier runs one recipe per kind (autocast, engine, a forced overflow) and one planted fault; the
+`slow` tier runs every backend x {bf16, fp16} x {mlp, lm}, the other faults, every backend skipping the same
+steps, gradient accumulation, and DeepSpeed's bf16 engine with AdamW (its optimizer starts at step count 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dpcompare.run import workloads
+from dpcompare.run.precision import GradScaling
+from dpcompare.verify import equivalence as eq
+from dpcompare.verify.diagnosis import step_count_mismatch
+from dpcompare.verify.precision import Recipe
+from test_diagnosis import _diagnoses, _linear
+
+CPU = torch.device("cpu")
+FORCED = ["--amp", "fp16", "--loss-scale", str(2**24)]
+
+
+# -- the loss scaler ----------------------------------------------------------------------------------------
+def test_grad_scaling_counts_a_skip_only_when_the_scale_backs_off() -> None:
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaling = GradScaling(CPU, 2.0**10)
+    scaling.scale(model(torch.randn(3, 4)).sum()).backward()
+    scaling.unscale(opt)
+    scaling.step(opt)
+    assert scaling.state().skipped_steps == 0 and scaling.state().scale == 2.0**10
+    opt.zero_grad()
+    scaling.scale(model(torch.randn(3, 4)).sum()).backward()
+    model.weight.grad[0, 0] = math.inf
+    before = [p.detach().clone() for p in model.parameters()]
+    scaling.unscale(opt)
+    scaling.step(opt)
+    assert scaling.state().skipped_steps == 1 and scaling.state().scale == 2.0**9
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "a skipped step moved the weights"
+
+
+# -- the recipe's floor -------------------------------------------------------------------------------------
+def _mlp_batch():
+    w = workloads.mlp(1234)
+    return w, w.make_batch(0, 24)
+
+
+def _recipe_grads(w, batch, pieces, scale: float) -> eq.Grads:
+    model = eq.verification_copy(w.model, CPU, torch.float32)
+    return eq.accumulate_gradient(model, w.loss_fn, pieces, CPU, recipe=Recipe("autocast", "fp16"), loss_scale=scale)[0]
+
+
+def _finite(grads: eq.Grads) -> bool:
+    return all(bool(torch.isfinite(g).all()) for g in grads.values())
+
+
+def test_the_recipe_floor_runs_each_rank_as_it_ran() -> None:
+    """Rank by rank: each rank's loss times S (and 1/grad_accum) in the graph, the sum over ranks divided by N and S
+    afterwards: the same numbers as doing it by hand."""
+    w, batch = _mlp_batch()
+    layout = eq.Layout(2, 2)
+    pieces = eq.replica_pieces(batch, layout)
+    got = _recipe_grads(w, batch, pieces, 2.0**8)
+    model = eq.verification_copy(w.model, CPU, torch.float32)
+    for _, _, _, idx in layout.positions(24):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = w.loss_fn(model(batch[0][idx]), batch[1][idx])
+        (loss.float() * (2.0**8 / 2)).backward()
+    for n, p in model.named_parameters():
+        assert torch.equal(got[n], p.grad.double() / (2 * 2.0**8)), n
+
+
+def test_the_recipe_floor_overflows_where_a_rank_does_and_the_global_batch_does_not() -> None:
+    """A rank's local loss is a mean over 1/N of the samples: its per-sample gradients are N times the global
+    batch's, so a rank overflows at a scale N times smaller. The negative twin: the global batch in one forward
+    misses that overflow, so a floor computed that way would predict no skip where every backend must skip."""
+    w, batch = _mlp_batch()
+    ranks = eq.replica_pieces(batch, eq.Layout(2, 1))
+    whole = eq.global_pieces(batch)
+    scales = [2.0**e for e in range(8, 31)]
+    first_rank = next(s for s in scales if not _finite(_recipe_grads(w, batch, ranks, s)))
+    first_whole = next(s for s in scales if not _finite(_recipe_grads(w, batch, whole, s)))
+    assert first_rank < first_whole, (first_rank, first_whole)
+    assert not _finite(_recipe_grads(w, batch, ranks, first_rank))
+    assert _finite(_recipe_grads(w, batch, whole, first_rank))
+
+
+def test_the_engine_recipe_floor_runs_on_16_bit_weights() -> None:
+    w, batch = _mlp_batch()
+    oracle = eq.Oracle(w.model, w.loss_fn, "float32", CPU, Recipe("engine", "bf16"))
+    assert all(p.dtype == torch.bfloat16 for p in oracle.model_run.parameters())
+    state = {k: v.clone() for k, v in w.model.state_dict().items()}
+    o, f = oracle.oracle(state, *batch), oracle.floor(state, *batch)
+    floor = eq.rel_fro(eq.flat(f, oracle.names), eq.flat(o, oracle.names))
+    fp32 = eq.Oracle(w.model, w.loss_fn, "float32", CPU)
+    floor32 = eq.rel_fro(eq.flat(fp32.floor(state, *batch), oracle.names), eq.flat(o, oracle.names))
+    assert 2.0**-12 < floor < 2.0**-4 and floor > 1e3 * floor32, (floor, floor32)
+
+
+# -- diagnosis ------------------------------------------------------------------------------------------------
+S = 2.0**16
+
+
+def test_a_loss_scale_never_undone_is_named_with_its_factor() -> None:
+    found = _diagnoses(_linear(), lambda o, s, og, sh: {k: v * S for k, v in og.items()}, loss_scale=S)
+    assert [d.cause for d in found] == ["loss_scale_not_undone"], found
+    assert "65536" in found[0].reason and "unscale_" in found[0].reason
+
+
+def test_a_loss_scale_undone_twice_is_named_with_its_factor() -> None:
+    found = _diagnoses(_linear(), lambda o, s, og, sh: {k: v / S for k, v in og.items()}, loss_scale=S)
+    assert [d.cause for d in found] == ["loss_scale_undone_twice"], found
+    assert "1/65536" in found[0].reason
+
+
+def test_a_scale_factor_without_a_loss_scale_is_not_blamed_on_one() -> None:
+    found = _diagnoses(_linear(), lambda o, s, og, sh: {k: v * S for k, v in og.items()})
+    assert [d.cause for d in found] == ["scaled"], found
+
+
+def test_a_step_count_is_compared_exactly() -> None:
+    fresh: dict = {}
+    adam_after_init = {"w": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3)}}
+    assert step_count_mismatch(adam_after_init, fresh) == ("w", "w has optimizer step count 1 where 0 was expected")
+    assert step_count_mismatch({"w": {"step": torch.tensor(2.0)}}, {"w": {"step": torch.tensor(2.0)}}) is None
+    assert step_count_mismatch({"w": {"momentum_buffer": torch.zeros(3)}}, fresh) is None  # SGD: no count
+
+
+# -- real runs ------------------------------------------------------------------------------------------------
+def _equivalent(proc, result: dict | None) -> dict:
+    assert proc.returncode == 0, proc.output[-6000:]
+    assert result is not None
+    e = result["equivalence"]
+    assert e["verdict"] == "equivalent", (e["first_divergence"], e["notes"])
+    for check in ("gradient", "update", "trajectory"):
+        c = e["checks"][check]
+        assert c["status"] == "pass" and c["noise_ratio"] < 10, (check, c)
+    assert e["replicas_identical"] and all(s["grads_identical_across_ranks"] for s in e["per_step"])
+    return e
+
+
+def _different(proc, result: dict | None, check: str, cause: str) -> dict:
+    assert proc.returncode == 0, proc.output[-6000:]
+    e = result["equivalence"]
+    d = e["first_divergence"]
+    assert e["verdict"] == "different" and d is not None, e
+    assert (d["check"], d["cause"]) == (check, cause), d
+    return d
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_bf16_autocast_under_ddp_is_equivalent_on_a_floor_of_its_own(launch) -> None:
+    proc, result = launch("ddp", 2, "mlp", ["--steps", "2", "--measure-steps", "0", "--amp", "bf16"])
+    e = _equivalent(proc, result)
+    p = e["precision"]
+    assert (p["amp"], p["recipe"], p["wire"], p["loss_scaler"]) == ("bf16", "autocast", "none", None), p
+    # the floor is bf16's, measured: far above float32's (~1e-7), below a few bf16 unit roundoffs
+    assert 2.0**-12 < e["noise_floor_rel_fro"] < 2.0**-4, e["noise_floor_rel_fro"]
+    assert "--amp bf16 autocast recipe" in proc.stdout
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_deepspeed_bf16_engine_is_judged_on_its_fp32_master_weights(launch, backend) -> None:
+    proc, result = launch(backend, 2, "mlp", ["--steps", "2", "--measure-steps", "0", "--amp", "bf16",
+                                              "--opt", "amp_recipe=engine"])
+    e = _equivalent(proc, result)
+    p = e["precision"]
+    assert (p["recipe"], p["wire"]) == ("engine", "bf16"), p
+    assert e["checks"]["update"]["status"] == "pass" and abs(e["checks"]["update"]["norm_ratio"] - 1) < 0.05
+    assert e["tolerance"]["compression"] == "bf16", "the 16-bit all-reduce is in the tolerance"
+    assert any(n["code"] == "deepspeed.amp_recipe" and "fp32 master weights" in n["text"] for n in e["notes"])
+
+
+test_deepspeed_bf16_engine_is_judged_on_its_fp32_master_weights = pytest.mark.parametrize(
+    "backend", ["deepspeed"], indirect=True)(test_deepspeed_bf16_engine_is_judged_on_its_fp32_master_weights)
+
+
+def _assert_forced_overflow_skipped(proc, result) -> list[int]:
+    e = _equivalent(proc, result)
+    p = e["precision"]
+    steps = p["steps"]
+    assert steps[0]["step"] == 0 and steps[0]["scale"] == 2.0**24 and steps[0]["predicted_overflow"], steps[0]
+    for s in steps:
+        assert s["ok"] and s["predicted_overflow"] == s["reduced_non_finite"] == s["skipped"], s
+        assert s["scale_after"] == (s["scale"] / 2 if s["skipped"] else s["scale"]), s
+    assert p["skipped_steps"][0] == 0 and e["checked_steps"], "a later step must be checked against the oracle"
+    assert f"step(s) {', '.join(map(str, p['skipped_steps']))} skipped on overflow" in proc.stdout
+    return p["skipped_steps"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["horovod"], indirect=True)
+def test_a_forced_fp16_overflow_is_skipped_where_the_ranks_overflow(launch, backend) -> None:
+    proc, result = launch(backend, 2, "mlp", ["--steps", "8", "--measure-steps", "0", *FORCED])
+    _assert_forced_overflow_skipped(proc, result)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_a_loss_scale_never_undone_is_different_naming_the_factor(launch) -> None:
+    proc, result = launch("tests.faulty_adapters:NeverUnscaledDDP", 2, "mlp",
+                          ["--steps", "2", "--measure-steps", "0", "--amp", "fp16"], launcher="torchrun")
+    d = _different(proc, result, "gradient", "loss_scale_not_undone")
+    assert d["step"] == 0 and "loss scale 65536" in d["reason"], d
+
+
+# -- slow: the breadth -------------------------------------------------------------------------------------------
+MATRIX = [(b, a, m) for b in ("reference", "dp", "ddp", "horovod", "deepspeed") for a in ("bf16", "fp16")
+          for m in ("mlp", "lm") if not (b == "ddp" and a == "bf16" and m == "mlp")]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("backend", "amp", "model"), MATRIX, indirect=["backend"])
+def test_every_backend_recipe_and_model_is_equivalent(launch, backend, amp, model, record_noise_ratio) -> None:
+    ws = 1 if backend in ("reference", "dp") else 2
+    proc, result = launch(backend, ws, model, ["--steps", "2", "--measure-steps", "0", "--amp", amp])
+    e = _equivalent(proc, result)
+    record_noise_ratio(result)
+    assert e["precision"]["recipe"] == "autocast" and e["precision"]["amp"] == amp
+    assert (e["precision"]["loss_scaler"] is not None) == (amp == "fp16")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+@pytest.mark.parametrize("extra", [["--model", "lm"], ["--grad-accum", "2"]], ids=["lm", "grad-accum-2"])
+def test_deepspeed_bf16_engine_breadth(launch, backend, extra) -> None:
+    model = extra[1] if extra[0] == "--model" else "mlp"
+    rest = [] if extra[0] == "--model" else extra
+    proc, result = launch(backend, 2, model, ["--steps", "2", "--measure-steps", "0", "--amp", "bf16",
+                                              "--opt", "amp_recipe=engine", *rest])
+    assert _equivalent(proc, result)["precision"]["recipe"] == "engine"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+def test_deepspeed_bf16_engine_with_adamw_starts_at_step_count_1(launch, backend) -> None:
+    """DeepSpeed's FP16_UnfusedOptimizer (stage 0, bf16) runs one optimizer step on zero gradients when built: Adam's
+    first real step runs at step count 2, a ~26 % smaller update than DDP's. The step count is compared exactly."""
+    proc, result = launch(backend, 2, "mlp", ["--steps", "2", "--measure-steps", "0", "--amp", "bf16",
+                                              "--opt", "amp_recipe=engine", "--optimizer", "adamw", "--lr", "0.001"])
+    d = _different(proc, result, "update", "optimizer_state")
+    assert d["step"] == 0 and "step count 1 where 0 was expected" in d["reason"], d
+    assert "initialize_optimizer_states" in d["reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_fp16_with_gradient_accumulation_is_equivalent(launch) -> None:
+    proc, result = launch("ddp", 2, "lm", ["--steps", "2", "--measure-steps", "0", "--amp", "fp16", "--grad-accum", "2"])
+    _equivalent(proc, result)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backends", [("reference", "ddp", "horovod", "deepspeed")])
+def test_every_backend_skips_the_same_steps(launch, backends) -> None:
+    """The same forced overflow under every backend: each skips exactly where the oracle's emulation of its ranks
+    overflows, and backends of the same world size skip the same steps."""
+    skipped = {}
+    for backend in backends:
+        ws = 1 if backend == "reference" else 2
+        proc, result = launch(backend, ws, "mlp", ["--steps", "8", "--measure-steps", "0", *FORCED])
+        skipped[backend] = (ws, _assert_forced_overflow_skipped(proc, result))
+    at_two = {tuple(s) for ws, s in skipped.values() if ws == 2}
+    assert len(at_two) == 1, skipped
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("adapter", "extra", "check", "cause", "step"), [
+    ("UnscaledTwiceDDP", ["--amp", "fp16"], "gradient", "loss_scale_undone_twice", 0),
+    ("SteppingOnInfDDP", FORCED, "loss_scale", "stepped_on_overflow", 0),
+    ("SkipSecondStepDDP", ["--amp", "fp16"], "update", "skipped_step", 1),
+], ids=["unscaled-twice", "stepping-on-inf", "skipping-a-finite-step"])
+def test_planted_loss_scaling_faults_are_different(launch, adapter, extra, check, cause, step) -> None:
+    proc, result = launch(f"tests.faulty_adapters:{adapter}", 2, "mlp", ["--steps", "2", "--measure-steps", "0", *extra],
+                          launcher="torchrun")
+    d = _different(proc, result, check, cause)
+    assert d["step"] == step, d
