@@ -25,7 +25,7 @@ from dpcompare.run.config import DEFAULT_GLOBAL_BATCH, RunConfig, default_global
 from dpcompare.run.trainer import summary_line
 
 PUBLIC = {"Workload", "shard", "Adapter", "Capabilities", "Option", "Settings", "Note", "Wrapped", "ModelFacts",
-          "CommCounter", "CommCounts", "CounterWindow", "LaunchEnv", "ProcessGroupMixin", "DIST_BACKEND", "RunConfig",
+          "CommCounter", "CommCounts", "CounterWindow", "ScalerState", "LaunchEnv", "ProcessGroupMixin", "DIST_BACKEND", "RunConfig",
           "__version__", "SCHEMA_VERSION"}
 
 

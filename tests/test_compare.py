@@ -15,6 +15,10 @@ while runs at one world size, and deterministic runs at any, keep their numbers;
 one line per way the backends left their gradients; a result written before these checks still renders.
 Scaling efficiency is measured against the world-size-1 run whose result declares `scaling_baseline`, and
 notes are read by their code, never by their sentence.
+
+Mixed precision, planned without a launcher: `--amp` reaches every run and adds deepspeed's engine recipe at
+each world size (fp16 without CUDA lists it as skipped, with the reason); the fp16 runs at one world size must
+skip the same steps, and a run that skipped others is named with its steps.
 """
 
 from __future__ import annotations
@@ -226,7 +230,8 @@ def _job(tmp_path: Path, backend: str, world_size: int, equivalence: dict, reduc
 def _rendered(jobs: list[plan.Job], *, width: int = 160, unavailable: list[dict] | None = None) -> tuple[str, str]:
     """(plain text, text with ANSI colours) of compare's console output."""
     console = Console(file=io.StringIO(), width=width, record=True, force_terminal=True, color_system="standard")
-    render.render(console, jobs, unavailable or [], matrix.build_matrix(jobs), matrix.unused_parameter_grads(jobs))
+    render.render(console, jobs, unavailable or [], matrix.build_matrix(jobs), matrix.unused_parameter_grads(jobs),
+                  matrix.skipped_steps([j.result for j in jobs if j.result]))
     return console.export_text(clear=False), console.export_text(styles=True)
 
 
@@ -409,3 +414,108 @@ def test_sweep_note_shows_the_text_of_knob_not_applicable_notes(tmp_path):
     row = next(line for line in out.splitlines() if "bucket_mb=0.01" in line)
     assert row.split("│")[-2].strip() == text
     assert "ddp offers fp16" in out
+
+
+# -- mixed precision: --amp in every run, deepspeed's engine recipe, and the steps the loss scalers skipped ------
+def _every_backend_available(monkeypatch) -> None:
+    monkeypatch.setattr(registry, "availability", lambda b: (True, ""))
+
+
+def test_amp_reaches_every_run_and_deepspeed_also_runs_its_engine_recipe(tmp_path, monkeypatch):
+    _every_backend_available(monkeypatch)
+    kw = dict(backends="reference,ddp,deepspeed", world_sizes="1,2", collectives="none")
+    planned = plan.plan(_ns(amp="bf16", **kw), tmp_path)
+    by_label = {j.label: j for j in planned.jobs}
+    assert list(by_label) == ["reference/1", "ddp/1", "ddp/2", "deepspeed/1", "deepspeed/2",
+                              "deepspeed/1 amp_recipe=engine", "deepspeed/2 amp_recipe=engine"]
+    for job in planned.jobs:
+        assert job.command[job.command.index("--amp") + 1] == "bf16", job.label
+    for ws in (1, 2):
+        engine = by_label[f"deepspeed/{ws} amp_recipe=engine"]
+        assert engine.variant == "amp_recipe=engine" and engine.world_size == ws
+        assert engine.command[engine.command.index("--opt") + 1] == "amp_recipe=engine"
+        assert "--opt" not in by_label[f"deepspeed/{ws}"].command  # the baseline runs the autocast recipe
+    assert planned.sweep_skipped == []
+    # Twin: without --amp, today's jobs and run arguments, to the token (a launcher may pick another free port).
+    before = plan.plan(_ns(**kw), tmp_path)
+    assert [j.label for j in before.jobs] == list(by_label)[:5] and before.sweep_skipped == []
+    for old, new in zip(before.jobs, planned.jobs):
+        old_args, new_args = (j.command[j.command.index("--backend"):] for j in (old, new))
+        assert "--amp" not in old_args
+        at = new_args.index("--amp")
+        assert old_args == new_args[:at] + new_args[at + 2:], old.label
+    # No deepspeed among the backends (or not installed): no engine recipe, and nothing to say it was left out.
+    assert [j.label for j in plan.plan(_ns(amp="fp16", backends="reference,ddp", collectives="none"), tmp_path).jobs] == [
+        "reference/1", "ddp/1", "ddp/2"]
+
+
+def test_fp16_engine_recipe_without_cuda_is_listed_as_skipped_with_its_reason(tmp_path, monkeypatch):
+    import torch
+
+    _every_backend_available(monkeypatch)
+    ns = dict(backends="ddp,deepspeed", world_sizes="2", collectives="none", amp="fp16")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    planned = plan.plan(_ns(**ns), tmp_path)
+    assert [j.label for j in planned.jobs] == ["ddp/2", "deepspeed/2"]
+    assert all(j.command[j.command.index("--amp") + 1] == "fp16" for j in planned.jobs)
+    assert planned.sweep_skipped == [{"backend": "deepspeed", "knob": "amp_recipe=engine", "reason":
+                                      "DeepSpeed's fp16 engine needs a device with fp16 weights (its CPU accelerator "
+                                      "has none here); the autocast recipe runs"}]
+    console = Console(file=io.StringIO(), width=400, record=True)
+    render.render_sweep(console, [], planned.sweep_skipped)
+    row = next(line for line in console.export_text().splitlines() if "amp_recipe=engine" in line)
+    assert "deepspeed" in row and "its CPU accelerator has none here" in row
+    # Twin: with CUDA the engine recipe runs, and nothing is skipped.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    planned = plan.plan(_ns(**ns), tmp_path)
+    assert [j.label for j in planned.jobs] == ["ddp/2", "deepspeed/2", "deepspeed/2 amp_recipe=engine"]
+    assert planned.sweep_skipped == []
+
+
+def _fp16(skipped: list[int], steps: int = 3) -> dict:
+    """equivalence.precision of an fp16 run whose loss scaler skipped `skipped` of its checked steps."""
+    return {"amp": "fp16", "recipe": "autocast", "description": "fp16 autocast", "wire": "none",
+            "loss_scaler": "torch.amp.GradScaler", "initial_scale": 2.0 ** 24, "skipped_steps": skipped,
+            "steps": [{"step": s, "scale": 2.0 ** (24 - s), "predicted_overflow": s in skipped,
+                       "reduced_non_finite": s in skipped, "skipped": s in skipped} for s in range(steps)]}
+
+
+def test_every_backend_at_a_world_size_skips_the_same_steps(tmp_path):
+    runs = [_job(tmp_path, "reference", 1, _equivalence(precision=_fp16([0, 1]))),
+            _job(tmp_path, "ddp", 2, _equivalence(precision=_fp16([0, 1]))),
+            _job(tmp_path, "horovod", 2, _equivalence(precision=_fp16([0, 1]))),
+            _job(tmp_path, "deepspeed", 2, _equivalence(precision=_fp16([0, 1])))]
+    runs[-1].result["tag"] = "deepspeed/2 amp_recipe=engine"
+    entries = matrix.skipped_steps([j.result for j in runs])
+    assert [(e["world_size"], e["agree"]) for e in entries] == [(1, True), (2, True)]
+    assert entries[1]["runs"] == {"ddp/2": [0, 1], "horovod/2": [0, 1], "deepspeed/2 amp_recipe=engine": [0, 1]}
+    assert entries[1]["line"] == "loss scaler: every backend at world size 2 skipped steps 0, 1 (fp16 overflow)"
+    json.dumps(entries)  # it goes into compare.json
+    text, _ = _rendered(runs, width=400)
+    assert entries[0]["line"] in text and entries[1]["line"] in text
+
+
+def test_a_backend_that_skips_other_steps_is_named_with_its_steps(tmp_path):
+    runs = [_job(tmp_path, "ddp", 2, _equivalence(precision=_fp16([0, 1]))),
+            _job(tmp_path, "horovod", 2, _equivalence(precision=_fp16([0])))]
+    (entry,) = matrix.skipped_steps([j.result for j in runs])
+    assert entry["agree"] is False and entry["runs"] == {"ddp/2": [0, 1], "horovod/2": [0]}
+    assert entry["line"] == "loss scaler: backends at world size 2 skip different steps: ddp/2 [0, 1], horovod/2 [0]"
+    console = Console(file=io.StringIO(), width=400, record=True, force_terminal=True, color_system="standard")
+    render.render(console, runs, [], matrix.build_matrix(runs), [], [entry])
+    assert entry["line"] in console.export_text(clear=False)
+    assert "\x1b[1;31mloss scaler" in console.export_text(styles=True)  # bold red
+
+
+def test_runs_without_loss_scaler_steps_are_left_out_of_the_skipped_steps(tmp_path):
+    bf16 = {**_fp16([]), "amp": "bf16", "loss_scaler": None, "initial_scale": None, "steps": []}
+    old = _equivalence()
+    old.pop("precision", None)  # a result written before --amp
+    runs = [_job(tmp_path, "ddp", 2, _equivalence(precision=None)), _job(tmp_path, "horovod", 2, old),
+            _job(tmp_path, "deepspeed", 2, _equivalence(precision=bf16))]
+    assert matrix.skipped_steps([j.result for j in runs]) == []
+    # With one fp16 run among them, only it is judged: nothing skipped, and no disagreement with the others.
+    runs.append(_job(tmp_path, "ddp", 1, _equivalence(precision=_fp16([]))))
+    assert matrix.skipped_steps([j.result for j in runs]) == [
+        {"world_size": 1, "runs": {"ddp/1": []}, "agree": True,
+         "line": "loss scaler: every backend at world size 1 skipped no step"}]

@@ -117,7 +117,8 @@ class MeasurementPhase:
             [g[0] for g in gathered], world_size=world_size, local_batch=self.local_batch,
             tokens_per_sample=self.runner.workload.tokens_per_sample, warmup_steps=cfg.warmup_steps,
             grad_bytes=grad_bytes, message_bytes=message, message_reason=message_reason,
-            model_state=clocks.model_state_mib(wrapped.module, wrapped.optimizer, self.adapter.comm_buffer_bytes(grad_bytes)),
+            model_state=clocks.model_state_mib(wrapped.module, wrapped.optimizer, self.adapter.comm_buffer_bytes(grad_bytes),
+                                               self.adapter.master_params()),
             microbench_busbw=microbench, microbench_reason=microbench_reason, scaling=cfg.scaling,
             comm_possible=self.comm_reason, instrumented=cfg.instrument,
         )

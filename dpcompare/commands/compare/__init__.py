@@ -11,8 +11,9 @@ prints a table, and writes everything under OUT/<timestamp>/:
   grads/*.npz      reduced, oracle and noise-floor gradients of every checked step
   logs/*.log       each launcher's output
   collectives.json the all-reduce microbenchmark run first (--collectives auto), quoted by every run
-  compare.json     the summary: runs, unavailable backends with the reason, the matrix, and how each
-                   backend left the gradients of unused parameters (unused_parameter_grads)
+  compare.json     the summary: runs, unavailable backends with the reason, the matrix, how each
+                   backend left the gradients of unused parameters (unused_parameter_grads), and under
+                   --amp fp16 whether the backends at each world size skipped the same steps (skipped_steps)
   report.md, *.png the report and its plots (python -m dpcompare report OUT/<timestamp> rebuilds them; --no-report
                    skips them)
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -33,6 +34,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from dpcompare import results
 from dpcompare.commands.compare import execute, matrix, plan, render
 from dpcompare.run import registry
+from dpcompare.run.config import Amp
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "above it; at 2048, compute dominates a step of mlp-wide at world size 2 on a CPU core)")
     p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
                    help="strong: fixed global batch; weak: fixed per-rank batch (global batch / largest world size)")
+    p.add_argument("--amp", choices=get_args(Amp), default="none",
+                   help="mixed precision: run every backend under torch.autocast in this dtype (fp16 with each "
+                        "backend's own dynamic loss scaling); deepspeed additionally runs its engine recipe "
+                        "(--opt amp_recipe=engine: bf16/fp16 weights, fp32 master weights)")
     p.add_argument("--collectives", default="auto",
                    help="bench-collectives JSON to quote busbw from; 'auto' runs a short one first; 'none' skips")
     p.add_argument("--sweep", action="store_true",
@@ -83,13 +89,18 @@ def main(ns: argparse.Namespace) -> int:
     _run_all(console, ns, run_dir, planned.jobs)
 
     baseline = [j for j in planned.jobs if j.variant == "baseline"]
+    # The same recipe at the same config: the baseline runs and deepspeed's engine recipe, not the sweep's knobs.
+    same_config = [j.result for j in planned.jobs if j.result and j.variant in ("baseline", plan.ENGINE_RECIPE)]
     figures = {"matrix": matrix.build_matrix(baseline), "unused_parameter_grads": matrix.unused_parameter_grads(baseline),
-               "scaling": matrix.scaling_rows(planned.jobs, ns.scaling)}
+               "scaling": matrix.scaling_rows(planned.jobs, ns.scaling),
+               "skipped_steps": matrix.skipped_steps(same_config)}
     results.write_atomic(run_dir / "compare.json", _summary(ns, run_dir, planned, figures))
-    render.render(console, baseline, planned.unavailable, figures["matrix"], figures["unused_parameter_grads"])
+    render.render(console, baseline, planned.unavailable, figures["matrix"], figures["unused_parameter_grads"],
+                  figures["skipped_steps"])
     render.render_cost(console, baseline, figures["scaling"])
-    if ns.sweep:
-        render.render_sweep(console, [j for j in planned.jobs if j.variant != "baseline"], planned.sweep_skipped)
+    variants = [j for j in planned.jobs if j.variant != "baseline"]
+    if variants or planned.sweep_skipped:
+        render.render_sweep(console, variants, planned.sweep_skipped)
     if ns.report:
         from dpcompare.commands import report
 
@@ -122,13 +133,14 @@ def _summary(ns: argparse.Namespace, run_dir: Path, planned: plan.Plan, figures:
         kind="compare",
         created_unix=time.time(),
         model=ns.model, steps=ns.steps, measure_steps=ns.measure_steps, global_batch=ns.global_batch,
-        scaling_mode=ns.scaling,
+        scaling_mode=ns.scaling, amp=ns.amp,
         runs=[_run_entry(j) for j in planned.jobs],
         unavailable=planned.unavailable,
         sweep_skipped=planned.sweep_skipped,
         scaling=figures["scaling"],
         matrix=figures["matrix"],
         unused_parameter_grads=figures["unused_parameter_grads"],
+        skipped_steps=figures["skipped_steps"],
         collectives=str(collectives) if collectives.exists() else None,
         env=results.environment(),
     )

@@ -1,6 +1,7 @@
 """The cross-run figures compare.json holds: the backend x backend x oracle gradient matrix built from the
 runs' .npz dumps (and which pairs cannot be compared), how each backend left the gradients of unused
-parameters, and scaling efficiency against the run whose backend declares itself the scaling baseline.
+parameters, which steps each fp16 run's loss scaler skipped (the same at one world size, or not), and scaling
+efficiency against the run whose backend declares itself the scaling baseline.
 """
 
 from __future__ import annotations
@@ -122,6 +123,31 @@ def unused_parameter_grads(jobs: list[Job]) -> list[dict[str, Any]]:
         line = f"unused parameters {', '.join(names)}: gradient " + "; ".join(
             f"{words.get(form, form)} under {', '.join(shown[lb] for lb in labels)}" for form, labels in gradient.items())
         entries.append({"parameters": names, "gradient": gradient, "line": line})
+    return entries
+
+
+def skipped_steps(payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every backend must skip the same steps: for each world size with an fp16 run (a result whose
+    equivalence.precision records loss-scaler steps), {'world_size', 'runs': {run label: skipped steps}, 'agree',
+    'line'}, by world size. Results without precision (written before --amp, or --amp none/bf16) are left out."""
+    by_ws: dict[int, dict[str, list[int]]] = {}
+    for r in payloads:
+        precision = (r.get("equivalence") or {}).get("precision") or {}
+        if not precision.get("steps"):
+            continue
+        label = r.get("tag") or f"{r['backend']}/{r['world_size']}"
+        by_ws.setdefault(r["world_size"], {})[label] = list(precision.get("skipped_steps") or [])
+    entries = []
+    for ws, runs in sorted(by_ws.items()):
+        agree = len({tuple(steps) for steps in runs.values()}) == 1
+        if not agree:
+            line = f"loss scaler: backends at world size {ws} skip different steps: " + ", ".join(
+                f"{label} {steps}" for label, steps in runs.items())
+        else:
+            steps = next(iter(runs.values()))
+            line = f"loss scaler: every backend at world size {ws} skipped " + (
+                f"steps {', '.join(map(str, steps))} (fp16 overflow)" if steps else "no step")
+        entries.append({"world_size": ws, "runs": runs, "agree": agree, "line": line})
     return entries
 
 

@@ -1,7 +1,7 @@
 """What `compare` will run: one job per available backend and world size, each as the command its users
-type under the launcher its adapter declares, plus the --sweep jobs (one knob at a time) and the
-bench-collectives JSON the runs quote busbw from. Refuses bad flags before anything starts, with the
-run's own messages for the run's own flags.
+type under the launcher its adapter declares, plus the --sweep jobs (one knob at a time), under --amp
+deepspeed's engine-recipe jobs, and the bench-collectives JSON the runs quote busbw from. Refuses bad flags
+before anything starts, with the run's own messages for the run's own flags.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Plan:
     unavailable: list[dict[str, str]] = field(default_factory=list)
     """{'backend', 'reason'} for each backend asked for that is not installed."""
     sweep_skipped: list[dict[str, str]] = field(default_factory=list)
-    """{'backend', 'knob', 'reason'} for each sweep combination the backend does not have."""
+    """{'backend', 'knob', 'reason'} for each sweep combination or --amp recipe the backend does not have."""
 
 
 def comma_separated(text: str, option: str, kind: Callable = str) -> list:
@@ -102,10 +102,32 @@ def plan(ns: argparse.Namespace, run_dir: Path) -> Plan:
 
     for backend, ws in baseline:
         add(backend, ws, "baseline", [])
+    result.sweep_skipped = amp_recipes(config.amp, [ws for b, ws in baseline if b == "deepspeed"], add)
     if ns.sweep:
         available = [b for b in backends if all(u["backend"] != b for u in result.unavailable)]
-        result.sweep_skipped = sweep(ns, available, max(world_sizes), add)
+        result.sweep_skipped += sweep(ns, available, max(world_sizes), add)
     return result
+
+
+ENGINE_RECIPE = "amp_recipe=engine"
+"""The variant of a deepspeed job that runs DeepSpeed's bf16/fp16 engine (fp32 master weights) under --amp."""
+
+FP16_ENGINE_NEEDS_A_DEVICE = ("DeepSpeed's fp16 engine needs a device with fp16 weights (its CPU accelerator has none "
+                              "here); the autocast recipe runs")
+
+
+def amp_recipes(amp: str, deepspeed_world_sizes: list[int], add: Callable) -> list[dict[str, str]]:
+    """Under --amp every job runs the autocast recipe; deepspeed also runs its engine recipe at each of its world
+    sizes. Return a line for the recipe left out and why (fp16 without CUDA)."""
+    if amp == "none" or not deepspeed_world_sizes:
+        return []
+    import torch  # only --amp with deepspeed asks about the device
+
+    if amp == "fp16" and not torch.cuda.is_available():
+        return [{"backend": "deepspeed", "knob": ENGINE_RECIPE, "reason": FP16_ENGINE_NEEDS_A_DEVICE}]
+    for ws in deepspeed_world_sizes:
+        add("deepspeed", ws, ENGINE_RECIPE, ["--opt", ENGINE_RECIPE])
+    return []
 
 
 DEFAULT_GLOBAL_BATCH = 2048
@@ -127,7 +149,8 @@ def run_config(ns: argparse.Namespace, world_sizes: list[int]) -> RunConfig:
     the one chosen (default_global_batch), which compare then reports."""
     if ns.global_batch is None:
         ns.global_batch = default_global_batch(ns, world_sizes)
-    shared = dict(model=ns.model, steps=ns.steps, measure_steps=ns.measure_steps, warmup_steps=ns.warmup_steps)
+    shared = dict(model=ns.model, steps=ns.steps, measure_steps=ns.measure_steps, warmup_steps=ns.warmup_steps,
+                  amp=ns.amp)
     if ns.scaling == "weak":
         return RunConfig(**shared, scaling="weak", local_batch=max(ns.global_batch // max(world_sizes), 1))
     return RunConfig(**shared, global_batch=ns.global_batch)
@@ -138,6 +161,8 @@ def _common_args(ns: argparse.Namespace, run_dir: Path, config: RunConfig) -> li
     common = ["--collectives", str(collectives)] if collectives else []
     common += ["--model", config.model, "--steps", str(config.steps), "--measure-steps", str(config.measure_steps),
                "--warmup-steps", str(config.warmup_steps), "--out", str(run_dir / "runs")]
+    if config.amp != "none":
+        common += ["--amp", config.amp]
     if config.scaling == "weak":
         return common + ["--scaling", "weak", "--local-batch", str(config.local_batch)]
     return common + ["--global-batch", str(config.global_batch)]

@@ -1,5 +1,6 @@
-"""What `compare` prints: the verdict table (is it the same computation?) with the gradient matrix and the
-unused-parameter lines under it, the cost table (what does it cost?), and the --sweep table.
+"""What `compare` prints: the verdict table (is it the same computation?) with the gradient matrix, the
+unused-parameter lines and the fp16 loss scaler's skipped steps under it, the cost table (what does it cost?),
+and the one-knob table (--sweep, and deepspeed's engine recipe under --amp).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def _note(job: Job) -> str:
 
 
 def render(console, jobs: list[Job], unavailable: list[dict], matrix: dict[str, Any],
-           unused: list[dict[str, Any]] | None = None) -> None:
-    """The verdict table, the gradient matrix at its first step, and one line per unused-parameter group."""
+           unused: list[dict[str, Any]] | None = None, skipped: list[dict[str, Any]] | None = None) -> None:
+    """The verdict table, the gradient matrix at its first step, one line per unused-parameter group, and one
+    line per world size with fp16 runs: the steps their loss scalers skipped (red where the backends differ)."""
     console.print(_verdict_table(jobs, unavailable))
     if matrix["steps"]:
         table, reasons = _matrix_table(matrix)
@@ -48,6 +50,8 @@ def render(console, jobs: list[Job], unavailable: list[dict], matrix: dict[str, 
             console.print(f"n/a: {reason}", highlight=False)
     for entry in unused or []:
         console.print(entry["line"], highlight=False)
+    for entry in skipped or []:
+        console.print(Text(entry["line"], style="" if entry["agree"] else "bold red"))
 
 
 def _verdict_table(jobs: list[Job], unavailable: list[dict]) -> Table:
@@ -141,7 +145,7 @@ def _sweep_note(job: Job) -> str:
 
 
 def render_sweep(console, jobs: list[Job], skipped: list[dict]) -> None:
-    table = Table(title="sweep: one knob at a time")
+    table = Table(title="one knob at a time: --sweep, and deepspeed's engine recipe under --amp")
     for col in ("backend", "ws", "knob", "verdict", "rel err", "step p50 ms", "exposed comm ms", "busbw GB/s", "note"):
         table.add_column(col, no_wrap=col != "note", overflow="fold")
     for j in jobs:

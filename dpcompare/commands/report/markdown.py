@@ -212,8 +212,8 @@ def _memory_rows(runs: list[dict[str, Any]], notes: Footnotes) -> list[list[str]
     for run in runs:
         state, state_reason = metric(run, "model_state_mib")
         cells = []
-        for part in ("params", "grads", "optimizer", "comm_buffers", "total"):
-            value = state.get(part) if state is not None else None
+        for part in ("params", "grads", "optimizer", "master_params", "comm_buffers", "total"):
+            value = state.get(part, 0.0 if part == "master_params" and state else None) if state is not None else None
             cells.append(num(value) if is_number(value) else notes.na(
                 state_reason or reasons(run).get(f"model_state_mib.{part}")
                 or f"model_state_mib.{part} is {'null' if value is None else repr(value)} and no reason was recorded"))
@@ -252,7 +252,8 @@ def cost_sections(runs: list[dict[str, Any]], derived: list[Derived], notes: Foo
                _comm_rows(runs, derived, notes)), ""]
     lines += [
         "### Memory (MiB)", "",
-        *table(["backend", "ws", "peak", "params", "grads", "optimizer", "comm buffers", "model state total"],
+        *table(["backend", "ws", "peak", "params", "grads", "optimizer", "fp32 master", "comm buffers",
+                "model state total"],
                _memory_rows(runs, notes)), ""]
     return lines
 
