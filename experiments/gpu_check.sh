@@ -11,6 +11,9 @@
 #   ddp/deepspeed/horovod-ws2   world size 2 on the one device over gloo (--opt dist_backend=gloo;
 #                  Horovod's gloo controller), CUDA tensors; with two or more GPUs, NCCL one rank per GPU
 #   gpt2-small-dropout   GPT-2 small with its dropout at world size 1: the CUDA masks captured, not replayed
+#   amp-*          mixed precision on CUDA: bf16 and fp16 autocast under ddp, dp and horovod, a forced fp16
+#                  overflow (initial loss scale 2^24) every backend must skip, DeepSpeed's bf16 and fp16 engines
+#                  (fp32 master weights; fp16 weights exist on CUDA, refused on the CPU accelerator)
 #   resnet50, gpt2-small        throughput of every installed backend (world size 1 and 2), dropout on;
 #                  ResNet-50 without --sync-bn is judged per replica (its distance from the global batch stated)
 # then `python -m dpcompare report` per model, and OUT_DIR/gpu_check.md: one table of every run (verdict,
@@ -18,7 +21,7 @@
 #
 # Knobs: DPCOMPARE_PY (python with dpcompare installed; default .venv/bin/python, else python3),
 # GPU_CHECK_STEPS (measured steps per throughput run, default 20), GPU_CHECK_TIMEOUT_S (per run, 600),
-# GPU_CHECK_PARTS (default "functional resnet50 gpt2-small": any subset, e.g. to split the work in two).
+# GPU_CHECK_PARTS (default "functional amp resnet50 gpt2-small": any subset, e.g. to split the work in two).
 # Exit status: 0 when every step did what it should, 1 otherwise, 2 when there is no CUDA device.
 set -uo pipefail
 
@@ -29,7 +32,7 @@ if [ -z "$py" ]; then
 fi
 out=${1:-gpu-check/$(date +%Y%m%d-%H%M%S)}
 steps=${GPU_CHECK_STEPS:-20}
-parts=" ${GPU_CHECK_PARTS:-functional resnet50 gpt2-small} "
+parts=" ${GPU_CHECK_PARTS:-functional amp resnet50 gpt2-small} "
 timeout_s=${GPU_CHECK_TIMEOUT_S:-600}
 mkdir -p "$out/logs" || { echo "gpu_check: cannot create $out: choose a writable OUT_DIR" >&2; exit 2; }
 out=$(cd "$out" && pwd)
@@ -117,6 +120,31 @@ step gpt2-small-no-dropout-ws2 0 torchrun_n 2 --backend ddp "${ws2_args[@]}" --m
   --global-batch 4 --steps 2 --measure-steps 0 --out "$out/gpt2-small-no-dropout"
 fi
 
+# --- mixed precision (--amp) -----------------------------------------------------------------------------------
+# Each recipe judged against the float64 oracle on the floor of its own precision; the forced overflow must be
+# skipped exactly where the oracle's rank-by-rank emulation of the recipe overflows (equivalence.precision).
+a="$out/amp"
+if want amp; then
+  amp_common=(--model gpt-tiny --steps 2 --measure-steps "$steps")
+  step amp-bf16-ddp-ws1 0 torchrun_n 1 --backend ddp --amp bf16 "${amp_common[@]}" --out "$a"
+  step amp-fp16-ddp-ws2 0 torchrun_n 2 --backend ddp "${ws2_args[@]}" --amp fp16 "${amp_common[@]}" --out "$a"
+  step amp-bf16-dp-1dev 0 run1 --backend dp --amp bf16 "${amp_common[@]}" --out "$a"
+  step amp-fp16-overflow-ddp-ws1 0 torchrun_n 1 --backend ddp --model mlp --amp fp16 --loss-scale 16777216 \
+    --steps 8 --measure-steps 0 --out "$a/overflow"
+  if has horovod; then
+    step amp-fp16-horovod-ws2 0 horovod_n 2 --backend horovod --amp fp16 "${amp_common[@]}" --out "$a"
+  fi
+  if has deepspeed; then
+    step amp-bf16-deepspeed-ws2 0 torchrun_n 2 --backend deepspeed "${ws2_args[@]}" --amp bf16 "${amp_common[@]}" --out "$a"
+    step amp-bf16-deepspeed-engine-ws2 0 torchrun_n 2 --backend deepspeed "${ws2_args[@]}" --amp bf16 \
+      --opt amp_recipe=engine "${amp_common[@]}" --out "$a"
+    step amp-fp16-deepspeed-engine-ws1 0 torchrun_n 1 --backend deepspeed --amp fp16 --opt amp_recipe=engine \
+      "${amp_common[@]}" --out "$a"
+    step amp-fp16-overflow-deepspeed-engine-ws1 0 torchrun_n 1 --backend deepspeed --model mlp --amp fp16 \
+      --opt amp_recipe=engine --loss-scale 16777216 --steps 8 --measure-steps 0 --out "$a/overflow"
+  fi
+fi
+
 # --- throughput on the real models --------------------------------------------------------------------------
 # (model, global batch): ResNet-50 at 64 images of 224x224 (32 per rank at world size 2), GPT-2 small at 8
 # sequences of 1024 tokens. One checked step each (the float64 oracle runs on the GPU), then the timed steps.
@@ -138,7 +166,7 @@ for spec in resnet50:64 gpt2-small:8; do
 done
 
 # --- reports --------------------------------------------------------------------------------------------------
-for d in "$out/functional" "$out/gpt2-small-dropout" "$out/gpt2-small-no-dropout" "$out/resnet50" "$out/gpt2-small"; do
+for d in "$out/functional" "$out/amp" "$out/gpt2-small-dropout" "$out/gpt2-small-no-dropout" "$out/resnet50" "$out/gpt2-small"; do
   [ -d "$d" ] && step "report-$(basename "$d")" 0 bound "$py" -m dpcompare report "$d"
 done
 "$py" "$root/experiments/gpu_summary.py" "$out" >"$out/gpu_check.md" 2>"$out/logs/summary.log" || failed=1

@@ -445,8 +445,8 @@ def test_amp_reaches_every_run_and_deepspeed_also_runs_its_engine_recipe(tmp_pat
         at = new_args.index("--amp")
         assert old_args == new_args[:at] + new_args[at + 2:], old.label
     # No deepspeed among the backends (or not installed): no engine recipe, and nothing to say it was left out.
-    assert [j.label for j in plan.plan(_ns(amp="fp16", backends="reference,ddp", collectives="none"), tmp_path).jobs] == [
-        "reference/1", "ddp/1", "ddp/2"]
+    without = plan.plan(_ns(amp="fp16", backends="reference,ddp", collectives="none"), tmp_path)
+    assert [j.label for j in without.jobs] == ["reference/1", "ddp/1", "ddp/2"] and without.sweep_skipped == []
 
 
 def test_fp16_engine_recipe_without_cuda_is_listed_as_skipped_with_its_reason(tmp_path, monkeypatch):
