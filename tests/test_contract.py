@@ -57,7 +57,7 @@ def test_declared_options_are_typed_and_defaulted():
     assert settings.options == {"dist_backend": "auto", "gradient_as_bucket_view": True, "broadcast_buffers": True}
     # From Python an option may already be typed.
     typed = backend.settings_for(adapter_class("deepspeed"), RunConfig(backend="deepspeed", options={"gradient_clipping": 1.0}))
-    assert typed.options == {"dist_backend": "auto", "gradient_clipping": 1.0}
+    assert typed.options == {"dist_backend": "auto", "gradient_clipping": 1.0, "amp_recipe": "autocast"}
 
 
 @pytest.mark.parametrize(("name", "options", "expected"), [
@@ -72,6 +72,7 @@ def test_declared_options_are_typed_and_defaulted():
                  id="deepspeed-communication-data-type"),
     pytest.param("horovod", {"broadcast_optimizer_state": "sometimes"}, ["is invalid", "true/false"], id="bad-bool"),
     pytest.param("deepspeed", {"gradient_clipping": "high"}, ["is invalid", "a number"], id="bad-float"),
+    pytest.param("deepspeed", {"amp_recipe": "fused"}, ["--opt amp_recipe='fused' is invalid", "autocast, engine"], id="bad-choice"),
 ])
 def test_bad_options_are_refused_with_one_line(name, options, expected):
     with pytest.raises(ValueError) as info:

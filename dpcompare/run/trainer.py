@@ -177,8 +177,7 @@ def _precision_facts(e: dict[str, Any]) -> list[str]:
     p = e.get("precision") or {}
     if p.get("amp", "none") == "none":
         return []
-    facts = [f"--amp {p['amp']} {p['recipe']} recipe" + (f", {p['wire']} on the wire" if p.get("wire", "none") != "none"
-                                                         else "")]
+    facts = [f"--amp {p['amp']} {p['recipe']} recipe"]  # a 16-bit wire is said with the tolerance, above
     if p.get("loss_scaler"):
         skipped = p.get("skipped_steps") or []
         facts.append(f"loss scale {_power_of_two(p['initial_scale'])} at the start, " +

@@ -115,7 +115,9 @@ class BufferCheck:
                 for _ in range(times):
                     x = piece.x.to(self.oracle.device)
                     x = x.to(next(model.parameters()).dtype) if x.is_floating_point() else x
-                    with replayer.applying(piece.masks) if piece.masks else contextlib.nullcontext():
+                    # the run-dtype prediction computes as the run does: under its autocast, if it has one
+                    recipe = self.oracle.recipe.autocast() if model is self.oracle.model_run else contextlib.nullcontext()
+                    with replayer.applying(piece.masks) if piece.masks else contextlib.nullcontext(), recipe:
                         model(x)
             return snapshot(model)
 
