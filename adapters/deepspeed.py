@@ -47,6 +47,9 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         Option("amp_recipe", str, "autocast",
                "with --amp: autocast (its torch_autocast section, float32 weights) or engine (its bf16/fp16 section: "
                "16-bit weights, gradients and all-reduce, fp32 master weights)", choices=("autocast", "engine")),
+        Option("buffer_dtype", str, "keep",
+               "engine recipe: keep module buffers in their own dtype (DeepSpeed's default) or cast them to the --amp "
+               "dtype (its data_types.buffer_dtype; BatchNorm needs it)", choices=("keep", "amp")),
     )
     NATIVE_NAMES = {"communication_data_type": "compression", "allreduce_bucket_size": "bucket_mb",
                     "reduce_bucket_size": "bucket_mb", "wall_clock_breakdown": "instrument"}
@@ -88,17 +91,27 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
                                  "accelerator does not support fp16 weights here (is_fp16_supported() is False); use "
                                  "--amp bf16, or the autocast recipe (--opt amp_recipe=autocast), or a CUDA device")
 
-    def _precision_config(self) -> dict:
+    def _precision_config(self, module: nn.Module) -> dict:
         amp, recipe = self.settings.amp, self.settings.options["amp_recipe"]
         if amp == "none":
             return {}
         if recipe == "autocast":
             return {"torch_autocast": {"enabled": True, "dtype": AMP_NAMES[amp]}}
+        cast_buffers = self.settings.options["buffer_dtype"] == "amp"
+        batchnorms = [n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if batchnorms and not cast_buffers:
+            # DeepSpeed >= 0.19 casts the parameters only (buffers keep their dtype, for rotary inv_freq and the like),
+            # and torch's batch_norm refuses 16-bit weights with float32 running statistics.
+            raise ValueError(f"--opt amp_recipe=engine with BatchNorm ({', '.join(batchnorms[:3])}"
+                             f"{' ...' if len(batchnorms) > 3 else ''}): DeepSpeed casts the weights to {AMP_NAMES[amp]} "
+                             "and keeps the buffers in float32, which BatchNorm cannot mix; add --opt buffer_dtype=amp "
+                             "(its data_types.buffer_dtype) or use the autocast recipe")
+        types = {"data_types": {"buffer_dtype": amp}} if cast_buffers else {}
         if amp == "bf16":
-            return {"bf16": {"enabled": True}}
+            return {"bf16": {"enabled": True}, **types}
         # loss_scale 0: dynamic; the initial scale is 2^initial_scale_power (a power of two, checked by the config)
         return {"fp16": {"enabled": True, "loss_scale": 0,
-                         "initial_scale_power": int(math.log2(self.settings.loss_scale or 2.0**16))}}
+                         "initial_scale_power": int(math.log2(self.settings.loss_scale or 2.0**16))}, **types}
 
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
         config = {
@@ -111,7 +124,7 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
             # Its timers are the native communication counter ('bwd_allreduce'); on CUDA they synchronise,
             # so they run only when the run is instrumented.
             "wall_clock_breakdown": self.settings.instrument,
-            **self._precision_config(),
+            **self._precision_config(module),
         }
         if self.settings.compression != "none":
             config["communication_data_type"] = self.settings.compression

@@ -13,7 +13,7 @@ Checks, against what each part must produce:
     (tests/faulty_adapters.py): scale never undone, undone twice, stepping on inf, skipping a finite step.
 
 Tiers: the default tier runs one recipe per kind (autocast, engine, a forced overflow) and one planted fault; the
-`slow` tier runs every backend x {bf16, fp16} x {mlp, lm}, the other faults, every backend skipping the same
+`slow` tier runs every backend x {bf16, fp16} x {mlp, gpt-tiny}, the other faults, every backend skipping the same
 steps, gradient accumulation, and DeepSpeed's bf16 engine with AdamW (its optimizer starts at step count 1).
 """
 
@@ -226,7 +226,7 @@ def test_a_loss_scale_never_undone_is_different_naming_the_factor(launch) -> Non
 
 # -- slow: the breadth -------------------------------------------------------------------------------------------
 MATRIX = [(b, a, m) for b in ("reference", "dp", "ddp", "horovod", "deepspeed") for a in ("bf16", "fp16")
-          for m in ("mlp", "lm") if not (b == "ddp" and a == "bf16" and m == "mlp")]
+          for m in ("mlp", "gpt-tiny") if not (b == "ddp" and a == "bf16" and m == "mlp")]
 
 
 @pytest.mark.slow
@@ -253,6 +253,23 @@ def test_deepspeed_bf16_engine_breadth(launch, backend, extra) -> None:
     proc, result = launch(backend, 2, model, ["--steps", "2", "--measure-steps", "0", "--amp", "bf16",
                                               "--opt", "amp_recipe=engine", *rest])
     assert _equivalent(proc, result)["precision"]["recipe"] == "engine"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+def test_deepspeed_bf16_engine_with_batchnorm_casts_its_buffers_or_is_refused(launch, backend) -> None:
+    """DeepSpeed casts the weights to 16 bits and keeps buffers in float32, which BatchNorm cannot mix: refused in one
+    line before the run; with --opt buffer_dtype=amp (its data_types.buffer_dtype) it runs and is judged."""
+    args = ["--steps", "2", "--measure-steps", "0", "--amp", "bf16", "--opt", "amp_recipe=engine"]
+    proc, result = launch(backend, 2, "cnn", args)
+    assert proc.returncode != 0 and result is None
+    assert "add --opt buffer_dtype=amp" in proc.stderr and "Traceback" not in proc.stderr.split("dpcompare: error")[0]
+    proc, result = launch(backend, 2, "cnn", [*args, "--opt", "buffer_dtype=amp"])
+    e = _equivalent(proc, result)
+    assert e["batchnorm"]["semantics"] == "per_replica" and all(not b["ranks_agree"] for b in e["buffers"]
+                                                                if b["name"].endswith("running_mean"))
 
 
 @pytest.mark.slow
