@@ -182,6 +182,9 @@ def _precision_facts(e: dict[str, Any]) -> list[str]:
         skipped = p.get("skipped_steps") or []
         facts.append(f"loss scale {_power_of_two(p['initial_scale'])} at the start, " +
                      (f"step(s) {', '.join(map(str, skipped))} skipped on overflow" if skipped else "no step skipped"))
+        if skipped and not e.get("checked_steps"):
+            facts.append("every checked step overflowed and was skipped, so no gradient was compared: run more --steps "
+                         "or start from a smaller --loss-scale")
     return facts
 
 

@@ -120,6 +120,14 @@ class Verifier:
         self.verdict.precision = PrecisionReport(cfg.amp, self.recipe.kind, self.recipe.describe(), self.wire,
                                                  scaler.method if scaler else None, scaler.scale if scaler else None)
         self.optimizer, self.masters = backend.optimizer_view()
+        if self.recipe.active:
+            scaled = (f"; the loss is scaled ({scaler.method}, {scaler.scale:.9g} at the start) and the floor is taken "
+                      "at each step's scale, where its overflow predicts the steps the backend must skip"
+                      if scaler is not None else "")
+            self.verdict.note("mixed_precision",
+                              f"--amp {cfg.amp}, {self.recipe.kind} recipe: {self.recipe.describe()}; the noise floor "
+                              f"is this recipe's, recomputed rank by rank from the parameters the optimizer holds"
+                              f"{scaled}")
         self.expected_state: OptState | None = {}  # a fresh optimizer's
         self.expected_from = "a fresh optimizer's"
         self.pending: _Pending | None = None
