@@ -610,3 +610,19 @@ def test_heatmap_tolerance_comes_from_the_runs() -> None:
 
     assert tolerance_floors([{"equivalence": {"tolerance": {"factor": 25.0}}}, {}]) == 25.0
     assert tolerance_floors([{}]) == 10.0
+
+
+def test_deepspeeds_engine_recipe_is_a_variant_and_shows_its_master_copies() -> None:
+    """compare --amp runs deepspeed's engine recipe beside its autocast run: the engine run is a variant (its own row,
+    with its fp32 master copies), never the baseline the cost tables report; the autocast run is the baseline."""
+    from dpcompare.commands.report.derive import variant_of
+    from dpcompare.commands.report.markdown import sweep_section
+
+    engine = {"backend": "deepspeed", "world_size": 2, "config": {"amp": "bf16", "options": {"amp_recipe": "engine"}},
+              "equivalence": {"verdict": "equivalent", "max_rel_fro_err": 4.6e-3},
+              "metrics": {"model_state_mib": {"total": 10.6, "master_params": 3.03}}}
+    autocast = {"backend": "deepspeed", "world_size": 2, "config": {"amp": "bf16", "options": {"amp_recipe": "autocast"}}}
+    assert variant_of(engine) == "amp_recipe=engine"
+    assert variant_of(autocast) == "" and variant_of({"config": {}}) == ""
+    text = "\n".join(sweep_section([engine]))
+    assert "amp_recipe=engine" in text and "10.6 (3.03 fp32 master)" in text, text

@@ -13,6 +13,8 @@ from dpcompare.measure.scaling import other_ms, scaling_efficiency
 
 # Config knobs that make a run a variant of the baseline computation (compare --sweep varies them).
 VARIANT_KNOBS = {"compression": "none", "grad_accum": 1, "bucket_mb": None}
+# Backend options (--opt) that do the same (compare --amp runs deepspeed's engine recipe beside its autocast one).
+VARIANT_OPTIONS = {"amp_recipe": "autocast"}
 NO_BASELINE = ("no run at world size 1 declares itself the scaling baseline (capabilities.scaling_baseline): get "
                "one with python -m dpcompare --backend reference (a result written before capabilities were "
                "recorded declares nothing)")
@@ -23,8 +25,11 @@ STEP_PARTS = ("step_ms_p50", "compute_ms_p50", "comm_exposed_ms")
 def variant_of(run: dict[str, Any]) -> str:
     """'' for a baseline run, else 'knob=value ...' for the knobs it changes."""
     config = run.get("config") or {}
-    return " ".join(f"{k}={config[k]:g}" if isinstance(config[k], float) else f"{k}={config[k]}"
-                    for k, default in VARIANT_KNOBS.items() if config.get(k, default) != default)
+    options = config.get("options") or {}
+    knobs = [f"{k}={config[k]:g}" if isinstance(config[k], float) else f"{k}={config[k]}"
+             for k, default in VARIANT_KNOBS.items() if config.get(k, default) != default]
+    return " ".join(knobs + [f"{k}={options[k]}" for k, default in VARIANT_OPTIONS.items()
+                             if options.get(k, default) != default])
 
 
 def newest_per_backend_world_size(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

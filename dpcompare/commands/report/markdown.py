@@ -258,6 +258,14 @@ def cost_sections(runs: list[dict[str, Any]], derived: list[Derived], notes: Foo
     return lines
 
 
+def _model_state_cell(run: dict[str, Any]) -> str:
+    state = metric(run, "model_state_mib")[0]
+    if not isinstance(state, dict) or not is_number(state.get("total")):
+        return "n/a"
+    master = state.get("master_params")
+    return num(state["total"]) + (f" ({num(master)} fp32 master)" if is_number(master) and master > 0 else "")
+
+
 def sweep_section(variants: list[dict[str, Any]]) -> list[str]:
     if not variants:
         return []
@@ -265,12 +273,13 @@ def sweep_section(variants: list[dict[str, Any]]) -> list[str]:
              verdict_cell(str(r.get("equivalence", {}).get("verdict"))),
              fmt_sweep(r.get("equivalence", {}).get("max_rel_fro_err"), ".2e"),
              fmt_sweep(metric(r, "step_ms_p50")[0], ".2f"), fmt_sweep(metric(r, "comm_exposed_ms")[0], ".2f"),
-             fmt_sweep(metric(r, "busbw_gbps")[0], ".3f")]
+             fmt_sweep(metric(r, "busbw_gbps")[0], ".3f"), _model_state_cell(r)]
             for r in sorted(variants, key=lambda r: (run_order(r), variant_of(r)))]
     return ["## Sweep (one knob at a time)", "",
-            "Each row changes one knob from the baseline run of the same backend and world size.", "",
+            "Each row changes one knob from the baseline run of the same backend and world size (compare --sweep; "
+            "under compare --amp, deepspeed's engine recipe).", "",
             *table(["backend", "ws", "knob", "verdict", "max rel fro err", "step p50 (ms)", "exposed comm (ms)",
-                    "busbw (GB/s)"], rows), ""]
+                    "busbw (GB/s)", "model state (MiB)"], rows), ""]
 
 
 def microbench_section(entries: list[dict[str, Any]], unavailable: list[dict[str, Any]]) -> list[str]:
