@@ -362,8 +362,6 @@ class Verifier:
             if (text := self.buffers.note()) is not None:
                 self.verdict.notes = [n for n in self.verdict.notes if n.code != "buffers_per_rank"]
                 self.verdict.note("buffers_per_rank", text)
-            if failure is not None:
-                self.verdict.diverge(failure)
             backend_state = read_state(self.optimizer, self.masters) if self.optimizer is not None else None
             pending = _Pending(
                 step, {n: self.masters[n].detach().double().cpu().clone() for n in self.names},
@@ -373,6 +371,8 @@ class Verifier:
                 scale_step, scaler.skipped_steps if scaler is not None else 0)
             if overflow:
                 self._expect_skip(scale_step, pending)
+                if failure is not None:
+                    self.verdict.diverge(failure)
                 return
             self._note_per_replica(step, state, batch, oracle, floor, pieces)
             params = eq.compare_grads(grads, oracle, floor, dtype=self.cfg.dtype, world_size=self.world_size,
@@ -395,6 +395,8 @@ class Verifier:
                 self.verdict.diverge(eq.Divergence(
                     step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
                     reason_of(found), check="gradient", cause=found[0].cause, parameters=[p.parameter for p in failing]))
+            if failure is not None:  # after the gradient's: of two failed checks at one step, the gradient comes first
+                self.verdict.diverge(failure)
             if self.cfg.dump_grads:
                 for kind, g in (("reduced", grads), ("oracle", oracle), ("floor", floor)):
                     for n, t in g.items():
