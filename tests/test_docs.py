@@ -352,8 +352,9 @@ def example(path: Path, flag: str) -> tuple[str, list[str]]:
     raise AssertionError(f"{path.name}: no command with {flag} package.module:Name")
 
 
-def run_example(path: Path, flag: str, tmp_path: Path) -> str:
+def run_example(path: Path, flag: str, tmp_path: Path, extra: tuple[str, ...] = ()) -> str:
     code, words = example(path, flag)
+    words = [*words, *extra]
     module, _, name = words[words.index(flag) + 1].partition(":")
     assert re.search(rf"^(def|class) {name}\b", code, re.MULTILINE), f"the Python block defines no {name}"
     (tmp_path / f"{module}.py").write_text(code)
@@ -377,3 +378,12 @@ def test_the_readme_own_model_example_runs_as_written(tmp_path: Path):
 def test_the_custom_backend_example_runs_as_written(tmp_path: Path):
     out = run_example(REPO_ROOT / "docs" / "extending.md", "--backend", tmp_path)
     assert "ws=2" in out
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_custom_backend_example_gets_mixed_precision_from_the_base_class(tmp_path: Path):
+    """The example overrides only setup and reduce: autocast, the GradScaler's loss scaling, unscale and its step come
+    from the base Adapter, and the run is judged on the fp16 recipe's floor."""
+    out = run_example(REPO_ROOT / "docs" / "extending.md", "--backend", tmp_path, ("--amp", "fp16"))
+    assert "ws=2" in out and "--amp fp16 autocast recipe; loss scale 2^16 at the start" in out, out
