@@ -323,3 +323,17 @@ def test_planted_loss_scaling_faults_are_different(launch, adapter, extra, check
                           launcher="torchrun")
     d = _different(proc, result, check, cause)
     assert d["step"] == step, d
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_unchecked_steps_follow_the_backends_own_skips(launch) -> None:
+    """With --check-every 3 the overflowing steps between checks are not judged, but the reference trajectory must
+    skip them as the backend did (else it walks away and the trajectory fails on a correct run); the result counts
+    them."""
+    proc, result = launch("ddp", 2, "mlp", ["--steps", "10", "--check-every", "3", "--measure-steps", "0", *FORCED])
+    e = _equivalent(proc, result)
+    p = e["precision"]
+    assert p["skipped_steps"] == [0, 3, 6] and p["skipped_total"] == 7, p
+    assert "(7 in all, unchecked steps counted)" in proc.stdout

@@ -180,8 +180,11 @@ def _precision_facts(e: dict[str, Any]) -> list[str]:
     facts = [f"--amp {p['amp']} {p['recipe']} recipe"]  # a 16-bit wire is said with the tolerance, above
     if p.get("loss_scaler"):
         skipped = p.get("skipped_steps") or []
+        total = p.get("skipped_total")
+        unchecked = f" ({total} in all, unchecked steps counted)" if total is not None and total > len(skipped) else ""
         facts.append(f"loss scale {_power_of_two(p['initial_scale'])} at the start, " +
-                     (f"step(s) {', '.join(map(str, skipped))} skipped on overflow" if skipped else "no step skipped"))
+                     (f"step(s) {', '.join(map(str, skipped))} skipped on overflow{unchecked}" if skipped else
+                      f"no checked step skipped{unchecked}" if unchecked else "no step skipped"))
         if skipped and not e.get("checked_steps"):
             facts.append("every checked step overflowed and was skipped, so no gradient was compared: run more --steps "
                          "or start from a smaller --loss-scale")

@@ -79,6 +79,7 @@ class VerificationPhase:
             if checked or self.facts.stochastic:
                 gathered.extend(self.adapter.all_gather_object(self._evidence(x, rng, checked, before)))
             if self.check is not None:
+                self.check.observe_scaler(step)
                 if self.facts.stochastic:
                     self.check.observe_generators(step, [i["rng"] for i in gathered])
                 if checked:

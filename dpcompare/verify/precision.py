@@ -97,6 +97,9 @@ class PrecisionReport:
     loss_scaler: str | None = None
     initial_scale: float | None = None
     steps: list[ScaleStep] = field(default_factory=list)
+    """The checked steps' loss-scaler evidence."""
+    skipped_total: int | None = None
+    """Steps the backend's scaler skipped in the verification phase, checked or not (None: no loss scale)."""
 
     @property
     def skipped_steps(self) -> list[int]:
@@ -105,4 +108,5 @@ class PrecisionReport:
     def to_dict(self) -> dict:
         return {"amp": self.amp, "recipe": self.recipe, "description": self.description, "wire": self.wire,
                 "loss_scaler": self.loss_scaler, "initial_scale": self.initial_scale,
-                "skipped_steps": self.skipped_steps, "steps": [s.to_dict() for s in self.steps]}
+                "skipped_steps": self.skipped_steps, "skipped_total": self.skipped_total,
+                "steps": [s.to_dict() for s in self.steps]}

@@ -131,6 +131,7 @@ class Verifier:
         self.expected_state: OptState | None = {}  # a fresh optimizer's
         self.expected_from = "a fresh optimizer's"
         self.pending: _Pending | None = None
+        self._scaler_before = None
         self._unpacked: tuple[list[mk.MaskRecord], list[eq.Masks]] | None = None
         """The last step's records and their unpacked masks."""
         self.previous: tuple[int, eq.Grads] | None = None
@@ -200,6 +201,12 @@ class Verifier:
                 return
 
     # -- per step ----------------------------------------------------------------------------------
+    def observe_scaler(self, step: int) -> None:
+        """Before every step's optimizer step: the loss scale its backward used and the skips counted so far, so the
+        reference trajectory follows an unchecked step as the backend took it (checked steps are judged)."""
+        scaler = self.backend.scaler_state()
+        self._scaler_before = (step, scaler) if scaler is not None else None
+
     def observe_generators(self, step: int, rngs: list[RngState]) -> None:
         if not self.facts.stochastic:
             return
@@ -539,13 +546,20 @@ class Verifier:
             return
         steps = self.verdict.precision.steps
         scale_step = steps[-1] if steps and steps[-1].step == step else None
-        scaler = self.backend.scaler_state()
-        # the scale this step's backward used: before the step (the scaler may have changed it since)
-        loss_scale = scale_step.scale if scale_step is not None else (scaler.scale if scaler is not None else 1.0)
+        before = self._scaler_before if self._scaler_before is not None and self._scaler_before[0] == step else None
+        # the scale this step's backward used, read before the step (the scaler may have changed it since)
+        loss_scale = before[1].scale if before is not None else 1.0
+        after = self.backend.scaler_state()
+        if after is not None:
+            self.verdict.precision.skipped_total = after.skipped_steps
+        if scale_step is not None:  # a checked step: skipped where the recipe overflows (the backend is judged on it)
+            skip = scale_step.predicted_overflow
+        else:  # an unchecked step: as the backend took it
+            skip = before is not None and after is not None and after.skipped_steps > before[1].skipped_steps
         try:
             pieces = self._pieces(batch, records)
             with stochastic.isolated(self.device):
-                self.trajectory.step(pieces, loss_scale, skip=bool(scale_step and scale_step.predicted_overflow))
+                self.trajectory.step(pieces, loss_scale, skip=skip)
         except mk.MaskMismatch as exc:
             self._mask_failure(step, exc)
             return
