@@ -626,3 +626,23 @@ def test_deepspeeds_engine_recipe_is_a_variant_and_shows_its_master_copies() -> 
     assert variant_of(autocast) == "" and variant_of({"config": {}}) == ""
     text = "\n".join(sweep_section([engine]))
     assert "amp_recipe=engine" in text and "10.6 (3.03 fp32 master)" in text, text
+
+
+def test_the_verdicts_say_which_runs_ran_under_which_precision_recipe() -> None:
+    """A bf16 run's errors are ~1e-3: the report says which recipe each run ran, so its floor reads right; runs
+    without --amp add no line (the twin)."""
+    from dpcompare.commands.report.markdown import _precision_lines
+
+    def run(backend: str, ws: int, precision: dict | None) -> dict:
+        return {"backend": backend, "world_size": ws, "equivalence": {"precision": precision}}
+
+    bf16 = {"amp": "bf16", "recipe": "autocast", "description": "torch.autocast(bfloat16), float32 weights and optimizer",
+            "loss_scaler": None, "skipped_steps": []}
+    fp16 = {"amp": "fp16", "recipe": "autocast", "description": "torch.autocast(float16), float32 weights and optimizer",
+            "loss_scaler": "torch.amp.GradScaler", "skipped_steps": [0, 1]}
+    lines = _precision_lines([run("ddp", 2, bf16), run("horovod", 2, bf16), run("ddp", 1, fp16),
+                              run("reference", 1, None)])
+    text = "\n".join(lines)
+    assert "`--amp bf16`, autocast recipe (torch.autocast(bfloat16), float32 weights and optimizer): ddp ws=2, horovod ws=2" in text
+    assert "`--amp fp16`, autocast recipe" in text and "ddp ws=1 (skipped 0, 1)" in text and "reference" not in text
+    assert _precision_lines([run("ddp", 2, None), run("ddp", 1, {"amp": "none"})]) == []

@@ -138,10 +138,30 @@ def _semantic_lines(runs: list[dict[str, Any]]) -> list[str]:
     return ["What the backends compute beside the single process (equivalent, and stated):", "", *lines] if lines else []
 
 
+def _precision_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """Which runs ran under which mixed-precision recipe (their floors are that recipe's), and what fp16's loss
+    scaler skipped."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for run in runs:
+        p = (run.get("equivalence") or {}).get("precision") or {}
+        if p.get("amp", "none") == "none":
+            continue
+        shown = f"{run['backend']} ws={run['world_size']}"
+        if p.get("loss_scaler"):
+            skipped = p.get("skipped_steps") or []
+            shown += f" (skipped {', '.join(map(str, skipped))})" if skipped else " (no step skipped)"
+        groups.setdefault((p["amp"], p.get("recipe", "?"), p.get("description", "")), []).append(shown)
+    if not groups:
+        return []
+    lines = [f"- `--amp {amp}`, {recipe} recipe ({description}): {', '.join(names)}"
+             for (amp, recipe, description), names in groups.items()]
+    return ["Mixed precision (each run judged on its own recipe's floor, recomputed rank by rank):", "", *lines]
+
+
 def verdict_section(runs: list[dict[str, Any]], compare: dict[str, Any] | None, notes: Footnotes) -> list[str]:
     rows = [_verdict_row(run, notes) for run in runs] + _failed_job_rows(runs, compare)
-    semantics = _semantic_lines(runs)
-    return [VERDICT_INTRO, "", *table(VERDICT_HEADER, rows), *([""] + semantics if semantics else [])]
+    extra = [block for block in (_precision_lines(runs), _semantic_lines(runs)) if block]
+    return [VERDICT_INTRO, "", *table(VERDICT_HEADER, rows), *[line for block in extra for line in ["", *block]]]
 
 
 # -- what does it cost? -----------------------------------------------------------------------------------
