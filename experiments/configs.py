@@ -34,12 +34,23 @@ def lm_accumulate_fp16() -> RunConfig:
     return RunConfig(model="lm", grad_accum=4, compression="fp16", global_batch=32, steps=4)
 
 
+def gpt_bf16() -> RunConfig:
+    """GPT-tiny as GPU clusters train it: bf16 autocast, AdamW, dropout on (its masks captured), 4 checked steps."""
+    return RunConfig(model="gpt-tiny", amp="bf16", optimizer="adamw", lr=1e-3, steps=4)
+
+
+def fp16_overflow() -> RunConfig:
+    """fp16 with an initial loss scale of 2^24: the first steps overflow and every backend must skip exactly those."""
+    return RunConfig(model="mlp", amp="fp16", loss_scale=2.0**24, steps=8, measure_steps=0)
+
+
 def measure_mlp() -> RunConfig:
     """Cost only: one checked step, then 50 measured steps and 50 ablation pairs."""
     return RunConfig(model="mlp", steps=1, measure_steps=50, warmup_steps=5)
 
 
-EXPERIMENTS = {f.__name__: f for f in (quick_check, cnn_syncbn, lm_adamw, lm_accumulate_fp16, measure_mlp)}
+EXPERIMENTS = {f.__name__: f for f in (quick_check, cnn_syncbn, lm_adamw, lm_accumulate_fp16, gpt_bf16, fp16_overflow,
+                                        measure_mlp)}
 _NOT_FLAGS = {"backend", "options", "tag", "out", "dump_grads", "inject_fault", "inject_slowdown"}
 
 
