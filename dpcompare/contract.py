@@ -288,7 +288,7 @@ class Adapter:
         them), or (None, ...) when no such optimizer can be found behind the backend's."""
         assert self.wrapped is not None
         masters = self.master_params()
-        wanted = {id(t) for n, t in masters.items() if t.requires_grad}
+        wanted = {id(masters[n]) for n, p in self.wrapped.module.named_parameters() if p.requires_grad}
         obj = self.wrapped.optimizer
         for _ in range(8):  # through wrappers that keep theirs in `.optimizer` (DeepSpeed's engine side)
             if obj is None:
