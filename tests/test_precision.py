@@ -138,9 +138,10 @@ def test_a_scale_factor_without_a_loss_scale_is_not_blamed_on_one() -> None:
 def test_a_step_count_is_compared_exactly() -> None:
     fresh: dict = {}
     adam_after_init = {"w": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3)}}
-    assert step_count_mismatch(adam_after_init, fresh) == ("w", "w has optimizer step count 1 where 0 was expected")
-    assert step_count_mismatch({"w": {"step": torch.tensor(2.0)}}, {"w": {"step": torch.tensor(2.0)}}) is None
-    assert step_count_mismatch({"w": {"momentum_buffer": torch.zeros(3)}}, fresh) is None  # SGD: no count
+    both = {"v": {"step": torch.tensor(1.0)}, **adam_after_init}
+    assert step_count_mismatch(both, fresh, ["w", "v"]) == (["w", "v"], "w has optimizer step count 1 where 0 was expected")
+    assert step_count_mismatch({"w": {"step": torch.tensor(2.0)}}, {"w": {"step": torch.tensor(2.0)}}, ["w"]) is None
+    assert step_count_mismatch({"w": {"momentum_buffer": torch.zeros(3)}}, fresh, ["w"]) is None  # SGD: no count
 
 
 # -- real runs ------------------------------------------------------------------------------------------------

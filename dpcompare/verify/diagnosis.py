@@ -709,12 +709,16 @@ FRESH_STEPPED_TRAP = (" — at step 0 this is a fresh optimizer that already ran
                       "(initialize_optimizer_states: with Adam the first real step then runs at step count 2)")
 
 
-def step_count_mismatch(backend: OptState, expected: OptState) -> tuple[str, str] | None:
-    """(parameter, phrase) of the first parameter whose optimizer step count (Adam's `step`, a whole number: no
-    rounding excuses it) is not the expected one, or None. A missing count is 0 (a fresh optimizer's)."""
-    for name in sorted(set(backend) | set(expected)):
+def step_count_mismatch(backend: OptState, expected: OptState, names: list[str]) -> tuple[list[str], str] | None:
+    """(the parameters, in `names` order, whose optimizer step count (Adam's `step`, a whole number: no rounding
+    excuses it) is not the expected one, and a phrase on the first), or None. A missing count is 0 (a fresh
+    optimizer's)."""
+    wrong = []
+    phrase = ""
+    for name in names:
         have = float(backend.get(name, {}).get("step", 0))
         want = float(expected.get(name, {}).get("step", 0))
         if have != want:
-            return name, f"{name} has optimizer step count {have:g} where {want:g} was expected"
-    return None
+            phrase = phrase or f"{name} has optimizer step count {have:g} where {want:g} was expected"
+            wrong.append(name)
+    return (wrong, phrase) if wrong else None

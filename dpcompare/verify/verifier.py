@@ -468,16 +468,18 @@ class Verifier:
             failing = [p for p in params if not p.ok]
             # A step count is a whole number: a wrong one is a fault whatever the update's noise (Adam's first steps
             # are near sign(g), where a recipe's rounding can hide a 26 % smaller update), so it fails on its own.
-            counted = step_count_mismatch(pending.backend_state, expected) if pending.backend_state is not None else None
+            counted = (step_count_mismatch(pending.backend_state, expected, self.names)
+                       if pending.backend_state is not None else None)
             if counted is not None and self.verdict.first_divergence is None:
-                name, text = counted
-                worst = next(p for p in params if p.parameter == name)
-                worst.ok = False
+                wrong, text = counted
+                first = next(p for p in params if p.parameter == wrong[0])
+                for p in params:
+                    p.ok = p.ok and p.parameter not in wrong
                 self.verdict.diverge(eq.Divergence(
-                    step, name, worst.rel_fro_err, worst.tolerance_rel_fro, worst.noise_ratio,
-                    f"the optimizer state before step {step} is not {self.expected_from}: {text}"
-                    f"{FRESH_STEPPED_TRAP if step == 0 else ''}", check="update", cause="optimizer_state",
-                    parameters=[name]))
+                    step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
+                    f"the gradient passed but the update did not: the optimizer state before step {step} is not "
+                    f"{self.expected_from}: {text}{FRESH_STEPPED_TRAP if step == 0 else ''}", check="update",
+                    cause="optimizer_state", parameters=wrong))
             if failing and self.verdict.first_divergence is None:
                 evidence = UpdateEvidence(
                     step=step, names=self.names, delta=delta, reference=ref.delta,
