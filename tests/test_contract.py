@@ -57,7 +57,8 @@ def test_declared_options_are_typed_and_defaulted():
     assert settings.options == {"dist_backend": "auto", "gradient_as_bucket_view": True, "broadcast_buffers": True}
     # From Python an option may already be typed.
     typed = backend.settings_for(adapter_class("deepspeed"), RunConfig(backend="deepspeed", options={"gradient_clipping": 1.0}))
-    assert typed.options == {"dist_backend": "auto", "gradient_clipping": 1.0, "amp_recipe": "autocast"}
+    assert typed.options == {"dist_backend": "auto", "gradient_clipping": 1.0, "amp_recipe": "autocast",
+                             "buffer_dtype": "keep"}
 
 
 @pytest.mark.parametrize(("name", "options", "expected"), [
