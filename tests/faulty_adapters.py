@@ -246,3 +246,15 @@ class SkipSecondStepDDP(DDPAdapter):
         scaler = self.grad_scaling.scaler
         scaler.update(scaler.get_scale() / 2)
         self.grad_scaling.skipped += 1
+
+
+class NotScalingDDP(DDPAdapter):
+    """DDP under --amp fp16 that calls scaler.scale(loss) but runs backward on the unscaled loss (the scaled one
+    assigned to the wrong name), while the GradScaler still unscales and steps: its gradients never overflow where
+    the recipe does, so it steps where every other backend skips."""
+
+    name = "not-scaling-ddp"
+
+    def backward(self, loss) -> None:
+        self.grad_scaling.scale(loss)  # the scaled loss, dropped
+        loss.backward()

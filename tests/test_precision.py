@@ -318,7 +318,8 @@ def test_every_backend_skips_the_same_steps(launch, backends) -> None:
     ("UnscaledTwiceDDP", ["--amp", "fp16"], "gradient", "loss_scale_undone_twice", 0),
     ("SteppingOnInfDDP", FORCED, "loss_scale", "stepped_on_overflow", 0),
     ("SkipSecondStepDDP", ["--amp", "fp16"], "update", "skipped_step", 1),
-], ids=["unscaled-twice", "stepping-on-inf", "skipping-a-finite-step"])
+    ("NotScalingDDP", FORCED, "loss_scale", "overflow_not_seen", 0),
+], ids=["unscaled-twice", "stepping-on-inf", "skipping-a-finite-step", "loss-never-scaled"])
 def test_planted_loss_scaling_faults_are_different(launch, adapter, extra, check, cause, step) -> None:
     proc, result = launch(f"tests.faulty_adapters:{adapter}", 2, "mlp", ["--steps", "2", "--measure-steps", "0", *extra],
                           launcher="torchrun")
