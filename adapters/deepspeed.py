@@ -57,14 +57,11 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
     def setup(self, timeout_s: float) -> None:
         # Without RANK/WORLD_SIZE/MASTER_* DeepSpeed tries MPI discovery (mpi4py, a non-loopback address).
         launch.ensure_rendezvous(self.env)
-        if self.settings.options["amp_recipe"] == "engine" and self.settings.amp == "none":
-            raise ValueError("--opt amp_recipe=engine selects DeepSpeed's bf16/fp16 engine: add --amp bf16 or --amp fp16")
+        self._check_precision()
         import logging
 
         import deepspeed
         from deepspeed.utils import logger
-
-        self._check_precision()
 
         # wall_clock_breakdown logs every step's timers at INFO; the run prints its own summary.
         logger.setLevel(logging.WARNING)
@@ -82,6 +79,8 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
 
     def _check_precision(self) -> None:
         """Refuse, before any work, a recipe DeepSpeed cannot run here (one line, exit 2)."""
+        if self.settings.options["amp_recipe"] == "engine" and self.settings.amp == "none":
+            raise ValueError("--opt amp_recipe=engine selects DeepSpeed's bf16/fp16 engine: add --amp bf16 or --amp fp16")
         if self.settings.options["amp_recipe"] == "engine" and self.settings.amp == "fp16":
             from deepspeed.accelerator import get_accelerator
 

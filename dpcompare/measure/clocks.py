@@ -99,18 +99,13 @@ class MemoryWindow:
 def model_state_mib(module: torch.nn.Module, optimizer: Any, comm_buffer_bytes: int | None,
                     masters: dict[str, torch.Tensor] | None = None) -> dict[str, float | None]:
     """Analytic model-state memory (seed 001): parameters + gradients + optimizer state + fp32 master copies (where
-    the backend keeps them apart from 16-bit weights: `masters`, the tensors its optimizer steps) + comm buffers.
-    The optimizer state is read from the torch optimizer behind the backend's (DeepSpeed wraps the client one)."""
+    the backend keeps them apart from 16-bit weights: `masters`, the tensors its optimizer steps) + comm buffers."""
     own = {id(p) for p in module.parameters()}
     params = sum(p.numel() * p.element_size() for p in module.parameters())
     grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     master = sum(t.numel() * t.element_size() for t in (masters or {}).values() if id(t) not in own)
     state = 0
-    inner = optimizer
-    while getattr(inner, "state", None) is None or not isinstance(getattr(inner, "state"), dict):
-        if getattr(inner, "optimizer", None) is None:
-            break
-        inner = inner.optimizer  # DeepSpeed wraps the client optimizer (its fp16/bf16 wrapper, once more)
+    inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed wraps the client optimizer
     for per_param in getattr(inner, "state", {}).values():
         for value in per_param.values():
             if torch.is_tensor(value):

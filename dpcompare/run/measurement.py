@@ -110,6 +110,7 @@ class MeasurementPhase:
         wrapped, cfg = self.adapter.wrapped, self.cfg
         world_size = self.runner.world_size
         grad_bytes = sum(p.numel() * p.element_size() for p in wrapped.module.parameters() if p.requires_grad)
+        optimizer, masters = self.adapter.optimizer_view()  # the torch optimizer behind the backend's, its masters
         message, message_reason = self.adapter.message_bytes(grad_bytes)
         microbench, microbench_reason = microbench_busbw(cfg, self.adapter.capabilities.collective_transport,
                                                          world_size, message or grad_bytes)
@@ -117,8 +118,8 @@ class MeasurementPhase:
             [g[0] for g in gathered], world_size=world_size, local_batch=self.local_batch,
             tokens_per_sample=self.runner.workload.tokens_per_sample, warmup_steps=cfg.warmup_steps,
             grad_bytes=grad_bytes, message_bytes=message, message_reason=message_reason,
-            model_state=clocks.model_state_mib(wrapped.module, wrapped.optimizer, self.adapter.comm_buffer_bytes(grad_bytes),
-                                               self.adapter.master_params()),
+            model_state=clocks.model_state_mib(wrapped.module, optimizer or wrapped.optimizer,
+                                               self.adapter.comm_buffer_bytes(grad_bytes), masters),
             microbench_busbw=microbench, microbench_reason=microbench_reason, scaling=cfg.scaling,
             comm_possible=self.comm_reason, instrumented=cfg.instrument,
         )

@@ -339,8 +339,8 @@ class Verifier:
         with stochastic.isolated(self.device):
             state = self._run_state(module, info[0]["buffers"]["before"])
             reduced = self.backend.reduced_grads()
-            zeros = {n: p for n, p in module.named_parameters()}
-            grads = {n: (reduced[n] if reduced.get(n) is not None else torch.zeros_like(zeros[n])).detach().double().cpu()
+            named = dict(module.named_parameters())
+            grads = {n: (reduced[n] if reduced.get(n) is not None else torch.zeros_like(named[n])).detach().double().cpu()
                      for n in self.names}
             try:
                 oracle = self.oracle.oracle_of(state, pieces)

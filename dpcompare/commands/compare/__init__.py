@@ -89,8 +89,9 @@ def main(ns: argparse.Namespace) -> int:
     _run_all(console, ns, run_dir, planned.jobs)
 
     baseline = [j for j in planned.jobs if j.variant == "baseline"]
-    # The same recipe at the same config: the baseline runs and deepspeed's engine recipe, not the sweep's knobs.
-    same_config = [j.result for j in planned.jobs if j.result and j.variant in ("baseline", plan.ENGINE_RECIPE)]
+    # The same config: the baseline runs and other precision recipes (deepspeed's engine), not the sweep's knobs.
+    same_config = [j.result for j in planned.jobs
+                   if j.result and (j.variant == "baseline" or plan.is_amp_recipe(j.variant))]
     figures = {"matrix": matrix.build_matrix(baseline), "unused_parameter_grads": matrix.unused_parameter_grads(baseline),
                "scaling": matrix.scaling_rows(planned.jobs, ns.scaling),
                "skipped_steps": matrix.skipped_steps(same_config)}

@@ -1,6 +1,6 @@
 """What `compare` will run: one job per available backend and world size, each as the command its users
 type under the launcher its adapter declares, plus the --sweep jobs (one knob at a time), under --amp
-deepspeed's engine-recipe jobs, and the bench-collectives JSON the runs quote busbw from. Refuses bad flags
+a job for each other precision recipe a backend declares (deepspeed's engine), and the bench-collectives JSON the runs quote busbw from. Refuses bad flags
 before anything starts, with the run's own messages for the run's own flags.
 """
 
@@ -23,6 +23,14 @@ from dpcompare.run.launchers import native_command
 def capabilities(backend: str) -> Capabilities:
     """What the backend's adapter declares (importing the adapter class imports torch, never its runtime)."""
     return registry.load(backend, registry.BACKENDS, "backend").capabilities
+
+
+@functools.cache
+def amp_recipe_choices(backend: str) -> tuple[str, ...]:
+    """The precision recipes besides its default that a backend declares (its `amp_recipe` option), or ()."""
+    cls = registry.load(backend, registry.BACKENDS, "backend")
+    option = next((o for o in cls.OPTIONS if o.name == "amp_recipe"), None)
+    return tuple(c for c in option.choices if c != option.default) if option is not None else ()
 
 
 @dataclass(slots=True)
@@ -102,32 +110,45 @@ def plan(ns: argparse.Namespace, run_dir: Path) -> Plan:
 
     for backend, ws in baseline:
         add(backend, ws, "baseline", [])
-    result.sweep_skipped = amp_recipes(config.amp, [ws for b, ws in baseline if b == "deepspeed"], add)
+    result.sweep_skipped = amp_recipes(config.amp, baseline, add)
     if ns.sweep:
         available = [b for b in backends if all(u["backend"] != b for u in result.unavailable)]
         result.sweep_skipped += sweep(ns, available, max(world_sizes), add)
     return result
 
 
-ENGINE_RECIPE = "amp_recipe=engine"
-"""The variant of a deepspeed job that runs DeepSpeed's bf16/fp16 engine (fp32 master weights) under --amp."""
-
 FP16_ENGINE_NEEDS_A_DEVICE = ("DeepSpeed's fp16 engine needs a device with fp16 weights (its CPU accelerator has none "
                               "here); the autocast recipe runs")
+"""Why an fp16 engine recipe (16-bit weights: deepspeed's, the one backend that declares one) is not planned here."""
 
 
-def amp_recipes(amp: str, deepspeed_world_sizes: list[int], add: Callable) -> list[dict[str, str]]:
-    """Under --amp every job runs the autocast recipe; deepspeed also runs its engine recipe at each of its world
-    sizes. Return a line for the recipe left out and why (fp16 without CUDA)."""
-    if amp == "none" or not deepspeed_world_sizes:
+def is_amp_recipe(variant: str) -> bool:
+    """A job that runs another precision recipe of its backend: the same computation as the baseline, judged alike."""
+    return variant.startswith("amp_recipe=")
+
+
+def amp_recipes(amp: str, baseline: list[tuple[str, int]], add: Callable) -> list[dict[str, str]]:
+    """Under --amp every job runs the default (autocast) recipe; a backend that declares other recipes (its
+    `amp_recipe` option: deepspeed's engine) also runs each of them at each of its world sizes. Return a line for
+    each recipe left out and why (an fp16 engine without CUDA)."""
+    if amp == "none":
         return []
-    import torch  # only --amp with deepspeed asks about the device
+    skipped = []
+    for backend, ws in baseline:
+        for recipe in amp_recipe_choices(backend):
+            knob = f"amp_recipe={recipe}"
+            if amp == "fp16" and recipe == "engine" and not _cuda():
+                if not any(s["backend"] == backend and s["knob"] == knob for s in skipped):
+                    skipped.append({"backend": backend, "knob": knob, "reason": FP16_ENGINE_NEEDS_A_DEVICE})
+                continue
+            add(backend, ws, knob, ["--opt", knob])
+    return skipped
 
-    if amp == "fp16" and not torch.cuda.is_available():
-        return [{"backend": "deepspeed", "knob": ENGINE_RECIPE, "reason": FP16_ENGINE_NEEDS_A_DEVICE}]
-    for ws in deepspeed_world_sizes:
-        add("deepspeed", ws, ENGINE_RECIPE, ["--opt", ENGINE_RECIPE])
-    return []
+
+def _cuda() -> bool:
+    import torch  # only --amp fp16 with an engine recipe asks about the device
+
+    return torch.cuda.is_available()
 
 
 DEFAULT_GLOBAL_BATCH = 2048
