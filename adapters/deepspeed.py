@@ -1,4 +1,4 @@
-"""deepspeed: a DeepSpeed engine with ZeRO stage 0 (plain data parallelism).
+"""deepspeed: a DeepSpeed engine, ZeRO stage 0 (plain data parallelism) by default, 1-3 with `--opt zero_stage=`.
 
 `.grad` is the global mean when `engine.backward(loss)` returns at an accumulation boundary: after the
 whole backward (no overlap) the gradients are flattened into buffers, summed and multiplied by 1/N.
@@ -11,11 +11,22 @@ float32 weights with the engine's forward under torch.autocast and, for fp16, th
 stage 0; `engine` is its `bf16`/`fp16` section: the model's weights and gradients in 16 bits, all-reduced in 16
 bits, an fp32 master copy of every weight stepped by the client optimizer (FP16_UnfusedOptimizer at stage 0),
 fp16 with DeepSpeed's dynamic loss scaler. The checks read the master copies and their optimizer state.
+
+ZeRO stages 1-3 (`--opt zero_stage=N`): each rank keeps a partition of the optimizer state and its fp32 copy of the
+parameters (1), also of the reduced gradients (2: reduced bucket by bucket during the backward), also of the
+parameters themselves (3: gathered module by module for the forward and the backward). The checks assemble the full
+values with DeepSpeed's own accessors, on every rank: `safe_get_full_grad`, `safe_get_full_fp32_param`,
+`safe_get_full_optimizer_state`, and `zero.GatheredParameters` for ZeRO-3's parameters. Gradient accumulation is
+DeepSpeed's own boundary (`set_gradient_accumulation_boundary`): stage 1 keeps the micro-batches' gradients local
+until the last, stages 2 and 3 reduce every micro-batch into their partitions, so they cannot switch their
+communication off for the ablation. ZeRO-3 partitions every parameter (its persistence threshold, 1e5 elements by
+default, is 0 here unless `--opt param_persistence_threshold=` says otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from datetime import timedelta
 
@@ -28,6 +39,7 @@ from dpcompare.run.precision import AMP_NAMES, ScalerState
 from dpcompare.run.process_group import DIST_BACKEND, ProcessGroupMixin
 
 WIRE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+STAGE_SHARDS = {0: "none", 1: "optimizer", 2: "gradients", 3: "parameters"}
 
 
 class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
@@ -50,9 +62,23 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         Option("buffer_dtype", str, "keep",
                "engine recipe: keep module buffers in their own dtype (DeepSpeed's default) or cast them to the --amp "
                "dtype (its data_types.buffer_dtype; BatchNorm needs it)", choices=("keep", "amp")),
+        Option("zero_stage", int, 0, "ZeRO stage: 0 replicates everything (plain data parallelism), 1 partitions the "
+               "optimizer state, 2 also the gradients, 3 also the parameters", choices=(0, 1, 2, 3)),
+        Option("param_persistence_threshold", int, 0,
+               "ZeRO-3: parameters with fewer elements stay whole on every rank (its "
+               "stage3_param_persistence_threshold; DeepSpeed's default is 100000, 0 partitions every parameter)"),
     )
+    VARIANTS = {f"zero{n}": {"zero_stage": n} for n in range(4)}
     NATIVE_NAMES = {"communication_data_type": "compression", "allreduce_bucket_size": "bucket_mb",
-                    "reduce_bucket_size": "bucket_mb", "wall_clock_breakdown": "instrument"}
+                    "reduce_bucket_size": "bucket_mb", "wall_clock_breakdown": "instrument", "stage": "zero_stage"}
+
+    def __init__(self, env, device, settings=None) -> None:
+        super().__init__(env, device, settings)
+        self.stage = int(self.settings.options.get("zero_stage", 0))
+        # What this stage shards, and whether its sync(False) really sends nothing (stages 2 and 3 reduce every
+        # micro-batch into their partitions).
+        self.capabilities = dataclasses.replace(type(self).capabilities, shards=STAGE_SHARDS[self.stage],
+                                                can_disable_sync=self.stage < 2, has_buckets=self.stage > 0)
 
     def setup(self, timeout_s: float) -> None:
         # Without RANK/WORLD_SIZE/MASTER_* DeepSpeed tries MPI discovery (mpi4py, a non-loopback address).
@@ -118,7 +144,7 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
             "train_micro_batch_size_per_gpu": local_batch,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": self.settings.options["gradient_clipping"],
-            "zero_optimization": {"stage": 0},
+            "zero_optimization": self._zero_config(),
             "steps_per_print": 1 << 30,
             # Its timers are the native communication counter ('bwd_allreduce'); on CUDA they synchronise,
             # so they run only when the run is instrumented.
@@ -153,13 +179,35 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
                       "deepspeed: gradient_clipping set to 0.0 (DeepSpeed >= 0.19.3 clips at 1.0 by default, which "
                       "changes the update relative to DDP and Horovod)" if not clip else
                       f"deepspeed: gradient_clipping={clip:g} (--opt): the update is clipped, unlike DDP's and Horovod's")]
-        if self.settings.bucket_mb:
+        if self.stage:
+            notes.append(Note("deepspeed.zero_stage", self._stage_note()))
+        if self.settings.bucket_mb and not self.stage:
             notes.append(Note("knob_not_applicable",
                               "deepspeed: --bucket-mb does not apply to ZeRO stage 0 (allreduce_bucket_size is a stage "
                               "1-3 setting); all gradients go in one flattened all-reduce"))
         notes += self._precision_notes(engine, ds_optimizer)
         self.wrapped = Wrapped(engine, module, ds_optimizer, notes)
         return self.wrapped
+
+    def _zero_config(self) -> dict:
+        config: dict = {"stage": self.stage}
+        if self.stage and self.settings.bucket_mb:
+            elements = int(self.settings.bucket_mb * 2**20 / 4)  # DeepSpeed sizes its buckets in elements
+            config.update(reduce_bucket_size=elements, allgather_bucket_size=elements)
+        if self.stage == 3:
+            config["stage3_param_persistence_threshold"] = self.settings.options["param_persistence_threshold"]
+        return config
+
+    def _stage_note(self) -> str:
+        held = {1: "the optimizer state and the fp32 parameters", 2: "the optimizer state, the fp32 parameters and the "
+                "reduced gradients", 3: "the optimizer state, the fp32 parameters, the reduced gradients and the "
+                "parameters"}[self.stage]
+        return (f"deepspeed: ZeRO stage {self.stage}: each of the {self.env.world_size} rank(s) holds a 1/"
+                f"{self.env.world_size} partition of {held}; the checks assemble the full gradients, fp32 parameters "
+                "and optimizer state with DeepSpeed's safe_get_full_* accessors"
+                + (" and gather the parameters (zero.GatheredParameters)" if self.stage == 3 else "")
+                + ("; stages 2 and 3 reduce every micro-batch (no communication-free step for the ablation)"
+                   if self.stage >= 2 else ""))
 
     def _precision_notes(self, engine, ds_optimizer) -> list[Note]:
         amp = self.settings.amp
@@ -177,7 +225,12 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
                      "(initialize_optimizer_states)" + ("; dynamic loss scale" if amp == "fp16" else ""))]
 
     def sync(self, enabled: bool):
-        return super().sync(enabled) if enabled else self.wrapped.model.no_sync()
+        if not self.stage:
+            return super().sync(enabled) if enabled else self.wrapped.model.no_sync()
+        # ZeRO: DeepSpeed's own accumulation boundary (its documented way to step once after several backwards);
+        # stage 1 keeps the gradients local until the boundary, stages 2 and 3 reduce into their partitions.
+        self.wrapped.model.set_gradient_accumulation_boundary(enabled)
+        return super().sync(enabled)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.wrapped.model.backward(loss)  # the engine scales the loss itself (its GradScaler or loss scaler)
@@ -212,20 +265,98 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         return ScalerState(self._engine_scale(), int(self.wrapped.model.skipped_steps),
                            f"DeepSpeed fp16 dynamic loss scaler ({type(self.wrapped.model.optimizer).__name__})")
 
+    # -- full values (collectives under ZeRO: every rank calls them) --------------------------------------------
+    @staticmethod
+    def _shape(p: torch.Tensor) -> torch.Size:
+        return getattr(p, "ds_shape", p.shape)  # ZeRO-3 leaves an empty placeholder in the module
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        if self.stage < 3:
+            return super().full_params()
+        named = list(self.wrapped.module.named_parameters())
+        with self.deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            return {n: p.detach().clone() for n, p in named}
+
     def reduced_grads(self) -> dict[str, torch.Tensor | None]:
-        grads = super().reduced_grads()
+        if self.stage:
+            from deepspeed.utils import safe_get_full_grad
+
+            grads = {}
+            for n, p in self.wrapped.module.named_parameters():
+                if p.requires_grad:
+                    g = safe_get_full_grad(p)
+                    grads[n] = None if g is None else g.detach().reshape(self._shape(p)).clone()
+        else:
+            grads = super().reduced_grads()
         if not self._engine_recipe:
             return grads
         scale = self._engine_scale()  # a power of two: dividing is exact
         return {n: None if g is None else g.float() / scale for n, g in grads.items()}
 
     def master_params(self) -> dict[str, torch.Tensor]:
+        if self.stage:
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            named = self.wrapped.module.named_parameters()
+            masters = {n: safe_get_full_fp32_param(p) if p.requires_grad else None for n, p in named}
+            whole = self.full_params() if any(t is None for t in masters.values()) else {}  # frozen: not partitioned in fp32
+            return {n: whole[n] if t is None else t.detach().reshape(self._shape(p)).clone()
+                    for (n, t), p in zip(masters.items(), self.wrapped.module.parameters())}
         named = super().master_params()
         if not self._engine_recipe:
             return named
         opt = self.wrapped.model.optimizer
         master = {id(lp): hp for lows, highs in zip(opt.fp16_groups, opt.fp32_groups) for lp, hp in zip(lows, highs)}
         return {n: master.get(id(p), p) for n, p in named.items()}
+
+    def _inner_optimizer(self) -> torch.optim.Optimizer | None:
+        inner = getattr(self.wrapped.model.optimizer, "optimizer", None)
+        return inner if isinstance(inner, torch.optim.Optimizer) else None
+
+    def optimizer_view(self):
+        if not self.stage:
+            return super().optimizer_view()
+        # ZeRO's torch optimizer steps flat partitions, not the parameters: its hyper-parameters are read here, its
+        # state by parameter through optimizer_state() (a collective, so not here: rank 0 alone asks for this).
+        return self._inner_optimizer(), {}
+
+    def optimizer_state(self) -> dict[str, dict] | None:
+        if not self.stage:
+            return super().optimizer_state()
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        inner = self._inner_optimizer()
+        if inner is None:
+            return None
+        entries = [e for e in inner.state.values() if e]
+        if not entries:
+            return {}  # a fresh optimizer's
+        keys = [k for k, v in entries[0].items() if torch.is_tensor(v) and v.dim() > 0]
+        scalars = {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
+                   for k, v in entries[0].items() if k not in keys}  # Adam's step: one count per flat partition
+        state = {}
+        for n, p in self.wrapped.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            full = {k: safe_get_full_optimizer_state(p, k) for k in keys}
+            state[n] = {**{k: v.detach().reshape(self._shape(p)).to("cpu", copy=True) for k, v in full.items()
+                           if v is not None}, **scalars}
+        return state
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        if not self.stage:
+            return super().model_state_tensors()
+        opt = self.wrapped.model.optimizer
+        params = [getattr(p, "ds_tensor", p) for p in self.wrapped.module.parameters()]  # ZeRO-3: this rank's part
+        inner = self._inner_optimizer()
+        state = [v for e in (inner.state.values() if inner is not None else []) for v in e.values() if torch.is_tensor(v)]
+        masters = list(getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_partitioned_groups_flat", []))
+        grads = [t for t in (getattr(opt, "averaged_gradients", {}) or {}).values() for t in (t if isinstance(t, list) else [t])
+                 if torch.is_tensor(t)]
+        grads += [p.grad for p in self.wrapped.module.parameters() if p.grad is not None]
+        grads += [t.grad for t in masters if t.grad is not None]
+        buffers = [b for b in (getattr(opt, "ipg_buckets", None) or {}).values() if torch.is_tensor(b)]
+        return {"params": params, "grads": grads, "optimizer": state, "master_params": masters, "comm_buffers": buffers}
 
     def gradient_wire(self) -> str:
         if self._engine_recipe:

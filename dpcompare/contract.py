@@ -31,7 +31,8 @@ class Capabilities:
     launch_hint: str
     """How to start it, shown when it was started wrongly."""
     can_disable_sync: bool = True
-    """`sync(False)` really skips gradient communication for one step."""
+    """`sync(False)` really skips gradient communication for one step (the exposed-communication ablation relies on
+    it; ZeRO-2/3 reduce every micro-batch whatever the accumulation boundary)."""
     native_launcher: str = "python"
     """The launcher its users start it with (compare and the tests start it the same way)."""
     scaling_baseline: bool = False
@@ -44,6 +45,10 @@ class Capabilities:
     """`--bucket-mb` changes its all-reduce message size."""
     collective_transport: str = "torch"
     """Which bench-collectives transport measures the link this backend's all-reduce uses."""
+    shards: str = "none"
+    """What each rank holds only a part of: none (every rank a full replica), optimizer (its state: ZeRO-1),
+    gradients (and the optimizer state: ZeRO-2) or parameters (all three: ZeRO-3, FSDP). An adapter whose options
+    change it sets its instance's `capabilities` in `__init__`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +201,8 @@ class Adapter:
     NATIVE_NAMES: Mapping[str, str] = {}
     """The backend's own names for settings every backend has (e.g. DDP's bucket_cap_mb for bucket_mb): given
     as `--opt`, they are refused with a pointer to the run flag."""
+    VARIANTS: Mapping[str, Mapping[str, Any]] = {}
+    """Named variants (`compare --backends deepspeed:zero2`): a name -> the `--opt` values it stands for."""
 
     def __init__(self, env: LaunchEnv, device: torch.device, settings: Settings | None = None) -> None:
         self.env = env
@@ -219,7 +226,8 @@ class Adapter:
         return self.wrapped
 
     def sync(self, enabled: bool) -> ContextManager[None]:
-        """Context for forward+backward; with enabled=False the step's gradients stay local."""
+        """Context for forward+backward; enabled=False around every micro-batch of a step but its last (gradient
+        accumulation) and in the ablation's unsynced arm: the gradients may stay local."""
         return contextlib.nullcontext()
 
     def comm_off(self) -> ContextManager[None]:
@@ -271,17 +279,50 @@ class Adapter:
         """Stop the backend's runtime; must not raise when setup failed half-way."""
 
     # -- what verification reads (where the backend keeps it) ------------------------------------
+    # The full-value reads below are called on every rank at the same point of a step: where a backend shards
+    # what they read (ZeRO, FSDP), each is a collective that assembles the full tensors from the ranks' parts.
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the model as the forward uses it (its dtype), full, by name. Called on every rank.
+        Default: the wrapped module's parameters."""
+        assert self.wrapped is not None
+        return {n: p for n, p in self.wrapped.module.named_parameters()}
+
     def reduced_grads(self) -> dict[str, torch.Tensor | None]:
-        """After `unscale()`: every trainable parameter's reduced, unscaled gradient by name, in the dtype the
-        backend holds it (None: no gradient). Default: `.grad` of the wrapped module's parameters."""
+        """After `unscale()`: every trainable parameter's reduced, unscaled gradient by name, full, in the dtype the
+        backend holds it (None: no gradient). Called on every rank. Default: `.grad` of the wrapped module's
+        parameters."""
         assert self.wrapped is not None
         return {n: p.grad for n, p in self.wrapped.module.named_parameters() if p.requires_grad}
 
     def master_params(self) -> dict[str, torch.Tensor]:
-        """The values the optimizer steps, by parameter name: fp32 master copies where the backend keeps them
-        apart from the model's low-precision weights (DeepSpeed's bf16/fp16 engine), else the parameters."""
+        """The values the optimizer steps, full, by parameter name: fp32 master copies where the backend keeps them
+        apart from the model's low-precision weights (DeepSpeed's bf16/fp16 engine, ZeRO's partitions), else the
+        parameters. Called on every rank."""
         assert self.wrapped is not None
         return {n: p for n, p in self.wrapped.module.named_parameters()}
+
+    def optimizer_state(self) -> dict[str, dict[str, Any]] | None:
+        """The optimizer's state by parameter name, full (CPU copies), as a plain torch optimizer of the parameters
+        would hold it; None when it cannot be read. Called on every rank. Default: the state of `optimizer_view()`'s
+        optimizer, keyed by the tensors it steps."""
+        from dpcompare.verify.update_check import read_state  # the one reader of a torch optimizer's state
+
+        optimizer, masters = self.optimizer_view()
+        return read_state(optimizer, masters) if optimizer is not None else None
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds for the model's state, by component: params, grads, optimizer, master_params
+        (fp32 copies apart from the parameters) and comm_buffers, each rank's own part only; measurement counts
+        their bytes once per storage. Default: the parameters, their `.grad`, the state of `optimizer_view()`'s
+        optimizer and the masters that are not the parameters."""
+        assert self.wrapped is not None
+        params = list(self.wrapped.module.parameters())
+        own = {id(p) for p in params}
+        optimizer, masters = self.optimizer_view()
+        inner = optimizer if optimizer is not None else getattr(self.wrapped.optimizer, "optimizer", self.wrapped.optimizer)
+        state = [v for per_param in getattr(inner, "state", {}).values() for v in per_param.values() if torch.is_tensor(v)]
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None], "optimizer": state,
+                "master_params": [t for t in masters.values() if id(t) not in own], "comm_buffers": []}
 
     def optimizer_view(self) -> tuple[torch.optim.Optimizer | None, dict[str, torch.Tensor]]:
         """The torch optimizer that steps `master_params()`, and those tensors by name (its state is keyed by

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dpcompare.adapters.ddp import DDPAdapter
+from dpcompare.adapters.deepspeed import DeepSpeedAdapter
 from dpcompare.adapters.horovod import HorovodAdapter
 from dpcompare.contract import Wrapped
 
@@ -258,3 +259,35 @@ class NotScalingDDP(DDPAdapter):
     def backward(self, loss) -> None:
         self.grad_scaling.scale(loss)  # the scaled loss, dropped
         loss.backward()
+
+
+class DroppedPartitionZeRO(DeepSpeedAdapter):
+    """DeepSpeed ZeRO-2 (give --opt zero_stage=2) whose reduce-scatter result for the last rank's partition is never
+    written: that rank's partition of the reduced gradient stays zero, so the parameters it owns step on nothing."""
+
+    name = "dropped-partition-zero"
+
+    def reduce(self) -> None:
+        super().reduce()
+        if self.env.rank == self.env.world_size - 1:
+            for group in self.wrapped.model.optimizer.averaged_gradients.values():
+                for g in (group if isinstance(group, list) else [group]):
+                    g.zero_()
+
+
+class StaleGatherZeRO(DeepSpeedAdapter):
+    """DeepSpeed ZeRO-1 (give --opt zero_stage=1) whose all-gather of the updated partitions never reaches rank 0:
+    after each step rank 0's model keeps the old values of the parameters another rank owns (their fp32 copy and
+    optimizer state moved on)."""
+
+    name = "stale-gather-zero"
+
+    def step(self) -> None:
+        module = self.wrapped.module
+        foreign = [p for p in module.parameters() if getattr(p, "_hp_mapping", None) is None]
+        before = [p.detach().clone() for p in foreign]
+        super().step()
+        if self.env.rank == 0:
+            with torch.no_grad():
+                for p, old in zip(foreign, before):
+                    p.copy_(old)

@@ -105,8 +105,9 @@ class StepRunner:
             with self.adapter.comm_off():
                 self._micro_batches(x, y, lambda last: contextlib.nullcontext())
             return
-        can_skip = self.adapter.capabilities.can_disable_sync
-        self._micro_batches(x, y, lambda last: self.adapter.sync(last or not can_skip))
+        # sync(False) around every micro-batch but the last: the backend may keep their gradients local (whether it
+        # really sends nothing is `capabilities.can_disable_sync`, which only the ablation relies on).
+        self._micro_batches(x, y, lambda last: self.adapter.sync(last))
 
     def _micro_batches(self, x: torch.Tensor, y: torch.Tensor, context) -> None:
         wrapped = self.adapter.wrapped

@@ -124,9 +124,8 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
 
 
 def _compare_final_replicas(adapter: Adapter, verdict: eq.Verdict, is_rank0: bool) -> None:
-    module = adapter.wrapped.module
-    names = [n for n, _ in module.named_parameters()]
-    mismatch = eq.first_mismatch(adapter.all_gather_object(eq.param_digests(module)), names)
+    full = adapter.full_params()  # on every rank: gathered where the backend shards its parameters
+    mismatch = eq.first_mismatch(adapter.all_gather_object(eq.param_digests(full)), list(full))
     if is_rank0 and mismatch and verdict.replicas_identical:
         verdict.replicas_identical = False
         verdict.note("replicas", f"after the last step rank {mismatch[0]} holds different values of {mismatch[1]}")

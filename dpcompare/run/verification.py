@@ -36,7 +36,8 @@ class VerificationPhase:
         self.cfg, self.adapter, self.runner, self.template = cfg, adapter, runner, template
         self.wrapped = adapter.wrapped
         self.facts = adapter.model_facts
-        self.names = [n for n, _ in self.wrapped.module.named_parameters()]
+        self.names = [n for n, _ in template.named_parameters()]
+        """Every parameter, in the order the ranks' digests list them (the wrapped module's names are the template's)."""
         self.rank0 = is_rank0
         self.check: verifier.Verifier | None = None
         self.recorder = mk.MaskRecorder(self.wrapped.module) if self.facts.stochastic else None
@@ -58,9 +59,11 @@ class VerificationPhase:
                 factory=optimizer_factory(self.cfg),
                 layout=eq.Layout(self.runner.world_size, self.cfg.grad_accum, self.adapter.replicas_per_process()),
                 replay_reason=self.adapter.rng_replay_reason(), backend=self.adapter)
-            self.check.check_initial(self.wrapped.module)
+        full = self.adapter.full_params()  # on every rank: a collective where the backend shards its parameters
+        if self.check is not None:
+            self.check.check_initial(full)
         verdict = self.check.verdict if self.check is not None else eq.Verdict(notes=list(self.wrapped.notes))
-        mismatch = eq.first_mismatch(self.adapter.all_gather_object(eq.param_digests(self.wrapped.module)), self.names)
+        mismatch = eq.first_mismatch(self.adapter.all_gather_object(eq.param_digests(full)), self.names)
         if mismatch:
             verdict.initial_weights_identical = False
             verdict.replicas_identical = False
@@ -75,39 +78,50 @@ class VerificationPhase:
         gathered: list[dict[str, Any]] = []
 
         def after_reduce() -> None:
-            # Gradients are global now and the parameters are those the gradients were taken at.
+            # Gradients are global now and the parameters are those the gradients were taken at. Every rank reads
+            # them (collectives where the backend shards them); rank 0 judges.
+            reads = self._reads() if checked else None
             if checked or self.facts.stochastic:
-                gathered.extend(self.adapter.all_gather_object(self._evidence(x, rng, checked, before)))
+                gathered.extend(self.adapter.all_gather_object(self._evidence(x, rng, reads, before)))
             if self.check is not None:
                 self.check.observe_scaler(step)
                 if self.facts.stochastic:
                     self.check.observe_generators(step, [i["rng"] for i in gathered])
                 if checked:
-                    self.check.check_gradient(step, batch, gathered)
+                    self.check.check_gradient(step, batch, gathered, reads)
 
         def after_update() -> None:
+            masters = self.adapter.master_params() if self.cfg.check_every else None  # every rank, as above
             if self.check is not None:
-                self.check.check_update(step)
-                self.check.trajectory_step(step, batch, [i["masks"] for i in gathered] if self.facts.stochastic else None)
+                self.check.check_update(step, masters)
+                self.check.trajectory_step(step, batch, [i["masks"] for i in gathered] if self.facts.stochastic else None,
+                                           masters)
             if checked or step == self.cfg.steps - 1:
                 self._compare_replicas(step)
 
         with self.recorder.recording() if self.recorder is not None else contextlib.nullcontext():
             self.runner.step(step, x, y, phase="verify", after_reduce=after_reduce, after_update=after_update)
 
-    def _evidence(self, x: torch.Tensor, rng: Any, checked: bool, before: buffers.Buffers | None) -> dict[str, Any]:
+    def _reads(self) -> verifier.Reads:
+        """The reduced gradients, the values the optimizer steps and its state, full, read on every rank."""
+        return verifier.Reads(self.adapter.reduced_grads(), self.adapter.master_params(), self.adapter.optimizer_state())
+
+    def _evidence(self, x: torch.Tensor, rng: Any, reads: verifier.Reads | None,
+                  before: buffers.Buffers | None) -> dict[str, Any]:
         mine = {"shard": eq.tensor_digest(x), "rng": rng}
         if self.recorder is not None:
             mine["masks"] = self.recorder.take()
-        if checked:
-            mine["grads"] = eq.grad_digests(self.wrapped.module)
-            mine["unused"] = _unused_grad_forms(self.wrapped.module, self.facts.unused)
+        if reads is not None:
+            mine["grads"] = eq.grad_digests(reads.grads, self.names)
+            mine["unused"] = _unused_grad_forms(reads.grads, self.facts.unused)
             mine["buffers"] = {"before": before, "after": buffers.snapshot(self.wrapped.module)}
         return mine
 
     def _compare_replicas(self, step: int) -> None:
-        """After rank 0's extra work (oracle, trajectory): this gather is also where the ranks line up again."""
-        mismatch = eq.first_mismatch(self.adapter.all_gather_object(eq.param_digests(self.wrapped.module)), self.names)
+        """After rank 0's extra work (oracle, trajectory): this gather is also where the ranks line up again. The
+        parameters compared are the full ones (gathered where the backend shards them)."""
+        mismatch = eq.first_mismatch(self.adapter.all_gather_object(eq.param_digests(self.adapter.full_params())),
+                                     self.names)
         if not (self.rank0 and mismatch):
             return
         self.verdict.replicas_identical = False
@@ -119,12 +133,11 @@ class VerificationPhase:
             "than rank 0: the replicas diverged", check="replicas", cause="replicas"))
 
 
-def _unused_grad_forms(module: torch.nn.Module, unused: tuple[str, ...]) -> dict[str, str]:
+def _unused_grad_forms(grads: dict[str, torch.Tensor | None], unused: tuple[str, ...]) -> dict[str, str]:
     """How this rank left the gradients of parameters that take no part in the loss: none, zero or nonzero."""
-    params = dict(module.named_parameters())
     forms = {}
     for name in unused:
-        g = params[name].grad
+        g = grads.get(name)
         forms[name] = "none" if g is None else ("zero" if not bool(g.any()) else "nonzero")
     return forms
 

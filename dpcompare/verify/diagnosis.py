@@ -30,7 +30,7 @@ from dpcompare.run.workloads import shard
 class Diagnosis:
     cause: str
     """A short code: summed, averaged_twice, loss_sum, loss_scale_not_undone, loss_scale_undone_twice, scaled,
-    unsynchronised, stale, swapped, wire_dtype, wire_underflow, wire_overflow, batchnorm, duplicated_data,
+    unsynchronised, stale, swapped, zeroed_partition, wire_dtype, wire_underflow, wire_overflow, batchnorm, duplicated_data,
     wrong_shards, non_finite, skipped_step, lr_scaled, double_step, optimizer_state, unused_zero_grad, weight_decay,
     clipped, unknown."""
     reason: str
@@ -206,13 +206,13 @@ class _GradientHypotheses:
         self._candidates: dict[Any, Grads] = {}
 
     def ordered(self) -> list[_Hypothesis]:
-        return [self.wire_range, self.non_finite, self.data, self.swapped, self.scaled, self.unsynchronised,
-                self.stale, self.batchnorm, self.wire]
+        return [self.wire_range, self.non_finite, self.data, self.swapped, self.scaled, self.zeroed,
+                self.unsynchronised, self.stale, self.batchnorm, self.wire]
 
     def none_reason(self) -> str:
         none = ("the reduced gradient matches none of the known fault patterns (sum, 1/N, a scale factor, one rank's "
-                "local gradient, a stale gradient, two same-shape gradients exchanged, an fp16 or bf16 wire's "
-                "rounding, underflow or overflow, per-rank or per-micro-batch BatchNorm, duplicated data)")
+                "local gradient, a stale gradient, two same-shape gradients exchanged, a part never written, an fp16 "
+                "or bf16 wire's rounding, underflow or overflow, per-rank or per-micro-batch BatchNorm, duplicated data)")
         if self.ev.stochastic:
             none += "; the model draws random numbers: the oracle applied the dropout masks each rank drew"
         return none
@@ -368,6 +368,24 @@ class _GradientHypotheses:
                               "world size twice (a loss scaled by 1/N and an averaging all-reduce); divide once", explained)]
         return [Diagnosis("scaled", f"the reduced gradient is {c:.4g}x the oracle: a scale factor was applied and not "
                           "undone (loss scaling, a wrong divisor)", explained)]
+
+    def zeroed(self, remaining: list[str]) -> list[Diagnosis]:
+        """Elements of the reduced gradient that are exactly zero where the oracle's are not, the rest right: a part
+        of the reduction never written back (a sharded backend's partition of the reduce-scatter, a bucket)."""
+        holes = [p for p in remaining if bool(((self.g[p] == 0) & (self.o[p] != 0)).any())]
+        candidate = {p: torch.where(self.g[p] == 0, torch.zeros_like(self.o[p]), self.o[p]) for p in holes}
+        claimed = _matching(self.g, candidate, self.o, holes, self.ev.tolerance, self.share)
+        if not claimed:
+            return []
+        zero = ((flat(self.g, self.names) == 0) & (flat(self.o, self.names) != 0)).nonzero().reshape(-1)
+        total = sum(self.g[p].numel() for p in self.names)
+        first, last = int(zero[0]), int(zero[-1])
+        return [Diagnosis("zeroed_partition",
+                          f"the reduced gradient is exactly zero on {zero.numel()} of its {total} elements "
+                          f"({zero.numel() / total:.0%}; elements {first}-{last} of the gradient flattened in parameter "
+                          "order) where the oracle's are not, and right elsewhere: part of the reduction was never "
+                          "written back; with a sharded backend (ZeRO, FSDP) that is one rank's partition of the "
+                          f"reduce-scatter (1/{self.n} of the gradient is {total // max(self.n, 1)} elements)", claimed)]
 
     def unsynchronised(self, remaining: list[str]) -> list[Diagnosis]:
         if self.n < 2:

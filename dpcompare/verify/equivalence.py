@@ -35,7 +35,7 @@ import copy
 import hashlib
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Literal
+from typing import Callable, Iterable, Literal, Mapping
 
 import torch
 from torch import nn
@@ -58,12 +58,18 @@ def tensor_digest(t: torch.Tensor) -> str:
     return hashlib.blake2b(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
 
 
-def param_digests(module: nn.Module) -> list[str]:
-    return [tensor_digest(p) for _, p in module.named_parameters()]
+def param_digests(params: nn.Module | Mapping[str, torch.Tensor]) -> list[str]:
+    """A digest per parameter (a module's, or full values by name as `Adapter.full_params()` gives them)."""
+    named = params.items() if isinstance(params, Mapping) else params.named_parameters()
+    return [tensor_digest(p) for _, p in named]
 
 
-def grad_digests(module: nn.Module) -> list[str]:
-    return [tensor_digest(p.grad) if p.grad is not None else "none" for _, p in module.named_parameters()]
+def grad_digests(grads: nn.Module | Mapping[str, torch.Tensor | None], names: list[str] | None = None) -> list[str]:
+    """A digest per parameter's gradient ("none" for None): a module's `.grad`, or `grads` by name in the order of
+    `names` (as `Adapter.reduced_grads()` gives them)."""
+    if not isinstance(grads, Mapping):
+        return [tensor_digest(p.grad) if p.grad is not None else "none" for _, p in grads.named_parameters()]
+    return [tensor_digest(g) if (g := grads.get(n)) is not None else "none" for n in (names or list(grads))]
 
 
 def first_mismatch(per_rank: list[list[str]], names: list[str]) -> tuple[int, str] | None:

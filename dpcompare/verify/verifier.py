@@ -40,7 +40,7 @@ from dpcompare.verify.diagnosis import (GradientEvidence, UpdateEvidence, diagno
 from dpcompare.verify.stochastic import RngState
 from dpcompare.verify.trajectory import Trajectory
 from dpcompare.verify.precision import PrecisionReport, Recipe, ScaleStep
-from dpcompare.verify.update_check import OptState, OptimizerFactory, read_hparams, read_state, reference_step
+from dpcompare.verify.update_check import OptState, OptimizerFactory, read_hparams, reference_step
 
 STOCHASTIC_REL_DIFF = 2.0**-30
 """Two float64 forwards of the same input that differ by more than this (relative) draw random numbers:
@@ -75,6 +75,17 @@ def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, tor
         stochastic=drawn,
         uncaptured=uncaptured,
     )
+
+
+@dataclass(slots=True)
+class Reads:
+    """What every rank read from the backend at a checked step, after the reduce and before the optimizer step
+    (`Adapter.reduced_grads()`, `master_params()`, `optimizer_state()`: full values, assembled from the ranks'
+    parts where the backend shards them); rank 0's verifier judges them."""
+
+    grads: dict[str, torch.Tensor | None]
+    masters: dict[str, torch.Tensor]
+    state: OptState | None
 
 
 @dataclass(slots=True)
@@ -119,7 +130,11 @@ class Verifier:
         scaler = backend.scaler_state()
         self.verdict.precision = PrecisionReport(cfg.amp, self.recipe.kind, self.recipe.describe(), self.wire,
                                                  scaler.method if scaler else None, scaler.scale if scaler else None)
-        self.optimizer, self.masters = backend.optimizer_view()
+        self.optimizer = backend.optimizer_view()[0]  # its hyper-parameters; its state comes with each step's Reads
+        self.masters: dict[str, torch.Tensor] = {}
+        """The values the optimizer steps, full, as last read on every rank (`Adapter.master_params()`)."""
+        self.all_names = [n for n, _ in template.named_parameters()]
+        """Every parameter, trainable or not, in the order the ranks' digests list them."""
         if self.recipe.active:
             scaled = (f"; the loss is scaled ({scaler.method}, {scaler.scale:.9g} at the start) and the floor is taken "
                       "at each step's scale, where its overflow predicts the steps the backend must skip"
@@ -147,7 +162,7 @@ class Verifier:
             self.verdict.note("unused_parameters", f"parameters that take no part in the loss: {', '.join(facts.unused)}; their "
                                       "gradient must be None or zero on every rank")
         self._probe_randomness(replay_reason)
-        if self.optimizer is None:
+        if self.optimizer is None and getattr(backend.capabilities, "shards", "none") == "none":
             self.verdict.note("optimizer_state_unreadable", "no torch optimizer holding the model's parameters was found behind the "
                                       "backend's optimizer: its state cannot be read")
 
@@ -181,11 +196,11 @@ class Verifier:
         self.verdict.unverifiable.append(reason)
         self.stopped = True
 
-    def check_initial(self, module: nn.Module) -> None:
-        """Rank 0's weights before step 0 are the workload's initial weights (the ranks agreeing with each
-        other is checked separately, by fingerprint)."""
+    def check_initial(self, params: dict[str, torch.Tensor]) -> None:
+        """Rank 0's weights before step 0 (full, `Adapter.full_params()`) are the workload's initial weights (the
+        ranks agreeing with each other is checked separately, by fingerprint)."""
         built = dict(self.template.named_parameters())
-        for name, p in module.named_parameters():
+        for name, p in params.items():
             want = built[name].detach().to(dtype=p.dtype)
             have = p.detach().cpu()
             if not torch.equal(have, want):
@@ -316,11 +331,12 @@ class Verifier:
         state.update({k: v for k, v in before.items() if k in state})
         return state
 
-    def check_gradient(self, step: int, batch, info: list[dict]) -> None:
+    def check_gradient(self, step: int, batch, info: list[dict], reads: Reads) -> None:
         """After `reduce()` and `unscale()`, before the optimizer step: the gradient check (or, where the run's loss
         scale overflows, the skip it must make), the buffers, and the snapshot the update check of this step
         starts from."""
         self.pending = None
+        self.masters = reads.masters
         if self.stopped:
             return
         module = self.wrapped.module
@@ -338,9 +354,8 @@ class Verifier:
         loss_scale = scaler.scale if scaler is not None else 1.0
         with stochastic.isolated(self.device):
             state = self._run_state(module, info[0]["buffers"]["before"])
-            reduced = self.backend.reduced_grads()
-            named = dict(module.named_parameters())
-            grads = {n: (reduced[n] if reduced.get(n) is not None else torch.zeros_like(named[n])).detach().double().cpu()
+            reduced = reads.grads
+            grads = {n: (reduced[n] if reduced.get(n) is not None else torch.zeros_like(self.masters[n])).detach().double().cpu()
                      for n in self.names}
             try:
                 oracle = self.oracle.oracle_of(state, pieces)
@@ -369,7 +384,7 @@ class Verifier:
             if (text := self.buffers.note()) is not None:
                 self.verdict.notes = [n for n in self.verdict.notes if n.code != "buffers_per_rank"]
                 self.verdict.note("buffers_per_rank", text)
-            backend_state = read_state(self.optimizer, self.masters) if self.optimizer is not None else None
+            backend_state = reads.state
             pending = _Pending(
                 step, {n: self.masters[n].detach().double().cpu().clone() for n in self.names},
                 {n: (None if n in none else oracle[n]) for n in self.names},
@@ -384,7 +399,7 @@ class Verifier:
             self._note_per_replica(step, state, batch, oracle, floor, pieces)
             params = eq.compare_grads(grads, oracle, floor, dtype=self.cfg.dtype, world_size=self.world_size,
                                       depth=self.depth, compression=self.wire)
-            digests = eq.first_mismatch([i["grads"] for i in info], [n for n, _ in module.named_parameters()])
+            digests = eq.first_mismatch([i["grads"] for i in info], self.all_names)
             check = eq.StepCheck(step, params, True, digests is None)
             self.verdict.checks.append(check)
             self._record_unused(info)
@@ -441,9 +456,10 @@ class Verifier:
             seen = {i["unused"].get(name, "none") for i in info}
             forms[name] = seen.pop() if len(seen) == 1 else "mixed"
 
-    def check_update(self, step: int) -> None:
-        """After the optimizer step: the update check of a step whose gradient was checked, or, where the loss
-        scale overflowed, the skip."""
+    def check_update(self, step: int, masters: dict[str, torch.Tensor]) -> None:
+        """After the optimizer step, with the values it stepped as every rank read them (`Adapter.master_params()`):
+        the update check of a step whose gradient was checked, or, where the loss scale overflowed, the skip."""
+        self.masters = masters
         pending, self.pending = self.pending, None
         if pending is None or pending.step != step or self.stopped:
             self.expected_state = None  # an unchecked step: the next step's state cannot be predicted
@@ -452,8 +468,9 @@ class Verifier:
             return
         expected = self.expected_state if self.expected_state is not None else pending.backend_state
         if expected is None:
-            self._unverifiable(f"the update check at step {step} cannot know the optimizer state: no torch optimizer "
-                               "holding the model's parameters was found behind the backend's optimizer")
+            self._unverifiable(f"the update check at step {step} cannot know the optimizer state: the backend's "
+                               "optimizer_state() gave none (no torch optimizer holding the model's parameters was "
+                               "found behind the backend's optimizer)")
             return
         with stochastic.isolated(self.device):
             after = {n: self.masters[n].detach().double().cpu() for n in self.names}
@@ -543,7 +560,9 @@ class Verifier:
                                            parameters=moved))
         return True
 
-    def trajectory_step(self, step: int, batch, records: list[mk.MaskRecord] | None) -> None:
+    def trajectory_step(self, step: int, batch, records: list[mk.MaskRecord] | None,
+                        masters: dict[str, torch.Tensor]) -> None:
+        self.masters = masters
         if self.stopped:
             return
         steps = self.verdict.precision.steps
