@@ -221,8 +221,11 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         return [Note("deepspeed.amp_recipe",
                      f"deepspeed: engine recipe ({amp} section): {AMP_NAMES[amp]} weights and gradients, all-reduced in "
                      f"{wire}; fp32 master weights stepped by the client optimizer inside "
-                     f"{type(ds_optimizer).__name__}, which takes one optimizer step on zero gradients when it is built "
-                     "(initialize_optimizer_states)" + ("; dynamic loss scale" if amp == "fp16" else ""))]
+                     f"{type(ds_optimizer).__name__}"
+                     + (", which takes one optimizer step on zero gradients when it is built "
+                        "(initialize_optimizer_states)" if not self.stage else
+                        f", partitioned across the ranks (ZeRO stage {self.stage})")
+                     + ("; dynamic loss scale" if amp == "fp16" else ""))]
 
     def sync(self, enabled: bool):
         if not self.stage:

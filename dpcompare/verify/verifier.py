@@ -485,8 +485,22 @@ class Verifier:
             failing = [p for p in params if not p.ok]
             # A step count is a whole number: a wrong one is a fault whatever the update's noise (Adam's first steps
             # are near sign(g), where a recipe's rounding can hide a 26 % smaller update), so it fails on its own.
-            counted = (step_count_mismatch(pending.backend_state, expected, self.names)
+            # An unused parameter the backend hands a zero gradient (ZeRO's flat partitions step as a whole) counts
+            # steps a single process does not take; its values are still held to the reference by the update check.
+            zero_stepped = [n for n in self.facts.unused if self.verdict.parameters["unused_grad"].get(n) == "zero"]
+            counted = (step_count_mismatch(pending.backend_state, expected, [n for n in self.names if n not in zero_stepped])
                        if pending.backend_state is not None else None)
+            if zero_stepped and pending.backend_state is not None and not any(
+                    n.code == "unused_stepped" for n in self.verdict.notes):
+                have = float(pending.backend_state.get(zero_stepped[0], {}).get("step", 0))
+                if have:
+                    self.verdict.note("unused_stepped",
+                                      f"the backend steps the parameters that take no part in the loss with a zero "
+                                      f"gradient ({', '.join(zero_stepped)}): their optimizer step count advances "
+                                      f"({zero_stepped[0]}: {have:g} before step {step}) where a single process keeps "
+                                      "none; their values are still held to the reference update (with Adam and no "
+                                      "weight decay a zero gradient moves nothing; with --weight-decay they decay, "
+                                      "and the update check fails, cause unused_zero_grad)")
             if counted is not None and self.verdict.first_divergence is None:
                 wrong, text = counted
                 first = next(p for p in params if p.parameter == wrong[0])

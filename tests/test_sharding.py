@@ -1,0 +1,156 @@
+"""Sharded data parallelism (DeepSpeed ZeRO stages 1-3): judged against the float64 oracle like every backend.
+
+Checks, against what each part must produce:
+  - the diagnosis names a reduced gradient whose part was never written back (one rank's partition of the
+    reduce-scatter left at zero) as `zeroed_partition`, with the elements it covers, and does not claim a gradient
+    that is merely scaled (its twin);
+  - real runs at world size 2 under torchrun with AdamW: ZeRO-1, -2 and -3 are `equivalent`, with and without
+    --grad-accum 2, the full gradients, fp32 parameters and optimizer state read through DeepSpeed's own accessors
+    on every rank;
+  - the planted faults (tests/faulty_adapters.py): a ZeRO-2 whose last rank's gradient partition is dropped, and a
+    ZeRO-1 whose rank 0 keeps stale parameters after the all-gather, each `different`, naming the parameters;
+  - an unused parameter that ZeRO steps with a zero gradient: its step count is noted, and with weight decay its
+    weights move where a single process leaves them, which is `different` (cause unused_zero_grad);
+  - a stage that does not exist is refused in one line, exit 2.
+
+Tiers: the default tier runs ZeRO-3 with gradient accumulation on the tied-head LM, both planted faults and the
+refusal; the `slow` tier runs every stage x {1, 2} micro-batches on the mlp, the unused-parameter cases, gpt-tiny
+(dropout masks captured) under ZeRO-3, and bf16 under ZeRO-2 (engine) and ZeRO-3 (autocast).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_diagnosis import _diagnoses, _linear
+
+STEPS = ["--optimizer", "adamw", "--steps", "3", "--measure-steps", "0"]
+ZERO = {n: ["--opt", f"zero_stage={n}"] for n in range(4)}
+
+
+# -- the diagnosis ------------------------------------------------------------------------------------------
+def _half_zeroed(oracle, state, oracle_grads, shards):
+    """The oracle's gradient with its second half (flattened in parameter order) zero: rank 1's partition."""
+    names = oracle.names
+    total = sum(oracle_grads[n].numel() for n in names)
+    out, seen = {}, 0
+    for n in names:
+        g = oracle_grads[n].clone().reshape(-1)
+        start = max(total // 2 - seen, 0)
+        g[start:] = 0
+        seen += g.numel()
+        out[n] = g.reshape(oracle_grads[n].shape)
+    return out
+
+
+def test_a_partition_never_written_is_named_with_its_elements() -> None:
+    found = _diagnoses(_linear(), _half_zeroed)
+    assert found[0].cause == "zeroed_partition", found
+    assert "elements" in found[0].reason and "partition of the reduce-scatter" in found[0].reason
+    assert found[0].parameters, "the parameters it covers are named"
+
+
+def test_a_scaled_gradient_is_not_a_zeroed_partition() -> None:
+    """The twin that must not fire: nothing is exactly zero, every element is off by the same factor."""
+    found = _diagnoses(_linear(), lambda oracle, state, g, shards: {n: 0.5 * t for n, t in g.items()})
+    assert all(d.cause != "zeroed_partition" for d in found), found
+    assert found[0].cause in {"averaged_twice", "scaled"}, found
+
+
+# -- real runs ------------------------------------------------------------------------------------------------
+def _equivalent(proc, result: dict | None, stage: int) -> dict:
+    assert proc.returncode == 0, proc.output[-6000:]
+    assert result is not None
+    e = result["equivalence"]
+    assert e["verdict"] == "equivalent", (e["first_divergence"], e["notes"])
+    for check in ("gradient", "update", "trajectory"):
+        c = e["checks"][check]
+        assert c["status"] == "pass" and c["noise_ratio"] < 10, (check, c)
+    assert e["replicas_identical"] and all(s["grads_identical_across_ranks"] for s in e["per_step"])
+    if stage:
+        assert any(n["code"] == "deepspeed.zero_stage" and f"ZeRO stage {stage}" in n["text"] for n in e["notes"])
+    return e
+
+
+def _different(proc, result: dict | None, check: str, cause: str) -> dict:
+    assert proc.returncode == 0, proc.output[-6000:]
+    assert result is not None
+    e = result["equivalence"]
+    assert e["verdict"] == "different", e["notes"]
+    d = e["first_divergence"]
+    assert (d["check"], d.get("cause")) == (check, cause), d
+    return d
+
+
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+def test_zero3_with_gradient_accumulation_and_a_tied_head(launch, backend) -> None:
+    proc, result = launch(backend, 2, "lm", [*STEPS, *ZERO[3], "--grad-accum", "2"])
+    _equivalent(proc, result, 3)
+
+
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+def test_a_dropped_gradient_partition_is_different_naming_its_parameters(launch, backend) -> None:
+    proc, result = launch("tests.faulty_adapters:DroppedPartitionZeRO", 2, "mlp", [*STEPS, *ZERO[2]])
+    d = _different(proc, result, "gradient", "zeroed_partition")
+    assert d["step"] == 0 and d["parameters"] and d["parameter"] in d["parameters"]
+    assert "one rank's partition of the reduce-scatter" in d["reason"]
+
+
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+def test_stale_parameters_after_the_all_gather_are_different_naming_one(launch, backend) -> None:
+    proc, result = launch("tests.faulty_adapters:StaleGatherZeRO", 2, "mlp", [*STEPS, *ZERO[1]])
+    d = _different(proc, result, "replicas", "replicas")
+    assert d["step"] == 0 and d["parameter"] in d["reason"], d
+    assert "REPLICAS DIFFER" in proc.stdout
+
+
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+def test_a_stage_that_does_not_exist_is_refused_in_one_line(launch, backend) -> None:
+    proc, result = launch(backend, 1, "mlp", [*STEPS, "--opt", "zero_stage=4"], launcher="python")
+    assert proc.returncode == 2 and result is None
+    lines = [line for line in proc.stderr.strip().splitlines() if "real_accelerator.py" not in line]
+    assert lines == ["dpcompare: error: --opt zero_stage='4' is invalid: choose one of 0, 1, 2, 3"], lines
+    assert "Traceback" not in proc.stderr
+
+
+
+# -- breadth (slow) ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_every_stage_is_equivalent_with_adamw(launch, backend, stage, accum) -> None:
+    proc, result = launch(backend, 2, "mlp", [*STEPS, *ZERO[stage], "--grad-accum", str(accum)])
+    e = _equivalent(proc, result, stage)
+    assert e["checks"]["update"]["status"] == "pass", "the update is judged on the assembled fp32 parameters and state"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+def test_zero_steps_unused_parameters_with_a_zero_gradient_and_says_so(launch, backend) -> None:
+    proc, result = launch(backend, 2, "mlp-unused", [*STEPS, *ZERO[2]])
+    e = _equivalent(proc, result, 2)
+    assert set(e["parameters"]["unused_grad"].values()) == {"zero"}, e["parameters"]
+    assert any(n["code"] == "unused_stepped" for n in e["notes"]), e["notes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+def test_zero_with_weight_decay_moves_unused_parameters_and_is_different(launch, backend) -> None:
+    proc, result = launch(backend, 2, "mlp-unused", [*STEPS, *ZERO[2], "--weight-decay", "0.1"])
+    d = _different(proc, result, "update", "unused_zero_grad")
+    assert all(p.startswith("aux_head") for p in d["parameters"]), d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+@pytest.mark.parametrize("model,stage,extra", [
+    ("gpt-tiny", 3, []),
+    ("mlp", 2, ["--amp", "bf16", "--opt", "amp_recipe=engine"]),
+    ("mlp", 3, ["--amp", "bf16"]),
+])
+def test_zero_breadth(launch, backend, model, stage, extra) -> None:
+    proc, result = launch(backend, 2, model, [*STEPS, *ZERO[stage], *extra])
+    _equivalent(proc, result, stage)
+
