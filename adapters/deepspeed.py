@@ -70,7 +70,7 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
     )
     VARIANTS = {f"zero{n}": {"zero_stage": n} for n in range(4)}
     NATIVE_NAMES = {"communication_data_type": "compression", "allreduce_bucket_size": "bucket_mb",
-                    "reduce_bucket_size": "bucket_mb", "wall_clock_breakdown": "instrument", "stage": "zero_stage"}
+                    "reduce_bucket_size": "bucket_mb", "wall_clock_breakdown": "instrument"}
 
     def __init__(self, env, device, settings=None) -> None:
         super().__init__(env, device, settings)

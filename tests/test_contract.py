@@ -49,6 +49,43 @@ def test_every_adapter_declares_typed_options_and_native_names_that_point_at_run
     assert set(cls.NATIVE_NAMES.values()) <= run_fields
     caps = cls.capabilities
     assert caps.native_launcher in caps.launchers
+    assert caps.shards in {"none", "optimizer", "gradients", "parameters"}
+    assert _bad_variants(cls) == []
+
+
+def _bad_variants(cls: type[Adapter]) -> list[str]:
+    """The variants (compare --backends NAME:VARIANT passes their values as --opt) that are not declared options
+    with values those options accept."""
+    declared = {o.name: o for o in cls.OPTIONS}
+    bad = []
+    for variant, values in cls.VARIANTS.items():
+        for key, value in values.items():
+            try:
+                ok = key in declared and declared[key].parse(value) == value
+            except ValueError:
+                ok = False
+            if not ok or not variant or ":" in variant:
+                bad.append(f"{variant}: {key}={value!r}")
+    return bad
+
+
+def test_a_variant_naming_an_undeclared_option_or_value_is_caught():
+    """The twin of the variant check above."""
+    class Bad(Adapter):
+        OPTIONS = (Option("zero_stage", int, 0, "a stage", choices=(0, 1)),)
+        VARIANTS = {"zero1": {"zero_stage": 1}, "zero2": {"zero_stage": 2}, "typo": {"zero_stag": 1}}
+
+    assert _bad_variants(Bad) == ["zero2: zero_stage=2", "typo: zero_stag=1"]
+
+
+def test_a_deepspeed_stage_declares_what_it_shards_per_instance():
+    cls = adapter_class("deepspeed")
+    for stage, shards in enumerate(("none", "optimizer", "gradients", "parameters")):
+        settings = backend.settings_for(cls, RunConfig(backend="deepspeed", options={"zero_stage": str(stage)}))
+        adapter = cls(ONE, torch.device("cpu"), settings)
+        assert adapter.capabilities.shards == shards
+        assert adapter.capabilities.can_disable_sync == (stage < 2), "ZeRO-2/3 reduce every micro-batch"
+    assert cls.capabilities.shards == "none", "the class keeps the default's declaration"
 
 
 def test_declared_options_are_typed_and_defaulted():
@@ -58,7 +95,7 @@ def test_declared_options_are_typed_and_defaulted():
     # From Python an option may already be typed.
     typed = backend.settings_for(adapter_class("deepspeed"), RunConfig(backend="deepspeed", options={"gradient_clipping": 1.0}))
     assert typed.options == {"dist_backend": "auto", "gradient_clipping": 1.0, "amp_recipe": "autocast",
-                             "buffer_dtype": "keep"}
+                             "buffer_dtype": "keep", "zero_stage": 0, "param_persistence_threshold": 0}
 
 
 @pytest.mark.parametrize(("name", "options", "expected"), [
