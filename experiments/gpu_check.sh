@@ -14,6 +14,9 @@
 #   amp-*          mixed precision on CUDA: bf16 and fp16 autocast under ddp, dp and horovod, a forced fp16
 #                  overflow (initial loss scale 2^24) every backend must skip, DeepSpeed's bf16 and fp16 engines
 #                  (fp32 master weights; fp16 weights exist on CUDA, refused on the CPU accelerator)
+#   sharding-*     ZeRO-2, ZeRO-3 and FSDP2 on NCCL at world size 1 (AdamW, gpt-tiny): each judged against the
+#                  float64 oracle, CUDA memory per component (metrics.model_state_mib_per_rank) beside the ZeRO
+#                  formula, and the same at world size 2 (gloo over one GPU, or NCCL with two GPUs)
 #   resnet50, gpt2-small        throughput of every installed backend (world size 1 and 2), dropout on;
 #                  ResNet-50 without --sync-bn is judged per replica (its distance from the global batch stated)
 # then `python -m dpcompare report` per model, and OUT_DIR/gpu_check.md: one table of every run (verdict,
@@ -21,7 +24,7 @@
 #
 # Knobs: DPCOMPARE_PY (python with dpcompare installed; default .venv/bin/python, else python3),
 # GPU_CHECK_STEPS (measured steps per throughput run, default 20), GPU_CHECK_TIMEOUT_S (per run, 600),
-# GPU_CHECK_PARTS (default "functional amp resnet50 gpt2-small": any subset, e.g. to split the work in two).
+# GPU_CHECK_PARTS (default "functional amp sharding resnet50 gpt2-small": any subset, e.g. to split the work in two).
 # Exit status: 0 when every step did what it should, 1 otherwise, 2 when there is no CUDA device.
 set -uo pipefail
 
@@ -32,7 +35,7 @@ if [ -z "$py" ]; then
 fi
 out=${1:-gpu-check/$(date +%Y%m%d-%H%M%S)}
 steps=${GPU_CHECK_STEPS:-20}
-parts=" ${GPU_CHECK_PARTS:-functional amp resnet50 gpt2-small} "
+parts=" ${GPU_CHECK_PARTS:-functional amp sharding resnet50 gpt2-small} "
 timeout_s=${GPU_CHECK_TIMEOUT_S:-600}
 mkdir -p "$out/logs" || { echo "gpu_check: cannot create $out: choose a writable OUT_DIR" >&2; exit 2; }
 out=$(cd "$out" && pwd)
@@ -145,6 +148,26 @@ if want amp; then
   fi
 fi
 
+# --- sharded data parallelism ------------------------------------------------------------------------------------
+# ZeRO-2, ZeRO-3 and FSDP2 over NCCL (world size 1: NCCL's collectives on one rank) and at world size 2; AdamW, so
+# the optimizer state is the largest component, measured on the device beside the ZeRO paper's formula.
+z="$out/sharding"
+if want sharding; then
+  shard_common=(--model gpt-tiny --optimizer adamw --steps 2 --measure-steps "$steps")
+  for ws in 1 2; do
+    extra=(); [ "$ws" = 2 ] && extra=("${ws2_args[@]}")
+    if has deepspeed; then
+      for stage in 2 3; do
+        step "sharding-zero$stage-ws$ws" 0 torchrun_n "$ws" --backend deepspeed "${extra[@]}" --opt zero_stage=$stage \
+          "${shard_common[@]}" --out "$z"
+      done
+    fi
+    step "sharding-fsdp-ws$ws" 0 torchrun_n "$ws" --backend fsdp "${extra[@]}" "${shard_common[@]}" --out "$z"
+  done
+  step sharding-zero3-bf16-ws1 0 torchrun_n 1 --backend deepspeed --opt zero_stage=3 --amp bf16 "${shard_common[@]}" \
+    --out "$z"
+fi
+
 # --- throughput on the real models --------------------------------------------------------------------------
 # (model, global batch): ResNet-50 at 64 images of 224x224 (32 per rank at world size 2), GPT-2 small at 8
 # sequences of 1024 tokens. One checked step each (the float64 oracle runs on the GPU), then the timed steps.
@@ -166,7 +189,7 @@ for spec in resnet50:64 gpt2-small:8; do
 done
 
 # --- reports --------------------------------------------------------------------------------------------------
-for d in "$out/functional" "$out/amp" "$out/gpt2-small-dropout" "$out/gpt2-small-no-dropout" "$out/resnet50" "$out/gpt2-small"; do
+for d in "$out/functional" "$out/amp" "$out/sharding" "$out/gpt2-small-dropout" "$out/gpt2-small-no-dropout" "$out/resnet50" "$out/gpt2-small"; do
   [ -d "$d" ] && step "report-$(basename "$d")" 0 bound "$py" -m dpcompare report "$d"
 done
 "$py" "$root/experiments/gpu_summary.py" "$out" >"$out/gpu_check.md" 2>"$out/logs/summary.log" || failed=1
