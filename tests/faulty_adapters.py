@@ -291,3 +291,26 @@ class StaleGatherZeRO(DeepSpeedAdapter):
             with torch.no_grad():
                 for p, old in zip(foreign, before):
                     p.copy_(old)
+
+
+from dpcompare.adapters.fsdp import FSDPAdapter  # noqa: E402 - the FSDP twins below
+
+
+class StaleShardFSDP(FSDPAdapter):
+    """FSDP2 whose last rank never writes the optimizer's update into its shard of one parameter (2.weight): that
+    shard keeps its old values after every step (as when the step updates a copy and the parameter is rebuilt from
+    the stale buffer). Every later all-gather hands every rank the same full parameter, part new and part stale, so the
+    replicas agree with each other: only the update check sees it."""
+
+    name = "stale-shard-fsdp"
+    STALE = "2.weight"
+
+    def step(self) -> None:
+        param = dict(self.wrapped.module.named_parameters())[self.STALE]
+        with torch.no_grad():
+            shard = param.to_local()
+            before = shard.clone() if self.env.rank == self.env.world_size - 1 else None
+        super().step()
+        if before is not None:
+            with torch.no_grad():
+                shard.copy_(before)

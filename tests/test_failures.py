@@ -42,7 +42,7 @@ def assert_one_error_line(stderr: str, *expected: str) -> str:
 
 # -- bad input, one process ------------------------------------------------------------------------------
 PYTHON_CASES = [
-    pytest.param("nope", "mlp", [], ["unknown backend 'nope'", "ddp, deepspeed, dp, horovod, reference"], id="unknown-backend"),
+    pytest.param("nope", "mlp", [], ["unknown backend 'nope'", "ddp, deepspeed, dp, fsdp, horovod, reference"], id="unknown-backend"),
     pytest.param("reference", "nope", [], ["unknown model 'nope'", "cnn, gpt-mini", "lm, mlp", "resnet50"],
                  id="unknown-model"),
     pytest.param("reference", "mlp", ["--steps", "0"], ["--steps=0", "at least one step"], id="steps-0"),

@@ -154,3 +154,18 @@ def test_zero_breadth(launch, backend, model, stage, extra) -> None:
     proc, result = launch(backend, 2, model, [*STEPS, *ZERO[stage], *extra])
     _equivalent(proc, result, stage)
 
+
+
+def test_an_update_with_rows_that_did_not_move_is_an_unapplied_shard() -> None:
+    from dpcompare.verify.diagnosis import _UpdateHypotheses  # the hypothesis alone, on a hand-made update
+
+    ref = {"w": torch.arange(1.0, 9.0).reshape(4, 2), "b": torch.ones(4)}
+    held = {"w": ref["w"].clone(), "b": ref["b"].clone()}
+    held["w"][2:] = 0  # the last two rows: rank 1's shard at world size 2
+    ev = type("Ev", (), {"names": ["w", "b"], "delta": held, "reference": ref, "world_size": 2, "backend_hparams": [],
+                         "lr": 0.1, "tolerance": {"w": 1e-6, "b": 1e-6}})()
+    found = _UpdateHypotheses(ev).unapplied(["w"])
+    assert [d.cause for d in found] == ["unapplied_shard"] and "rows 2-3 of 4 of w" in found[0].reason
+    scaled = dict(held, w=ref["w"] * 0.5)  # its twin: every row moved, by half: no shard was lost
+    ev.delta = scaled
+    assert _UpdateHypotheses(ev).unapplied(["w"]) == []

@@ -420,7 +420,7 @@ def test_registry_loads_names_and_paths():
 
 
 @pytest.mark.parametrize(("spec", "error", "message"), [
-    ("nope", ValueError, "unknown backend 'nope': choose one of ddp, deepspeed, dp, horovod, reference"),
+    ("nope", ValueError, "unknown backend 'nope': choose one of ddp, deepspeed, dp, fsdp, horovod, reference"),
     ("no_such_package_xyz:Adapter", ValueError, "cannot import module 'no_such_package_xyz'"),
     ("dpcompare.run.workloads:NoSuchThing", ValueError, "has no attribute 'NoSuchThing'"),
 ])

@@ -16,6 +16,7 @@ BACKENDS: dict[str, str] = {
     "ddp": "dpcompare.adapters.ddp:DDPAdapter",
     "horovod": "dpcompare.adapters.horovod:HorovodAdapter",
     "deepspeed": "dpcompare.adapters.deepspeed:DeepSpeedAdapter",
+    "fsdp": "dpcompare.adapters.fsdp:FSDPAdapter",
 }
 
 # What each backend needs importable, and how to get it (for `compare` and for clear errors).

@@ -30,7 +30,7 @@ from dpcompare.run.workloads import shard
 class Diagnosis:
     cause: str
     """A short code: summed, averaged_twice, loss_sum, loss_scale_not_undone, loss_scale_undone_twice, scaled,
-    unsynchronised, stale, swapped, zeroed_partition, wire_dtype, wire_underflow, wire_overflow, batchnorm, duplicated_data,
+    unsynchronised, stale, swapped, zeroed_partition, unapplied_shard, wire_dtype, wire_underflow, wire_overflow, batchnorm, duplicated_data,
     wrong_shards, non_finite, skipped_step, lr_scaled, double_step, optimizer_state, unused_zero_grad, weight_decay,
     clipped, unknown."""
     reason: str
@@ -565,7 +565,7 @@ class _UpdateHypotheses:
     parameters not yet explained and returns the diagnoses whose candidate update matches the backend's."""
 
     NONE = ("the update matches none of the known patterns (learning rate x N, a double step, optimizer state, "
-            "weight decay, clipping, a scaled step size)")
+            "weight decay, clipping, a scaled step size, a part never applied)")
 
     def __init__(self, ev: UpdateEvidence) -> None:
         self.ev = ev
@@ -578,7 +578,7 @@ class _UpdateHypotheses:
 
     def ordered(self) -> list[_Hypothesis]:
         return [self.non_finite, self.skipped, self.lr_scaled, self.double_step, self.state, self.unused_zero_grad,
-                self.weight_decay, self.clipped, self.scale]
+                self.weight_decay, self.clipped, self.scale, self.unapplied]
 
     def match(self, candidate: Grads, remaining: list[str]) -> list[str]:
         return _matching(self.d, candidate, self.ref, remaining, self.ev.tolerance, self.share)
@@ -586,6 +586,29 @@ class _UpdateHypotheses:
     def non_finite(self, remaining: list[str]) -> list[Diagnosis]:
         bad = [p for p in remaining if not bool(torch.isfinite(self.d[p]).all())]
         return [Diagnosis("non_finite", "the backend's update holds inf or NaN where the reference's is finite", bad)]
+
+    def unapplied(self, remaining: list[str]) -> list[Diagnosis]:
+        """A block of a parameter that did not move where the reference's does, the rest right: one rank's shard of
+        a sharded parameter kept (or rolled back to) its old values after the step."""
+        out = []
+        for p in remaining:
+            held = (self.d[p] == 0) & (self.ref[p] != 0)
+            if not bool(held.any()):
+                continue
+            candidate = {p: torch.where(held, torch.zeros_like(self.ref[p]), self.ref[p])}
+            if not _matching(self.d, candidate, self.ref, [p], self.ev.tolerance, self.share):
+                continue
+            rows = held.reshape(held.shape[0], -1).any(dim=1).nonzero().reshape(-1) if held.dim() else held.reshape(1)
+            where = (f"rows {int(rows[0])}-{int(rows[-1])} of {held.shape[0]}" if held.dim() and rows.numel()
+                     else f"{int(held.sum())} element(s)")
+            share = held.shape[0] and rows.numel() / held.shape[0] if held.dim() else 1.0
+            out.append(Diagnosis("unapplied_shard",
+                                 f"{where} of {p} did not move where the reference update moves them ({share:.0%} of its "
+                                 "rows), and the rest of the update is right: one rank's shard of the parameter kept or "
+                                 f"got back its old values after the step (with {self.n} rank(s) a dim-0 shard is about "
+                                 f"1/{self.n} of the rows): the sharded step or the all-gather after it lost that part",
+                                 [p]))
+        return out
 
     def skipped(self, remaining: list[str]) -> list[Diagnosis]:
         """The loss scaler skipped a step whose gradient is finite (it found inf/NaN where there was none)."""

@@ -1,0 +1,268 @@
+"""fsdp: PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`) over a torch.distributed process group.
+
+Each rank holds a 1/N shard (dim 0, padded) of every parameter, of its gradient and of the optimizer state: the
+parameters are DTensors, and the run's torch optimizer steps those shards itself (no master copy). Before a module's
+forward FSDP all-gathers its parameters; after its backward it reduce-scatters their gradients (float32: the process
+group's ReduceOp.AVG), so each rank's `.grad` is its shard of the global mean when `loss.backward()` returns. On CUDA
+the root's final backward callback makes the current stream wait for the last reduce-scatter, so `reduce` has nothing
+left to wait for.
+
+Which modules are `fully_shard`ed ("blocks"), bottom-up, then the root (whose group takes every parameter left):
+  1. the modules whose class the model names in `_no_split_modules` (the Hugging Face convention), if it has one;
+  2. else the elements of the model's outermost containers: every direct child of an `nn.Sequential` or
+     `nn.ModuleList` found walking down from the root without entering a container's elements (a Sequential root's
+     own layers: mlp, cnn; the transformer blocks of `gpt-*`'s `h` and `lm`'s `blocks`; ResNet's residual blocks),
+     each only if it holds parameters.
+A container's element runs its parameters in its own forward, so its group is unsharded exactly while it runs. A
+parameter the model uses outside its module's forward (GPT's output head tied to `wte.weight`) belongs to a module
+that is no container element and stays in the root's group, which is unsharded around the whole forward.
+
+`--opt reshard_after_forward=true|false` is passed to every `fully_shard` call, the root's included: true frees each
+group's unsharded parameters after its forward and all-gathers them again in backward, false keeps them until the
+backward (one all-gather per group per step, more memory).
+
+Gradient accumulation and the exposed-communication ablation: `set_requires_gradient_sync(False)` keeps the
+micro-batches' unsharded gradients local (no reduce-scatter); the parameter all-gathers still run, so the ablation's
+unsynced arm measures the reduce-scatter only.
+
+The verification's full-value reads are collectives, called on every rank at the same point: `full_params()` and
+`master_params()` all-gather every parameter (`DTensor.full_tensor()`), `reduced_grads()` every sharded gradient,
+`optimizer_state()` every DTensor in the optimizer's state. `optimizer_view()` is not a collective: it returns the
+torch optimizer and the sharded parameters its state is keyed by. `model_state_tensors()` lists this rank's local
+shards (`DTensor.to_local()`); FSDP holds no communication buffer between steps (its all-gather outputs and
+reduce-scatter inputs live for one group's forward or backward), so `comm_buffer_bytes` is an analytic peak.
+
+Dropout: fully_shard keeps every module object (it only swaps their classes), so the verification's forward hooks on
+the dropout modules of `wrapped.module` capture each rank's masks as under DDP (`rng_replay_reason()` is None).
+
+Mixed precision: the base class's autocast recipe (float32 sharded parameters, the forward under torch.autocast) and,
+for fp16, its torch.amp.GradScaler: its inf/NaN check over DTensor gradients is reduced over the mesh (max) by
+DTensor's own handler of `_amp_foreach_non_finite_check_and_unscale_`, so every rank skips the same steps. FSDP's
+MixedPrecisionPolicy (16-bit all-gathers and reduce-scatters) is not offered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpcompare.contract import Adapter, Capabilities, Note, Option, Wrapped
+from dpcompare.run import launch
+from dpcompare.run.process_group import DIST_BACKEND, ProcessGroupMixin
+
+CONTAINERS = (nn.Sequential, nn.ModuleList)
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def block_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules `fully_shard` wraps before the root, by name, in module order (the rule in the module docstring)."""
+    declared = getattr(root, "_no_split_modules", None)
+    if declared:
+        names = set(declared)
+        return [(n, m) for n, m in root.named_modules() if n and type(m).__name__ in names and _holds_parameters(m)]
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if isinstance(child, CONTAINERS):
+                found.extend((f"{path}.{n}", c) for n, c in child.named_children() if _holds_parameters(c))
+            else:
+                visit(f"{path}.", child)
+
+    if isinstance(root, CONTAINERS):
+        return [(n, c) for n, c in root.named_children() if _holds_parameters(c)]
+    visit("", root)
+    return found
+
+
+def _dtensor():
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _padded_bytes(p: torch.Tensor, world_size: int) -> int:
+    """Bytes of `p` unsharded as FSDP lays it out for its collectives: dim 0 padded to a multiple of the world size."""
+    rows = p.shape[0] if p.dim() else 1
+    per_row = p.numel() // rows if rows else 0
+    return math.ceil(rows / world_size) * world_size * per_row * p.element_size()
+
+
+class FSDPAdapter(ProcessGroupMixin, Adapter):
+    name = "fsdp"
+    capabilities = Capabilities(
+        multi_process=True,
+        launchers=frozenset({"python", "torchrun", "mpirun", "slurm", "deepspeed"}),
+        launch_hint="torchrun --nproc_per_node=N -m dpcompare --backend fsdp  (or mpirun -np N python -m dpcompare --backend fsdp)",
+        native_launcher="torchrun",
+        can_disable_sync=True,
+        shards="parameters",
+    )
+    OPTIONS = (
+        DIST_BACKEND,
+        Option("reshard_after_forward", bool, True,
+               "free each group's unsharded parameters after its forward and all-gather them again in backward (false: "
+               "keep them until the backward, one all-gather per group per step and more memory)"),
+    )
+    VARIANTS = {"noreshard": {"reshard_after_forward": False}}
+
+    def setup(self, timeout_s: float) -> None:
+        launch.ensure_rendezvous(self.env)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # FSDP's CUDA mesh communicates on the current device
+        self.init_process_group(timeout_s)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(self.device.type, (self.env.world_size,))
+
+    def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
+        from torch.distributed.fsdp import fully_shard
+
+        if optimizer.state:
+            raise ValueError("--backend fsdp: the optimizer already holds state before wrapping; FSDP replaces the "
+                             "parameters with sharded ones, so it must be a fresh optimizer")
+        reshard = self.settings.options["reshard_after_forward"]
+        ws = self.env.world_size
+        names = {id(p): n for n, p in module.named_parameters()}
+        blocks = block_modules(module)
+        # The parameter groups FSDP makes (bottom-up: a block takes its parameters not already taken), their unsharded
+        # sizes as the collectives lay them out; for comm_buffer_bytes and message_bytes.
+        taken: set[int] = set()
+        self._group_bytes: list[int] = []
+        for _, block in reversed(blocks):
+            params = [p for p in block.parameters() if id(p) not in taken]
+            taken |= {id(p) for p in params}
+            self._group_bytes.append(sum(_padded_bytes(p, ws) for p in params))
+        rest = [p for p in module.parameters() if id(p) not in taken]
+        if rest:
+            self._group_bytes.append(sum(_padded_bytes(p, ws) for p in rest))
+        for _, block in reversed(blocks):  # bottom-up, as FSDP requires
+            fully_shard(block, mesh=self.mesh, reshard_after_forward=reshard)
+        fully_shard(module, mesh=self.mesh, reshard_after_forward=reshard)
+        # fully_shard replaced every parameter with a sharded DTensor parameter: the optimizer (built before
+        # wrapping, by the trainer) must step those.
+        sharded = dict(module.named_parameters())
+        for group in optimizer.param_groups:
+            group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        shown = ", ".join(n for n, _ in blocks[:6]) + (f" and {len(blocks) - 6} more" if len(blocks) > 6 else "")
+        notes = [Note("fsdp.sharding",
+                      f"fsdp: FSDP2 fully_shard on {len(blocks)} block(s)" + (f" ({shown})" if blocks else "") +
+                      f" and the root, reshard_after_forward={str(reshard).lower()}: each of the {ws} rank(s) holds "
+                      f"1/{ws} of every parameter, gradient and optimizer state; the checks all-gather the full values "
+                      "(DTensor.full_tensor) on every rank")]
+        notes.append(Note("fsdp.ablation",
+                          "fsdp: the exposed-communication ablation's unsynced arm (set_requires_gradient_sync(False)) "
+                          "still all-gathers the parameters: the exposed communication it measures is the gradients' "
+                          "reduce-scatter only"))
+        if self.settings.bucket_mb:
+            notes.append(Note("knob_not_applicable",
+                              "fsdp: --bucket-mb does not apply to FSDP2: each fully_shard group is one all-gather and "
+                              "one reduce-scatter"))
+        self.wrapped = Wrapped(module, module, optimizer, notes)
+        return self.wrapped
+
+    # -- synchronisation -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def sync(self, enabled: bool):
+        assert self.wrapped is not None
+        model = self.wrapped.model
+        model.set_requires_gradient_sync(enabled)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def comm_off(self):
+        # The unsynced arm of the ablation: no reduce-scatter; FSDP still all-gathers the parameters for the forward
+        # and the backward, so the ablation measures the reduce-scatter only (the fsdp.ablation note says so).
+        return self.sync(False)
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        # A backward without gradient sync (the ablation's unsynced arm, whose update is dropped) leaves its
+        # unsharded gradients in FSDP's own parameters, where the next synced backward would add them in.
+        for m in self.wrapped.module.modules():
+            get_state = getattr(m, "_get_fsdp_state", None)
+            if get_state is None:
+                continue
+            for group in getattr(get_state(), "_fsdp_param_groups", []):
+                for fsdp_param in group.fsdp_params:
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    if unsharded is not None:
+                        unsharded.grad = None
+                    fsdp_param.unsharded_accumulated_grad = None
+
+    # -- full values: collectives, every rank calls them ------------------------------------------------------
+    @staticmethod
+    def _full(t: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return t.detach().full_tensor() if isinstance(t, _dtensor()) else t.detach()
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        assert self.wrapped is not None
+        return {n: self._full(p) for n, p in self.wrapped.module.named_parameters()}
+
+    def reduced_grads(self) -> dict[str, torch.Tensor | None]:
+        assert self.wrapped is not None
+        return {n: None if p.grad is None else self._full(p.grad)
+                for n, p in self.wrapped.module.named_parameters() if p.requires_grad}
+
+    def master_params(self) -> dict[str, torch.Tensor]:
+        # FSDP2 in float32 steps the sharded parameters themselves: the values the optimizer steps are the parameters.
+        return self.full_params()
+
+    def optimizer_state(self) -> dict[str, dict[str, Any]] | None:
+        assert self.wrapped is not None
+        state = self.wrapped.optimizer.state
+        out: dict[str, dict[str, Any]] = {}
+        for n, p in self.wrapped.module.named_parameters():  # the same order on every rank
+            entries = state.get(p)
+            if entries is None:
+                continue
+            out[n] = {k: (self._full(v).to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in entries.items()}
+        return out
+
+    def optimizer_view(self) -> tuple[torch.optim.Optimizer | None, dict[str, torch.Tensor]]:
+        # Not a collective (rank 0 alone calls it): the optimizer and the sharded parameters its state is keyed by.
+        assert self.wrapped is not None
+        return self.wrapped.optimizer, dict(self.wrapped.module.named_parameters())
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        assert self.wrapped is not None
+        dtensor = _dtensor()
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if isinstance(t, dtensor) else t
+
+        params = list(self.wrapped.module.parameters())
+        state = [local(v) for p in params for v in self.wrapped.optimizer.state.get(p, {}).values()
+                 if torch.is_tensor(v)]
+        return {"params": [local(p) for p in params], "grads": [local(p.grad) for p in params if p.grad is not None],
+                "optimizer": state, "master_params": [], "comm_buffers": []}
+
+    # -- measurement -------------------------------------------------------------------------------------------
+    def message_bytes(self, grad_bytes: int) -> tuple[int | None, str | None]:
+        # One reduce-scatter per group: its input is the group's unsharded gradient (dim 0 padded); the mean over the
+        # groups that hold parameters (each also all-gathers a message of the same size).
+        sizes = [b for b in self._group_bytes if b]
+        if not sizes:
+            return None, "no parameter group"
+        return sum(sizes) // len(sizes), None
+
+    def comm_buffer_bytes(self, grad_bytes: int) -> int | None:
+        # Transient, not held between steps: the all-gather outputs alive at once (reshard_after_forward=true: the
+        # largest group's, plus the one prefetched beside it; false: every group's, from its forward to its backward)
+        # and one reduce-scatter input (the largest group's unsharded gradient).
+        sizes = sorted(self._group_bytes, reverse=True)
+        if not sizes:
+            return 0
+        gathered = sum(sizes) if not self.settings.options["reshard_after_forward"] else sum(sizes[:2])
+        return gathered + sizes[0]
