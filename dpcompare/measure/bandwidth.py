@@ -26,6 +26,24 @@ def busbw_gbps(algbw: float, n: int) -> float:
     return algbw * 2 * (n - 1) / n
 
 
+BUS_FACTOR_DOC = "nccl-tests: all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast and reduce 1"
+
+
+def bus_factor(kind: str, n: int) -> float:
+    """nccl-tests' busbw / algbw for a collective over n ranks (doc/PERFORMANCE.md), with its byte count the full
+    buffer (all_gather: the gathered output, reduce_scatter: the input before the scatter): all_reduce 2(n-1)/n,
+    all_gather and reduce_scatter (n-1)/n, broadcast and reduce 1 (0 for every kind at n = 1: nothing crosses a link)."""
+    if n < 1:
+        raise ValueError(f"world size must be at least 1, got {n}")
+    if n == 1:
+        return 0.0
+    factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+               "broadcast": 1.0, "reduce": 1.0}
+    if kind not in factors:
+        raise ValueError(f"no bus factor for collective {kind!r}: expected one of {', '.join(factors)}")
+    return factors[kind]
+
+
 def busbw_at(collectives_json: dict, transport: str, world_size: int, nbytes: int) -> float | None:
     """The measured all-reduce busbw (GB/s) of `transport` at `world_size` ranks for a message of `nbytes`,
     interpolated linearly in log(bytes)-log(busbw) between the two nearest measured sizes. None when the

@@ -19,6 +19,11 @@ Definitions:
   overlap fraction     1 - exposed / total
   algbw, busbw         nccl-tests: algbw = bytes / transfer time, all-reduce busbw = algbw * 2(n-1)/n, in GB/s
   T_comm model         2 * P * (N-1) / (N * B), B = the microbenchmark's busbw at the run's message size
+  model state          each rank's census of the tensors its adapter lists (model_state_tensors) after the reduce of
+                       the last measured step, each storage byte once; model_state_mib is the largest rank's, beside
+                       the ZeRO paper's formula for the run's model, precision, optimizer and stage
+  comm by kind         bytes, calls and time per step of all-reduce, reduce-scatter, all-gather (broadcast, reduce)
+                       where Python dispatched them, beside the analytic volume; busbw with nccl-tests' factor per kind
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import numpy as np
 from scipy import stats
 
 from dpcompare.measure.bandwidth import algbw_gbps, busbw_gbps, tcomm_model_ms
+from dpcompare.measure.volume import comm_by_kind
 
 
 # -- arithmetic ------------------------------------------------------------------------------------
@@ -69,6 +75,10 @@ class RankSample:
     memory_reason: str | None
     comm: dict[str, Any] | None
     """Native counter over the measured window: {'total_ms', 'overlap_ms', 'steps', 'method'} or {'reason'}."""
+    model_state: dict[str, Any] | None = None
+    """This rank's model-state census in MiB (dpcompare.measure.memory.census_mib), or None when none was taken."""
+    collectives: dict[str, Any] | None = None
+    """This rank's Python collectives by kind (dpcompare.measure.collectives.CollectiveRecorder.record), or None."""
 
 
 @dataclass(slots=True)
@@ -101,8 +111,17 @@ def summarize(
     scaling: str,
     comm_possible: str | None,
     instrumented: bool = True,
+    model_state_formula: dict[str, Any] | None = None,
+    model_state_formula_reason: str | None = None,
+    comm_analytic: dict[str, int] | None = None,
+    comm_analytic_method: str = "",
+    comm_measured_reason: str | None = None,
 ) -> dict[str, Any]:
-    """Rank 0 turns the gathered per-rank samples into the run's metrics (units in the names)."""
+    """Rank 0 turns the gathered per-rank samples into the run's metrics (units in the names). `model_state` is the
+    analytic model state, used only where a rank took no census; `comm_analytic` the predicted bytes per step by
+    kind (dpcompare.measure.volume.analytic_bytes_per_step; None: no communication, comm_by_kind is None),
+    `comm_measured_reason` why the collective recorder did not run (None: it did, on every rank that has
+    `collectives`)."""
     m = Metrics()
     m.set("scaling", scaling)
     m.set("warmup_steps", warmup_steps)
@@ -119,7 +138,8 @@ def summarize(
     m.set("grad_bytes_per_step", grad_bytes)
     m.set("bucket_bytes", message_bytes, message_reason)
     _bandwidth(m, transfer, grad_bytes, world_size, microbench_busbw, microbench_reason, comm_possible)
-    _memory(m, samples, model_state)
+    _memory(m, samples, model_state, model_state_formula, model_state_formula_reason)
+    _by_kind(m, samples, world_size, comm_analytic, comm_analytic_method, comm_measured_reason)
     return m.to_dict()
 
 
@@ -261,8 +281,16 @@ def _bandwidth(m: Metrics, total: float | None, grad_bytes: int, world_size: int
           "one rank" if world_size < 2 else (microbench_reason or "no microbenchmark bandwidth"))
 
 
-def _memory(m: Metrics, samples: list[RankSample], model_state: dict[str, float | None]) -> None:
-    """Peak memory over the window: the highest rank's, each rank's, the allocator's reserve, and the model state."""
+def _memory(m: Metrics, samples: list[RankSample], model_state: dict[str, float | None],
+            formula: dict[str, Any] | None = None, formula_reason: str | None = None) -> None:
+    """Peak memory over the window: the highest rank's, each rank's, the allocator's reserve; the model state.
+
+    model_state_mib is the census of the rank whose measured model state is largest (its whole breakdown, with
+    `rank`: what the largest rank needs, as peak_mem_mib is the highest rank's; ZeRO's padded partitions make the
+    ranks differ), model_state_mib_per_rank every rank's census in rank order, model_state_formula_mib the ZeRO
+    paper's per-rank figure for the same model, precision and optimizer. Where a rank took no census the model state
+    is the analytic one (parameters, their gradients, the optimizer's state on rank 0: not sharding-aware) and
+    model_state_mib_per_rank is None."""
     peaks = [s.memory.get("peak_mem_mib") for s in samples]
     known = [x for x in peaks if x is not None]
     m.set("peak_mem_mib", max(known) if known else None, samples[0].memory_reason)
@@ -270,7 +298,41 @@ def _memory(m: Metrics, samples: list[RankSample], model_state: dict[str, float 
     reserved = [s.memory.get("peak_mem_reserved_mib") for s in samples if s.memory.get("peak_mem_reserved_mib") is not None]
     m.set("peak_mem_reserved_mib", max(reserved) if reserved else None, "CPU: no allocator reserve to report")
     m.set("mem_method", "cuda max_memory_allocated" if reserved else "resident high-water mark (VmHWM) over the window")
-    m.set("model_state_mib", model_state)
+    censuses = [s.model_state for s in samples]
+    if censuses and all(_is_census(c) for c in censuses):
+        largest = max(range(len(censuses)), key=lambda r: (censuses[r]["total"], -r))
+        m.set("model_state_mib", {**censuses[largest], "rank": largest,
+                                  "method": "census of the tensors the adapter lists (model_state_tensors), the rank "
+                                            "with the largest total"})
+        m.set("model_state_mib_per_rank", censuses)
+    else:
+        missing = [r for r, c in enumerate(censuses) if not _is_census(c)]
+        why = next((c["reason"] for c in censuses if isinstance(c, dict) and c.get("reason")), None)
+        m.set("model_state_mib", {**model_state, "method": "analytic (rank 0's parameters, gradients and optimizer "
+                                                           "state; no census)"} if model_state else model_state)
+        m.set("model_state_mib_per_rank", None,
+              f"no model-state census on rank(s) {', '.join(map(str, missing))}" + (f" ({why})" if why else "")
+              + ": the model state is analytic")
+    m.set("model_state_formula_mib", formula, formula_reason or "no formula for this run")
+
+
+def _is_census(c: Any) -> bool:
+    return isinstance(c, dict) and isinstance(c.get("total"), (int, float))
+
+
+def _by_kind(m: Metrics, samples: list[RankSample], world_size: int, analytic: dict[str, int] | None,
+             analytic_method: str, measured_reason: str | None) -> None:
+    """Communication by kind (dpcompare.measure.volume.comm_by_kind): measured where Python dispatched the
+    collectives, beside the analytic volume. None (with `measured_reason`) where there is no analytic volume either
+    (one rank: no communication)."""
+    if analytic is None:
+        m.set("comm_by_kind", None, measured_reason or "no communication volume for this run")
+        return
+    records = [s.collectives for s in samples]
+    reason = measured_reason
+    if reason is None and not any(isinstance(r, dict) for r in records):
+        reason = "no rank recorded its collectives"
+    m.set("comm_by_kind", comm_by_kind(records, analytic, world_size, reason, analytic_method))
 
 
 CONTRADICTION_SLACK = 0.10

@@ -1,14 +1,16 @@
 """The measurement phase: what a step costs, with nothing else running.
 
 Owns: the order of the phase on every rank — warm-up steps, then `measure_steps` timed steps (clocks,
-memory window and the backend's native counter, all off under --no-instrument but the loop's wall clock),
-then the ablation: pairs of the same step with gradient synchronisation on and off, in alternating blocks
-(exposed communication = synced - unsynced). Rank 0 gathers every rank's samples and dpcompare.measure
-does the arithmetic.
+memory window, the backend's native counter and the recorder of Python collectives by kind, all off under
+--no-instrument but the loop's wall clock; the model-state census after the reduce of the last measured step,
+outside its clock segments and the loop's wall clock), then the ablation: pairs of the same step with gradient
+synchronisation on and off, in alternating blocks (exposed communication = synced - unsynced). Rank 0 gathers every
+rank's samples and dpcompare.measure does the arithmetic.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -19,8 +21,9 @@ from typing import Any
 import torch
 
 from dpcompare.contract import Adapter
-from dpcompare.measure import clocks, summary
+from dpcompare.measure import clocks, memory, summary, volume
 from dpcompare.measure.bandwidth import busbw_at
+from dpcompare.measure.collectives import CollectiveRecorder
 from dpcompare.measure.comm import CommWindow
 from dpcompare.run.config import RunConfig
 from dpcompare.run.step import StepRunner
@@ -35,6 +38,9 @@ class MeasurementPhase:
         self.local_batch, self.rank0 = local_batch, is_rank0
         self.first = cfg.steps  # steps continue the verification phase's data stream
         self.comm_reason = adapter.no_communication_reason()
+        self.no_communication = self.comm_reason  # before the ablation adds its own reason
+        self.census: dict[str, Any] | None = None
+        self.census_s = 0.0
 
     def run(self) -> dict[str, Any] | None:
         if self.cfg.measure_steps == 0:
@@ -43,43 +49,115 @@ class MeasurementPhase:
             self.runner.step(self.first + i, *self.runner.batch(self.first + i)[1:], phase="warm-up")
         start = self.first + self.cfg.warmup_steps
         self.batches = [self.runner.batch(start + i)[1:] for i in range(self.cfg.measure_steps)]
-        clock, memory, comm, loop_ms = self._timed(start)
+        clock, window, comm, by_kind, loop_ms = self._timed(start)
         synced, unsynced = self._ablation(start + self.cfg.measure_steps)
-        sample = summary.RankSample(clock.step_ms(), synced.step_ms(), unsynced.step_ms(), memory.peak() if self.cfg.instrument
-                                    else {"peak_mem_mib": None, "peak_mem_reserved_mib": None}, memory.reason, comm)
+        sample = summary.RankSample(clock.step_ms(), synced.step_ms(), unsynced.step_ms(), window.peak() if self.cfg.instrument
+                                    else {"peak_mem_mib": None, "peak_mem_reserved_mib": None}, window.reason, comm,
+                                    model_state=self.census, collectives=by_kind)
         gathered = self.adapter.all_gather_object((sample, loop_ms))
         return self._summarize(gathered) if self.rank0 else None
 
-    def _timed(self, start: int) -> tuple[clocks.SegmentClock, clocks.MemoryWindow, dict[str, Any] | None, float]:
-        """The measured steps: one clock segment per step, the memory window and the native counter around them."""
+    def _timed(self, start: int) -> tuple[clocks.SegmentClock, clocks.MemoryWindow, dict[str, Any] | None,
+                                          dict[str, Any] | None, float]:
+        """The measured steps: one clock segment per step, the memory window, the native counter and the recorder
+        of Python collectives around them; the census of the model state after the last step's reduce, outside the
+        clock's segments, the recorder's count and the loop's wall clock. Returns (clock, memory window, the native
+        counter's figures, the recorder's record, loop ms per step)."""
         instrument = self.cfg.instrument
         clock = clocks.SegmentClock(self.runner.device, enabled=instrument)
-        memory = clocks.MemoryWindow(self.runner.device)
+        memory_window = clocks.MemoryWindow(self.runner.device)
         counter = self.adapter.comm_counter() if instrument and self.comm_reason is None else None
         workdir = Path(tempfile.mkdtemp(prefix="dpcompare-"))
         window = CommWindow(counter, self.runner.device, workdir) if counter is not None else None
+        recorder = CollectiveRecorder(self.runner.device) if instrument and self.comm_reason is None else None
+
+        def census() -> None:  # after the last measured step's reduce: gradients exist, the optimizer has state
+            clock.stop()
+            started = time.perf_counter()
+            with recorder.paused() if recorder is not None else contextlib.nullcontext():
+                self.census = self._census()
+            self.census_s += time.perf_counter() - started
+            clock.start()
+
         self.adapter.all_gather_object(None)  # line the ranks up: the window starts together
         if instrument:
-            memory.reset()
+            memory_window.reset()
         if window is not None:
             window.begin()
-        loop_start = time.perf_counter()
-        for i, (x, y) in enumerate(self.batches):
-            clock.start()
-            self.runner.step(start + i, x, y, phase="measured")
-            clock.stop()
-            clock.end_step()
-            if window is not None:
-                window.step()
-        if self.runner.device.type == "cuda":
-            torch.cuda.synchronize()
-        loop_ms = (time.perf_counter() - loop_start) * 1e3 / self.cfg.measure_steps
+        last = len(self.batches) - 1
+        try:
+            if recorder is not None:
+                recorder.begin()
+            loop_start = time.perf_counter()
+            for i, (x, y) in enumerate(self.batches):
+                clock.start()
+                self.runner.step(start + i, x, y, phase="measured", after_reduce=census if i == last else None)
+                clock.stop()
+                clock.end_step()
+                if window is not None:
+                    window.step()
+                if recorder is not None:
+                    recorder.step()
+            if self.runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            loop_ms = ((time.perf_counter() - loop_start) - self.census_s) * 1e3 / self.cfg.measure_steps
+        finally:
+            if recorder is not None:
+                recorder.close()  # the originals are back whatever happened in the window
+        by_kind = recorder.record(self.cfg.measure_steps) if recorder is not None else None
         comm = None
         if instrument and self.comm_reason is None:
             comm = window.end(self.cfg.measure_steps) if window is not None else \
                 {"reason": f"{self.adapter.name} exposes no communication counter"}
         shutil.rmtree(workdir, ignore_errors=True)
-        return clock, memory, comm, loop_ms
+        return clock, memory_window, comm, by_kind, loop_ms
+
+    def _census(self) -> dict[str, Any]:
+        """This rank's model state, measured: the bytes of the tensors the adapter lists, per component
+        (dpcompare.measure.memory.census_mib), or {'reason'} when the adapter cannot list them."""
+        try:
+            tensors = self.adapter.model_state_tensors()
+        except Exception as exc:  # a backend's listing that fails leaves the analytic figure, with the reason
+            return {"reason": f"{self.adapter.name}'s model_state_tensors() raised {type(exc).__name__}: {exc}"}
+        return memory.census_mib(tensors, self.adapter.comm_buffer_bytes(self._sizes()["grad_bytes"]))
+
+    def _sizes(self) -> dict[str, int]:
+        """The model's bytes, full (not this rank's shard): gradients (trainable parameters, in their dtype), the
+        same on the wire (--compression or the backend's 16-bit recipe), and every parameter."""
+        params = list(self.adapter.wrapped.module.parameters())
+        wire = self.adapter.gradient_wire()
+        wire_size = {"fp16": 2, "bf16": 2}.get(wire)
+        return {"grad_bytes": sum(memory.param_numel(p) * p.element_size() for p in params if p.requires_grad),
+                "wire_grad_bytes": sum(memory.param_numel(p) * (wire_size or p.element_size())
+                                       for p in params if p.requires_grad),
+                "param_bytes": sum(memory.param_numel(p) * p.element_size() for p in params)}
+
+    def _formula(self) -> tuple[dict[str, Any] | None, str | None]:
+        """The ZeRO paper's per-rank model state for this model, precision, optimizer and sharding, or (None, why)."""
+        psi, trainable = memory.param_counts(self.adapter.wrapped.module.parameters())
+        try:
+            return memory.zero_formula_mib(
+                psi=psi, trainable=trainable, world_size=self.runner.world_size, shards=self._shards(),
+                weight_bytes=torch.empty((), dtype=self.runner.dtype).element_size(),
+                masters=self.adapter.amp_recipe() == "engine", optimizer=self.cfg.optimizer,
+                momentum=self.cfg.momentum), None
+        except ValueError as exc:
+            return None, str(exc)
+
+    def _shards(self) -> str:
+        return getattr(self.adapter.capabilities, "shards", "none")
+
+    def _analytic_comm(self, sizes: dict[str, int]) -> tuple[dict[str, int] | None, str]:
+        """The predicted bytes per step by kind (None when there is no communication) and how they were predicted.
+        Parameters resharded after the forward (ZeRO-3 always, FSDP unless --opt reshard_after_forward=false) are
+        gathered twice a step."""
+        if self.no_communication:
+            return None, ""
+        shards = self._shards()
+        reshard = bool(self.adapter.settings.options.get("reshard_after_forward", True))
+        return (volume.analytic_bytes_per_step(shards, sizes["wire_grad_bytes"], sizes["param_bytes"],
+                                               self.runner.world_size, reshard),
+                volume.analytic_method(shards, reshard))
 
     def _ablation(self, first: int) -> tuple[clocks.SegmentClock, clocks.SegmentClock]:
         """The same step with gradient synchronisation on and off, in alternating blocks run like the measured
@@ -109,7 +187,10 @@ class MeasurementPhase:
     def _summarize(self, gathered: list[tuple[summary.RankSample, float]]) -> dict[str, Any]:
         wrapped, cfg = self.adapter.wrapped, self.cfg
         world_size = self.runner.world_size
-        grad_bytes = sum(p.numel() * p.element_size() for p in wrapped.module.parameters() if p.requires_grad)
+        sizes = self._sizes()
+        grad_bytes = sizes["grad_bytes"]
+        formula, formula_reason = self._formula()
+        analytic, analytic_how = self._analytic_comm(sizes)
         optimizer, masters = self.adapter.optimizer_view()  # the torch optimizer behind the backend's, its masters
         message, message_reason = self.adapter.message_bytes(grad_bytes)
         microbench, microbench_reason = microbench_busbw(cfg, self.adapter.capabilities.collective_transport,
@@ -122,6 +203,10 @@ class MeasurementPhase:
                                                self.adapter.comm_buffer_bytes(grad_bytes), masters),
             microbench_busbw=microbench, microbench_reason=microbench_reason, scaling=cfg.scaling,
             comm_possible=self.comm_reason, instrumented=cfg.instrument,
+            model_state_formula=formula, model_state_formula_reason=formula_reason,
+            comm_analytic=analytic, comm_analytic_method=analytic_how,
+            comm_measured_reason=self.no_communication or (
+                None if cfg.instrument else "instrumentation off (--no-instrument): the collectives were not wrapped"),
         )
         metrics["loop_ms_per_step"] = max(g[1] for g in gathered)
         return metrics

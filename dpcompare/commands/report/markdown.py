@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from dpcompare.commands.report.derive import Derived, fmt_sweep, format_bytes, num, variant_of
 from dpcompare.measure import summary
+from dpcompare.measure.bandwidth import bus_factor
 from dpcompare.commands.report.load import created, is_number, label, metric, reasons, run_order
 
 NO_CHECKS = ("this result has no equivalence.checks (written before dpcompare checked the update and the "
@@ -227,23 +228,125 @@ def _comm_rows(runs: list[dict[str, Any]], derived: list[Derived], notes: Footno
     return rows
 
 
-def _memory_rows(runs: list[dict[str, Any]], notes: Footnotes) -> list[list[str]]:
+PARTS = ("params", "grads", "optimizer", "master_params", "comm_buffers")
+STATE_HEADER = ["params", "grads", "optimizer", "fp32 master", "comm buffers"]
+
+
+def _raw(run: dict[str, Any], name: str) -> tuple[Any, str | None]:
+    """A structured metric as the run recorded it (a dict or a list), or (None, why it is missing)."""
+    metrics = run.get("metrics")
+    value = metrics.get(name) if isinstance(metrics, dict) else None
+    if value is not None:
+        return value, None
+    return None, metric(run, name)[1]
+
+
+def _who(run: dict[str, Any], with_variant: bool) -> list[str]:
+    return [run["backend"], str(run["world_size"]), *([variant_of(run) or "-"] if with_variant else [])]
+
+
+def _state_cells(run: dict[str, Any], state: dict[str, Any], state_reason: str | None, notes: Footnotes,
+                 name: str = "model_state_mib") -> list[str]:
+    """params, grads, optimizer, fp32 master, comm buffers (marked (a) with its footnote where analytic), total."""
+    cells = []
+    for part in (*PARTS, "total"):
+        value = state.get(part, 0.0 if part == "master_params" and state else None) if state is not None else None
+        if not is_number(value):
+            cells.append(notes.na(state_reason or reasons(run).get(f"{name}.{part}")
+                                  or f"{name}.{part} is {'null' if value is None else repr(value)} and no reason was recorded"))
+            continue
+        text = num(value)
+        method = state.get("comm_buffers_method") if isinstance(state, dict) else None
+        if part == "comm_buffers" and isinstance(method, str) and method.startswith("analytic"):
+            text += " (a)" + notes.ref(f"comm buffers {method}")
+        cells.append(text)
+    return cells
+
+
+def _formula_cell(run: dict[str, Any], notes: Footnotes) -> str:
+    formula, why = _raw(run, "model_state_formula_mib")
+    if not isinstance(formula, dict) or not is_number(formula.get("total")):
+        return notes.na(why or "no ZeRO formula recorded (results written before it was)")
+    return f"{num(formula['total'])} (ZeRO-{formula.get('stage', '?')})" + notes.ref(str(formula.get("formula", "")))
+
+
+def _memory_rows(runs: list[dict[str, Any]], notes: Footnotes, with_variant: bool = False) -> list[list[str]]:
     rows = []
     for run in runs:
         state, state_reason = metric(run, "model_state_mib")
-        cells = []
-        for part in ("params", "grads", "optimizer", "master_params", "comm_buffers", "total"):
-            value = state.get(part, 0.0 if part == "master_params" and state else None) if state is not None else None
-            cells.append(num(value) if is_number(value) else notes.na(
-                state_reason or reasons(run).get(f"model_state_mib.{part}")
-                or f"model_state_mib.{part} is {'null' if value is None else repr(value)} and no reason was recorded"))
-        rows.append([run["backend"], str(run["world_size"]), cell(run, "peak_mem_mib", notes), *cells])
+        method = state.get("method") if isinstance(state, dict) else None
+        source = ("-" if state is None else f"census, rank {state['rank']}" if isinstance(state.get("rank"), int)
+                  else "analytic" + (notes.ref(method) if method else ""))
+        rows.append([*_who(run, with_variant), cell(run, "peak_mem_mib", notes),
+                     *_state_cells(run, state, state_reason, notes), _formula_cell(run, notes), source])
     return rows
 
 
-def cost_sections(runs: list[dict[str, Any]], derived: list[Derived], notes: Footnotes) -> list[str]:
+def _per_rank_rows(runs: list[dict[str, Any]], notes: Footnotes, with_variant: bool) -> list[list[str]]:
+    """Every rank's census, then the ZeRO formula's row (its text in a footnote) for each run that has either."""
+    rows = []
+    for run in runs:
+        ranks, ranks_reason = _raw(run, "model_state_mib_per_rank")
+        formula, _ = _raw(run, "model_state_formula_mib")
+        if not isinstance(ranks, list) and not isinstance(formula, dict):
+            continue
+        if isinstance(ranks, list):
+            rows += [[*_who(run, with_variant), str(r), *_state_cells(run, c if isinstance(c, dict) else None,
+                                                                        None if isinstance(c, dict) else "no census",
+                                                                        notes, "model_state_mib_per_rank")]
+                     for r, c in enumerate(ranks)]
+        else:
+            rows.append([*_who(run, with_variant), "each", *[notes.na(ranks_reason or "no per-rank census")] * 6])
+        if isinstance(formula, dict):
+            parts = [num(formula[p]) if is_number(formula.get(p)) else "-" for p in PARTS[:-1]]
+            rows.append([*_who(run, with_variant), f"**ZeRO-{formula.get('stage', '?')} formula**"
+                         + notes.ref(str(formula.get("formula", ""))), *parts, "-",
+                         num(formula["total"]) if is_number(formula.get("total")) else "-"])
+    return rows
+
+
+def _comm_kind_rows(runs: list[dict[str, Any]], notes: Footnotes, with_variant: bool) -> list[list[str]]:
+    """One row per collective kind a run predicted or measured, and a bus-traffic total against DDP's all-reduce."""
+    def shown(value: Any, fmt: Callable[[Any], str] = num) -> str:
+        return fmt(value) if is_number(value) else "-"
+
+    rows = []
+    for run in runs:
+        kinds, why = _raw(run, "comm_by_kind")
+        if not isinstance(kinds, dict):
+            continue
+        for kind, row in kinds.items():
+            if not isinstance(row, dict):
+                continue
+            method = str(row.get("method") or "no method recorded")
+            measured, analytic = row.get("bytes_per_step"), row.get("analytic_bytes_per_step")
+            rows.append([*_who(run, with_variant), kind.replace("_", "-"),
+                         (format_bytes(measured) if is_number(measured) else "n/a") + notes.ref(method),
+                         shown(analytic, format_bytes) + (notes.ref(str(row["analytic_method"]))
+                                                          if row.get("analytic_method") and is_number(analytic) else ""),
+                         shown(row.get("calls_per_step")),
+                         shown(row.get("ms_per_step")), shown(row.get("ms_per_step_max")), shown(row.get("busbw_gbps"))])
+        grad, n = metric(run, "grad_bytes_per_step")[0], run["world_size"]
+        ddp = grad * bus_factor("all_reduce", n) if is_number(grad) and n > 1 else None
+        analytic = sum(r.get("analytic_bus_bytes_per_step") or 0 for r in kinds.values() if isinstance(r, dict))
+        measured_all = [r.get("bus_bytes_per_step") for r in kinds.values() if isinstance(r, dict)]
+        measured = sum(measured_all) if measured_all and all(is_number(v) for v in measured_all) else None
+        ratio = lambda v: f" ({v / ddp:.2f}x DDP)" if ddp and is_number(v) else ""
+        rows.append([*_who(run, with_variant), "**bus total**",
+                     (format_bytes(measured) + ratio(measured)) if measured is not None else "n/a",
+                     format_bytes(analytic) + ratio(analytic), "", "", "", ""])
+    return rows
+
+
+def cost_sections(runs: list[dict[str, Any]], derived: list[Derived], notes: Footnotes,
+                  variants: list[dict[str, Any]] | tuple = ()) -> list[str]:
+    """The cost tables; `variants` (ZeRO stages, FSDP without resharding, sweep knobs) join the memory and
+    communication-by-kind tables as rows of their own."""
     # One table after the other, so the footnote numbers run in reading order.
     tokens = any(metric(r, "tokens_per_s")[0] is not None for r in runs)
+    both = [*runs, *sorted(variants, key=lambda r: (run_order(r), variant_of(r)))]
+    with_variant = bool(variants)
+    var = ["variant"] if with_variant else []
     lines = [
         "### Throughput and step time", "",
         "Scaling efficiency = samples/s at N / (N x samples/s of the scaling baseline, the run at world size 1 "
@@ -270,20 +373,47 @@ def cost_sections(runs: list[dict[str, Any]], derived: list[Derived], notes: Foo
                 "exposed comm (ms)", "overlap",
                 "model t_comm (ms)", "algbw", "busbw", "microbench busbw", "busbw / microbench"],
                _comm_rows(runs, derived, notes)), ""]
+    kind_rows = _comm_kind_rows(both, notes, with_variant)
+    if kind_rows:
+        lines += [
+            "#### Communication by kind (per optimizer step)", "",
+            "Bytes are nccl-tests' count, the full buffer (all-gather: the gathered output, reduce-scatter: the input), "
+            "measured on rank 0 where the collective passed torch.distributed's Python functions during the measured "
+            "window (n/a where none did: DDP's C++ Reducer, Horovod's runtime), beside the volume the ZeRO paper's "
+            "accounting predicts from what the backend shards. ms is the rank that spent least in the kind (median "
+            "per step of the union of its calls; an async call lasts until its wait() returns), max the rank that "
+            "spent most; busbw = bytes / ms x 2(N-1)/N (all-reduce), (N-1)/N (all-gather, reduce-scatter) or 1. "
+            "The bus total weighs every kind by its factor: ZeRO-1/2 predict 1x, ZeRO-3 and FSDP with resharding 1.5x "
+            "DDP's all-reduce.", "",
+            *table(["backend", "ws", *var, "kind", "measured bytes", "analytic bytes", "calls", "ms", "ms (max rank)",
+                    "busbw (GB/s)"], kind_rows), ""]
     lines += [
         "### Memory (MiB)", "",
-        *table(["backend", "ws", "peak", "params", "grads", "optimizer", "fp32 master", "comm buffers",
-                "model state total"],
-               _memory_rows(runs, notes)), ""]
+        "Model state measured on every rank after the reduce of the last measured step (the tensors the backend lists, "
+        "each storage byte once; comm buffers marked (a) are the backend's analytic figure), here the rank with the "
+        "largest total, beside the ZeRO paper's formula for the same model, precision, optimizer and stage "
+        "(Rajbhandari et al. 2020; it leaves out comm buffers and the fp32 copies a backend keeps beyond it).", "",
+        *table(["backend", "ws", *var, "peak", *STATE_HEADER, "model state total", "ZeRO formula total", "measured by"],
+               _memory_rows(both, notes, with_variant)), ""]
+    per_rank = _per_rank_rows(both, notes, with_variant)
+    if per_rank:
+        lines += [
+            "#### Model state per rank against the ZeRO formula (MiB)", "",
+            *table(["backend", "ws", *var, "rank", *STATE_HEADER, "total"], per_rank), ""]
     return lines
 
 
 def _model_state_cell(run: dict[str, Any]) -> str:
+    """The model state (the largest rank's census, or the analytic figure), its fp32 masters, the ZeRO formula's total."""
     state = metric(run, "model_state_mib")[0]
     if not isinstance(state, dict) or not is_number(state.get("total")):
         return "n/a"
     master = state.get("master_params")
-    return num(state["total"]) + (f" ({num(master)} fp32 master)" if is_number(master) and master > 0 else "")
+    formula = _raw(run, "model_state_formula_mib")[0]
+    extra = [f"{num(master)} fp32 master"] if is_number(master) and master > 0 else []
+    if isinstance(formula, dict) and is_number(formula.get("total")):
+        extra.append(f"ZeRO-{formula.get('stage', '?')} formula {num(formula['total'])}")
+    return num(state["total"]) + (f" ({'; '.join(extra)})" if extra else "")
 
 
 def sweep_section(variants: list[dict[str, Any]]) -> list[str]:

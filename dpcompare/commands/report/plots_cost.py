@@ -1,5 +1,6 @@
-"""The cost plots: throughput and scaling efficiency against world size, where a step's time goes, and bus
-bandwidth by message size (microbenchmark curves with the training runs placed at their bucket size).
+"""The cost plots: throughput and scaling efficiency against world size, where a step's time goes, bus
+bandwidth by message size (microbenchmark curves with the training runs placed at their bucket size), and the model
+state per component against the ZeRO paper's formula.
 Each plot function draws its PNG and returns None, or returns why it was skipped and draws nothing."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-from dpcompare.commands.report.derive import STEP_PARTS, format_bytes
+from dpcompare.commands.report.derive import STEP_PARTS, format_bytes, variant_of
 from dpcompare.commands.report.load import label, metric
 from dpcompare.commands.report.style import TRAINING_MARKERS, colour, marker, save
 from dpcompare.measure import summary
@@ -250,3 +251,85 @@ def plot_busbw(entries: list[dict[str, Any]], runs: list[dict[str, Any]], link_p
     _busbw_axes(ax, xs_all, ys_all)
     save(fig, path)
     return None, sentence
+
+
+# -- model state -------------------------------------------------------------------------------------------
+PLOT_MODEL_STATE = "model_state.png"
+MODEL_STATE_CAPTION = (
+    "Rank 0's model state per component, measured after the reduce of the last measured step (the tensors the backend "
+    "lists, each storage byte once; hatched comm buffers are the backend's analytic figure), one bar per backend and "
+    "variant; the hollow black bar and its tick mark the ZeRO paper's formula total for the same model, precision, "
+    "optimizer and stage (it leaves out comm buffers and any fp32 copy a backend keeps beyond it).")
+_STATE_PARTS = (("params", "parameters", "#4C72B0"), ("grads", "gradients", "#DD8452"),
+                ("optimizer", "optimizer state", "#55A868"), ("master_params", "fp32 master copies", "#C44E52"),
+                ("comm_buffers", "comm buffers", "#8172B3"))
+
+
+def _rank0_state(run: dict[str, Any]) -> dict[str, Any] | None:
+    """Rank 0's census (model_state_mib_per_rank[0]), else model_state_mib (older results: the analytic figure)."""
+    metrics = run.get("metrics") if isinstance(run.get("metrics"), dict) else {}
+    ranks = metrics.get("model_state_mib_per_rank")
+    if isinstance(ranks, list) and ranks and isinstance(ranks[0], dict):
+        return ranks[0]
+    state = metrics.get("model_state_mib")
+    return state if isinstance(state, dict) else None
+
+
+def _formula_total_bytes(run: dict[str, Any]) -> float | None:
+    metrics = run.get("metrics") if isinstance(run.get("metrics"), dict) else {}
+    formula = metrics.get("model_state_formula_mib")
+    total = formula.get("total") if isinstance(formula, dict) else None
+    return total * 2**20 if isinstance(total, (int, float)) and not isinstance(total, bool) else None
+
+
+def _draw_state(ax: Axes, y: int, state: dict[str, Any], labelled: set[str]) -> float:
+    """One stacked bar of the components (bytes); returns where it ends."""
+    left = 0.0
+    analytic = str(state.get("comm_buffers_method", "")).startswith("analytic")
+    for key, name, colour_ in _STATE_PARTS:
+        value = state.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            continue
+        width = value * 2**20
+        hatch = "//" if key == "comm_buffers" and analytic else None
+        shown = name + (" (analytic where hatched)" if key == "comm_buffers" else "")
+        ax.barh(y, width, left=left, height=0.6, color=colour_, hatch=hatch, edgecolor="white" if hatch else None,
+                label=None if key in labelled else shown)
+        labelled.add(key)
+        left += width
+    return left
+
+
+def plot_model_state(runs: list[dict[str, Any]], path: Path) -> str | None:
+    """Stacked horizontal bars of rank 0's model state per component, one per run and variant, with the ZeRO
+    formula's total marked beside each (a hollow bar and a tick). Returns why it was skipped, or None when drawn."""
+    rows = [(run, _rank0_state(run)) for run in runs]
+    rows = [(run, state) for run, state in rows if state is not None]
+    if not rows:
+        return "no run recorded model_state_mib (see the n/a reasons in the memory table)"
+    fig = Figure(figsize=(9.0, 1.8 + 0.5 * len(rows)), layout="constrained")
+    ax = fig.add_subplot()
+    labelled: set[str] = set()
+    longest = 1.0
+    for y, (run, state) in enumerate(reversed(rows)):
+        end = _draw_state(ax, y, state, labelled)
+        formula = _formula_total_bytes(run)
+        if formula is not None:
+            ax.barh(y, formula, height=0.8, fill=False, edgecolor="black", linewidth=1.0,
+                    label=None if "formula" in labelled else "ZeRO formula total")
+            ax.plot([formula, formula], [y - 0.45, y + 0.45], color="black", linewidth=2.0)
+            labelled.add("formula")
+        longest = max(longest, end, formula or 0.0)
+        text = format_bytes(end) + (f" (formula {format_bytes(formula)})" if formula is not None else "")
+        ax.text(max(end, formula or 0.0) + longest * 0.01, y, text, va="center", fontsize=8)
+    names = [label(run) + (f" {variant_of(run)}" if variant_of(run) else "") for run, _ in reversed(rows)]
+    ax.set_yticks(range(len(rows)), names)
+    ax.set_xlim(0, longest * 1.5)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: format_bytes(x)))
+    ax.set_xlabel("model state on rank 0 (bytes)")
+    ax.set_title("Model state per component, measured (rank 0) and the ZeRO formula")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=3, fontsize=8, frameon=False)
+    save(fig, path)
+    return None
