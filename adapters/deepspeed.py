@@ -358,8 +358,18 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
                  if torch.is_tensor(t)]
         grads += [p.grad for p in self.wrapped.module.parameters() if p.grad is not None]
         grads += [t.grad for t in masters if t.grad is not None]
-        buffers = [b for b in (getattr(opt, "ipg_buckets", None) or {}).values() if torch.is_tensor(b)]
-        return {"params": params, "grads": grads, "optimizer": state, "master_params": masters, "comm_buffers": buffers}
+        return {"params": params, "grads": grads, "optimizer": state, "master_params": masters,
+                "comm_buffers": self._bucket_buffers(opt)}
+
+    @staticmethod
+    def _bucket_buffers(opt) -> list[torch.Tensor]:
+        """ZeRO's gradient buckets (stages 1-2: IPGBucket.buffer, a list of flat tensors; stage 3: IPGBucketZ3.buffer,
+        one tensor or None until the first reduce)."""
+        out = []
+        for bucket in (getattr(opt, "ipg_buckets", None) or {}).values():
+            buffer = getattr(bucket, "buffer", None)
+            out += [t for t in (buffer if isinstance(buffer, list) else [buffer]) if torch.is_tensor(t)]
+        return out
 
     def gradient_wire(self) -> str:
         if self._engine_recipe:
