@@ -72,10 +72,15 @@ def environment() -> dict[str, Any]:
     }
 
 
-def result_path(out_dir: str | os.PathLike, backend: str, world_size: int, model: str) -> Path:
+def result_path(out_dir: str | os.PathLike, backend: str, world_size: int, model: str, variant: str = "") -> Path:
+    """OUT/<time>-<backend>[-<variant>]-ws<N>-<model>-<pid>.json. `variant`: the named variant of the backend the
+    run's options make (`zero2` for deepspeed's zero_stage=2), '' for none, so variants of one backend at one world
+    size are told apart by name; the pid keeps any two runs' files apart."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     safe_backend = "".join(c if c.isalnum() or c in "-_" else "_" for c in backend)
-    return Path(out_dir) / f"{stamp}-{safe_backend}-ws{world_size}-{model}-{os.getpid()}.json"
+    safe_variant = "".join(c if c.isalnum() or c in "-_" else "_" for c in variant)
+    name = safe_backend + (f"-{safe_variant}" if safe_variant else "")
+    return Path(out_dir) / f"{stamp}-{name}-ws{world_size}-{model}-{os.getpid()}.json"
 
 
 class Closed(RuntimeError):

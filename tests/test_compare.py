@@ -16,6 +16,12 @@ one line per way the backends left their gradients; a result written before thes
 Scaling efficiency is measured against the world-size-1 run whose result declares `scaling_baseline`, and
 notes are read by their code, never by their sentence.
 
+Named backend variants and presets, planned without a launcher: `--backends deepspeed:zero2` runs deepspeed with the
+`--opt` values its adapter declares for zero2, labelled and filed apart from deepspeed itself; an unknown variant is
+one line naming the backend's variants; a user's `package.module:Class` is still a backend, not a variant; `--suite
+sharding` plans ddp, ZeRO 0-3 and fsdp under AdamW, flags given beside it win, and a backend it names that this
+dpcompare lacks is listed unavailable. End to end (slow), the suite is equivalent everywhere and each stage shards more.
+
 Mixed precision, planned without a launcher: `--amp` reaches every run and adds deepspeed's engine recipe at
 each world size (fp16 without CUDA lists it as skipped, with the reason); the fp16 runs at one world size must
 skip the same steps, and a run that skipped others is named with its steps.
@@ -106,6 +112,40 @@ def test_sweep_stays_equivalent_and_names_what_does_not_apply(tmp_path):
     result = json.loads(Path(fp16["result_path"]).read_text())
     assert result["equivalence"]["max_rel_fro_err"] > 1e-5
     assert result["equivalence"]["tolerance"]["compression"] == "fp16"
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_sharding_suite_checks_every_zero_stage_and_shows_what_each_shards(tmp_path):
+    """`compare --suite sharding` as a user types it (a few minutes on two cores): ddp, ZeRO 0-3 and fsdp under AdamW
+    are each the same computation, and each rank's model state shrinks as the stage shards more."""
+    if not registry.availability("deepspeed")[0] or "fsdp" not in registry.BACKENDS:
+        pytest.skip("the sharding suite needs deepspeed installed and fsdp registered")
+    proc = _run(["--suite", "sharding"], tmp_path, 590)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    summary = json.loads((run_dir / "compare.json").read_text())
+    assert (summary["suite"], summary["optimizer"], summary["model"], summary["unavailable"]) == (
+        "sharding", "adamw", "mlp-wide", [])
+    assert [r["label"] for r in summary["runs"]] == SHARDING_JOBS == summary["matrix"]["labels"]
+    failed = [(r["label"], r["verdict"], r["error"]) for r in summary["runs"] if r["verdict"] != "equivalent"]
+    assert failed == []
+    results = {r["label"]: json.loads(Path(r["result_path"]).read_text()) for r in summary["runs"]}
+    assert len({r["result_path"] for r in summary["runs"]}) == len(SHARDING_JOBS)  # one file per run
+    for label, result in results.items():
+        assert result["tag"] == label and result["config"]["optimizer"] == "adamw"
+        stage = label.partition(":zero")[2].partition("/")[0]
+        assert result["config"]["options"].get("zero_stage") == (stage or None), label
+    state = {label: r["metrics"]["model_state_mib"] for label, r in results.items()}
+    # At world size 2 stage 1 shards the optimizer state, stage 3 the parameters too, FSDP all of them.
+    assert state["deepspeed:zero1/2"]["optimizer"] < state["deepspeed:zero0/2"]["optimizer"]
+    assert state["deepspeed:zero3/2"]["params"] < state["deepspeed:zero2/2"]["params"]
+    assert state["fsdp/2"]["total"] < state["ddp/2"]["total"]
+    md = (run_dir / "report.md").read_text()
+    for stage in (1, 2, 3):  # each a row of its own; stage 0, deepspeed's default, is its baseline row
+        assert f"| deepspeed | 2 | zero_stage={stage} |" in md
+    assert "| deepspeed | 2 | deepspeed |" in md and "| deepspeed | 2 | zero_stage=0 |" not in md
 
 
 def _ns(**kw) -> argparse.Namespace:
@@ -519,3 +559,222 @@ def test_runs_without_loss_scaler_steps_are_left_out_of_the_skipped_steps(tmp_pa
     assert matrix.skipped_steps([j.result for j in runs]) == [
         {"world_size": 1, "runs": {"ddp/1": []}, "agree": True,
          "line": "loss scaler: every backend at world size 1 skipped no step"}]
+
+
+# -- named backend variants (--backends deepspeed:zero2) and the --suite presets, planned without a launcher ------
+def _args(job: plan.Job) -> list[str]:
+    return job.command[job.command.index("--backend"):]
+
+
+def _opts(job: plan.Job) -> list[str]:
+    args = _args(job)
+    return [args[i + 1] for i, word in enumerate(args) if word == "--opt"]
+
+
+def test_a_backend_variant_runs_with_the_options_its_adapter_declares_under_its_own_name(tmp_path, monkeypatch):
+    _every_backend_available(monkeypatch)
+    assert plan.backend_variants("deepspeed")["zero2"] == {"zero_stage": 2}  # the adapter's VARIANTS: data, not a name
+    planned = plan.plan(_ns(backends="ddp,deepspeed,deepspeed:zero2,deepspeed:zero3", world_sizes="1,2",
+                            collectives="none"), tmp_path)
+    by_label = {j.label: j for j in planned.jobs}
+    assert list(by_label) == ["ddp/1", "ddp/2", "deepspeed/1", "deepspeed/2", "deepspeed:zero2/1", "deepspeed:zero2/2",
+                              "deepspeed:zero3/1", "deepspeed:zero3/2"]
+    zero2 = by_label["deepspeed:zero2/2"]
+    assert (zero2.backend, zero2.backend_variant, zero2.entry, zero2.options) == (
+        "deepspeed", "zero2", "deepspeed:zero2", {"zero_stage": 2})
+    assert zero2.variant == "baseline"  # a backend of its own in the matrix and the tables, not a sweep knob
+    assert zero2.launcher == "deepspeed" and zero2.world_size == 2
+    # The command the user would type: the plain backend, its variant's --opt, the job's label as the tag.
+    args = _args(zero2)
+    assert args[:2] == ["--backend", "deepspeed"] and _opts(zero2) == ["zero_stage=2"]
+    assert args[args.index("--tag") + 1] == "deepspeed:zero2/2"
+    assert zero2.command[-len(args):] == args  # under the deepspeed launcher (which picks a free port)
+    assert _opts(by_label["deepspeed:zero3/1"]) == ["zero_stage=3"]
+    # Twin: the plain backend passes no --opt; its command differs from the variant's only in the option and names.
+    plain = by_label["deepspeed/2"]
+    assert _opts(plain) == [] and plain.backend_variant == "" and plain.entry == "deepspeed"
+    without_opt = [w for i, w in enumerate(args) if w != "--opt" and args[i - 1] != "--opt"]
+    assert [w.replace("deepspeed:zero2", "deepspeed").replace("deepspeed-zero2", "deepspeed")
+            for w in without_opt] == _args(plain)
+    # Every job writes its own dump, log and fence, and its run its own tag (how compare finds its result).
+    for attr in ("dump", "log", "fence"):
+        paths = [getattr(j, attr) for j in planned.jobs]
+        assert len(set(paths)) == len(paths), attr
+    assert zero2.dump.name == "deepspeed-zero2-ws2.npz" and zero2.fence.name == "deepspeed-zero2-ws2.closed"
+    # compare.json keeps the variant apart from the backend.
+    entry = compare._run_entry(zero2)
+    assert (entry["label"], entry["backend"], entry["entry"], entry["backend_variant"], entry["options"]) == (
+        "deepspeed:zero2/2", "deepspeed", "deepspeed:zero2", "zero2", {"zero_stage": 2})
+    assert compare._run_entry(plain)["backend_variant"] is None
+
+
+def test_a_variant_keeps_its_name_in_the_matrix_the_tables_and_the_sweep(tmp_path, monkeypatch):
+    (tmp_path / "v").mkdir()
+    jobs = [_job(tmp_path, "deepspeed", 2, _equivalence(), ORACLE + 1e-8),
+            _job(tmp_path / "v", "deepspeed", 2, _equivalence(), ORACLE + 2e-8)]
+    jobs[1].backend_variant, jobs[1].label = "zero2", "deepspeed:zero2/2"
+    built = matrix.build_matrix(jobs)
+    assert built["labels"] == ["deepspeed/2", "deepspeed:zero2/2"]
+    assert built["per_step"]["0"]["deepspeed:zero2/2"]["rel_err"]["deepspeed/2"] > 0
+    text = _rendered(jobs, width=400)[0]
+    rows = [line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│ deepspeed")]
+    assert rows[:2] == ["deepspeed", "deepspeed:zero2"]  # the verdict table names the variant, the twin does not
+    _every_backend_available(monkeypatch)
+    planned = plan.plan(_ns(backends="deepspeed:zero2", world_sizes="2", collectives="none", sweep=True,
+                            sweep_bucket_mb="25", sweep_accum="2", sweep_compression="fp16"), tmp_path)
+    assert [j.label for j in planned.jobs] == ["deepspeed:zero2/2", "deepspeed:zero2/2 grad_accum=2",
+                                               "deepspeed:zero2/2 compression=fp16"]
+    assert all(_opts(j) == ["zero_stage=2"] for j in planned.jobs)
+    assert planned.sweep_skipped[0]["backend"] == "deepspeed:zero2"
+    assert planned.sweep_skipped[0]["knob"] == "bucket_mb=25"
+
+
+@pytest.mark.parametrize(("backends", "match"), [
+    ("ddp,deepspeed:zero9", "--backends 'deepspeed:zero9': deepspeed has no variant 'zero9'; choose one of "
+                            "deepspeed:zero0, deepspeed:zero1, deepspeed:zero2, deepspeed:zero3"),
+    ("deepspeed:", "deepspeed has an empty variant; choose one of deepspeed:zero0"),
+    ("deepspeed:zero2:x", "deepspeed has no variant 'zero2:x'"),
+    ("reference:fast", r"reference declares no variants \(its adapter's VARIANTS is empty\)"),
+    ("ddp,deepspeed:zero2,deepspeed:zero2", "deepspeed:zero2 is given twice"),
+    ("nccl:zero2", "cannot import module 'nccl'"),  # not a registered name: a package.module:Class of the user's
+])
+def test_an_unknown_variant_is_one_clear_error_naming_the_backends_variants(tmp_path, monkeypatch, backends, match):
+    _every_backend_available(monkeypatch)
+    with pytest.raises(ValueError, match=match):
+        plan.plan(_ns(backends=backends, collectives="none"), tmp_path)
+
+
+def test_an_unknown_variant_on_the_command_line_exits_2_before_anything_starts(tmp_path):
+    proc = _run(["--backends", "ddp,deepspeed:zero9"], tmp_path, 120)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("dpcompare: error: --backends 'deepspeed:zero9': deepspeed has no variant 'zero9'")
+    assert "deepspeed:zero3" in line and not any(tmp_path.iterdir())
+
+
+def test_a_users_package_module_class_is_a_backend_not_a_variant(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))  # tests.faulty_adapters imports as a user's module
+    spec = "tests.faulty_adapters:SummingDDP"
+    assert plan.split_entry(spec) == (spec, None) and plan.split_entry("deepspeed:zero2") == ("deepspeed", "zero2")
+    planned = plan.plan(_ns(backends=f"ddp,{spec}", world_sizes="2", collectives="none"), tmp_path)
+    user = planned.jobs[1]
+    assert (user.backend, user.backend_variant, user.label) == (spec, "", f"{spec}/2")
+    assert _args(user)[:2] == ["--backend", spec] and _opts(user) == [] and user.launcher == "torchrun"
+    assert user.dump.name == "tests.faulty_adapters-SummingDDP-ws2.npz"
+    # Its class may declare variants too: package.module:Class:variant.
+    cls = registry.load(spec, registry.BACKENDS, "backend")
+    monkeypatch.setattr(cls, "VARIANTS", {"viewed": {"gradient_as_bucket_view": True}})
+    (viewed,) = plan.plan(_ns(backends=f"{spec}:viewed", world_sizes="2", collectives="none"), tmp_path).jobs
+    assert (viewed.backend, viewed.backend_variant, viewed.label) == (spec, "viewed", f"{spec}:viewed/2")
+    assert _opts(viewed) == ["gradient_as_bucket_view=true"]
+    with pytest.raises(ValueError, match=r"SummingDDP has no variant 'fast'; choose one of .*SummingDDP:viewed"):
+        plan.plan(_ns(backends=f"{spec}:fast", world_sizes="2", collectives="none"), tmp_path)
+    # A variant whose option its adapter does not declare is the adapter's mistake, said before anything runs.
+    monkeypatch.setattr(cls, "VARIANTS", {"odd": {"no_such_option": 1}})
+    with pytest.raises(ValueError, match="the variant sets no_such_option, an option .* does not declare"):
+        plan.plan(_ns(backends=f"{spec}:odd", world_sizes="2", collectives="none"), tmp_path)
+
+
+def test_a_run_arg_opt_must_not_undo_what_a_variant_sets(tmp_path, monkeypatch):
+    _every_backend_available(monkeypatch)
+    kw = dict(backends="ddp,deepspeed:zero2", world_sizes="2", collectives="none")
+    for run_arg in (["--opt=zero_stage=3"], ["--opt", "zero_stage=1"]):
+        with pytest.raises(ValueError, match=r"--run-arg --opt zero_stage=\d contradicts --backends deepspeed:zero2"):
+            plan.plan(_ns(run_arg=run_arg, **kw), tmp_path)
+    # Twins: the same value, or another option, pass through to every run after the variant's own.
+    for run_arg in (["--opt=zero_stage=2"], ["--opt=gradient_clipping=1.0"]):
+        jobs = plan.plan(_ns(run_arg=run_arg, **kw), tmp_path).jobs
+        assert _args(jobs[1])[-1] == run_arg[0] and _opts(jobs[1])[0] == "zero_stage=2"
+
+
+def _parsed(*argv: str) -> argparse.Namespace:
+    """compare's namespace as its command line parses `argv` (what records the flags given beside --suite)."""
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+SHARDING_JOBS = ["ddp/1", "ddp/2", *(f"deepspeed:zero{n}/{ws}" for n in range(4) for ws in (1, 2)), "fsdp/1", "fsdp/2"]
+
+
+def test_the_sharding_suite_runs_ddp_every_zero_stage_and_fsdp_under_adamw(tmp_path, monkeypatch):
+    _every_backend_available(monkeypatch)
+    if "fsdp" not in registry.BACKENDS:
+        pytest.skip("fsdp is not registered yet")
+    ns = _parsed("--suite", "sharding", "--collectives", "none")
+    planned = plan.plan(ns, tmp_path)
+    assert [j.label for j in planned.jobs] == SHARDING_JOBS and planned.unavailable == []
+    assert [_opts(j) for j in planned.jobs if j.backend == "deepspeed"] == [[f"zero_stage={n}"] for n in range(4)
+                                                                              for _ in (1, 2)]
+    for job in planned.jobs:
+        args = _args(job)
+        for flag, value in (("--optimizer", "adamw"), ("--model", "mlp-wide"), ("--global-batch", "256"),
+                            ("--steps", "2"), ("--warmup-steps", "1"), ("--measure-steps", "5")):
+            assert args[args.index(flag) + 1] == value, (job.label, flag)
+    assert (ns.model, ns.optimizer, ns.global_batch, ns.world_sizes) == ("mlp-wide", "adamw", 256, "1,2")
+    # Twin: without --suite, compare's own defaults, and no --optimizer on any command (the run's sgd).
+    plain = plan.plan(_parsed("--backends", "ddp", "--collectives", "none"), tmp_path)
+    assert all("--optimizer" not in _args(j) for j in plain.jobs)
+    assert _args(plain.jobs[0])[_args(plain.jobs[0]).index("--measure-steps") + 1] == "20"
+    # --help says what the preset runs.
+    from dpcompare import cli
+
+    help_text = " ".join(cli.parser_for("compare").format_help().split())
+    for words in ("--suite {sharding}", "deepspeed ZeRO stages 0-3 (deepspeed:zero0..zero3) and fsdp", "AdamW",
+                  "flags given beside it win"):
+        assert words in help_text, words
+
+
+def test_flags_given_beside_a_suite_win_even_at_their_default(tmp_path, monkeypatch):
+    _every_backend_available(monkeypatch)
+    # --measure-steps 20 is compare's default, given on purpose: it must win over the preset's 5.
+    ns = _parsed("--suite", "sharding", "--world-sizes", "2", "--measure-steps", "20", "--optimizer", "sgd",
+                 "--backends", "ddp,deepspeed:zero3", "--collectives", "none")
+    planned = plan.plan(ns, tmp_path)
+    assert [j.label for j in planned.jobs] == ["ddp/2", "deepspeed:zero3/2"]
+    for job in planned.jobs:
+        args = _args(job)
+        assert args[args.index("--measure-steps") + 1] == "20" and "--optimizer" not in args
+        assert args[args.index("--steps") + 1] == "2" and args[args.index("--global-batch") + 1] == "256"  # preset
+    # Backends given beside the preset are the user's: an unknown one is refused, not skipped.
+    with pytest.raises(ValueError, match="unknown nccl"):
+        plan.plan(_parsed("--suite", "sharding", "--backends", "ddp,nccl", "--collectives", "none"), tmp_path)
+
+
+def test_a_suite_backend_this_dpcompare_lacks_is_listed_unavailable_not_refused(tmp_path, monkeypatch):
+    real = registry.availability
+    monkeypatch.delitem(registry.BACKENDS, "fsdp", raising=False)
+    missing = (False, "deepspeed is not installed: pip install deepspeed")
+    monkeypatch.setattr(registry, "availability", lambda b: missing if b == "deepspeed" else real(b))
+    planned = plan.plan(_parsed("--suite", "sharding", "--collectives", "none"), tmp_path)
+    assert [j.label for j in planned.jobs] == ["ddp/1", "ddp/2"]
+    # One line per backend, however many of its variants were asked for, each with the launcher it declares.
+    assert [(u["backend"], u["launcher"]) for u in planned.unavailable] == [("fsdp", "-"), ("deepspeed", "deepspeed")]
+    assert "not a registered backend" in planned.unavailable[0]["reason"]
+    text = _rendered([], unavailable=planned.unavailable, width=400)[0]
+    assert "not a registered backend" in text and "pip install deepspeed" in text
+
+
+def test_a_suites_dozen_runs_fit_the_matrix_and_the_cost_table_within_160_columns(tmp_path):
+    state = {"params": 1.5, "grads": 1.5, "optimizer": 3.0, "comm_buffers": 3.0, "total": 9.06}
+    jobs = []
+    for i, label in enumerate(SHARDING_JOBS):
+        backend, _, variant = label.partition("/")[0].partition(":")
+        ws = int(label.rpartition("/")[2])
+        (tmp_path / str(i)).mkdir()
+        job = _job(tmp_path / str(i), "deepspeed" if variant else backend, ws, _equivalence(), ORACLE + 1e-8 * ws,
+                   metrics={"samples_per_s": 5000.0, "step_ms_p50": 50.0, "model_state_mib": state})
+        job.label, job.backend_variant = label, variant
+        jobs.append(job)
+    text = _rendered(jobs)[0]
+    assert "…" not in text, text  # nothing cut short
+    assert "column N is the run in row N" in text
+    assert "│ 8 deepspeed:zero2/2 " in text and "│ deepspeed:zero2 │ 2 " in text
+    console = Console(file=io.StringIO(), width=160, record=True)
+    render.render_cost(console, jobs, [])
+    cost = console.export_text()
+    assert "…" not in cost and "model" in cost and "state MiB" in cost
+    assert next(line for line in cost.splitlines() if "deepspeed:zero3/2" in line).rstrip(" │").endswith("9.1")
+    # Twin: three runs keep their labels as the matrix's column headers.
+    few = _rendered(jobs[:3])[0]
+    assert "column N" not in few and "│ ddp/1 " in few and "deepspeed:zero0/1 ┃" in few

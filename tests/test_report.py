@@ -646,3 +646,57 @@ def test_the_verdicts_say_which_runs_ran_under_which_precision_recipe() -> None:
     assert "`--amp bf16`, autocast recipe (torch.autocast(bfloat16), float32 weights and optimizer): ddp ws=2, horovod ws=2" in text
     assert "`--amp fp16`, autocast recipe" in text and "ddp ws=1 (skipped 0, 1)" in text and "reference" not in text
     assert _precision_lines([run("ddp", 2, None), run("ddp", 1, {"amp": "none"})]) == []
+
+
+# -- backend variants (compare --backends deepspeed:zero2) ------------------------------------------------------
+def _deepspeed(options: dict[str, Any], created_unix: float, samples: float, state_total: float, **fields: Any):
+    tag = f"deepspeed:zero{options['zero_stage']}/2" if "zero_stage" in options else "deepspeed/2"
+    return run_result("deepspeed", 2, created_unix, capabilities=capabilities(multi_process=True), tag=tag,
+                      config={"optimizer": "adamw", "options": options},
+                      metrics_=metrics(samples_per_s=samples, model_state_mib={
+                          "params": 3.0, "grads": 1.5, "optimizer": 3.0, "comm_buffers": 3.0, "total": state_total}),
+                      **fields)
+
+
+def test_a_zero_stage_run_is_its_own_row_never_the_deepspeed_baseline(tmp_path: Path) -> None:
+    """compare --backends deepspeed:zero0,deepspeed:zero2 (--opt zero_stage=N): stage 2 is a variant row named
+    `deepspeed ... zero_stage=2`, even when it is the newest deepspeed run at world size 2; stage 0, deepspeed's default,
+    is the deepspeed row of the cost tables."""
+    write(tmp_path / "reference-ws1.json", run_result("reference", 1, capabilities=BASELINE, metrics_=metrics()))
+    write(tmp_path / "zero0.json", _deepspeed({"zero_stage": "0"}, 1_700_000_000.0, 120.0, 15.0))
+    write(tmp_path / "zero2.json", _deepspeed({"zero_stage": "2"}, 1_700_000_100.0, 90.0, 12.1))  # the newer one
+    sel = report.build.select(report.load_inputs(tmp_path))
+    assert [(r["backend"], r["world_size"], r["tag"]) for r in sel.runs] == [
+        ("reference", 1, "reference/1"), ("deepspeed", 2, "deepspeed:zero0/2")]
+    assert [(r["tag"], report.variant_of(r)) for r in sel.variants] == [("deepspeed:zero2/2", "zero_stage=2")]
+    md = report.build_report(tmp_path).read_text()
+    assert "| deepspeed | 2 | 120 | 0.60 |" in md and "| deepspeed | 2 | 90.0 |" not in md  # costs: stage 0
+    assert _row(md, "| deepspeed | 2 | zero_stage=2 |")[-1] == "12.1"  # the variant's row, with its model state
+    assert "1 variant(s)" in md and "0 older result(s)" in md
+    # Twin: no zero_stage at all (a plain deepspeed run, or one written before the option) is the baseline too.
+    write(tmp_path / "zero2.json", _deepspeed({}, 1_700_000_100.0, 90.0, 12.1))
+    sel = report.build.select(report.load_inputs(tmp_path))
+    assert [r["tag"] for r in sel.runs] == ["reference/1", "deepspeed/2"] and sel.variants == []
+
+
+@pytest.mark.parametrize(("backend", "tag", "config", "expected"), [
+    ("deepspeed", "deepspeed:zero2/2", {"options": {"zero_stage": "2"}}, "zero_stage=2"),
+    ("deepspeed", None, {"options": {"zero_stage": 3}}, "zero_stage=3"),  # a run of its own: the option names it
+    ("deepspeed", "deepspeed:zero0/2", {"options": {"zero_stage": "0"}}, ""),  # stage 0 is the default
+    ("deepspeed", None, {"options": {"zero_stage": 0}}, ""),
+    ("deepspeed", "deepspeed:zero3/2 amp_recipe=engine", {"options": {"zero_stage": "3", "amp_recipe": "engine"}},
+     "amp_recipe=engine zero_stage=3"),  # the amp_recipe variant is kept, beside the stage
+    ("deepspeed", None, {"options": {"amp_recipe": "engine"}}, "amp_recipe=engine"),
+    ("fsdp", "fsdp:noreshard/2", {"options": {"reshard_after_forward": "false"}}, "reshard_after_forward=false"),
+    ("fsdp", "fsdp/2", {"options": {"reshard_after_forward": "true"}}, ""),
+    # A named variant whose option this report does not know is named by its compare tag, never the baseline ...
+    ("fsdp", "fsdp:hybrid/2", {"options": {"mesh": "2x1"}}, "hybrid"),
+    ("fsdp", "fsdp:hybrid/2 grad_accum=2", {"grad_accum": 2, "options": {"mesh": "2x1"}}, "hybrid grad_accum=2"),
+    # ... and a tag that names none, or a user's package.module:Class, names nothing.
+    ("fsdp", "fsdp/2", {"options": {"mesh": "2x1"}}, ""),
+    ("mypkg.mod:Mine", "mypkg.mod:Mine/2", {}, ""),
+    ("mypkg.mod:Mine", "mypkg.mod:Mine:fast/2", {}, "fast"),
+    ("ddp", "my own free text: ddp:x/2", {}, ""),
+])
+def test_variant_rows_are_named_by_their_options_else_by_their_compare_tag(backend, tag, config, expected) -> None:
+    assert report.variant_of({"backend": backend, "world_size": 2, "tag": tag, "config": config}) == expected

@@ -3,8 +3,10 @@ cross-backend gradient matrix.
 
 Runs the reference and DataParallel (one process) and ddp / horovod / deepspeed at every world size asked
 for, each as a subprocess of its real launcher (torchrun, horovodrun, the deepspeed launcher), with the
-same model, seed, batch and steps. Every run checks itself against the float64 oracle and dumps its
-checked-step gradients; this command then builds the backend x backend x oracle matrix from the dumps,
+same model, seed, batch and steps. A --backends entry BACKEND:VARIANT runs a variant its adapter declares
+(deepspeed:zero2: --opt zero_stage=2) as a backend of its own, labelled deepspeed:zero2/N; --suite NAME runs a
+preset (sharding: ddp, ZeRO 0-3 and fsdp under AdamW). Every run checks itself against the float64 oracle and
+dumps its checked-step gradients; this command then builds the backend x backend x oracle matrix from the dumps,
 prints a table, and writes everything under OUT/<timestamp>/:
 
   runs/*.json      one result per run (schema: dpcompare/schema/result.schema.json)
@@ -32,13 +34,18 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dpcompare import results
-from dpcompare.commands.compare import execute, matrix, plan, render
+from dpcompare.commands.compare import execute, matrix, plan, render, suites
 from dpcompare.run import registry
-from dpcompare.run.config import Amp
+from dpcompare.run.config import Amp, Optimizer, RunConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backends", default=",".join(registry.BACKENDS), help="comma-separated backends")
+    suites.record_given(p)  # a flag given beside --suite wins over the preset, even at its default value
+    p.add_argument("--suite", choices=tuple(suites.SUITES), default=None, help=suites.help_text())
+    p.add_argument("--backends", default=",".join(registry.BACKENDS),
+                   help="comma-separated backends; BACKEND:VARIANT runs a variant its adapter declares (its VARIANTS, "
+                        "e.g. deepspeed:zero2 for --opt zero_stage=2) as a backend of its own; package.module:Class a "
+                        "backend of your own")
     p.add_argument("--world-sizes", default="1,2", help="comma-separated world sizes for multi-process backends")
     p.add_argument("--model", default="mlp-wide",
                    help="workload, a name or package.module:function; mlp-wide (0.8 M parameters) is compute-bound on "
@@ -54,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "above it; at 2048, compute dominates a step of mlp-wide at world size 2 on a CPU core)")
     p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
                    help="strong: fixed global batch; weak: fixed per-rank batch (global batch / largest world size)")
+    p.add_argument("--optimizer", choices=get_args(Optimizer), default=RunConfig().optimizer,
+                   help="every run's optimizer (adamw keeps two moments per parameter: the state ZeRO and FSDP shard)")
     p.add_argument("--amp", choices=get_args(Amp), default="none",
                    help="mixed precision: run every backend under torch.autocast in this dtype (fp16 with each "
                         "backend's own dynamic loss scaling); deepspeed additionally runs its engine recipe "
@@ -78,12 +87,16 @@ def main(ns: argparse.Namespace) -> int:
     if not console.is_terminal:
         console = Console(width=160)  # logs and CI: wide enough for the matrix, no wrapped numbers
     run_dir = Path(ns.out) / time.strftime("%Y%m%d-%H%M%S")
+    suites.apply(ns)
     given = ns.global_batch
     planned = plan.plan(ns, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if given is None and ns.global_batch != plan.DEFAULT_GLOBAL_BATCH:
         console.print(f"global batch {ns.global_batch}: the smallest multiple of every world size at least "
                       f"{plan.DEFAULT_GLOBAL_BATCH} (--global-batch sets it)")
+    if ns.suite:
+        console.print(f"suite {ns.suite}: {', '.join(j.label for j in planned.jobs)} (--model {ns.model} "
+                      f"--optimizer {ns.optimizer} --global-batch {ns.global_batch})", highlight=False)
     for u in planned.unavailable:
         console.print(f"[yellow]{u['backend']} unavailable:[/] {u['reason']}")
     _run_all(console, ns, run_dir, planned.jobs)
@@ -133,8 +146,9 @@ def _summary(ns: argparse.Namespace, run_dir: Path, planned: plan.Plan, figures:
     return results.base_payload(
         kind="compare",
         created_unix=time.time(),
+        suite=ns.suite, backends=ns.backends,
         model=ns.model, steps=ns.steps, measure_steps=ns.measure_steps, global_batch=ns.global_batch,
-        scaling_mode=ns.scaling, amp=ns.amp,
+        scaling_mode=ns.scaling, amp=ns.amp, optimizer=ns.optimizer,
         runs=[_run_entry(j) for j in planned.jobs],
         unavailable=planned.unavailable,
         sweep_skipped=planned.sweep_skipped,
@@ -148,7 +162,9 @@ def _summary(ns: argparse.Namespace, run_dir: Path, planned: plan.Plan, figures:
 
 
 def _run_entry(job: plan.Job) -> dict[str, Any]:
-    return {"label": job.label, "backend": job.backend, "world_size": job.world_size, "variant": job.variant,
+    return {"label": job.label, "backend": job.backend, "entry": job.entry,
+            "backend_variant": job.backend_variant or None, "options": job.options,
+            "world_size": job.world_size, "variant": job.variant,
             "status": job.status, "wall_s": job.wall_s, "error": job.error, "command": job.command,
             "result_path": None if job.result_path is None else str(job.result_path),
             "verdict": (job.result or {}).get("equivalence", {}).get("verdict")}

@@ -113,7 +113,7 @@ def unused_parameter_grads(jobs: list[Job]) -> list[dict[str, Any]]:
     groups: dict[tuple[tuple[str, str], ...], list[str]] = {}
     for name, by_run in forms_by_name.items():
         groups.setdefault(tuple(by_run.items()), []).append(name)
-    shown = {j.label: f"{j.backend} ws={j.world_size}" for j in jobs}
+    shown = {j.label: f"{j.entry} ws={j.world_size}" for j in jobs}
     words = {"none": "None", "mixed": "mixed across ranks", "nonzero": "NONZERO"}
     entries = []
     for by_run, names in groups.items():
@@ -167,8 +167,8 @@ def scaling_rows(jobs: list[Job], scaling: str) -> list[dict[str, Any]]:
     rows = []
     for j in base:
         thr = j.result["metrics"].get("samples_per_s")
-        rows.append({"label": j.label, "backend": j.backend, "world_size": j.world_size, "samples_per_s": thr,
-                     "scaling": scaling, "efficiency": scaling_efficiency(thr, j.world_size, thr1),
+        rows.append({"label": j.label, "backend": j.backend, "entry": j.entry, "world_size": j.world_size,
+                     "samples_per_s": thr, "scaling": scaling, "efficiency": scaling_efficiency(thr, j.world_size, thr1),
                      "reason": None if thr1 else
                      "no scaling-baseline run (capabilities.scaling_baseline) at world size 1 with a measured throughput"})
     return rows

@@ -10,7 +10,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from dpcompare.commands.compare.plan import Job, capabilities
+from dpcompare.commands.compare.plan import Job, declared_launcher
 from dpcompare.measure import summary
 from dpcompare.results import note_code, note_text
 
@@ -44,7 +44,7 @@ def render(console, jobs: list[Job], unavailable: list[dict], matrix: dict[str, 
     line per world size with fp16 runs: the steps their loss scalers skipped (red where the backends differ)."""
     console.print(_verdict_table(jobs, unavailable))
     if matrix["steps"]:
-        table, reasons = _matrix_table(matrix)
+        table, reasons = _matrix_table(matrix, console.width)
         console.print(table)
         for reason in reasons:
             console.print(f"n/a: {reason}", highlight=False)
@@ -67,7 +67,7 @@ def _verdict_table(jobs: list[Job], unavailable: list[dict]) -> Table:
         e = r.get("equivalence", {})
         checks = e.get("checks") or {}
         update, trajectory = checks.get("update") or {}, checks.get("trajectory") or {}
-        table.add_row(j.backend, str(j.world_size), r.get("launcher", j.launcher),
+        table.add_row(j.entry, str(j.world_size), r.get("launcher", j.launcher),
                       f"[{STATUS_STYLE.get(j.status, 'white')}]{j.status}[/]", _fmt(e.get("max_rel_fro_err")),
                       _fmt(e.get("noise_floor_rel_fro")), _fmt(e.get("noise_ratio"), ".2f"),
                       _fmt(update.get("noise_ratio"), ".2f"), _fmt(update.get("norm_ratio"), ".4f"),
@@ -75,20 +75,27 @@ def _verdict_table(jobs: list[Job], unavailable: list[dict]) -> Table:
                       {True: "identical", False: "DIFFER"}.get(e.get("replicas_identical"), "-"),
                       _fmt(j.wall_s, ".0f"), Text(_note(j)))  # Text: a log line's [brackets] are not markup
     for u in unavailable:
-        table.add_row(u["backend"], "-", capabilities(u["backend"]).native_launcher, "[yellow]unavailable[/]",
-                      "-", "-", "-", "-", "-", "-", "-", "-", u["reason"])
+        launcher = u.get("launcher") or declared_launcher(u["backend"])
+        table.add_row(u["backend"], "-", launcher, "[yellow]unavailable[/]", "-", "-", "-", "-", "-", "-", "-", "-",
+                      u["reason"])
     return table
 
 
-def _matrix_table(matrix: dict[str, Any]) -> tuple[Table, list[str]]:
-    """The matrix at its first step in noise floors, and the reasons behind its n/a cells (each once)."""
+def _matrix_table(matrix: dict[str, Any], width: int = 160) -> tuple[Table, list[str]]:
+    """The matrix at its first step in noise floors, and the reasons behind its n/a cells (each once). Where the
+    runs' labels as column headers would not fit the width (a --suite's dozen runs), the columns are numbered and
+    each row says its number."""
     step = str(matrix["steps"][0])
-    table = Table(title=f"gradient matrix at step {step}, in noise floors (0 = bitwise equal)")
+    labels = matrix["labels"]
+    needed = 4 + max(map(len, ["run", *labels])) + sum(max(len(label), 6) + 3 for label in ["oracle", *labels])
+    numbered = needed > width
+    title = f"gradient matrix at step {step}, in noise floors (0 = bitwise equal)"
+    table = Table(title=title + (": column N is the run in row N" if numbered else ""))
     table.add_column("run", no_wrap=True)
-    for label in ["oracle", *matrix["labels"]]:
-        table.add_column(label, justify="right", no_wrap=True)
+    for i, label in enumerate(["oracle", *labels]):
+        table.add_column(str(i) if numbered and i else label, justify="right", no_wrap=True)
     reasons: list[str] = []
-    for a in matrix["labels"]:
+    for n, a in enumerate(labels, 1):
         row = matrix["per_step"][step][a]
         cells = []
         for b in ["oracle", *matrix["labels"]]:
@@ -99,7 +106,7 @@ def _matrix_table(matrix: dict[str, Any]) -> tuple[Table, list[str]]:
                 cells.append("n/a")
             else:
                 cells.append("0" if row["rel_err"][b] == 0 else _fmt(row["in_noise_floors"][b], ".2f"))
-        table.add_row(a, *cells)
+        table.add_row(f"{n} {a}" if numbered else a, *cells)
     return table, reasons
 
 
@@ -119,8 +126,9 @@ def _marked(text: str, flag: tuple[str, str] | None, label: str, flagged: list[t
 def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None:
     eff = {row["label"]: row["efficiency"] for row in scaling}
     table = Table(title="what does it cost? (measured steps; a step is as slow as its slowest rank)")
-    for col in ("run", "samples/s", "scaling eff", "step p50 ms", "compute ms", "exposed comm ms", "total comm ms",
-                "overlap", "busbw GB/s", "vs microbench", "peak MiB"):
+    # Two-line headers keep a dozen runs' labels (a --suite, deepspeed:zero0/2) and every figure within 160 columns.
+    for col in ("run", "samples/s", "scaling\neff", "step p50\nms", "compute\nms", "exposed\ncomm ms", "total\ncomm ms",
+                "overlap", "busbw\nGB/s", "vs micro-\nbench", "peak\nMiB", "model\nstate MiB"):
         table.add_column(col, justify="right", no_wrap=True)
     flagged: list[tuple[str, str]] = []
     for j in jobs:
@@ -131,11 +139,20 @@ def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None
         table.add_row(j.label, _fmt(m.get("samples_per_s"), ".0f"), _fmt(eff.get(j.label), ".2f"),
                       _fmt(m.get("step_ms_p50"), ".2f"), compute, exposed, _fmt(m.get("comm_total_ms"), ".2f"),
                       _fmt(m.get("overlap_fraction"), ".2f"), _fmt(m.get("busbw_gbps"), ".3f"),
-                      _fmt(m.get("busbw_vs_microbench"), ".2f"), _fmt(m.get("peak_mem_mib"), ".0f"))
+                      _fmt(m.get("busbw_vs_microbench"), ".2f"), _fmt(m.get("peak_mem_mib"), ".0f"),
+                      _fmt(_state_total(m), ".1f"))
     console.print(table)
     for mark, line in flagged:
         console.print(Text(f"({mark}) {line}", style=_FLAG_STYLE[mark[0]]))
 
+
+
+def _state_total(metrics: dict[str, Any]) -> float | None:
+    """The model state this run's rank holds (model_state_mib.total: parameters, gradients, optimizer state, fp32
+    masters, communication buffers), what sharding shrinks; None when not measured."""
+    state = metrics.get("model_state_mib")
+    total = state.get("total") if isinstance(state, dict) else None
+    return total if isinstance(total, (int, float)) else None
 
 
 def _sweep_note(job: Job) -> str:
@@ -151,7 +168,7 @@ def render_sweep(console, jobs: list[Job], skipped: list[dict]) -> None:
     for j in jobs:
         r = j.result or {}
         e, m = r.get("equivalence", {}), r.get("metrics") or {}
-        table.add_row(j.backend, str(j.world_size), j.variant, j.status, _fmt(e.get("max_rel_fro_err")),
+        table.add_row(j.entry, str(j.world_size), j.variant, j.status, _fmt(e.get("max_rel_fro_err")),
                       _fmt(m.get("step_ms_p50"), ".2f"), _fmt(m.get("comm_exposed_ms"), ".2f"),
                       _fmt(m.get("busbw_gbps"), ".3f"), _sweep_note(j))
     for k in skipped:

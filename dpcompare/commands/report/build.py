@@ -52,7 +52,9 @@ class Plot(NamedTuple):
 @dataclass(slots=True)
 class Selection:
     """What the report is about: the newest run per backend and world size among those that vary no knob, the
-    sweep variants, the scaling baseline, the scaling mode and each reported run's derived figures."""
+    variants (sweep knobs, other precision recipes, backend variants such as `deepspeed zero_stage=2`: each its own
+    row, never a backend's baseline), the scaling baseline, the scaling mode and each reported run's derived
+    figures."""
     runs: list[dict[str, Any]]
     variants: list[dict[str, Any]]
     baseline: Baseline
@@ -73,7 +75,7 @@ def _load(in_dir: Path) -> Inputs:
 
 
 def select(inputs: Inputs) -> Selection:
-    # Runs that vary no knob make the tables and plots; sweep variants get their own table.
+    # Runs that vary no knob make the tables and plots; variants (derive.variant_of) get their own table.
     runs = newest_per_backend_world_size(r for r in inputs.runs if not variant_of(r))
     baseline = scaling_baseline(runs)
     return Selection(runs, [r for r in inputs.runs if variant_of(r)], baseline, scaling_mode(runs, inputs.compare),
@@ -124,7 +126,8 @@ def _header(in_dir: Path, inputs: Inputs, sel: Selection) -> list[str]:
     lines = ["# dpcompare report", "",
              f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} from `{in_dir}`" + span + ".", "",
              f"{len(sel.runs)} run(s) reported ({superseded} older result(s) for the same "
-             f"backend and world size superseded by newer ones, {len(sel.variants)} sweep variant(s)), scaling: "
+             f"backend and world size superseded by newer ones, {len(sel.variants)} variant(s): sweep knobs, other "
+             f"precision recipes, backend variants such as ZeRO stages), scaling: "
              f"{sel.scaling}, {len(inputs.collectives)} microbenchmark curve(s), "
              f"{'a' if inputs.compare else 'no'} compare summary.", ""]
     batch = ("local_batch", "per-rank batches") if sel.scaling == "weak" else ("global_batch", "global batches")

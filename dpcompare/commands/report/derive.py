@@ -1,6 +1,7 @@
 """Figures the report derives from the runs: which runs are reported (the newest per backend and world size,
-sweep variants apart), the scaling baseline, each run's scaling efficiency, the unattributed rest of a
-step and its bus bandwidth against the microbenchmark, and the number formats the tables and plots share."""
+variants apart: sweep knobs, other precision recipes, backend variants such as a ZeRO stage), the scaling
+baseline, each run's scaling efficiency, the unattributed rest of a step and its bus bandwidth against the
+microbenchmark, and the number formats the tables and plots share."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from dpcompare.measure.scaling import other_ms, scaling_efficiency
 
 # Config knobs that make a run a variant of the baseline computation (compare --sweep varies them).
 VARIANT_KNOBS = {"compression": "none", "grad_accum": 1, "bucket_mb": None}
-# Backend options (--opt) that do the same (compare --amp runs deepspeed's engine recipe beside its autocast one).
-VARIANT_OPTIONS = {"amp_recipe": "autocast"}
+# Backend options (--opt) that do the same, with the value that is the baseline: compare --amp runs deepspeed's engine
+# recipe beside its autocast one; compare --backends deepspeed:zero2 (--opt zero_stage=2) a ZeRO stage beside stage 0,
+# fsdp:noreshard (--opt reshard_after_forward=false) FSDP keeping its gathered parameters through the backward.
+VARIANT_OPTIONS = {"amp_recipe": "autocast", "zero_stage": 0, "reshard_after_forward": True}
 NO_BASELINE = ("no run at world size 1 declares itself the scaling baseline (capabilities.scaling_baseline): get "
                "one with python -m dpcompare --backend reference (a result written before capabilities were "
                "recorded declares nothing)")
@@ -22,14 +25,35 @@ STEP_PARTS = ("step_ms_p50", "compute_ms_p50", "comm_exposed_ms")
 
 
 # -- which runs are reported ------------------------------------------------------------------------
+def _same_option(value: Any, default: Any) -> bool:
+    """An --opt value as the result records it (the text given, or typed) against its baseline value: 2 == '2',
+    True == 'true'."""
+    return str(value).strip().lower() == str(default).lower()
+
+
+def backend_variant(run: dict[str, Any]) -> str:
+    """The named backend variant a compare job ran, from its tag (`zero2` of `deepspeed:zero2/2`), else ''."""
+    tag, backend = run.get("tag"), run.get("backend")
+    if not isinstance(tag, str) or not isinstance(backend, str) or not tag.startswith(f"{backend}:"):
+        return ""
+    name, slash, _ = tag[len(backend) + 1:].partition("/")
+    return name if slash and name and " " not in name else ""
+
+
 def variant_of(run: dict[str, Any]) -> str:
-    """'' for a baseline run, else 'knob=value ...' for the knobs it changes."""
+    """'' for a baseline run, else 'knob=value ...' for the knobs and options it changes (`zero_stage=2`, whatever
+    named it). A compare job of a named backend variant whose options are none of VARIANT_OPTIONS (a variant this
+    report has no option for) is named by its variant (`fsdp:grad_op/2` -> 'grad_op'), never taken for the baseline;
+    a ZeRO stage 0 run (deepspeed:zero0) is deepspeed's baseline, stage 0 being its default."""
     config = run.get("config") or {}
     options = config.get("options") or {}
     knobs = [f"{k}={config[k]:g}" if isinstance(config[k], float) else f"{k}={config[k]}"
              for k, default in VARIANT_KNOBS.items() if config.get(k, default) != default]
+    named = backend_variant(run)
+    if named and not any(k in options for k in VARIANT_OPTIONS):
+        knobs.insert(0, named)
     return " ".join(knobs + [f"{k}={options[k]}" for k, default in VARIANT_OPTIONS.items()
-                             if options.get(k, default) != default])
+                             if not _same_option(options.get(k, default), default)])
 
 
 def newest_per_backend_world_size(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
