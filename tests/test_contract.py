@@ -284,3 +284,11 @@ def test_settings_default_to_declared_options():
     cls = adapter_class("horovod")
     adapter = cls(ONE, torch.device("cpu"))
     assert adapter.settings == Settings(options={"broadcast_optimizer_state": False})
+
+
+def test_a_run_is_named_after_the_variant_its_options_make():
+    cls = adapter_class("deepspeed")
+    options = lambda **kw: backend.settings_for(cls, RunConfig(backend="deepspeed", options=kw)).options  # noqa: E731
+    assert backend.variant_name(cls, options(zero_stage="2")) == "zero2"
+    assert backend.variant_name(cls, options()) == "", "the defaults make no variant (zero0 is the baseline)"
+    assert backend.variant_name(adapter_class("ddp"), {}) == ""

@@ -671,7 +671,10 @@ def test_a_zero_stage_run_is_its_own_row_never_the_deepspeed_baseline(tmp_path: 
     assert [(r["tag"], report.variant_of(r)) for r in sel.variants] == [("deepspeed:zero2/2", "zero_stage=2")]
     md = report.build_report(tmp_path).read_text()
     assert "| deepspeed | 2 | 120 | 0.60 |" in md and "| deepspeed | 2 | 90.0 |" not in md  # costs: stage 0
-    assert _row(md, "| deepspeed | 2 | zero_stage=2 |")[-1] == "12.1"  # the variant's row, with its model state
+    costs, sweep = md.split("## Sweep", 1)
+    assert _row(sweep, "| deepspeed | 2 | zero_stage=2 |")[-1] == "12.1"  # the variant's row, with its model state
+    memory = costs[costs.index("### Memory (MiB)"):]
+    assert _row(memory, "| deepspeed | 2 | zero_stage=2 |"), "the variant has a row of its own in the memory table"
     assert "1 variant(s)" in md and "0 older result(s)" in md
     # Twin: no zero_stage at all (a plain deepspeed run, or one written before the option) is the baseline too.
     write(tmp_path / "zero2.json", _deepspeed({}, 1_700_000_100.0, 90.0, 12.1))
@@ -700,3 +703,18 @@ def test_a_zero_stage_run_is_its_own_row_never_the_deepspeed_baseline(tmp_path: 
 ])
 def test_variant_rows_are_named_by_their_options_else_by_their_compare_tag(backend, tag, config, expected) -> None:
     assert report.variant_of({"backend": backend, "world_size": 2, "tag": tag, "config": config}) == expected
+
+
+def test_a_failed_variant_job_is_listed_though_its_backend_succeeded(tmp_path: Path) -> None:
+    """deepspeed:zero2/2 failed and deepspeed/2 (stage 0) wrote its result: the failure is a row of its own (jobs are
+    matched by label, not by backend and world size); the successful label is not listed as failed."""
+    write(tmp_path / "runs" / "deepspeed-ws2.json", run_result("deepspeed", 2, metrics_=metrics()))
+    summary = compare_summary(["deepspeed/2"])
+    summary["runs"] = [{"label": "deepspeed/2", "entry": "deepspeed", "backend": "deepspeed", "world_size": 2,
+                        "status": "equivalent", "verdict": "equivalent"},
+                       {"label": "deepspeed:zero2/2", "entry": "deepspeed:zero2", "backend": "deepspeed", "world_size": 2,
+                        "status": "failed", "verdict": None, "error": "ZeRO-2 rank 1 exited 4"}]
+    write(tmp_path / "compare.json", summary)
+    md = report.build_report(tmp_path).read_text()
+    assert any(ln.startswith("| deepspeed:zero2 | 2 |") and "ZeRO-2 rank 1 exited 4" in ln for ln in md.splitlines()), md
+    assert not any(ln.startswith("| deepspeed | 2 |") and "failed" in ln.lower() for ln in md.splitlines())

@@ -74,3 +74,13 @@ def settings_for(cls: type[Adapter], cfg: RunConfig) -> Settings:
     return Settings(compression=cfg.compression, bucket_mb=cfg.bucket_mb, dp_devices=cfg.dp_devices,
                     instrument=cfg.instrument, amp=cfg.amp, loss_scale=initial_loss_scale(cfg),
                     options=parse_options(cls, cfg))
+
+
+def variant_name(cls: type[Adapter], options: dict[str, object]) -> str:
+    """The name of the variant the run's options make (`zero2` for deepspeed's zero_stage=2), or '' when they make
+    none: the first declared variant whose values all hold and are not all the defaults."""
+    defaults = {o.name: o.default for o in cls.OPTIONS}
+    for name, values in cls.VARIANTS.items():
+        if all(options.get(k) == v for k, v in values.items()) and any(defaults.get(k) != v for k, v in values.items()):
+            return name
+    return ""

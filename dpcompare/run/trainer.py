@@ -147,7 +147,8 @@ def _write_result(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workl
     )
     if cfg.dump_grads:
         payload["grad_dump"] = str(cfg.dump_grads)
-    path = results.result_path(cfg.out, cfg.backend, env.world_size, workload.name)
+    path = results.result_path(cfg.out, cfg.backend, env.world_size, workload.name,
+                               backend.variant_name(type(adapter), dict(adapter.settings.options)))
     payload = results.sanitize(payload)
     results.validate(payload)
     results.write_atomic(path, payload, unless=cfg.closed_if)

@@ -15,7 +15,8 @@ from dpcompare.commands.report.load import Inputs, label, load_inputs, metric
 from dpcompare.commands.report.markdown import (Footnotes, cost_sections, environment_section, footnotes_section,
                                                 inputs_not_used_section, microbench_section, plot_md, sweep_section,
                                                 unavailable_section, verdict_section)
-from dpcompare.commands.report.plots_cost import plot_busbw, plot_step_breakdown, plot_throughput
+from dpcompare.commands.report.plots_cost import (MODEL_STATE_CAPTION, PLOT_MODEL_STATE, plot_busbw, plot_model_state,
+                                                  plot_step_breakdown, plot_throughput)
 from dpcompare.commands.report.plots_verify import plot_heatmap, plot_trajectory_drift, tolerance_floors
 from dpcompare.commands.report.style import (ALL_PLOTS, PLOT_BREAKDOWN, PLOT_BUSBW, PLOT_HEATMAP, PLOT_THROUGHPUT,
                                              PLOT_TRAJECTORY)
@@ -99,7 +100,7 @@ def _busbw_plot(inputs: Inputs, runs: list[dict[str, Any]], link_peak_gbps: floa
 
 def draw_plots(inputs: Inputs, sel: Selection, link_peak_gbps: float | None, out_dir: Path) -> tuple[list[Plot], Plot]:
     """(the plots for the Plots section, the trajectory drift plot shown beside the verdict)."""
-    for name in ALL_PLOTS:
+    for name in (*ALL_PLOTS, PLOT_MODEL_STATE):
         (out_dir / name).unlink(missing_ok=True)  # a skipped plot must not leave a stale one behind
     runs = sel.runs
     plots = [
@@ -112,6 +113,8 @@ def draw_plots(inputs: Inputs, sel: Selection, link_peak_gbps: float | None, out
         Plot(PLOT_HEATMAP, "Gradient error matrix", plot_heatmap(inputs.compare, out_dir / PLOT_HEATMAP,
                                                                      tolerance_floors(runs)),
              HEATMAP_CAPTION),
+        Plot(PLOT_MODEL_STATE, "Model state per component",
+             plot_model_state([*runs, *sel.variants], out_dir / PLOT_MODEL_STATE), MODEL_STATE_CAPTION),
     ]
     drift = Plot(PLOT_TRAJECTORY, "Trajectory drift", plot_trajectory_drift(runs, out_dir / PLOT_TRAJECTORY),
                  TRAJECTORY_CAPTION)
@@ -148,7 +151,7 @@ def compose(in_dir: Path, inputs: Inputs, sel: Selection, plots: list[Plot], dri
         lines += plot_md(*drift)
     lines += unavailable_section(inputs.compare)
     lines += ["## What does it cost?", ""]
-    lines += cost_sections(sel.runs, sel.derived, notes) if sel.runs else ["No run results: nothing to cost.", ""]
+    lines += cost_sections(sel.runs, sel.derived, notes, sel.variants) if sel.runs else ["No run results: nothing to cost.", ""]
     lines += sweep_section(sel.variants)
     lines += microbench_section(inputs.collectives, inputs.unavailable_transports)
     lines += ["## Plots", ""]

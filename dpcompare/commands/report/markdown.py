@@ -118,11 +118,13 @@ def _verdict_row(run: dict[str, Any], notes: Footnotes) -> list[str]:
 
 def _failed_job_rows(runs: list[dict[str, Any]], compare: dict[str, Any] | None) -> list[list[str]]:
     """Jobs the compare summary lists as failed or timed out that left no result behind."""
-    have = {(r["backend"], r["world_size"]) for r in runs}
-    return [[str(job.get("backend")), str(job.get("world_size")), "-", "-", verdict_cell(job["status"]),
-             "-", "-", "-", "-", "-", job.get("error") or "no result written"]
+    # A job is its label (`deepspeed:zero2/2`, which its run carries as its tag); older summaries: backend and world size.
+    have = {r.get("tag") for r in runs} | {(r["backend"], r["world_size"]) for r in runs}
+    return [[str(job.get("entry") or job.get("backend")), str(job.get("world_size")), "-", "-",
+             verdict_cell(job["status"]), "-", "-", "-", "-", "-", job.get("error") or "no result written"]
             for job in (compare or {}).get("runs") or []
-            if job.get("status") in ("failed", "timeout") and (job.get("backend"), job.get("world_size")) not in have]
+            if job.get("status") in ("failed", "timeout")
+            and (job["label"] not in have if job.get("label") else (job.get("backend"), job.get("world_size")) not in have)]
 
 
 SEMANTIC_NOTES = ("per_replica_batchnorm", "buffers_per_rank")
