@@ -207,7 +207,10 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
                 "and optimizer state with DeepSpeed's safe_get_full_* accessors"
                 + (" and gather the parameters (zero.GatheredParameters)" if self.stage == 3 else "")
                 + ("; stages 2 and 3 reduce every micro-batch (no communication-free step for the ablation)"
-                   if self.stage >= 2 else ""))
+                   if self.stage >= 2 else "")
+                + ("; ZeRO-3 allocates its gradient bucket at its full reduce_bucket_size (DeepSpeed's default 5e8 "
+                   "elements, 1.9 GiB in float32) whatever the model's size: the census counts it as a comm buffer; "
+                   "--bucket-mb sizes it" if self.stage == 3 and not self.settings.bucket_mb else ""))
 
     def _precision_notes(self, engine, ds_optimizer) -> list[Note]:
         amp = self.settings.amp

@@ -460,10 +460,6 @@ def test_deepspeed_zero1_halves_the_optimizer_state_and_its_gradients_go_as_an_a
 
 @pytest.mark.multiproc
 def test_fsdp_gathers_the_parameters_twice_a_step_when_it_reshards(launch) -> None:
-    from dpcompare.run import registry
-
-    if "fsdp" not in registry.BACKENDS:
-        pytest.skip("no fsdp backend registered")
     done, result = launch("fsdp", 2, "mlp", RUN)
     assert result is not None, done.output
     m = result["metrics"]
