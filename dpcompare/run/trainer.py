@@ -142,13 +142,14 @@ def _write_result(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workl
         global_batch=global_batch, local_batch=local_batch, scaling=cfg.scaling,
         steps=cfg.steps, tag=cfg.tag, config=cfg.to_dict(),
         capabilities={"multi_process": caps.multi_process, "native_launcher": caps.native_launcher,
-                      "scaling_baseline": caps.scaling_baseline},
+                      "scaling_baseline": caps.scaling_baseline, "shards": caps.shards},
         equivalence=verdict.to_dict(policy), metrics=metrics, env=results.environment(), created_unix=time.time(),
     )
     if cfg.dump_grads:
         payload["grad_dump"] = str(cfg.dump_grads)
-    path = results.result_path(cfg.out, cfg.backend, env.world_size, workload.name,
-                               backend.variant_name(type(adapter), dict(adapter.settings.options)))
+    variant = backend.variant_name(type(adapter), dict(adapter.settings.options))
+    payload["variant"] = variant
+    path = results.result_path(cfg.out, cfg.backend, env.world_size, workload.name, variant)
     payload = results.sanitize(payload)
     results.validate(payload)
     results.write_atomic(path, payload, unless=cfg.closed_if)
@@ -198,7 +199,8 @@ def _power_of_two(x: float) -> str:
 
 def summary_line(payload: dict[str, Any]) -> str:
     e = payload["equivalence"]
-    head = f"{payload['backend']} ws={payload['world_size']} {payload['model']} [{payload['launcher']}]: {e['verdict']}"
+    name = payload["backend"] + (f":{payload['variant']}" if payload.get("variant") else "")
+    head = f"{name} ws={payload['world_size']} {payload['model']} [{payload['launcher']}]: {e['verdict']}"
     config = payload.get("config") or {}
     about_the_run = []  # what the run chose, and what it did not do
     if config.get("scaling", "strong") == "strong" and "global_batch" in config and config["global_batch"] is None:
