@@ -64,8 +64,9 @@ COMMAND_SUMMARIES = {
 
 def _top_level_help() -> str:
     lines = [f"usage: python -m dpcompare [COMMAND] [ARGS...]   (dpcompare {__version__})", "",
-             "Runs one model on one data stream through DDP, Horovod, nn.DataParallel and DeepSpeed; checks the",
-             "reduced gradients against a float64 oracle and measures what each backend costs.", "", "commands:"]
+             "Runs one model on one data stream through DDP, Horovod, nn.DataParallel, DeepSpeed (ZeRO 0-3) and FSDP2;",
+             "checks the reduced gradients against a float64 oracle and measures what each backend costs.", "",
+             "commands:"]
     lines += [f"  {name:<18} {text}" for name, text in COMMAND_SUMMARIES.items()]
     lines += ["", "options:", "  -h, --help         this overview; `python -m dpcompare COMMAND --help` shows a command's flags",
               "  --version          print the version and exit", "",
