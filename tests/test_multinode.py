@@ -194,6 +194,18 @@ def test_the_ddp_slurm_script_runs_under_a_stand_in_srun(tmp_path: Path) -> None
 
 @pytest.mark.multiproc
 @pytest.mark.slow
+@pytest.mark.timeout(AGENT_TIMEOUT_S + 60)
+def test_the_fsdp_slurm_script_runs_under_a_stand_in_srun(tmp_path: Path) -> None:
+    """FSDP2 runs under Slurm as ddp does: the script's launch line, one rank per node, a small model."""
+    result = _run_slurm_script(tmp_path, "fsdp.sbatch", {
+        "--model lm --optimizer adamw --measure-steps 50": "--model mlp --optimizer adamw --steps 2 --measure-steps 0 "
+                                                          "--device cpu",
+        "${SLURM_GPUS_PER_NODE:-8}": "1"}, AGENT_TIMEOUT_S)
+    _assert_equivalent(result, "fsdp", "torchrun")
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name, backend", [("ddp.sbatch", "ddp"), ("deepspeed.sbatch", "deepspeed")])
 def test_the_slurm_scripts_run_as_written_at_2_nodes_of_8(tmp_path: Path, name: str, backend: str) -> None:
