@@ -24,6 +24,8 @@ import pytest
 import torch
 
 from test_diagnosis import _diagnoses, _linear
+from test_precision import _different
+from test_precision import _equivalent as _equivalent_run
 
 STEPS = ["--optimizer", "adamw", "--steps", "3", "--measure-steps", "0"]
 ZERO = {n: ["--opt", f"zero_stage={n}"] for n in range(4)}
@@ -60,27 +62,10 @@ def test_a_scaled_gradient_is_not_a_zeroed_partition() -> None:
 
 # -- real runs ------------------------------------------------------------------------------------------------
 def _equivalent(proc, result: dict | None, stage: int) -> dict:
-    assert proc.returncode == 0, proc.output[-6000:]
-    assert result is not None
-    e = result["equivalence"]
-    assert e["verdict"] == "equivalent", (e["first_divergence"], e["notes"])
-    for check in ("gradient", "update", "trajectory"):
-        c = e["checks"][check]
-        assert c["status"] == "pass" and c["noise_ratio"] < 10, (check, c)
-    assert e["replicas_identical"] and all(s["grads_identical_across_ranks"] for s in e["per_step"])
+    e = _equivalent_run(proc, result)  # every check passed, replicas and reduced gradients identical across ranks
     if stage:
         assert any(n["code"] == "deepspeed.zero_stage" and f"ZeRO stage {stage}" in n["text"] for n in e["notes"])
     return e
-
-
-def _different(proc, result: dict | None, check: str, cause: str) -> dict:
-    assert proc.returncode == 0, proc.output[-6000:]
-    assert result is not None
-    e = result["equivalence"]
-    assert e["verdict"] == "different", e["notes"]
-    d = e["first_divergence"]
-    assert (d["check"], d.get("cause")) == (check, cause), d
-    return d
 
 
 @pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
