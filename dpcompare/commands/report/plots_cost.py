@@ -300,6 +300,16 @@ def _draw_state(ax: Axes, y: int, state: dict[str, Any], labelled: set[str]) -> 
     return left
 
 
+CLIP_FACTOR = 4.0
+"""A bar longer than this many times the largest bar without comm buffers (or formula) runs off the model-state
+axis rather than squeezing every other bar to a sliver."""
+
+
+def _state_bytes(state: dict[str, Any], without_comm: bool = False) -> float:
+    parts = [k for k, _, _ in _STATE_PARTS if not (without_comm and k == "comm_buffers")]
+    return sum(v * 2**20 for k in parts if isinstance(v := state.get(k), (int, float)) and not isinstance(v, bool) and v > 0)
+
+
 def plot_model_state(runs: list[dict[str, Any]], path: Path) -> str | None:
     """Stacked horizontal bars of rank 0's model state per component, one per run and variant, with the ZeRO
     formula's total marked beside each (a hollow bar and a tick). Returns why it was skipped, or None when drawn."""
@@ -310,7 +320,11 @@ def plot_model_state(runs: list[dict[str, Any]], path: Path) -> str | None:
     fig = Figure(figsize=(9.0, 1.8 + 0.5 * len(rows)), layout="constrained")
     ax = fig.add_subplot()
     labelled: set[str] = set()
-    longest = 1.0
+    # The axis spans what the components other than comm buffers and the formulas need; a comm buffer many times
+    # larger (ZeRO-3's default gradient bucket, 1.9 GiB whatever the model) runs off the axis, and its bar says so.
+    reach = max([_state_bytes(state, without_comm=True) for _, state in rows]
+                + [_formula_total_bytes(run) or 0.0 for run, _ in rows] + [1.0])
+    limit = max([_state_bytes(state) for _, state in rows if _state_bytes(state) <= CLIP_FACTOR * reach] + [reach])
     for y, (run, state) in enumerate(reversed(rows)):
         end = _draw_state(ax, y, state, labelled)
         formula = _formula_total_bytes(run)
@@ -319,12 +333,15 @@ def plot_model_state(runs: list[dict[str, Any]], path: Path) -> str | None:
                     label=None if "formula" in labelled else "ZeRO formula total")
             ax.plot([formula, formula], [y - 0.45, y + 0.45], color="black", linewidth=2.0)
             labelled.add("formula")
-        longest = max(longest, end, formula or 0.0)
-        text = format_bytes(end) + (f" (formula {format_bytes(formula)})" if formula is not None else "")
-        ax.text(max(end, formula or 0.0) + longest * 0.01, y, text, va="center", fontsize=8)
+        clipped = end > limit * 1.5
+        text = (format_bytes(end) + (" (off the axis)" if clipped else "")
+                + (f" (formula {format_bytes(formula)})" if formula is not None else ""))
+        x = limit * 1.02 if clipped else max(end, formula or 0.0) + limit * 0.01
+        ax.text(x, y, text, va="center", fontsize=8,
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0} if clipped else None)
     names = [label(run) + (f" {variant_of(run)}" if variant_of(run) else "") for run, _ in reversed(rows)]
     ax.set_yticks(range(len(rows)), names)
-    ax.set_xlim(0, longest * 1.5)
+    ax.set_xlim(0, limit * 1.5)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: format_bytes(x)))
     ax.set_xlabel("model state on rank 0 (bytes)")
     ax.set_title("Model state per component, measured (rank 0) and the ZeRO formula")
