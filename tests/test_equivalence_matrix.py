@@ -76,7 +76,8 @@ def assert_equivalent(proc, result: dict | None, *, backend: str, world_size: in
         assert c["status"] == "pass" and c["noise_ratio"] is not None and c["noise_ratio"] < 10, (check, c)
     assert abs(e["checks"]["update"]["norm_ratio"] - 1) < 1e-3, e["checks"]["update"]
     assert len(e["drift"]) == 2 and all(d["ok"] for d in e["drift"]), e["drift"]
-    summary = f"{backend} ws={world_size} {model} [{launcher}]: equivalent"
+    named = backend + (f":{result['variant']}" if result.get("variant") else "")  # a variant's line names it
+    summary = f"{named} ws={world_size} {model} [{launcher}]: equivalent"
     assert summary in proc.stdout, proc.stdout[-2000:]
 
 
