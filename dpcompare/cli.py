@@ -21,7 +21,7 @@ from dpcompare.run.launch import tell_launcher
 from dpcompare.run.registry import UserCodeError
 from dpcompare.run.config import DEFAULT_GLOBAL_BATCH, Amp, Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
 
-SUBCOMMANDS = ("run", "compare", "report", "bench-collectives", "regress")
+SUBCOMMANDS = ("run", "compare", "report", "bench-collectives", "regress", "project")
 # Exit status of `run` (docs/failures.md): 0 done; 2 bad input (nothing ran); 3 a rank made no progress for
 # --timeout-s (the watchdog stopped it); 4 the run failed while running (a collective failed or timed out, a
 # peer died, a backend error); 130 interrupted.
@@ -58,6 +58,7 @@ COMMAND_SUMMARIES = {
     "report": "rebuild report.md and the plots from the JSON results under a directory",
     "bench-collectives": "measure all-reduce bus bandwidth over each transport the backends use",
     "regress": "decide whether a build's pytest-benchmark runs are slower than a baseline's (noise-aware)",
+    "project": "predict step time, scaling efficiency and exposed communication at larger world sizes on a link",
 }
 """One line per subcommand, for the top-level --help."""
 
@@ -249,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 COMMAND_MODULES = {"compare": "dpcompare.commands.compare", "report": "dpcompare.commands.report",
-                   "bench-collectives": "dpcompare.commands.bench_collectives", "regress": "dpcompare.commands.regress"}
+                   "bench-collectives": "dpcompare.commands.bench_collectives", "regress": "dpcompare.commands.regress",
+                   "project": "dpcompare.commands.project"}
 """The subcommands other than run, imported only when named (a rank of a run loads no command module)."""
 
 

@@ -17,6 +17,7 @@ from dpcompare.commands.report.markdown import (Footnotes, cost_sections, enviro
                                                 unavailable_section, verdict_section)
 from dpcompare.commands.report.plots_cost import (MODEL_STATE_CAPTION, PLOT_MODEL_STATE, plot_busbw, plot_model_state,
                                                   plot_step_breakdown, plot_throughput)
+from dpcompare.commands.report.plots_project import PLOT_PROJECTION, find_projection, plot_projection, projection_caption
 from dpcompare.commands.report.plots_verify import plot_heatmap, plot_trajectory_drift, tolerance_floors
 from dpcompare.commands.report.style import (ALL_PLOTS, PLOT_BREAKDOWN, PLOT_BUSBW, PLOT_HEATMAP, PLOT_THROUGHPUT,
                                              PLOT_TRAJECTORY)
@@ -170,5 +171,10 @@ def write_report(in_dir: Path, out_dir: Path | None, link_peak_gbps: float | Non
     out_dir.mkdir(parents=True, exist_ok=True)
     sel = select(inputs)
     plots, drift = draw_plots(inputs, sel, link_peak_gbps, out_dir)
+    projection = find_projection(in_dir)  # python -m dpcompare project wrote one: draw it with the measured points
+    (out_dir / PLOT_PROJECTION).unlink(missing_ok=True)
+    if projection is not None:
+        plots.append(Plot(PLOT_PROJECTION, "Projected scaling", plot_projection(projection, out_dir / PLOT_PROJECTION),
+                          projection_caption(projection)))
     path = write_text_atomic(out_dir / "report.md", "\n".join(compose(in_dir, inputs, sel, plots, drift)))
     return Report(path, sel.runs, sel.derived, inputs.skipped)
