@@ -211,7 +211,7 @@ def test_the_exposed_interval_holds_a_real_difference_and_excludes_none_that_is_
     rng = np.random.default_rng(7)
     unsynced = 50.0 + rng.normal(0.0, 1.0, 20)
     clear = measure.exposed_interval(unsynced + 10.0 + rng.normal(0.0, 1.0, 20), unsynced)
-    assert clear[0] > 7.0 and 10.0 < clear[1] < 13.0
+    assert 7.0 < clear[0] <= clear[1] < 13.0
     # the same distribution in both arms: the interval reaches 0 (clipped there, as the figure is)
     same = measure.exposed_interval(50.0 + rng.normal(0.0, 5.0, 20), 50.0 + rng.normal(0.0, 5.0, 20))
     assert same[0] == 0.0 and same[1] > 0.0
@@ -219,6 +219,54 @@ def test_the_exposed_interval_holds_a_real_difference_and_excludes_none_that_is_
     noisy = measure.exposed_interval(unsynced + 10.0 + rng.normal(0.0, 8.0, 20), unsynced)
     assert noisy[1] - noisy[0] > clear[1] - clear[0]
     assert measure.exposed_interval(np.array([2.0, 3.0]), np.array([1.0, 1.0])) is None
+
+
+def test_pairs_run_back_to_back_cancel_the_machine_s_drift() -> None:
+    # The arms are interleaved (A B A B): the load of the moment slows both steps of a pair, and the difference
+    # over pairs does not see it. Blocks of one arm then the other (the old ablation) saw two machines.
+    rng = np.random.default_rng(3)
+    load = rng.normal(0.0, 10.0, 20) + np.repeat([0.0, 8.0], 10)  # another tenant, step to step; a slow spell
+    unsynced = 50.0 + load + rng.normal(0.0, 0.5, 20)
+    synced = unsynced + 5.0 + rng.normal(0.0, 0.5, 20)
+    assert measure.ablation_difference(synced, unsynced) == pytest.approx(5.0, abs=0.5)
+    lo, hi = measure.exposed_interval(synced, unsynced)
+    assert 4.0 < lo <= hi < 6.0
+    blocks = float(np.median(synced[:10]) - np.median(unsynced[10:]))  # each arm in its own window
+    assert abs(blocks - 5.0) > 2.0
+
+
+@pytest.mark.parametrize(("difference", "total", "exposed", "interference"), [
+    (4.0, 6.0, 4.0, 0.0),     # hidden in part: exposed is the difference
+    (7.34, 6.01, 6.01, 1.33),  # beyond the total (ddp/2 of the old ablation): bounded, the rest is interference
+    (-1.0, 6.0, 0.0, 0.0),    # a negative difference is no exposed time
+    (3.0, None, 3.0, None),   # no counter: nothing to bound by, no interference figure
+])
+def test_exposed_is_bounded_by_the_total_and_the_rest_is_interference(difference, total, exposed, interference) -> None:
+    got = measure.exposed_split(difference, total)
+    assert got[0] == pytest.approx(exposed) and (got[1] == pytest.approx(interference) if total is not None
+                                                 else got[1] is None)
+    if total is not None:
+        assert got[0] <= total and got[0] + got[1] == pytest.approx(max(difference, 0.0))
+
+
+def test_summarize_never_reports_exposed_above_the_total_and_says_where_the_excess_went() -> None:
+    # synced - unsynced = 9 ms per pair against a counter of 6 ms per step: the old arithmetic (the difference
+    # itself) would report 9 > 6 and flag it; the bounded one reports 6 and 3 ms of interference.
+    comm = {"total_ms": 60.0, "steps": 10, "method": "test counter"}
+    ranks = [sample([25] * 10, [21, 20] * 5, [12, 11] * 5, comm), sample([25] * 10, [20] * 10, [11] * 10)]
+    m = summarize(ranks)
+    assert m["comm_ablation_ms"] == pytest.approx(9.0) and m["comm_total_ms"] == pytest.approx(6.0)
+    assert m["comm_exposed_ms"] == pytest.approx(6.0) and m["comm_interference_ms"] == pytest.approx(3.0)
+    assert m["comm_exposed_ci_ms"][1] <= m["comm_total_ms"] < m["comm_ablation_ci_ms"][1]
+    assert measure.exposed_flag(m) is None  # nothing to flag on exposed vs total, by construction
+    assert "3.00 ms beyond the total communication 6.00 ms" in measure.interference_flag(m)
+    # the negative: unbounded, the same samples would be a contradiction
+    raw = dict(m, comm_exposed_ms=m["comm_ablation_ms"], comm_exposed_ci_ms=m["comm_ablation_ci_ms"])
+    assert measure.contradiction(raw) is not None
+    # within the total, nothing is moved and nothing is said
+    calm = summarize([sample([25] * 10, [15] * 10, [11] * 10, comm)])
+    assert calm["comm_exposed_ms"] == pytest.approx(4.0) and calm["comm_interference_ms"] == 0.0
+    assert measure.interference_flag(calm) is None
 
 
 def test_summarize_records_the_ablation_steps_and_the_interval() -> None:
@@ -327,3 +375,122 @@ def test_compare_and_report_flag_a_breakdown_that_does_not_add_up(tmp_path) -> N
     d = derive(run, baseline)
     assert d.other_ms is None and "ran slower than the measured steps" in d.other_reason
     assert derive({"world_size": 2, "metrics": fits}, baseline).other_ms == pytest.approx(3.7)
+
+
+# -- the interleaved ablation's loop ---------------------------------------------------------------------------
+def _phase(measure_steps=4, warmup_steps=1, ablation_steps=None, can_disable_sync=True):
+    """A MeasurementPhase over a fake adapter and runner that log what ran, in order."""
+    from types import SimpleNamespace
+
+    from dpcompare.contract import CommCounter, CommCounts
+    from dpcompare.run.measurement import MeasurementPhase
+
+    log = []
+
+    class Counter(CommCounter):
+        def begin(self, window):
+            log.append("counter.begin")
+
+        def step(self):
+            log.append("counter.step")
+
+        def end(self):
+            log.append("counter.end")
+            return CommCounts(method="fake", per_step_total=(1.0,) * measure_steps)
+
+    adapter = SimpleNamespace(name="fake", no_communication_reason=lambda: None, comm_counter=Counter,
+                              capabilities=SimpleNamespace(can_disable_sync=can_disable_sync),
+                              all_gather_object=lambda obj: [obj])
+
+    class Runner:
+        device = torch.device("cpu")
+
+        def batch(self, i):
+            return None, f"x{i}", f"y{i}"
+
+        def step(self, step, x, y, *, phase, sync=True, update=True, after_reduce=None):
+            log.append((phase, x, "sync" if sync else "nosync", "update" if update else "no-update"))
+            if after_reduce is not None:
+                after_reduce()
+
+    cfg = SimpleNamespace(measure_steps=measure_steps, warmup_steps=warmup_steps, ablation_steps=ablation_steps,
+                          instrument=True, steps=10)
+    phase = MeasurementPhase(cfg, adapter, Runner(), 8, True)
+    phase._census = lambda: log.append("census") or {"total": 0.0}
+    phase._summarize = lambda gathered: gathered[0][0]
+    return phase, log
+
+
+def test_the_ablation_interleaves_the_measured_steps_with_unsynced_ones() -> None:
+    phase, log = _phase()
+    sample = phase.run()
+    window = log[log.index("counter.begin") + 1:log.index("counter.end")]
+    measured = ("measured", "sync", "update")
+    unsynced = ("ablation", "nosync", "no-update")
+    # A B A B ...: each measured step, the counter read, then the same batch unsynced; the census after the last
+    # measured step's reduce, before the counter reads that step
+    expected = []
+    for i in range(4):
+        x = f"x{11 + i}"
+        expected += [(measured[0], x, *measured[1:])] + (["census"] if i == 3 else [])
+        expected += ["counter.step", (unsynced[0], x, *unsynced[1:])]
+    assert window == expected
+    assert len(sample.step_ms) == len(sample.synced_ms) == len(sample.unsynced_ms) == 4
+    # every synced arm is the part of its measured step up to the reduce: never longer than the step
+    assert all(s <= t for s, t in zip(sample.synced_ms, sample.step_ms))
+    # the warm-up runs the same pattern, before the window
+    assert log[:2] == [("warm-up", "x10", "sync", "update"), ("warm-up", "x10", "nosync", "no-update")]
+
+
+def test_fewer_pairs_spread_over_the_window_and_more_run_after_it() -> None:
+    from dpcompare.run.measurement import paired_steps
+
+    assert paired_steps(10, 5) == [0, 2, 4, 6, 8] and paired_steps(4, 10) == [0, 1, 2, 3] and paired_steps(4, 0) == []
+    phase, log = _phase(ablation_steps=6)
+    sample = phase.run()
+    after = log[log.index("counter.end") + 1:]
+    assert [e[2:] for e in after] == [("sync", "update"), ("nosync", "no-update")] * 2  # outside the counter's window
+    assert len(sample.synced_ms) == len(sample.unsynced_ms) == 6 and len(sample.step_ms) == 4
+    phase, log = _phase(ablation_steps=2)
+    phase.run()
+    window = log[log.index("counter.begin") + 1:log.index("counter.end")]
+    assert [e[1] for e in window if isinstance(e, tuple) and e[0] == "ablation"] == ["x11", "x13"]
+
+
+def test_no_unsynced_step_where_sync_cannot_be_switched_off() -> None:
+    phase, log = _phase(can_disable_sync=False)
+    sample = phase.run()
+    assert not any(isinstance(e, tuple) and e[2] == "nosync" for e in log)
+    assert sample.synced_ms == [] and sample.unsynced_ms == [] and "counter.step" in log  # the counter still ran
+    assert phase.comm_reason == "fake cannot switch gradient synchronisation off"
+
+
+def test_compare_marks_the_interference_not_exposed_above_the_total() -> None:
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from dpcompare.commands.compare import render
+
+    new = {"step_ms_p50": 30.0, "compute_ms_p50": 20.0, "comm_exposed_ms": 6.0, "comm_total_ms": 6.0,
+           "comm_ablation_ms": 9.0, "comm_interference_ms": 3.0, "comm_exposed_ci_ms": [5.0, 6.0]}
+    old = {"step_ms_p50": 30.0, "compute_ms_p50": 20.0, "comm_exposed_ms": 9.0, "comm_total_ms": 6.0,
+           "comm_exposed_ci_ms": [8.0, 10.0]}  # a result of the unbounded ablation
+    console = Console(file=io.StringIO(), width=160, record=True)
+    render.render_cost(console, [SimpleNamespace(label="new/2", result={"metrics": new}),
+                                 SimpleNamespace(label="old/2", result={"metrics": old})], [])
+    text = console.export_text()
+    assert "6.00 (+1)" in text and "(+1) new/2: the synced step took 9.00 ms longer" in text
+    assert "9.00 (!2)" in text and "(~" not in text
+
+
+def test_a_breakdown_that_does_not_add_up_is_blamed_on_the_arms_noise_not_the_machine_under_interleaving() -> None:
+    # horovod/2 of an interleaved compare on the loaded 2-core VM: median(unsynced) + median(differences) went past
+    # the step, whose synced part they estimate
+    metrics = {"step_ms_p50": 190.35, "compute_ms_p50": 160.50, "comm_exposed_ms": 48.92, "comm_ablation_ms": 48.92}
+    why = measure.breakdown_flag(metrics)
+    assert "do not add up" in why and "load changed" not in why
+    old = {k: v for k, v in metrics.items() if k != "comm_ablation_ms"}
+    assert "load changed between the two windows" in measure.breakdown_flag(old)
+    assert measure.breakdown_flag(dict(metrics, compute_ms_p50=140.0)) is None

@@ -7,11 +7,15 @@ communication counters' arithmetic in dpcompare.measure.comm. Imports no adapter
 Definitions:
   step time            forward + backward + reduce + optimizer step, excluding the equivalence check;
                        a step is as slow as its slowest rank
-  compute time         the same step with gradient synchronisation switched off (no optimizer step in
-                       either arm of the ablation, so the arms differ only by communication)
-  exposed comm         median(synced) - median(unsynced) (ablation: alternating blocks of the same step with
-                       gradient sync on and off, each arm without the optimizer step), with a 95 % bootstrap
-                       interval (each arm resampled on its own)
+  compute time         the same step with gradient synchronisation switched off, timed up to where the synced
+                       step's reduce ends (both arms of the ablation leave the optimizer step out, so they differ
+                       only by communication)
+  exposed comm         the ablation: each paired measured step (synced arm, timed up to its reduce) is followed by
+                       the same batch with gradient sync off (unsynced arm, timed up to the same point); the
+                       difference is the median over pairs of synced - unsynced (`comm_ablation_ms`), exposed is
+                       that difference bounded by the total: min(difference, total), the rest
+                       (`comm_interference_ms`) the computation slowed by the collectives beside it, not
+                       communication; a 95 % bootstrap interval over the pairs, bounded the same way
   total comm           the backend's own counter (DDP logging data, Horovod timeline with negotiation,
                        DeepSpeed timers) on the rank that spent longest in communication, its wait for the
                        other ranks included (the ablation's exposed figure includes that wait too)
@@ -128,9 +132,9 @@ def summarize(
     why_no_steps = ("instrumentation off (--no-instrument): only loop_ms_per_step is measured" if not instrumented
                     else "no measured steps (--measure-steps 0)")
     per_rank = _step_times(m, samples, world_size * local_batch, tokens_per_sample, why_no_steps)
-    exposed = _ablation(m, samples, per_rank, comm_possible,
-                        why_no_steps if not instrumented else "no ablation steps ran (--ablation-steps 0)")
     total, transfer = _native_comm(m, samples, comm_possible)
+    exposed = _ablation(m, samples, per_rank, comm_possible,
+                        why_no_steps if not instrumented else "no ablation steps ran (--ablation-steps 0)", total)
     if total and exposed is not None:
         m.set("overlap_fraction", min(max(1.0 - exposed / total, 0.0), 1.0))
     else:
@@ -168,10 +172,10 @@ def _step_times(m: Metrics, samples: list[RankSample], global_samples: int, toke
 
 
 def _ablation(m: Metrics, samples: list[RankSample], per_rank: list[list[float]], comm_possible: str | None,
-              why_no_pairs: str) -> float | None:
-    """The synced/unsynced ablation: the slowest rank per step of each arm, then the medians of the arms;
-    stragglers from the compute-only arm (the step times when no ablation ran). Returns the exposed
-    communication time, or None when it was not measured."""
+              why_no_pairs: str, total: float | None = None) -> float | None:
+    """The synced/unsynced ablation: the slowest rank per step of each arm, the pairs' differences, exposed
+    communication bounded by `total` (exposed_split); stragglers from the compute-only arm (the step times when no
+    ablation ran). Returns the exposed communication time, or None when it was not measured."""
     pairs = min(min(len(s.synced_ms), len(s.unsynced_ms)) for s in samples)
     synced = np.max([s.synced_ms[:pairs] for s in samples], axis=0) if pairs else np.array([])
     unsynced = np.max([s.unsynced_ms[:pairs] for s in samples], axis=0) if pairs else np.array([])
@@ -181,18 +185,42 @@ def _ablation(m: Metrics, samples: list[RankSample], per_rank: list[list[float]]
         for name in ("compute_ms_p50", "step_synced_ms_p50", "comm_exposed_ms"):
             m.set(name, None, comm_possible or why_no_pairs)
         return None
-    compute, synced_p50 = float(np.median(unsynced)), float(np.median(synced))
-    m.set("compute_ms_p50", compute)
-    m.set("step_synced_ms_p50", synced_p50)
+    m.set("compute_ms_p50", float(np.median(unsynced)))
+    m.set("step_synced_ms_p50", float(np.median(synced)))
     m.set("step_synced_ms", synced.tolist())
     m.set("step_unsynced_ms", unsynced.tolist())
-    exposed = max(synced_p50 - compute, 0.0)
+    difference = ablation_difference(synced, unsynced)
+    exposed, interference = exposed_split(difference, total)
+    m.set("comm_ablation_ms", difference)
     m.set("comm_exposed_ms", exposed)
-    interval = exposed_interval(synced, unsynced)
-    m.set("comm_exposed_ci_ms", interval, None if interval else
-          f"{pairs} ablation pairs are too few for an interval (at least {MIN_PAIRS_FOR_INTERVAL})")
+    m.set("comm_interference_ms", interference, "no total communication time to bound the exposed figure by")
+    raw = exposed_interval(synced, unsynced)
+    too_few = f"{pairs} ablation pairs are too few for an interval (at least {MIN_PAIRS_FOR_INTERVAL})"
+    m.set("comm_ablation_ci_ms", raw, None if raw else too_few)
+    interval = [exposed_split(v, total)[0] for v in raw] if raw else None
+    m.set("comm_exposed_ci_ms", interval, None if interval else too_few)
     m.set("ablation_pairs", pairs)
     return exposed
+
+
+def ablation_difference(synced: np.ndarray, unsynced: np.ndarray) -> float:
+    """The median over pairs of synced - unsynced (step i of each arm ran back to back, on the same machine), at
+    least 0."""
+    return max(float(np.median(np.subtract(synced, unsynced))), 0.0)
+
+
+def exposed_split(difference: float, total: float | None) -> tuple[float, float | None]:
+    """(exposed, interference) from the ablation's difference and the backend's total communication time (the
+    counter, over the same measured steps). The step cannot wait on communication for longer than communication
+    took: exposed = min(difference, total) <= total. What the synced step lost beyond the total is interference,
+    the computation slowed by the collectives running beside it (cores, memory bandwidth, a shared link), reported
+    as such and not as communication. Without a total (no counter) exposed is the difference and interference
+    None."""
+    difference = max(difference, 0.0)
+    if total is None:
+        return difference, None
+    exposed = min(difference, max(total, 0.0))
+    return exposed, difference - exposed
 
 
 MIN_PAIRS_FOR_INTERVAL = 5
@@ -200,15 +228,16 @@ MIN_PAIRS_FOR_INTERVAL = 5
 
 
 def exposed_interval(synced: np.ndarray, unsynced: np.ndarray) -> list[float] | None:
-    """The 95 % bootstrap interval of median(synced) - median(unsynced), each arm resampled on its own
-    (percentile method, a fixed seed so a result is reproducible from its step times), clipped at 0 like the
-    exposed figure itself; None with too few steps."""
-    if min(len(synced), len(unsynced)) < MIN_PAIRS_FOR_INTERVAL:
+    """The 95 % bootstrap interval of the median over pairs of synced - unsynced (the pairs resampled together,
+    percentile method, a fixed seed so a result is reproducible from its step times), clipped at 0 like the
+    figure itself; None with too few pairs."""
+    n = min(len(synced), len(unsynced))
+    if n < MIN_PAIRS_FOR_INTERVAL:
         return None
-    res = stats.bootstrap((np.asarray(synced, float), np.asarray(unsynced, float)),
-                          lambda a, b, axis: np.median(a, axis=axis) - np.median(b, axis=axis),
-                          vectorized=True, paired=False, confidence_level=0.95, n_resamples=2000,
-                          method="percentile", random_state=np.random.default_rng(0))
+    difference = np.subtract(np.asarray(synced, float)[:n], np.asarray(unsynced, float)[:n])
+    res = stats.bootstrap((difference,), lambda d, axis: np.median(d, axis=axis), vectorized=True,
+                          confidence_level=0.95, n_resamples=2000, method="percentile",
+                          random_state=np.random.default_rng(0))
     lo, hi = res.confidence_interval
     return [max(float(lo), 0.0), max(float(hi), 0.0)]
 
@@ -346,7 +375,8 @@ def exposed_flag(metrics: dict[str, Any]) -> tuple[str, str] | None:
     lies above it (a result without an interval is judged on its figure alone). Then the collectives slowed the
     computation around them (cores, memory bandwidth or a PCIe link shared with compute), and the ablation
     booked that slowdown as communication: read exposed as an upper bound, and the total as what the
-    collectives themselves took."""
+    collectives themselves took. Results measured with the interleaved ablation bound exposed by the total
+    (exposed_split) and put that slowdown in comm_interference_ms (interference_flag): this judges older results."""
     exposed, total = metrics.get("comm_exposed_ms"), metrics.get("comm_total_ms")
     if not isinstance(exposed, (int, float)) or not isinstance(total, (int, float)) or total <= 0:
         return None
@@ -366,19 +396,40 @@ def exposed_flag(metrics: dict[str, Any]) -> tuple[str, str] | None:
                  f"communication; exposed is an upper bound here")
 
 
+def interference_flag(metrics: dict[str, Any]) -> str | None:
+    """Why the ablation's difference exceeded the total by more than CONTRADICTION_SLACK, or None: the part beyond
+    the total (comm_interference_ms) is the computation slowed by the collectives beside it, shown apart from
+    exposed communication, which it is not."""
+    extra, total, raw = (metrics.get(k) for k in ("comm_interference_ms", "comm_total_ms", "comm_ablation_ms"))
+    if not all(isinstance(v, (int, float)) for v in (extra, total, raw)) or total <= 0:
+        return None
+    if extra <= total * CONTRADICTION_SLACK:
+        return None
+    return (f"the synced step took {raw:.2f} ms longer than the unsynced one, {extra:.2f} ms beyond the total "
+            f"communication {total:.2f} ms: the collectives slowed the computation beside them (cores, memory "
+            f"bandwidth, a shared link); exposed is bounded by the total and this interference is not counted in it")
+
+
 def breakdown_flag(metrics: dict[str, Any]) -> str | None:
     """Why compute and exposed communication do not fit in the measured step, or None. The step is the p50 of the
-    measured window; compute and exposed come from the ablation's pairs after it, whose synced arm (compute +
-    exposed) skips the optimizer step, so in one state of the machine it is at most the step. More than
-    CONTRADICTION_SLACK beyond it, the machine ran slower during the ablation than during the measured steps
-    (another tenant on a shared machine, a slow spell): the breakdown does not add up and is not printed as if
-    it did."""
+    measured window; compute and exposed come from the ablation's pairs, whose synced arm (compute + exposed) is
+    the measured step up to its reduce, so it is at most the step. More than CONTRADICTION_SLACK beyond it (results
+    of the older ablation, run after the measured window), the machine ran slower during the ablation than during
+    the measured steps (another tenant on a shared machine, a slow spell): the breakdown does not add up and is
+    not printed as if it did."""
     step, compute, exposed = (metrics.get(k) for k in ("step_ms_p50", "compute_ms_p50", "comm_exposed_ms"))
     if not all(isinstance(v, (int, float)) for v in (step, compute, exposed)) or step <= 0:
         return None
     parts = compute + max(exposed, 0.0)
     if parts <= step * (1.0 + CONTRADICTION_SLACK):
         return None
+    if isinstance(metrics.get("comm_ablation_ms"), (int, float)):  # the interleaved ablation: one machine
+        return (f"compute {compute:.2f} ms + exposed {max(exposed, 0.0):.2f} ms = {parts:.2f} ms is "
+                f"{parts / step - 1:.0%} more than the measured step p50 {step:.2f} ms, though the synced arm is part "
+                f"of every measured step: the median of the unsynced arm and the median of the pairs' differences "
+                f"do not add up to the synced arm's median when the steps are this noisy, so compute and exposed "
+                f"compare with each other, not with the step, and the rest of the step is not known; more "
+                f"--measure-steps, or a quieter machine, narrow it")
     return (f"compute {compute:.2f} ms + exposed {max(exposed, 0.0):.2f} ms = {parts:.2f} ms is {parts / step - 1:.0%} "
             f"more than the measured step p50 {step:.2f} ms: the ablation's pairs ran slower than the measured steps "
             f"(the machine's load changed between the two windows), so compute and exposed compare with each other, "

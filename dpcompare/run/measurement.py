@@ -3,8 +3,10 @@
 Owns: the order of the phase on every rank — warm-up steps, then `measure_steps` timed steps (clocks,
 memory window, the backend's native counter and the recorder of Python collectives by kind, all off under
 --no-instrument but the loop's wall clock; the model-state census after the reduce of the last measured step,
-outside its clock segments and the loop's wall clock), then the ablation: pairs of the same step with gradient
-synchronisation on and off, in alternating blocks (exposed communication = synced - unsynced). Rank 0 gathers every
+outside its clock segments and the loop's wall clock), with the ablation interleaved: each paired measured step is
+followed by the same step with gradient synchronisation off (A B A B ...). The measured step is the synced arm, timed
+up to its reduce (its optimizer step left out); the unsynced step, timed up to the same point, is the compute arm
+(exposed communication = synced - unsynced, measured on the very steps the counter counts). Rank 0 gathers every
 rank's samples and dpcompare.measure does the arithmetic.
 """
 
@@ -28,8 +30,12 @@ from dpcompare.measure.comm import CommWindow
 from dpcompare.run.config import RunConfig
 from dpcompare.run.step import StepRunner
 
-ABLATION_BLOCK = 5
-"""Steps per block of one ablation arm before switching to the other."""
+
+def paired_steps(measure_steps: int, pairs: int) -> list[int]:
+    """Which measured steps are followed by an unsynced step: `pairs` of them, spread evenly over the window (all of
+    them when pairs >= measure_steps; the pairs beyond the window run after it, see MeasurementPhase._extra_pairs)."""
+    n = min(pairs, measure_steps)
+    return sorted({(k * measure_steps) // n for k in range(n)}) if n else []
 
 
 class MeasurementPhase:
@@ -45,24 +51,58 @@ class MeasurementPhase:
     def run(self) -> dict[str, Any] | None:
         if self.cfg.measure_steps == 0:
             return None
-        for i in range(self.cfg.warmup_steps):
-            self.runner.step(self.first + i, *self.runner.batch(self.first + i)[1:], phase="warm-up")
+        pairs, ablation_reason = self._pairs()
+        for i in range(self.cfg.warmup_steps):  # the loop's pattern, untimed: the unsynced path is warm too
+            x, y = self.runner.batch(self.first + i)[1:]
+            self.runner.step(self.first + i, x, y, phase="warm-up")
+            if pairs:
+                self.runner.step(self.first + i, x, y, phase="warm-up", sync=False, update=False)
         start = self.first + self.cfg.warmup_steps
         self.batches = [self.runner.batch(start + i)[1:] for i in range(self.cfg.measure_steps)]
-        clock, window, comm, by_kind, loop_ms = self._timed(start)
-        synced, unsynced = self._ablation(start + self.cfg.measure_steps)
-        sample = summary.RankSample(clock.step_ms(), synced.step_ms(), unsynced.step_ms(), window.peak() if self.cfg.instrument
+        arms = {True: clocks.SegmentClock(self.runner.device), False: clocks.SegmentClock(self.runner.device)}
+        clock, window, comm, by_kind, loop_ms = self._timed(start, pairs, arms)
+        self._extra_pairs(start + self.cfg.measure_steps + pairs, pairs, arms)
+        self.comm_reason = ablation_reason  # after the window: the counter ran all the same
+        sample = summary.RankSample(clock.step_ms(), arms[True].step_ms(), arms[False].step_ms(),
+                                    window.peak() if self.cfg.instrument
                                     else {"peak_mem_mib": None, "peak_mem_reserved_mib": None}, window.reason, comm,
                                     model_state=self.census, collectives=by_kind)
         gathered = self.adapter.all_gather_object((sample, loop_ms))
         return self._summarize(gathered) if self.rank0 else None
 
-    def _timed(self, start: int) -> tuple[clocks.SegmentClock, clocks.MemoryWindow, dict[str, Any] | None,
-                                          dict[str, Any] | None, float]:
+    def _pairs(self) -> tuple[int, str | None]:
+        """(synced/unsynced pairs to run, the reason there is no exposed figure or None). --ablation-steps, default
+        --measure-steps; none under --no-instrument, without communication, or where sync cannot be switched off
+        (ZeRO-2/3: they reduce into partitions inside backward)."""
+        pairs = self.cfg.measure_steps if self.cfg.ablation_steps is None else self.cfg.ablation_steps
+        reason = self.comm_reason
+        if reason is None and not self.adapter.capabilities.can_disable_sync:
+            reason = f"{self.adapter.name} cannot switch gradient synchronisation off"
+        return (pairs if self.cfg.instrument and reason is None else 0), reason
+
+    def _unsynced(self, step: int, x: torch.Tensor, y: torch.Tensor, arm: clocks.SegmentClock,
+                  whole: clocks.SegmentClock | None = None) -> None:
+        """The compute arm: the same batch with synchronisation off, timed (`arm`) from its start to where the synced
+        step's reduce ends; no optimizer step (update=False: the gradients are dropped, then zero_grad clears them,
+        unreduced ones included, so the next measured step starts from the weights and gradients it would have had).
+        `whole` times the whole step, for the loop's wall clock to leave out."""
+        if whole is not None:
+            whole.start()
+        arm.start()
+        self.runner.step(step, x, y, phase="ablation", sync=False, update=False, after_reduce=arm.stop)
+        arm.end_step()
+        if whole is not None:
+            whole.stop()
+            whole.end_step()
+
+    def _timed(self, start: int, pairs: int, arms: dict[bool, clocks.SegmentClock]) -> tuple[
+            clocks.SegmentClock, clocks.MemoryWindow, dict[str, Any] | None, dict[str, Any] | None, float]:
         """The measured steps: one clock segment per step, the memory window, the native counter and the recorder
         of Python collectives around them; the census of the model state after the last step's reduce, outside the
-        clock's segments, the recorder's count and the loop's wall clock. Returns (clock, memory window, the native
-        counter's figures, the recorder's record, loop ms per step)."""
+        clock's segments, the recorder's count and the loop's wall clock. The paired measured steps (paired_steps)
+        are also the synced arm, timed up to their reduce, and each is followed by its unsynced step, which the
+        counter (read before it), the recorder (paused) and the loop's wall clock leave out. Returns (clock, memory
+        window, the native counter's figures, the recorder's record, loop ms per step)."""
         instrument = self.cfg.instrument
         clock = clocks.SegmentClock(self.runner.device, enabled=instrument)
         memory_window = clocks.MemoryWindow(self.runner.device)
@@ -70,6 +110,8 @@ class MeasurementPhase:
         workdir = Path(tempfile.mkdtemp(prefix="dpcompare-"))
         window = CommWindow(counter, self.runner.device, workdir) if counter is not None else None
         recorder = CollectiveRecorder(self.runner.device) if instrument and self.comm_reason is None else None
+        paired = set(paired_steps(self.cfg.measure_steps, pairs))
+        whole = clocks.SegmentClock(self.runner.device)  # the unsynced steps, left out of the loop's wall clock
 
         def census() -> None:  # after the last measured step's reduce: gradients exist, the optimizer has state
             clock.stop()
@@ -78,6 +120,12 @@ class MeasurementPhase:
                 self.census = self._census()
             self.census_s += time.perf_counter() - started
             clock.start()
+
+        def after_reduce(i: int) -> None:
+            if i in paired:
+                arms[True].stop()  # the synced arm ends with the reduce, before the census
+            if i == last:
+                census()
 
         self.adapter.all_gather_object(None)  # line the ranks up: the window starts together
         if instrument:
@@ -91,16 +139,24 @@ class MeasurementPhase:
             loop_start = time.perf_counter()
             for i, (x, y) in enumerate(self.batches):
                 clock.start()
-                self.runner.step(start + i, x, y, phase="measured", after_reduce=census if i == last else None)
+                if i in paired:
+                    arms[True].start()
+                self.runner.step(start + i, x, y, phase="measured", after_reduce=lambda i=i: after_reduce(i))
                 clock.stop()
                 clock.end_step()
                 if window is not None:
                     window.step()
                 if recorder is not None:
                     recorder.step()
+                if i in paired:
+                    arms[True].end_step()
+                    with recorder.paused() if recorder is not None else contextlib.nullcontext():
+                        self._unsynced(start + self.cfg.measure_steps + len(arms[False].steps), x, y, arms[False],
+                                       whole)
             if self.runner.device.type == "cuda":
                 torch.cuda.synchronize()
-            loop_ms = ((time.perf_counter() - loop_start) - self.census_s) * 1e3 / self.cfg.measure_steps
+            loop_s = time.perf_counter() - loop_start - self.census_s - sum(whole.step_ms()) / 1e3
+            loop_ms = loop_s * 1e3 / self.cfg.measure_steps
         finally:
             if recorder is not None:
                 recorder.close()  # the originals are back whatever happened in the window
@@ -111,6 +167,16 @@ class MeasurementPhase:
                 {"reason": f"{self.adapter.name} exposes no communication counter"}
         shutil.rmtree(workdir, ignore_errors=True)
         return clock, memory_window, comm, by_kind, loop_ms
+
+    def _extra_pairs(self, first: int, pairs: int, arms: dict[bool, clocks.SegmentClock]) -> None:
+        """--ablation-steps above --measure-steps: the pairs the window could not hold, after it, in the same A B
+        order (a training step timed up to its reduce, then the unsynced step); outside the counter's window."""
+        for k in range(pairs - self.cfg.measure_steps):
+            x, y = self.batches[k % len(self.batches)]
+            arms[True].start()
+            self.runner.step(first + 2 * k, x, y, phase="ablation", after_reduce=arms[True].stop)
+            arms[True].end_step()
+            self._unsynced(first + 2 * k + 1, x, y, arms[False])
 
     def _census(self) -> dict[str, Any]:
         """This rank's model state, measured: the bytes of the tensors the adapter lists, per component
@@ -158,31 +224,6 @@ class MeasurementPhase:
         return (volume.analytic_bytes_per_step(shards, sizes["wire_grad_bytes"], sizes["param_bytes"],
                                                self.runner.world_size, reshard),
                 volume.analytic_method(shards, reshard))
-
-    def _ablation(self, first: int) -> tuple[clocks.SegmentClock, clocks.SegmentClock]:
-        """The same step with gradient synchronisation on and off, in alternating blocks run like the measured
-        loop (no barrier between steps, so ranks run free as in training). No optimizer step in either arm:
-        the weights stay where the run left them and the arms differ only by communication. Medians absorb
-        the one step per block that pays for the ranks drifting apart."""
-        arms = {True: clocks.SegmentClock(self.runner.device), False: clocks.SegmentClock(self.runner.device)}
-        pairs = self.cfg.measure_steps if self.cfg.ablation_steps is None else self.cfg.ablation_steps
-        if self.comm_reason is None and not self.adapter.capabilities.can_disable_sync:
-            self.comm_reason = f"{self.adapter.name} cannot switch gradient synchronisation off"
-        if not (self.cfg.instrument and self.comm_reason is None and pairs):
-            return arms[True], arms[False]
-        block = min(ABLATION_BLOCK, pairs)
-        done = {True: 0, False: 0}
-        sync = True
-        while done[True] < pairs or done[False] < pairs:
-            for _ in range(min(block, pairs - done[sync])):
-                x, y = self.batches[(done[True] + done[False]) % len(self.batches)]
-                arms[sync].start()
-                self.runner.step(first + done[True] + done[False], x, y, phase="ablation", sync=sync, update=False)
-                arms[sync].stop()
-                arms[sync].end_step()
-                done[sync] += 1
-            sync = not sync
-        return arms[True], arms[False]
 
     def _summarize(self, gathered: list[tuple[summary.RankSample, float]]) -> dict[str, Any]:
         wrapped, cfg = self.adapter.wrapped, self.cfg

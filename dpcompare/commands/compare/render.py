@@ -110,8 +110,9 @@ def _matrix_table(matrix: dict[str, Any], width: int = 160) -> tuple[Table, list
     return table, reasons
 
 
-_FLAG_STYLE = {"!": "bold yellow", "~": "dim"}
-"""A contradiction stands out; a figure above the total within its noise is shown, quietly."""
+_FLAG_STYLE = {"!": "bold yellow", "~": "dim", "+": "dim"}
+"""A contradiction stands out; a figure above the total within its noise (older results), or the interference the
+ablation found beyond the total, is shown, quietly."""
 
 
 def _marked(text: str, flag: tuple[str, str] | None, label: str, flagged: list[tuple[str, str]]) -> str | Text:
@@ -135,7 +136,9 @@ def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None
         m = (j.result or {}).get("metrics") or {}
         breakdown = summary.breakdown_flag(m)
         compute = _marked(_fmt(m.get("compute_ms_p50"), ".2f"), ("!", breakdown) if breakdown else None, j.label, flagged)
-        exposed = _marked(_fmt(m.get("comm_exposed_ms"), ".2f"), summary.exposed_flag(m), j.label, flagged)
+        interference = summary.interference_flag(m)
+        exposed = _marked(_fmt(m.get("comm_exposed_ms"), ".2f"),
+                          summary.exposed_flag(m) or (("+", interference) if interference else None), j.label, flagged)
         table.add_row(j.label, _fmt(m.get("samples_per_s"), ".0f"), _fmt(eff.get(j.label), ".2f"),
                       _fmt(m.get("step_ms_p50"), ".2f"), compute, exposed, _fmt(m.get("comm_total_ms"), ".2f"),
                       _fmt(m.get("overlap_fraction"), ".2f"), _fmt(m.get("busbw_gbps"), ".3f"),
