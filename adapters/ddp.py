@@ -131,12 +131,18 @@ class _LoggingDataCounter(CommCounter):
         self.model = model
 
     def begin(self, window) -> None:
-        self._last = int(self.model._get_ddp_logging_data().get("iteration", 0) or 0)
+        self._last = int(self._ints().get("iteration", 0) or 0)
         self._comm: list[int] = []
         self._overlap: list[int] = []
 
+    def _ints(self) -> dict:
+        # DDP's own `_get_ddp_logging_data()` merges the string map (module names, bucket sizes) into the integer
+        # one on every call, ~18 us a step here; the integers alone, straight from its logger, cost ~5 us.
+        logger = getattr(self.model, "logger", None)
+        return logger._get_ddp_logging_data().ints_map if logger is not None else self.model._get_ddp_logging_data()
+
     def step(self) -> None:
-        data = self.model._get_ddp_logging_data()
+        data = self._ints()
         iteration = int(data.get("iteration", 0) or 0)
         if iteration > self._last:
             self._last = iteration
