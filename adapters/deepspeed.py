@@ -26,8 +26,10 @@ default, is 0 here unless `--opt param_persistence_threshold=` says otherwise).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
+import os
 from datetime import timedelta
 
 import torch
@@ -384,6 +386,16 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
 
     def zero_grad(self) -> None:
         self.wrapped.model.zero_grad()
+
+    def teardown(self) -> None:
+        # DeepSpeed's CPU shared-memory all-reduce (deepspeed_shm_comm_op) creates one /dev/shm segment per rank,
+        # 66 MB each, and never unlinks it: run after run they fill /dev/shm and then memory. Every rank mapped its
+        # peers' segments when the op started, so each removes its own once the run is over.
+        name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_" \
+               f"{os.environ.get('MASTER_PORT', '')}_{self.env.rank}"
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        super().teardown()
 
     def message_bytes(self, grad_bytes: int) -> tuple[int | None, str | None]:
         # ZeRO-0 flattens all gradients and all-reduces them after backward (allreduce_bucket_size does
