@@ -44,6 +44,16 @@ WIRE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 STAGE_SHARDS = {0: "none", 1: "optimizer", 2: "gradients", 3: "parameters"}
 
 
+def remove_shm_segment(rank: int) -> None:
+    """Remove this rank's /dev/shm segment of DeepSpeed's CPU shared-memory all-reduce (deepspeed_shm_comm_op, used
+    under its own launcher): 66 MB per rank that DeepSpeed never unlinks, so run after run they fill /dev/shm and then
+    memory. Every rank mapped its peers' segments when the op started, so each removes its own once it is done."""
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+
+
 class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
     name = "deepspeed"
     capabilities = Capabilities(
@@ -388,13 +398,7 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         self.wrapped.model.zero_grad()
 
     def teardown(self) -> None:
-        # DeepSpeed's CPU shared-memory all-reduce (deepspeed_shm_comm_op) creates one /dev/shm segment per rank,
-        # 66 MB each, and never unlinks it: run after run they fill /dev/shm and then memory. Every rank mapped its
-        # peers' segments when the op started, so each removes its own once the run is over.
-        name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_" \
-               f"{os.environ.get('MASTER_PORT', '')}_{self.env.rank}"
-        with contextlib.suppress(OSError):
-            os.unlink(name)
+        remove_shm_segment(self.env.rank)
         super().teardown()
 
     def message_bytes(self, grad_bytes: int) -> tuple[int | None, str | None]:

@@ -62,6 +62,7 @@ class _TorchComm:
         import torch.distributed as dist
 
         self.torch = torch
+        self.transport, self.rank = transport, env.rank
         launch.ensure_rendezvous(env)
         self.device = launch.pick_device(device_choice, env.local_rank)
         self.is_cuda = self.device.type == "cuda"
@@ -121,6 +122,10 @@ class _TorchComm:
         buf[-1] += 1
 
     def close(self) -> None:
+        if self.transport == "deepspeed":
+            from dpcompare.adapters.deepspeed import remove_shm_segment
+
+            remove_shm_segment(self.rank)
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
 
