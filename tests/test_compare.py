@@ -120,8 +120,8 @@ def test_sweep_stays_equivalent_and_names_what_does_not_apply(tmp_path):
 def test_the_sharding_suite_checks_every_zero_stage_and_shows_what_each_shards(tmp_path):
     """`compare --suite sharding` as a user types it (a few minutes on two cores): ddp, ZeRO 0-3 and fsdp under AdamW
     are each the same computation, and each rank's model state shrinks as the stage shards more."""
-    if not registry.availability("deepspeed")[0] or "fsdp" not in registry.BACKENDS:
-        pytest.skip("the sharding suite needs deepspeed installed and fsdp registered")
+    if not registry.availability("deepspeed")[0]:
+        pytest.skip("deepspeed is not installed (bash scripts/setup.sh installs it): the suite is mostly its stages")
     proc = _run(["--suite", "sharding"], tmp_path, 590)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
@@ -699,8 +699,6 @@ SHARDING_JOBS = ["ddp/1", "ddp/2", *(f"deepspeed:zero{n}/{ws}" for n in range(4)
 
 def test_the_sharding_suite_runs_ddp_every_zero_stage_and_fsdp_under_adamw(tmp_path, monkeypatch):
     _every_backend_available(monkeypatch)
-    if "fsdp" not in registry.BACKENDS:
-        pytest.skip("fsdp is not registered yet")
     ns = _parsed("--suite", "sharding", "--collectives", "none")
     planned = plan.plan(ns, tmp_path)
     assert [j.label for j in planned.jobs] == SHARDING_JOBS and planned.unavailable == []

@@ -50,7 +50,8 @@ def _draw_throughput(axes: list[Axes], series: dict[str, list[tuple[int, float]]
     return best_eff
 
 
-def _world_size_axes(axes: list[Axes], sizes: list[int]) -> None:
+def world_size_axes(axes: list[Axes], sizes: list[int], legend: bool = True) -> None:
+    """World sizes on the x axis (log 2 from a 16x span), each size a tick; a legend on each axis unless told not."""
     for ax in axes:
         if sizes[-1] / sizes[0] >= 16:
             ax.set_xscale("log", base=2)
@@ -59,7 +60,8 @@ def _world_size_axes(axes: list[Axes], sizes: list[int]) -> None:
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x:g}"))
         ax.set_xlabel("world size (processes)")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        if legend:
+            ax.legend(fontsize=8)
 
 
 def plot_throughput(runs: list[dict[str, Any]], baseline_throughput: float | None, scaling: str,
@@ -76,7 +78,7 @@ def plot_throughput(runs: list[dict[str, Any]], baseline_throughput: float | Non
     sizes = sorted({ws for points in series.values() for ws, _ in points} | {1})
     ideal = f"ideal ({scaling} scaling)" if scaling in ("strong", "weak") else "ideal (N x baseline)"
     best_eff = _draw_throughput(axes, series, baseline_throughput, sizes, ideal)
-    _world_size_axes(axes, sizes)
+    world_size_axes(axes, sizes)
     axes[0].set_ylim(bottom=0)
     axes[0].set_ylabel("throughput (samples/s)")
     axes[0].set_title("Throughput vs world size")

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
-from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+from matplotlib.ticker import FuncFormatter
 
+from dpcompare.commands.report.plots_cost import world_size_axes
 from dpcompare.commands.report.style import colour, marker, save
 
 PLOT_PROJECTION = "projected_scaling.png"
@@ -74,14 +75,7 @@ def plot_projection(projection: dict[str, Any] | None, path: Path) -> str | None
             if m.get("efficiency") is not None:
                 ax_eff.plot([m["world_size"]], [m["efficiency"]], **style)
     sizes = sorted({p["world_size"] for p in preds} | {m["world_size"] for m in measured})
-    for ax in (ax_step, ax_eff):
-        if sizes[-1] / max(sizes[0], 1) >= 16:
-            ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_locator(FixedLocator(sizes))
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x:g}"))
-        ax.set_xlabel("world size (processes)")
-        ax.grid(True, alpha=0.3)
+    world_size_axes([ax_step, ax_eff], sizes, legend=False)
     steps = [p["step_ms"] for p in preds] + [m["step_ms"] for m in measured]
     if min(steps) > 0 and max(steps) / min(steps) >= 20:
         ax_step.set_yscale("log")
