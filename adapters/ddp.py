@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -81,7 +82,7 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
             notes.append(Note("division_order", f"ddp divides each gradient by {self.env.world_size} before summing "
                               "(Horovod and DeepSpeed divide after): not a power of two, so the backends may differ by an ulp"))
         self.wrapped = Wrapped(model, module, optimizer, notes)
-        self._noop_twin = None
+        self._noop_twin, self._twin_bytes = None, 0
         return self.wrapped
 
     @contextlib.contextmanager
@@ -93,13 +94,21 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
         if self._noop_twin is None:
             from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 
+            before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
             self._noop_twin = nn.parallel.DistributedDataParallel(self.wrapped.module, **self._ddp_kwargs)
             self._noop_twin.register_comm_hook(None, noop_hook)
+            # The twin's buckets: allocated on the GPU now; on the CPU resident once its first backward writes them.
+            self._twin_bytes = (torch.cuda.memory_allocated(self.device) - before if self.device.type == "cuda" else
+                                sum(p.numel() * p.element_size() for p in self.wrapped.module.parameters()
+                                    if p.requires_grad))
         measured, self.wrapped.model = self.wrapped.model, self._noop_twin
         try:
             yield
         finally:
             self.wrapped.model = measured
+
+    def ablation_bytes(self) -> int:
+        return self._twin_bytes if self._noop_twin is not None else 0
 
     def sync(self, enabled: bool):
         assert self.wrapped is not None

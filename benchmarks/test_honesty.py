@@ -89,7 +89,8 @@ def overhead_series(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], di
         if "series" in cache:
             return {**cache, "shared_with_earlier_benchmark": True}
         runner = Runner(tmp_path_factory.mktemp("overhead"))
-        # No ablation in these runs: it comes after the measured loop and does not change loop_ms_per_step.
+        # No ablation in these runs: its unsynced steps, interleaved with the measured ones, are left out of
+        # loop_ms_per_step, but a plain loop has nothing like them; the instrumented side keeps its clocks.
         sides = {
             "plain_ddp": lambda: runner.plain_ddp(PLAIN),
             "dpcompare": lambda: runner.dpcompare([*DPCOMPARE, "--ablation-steps", "0"], "instrumented"),

@@ -366,6 +366,12 @@ class Adapter:
         """Memory the backend holds for communication (buckets, fusion buffer, flat buffers)."""
         return 0
 
+    def ablation_bytes(self) -> int:
+        """Device memory that the ablation's unsynced arm holds for the whole measured window and a training step
+        would not (DDP's no-op twin keeps buckets of its own): left out of peak_mem_mib. Asked after comm_off() was
+        entered once, empty, before the warm-up. Default 0."""
+        return 0
+
     def comm_counter(self) -> CommCounter | None:
         """The backend's own communication counter for a measured window, or None when it has none. Only
         asked for when instrumentation is on."""

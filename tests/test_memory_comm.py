@@ -12,6 +12,9 @@ Every figure has a twin where it must come out different.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -20,6 +23,7 @@ import torch
 from dpcompare.measure import bandwidth, memory, volume
 from dpcompare.measure import summary as measure
 from dpcompare.measure.collectives import CollectiveRecorder
+from conftest import without_launcher_vars
 
 MIB = 1024.0 * 1024.0
 
@@ -469,3 +473,48 @@ def test_fsdp_gathers_the_parameters_twice_a_step_when_it_reshards(launch) -> No
     assert kinds["reduce_scatter"]["bytes_per_step"] == kinds["reduce_scatter"]["analytic_bytes_per_step"] == params
     assert "all_reduce" not in kinds
     assert m["model_state_mib_per_rank"][0]["params"] == pytest.approx(m["model_state_formula_mib"]["params"])
+
+
+# -- the ablation's own memory --------------------------------------------------------------------------------
+DDP_TWIN = """
+import torch
+from dpcompare.adapters.ddp import DDPAdapter
+from dpcompare.contract import Settings
+from dpcompare.run import workloads
+from dpcompare.run.launch import LaunchEnv
+env = LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launcher="python", job_id="t")
+adapter = DDPAdapter(env, torch.device("cpu"), Settings(options={o.name: o.default for o in DDPAdapter.OPTIONS}))
+adapter.setup(60)
+w = workloads.mlp_wide(0)
+wrapped = adapter.wrap(w.model, torch.optim.SGD(w.model.parameters(), lr=0.1), 8, 8)
+before = adapter.ablation_bytes()
+with adapter.comm_off():
+    pass
+print(before, adapter.ablation_bytes(), sum(p.numel() * p.element_size() for p in w.model.parameters()))
+adapter.teardown()
+"""
+
+
+def test_ddp_reports_the_buckets_its_ablation_twin_holds(tmp_path):
+    """DDP's unsynced arm is a second DDP over the same module (no-op comm hook) with buckets of its own, alive for
+    the whole measured window: ablation_bytes() names them (0 before the twin exists), and the measured peak leaves
+    them out."""
+    out = subprocess.run([sys.executable, "-c", DDP_TWIN], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={**without_launcher_vars(os.environ), "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, after, grads = map(int, out.stdout.split("\n")[-2].split())
+    assert (before, after) == (0, grads) and grads > 3_000_000
+
+
+def test_peak_memory_leaves_out_what_only_the_ablation_holds() -> None:
+    from types import SimpleNamespace
+
+    from dpcompare.run.measurement import MeasurementPhase
+
+    window = SimpleNamespace(peak=lambda: {"peak_mem_mib": 100.0, "peak_mem_reserved_mib": 120.0})
+    phase = SimpleNamespace(cfg=SimpleNamespace(instrument=True),
+                            adapter=SimpleNamespace(ablation_bytes=lambda: 16 * 1024 * 1024))
+    assert MeasurementPhase._peak(phase, window, pairs=10) == {"peak_mem_mib": 84.0, "peak_mem_reserved_mib": 104.0}
+    assert MeasurementPhase._peak(phase, window, pairs=0) == {"peak_mem_mib": 100.0, "peak_mem_reserved_mib": 120.0}
+    phase.cfg.instrument = False
+    assert MeasurementPhase._peak(phase, window, pairs=10) == {"peak_mem_mib": None, "peak_mem_reserved_mib": None}

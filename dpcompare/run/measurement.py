@@ -52,6 +52,9 @@ class MeasurementPhase:
         if self.cfg.measure_steps == 0:
             return None
         pairs, ablation_reason = self._pairs()
+        if pairs:  # what the unsynced arm builds (DDP's twin) exists before the memory window opens
+            with self.adapter.comm_off():
+                pass
         for i in range(self.cfg.warmup_steps):  # the loop's pattern, untimed: the unsynced path is warm too
             x, y = self.runner.batch(self.first + i)[1:]
             self.runner.step(self.first + i, x, y, phase="warm-up")
@@ -64,11 +67,19 @@ class MeasurementPhase:
         self._extra_pairs(start + self.cfg.measure_steps + pairs, pairs, arms)
         self.comm_reason = ablation_reason  # after the window: the counter ran all the same
         sample = summary.RankSample(clock.step_ms(), arms[True].step_ms(), arms[False].step_ms(),
-                                    window.peak() if self.cfg.instrument
-                                    else {"peak_mem_mib": None, "peak_mem_reserved_mib": None}, window.reason, comm,
+                                    self._peak(window, pairs), window.reason, comm,
                                     model_state=self.census, collectives=by_kind)
         gathered = self.adapter.all_gather_object((sample, loop_ms))
         return self._summarize(gathered) if self.rank0 else None
+
+    def _peak(self, window: clocks.MemoryWindow, pairs: int) -> dict[str, float | None]:
+        """The window's peak memory, less what only the ablation's unsynced arm holds (Adapter.ablation_bytes): the
+        peak of the training step, ablation or not. None under --no-instrument."""
+        if not self.cfg.instrument:
+            return {"peak_mem_mib": None, "peak_mem_reserved_mib": None}
+        peak = window.peak()
+        held = self.adapter.ablation_bytes() / memory.MIB if pairs else 0.0
+        return {k: (None if v is None else v - held) for k, v in peak.items()}
 
     def _pairs(self) -> tuple[int, str | None]:
         """(synced/unsynced pairs to run, the reason there is no exposed figure or None). --ablation-steps, default
