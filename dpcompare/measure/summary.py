@@ -282,8 +282,12 @@ def _native_comm(m: Metrics, samples: list[RankSample], comm_possible: str | Non
     rank0 = comms[0]
     if rank0.get("per_step_overlap_ms"):
         m.set("comm_native_overlap_ms", float(np.median(rank0["per_step_overlap_ms"])))
-        m.set("comm_native_exposed_ms", float(np.median(np.subtract(rank0["per_step_total_ms"],
-                                                                      rank0["per_step_overlap_ms"]))))
+        # Per rank: a rank that reached the collective early also waits out the others' compute (skew); the last
+        # to arrive waits for the transfer alone. The step, as slow as its slowest rank, pays the latter.
+        exposed = [float(np.median(np.subtract(c["per_step_total_ms"], c["per_step_overlap_ms"])))
+                   if c.get("per_step_total_ms") and c.get("per_step_overlap_ms") else None for c in comms]
+        m.set("comm_native_exposed_ms", exposed[0])
+        m.set("comm_native_exposed_ms_per_rank", exposed)
     elif rank0.get("overlap_ms") is not None and rank0.get("steps"):
         m.set("comm_native_overlap_ms", rank0["overlap_ms"] / rank0["steps"])
     return total, transfer
