@@ -130,6 +130,21 @@ def write_text_atomic(path: Path, text: str) -> Path:
     return Path(path)
 
 
+def point_latest(folder: Path, name: str = "latest") -> Path | None:
+    """Make `folder`'s parent hold a link `name` to it (relative, replaced atomically: a reader sees the old link or
+    the new one), so that `results/latest` names the newest compare. None where the file system has no links."""
+    link = folder.parent / name
+    tmp = folder.parent / f".{name}.{os.getpid()}"
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(folder.name, target_is_directory=True)
+        os.replace(tmp, link)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return None
+    return link
+
+
 def note_text(note: Any) -> str:
     """The sentence of a verdict note: {'code', 'text'}, or a plain string in results written before notes
     carried a code."""

@@ -63,7 +63,8 @@ def test_compare_produces_verdicts_matrix_costs_and_report(tmp_path):
     proc = _run(["--backends", "reference,dp,ddp", "--world-sizes", "2", "--steps", "2", "--measure-steps", "5",
                  "--warmup-steps", "1"], tmp_path, 540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink()]
+    assert (tmp_path / "latest").resolve() == run_dir.resolve()  # what README's `project results/latest` reads
     summary = json.loads((run_dir / "compare.json").read_text())
     labels = [r["label"] for r in summary["runs"]]
     assert labels == ["reference/1", "dp/1", "ddp/2"]
@@ -99,7 +100,7 @@ def test_sweep_stays_equivalent_and_names_what_does_not_apply(tmp_path):
                  "--warmup-steps", "1", "--collectives", "none", "--no-report", "--sweep",
                  "--sweep-bucket-mb", "0.01", "--sweep-accum", "2", "--sweep-compression", "fp16"], tmp_path, 540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink()]
     summary = json.loads((run_dir / "compare.json").read_text())
     variants = {(r["backend"], r["variant"]): r["verdict"] for r in summary["runs"]}
     assert variants[("ddp", "bucket_mb=0.01")] == "equivalent"
@@ -124,7 +125,7 @@ def test_the_sharding_suite_checks_every_zero_stage_and_shows_what_each_shards(t
         pytest.skip("deepspeed is not installed (bash scripts/setup.sh installs it): the suite is mostly its stages")
     proc = _run(["--suite", "sharding"], tmp_path, 590)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink()]
     summary = json.loads((run_dir / "compare.json").read_text())
     assert (summary["suite"], summary["optimizer"], summary["model"], summary["unavailable"]) == (
         "sharding", "adamw", "mlp-wide", [])

@@ -287,6 +287,21 @@ def test_write_atomic_writes_complete_json(tmp_path: Path):
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
+def test_latest_moves_to_the_newest_compare_and_never_replaces_a_real_folder(tmp_path: Path):
+    first, second = tmp_path / "20261125-100000", tmp_path / "20261125-110000"
+    first.mkdir(), second.mkdir()
+    (first / "compare.json").write_text("{}")
+    assert results.point_latest(first) == tmp_path / "latest"
+    assert (tmp_path / "latest" / "compare.json").exists() and os.readlink(tmp_path / "latest") == first.name
+    results.point_latest(second)
+    assert os.readlink(tmp_path / "latest") == second.name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["20261125-100000", "20261125-110000", "latest"]
+    (tmp_path / "latest").unlink()
+    (tmp_path / "latest").mkdir()  # a folder of the user's own named latest: left alone
+    assert results.point_latest(second) is None and not (tmp_path / "latest").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["20261125-100000", "20261125-110000", "latest"]
+
+
 def test_failed_serialisation_leaves_no_file_and_no_temp_file(tmp_path: Path):
     path = tmp_path / "out" / "r.json"
     payload = {"first": "x" * 100_000, "bad": _Unserialisable()}  # enough text that some is written first

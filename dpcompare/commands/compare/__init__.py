@@ -109,6 +109,7 @@ def main(ns: argparse.Namespace) -> int:
                "scaling": matrix.scaling_rows(planned.jobs, ns.scaling),
                "skipped_steps": matrix.skipped_steps(same_config)}
     results.write_atomic(run_dir / "compare.json", _summary(ns, run_dir, planned, figures))
+    results.point_latest(run_dir)
     render.render(console, baseline, planned.unavailable, figures["matrix"], figures["unused_parameter_grads"],
                   figures["skipped_steps"])
     render.render_cost(console, baseline, figures["scaling"])
