@@ -12,7 +12,7 @@ import pytest
 
 from dpcompare import SCHEMA_VERSION, cli
 from dpcompare.commands.project import model
-from dpcompare.commands.project.fit import BACKWARD_SHARE, SCHED_SLICE_S
+from dpcompare.commands.project.fit import BACKWARD_SHARE, oversubscription, sched_slice_s
 
 ALPHA, BETA = 50e-6, 1e9  # 50 us, 1 GB/s
 GRAD = 4_000_000  # bytes per step, one bucket
@@ -61,6 +61,14 @@ def test_fit_recovers_known_alpha_beta():
     assert only2.alpha_s == pytest.approx(ALPHA, rel=1e-6)  # the world-size-4 entry is kept out
 
 
+def test_oversubscribed_compute_takes_the_fullest_core_and_the_slice_scales_with_the_cpus():
+    """3 ranks on 2 cores run as 2 + 1: a step takes two ranks' work (not 1.5); the kernel's base slice is
+    0.75 ms * (1 + ilog2(min(cpus, 8)))."""
+    assert [oversubscription(n, 2) for n in (1, 2, 3, 4, 5)] == [1.0, 1.0, 2.0, 2.0, 3.0]
+    assert oversubscription(64, None) == 1.0  # one device per rank
+    assert [sched_slice_s(c) * 1e3 for c in (1, 2, 4, 8, 64)] == pytest.approx([0.75, 1.5, 2.25, 3.0, 3.0])
+
+
 def test_fit_needs_two_sizes():
     with pytest.raises(ValueError, match="at least 2 message sizes"):
         model.fit_alpha_beta([(2, 1e3, 1e-3)])
@@ -68,10 +76,10 @@ def test_fit_needs_two_sizes():
 
 # -- synthetic results ----------------------------------------------------------------------------------------
 def _truth(n, slots):
-    compute = (C0 + C1 * GLOBAL / n) * max(1.0, n / slots)
+    compute = (C0 + C1 * GLOBAL / n) * math.ceil(n / slots)
     t_comm = model.ring_allreduce_s(GRAD, n, ALPHA, BETA) * 1e3
     if n > slots:  # oversubscribed: every ring step waits one scheduler slice
-        t_comm += 2 * (n - 1) * SCHED_SLICE_S * 1e3
+        t_comm += 2 * (n - 1) * sched_slice_s(slots) * 1e3
     exposed = max(0.0, t_comm - min(OVERLAP * t_comm, BACKWARD_SHARE * compute))
     return compute, t_comm, exposed
 

@@ -9,7 +9,7 @@ folder (its runs at the fit world sizes) and predicts it at the world sizes name
 
 Per backend (dpcompare/commands/project/fit.py; the method and its limits: docs/projection.md):
 
-  compute(N)  = (c0 + c1 * per-rank batch) * max(1, N / slots)      fitted to the measured compute
+  compute(N)  = (c0 + c1 * per-rank batch) * ceil(N / slots)        fitted to the measured compute
   T_comm(N)   = k * sum over the step's messages (buckets, fusion buffer, per-kind collectives) of
                 ring all-reduce 2(N-1) alpha + 2(N-1)/N * S / beta, or tree 2 ceil(log2 N) alpha + 2 S / beta
                 (--algorithm auto takes the faster); reduce-scatter / all-gather (N-1) alpha + (N-1)/N * S / beta
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from dpcompare import SCHEMA_VERSION
-from dpcompare.commands.project.fit import BACKWARD_SHARE, SCHED_SLICE_S, BackendFit, fit_backend
+from dpcompare.commands.project.fit import BACKWARD_SHARE, BackendFit, fit_backend, sched_slice_s
 from dpcompare.commands.project.model import ALGORITHMS, PRESETS, Link, link_from_collectives
 from dpcompare.results import write_atomic
 
@@ -174,8 +174,10 @@ def assumptions(link: Link, algorithm: str, slots: int | None, fits: dict[str, B
               "k = 1: each backend assumed to reach the link's alpha-beta (the inefficiency measured on this box's "
               "link does not carry over to another link)"),
              (f"slots = {slots}: at most {slots} ranks run at once (the CPU cores of the box), so above that compute "
-              f"stretches by N / {slots} and each latency step of a collective waits one scheduler slice "
-              f"({SCHED_SLICE_S * 1e3:g} ms, Linux's default base slice: an assumption, not fitted)"
+              f"stretches by ceil(N / {slots}) (the fullest core's ranks: the scheduler keeps a task on its core "
+              f"through a step) and each latency step of a collective waits one scheduler slice "
+              f"({sched_slice_s(slots) * 1e3:g} ms, Linux's default base slice for {slots} CPUs: from the kernel's "
+              f"defaults, not fitted)"
               if slots else "one device per rank: no oversubscription"),
              "compute is the compute measured on the results' devices: a preset link with CPU results predicts "
              "CPU ranks on that network, not GPUs"]

@@ -1,15 +1,17 @@
 """Fitting one backend's step to its measured runs and predicting it at other world sizes on a link.
 
-  compute(N)   = (c0 + c1 * b(N)) * max(1, N / slots)   b(N): per-rank batch (strong: global/N; weak: fixed);
+  compute(N)   = (c0 + c1 * b(N)) * ceil(N / slots)     b(N): per-rank batch (strong: global/N; weak: fixed);
                                                           c0, c1 fitted to the measured compute (world size 1: the
                                                           step, no sync; above: the unsynced arm of the ablation);
                                                           slots: ranks that run at once (the CPU cores of the box
                                                           the runs ran on, when the link is that box's; else
-                                                          unlimited: one device per rank)
+                                                          unlimited: one device per rank); ceil, not N / slots:
+                                                          oversubscription() says why
   T_comm(N)    = k * sum over the step's messages of collective_s(kind, S, N)   (model.py; k: 1 on a preset link;
                                                           on a measured link the ratio of the backend's measured
                                                           communication time to the model at the fit sizes)
-                 + (N > slots on a measured link) one scheduler slice (0.75 ms) per latency step of each collective
+                 + (N > slots on a measured link) one scheduler slice (sched_slice_s) per latency step of each
+                   collective
   overlapped   = min(f * T_comm(N), W * compute(N))      f: overlap_fraction measured at the fit sizes; W: the
                                                           share of compute that is backward, where buckets can
                                                           overlap (assumed 2/3)
@@ -30,10 +32,27 @@ from dpcompare.commands.report.load import metric
 BACKWARD_SHARE = 2 / 3
 """Share of a step's compute during which gradient buckets can be in flight (backward ~ 2x forward)."""
 
-SCHED_SLICE_S = 0.75e-3
-"""The Linux scheduler's base time slice (sysctl_sched_base_slice, 0.75 ms by default; kernel/sched/fair.c). When more
-ranks than cores share a box, a ring step waits for its peer to be scheduled: each latency step of a collective is
-charged one slice on top of alpha. Only on a measured link with CPU runs above `slots` ranks."""
+SCHED_BASE_SLICE_S = 0.75e-3
+"""The Linux scheduler's base time slice before scaling: sysctl_sched_base_slice, "0.75 msec * (1 + ilog(ncpus))"
+(kernel/sched/fair.c, EEVDF; the same scaling applied to CFS's minimum granularity before it)."""
+
+
+def sched_slice_s(cpus: int) -> float:
+    """The base slice on a box with `cpus` CPUs: 0.75 ms * (1 + floor(log2(min(cpus, 8)))), the kernel's default
+    logarithmic scaling (1.5 ms on 2 CPUs). When more ranks than cores share a box, a ring step waits for its peer to
+    be scheduled: each latency step of a collective is charged one slice on top of alpha. Only on a measured link
+    with CPU runs above `slots` ranks."""
+    return SCHED_BASE_SLICE_S * (1 + int(math.log2(min(max(cpus, 1), 8))))
+
+
+def oversubscription(n: int, slots: int | None) -> float:
+    """How much longer a rank's compute takes when n ranks share `slots` cores: ceil(n / slots), the ranks per core of
+    the fullest core. A step ends with a collective that waits for every rank, so it lasts as long as the slowest,
+    and the scheduler keeps a task on its core's run queue for a step's tens of milliseconds (balancing acts on
+    imbalances that persist, and a migration is charged its cold cache): 3 ranks on 2 cores run as 2 + 1, and the step
+    takes two ranks' work, not 1.5 (a fair share of the box would need a migration every slice). 1 without slots."""
+    return float(math.ceil(n / slots)) if slots and n > slots else 1.0
+
 
 TRANSPORT_OF_LAUNCHER = {"torchrun": "torch", "horovodrun": "horovod", "deepspeed": "deepspeed", "mpirun": "mpi"}
 
@@ -113,7 +132,7 @@ class BackendFit:
 
     def compute_ms(self, n: int, slots: int | None) -> float:
         per_rank = self.c0_ms + self.c1_ms * self.batch_at(n)
-        return per_rank * (max(1.0, n / slots) if slots else 1.0)
+        return per_rank * oversubscription(n, slots)
 
     def calibration(self, link: Link, algorithm: str) -> tuple[float, str]:
         """k: measured communication / modelled, geometric mean over the fit sizes (measured links only)."""
@@ -136,7 +155,7 @@ class BackendFit:
         t_model, algo = comm_model_s(self.messages, n, alpha, beta, algorithm)
         t_comm = k * t_model * 1e3
         if slots and n > slots and link.measured:  # oversubscribed: each latency step waits for a scheduler slice
-            t_comm += comm_model_s(self.messages, n, SCHED_SLICE_S, math.inf, algorithm)[0] * 1e3
+            t_comm += comm_model_s(self.messages, n, sched_slice_s(slots), math.inf, algorithm)[0] * 1e3
         overlapped = min(self.overlap * t_comm, BACKWARD_SHARE * compute)
         exposed = max(0.0, t_comm - overlapped)
         step = compute + exposed
