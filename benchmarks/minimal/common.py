@@ -76,3 +76,16 @@ def measure(train_step: Callable[[torch.Tensor, torch.Tensor], None], workload: 
               "step_ms_p50": statistics.median(slowest), "loop_ms_per_step": max(g[1] for g in gathered)}
     print("MINIMAL_RESULT " + json.dumps(result), flush=True)
     return result
+
+
+def leave() -> None:
+    """Exit without interpreter finalisation once the result is printed, as dpcompare's own runs do
+    (dpcompare/cli.py `_exit_now_if_distributed`): gloo's and DeepSpeed's C++ threads sometimes abort in static
+    destructors ("terminate called without an active exception", SIGABRT), which would fail a launch whose figures
+    are already out. Not part of the timed loop."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.minimal.common import LR, MOMENTUM, SEED, measure, mlp_512_1024, parse_args
+from benchmarks.minimal.common import LR, MOMENTUM, SEED, leave, measure, mlp_512_1024, parse_args
 
 args = parse_args()
 dist.init_process_group("gloo")
@@ -34,3 +34,4 @@ model.train()
 measure(train_step, workload, args, rank, world_size, dist.barrier, gather)
 dist.barrier()
 dist.destroy_process_group()
+leave()

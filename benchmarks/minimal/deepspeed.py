@@ -8,7 +8,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from benchmarks.minimal.common import LR, MOMENTUM, SEED, measure, mlp_512_1024, parse_args
+from benchmarks.minimal.common import LR, MOMENTUM, SEED, leave, measure, mlp_512_1024, parse_args
 
 args = parse_args()
 deepspeed.init_distributed(dist_backend="gloo")
@@ -36,3 +36,4 @@ def gather(obj):
 engine.train()
 measure(train_step, workload, args, rank, world_size, dist.barrier, gather)
 dist.barrier()
+leave()

@@ -6,7 +6,7 @@
 import horovod.torch as hvd
 import torch
 
-from benchmarks.minimal.common import LR, MOMENTUM, SEED, measure, mlp_512_1024, parse_args
+from benchmarks.minimal.common import LR, MOMENTUM, SEED, leave, measure, mlp_512_1024, parse_args
 
 args = parse_args()
 hvd.init()
@@ -28,3 +28,4 @@ model.train()
 measure(train_step, workload, args, hvd.rank(), hvd.size(), lambda: hvd.allreduce(torch.zeros(1), name="barrier"),
         lambda obj: hvd.allgather_object(obj))
 hvd.shutdown()
+leave()
