@@ -46,11 +46,13 @@ def sched_slice_s(cpus: int) -> float:
 
 
 def oversubscription(n: int, slots: int | None) -> float:
-    """How much longer a rank's compute takes when n ranks share `slots` cores: ceil(n / slots), the ranks per core of
-    the fullest core. A step ends with a collective that waits for every rank, so it lasts as long as the slowest,
-    and the scheduler keeps a task on its core's run queue for a step's tens of milliseconds (balancing acts on
-    imbalances that persist, and a migration is charged its cold cache): 3 ranks on 2 cores run as 2 + 1, and the step
-    takes two ranks' work, not 1.5 (a fair share of the box would need a migration every slice). 1 without slots."""
+    """How much longer a rank's compute takes when n ranks share `slots` cores: ceil(n / slots), the ranks on the
+    fullest core if each rank stayed on its core's run queue through a step (a fair share of the box would be
+    n / slots). A step ends in a collective that waits for the slowest rank. Measured on the 2-core box with no
+    backend (experiments/core_sharing.py: the workload's forward and backward in k processes, a barrier before each
+    step): 1.69 for 3 processes, 2.03-2.07 for 4, so the scheduler does move some work at 3; in the backends' runs the
+    compute arm at 3 ranks came out at or above ceil (their communication threads share the same cores), which is
+    why ceil and not the fair share. 1 without slots (one device per rank)."""
     return float(math.ceil(n / slots)) if slots and n > slots else 1.0
 
 
