@@ -9,6 +9,8 @@ intervals counted once).
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 
 import numpy as np
@@ -398,9 +400,14 @@ def _phase(measure_steps=4, warmup_steps=1, ablation_steps=None, can_disable_syn
             log.append("counter.end")
             return CommCounts(method="fake", per_step_total=(1.0,) * measure_steps)
 
+    @contextlib.contextmanager
+    def comm_off():
+        log.append("comm_off")
+        yield
+
     adapter = SimpleNamespace(name="fake", no_communication_reason=lambda: None, comm_counter=Counter,
                               capabilities=SimpleNamespace(can_disable_sync=can_disable_sync),
-                              all_gather_object=lambda obj: [obj])
+                              all_gather_object=lambda obj: [obj], comm_off=comm_off, ablation_bytes=lambda: 0)
 
     class Runner:
         device = torch.device("cpu")
@@ -438,8 +445,9 @@ def test_the_ablation_interleaves_the_measured_steps_with_unsynced_ones() -> Non
     assert len(sample.step_ms) == len(sample.synced_ms) == len(sample.unsynced_ms) == 4
     # every synced arm is the part of its measured step up to the reduce: never longer than the step
     assert all(s <= t for s, t in zip(sample.synced_ms, sample.step_ms))
-    # the warm-up runs the same pattern, before the window
-    assert log[:2] == [("warm-up", "x10", "sync", "update"), ("warm-up", "x10", "nosync", "no-update")]
+    # comm_off() entered once, empty, so what the unsynced arm builds exists before the memory window; then the
+    # warm-up runs the same pattern, before the window
+    assert log[:3] == ["comm_off", ("warm-up", "x10", "sync", "update"), ("warm-up", "x10", "nosync", "no-update")]
 
 
 def test_fewer_pairs_spread_over_the_window_and_more_run_after_it() -> None:
