@@ -128,6 +128,23 @@ def command(launcher: str, world_size: int, dpcompare_args: Sequence[str], launc
     return launchers.native_command(launcher, world_size, dpcompare_args, launcher_args)
 
 
+def one_rank_script(module: str, cls: str, model: str, body: str) -> str:
+    """A Python script (for `python -c`) that builds adapter `cls` of dpcompare.adapters.`module` at world size 1 on
+    the CPU with its default options, wraps workloads.`model`(0) with SGD, then runs `body` (adapter, w, wrapped)."""
+    return f"""
+import os, sys, torch
+from dpcompare.adapters.{module} import {cls}
+from dpcompare.contract import Settings
+from dpcompare.run import workloads
+from dpcompare.run.launch import LaunchEnv
+env = LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launcher="python", job_id="t")
+adapter = {cls}(env, torch.device("cpu"), Settings(options={{o.name: o.default for o in {cls}.OPTIONS}}))
+adapter.setup(60)
+w = workloads.{model}(0)
+wrapped = adapter.wrap(w.model, torch.optim.SGD(w.model.parameters(), lr=0.1), 8, 8)
+{body}"""
+
+
 def without_launcher_vars(env: Mapping[str, str]) -> dict[str, str]:
     """`env` less every variable a launcher or scheduler sets (a test run inside a job must not leak them)."""
     return {k: v for k, v in env.items() if k not in _LAUNCHER_VARS and not k.startswith(_LAUNCHER_VAR_PREFIXES)}

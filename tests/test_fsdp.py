@@ -32,7 +32,7 @@ from torch import nn
 
 from dpcompare.adapters.fsdp import FSDPAdapter, block_modules
 from dpcompare.run import real_models, workloads
-from conftest import without_launcher_vars
+from conftest import one_rank_script, without_launcher_vars
 from test_equivalence_matrix import assert_equivalent
 from test_failures import assert_one_error_line
 from test_negative import different
@@ -83,17 +83,7 @@ def test_fsdp_declares_what_it_shards():
     assert FSDPAdapter.VARIANTS == {"noreshard": {"reshard_after_forward": False}}
 
 
-ONE_RANK = """
-import os, sys, torch
-from dpcompare.adapters.fsdp import FSDPAdapter
-from dpcompare.contract import Settings
-from dpcompare.run import workloads
-from dpcompare.run.launch import LaunchEnv
-env = LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launcher="python", job_id="t")
-adapter = FSDPAdapter(env, torch.device("cpu"), Settings(options={o.name: o.default for o in FSDPAdapter.OPTIONS}))
-adapter.setup(60)
-w = workloads.mlp(0)
-wrapped = adapter.wrap(w.model, torch.optim.SGD(w.model.parameters(), lr=0.1), 8, 8)
+ONE_RANK = one_rank_script("fsdp", "FSDPAdapter", "mlp", """
 x, y = w.make_batch(0, 8)
 def backward(context):
     with context:
@@ -114,7 +104,7 @@ twice = adapter.reduced_grads()
 doubled = all(torch.allclose(twice[n], 2 * synced[n]) for n in synced)
 print(stepped, unsynced, cleared, doubled)
 adapter.teardown()
-"""
+""")
 
 
 def test_sync_off_keeps_the_gradients_local_and_zero_grad_drops_them(tmp_path):

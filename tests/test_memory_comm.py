@@ -23,7 +23,7 @@ import torch
 from dpcompare.measure import bandwidth, memory, volume
 from dpcompare.measure import summary as measure
 from dpcompare.measure.collectives import CollectiveRecorder
-from conftest import without_launcher_vars
+from conftest import one_rank_script, without_launcher_vars
 
 MIB = 1024.0 * 1024.0
 
@@ -476,23 +476,13 @@ def test_fsdp_gathers_the_parameters_twice_a_step_when_it_reshards(launch) -> No
 
 
 # -- the ablation's own memory --------------------------------------------------------------------------------
-DDP_TWIN = """
-import torch
-from dpcompare.adapters.ddp import DDPAdapter
-from dpcompare.contract import Settings
-from dpcompare.run import workloads
-from dpcompare.run.launch import LaunchEnv
-env = LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launcher="python", job_id="t")
-adapter = DDPAdapter(env, torch.device("cpu"), Settings(options={o.name: o.default for o in DDPAdapter.OPTIONS}))
-adapter.setup(60)
-w = workloads.mlp_wide(0)
-wrapped = adapter.wrap(w.model, torch.optim.SGD(w.model.parameters(), lr=0.1), 8, 8)
+DDP_TWIN = one_rank_script("ddp", "DDPAdapter", "mlp_wide", """
 before = adapter.ablation_bytes()
 with adapter.comm_off():
     pass
 print(before, adapter.ablation_bytes(), sum(p.numel() * p.element_size() for p in w.model.parameters()))
 adapter.teardown()
-"""
+""")
 
 
 def test_ddp_reports_the_buckets_its_ablation_twin_holds(tmp_path):
