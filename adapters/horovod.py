@@ -31,6 +31,10 @@ class HorovodAdapter(Adapter):
         collective_transport="horovod",
     )
     OPTIONS = (
+        Option("timeline", str, "auto",
+               "Horovod's timeline as the native communication counter when instrumented: on, off, or auto (on where "
+               "the host has two cores per local rank; its writer thread spins on a core from hvd.init to the end)",
+               choices=("auto", "on", "off")),
         Option("broadcast_optimizer_state", bool, False,
                "call hvd.broadcast_optimizer_state after wrapping, as Horovod's examples do (it runs a real step() "
                "on zero gradients: horovod/horovod#3743)"),
@@ -47,7 +51,9 @@ class HorovodAdapter(Adapter):
         os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, min(60, int(timeout_s) // 2))))
         os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(int(timeout_s)))
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(timeout_s)))
-        if self.settings.instrument:
+        self._timeline_off = timeline_off_reason(self.settings.options["timeline"], self.settings.instrument,
+                                                 usable_cores(), self.env.local_world_size)
+        if self.settings.instrument and self._timeline_off is None:
             # The timeline can then be started and stopped around the measured window (hvd.start_timeline).
             os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
         if self.settings.bucket_mb:
@@ -128,6 +134,8 @@ class HorovodAdapter(Adapter):
         return int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 128 * 1024 * 1024))
 
     def comm_counter(self) -> CommCounter:
+        if self._timeline_off is not None:
+            return _NoCounter(self._timeline_off)
         return _TimelineCounter(self.hvd, self.env.rank)
 
     def all_gather_object(self, obj):
@@ -138,6 +146,41 @@ class HorovodAdapter(Adapter):
     def teardown(self) -> None:
         if getattr(self, "hvd", None) is not None:
             self.hvd.shutdown()
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, which containers and mpirun narrow), else cpu_count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def timeline_off_reason(option: str, instrument: bool, cores: int, local_ranks: int) -> str | None:
+    """Why this run keeps Horovod's timeline off, or None when it records one. Once HOROVOD_TIMELINE is set at
+    hvd.init, even to DYNAMIC with no file, every rank's timeline writer thread loops without sleeping
+    (horovod/common/timeline.cc, TimelineWriter::WriterLoop: std::this_thread::yield()) until shutdown; where the
+    ranks have no spare core it takes a share of theirs (+31 % on Horovod's step on a 2-core host with 2 ranks,
+    docs/results/2026-11-25-overhead-cpu.md). auto records it only with two cores per local rank."""
+    if not instrument:
+        return "not instrumented"
+    if option == "off":
+        return "Horovod's timeline is off (--opt timeline=off)"
+    if option == "auto" and cores < 2 * local_ranks:
+        return (f"Horovod's timeline is off: its writer thread spins on a core from hvd.init on, and this host has "
+                f"{cores} core(s) for {local_ranks} local rank(s), fewer than 2 per rank (--opt timeline=on records "
+                "it anyway, at that cost to the step)")
+    return None
+
+
+class _NoCounter(CommCounter):
+    """No counter, and why (the measured window's figures say so)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def end(self) -> CommCounts:
+        return CommCounts(reason=self.reason)
 
 
 class _TimelineCounter(CommCounter):

@@ -283,7 +283,7 @@ def test_a_rank_imports_no_command_module():
 def test_settings_default_to_declared_options():
     cls = adapter_class("horovod")
     adapter = cls(ONE, torch.device("cpu"))
-    assert adapter.settings == Settings(options={"broadcast_optimizer_state": False})
+    assert adapter.settings == Settings(options={"timeline": "auto", "broadcast_optimizer_state": False})
 
 
 def test_a_run_is_named_after_the_variant_its_options_make():
@@ -292,3 +292,37 @@ def test_a_run_is_named_after_the_variant_its_options_make():
     assert backend.variant_name(cls, options(zero_stage="2")) == "zero2"
     assert backend.variant_name(cls, options()) == "", "the defaults make no variant (zero0 is the baseline)"
     assert backend.variant_name(adapter_class("ddp"), {}) == ""
+
+
+def test_horovod_timeline_auto_needs_two_cores_per_local_rank():
+    """Horovod's timeline writer spins on a core once HOROVOD_TIMELINE is set: auto keeps it off where the local
+    ranks have no spare core, and says so with the way to turn it on; on and off are obeyed; never without
+    instrumentation."""
+    from dpcompare.adapters.horovod import timeline_off_reason
+
+    assert timeline_off_reason("auto", True, cores=16, local_ranks=8) is None
+    assert timeline_off_reason("auto", True, cores=2, local_ranks=1) is None
+    off = timeline_off_reason("auto", True, cores=2, local_ranks=2)
+    assert off is not None and "2 core(s) for 2 local rank(s)" in off and "--opt timeline=on" in off
+    assert timeline_off_reason("on", True, cores=2, local_ranks=2) is None
+    assert timeline_off_reason("off", True, cores=64, local_ranks=1) is not None
+    assert timeline_off_reason("on", False, cores=64, local_ranks=1) == "not instrumented"
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_horovod_timeline_is_the_counter_when_on_and_its_reason_is_said_when_off(launch):
+    """A real two-rank Horovod run: with --opt timeline=on the timeline is the native counter (total communication
+    from its ALLREDUCE intervals); with timeline=off the total is n/a with the reason, and the exposed figure is
+    still measured by the ablation."""
+    if importlib.util.find_spec("horovod") is None:
+        pytest.skip("horovod is not installed")
+    common = ["--steps", "1", "--check-every", "0", "--warmup-steps", "1", "--measure-steps", "5"]
+    _, on = launch("horovod", 2, "mlp", [*common, "--opt", "timeline=on"])
+    assert on is not None and on["metrics"]["comm_total_ms"] > 0
+    assert on["metrics"]["comm_total_method"].startswith("Horovod timeline")
+    _, off = launch("horovod", 2, "mlp", [*common, "--opt", "timeline=off"])
+    assert off is not None and off["metrics"]["comm_total_ms"] is None
+    assert "timeline is off (--opt timeline=off)" in off["metrics"]["reasons"]["comm_total_ms"]
+    assert off["metrics"]["comm_exposed_ms"] is not None
