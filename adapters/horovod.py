@@ -52,7 +52,7 @@ class HorovodAdapter(Adapter):
         os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(int(timeout_s)))
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(timeout_s)))
         self._timeline_off = timeline_off_reason(self.settings.options["timeline"], self.settings.instrument,
-                                                 usable_cores(), self.env.local_world_size)
+                                                 usable_cores(), self.env.local_world_size, self.env.world_size)
         if self.settings.instrument and self._timeline_off is None:
             # The timeline can then be started and stopped around the measured window (hvd.start_timeline).
             os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
@@ -156,14 +156,17 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def timeline_off_reason(option: str, instrument: bool, cores: int, local_ranks: int) -> str | None:
+def timeline_off_reason(option: str, instrument: bool, cores: int, local_ranks: int, world_size: int = 2) -> str | None:
     """Why this run keeps Horovod's timeline off, or None when it records one. Once HOROVOD_TIMELINE is set at
     hvd.init, even to DYNAMIC with no file, every rank's timeline writer thread loops without sleeping
     (horovod/common/timeline.cc, TimelineWriter::WriterLoop: std::this_thread::yield()) until shutdown; where the
     ranks have no spare core it takes a share of theirs (+31 % on Horovod's step on a 2-core host with 2 ranks,
-    docs/results/2026-11-25-overhead-cpu.md). auto records it only with two cores per local rank."""
+    docs/results/2026-11-25-overhead-cpu.md). auto records it only with two cores per local rank; never in one process,
+    which has no communication to record."""
     if not instrument:
         return "not instrumented"
+    if world_size == 1:
+        return "one process, no gradient communication"
     if option == "off":
         return "Horovod's timeline is off (--opt timeline=off)"
     if option == "auto" and cores < 2 * local_ranks:
