@@ -78,6 +78,15 @@ def measure(train_step: Callable[[torch.Tensor, torch.Tensor], None], workload: 
     return result
 
 
+def dist_gather(obj: object) -> list:
+    """torch.distributed's all_gather_object over the default group: every rank's `obj`, in rank order."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def leave() -> None:
     """Exit without interpreter finalisation once the result is printed, as dpcompare's own runs do
     (dpcompare/cli.py `_exit_now_if_distributed`): gloo's and DeepSpeed's C++ threads sometimes abort in static

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.minimal.common import LR, MOMENTUM, SEED, leave, measure, mlp_512_1024, parse_args
+from benchmarks.minimal.common import LR, MOMENTUM, SEED, dist_gather, leave, measure, mlp_512_1024, parse_args
 
 args = parse_args()
 dist.init_process_group("gloo")
@@ -24,14 +24,8 @@ def train_step(x, y):
     optimizer.zero_grad()
 
 
-def gather(obj):
-    out = [None] * world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
 model.train()
-measure(train_step, workload, args, rank, world_size, dist.barrier, gather)
+measure(train_step, workload, args, rank, world_size, dist.barrier, dist_gather)
 dist.barrier()
 dist.destroy_process_group()
 leave()

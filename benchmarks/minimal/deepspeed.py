@@ -8,7 +8,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from benchmarks.minimal.common import LR, MOMENTUM, SEED, leave, measure, mlp_512_1024, parse_args
+from benchmarks.minimal.common import LR, MOMENTUM, SEED, dist_gather, leave, measure, mlp_512_1024, parse_args
 
 args = parse_args()
 deepspeed.init_distributed(dist_backend="gloo")
@@ -27,13 +27,7 @@ def train_step(x, y):
     engine.step()
 
 
-def gather(obj):
-    out = [None] * world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
 engine.train()
-measure(train_step, workload, args, rank, world_size, dist.barrier, gather)
+measure(train_step, workload, args, rank, world_size, dist.barrier, dist_gather)
 dist.barrier()
 leave()
