@@ -108,7 +108,7 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
             self.wrapped.model = measured
 
     def ablation_bytes(self) -> int:
-        return self._twin_bytes if self._noop_twin is not None else 0
+        return self._twin_bytes  # 0 until comm_off() has built the twin
 
     def sync(self, enabled: bool):
         assert self.wrapped is not None

@@ -156,7 +156,7 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def timeline_off_reason(option: str, instrument: bool, cores: int, local_ranks: int, world_size: int = 2) -> str | None:
+def timeline_off_reason(option: str, instrument: bool, cores: int, local_ranks: int, world_size: int) -> str | None:
     """Why this run keeps Horovod's timeline off, or None when it records one. Once HOROVOD_TIMELINE is set at
     hvd.init, even to DYNAMIC with no file, every rank's timeline writer thread loops without sleeping
     (horovod/common/timeline.cc, TimelineWriter::WriterLoop: std::this_thread::yield()) until shutdown; where the

@@ -301,13 +301,13 @@ def test_horovod_timeline_auto_needs_two_cores_per_local_rank():
     instrumentation."""
     from dpcompare.adapters.horovod import timeline_off_reason
 
-    assert timeline_off_reason("auto", True, cores=16, local_ranks=8) is None
-    assert timeline_off_reason("auto", True, cores=2, local_ranks=1) is None
-    off = timeline_off_reason("auto", True, cores=2, local_ranks=2)
+    assert timeline_off_reason("auto", True, cores=16, local_ranks=8, world_size=2) is None
+    assert timeline_off_reason("auto", True, cores=2, local_ranks=1, world_size=2) is None
+    off = timeline_off_reason("auto", True, cores=2, local_ranks=2, world_size=2)
     assert off is not None and "2 core(s) for 2 local rank(s)" in off and "--opt timeline=on" in off
-    assert timeline_off_reason("on", True, cores=2, local_ranks=2) is None
-    assert timeline_off_reason("off", True, cores=64, local_ranks=1) is not None
-    assert timeline_off_reason("on", False, cores=64, local_ranks=1) == "not instrumented"
+    assert timeline_off_reason("on", True, cores=2, local_ranks=2, world_size=2) is None
+    assert timeline_off_reason("off", True, cores=64, local_ranks=1, world_size=2) is not None
+    assert timeline_off_reason("on", False, cores=64, local_ranks=1, world_size=2) == "not instrumented"
     assert timeline_off_reason("on", True, cores=64, local_ranks=1, world_size=1) is not None  # nothing to record
 
 
