@@ -391,6 +391,12 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
             return WIRE_NAMES.get(self.wrapped.model.communication_data_type, self.settings.compression)
         return self.settings.compression
 
+    def optimizer_prestep(self) -> str | None:
+        if getattr(self, "_engine_recipe", False) and not self.stage:
+            return ("DeepSpeed's engine recipe (stage 0) builds its fp16/bf16 optimizer wrapper, which takes one "
+                    "optimizer step on zero gradients when it is built (initialize_optimizer_states)")
+        return None
+
     def amp_recipe(self) -> str:
         return "none" if self.settings.amp == "none" else self.settings.options["amp_recipe"]
 

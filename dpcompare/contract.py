@@ -348,6 +348,13 @@ class Adapter:
         (the --compression given, or what the backend's precision recipe sends)."""
         return self.settings.compression
 
+    def optimizer_prestep(self) -> str | None:
+        """A phrase naming the optimizer step(s) this backend takes on zero gradients before the first training step
+        by design (DeepSpeed's fp16/bf16 optimizer wrappers do it when they are built), or None. The verifier then
+        expects that state before step 0, states what it does to the first update, and its reference trajectory takes
+        the same step; an undeclared one is a fault (Horovod's broadcast_optimizer_state trap)."""
+        return None
+
     def amp_recipe(self) -> str:
         """The mixed-precision recipe that runs: none, autocast (torch.autocast, float32 parameters) or engine (the
         backend's own low-precision weights with fp32 master copies)."""

@@ -88,6 +88,36 @@ class LinearScaledLRHorovod(HorovodAdapter):
         return super().wrap(module, optimizer, local_batch, global_batch)
 
 
+class LinearScaledLRDDP(DDPAdapter):
+    """DDP with the linear-scaling rule applied here only: the learning rate multiplied by the world size (the
+    update is N times the reference's from step 0, gradient right)."""
+
+    name = "linear-scaled-lr-ddp"
+
+    def wrap(self, module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
+        for group in optimizer.param_groups:
+            group["lr"] *= self.env.world_size
+        return super().wrap(module, optimizer, local_batch, global_batch)
+
+
+class LocalClipDDP(DDPAdapter):
+    """DDP whose loop clips each rank's local gradient to a total norm of 1e-3 before the all-reduce (a
+    clip_grad_norm_ placed between backward and a hand-written reduce, or a hook that clips per rank): the reduced
+    gradient is the mean of differently scaled local gradients, not the global-batch gradient clipped."""
+
+    name = "local-clip-ddp"
+
+    def sync(self, enabled: bool):
+        return self.wrapped.model.no_sync()  # every backward local: the reduce below is the only one
+
+    def reduce(self) -> None:
+        params = [p for p in self.wrapped.module.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, max_norm=1e-3)
+        for p in params:
+            dist.all_reduce(p.grad)
+            p.grad.div_(self.env.world_size)
+
+
 class DoubleStepDDP(DDPAdapter):
     """DDP whose step() runs the optimizer twice (a wrapper that steps and a loop that steps again)."""
 

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from dpcompare.verify import equivalence as eq
 from dpcompare.run import workloads
 from dpcompare.verify.diagnosis import (Diagnosis, GradientEvidence, UpdateEvidence, _same_state, diagnose_gradient,
-                                        diagnose_update, reason_of)
+                                        diagnose_update, reason_of, state_difference)
 from dpcompare.verify.update_check import reference_step
 
 
@@ -335,6 +335,55 @@ def test_noise_on_a_few_parameters_leaves_them_unknown():
     found = _diagnoses(_tiny_resnet(), per_rank_some_noisy, has_batchnorm=True, sync_bn=True, tolerance=0.1)
     assert [d.cause for d in found] == ["batchnorm", "unknown"], reason_of(found)
     assert found[1].parameters == ["blocks.0.conv1.weight", "blocks.2.bn2.weight"]
+
+
+def _clipped_locals(max_norm: float):
+    def fault(o, s, og, sh):
+        local = [o.oracle(s, *shard) for shard in sh]
+        norms = [float(torch.linalg.vector_norm(eq.flat(g, list(og)))) for g in local]
+        factors = [min(1.0, max_norm / n) for n in norms]
+        return {k: (factors[0] * local[0][k] + factors[1] * local[1][k]) / 2 for k in og}
+    return fault
+
+
+def test_names_each_rank_clipping_its_local_gradient():
+    found = _diagnoses(_linear(), _clipped_locals(1e-3))
+    assert [d.cause for d in found] == ["local_clip"], reason_of(found)
+    assert "clipped its own local gradient to norm 0.001 before the all-reduce" in found[0].reason
+
+
+def test_names_a_factor_that_differs_between_ranks():
+    def rank_scale(o, s, og, sh):
+        local = [o.oracle(s, *shard) for shard in sh]
+        return {k: (local[0][k] + 0.5 * local[1][k]) / 2 for k in og}
+
+    found = _diagnoses(_linear(), rank_scale)
+    assert [d.cause for d in found] == ["rank_scale"], reason_of(found)
+    assert "rank 0 x1 " in found[0].reason and "rank 1 x0.5 " in found[0].reason
+
+
+def test_a_per_rank_factor_is_not_claimed_for_noise():
+    """Twin: the right mean plus noise has no per-rank factor that explains it."""
+    def noisy(o, s, og, sh):
+        torch.manual_seed(5)
+        return {k: v + 1e-3 * float(torch.linalg.vector_norm(v)) * torch.randn_like(v) for k, v in og.items()}
+
+    found = _diagnoses(_linear(), noisy)
+    assert all(d.cause not in ("local_clip", "rank_scale") for d in found), reason_of(found)
+
+
+def test_a_state_that_is_not_what_the_last_step_left_shows_the_entry_and_both_values():
+    expected = {"w": {"momentum_buffer": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}, "b": {"momentum_buffer": torch.ones(2)}}
+    stale = {"w": {"momentum_buffer": torch.tensor([[1.0, 2.0], [3.0, 0.5]])}, "b": {"momentum_buffer": torch.ones(2)}}
+    wrong, text = state_difference(stale, expected, ["b", "w"])
+    assert wrong == ["w"]
+    assert "w's momentum_buffer differs from it: element (1, 1) is 0.5 where 4 was expected" in text, text
+    # Twins: rounding is no difference; a zero buffer steps like none; a missing one that is not zero is named.
+    rounded = {"w": {"momentum_buffer": expected["w"]["momentum_buffer"] * (1 + 1e-7)}, "b": expected["b"]}
+    assert state_difference(rounded, expected, ["b", "w"]) is None
+    assert state_difference({"w": {"momentum_buffer": torch.zeros(2, 2)}}, {}, ["w"]) is None
+    wrong, text = state_difference({}, expected, ["w"])
+    assert wrong == ["w"] and "holds no momentum_buffer where one of norm 5.477 was expected" in text
 
 
 # -- updates -----------------------------------------------------------------------------------------

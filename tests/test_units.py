@@ -3,7 +3,7 @@
 Checks against independent references where one exists: launch detection against the variables each
 real launcher sets (torchrun, the deepspeed launcher, horovodrun, Open MPI, PMI, Slurm); sharding against
 torch's own DistributedSampler; GlobalBatchNorm against nn.BatchNorm2d in float64; the metrics of
-equivalence.compare_grads against hand-computed values (the diagnosis: test_diagnosis.py); the watchdog's culprit against fake heartbeat files; configuration, registry and result
+equivalence.compare (dpcompare.verify.tolerance) against hand-computed values (the diagnosis: test_diagnosis.py); the watchdog's culprit against fake heartbeat files; configuration, registry and result
 schema errors against the messages and rejections they promise. Every passing case has a twin that
 must fail.
 """
@@ -208,14 +208,14 @@ def _as_float32(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def test_compare_grads_passes_the_oracle_itself():
     oracle = _grads()
-    params = eq.compare_grads(oracle, oracle, _as_float32(oracle), dtype="float32", world_size=2, depth=2)
+    params = eq.compare(oracle, oracle, _as_float32(oracle), dtype="float32", world_size=2, depth=2)[0]
     assert all(p.ok and p.rel_fro_err == 0.0 and p.max_abs_err == 0.0 and p.noise_ratio == 0.0 for p in params)
 
 
 def test_compare_grads_passes_the_float32_rounding_of_the_oracle():
     oracle = _grads()
     floor = _as_float32(oracle)
-    params = eq.compare_grads(floor, oracle, floor, dtype="float32", world_size=2, depth=2)
+    params = eq.compare(floor, oracle, floor, dtype="float32", world_size=2, depth=2)[0]
     assert [p.parameter for p in params] == list(oracle)
     assert all(p.ok for p in params)
     assert all(p.noise_ratio <= 1.0 for p in params)
@@ -226,7 +226,7 @@ def test_compare_grads_passes_one_ulp_off_the_float32_gradient():
     floor = _as_float32(oracle)
     one_ulp = {k: torch.nextafter(v.float(), torch.full_like(v.float(), math.inf)).double() for k, v in oracle.items()}
     assert all(not torch.equal(one_ulp[k], floor[k]) for k in oracle)
-    params = eq.compare_grads(one_ulp, oracle, floor, dtype="float32", world_size=2, depth=2)
+    params = eq.compare(one_ulp, oracle, floor, dtype="float32", world_size=2, depth=2)[0]
     assert all(p.ok for p in params), [(p.parameter, p.noise_ratio) for p in params]
     assert max(p.noise_ratio for p in params) < 10
 
@@ -235,7 +235,7 @@ def test_compare_grads_fails_a_gradient_twice_too_large():
     oracle = _grads()
     floor = _as_float32(oracle)
     doubled = {k: 2 * v for k, v in floor.items()}
-    params = eq.compare_grads(doubled, oracle, floor, dtype="float32", world_size=2, depth=2)
+    params = eq.compare(doubled, oracle, floor, dtype="float32", world_size=2, depth=2)[0]
     assert not any(p.ok for p in params)
     # ||2o - o|| / max(||o||, ||O|| / sqrt(T)): 1.0 unless a small parameter is measured against its share.
     share = float(torch.linalg.vector_norm(torch.cat([v.reshape(-1) for v in oracle.values()]))) / math.sqrt(len(oracle))
@@ -250,7 +250,7 @@ def test_compare_grads_arithmetic_by_hand():
     oracle = {"w": torch.tensor([3.0, 4.0], dtype=torch.float64)}
     floor = {"w": torch.tensor([3.0 + 1e-6, 4.0], dtype=torch.float64)}
     grads = {"w": torch.tensor([3.0, 4.0 + 3e-6], dtype=torch.float64)}
-    (p,) = eq.compare_grads(grads, oracle, floor, dtype="float32", world_size=2, depth=1)
+    (p,) = eq.compare(grads, oracle, floor, dtype="float32", world_size=2, depth=1)[0]
     assert p.max_abs_err == pytest.approx(3e-6, rel=1e-9)
     assert p.rel_fro_err == pytest.approx(3e-6 / 5, rel=1e-9)
     assert p.floor_rel_fro_err == pytest.approx(1e-6 / 5, rel=1e-9)
@@ -259,7 +259,7 @@ def test_compare_grads_arithmetic_by_hand():
     assert p.max_rel_err == pytest.approx(3e-6 / (4.0 + U32 * 4.0), rel=1e-9)
     assert p.ok
     # The depth term takes over when the floor is below it: depth 10 -> floor_p = 10u.
-    (q,) = eq.compare_grads(grads, oracle, oracle, dtype="float32", world_size=2, depth=10)
+    (q,) = eq.compare(grads, oracle, oracle, dtype="float32", world_size=2, depth=10)[0]
     assert q.noise_ratio == pytest.approx((3e-6 / 5) / (10 * U32), rel=1e-9)
 
 
@@ -267,13 +267,73 @@ def test_compare_grads_measures_a_zero_gradient_against_its_share_of_the_model()
     # A conv bias feeding BatchNorm has an analytically ~0 gradient: rounding noise there is not a failure.
     oracle = {"w": torch.tensor([3.0, 4.0], dtype=torch.float64), "b": torch.zeros(2, dtype=torch.float64)}
     grads = {"w": oracle["w"].clone(), "b": torch.tensor([1e-9, 0.0], dtype=torch.float64)}
-    params = {p.parameter: p for p in eq.compare_grads(grads, oracle, oracle, dtype="float32", world_size=1, depth=2)}
+    params = {p.parameter: p for p in eq.compare(grads, oracle, oracle, dtype="float32", world_size=1, depth=2)[0]}
     share = 5.0 / math.sqrt(2)
     assert params["b"].rel_fro_err == pytest.approx(1e-9 / share, rel=1e-9)
     assert params["b"].ok
     grads["b"] = torch.tensor([1e-3, 0.0], dtype=torch.float64)
-    params = {p.parameter: p for p in eq.compare_grads(grads, oracle, oracle, dtype="float32", world_size=1, depth=2)}
+    params = {p.parameter: p for p in eq.compare(grads, oracle, oracle, dtype="float32", world_size=1, depth=2)[0]}
     assert not params["b"].ok
+
+
+def _noisy(grads: dict[str, torch.Tensor], rel: float, seed: int = 1) -> dict[str, torch.Tensor]:
+    """`grads` plus independent noise of `rel` times each tensor's norm: a low-precision reference far from float64."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + rel * float(torch.linalg.vector_norm(v)) * torch.randn(v.shape, generator=g, dtype=torch.float64)
+            / math.sqrt(v.numel()) for k, v in grads.items()}
+
+
+def test_against_the_run_precision_reference_a_huge_precision_floor_keeps_the_power():
+    # A deep network at bf16: the run-precision reference is 100 % away from float64. The backend computes what that
+    # reference computes (up to a float32 regrouping): judged against it, a doubled gradient fails, while the
+    # float64-only rule (floor = the precision's distance) passes it.
+    oracle = _grads()
+    run = _noisy(oracle, 1.0)
+    regrouped = _as_float32(run)
+    backend = {k: v.float().double() for k, v in run.items()}
+    params, model = eq.compare(backend, oracle, run, dtype="float32", world_size=2, depth=2, spread=regrouped)
+    assert all(p.ok for p in params) and model.ok
+    assert all(p.floor_rel_fro_err > 0.5 for p in params), "the precision floor is reported, not judged"
+    assert model.min_detectable_rel < 1e-4 and eq.min_detectable(params, model) < 1e-4
+    doubled = {k: 2 * v for k, v in backend.items()}
+    params, model = eq.compare(doubled, oracle, run, dtype="float32", world_size=2, depth=2, spread=regrouped)
+    assert not any(p.ok for p in params) and not model.ok
+    classic, _ = eq.compare(doubled, oracle, run, dtype="float32", world_size=2, depth=2)
+    assert all(p.ok for p in classic), "the float64-only rule has no power here: the flaw the run-precision rule fixes"
+
+
+def test_min_detectable_rel_by_hand():
+    # One parameter (3, 4), reference equal to the oracle: ||o|| = 5. Spread off by 1e-6 in one element:
+    # floor_p = max(2e-7, 2e-7, depth * u) = 2e-7 at depth 1; tolerance 10 * (2e-7 + 2u); a uniform change eps moves
+    # the judged error by eps, so min_detectable_rel = tolerance.
+    oracle = {"w": torch.tensor([3.0, 4.0], dtype=torch.float64)}
+    spread = {"w": torch.tensor([3.0 + 1e-6, 4.0], dtype=torch.float64)}
+    (p,), model = eq.compare(oracle, oracle, oracle, dtype="float32", world_size=2, depth=1, spread=spread)
+    assert p.judged_floor_rel_fro == pytest.approx(2e-7, rel=1e-9)
+    assert p.tolerance_rel_fro == pytest.approx(10 * (2e-7 + 2 * U32), rel=1e-12)
+    assert p.min_detectable_rel == pytest.approx(p.tolerance_rel_fro, rel=1e-9)
+    scaled = {"w": oracle["w"] * (1 + 1.05 * p.min_detectable_rel)}
+    assert not eq.compare(scaled, oracle, oracle, dtype="float32", world_size=2, depth=1, spread=spread)[0][0].ok
+    scaled = {"w": oracle["w"] * (1 + 0.95 * p.min_detectable_rel)}
+    assert eq.compare(scaled, oracle, oracle, dtype="float32", world_size=2, depth=1, spread=spread)[0][0].ok
+
+
+def test_a_parameter_too_noisy_to_judge_is_left_out_and_counted_and_the_model_still_judges():
+    oracle = _grads()
+    spread = dict(oracle, **{"0.bias": oracle["0.bias"] + 0.5 * oracle["0.bias"].flip(0)})
+    backend = dict(oracle, **{"0.bias": oracle["0.bias"] * 1.2})  # within its own noise: not judged alone
+    params, model = eq.compare(backend, oracle, oracle, dtype="float32", world_size=2, depth=2, spread=spread)
+    by = {p.parameter: p for p in params}
+    assert not by["0.bias"].judged and by["0.bias"].ok and by["0.bias"].min_detectable_rel > 1.0
+    cov = eq.coverage(params)
+    assert (cov.parameters, cov.parameters_judged, cov.left_out) == (3, 2, ["0.bias"])
+    assert cov.elements_judged == cov.elements - 8
+    nan = dict(backend, **{"0.bias": torch.full((8,), math.nan, dtype=torch.float64)})
+    assert not {p.parameter: p for p in eq.compare(nan, oracle, oracle, dtype="float32", world_size=2, depth=2,
+                                                     spread=spread)[0]}["0.bias"].ok, "non-finite never passes"
+    uniform = {k: 1.5 * v for k, v in oracle.items()}
+    params, model = eq.compare(uniform, oracle, oracle, dtype="float32", world_size=2, depth=2, spread=spread)
+    assert not model.ok, "the whole-model vector catches a uniform change"
 
 
 def test_first_mismatch_names_the_first_disagreeing_rank_and_parameter():

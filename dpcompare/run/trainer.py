@@ -176,9 +176,13 @@ def _semantic_facts(e: dict[str, Any]) -> list[str]:
 def _precision_facts(e: dict[str, Any]) -> list[str]:
     """The mixed-precision recipe and what its loss scaler skipped, in a phrase each."""
     p = e.get("precision") or {}
+    tf32 = p.get("tf32") or {}
+    on = [k for k in ("matmul_allow_tf32", "cudnn_allow_tf32") if tf32.get(k)]
+    facts = ([f"checked with TF32 off and deterministic cuDNN, measured with the settings as set "
+              f"({', '.join(on)})"] if on and str(tf32.get("checked_with", "")).startswith("TF32 off") else [])
     if p.get("amp", "none") == "none":
-        return []
-    facts = [f"--amp {p['amp']} {p['recipe']} recipe"]  # a 16-bit wire is said with the tolerance, above
+        return facts
+    facts.append(f"--amp {p['amp']} {p['recipe']} recipe")  # a 16-bit wire is said with the tolerance, above
     if p.get("loss_scaler"):
         skipped = p.get("skipped_steps") or []
         total = p.get("skipped_total")
@@ -195,6 +199,14 @@ def _precision_facts(e: dict[str, Any]) -> list[str]:
 def _power_of_two(x: float) -> str:
     exponent = math.log2(x) if x > 0 else math.nan
     return f"2^{exponent:.0f}" if math.isfinite(exponent) and exponent == round(exponent) else f"{x:g}"
+
+
+def _coverage_phrase(coverage: dict | None) -> str:
+    if not coverage or not coverage.get("left_out"):
+        return ""
+    return (f", {coverage['parameters_judged']} of {coverage['parameters']} parameters judged one by one "
+            f"({coverage['elements_judged']} of {coverage['elements']} elements; the rest too noisy alone, in the "
+            "whole-model check)")
 
 
 def summary_line(payload: dict[str, Any]) -> str:
@@ -216,16 +228,21 @@ def summary_line(payload: dict[str, Any]) -> str:
 
     parts = []
     ratio = e["noise_ratio"]
-    if e["checked_steps"]:
-        parts.append(f"gradient: max rel fro err {f(e['max_rel_fro_err'], '.2e')}, {f(ratio, '.2f')}x noise floor "
-                     f"{f(e['noise_floor_rel_fro'], '.2e')}")
     checks = e.get("checks") or {}
-    update, trajectory = checks.get("update") or {}, checks.get("trajectory") or {}
+    gradient, update, trajectory = checks.get("gradient") or {}, checks.get("update") or {}, checks.get("trajectory") or {}
+    if e["checked_steps"]:
+        parts.append(f"gradient: {f(ratio, '.2f')}x its data-parallel floor {f(gradient.get('dp_floor_rel_fro'), '.2e')}, "
+                     f"max rel fro err {f(e['max_rel_fro_err'], '.2e')} from float64 (the {config.get('dtype', 'float32')}"
+                     f"{' ' + config['amp'] if config.get('amp', 'none') != 'none' else ''} reference's "
+                     f"{f(e['noise_floor_rel_fro'], '.2e')})")
     if update.get("status") not in (None, "off", "unverifiable"):
         parts.append(f"update: {f(update['noise_ratio'], '.2f')}x floor, ||update||/||reference|| "
                      f"{f(update['norm_ratio'], '.4g')}")
     if trajectory.get("status") not in (None, "off", "unverifiable"):
         parts.append(f"trajectory: {f(trajectory['noise_ratio'], '.2f')}x floor")
+    if e.get("min_detectable_rel") is not None:
+        parts.append(f"catches a change of {e['min_detectable_rel']:.2g} (relative) in the gradient or the update"
+                     + _coverage_phrase(gradient.get("coverage")))
     detail = "; ".join(parts) or "no figures"
     if e["tolerance"].get("compression", "none") != "none":
         detail += f" ({e['tolerance']['compression']} on the wire, tolerance widened to match)"

@@ -43,9 +43,12 @@ class VerificationPhase:
         self.recorder = mk.MaskRecorder(self.wrapped.module) if self.facts.stochastic else None
 
     def run(self) -> eq.Verdict:
-        self.verdict = self._start()
-        for step in range(self.cfg.steps):
-            self._step(step)
+        with checked_arithmetic(self.runner.device) as tf32:
+            self.verdict = self._start()
+            if self.verdict.precision is not None:
+                self.verdict.precision.tf32 = tf32
+            for step in range(self.cfg.steps):
+                self._step(step)
         if self.check is not None and self.cfg.dump_grads:
             _save_npz_atomic(Path(self.cfg.dump_grads), self.check.dumps, self.cfg.closed_if)
         return self.verdict
@@ -131,6 +134,34 @@ class VerificationPhase:
             step, mismatch[1], float("nan"), 0.0, float("nan"),
             f"after the optimizer step rank {mismatch[0]} holds different values of {mismatch[1]} "
             "than rank 0: the replicas diverged", check="replicas", cause="replicas"))
+
+
+@contextlib.contextmanager
+def checked_arithmetic(device: torch.device):
+    """The verification steps on CUDA run float32 as float32: TF32 off for matmuls and convolutions and cuDNN's
+    deterministic algorithms, restored afterwards, so the measured steps keep the user's settings. With TF32 a
+    float32 run's reference is ~1e-3 relative from float64 per layer, and its floor on a deep network can exceed 1:
+    no check would see a doubled update. Yields what was set and what the checks ran with, for the result."""
+    cuda = torch.backends.cuda.matmul
+    cudnn = torch.backends.cudnn
+    user = {"matmul_allow_tf32": bool(cuda.allow_tf32), "cudnn_allow_tf32": bool(cudnn.allow_tf32),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "cudnn_benchmark": bool(cudnn.benchmark), "cudnn_deterministic": bool(cudnn.deterministic)}
+    if device.type != "cuda":
+        yield dict(user, checked_with="as set (TF32 is a CUDA setting)", checked_matmul_allow_tf32=False,
+                   checked_cudnn_allow_tf32=False)
+        return
+    precision = user["float32_matmul_precision"]
+    try:
+        cuda.allow_tf32, cudnn.allow_tf32 = False, False
+        torch.set_float32_matmul_precision("highest")
+        cudnn.benchmark, cudnn.deterministic = False, True
+        yield dict(user, checked_with="TF32 off and deterministic cuDNN during the checked steps; the measured steps "
+                   "keep the settings above", checked_matmul_allow_tf32=False, checked_cudnn_allow_tf32=False)
+    finally:
+        cuda.allow_tf32, cudnn.allow_tf32 = user["matmul_allow_tf32"], user["cudnn_allow_tf32"]
+        torch.set_float32_matmul_precision(precision)
+        cudnn.benchmark, cudnn.deterministic = user["cudnn_benchmark"], user["cudnn_deterministic"]
 
 
 def _unused_grad_forms(grads: dict[str, torch.Tensor | None], unused: tuple[str, ...]) -> dict[str, str]:

@@ -179,14 +179,22 @@ class GradientEvidence:
     """(step, reduced gradient) of the previous step when it was checked."""
     loss_scale: float | None = None
     """The loss scale of this step's backward, when the run scales its loss (--amp fp16)."""
+    judged_tolerance: dict[str, float] | None = None
+    """The gradient check's own bounds (against the run-precision reference); `tolerance` is how close a candidate
+    must come to be named."""
 
     @property
     def stochastic(self) -> bool:
         return bool(self.masks)
 
+    def compute(self, pieces: list) -> Grads:
+        """A candidate's gradient in the run's own precision recipe (the reference the backend is judged against), so
+        it shares the backend's rounding and only the fault tells them apart."""
+        return self.oracle.floor_of(self.state, pieces, self.loss_scale or 1.0)
+
     def local(self) -> list[Grads]:
-        """Each rank's own gradient of its shard (float64, its micro-batches, the masks it drew)."""
-        return [self.oracle.oracle_of(self.state, replica_pieces(self.batch, self.layout, self.masks, ranks=[rank]))
+        """Each rank's own gradient of its shard (its micro-batches, the masks it drew), in the run's precision."""
+        return [self.compute(replica_pieces(self.batch, self.layout, self.masks, ranks=[rank]))
                 for rank in range(self.world_size)]
 
 
@@ -207,11 +215,11 @@ class _GradientHypotheses:
 
     def ordered(self) -> list[_Hypothesis]:
         return [self.wire_range, self.non_finite, self.data, self.swapped, self.scaled, self.zeroed,
-                self.unsynchronised, self.stale, self.batchnorm, self.wire]
+                self.unsynchronised, self.stale, self.rank_scaled, self.batchnorm, self.wire]
 
     def none_reason(self) -> str:
         none = ("the reduced gradient matches none of the known fault patterns (sum, 1/N, a scale factor, one rank's "
-                "local gradient, a stale gradient, two same-shape gradients exchanged, a part never written, an fp16 "
+                "local gradient, a stale gradient, a factor per rank (local clipping), two same-shape gradients exchanged, a part never written, an fp16 "
                 "or bf16 wire's rounding, underflow or overflow, per-rank or per-micro-batch BatchNorm, duplicated data)")
         if self.ev.stochastic:
             none += "; the model draws random numbers: the oracle applied the dropout masks each rank drew"
@@ -409,6 +417,40 @@ class _GradientHypotheses:
         return [Diagnosis("stale", f"the reduced gradient is step {prev_step}'s: a stale gradient (the reduction did not "
                           "wait for this step's all-reduce, or a buffer from the previous step was used)", explained)]
 
+    def rank_scaled(self, remaining: list[str]) -> list[Diagnosis]:
+        """The mean of the ranks' local gradients, each multiplied by a factor of its own: each rank clipped its local
+        gradient before the reduce (factor min(1, max_norm / its norm)), or undid a loss scale of its own."""
+        n, local = self.n, self.local()
+        if n < 2 or not remaining:
+            return []
+        columns = torch.stack([flat(l, remaining) / n for l in local], dim=1)
+        target = flat(self.g, remaining)
+        if not bool(torch.isfinite(target).all()):
+            return []
+        c = [float(v) for v in torch.linalg.lstsq(columns, target.unsqueeze(1)).solution.reshape(-1)]
+        if all(abs(v - 1.0) <= SCALE_AGREEMENT for v in c) or all(abs(v - c[0]) <= SCALE_AGREEMENT * abs(c[0]) for v in c):
+            return []  # the plain mean, or one common factor (`scaled` names that)
+        explained = self.match({p: sum(v * l[p] for v, l in zip(c, local)) / n for p in remaining}, remaining)
+        if set(explained) != set(remaining) or min(c) <= 0:
+            return []  # a rank's factor acts on its whole gradient: it explains every failing parameter or nothing
+        names = self.names
+        norms = [float(torch.linalg.vector_norm(flat(l, names))) for l in local]
+        after = [v * m for v, m in zip(c, norms)]
+        cap = max(after)
+        clipped = [r for r, v in enumerate(c) if v < 1.0 - SCALE_AGREEMENT]
+        per_rank = ", ".join(f"rank {r} x{v:.4g} (local norm {m:.3g})" for r, (v, m) in enumerate(zip(c, norms)))
+        if clipped and all(abs(after[r] - cap) <= SCALE_AGREEMENT * cap for r in clipped) and all(
+                abs(c[r] - 1.0) <= SCALE_AGREEMENT and after[r] <= cap * (1 + SCALE_AGREEMENT)
+                for r in range(n) if r not in clipped):
+            return [Diagnosis("local_clip", f"each rank clipped its own local gradient to norm {cap:.4g} before the "
+                              f"all-reduce ({per_rank}): clipping must see the reduced gradient's global norm; clip after "
+                              "the reduce (clip_grad_norm_ on the averaged gradient; under ZeRO or FSDP, the norm over "
+                              "every partition), or in none of the backends", explained)]
+        return [Diagnosis("rank_scale", f"each rank's local gradient reached the reduce multiplied by a factor of its "
+                          f"own ({per_rank}): a loss scale, unscale or divisor that differs between ranks (a rank-local "
+                          "GradScaler state, a per-rank loss weighting); every rank must apply the same factor",
+                          explained)]
+
     def batchnorm(self, remaining: list[str]) -> list[Diagnosis]:
         ev, names, layout = self.ev, self.names, self.ev.layout
         if not ev.has_batchnorm or not layout.splits_the_batch:
@@ -416,8 +458,7 @@ class _GradientHypotheses:
         out = []
         if ev.per_replica:
             # The oracle normalised each forward's own samples, as data parallelism without SyncBN does.
-            explained = self.match(self.candidate("global", lambda: ev.oracle.oracle_of(
-                ev.state, global_pieces(ev.batch))), remaining)
+            explained = self.match(self.candidate("global", lambda: ev.compute(global_pieces(ev.batch))), remaining)
             out.append(Diagnosis("batchnorm", "BatchNorm normalised the global batch as one, though --sync-bn was not "
                                  "given: the backend synchronises BatchNorm statistics on its own (each replica should "
                                  f"normalise its local batch of {ev.batch[0].shape[0] // layout.world_size}); pass --sync-bn "
@@ -425,8 +466,8 @@ class _GradientHypotheses:
             return out
         if layout.world_size > 1:
             per_rank = Layout(layout.world_size, 1, layout.replicas)
-            explained = self.match(self.candidate("per_rank", lambda: ev.oracle.oracle_of(
-                ev.state, replica_pieces(ev.batch, per_rank, None))), remaining)
+            explained = self.match(self.candidate("per_rank", lambda: ev.compute(
+                replica_pieces(ev.batch, per_rank, None))), remaining)
             out.append(Diagnosis("batchnorm", f"BatchNorm normalised each rank's shard with that shard's own statistics "
                                  f"(local batch {ev.batch[0].shape[0] // layout.world_size}) though --sync-bn was given: "
                                  "the backend's sync_batchnorm left BatchNorm layers unsynchronised", explained))
@@ -434,7 +475,7 @@ class _GradientHypotheses:
         if k > 1:
             groups = _micro_batch_groups(ev.batch, layout.world_size, k)
             explained = self.match(self.candidate("micro_batches", lambda: _mean(
-                [ev.oracle.oracle_of(ev.state, global_pieces(group)) for group in groups], names)), remaining)
+                [ev.compute(global_pieces(group)) for group in groups], names)), remaining)
             size = groups[0][0].shape[0]
             out.append(Diagnosis("batchnorm", f"BatchNorm normalised each micro-batch ({size} samples across ranks, "
                                  f"synchronised BatchNorm) with its own statistics under gradient accumulation "
@@ -446,7 +487,8 @@ class _GradientHypotheses:
     def wire(self, remaining: list[str]) -> list[Diagnosis]:
         if self.n < 2:
             return []
-        g, share, tolerance, local = self.g, self.share, self.ev.tolerance, self.local()
+        g, share, local = self.g, self.share, self.local()
+        tolerance = self.ev.judged_tolerance or self.ev.tolerance
         base = self.candidate("mean", lambda: _mean(local, self.names))
         declared = WIRE_DTYPE[self.ev.compression]
         for wire_name in ("float16", "bfloat16"):
@@ -540,7 +582,7 @@ class UpdateEvidence:
     params: Grads
     """theta_before."""
     grads: dict[str, torch.Tensor | None]
-    """The oracle gradient (None where no gradient reaches the parameter)."""
+    """The backend's reduced gradient, None where a single process gives none (the parameter is not in the loss)."""
     expected_state: OptState
     backend_state: OptState | None
     factory: OptimizerFactory
@@ -552,6 +594,8 @@ class UpdateEvidence:
     expected_from: str = "a fresh optimizer's"
     skipped: bool = False
     """The backend's loss scaler counted this step as skipped."""
+    backend_grads: dict[str, torch.Tensor | None] | None = None
+    """The reduced gradient as the backend handed it to its optimizer (zeros where it gave zeros)."""
 
     def step_with(self, grads: dict[str, torch.Tensor | None] | None = None, state: OptState | None = None,
                   times: int = 1, **overrides: Any) -> Grads:
@@ -742,6 +786,57 @@ def _same_state(a: OptState, b: OptState) -> bool:
             elif va != vb:
                 return False
     return True
+
+
+def state_difference(backend: OptState, expected: OptState, names: list[str]) -> tuple[list[str], str] | None:
+    """(the parameters, in `names` order, whose optimizer state is not the expected one, and a phrase on the first
+    showing the entry that differs and both values), or None. A missing entry and an all-zero buffer count as the
+    same (a zero momentum buffer steps like none); tensors agree to 1e-4 of their largest value (the expected state
+    is a float64 replay of the backend's own step, so the two differ by rounding alone)."""
+    wrong, phrase = [], ""
+    for name in names:
+        ea, eb = backend.get(name, {}), expected.get(name, {})
+        for key in sorted(set(ea) | set(eb)):
+            text = _entry_difference(name, key, ea.get(key), eb.get(key))
+            if text is not None:
+                phrase = phrase or text
+                wrong.append(name)
+                break
+    return (wrong, phrase) if wrong else None
+
+
+def _entry_difference(name: str, key: str, have: Any, want: Any) -> str | None:
+    def zero(v: Any) -> bool:
+        return torch.is_tensor(v) and v.dim() > 0 and not bool(v.any())
+
+    if have is None or want is None:
+        present = have if want is None else want
+        if zero(present):
+            return None
+        size = f"of norm {float(torch.linalg.vector_norm(present.double())):.4g}" if torch.is_tensor(present) else \
+            f"= {present}"
+        return (f"{name} holds {key} {size} where none was expected" if want is None else
+                f"{name} holds no {key} where one {size} was expected")
+    if torch.is_tensor(have) and torch.is_tensor(want):
+        a, b = have.double().reshape(-1), want.double().reshape(-1)
+        if a.numel() != b.numel():
+            return f"{name}'s {key} has {a.numel()} elements where {b.numel()} were expected"
+        if not a.numel():
+            return None
+        gap = (a - b).abs()
+        scale = float(b.abs().max())
+        worst = int(gap.argmax())
+        if float(gap[worst]) <= 1e-4 * max(scale, 1e-30):
+            return None
+        where = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), tuple(want.shape))) if want.dim() > 1 \
+            else worst
+        return (f"{name}'s {key} differs from it: element {where} is {float(a[worst]):.6g} where {float(b[worst]):.6g} "
+                f"was expected (the largest difference, {float(gap[worst]) / max(scale, 1e-30):.3g} of the expected "
+                f"{key}'s largest value; norms {float(torch.linalg.vector_norm(a)):.6g} and "
+                f"{float(torch.linalg.vector_norm(b)):.6g})")
+    if float(have) != float(want):
+        return f"{name} has {key} {float(have):g} where {float(want):g} was expected"
+    return None
 
 
 FRESH_STEPPED_TRAP = (" — at step 0 this is a fresh optimizer that already ran step() on zero gradients: Horovod's "

@@ -1,31 +1,13 @@
 """Equivalence: is the backend's reduced gradient the gradient of the global-batch loss?
 
-Owns: the float64 oracle, the noise floor, per-parameter error metrics, the tolerance policy, fingerprints
-for replica consistency, the diagnosis of a failure, and the verdict. Imports no adapter: it receives
+Owns: the float64 oracle, the run-precision reference (the noise floor), fingerprints for replica consistency,
+the per-step check records and the verdict they add up to. Imports no adapter: it receives
 tensors, state dicts and gathered fingerprints.
 
-Definitions (all per parameter p, `o` the float64 oracle gradient, `g` the gradient under test):
-  max_abs_err   max |g - o|
-  max_rel_err   max |g - o| / (|o| + u * max|o|)       (u: unit roundoff of the run dtype; the u-term keeps
-                                                         elements whose oracle is ~0 from dominating)
-  rel_fro_err   ||g - o||_F / max(||o||_F, ||O||_F / sqrt(T))   (O: the whole model's oracle gradient, T: its
-                number of parameter tensors; a parameter whose gradient is analytically ~0, such as a conv bias
-                feeding BatchNorm, is measured against its share of the model's gradient instead of against
-                its own rounding noise)
-  noise floor   rel_fro_err of the plain single-process gradient computed in the run dtype on the same
-                parameters and global batch: what that dtype costs on this model before any parallelism
-  noise_ratio   rel_fro_err / floor_p, where floor_p = max(floor of p, floor of the whole model, depth * u)
-
-Tolerance policy (the only place it is written): a parameter passes when
-  rel_fro_err <= TOLERANCE_FACTOR * (floor_p + world_size * u_wire)
-(u_wire = u, or the unit roundoff of the compressed dtype when gradients travel compressed: fp16 2^-11,
-bf16 2^-8 — every gradient is rounded to it once and the sum accumulates in it.)
-The floor term covers the rounding of the forward/backward in the run dtype (each rank computes its shard
-in that dtype, with a different summation order than the single process: the same order of error). The
-world_size * u term bounds the extra rounding of averaging N gradients (a ring or tree sum of N terms plus
-one division: at most N-1 additions of relative error u each, and pre- vs post-division differing by an
-ulp when N is not a power of two). TOLERANCE_FACTOR is 10: measured noise ratios of correct backends on the
-built-in workloads stay below 3 (docs/verification.md, "Tolerance"), and every planted fault measured lands above 10^4.
+The metrics, the tolerance policy and the power of each check are written once, in
+dpcompare.verify.tolerance: the reduced gradient is judged against the run-precision reference split as the ranks
+split it (floor: what data parallelism alone changes, measured by a second run-precision computation), and its
+distance from the float64 oracle is stated beside it.
 """
 
 from __future__ import annotations
@@ -44,10 +26,10 @@ from dpcompare.contract import Note
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import PrecisionReport, Recipe
+from dpcompare.verify.tolerance import (MODEL, TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, Coverage, ParamError,  # noqa: F401
+                                        compare, coverage, flat, min_detectable, rel_fro, wire_roundoff)
+from dpcompare.verify.tolerance import describe as describe_tolerance
 
-TOLERANCE_FACTOR = 10.0
-UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
-WIRE_DTYPE = {"none": None, "fp16": "float16", "bf16": "bfloat16"}
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 Grads = dict[str, torch.Tensor]
@@ -82,78 +64,9 @@ def first_mismatch(per_rank: list[list[str]], names: list[str]) -> tuple[int, st
 
 
 # -- metrics ---------------------------------------------------------------------------------------
-@dataclass(slots=True)
-class ParamError:
-    parameter: str
-    max_abs_err: float
-    max_rel_err: float
-    rel_fro_err: float
-    floor_rel_fro_err: float
-    noise_ratio: float
-    tolerance_rel_fro: float
-    ok: bool
-
-
-def rel_fro(g: torch.Tensor, o: torch.Tensor, min_denom: float = 0.0) -> float:
-    denom = max(float(torch.linalg.vector_norm(o)), min_denom)
-    diff = float(torch.linalg.vector_norm(g - o))
-    if denom == 0.0:
-        return 0.0 if diff == 0.0 else math.inf
-    return diff / denom
-
-
-def flat(grads: Grads, names: Iterable[str]) -> torch.Tensor:
-    return torch.cat([grads[n].reshape(-1) for n in names])
-
-
 def depth_of(module: nn.Module) -> int:
     """Layers with parameters: the length of the longest chain rounding errors can compound along."""
     return sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False)))
-
-
-def compare(
-    values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_size: int, depth: int, u_sum: float | None = None,
-    names: Iterable[str] | None = None,
-) -> list[ParamError]:
-    """Per-parameter errors of `values` against `reference`, in multiples of the floor (`floor` against
-    `reference`). Used for gradients (reference: the float64 oracle) and for updates (reference: the float64
-    optimizer step). A non-finite value is an error of +inf, never a pass."""
-    u = UNIT_ROUNDOFF[dtype]
-    u_sum = u if u_sum is None else u_sum
-    names = list(reference) if names is None else list(names)
-    whole = flat(reference, names)
-    global_floor = rel_fro(flat(floor, names), whole)
-    share = float(torch.linalg.vector_norm(whole)) / math.sqrt(max(len(names), 1))
-    out = []
-    for name in names:
-        g, o = values[name], reference[name]
-        finite = bool(torch.isfinite(g).all())
-        diff = (g - o).abs()
-        scale = float(o.abs().max()) if o.numel() else 0.0
-        max_rel = float((diff / (o.abs() + u * scale + 1e-300)).max()) if o.numel() else 0.0
-        err = rel_fro(g, o, share) if finite else math.inf
-        own_floor = rel_fro(floor[name], o, share)
-        floor_p = max(own_floor, global_floor, depth * u)
-        tol = TOLERANCE_FACTOR * (floor_p + world_size * u_sum)
-        out.append(
-            ParamError(name, float(diff.max()) if o.numel() else 0.0, max_rel if finite else math.inf, err,
-                       own_floor, err / floor_p, tol, err <= tol)
-        )
-    return out
-
-
-def wire_roundoff(dtype: str, compression: str = "none") -> float:
-    """Unit roundoff of the reduction: the run dtype's, or the compressed wire dtype's when it is coarser."""
-    wire = WIRE_DTYPE[compression]
-    u = UNIT_ROUNDOFF[dtype]
-    return max(u, UNIT_ROUNDOFF[wire]) if wire else u
-
-
-def compare_grads(
-    grads: Grads, oracle: Grads, floor: Grads, *, dtype: str, world_size: int, depth: int, compression: str = "none"
-) -> list[ParamError]:
-    return compare(grads, oracle, floor, dtype=dtype, world_size=world_size, depth=depth,
-                   u_sum=wire_roundoff(dtype, compression))
 
 
 # -- the oracle ------------------------------------------------------------------------------------
@@ -342,19 +255,36 @@ class Divergence:
     """Every parameter that broke tolerance at that step and check."""
 
 
+def _power(params: list[ParamError], model: ParamError | None) -> dict:
+    cov = coverage(params)
+    return {"min_detectable_rel": _finite(min_detectable(params, model)), "coverage": cov.to_dict(),
+            "model": _param_dict(model) if model is not None else None}
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _param_dict(p: ParamError) -> dict:
+    return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in asdict(p).items()}
+
+
 @dataclass(slots=True)
 class UpdateCheck:
-    """The parameter update of one checked step against the reference optimizer step."""
+    """The parameter update of one checked step against the optimizer replayed on the backend's own parameters,
+    reduced gradient and state (float64; its floor the same replay in the run dtype)."""
 
     params: list[ParamError]
     norm_ratios: dict[str, float]
     """Per parameter ||update_backend|| / ||update_reference||."""
     norm_ratio: float
     """The same over the whole model."""
+    model: ParamError | None = None
+    """All parameters as one vector."""
 
     @property
     def noise_ratio(self) -> float:
-        return max((p.noise_ratio for p in self.params), default=0.0)
+        return max((p.noise_ratio for p in self.params if p.judged), default=0.0)
 
     @property
     def max_rel_fro_err(self) -> float:
@@ -364,10 +294,14 @@ class UpdateCheck:
     def floor(self) -> float:
         return max((p.floor_rel_fro_err for p in self.params), default=0.0)
 
+    @property
+    def min_detectable_rel(self) -> float:
+        return min_detectable(self.params, self.model)
+
     def to_dict(self) -> dict:
         return {"max_rel_fro_err": self.max_rel_fro_err, "noise_floor_rel_fro": self.floor,
-                "noise_ratio": self.noise_ratio, "norm_ratio": self.norm_ratio,
-                "params": [dict(asdict(p), norm_ratio=self.norm_ratios.get(p.parameter)) for p in self.params]}
+                "noise_ratio": self.noise_ratio, "norm_ratio": self.norm_ratio, **_power(self.params, self.model),
+                "params": [dict(_param_dict(p), norm_ratio=self.norm_ratios.get(p.parameter)) for p in self.params]}
 
 
 @dataclass(slots=True)
@@ -378,6 +312,8 @@ class StepCheck:
     grads_identical_across_ranks: bool
     mismatch: str | None = None
     update: UpdateCheck | None = None
+    model: ParamError | None = None
+    """The gradient, all parameters as one vector."""
 
     @property
     def max_rel_err(self) -> float:
@@ -389,11 +325,19 @@ class StepCheck:
 
     @property
     def noise_ratio(self) -> float:
-        return max((p.noise_ratio for p in self.params), default=0.0)
+        return max((p.noise_ratio for p in self.params if p.judged), default=0.0)
 
     @property
     def floor(self) -> float:
         return max((p.floor_rel_fro_err for p in self.params), default=0.0)
+
+    @property
+    def judged_floor(self) -> float:
+        return max((p.judged_floor_rel_fro for p in self.params if p.judged), default=0.0)
+
+    @property
+    def min_detectable_rel(self) -> float:
+        return min_detectable(self.params, self.model)
 
 
 def _worst(values: list[float]) -> float | None:
@@ -457,22 +401,40 @@ class Verdict:
         worst_drift = max(drift, key=lambda e: e["noise_ratio"], default=None)
         worst_ratio = max((u.norm_ratio for u in updates), key=lambda r: abs(math.log(r)) if r > 0 and math.isfinite(r)
                           else math.inf, default=None)
+        grad_power = _worst([c.min_detectable_rel for c in self.checks])
+        update_power = _worst([u.min_detectable_rel for u in updates])
+        judged = [p for c in self.checks for p in c.params]
         return {
             "gradient": {"status": status("gradient", bool(self.checks)),
                          "noise_ratio": _worst([c.noise_ratio for c in self.checks]),
                          "max_rel_fro_err": _worst([c.max_rel_fro_err for c in self.checks]),
-                         "noise_floor_rel_fro": _worst([c.floor for c in self.checks])},
+                         "noise_floor_rel_fro": _worst([c.floor for c in self.checks]),
+                         "judged_rel_fro_err": _worst([p.judged_rel_fro_err for p in judged if p.judged]),
+                         "dp_floor_rel_fro": _worst([c.judged_floor for c in self.checks]),
+                         "min_detectable_rel": _finite(grad_power) if grad_power is not None else None,
+                         "coverage": coverage(self.checks[-1].params).to_dict() if self.checks else None},
             "update": {"status": status("update", bool(updates)),
                        "noise_ratio": _worst([u.noise_ratio for u in updates]),
                        "max_rel_fro_err": _worst([u.max_rel_fro_err for u in updates]),
                        "noise_floor_rel_fro": _worst([u.floor for u in updates]),
-                       "norm_ratio": worst_ratio},
+                       "norm_ratio": worst_ratio,
+                       "min_detectable_rel": _finite(update_power) if update_power is not None else None,
+                       "coverage": coverage(updates[-1].params).to_dict() if updates else None},
             "trajectory": {"status": status("trajectory", bool(drift)),
                            "noise_ratio": worst_drift["noise_ratio"] if worst_drift else None,
                            "rel_param_distance": worst_drift["rel_param_distance"] if worst_drift else None,
                            "floor_rel_param_distance": worst_drift["floor_rel_param_distance"] if worst_drift else None,
-                           "step": worst_drift["step"] if worst_drift else None},
+                           "step": worst_drift["step"] if worst_drift else None,
+                           "min_detectable_rel": _worst([e["tolerance"] for e in drift])},
         }
+
+    def power(self) -> float | None:
+        """The verdict's own min_detectable_rel: the smallest uniform relative change of the gradient and of the update
+        that every checked step would flag (the weakest step's, each step's the weaker of its two checks)."""
+        per_step = [max(c.min_detectable_rel, c.update.min_detectable_rel if c.update is not None else 0.0)
+                    for c in self.checks]
+        worst = _worst(per_step)
+        return _finite(worst) if worst is not None else None
 
     def to_dict(self, tolerance_policy: dict) -> dict:
         worst = max(self.checks, key=lambda c: c.noise_ratio, default=None)
@@ -486,6 +448,7 @@ class Verdict:
             "max_rel_fro_err": max((c.max_rel_fro_err for c in self.checks), default=None),
             "noise_floor_rel_fro": max((c.floor for c in self.checks), default=None),
             "noise_ratio": worst.noise_ratio if worst else None,
+            "min_detectable_rel": self.power(),
             "first_divergence": asdict(self.first_divergence) if self.first_divergence else None,
             "replicas_identical": self.replicas_identical,
             "initial_weights_identical": self.initial_weights_identical,
@@ -506,7 +469,10 @@ class Verdict:
                     "noise_ratio": c.noise_ratio,
                     "replicas_identical": c.replicas_identical,
                     "grads_identical_across_ranks": c.grads_identical_across_ranks,
-                    "params": [asdict(p) for p in c.params],
+                    "min_detectable_rel": _finite(c.min_detectable_rel),
+                    "judged_floor_rel_fro": c.judged_floor,
+                    **{k: v for k, v in _power(c.params, c.model).items() if k != "min_detectable_rel"},
+                    "params": [_param_dict(p) for p in c.params],
                     "update": c.update.to_dict() if c.update is not None else None,
                 }
                 for c in self.checks
@@ -517,11 +483,7 @@ class Verdict:
 def tolerance_policy(dtype: str, world_size: int, depth: int, compression: str = "none") -> dict:
     wire = WIRE_DTYPE[compression]
     return {
-        "rule": "rel_fro_err <= factor * (max(floor_param, floor_model, depth*u) + world_size*u_wire)",
-        "update_rule": "rel_fro_err(update) <= factor * (max(floor_param, floor_model, depth*u) + world_size*u_wire), "
-                       "floor: the run-dtype optimizer step from the run-dtype single-process gradient",
-        "trajectory_rule": "rel_param_distance(step k) <= factor * (max(floor_k, (k+1)*depth*u) + (k+1)*world_size*u_wire), "
-                           "floor_k: distance of a run-dtype single-process trajectory from the float64 one",
+        **describe_tolerance(dtype),
         "compression": compression,
         "unit_roundoff_wire": UNIT_ROUNDOFF[wire] if wire else UNIT_ROUNDOFF[dtype],
         "factor": TOLERANCE_FACTOR,

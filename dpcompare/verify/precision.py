@@ -100,6 +100,8 @@ class PrecisionReport:
     """The checked steps' loss-scaler evidence."""
     skipped_total: int | None = None
     """Steps the backend's scaler skipped in the verification phase, checked or not (None: no loss scale)."""
+    tf32: dict | None = None
+    """torch's TF32 and cuDNN settings as the user set them, and what the checked steps ran with."""
 
     @property
     def skipped_steps(self) -> list[int]:
@@ -109,4 +111,4 @@ class PrecisionReport:
         return {"amp": self.amp, "recipe": self.recipe, "description": self.description, "wire": self.wire,
                 "loss_scaler": self.loss_scaler, "initial_scale": self.initial_scale,
                 "skipped_steps": self.skipped_steps, "skipped_total": self.skipped_total,
-                "steps": [s.to_dict() for s in self.steps]}
+                "steps": [s.to_dict() for s in self.steps], "tf32": self.tf32}

@@ -37,7 +37,8 @@ def _flat(module: nn.Module | dict[str, torch.Tensor], names: list[str]) -> torc
 
 class Trajectory:
     def __init__(self, template: nn.Module, loss_fn: Callable, factory: OptimizerFactory, dtype: str,
-                 device: torch.device, depth: int, u_wire: float | None = None, recipe: Recipe = NO_RECIPE) -> None:
+                 device: torch.device, depth: int, u_wire: float | None = None, recipe: Recipe = NO_RECIPE,
+                 prestep: bool = False) -> None:
         self.loss_fn, self.device, self.depth = loss_fn, device, depth
         self.u = UNIT_ROUNDOFF[dtype]
         self.u_wire = self.u if u_wire is None else u_wire
@@ -47,6 +48,13 @@ class Trajectory:
         self.opt64 = factory([p for p in self.model64.parameters() if p.requires_grad])
         self.opt_run = factory([p for p in self.model_run.parameters() if p.requires_grad])
         self.recipe = recipe
+        if prestep:  # the backend's recipe steps its optimizer once on zero gradients before the first step
+            for model, opt in ((self.model64, self.opt64), (self.model_run, self.opt_run)):
+                for p in model.parameters():
+                    p.grad = torch.zeros_like(p) if p.requires_grad else None
+                with torch.no_grad():
+                    opt.step()
+                model.zero_grad(set_to_none=True)
         # The engine recipe's forward runs on 16-bit weights loaded from the master copy (model_run) each step.
         self.work = verification_copy(template, device, recipe.weights_dtype) if recipe.weights_dtype else None
         if self.work is not None:

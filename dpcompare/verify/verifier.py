@@ -36,7 +36,8 @@ from dpcompare.verify import stochastic
 from dpcompare.contract import Adapter, ModelFacts, Wrapped
 from dpcompare.verify.buffers import BufferCheck
 from dpcompare.verify.diagnosis import (GradientEvidence, UpdateEvidence, diagnose_gradient, diagnose_update, reason_of,
-                                        step_count_mismatch, FRESH_STEPPED_TRAP)
+                                        state_difference, step_count_mismatch, FRESH_STEPPED_TRAP)
+from dpcompare.verify.tolerance import REQUIRED_POWER, classic_tolerance
 from dpcompare.verify.stochastic import RngState
 from dpcompare.verify.trajectory import Trajectory
 from dpcompare.verify.precision import PrecisionReport, Recipe, ScaleStep
@@ -94,8 +95,10 @@ class _Pending:
 
     step: int
     params: eq.Grads
-    oracle: dict[str, torch.Tensor | None]
-    floor: dict[str, torch.Tensor | None]
+    grads: dict[str, torch.Tensor | None]
+    """The backend's reduced gradient (None where it left none), float64 on the CPU."""
+    none: frozenset[str]
+    """The parameters a single process gives no gradient (not in the loss)."""
     backend_state: OptState | None
     backend_hparams: list[dict[str, Any]]
     scale: ScaleStep | None = None
@@ -124,7 +127,8 @@ class Verifier:
         self.oracle = eq.Oracle(template, loss_fn, cfg.dtype, device, self.recipe)
         self.names = self.oracle.names
         self.u_wire = eq.wire_roundoff(cfg.dtype, self.wire)
-        self.trajectory = Trajectory(template, loss_fn, factory, cfg.dtype, device, self.depth, self.u_wire, self.recipe)
+        self.trajectory = Trajectory(template, loss_fn, factory, cfg.dtype, device, self.depth, self.u_wire, self.recipe,
+                                     prestep=backend.optimizer_prestep() is not None)
         self.buffers = BufferCheck(self.oracle, self.depth, cfg.dtype)
         self.verdict = eq.Verdict(notes=list(wrapped.notes))
         scaler = backend.scaler_state()
@@ -143,8 +147,11 @@ class Verifier:
                               f"--amp {cfg.amp}, {self.recipe.kind} recipe: {self.recipe.describe()}; the noise floor "
                               f"is this recipe's, recomputed rank by rank from the parameters the optimizer holds"
                               f"{scaled}")
-        self.expected_state: OptState | None = {}  # a fresh optimizer's
-        self.expected_from = "a fresh optimizer's"
+        self.prestep = backend.optimizer_prestep()
+        """What the backend's recipe does to its optimizer before the first step by design (None: nothing)."""
+        self.expected_state: OptState | None = {}  # a fresh optimizer's (after the declared pre-step, at step 0)
+        self.expected_from = ("a fresh optimizer's" if self.prestep is None else
+                              "a fresh optimizer's after one step on zero gradients")
         self.pending: _Pending | None = None
         self._scaler_before = None
         self._unpacked: tuple[list[mk.MaskRecord], list[eq.Masks]] | None = None
@@ -314,11 +321,27 @@ class Verifier:
                           f"and the oracle computes exactly that; {measured}; --sync-bn makes it one computation")
 
     def _floor_pieces(self, batch, pieces: list[eq.Piece], forward_masks: list[eq.Masks] | None) -> list[eq.Piece]:
-        """The forwards the floor runs: the oracle's, or under a mixed-precision recipe each rank's own (as its
-        loss scale and its rounding act rank by rank), except with global BatchNorm, which is one forward."""
-        if not self.recipe.active or (self.has_batchnorm and self.cfg.sync_bn) or len(pieces) > 1:
+        """The forwards of the run-precision reference: each rank's own (as its loss scale and its rounding act rank
+        by rank, and as each rank's shard sums into the reduction), except with global BatchNorm, one forward."""
+        if (self.has_batchnorm and self.cfg.sync_bn) or len(pieces) > 1 or not self.layout.splits_the_batch:
             return pieces
         return eq.replica_pieces(batch, self.layout, forward_masks)
+
+    @staticmethod
+    def _spread_pieces(pieces: list[eq.Piece]) -> list[eq.Piece]:
+        """The same function grouped differently, for the floor of what data parallelism alone changes: every forward's
+        samples in reverse order (the loss is a mean over samples; every reduction over the batch, BatchNorm's
+        statistics included, runs in another order) and the forwards summed in reverse order. Captured dropout masks
+        follow their samples where they are batch-first; otherwise only the forwards' order changes."""
+        out = []
+        for p in reversed(pieces):
+            n = p.x.shape[0]
+            if p.masks is not None and any(m.dim() == 0 or m.shape[0] != n for ms in p.masks.values() for m in ms):
+                out.append(p)
+                continue
+            masks = {k: [m.flip(0) for m in ms] for k, ms in p.masks.items()} if p.masks is not None else None
+            out.append(eq.Piece(p.x.flip(0), p.y.flip(0), p.weight, masks, p.rank))
+        return out
 
     def _run_state(self, module: nn.Module, before: dict) -> dict:
         """The state the step's forward ran from: the parameters the optimizer holds (fp32 master values where the
@@ -360,7 +383,9 @@ class Verifier:
             try:
                 oracle = self.oracle.oracle_of(state, pieces)
                 none = self.oracle.none
-                floor = self.oracle.floor_of(state, self._floor_pieces(batch, pieces, forward_masks), loss_scale)
+                run_pieces = self._floor_pieces(batch, pieces, forward_masks)
+                floor = self.oracle.floor_of(state, run_pieces, loss_scale)
+                spread = self.oracle.floor_of(state, self._spread_pieces(run_pieces), loss_scale)
             except mk.MaskMismatch as exc:
                 self._mask_failure(step, exc)
                 return
@@ -385,10 +410,11 @@ class Verifier:
                 self.verdict.notes = [n for n in self.verdict.notes if n.code != "buffers_per_rank"]
                 self.verdict.note("buffers_per_rank", text)
             backend_state = reads.state
+            if not all(bool(torch.isfinite(t).all()) for t in spread.values()):
+                spread = floor  # the regrouped sum overflows where the ranks' does not: no measured spread
             pending = _Pending(
                 step, {n: self.masters[n].detach().double().cpu().clone() for n in self.names},
-                {n: (None if n in none else oracle[n]) for n in self.names},
-                {n: (None if n in none else floor[n]) for n in self.names},
+                {n: (None if reduced.get(n) is None else grads[n]) for n in self.names}, none,
                 backend_state, read_hparams(self.optimizer) if self.optimizer is not None else [],
                 scale_step, scaler.skipped_steps if scaler is not None else 0)
             if overflow:
@@ -397,25 +423,30 @@ class Verifier:
                     self.verdict.diverge(failure)
                 return
             self._note_per_replica(step, state, batch, oracle, floor, pieces)
-            params = eq.compare_grads(grads, oracle, floor, dtype=self.cfg.dtype, world_size=self.world_size,
-                                      depth=self.depth, compression=self.wire)
+            params, model = eq.compare(grads, oracle, floor, dtype=self.cfg.dtype, world_size=self.world_size,
+                                       depth=self.depth, u_sum=self.u_wire, names=self.names, spread=spread)
             digests = eq.first_mismatch([i["grads"] for i in info], self.all_names)
-            check = eq.StepCheck(step, params, True, digests is None)
+            check = eq.StepCheck(step, params, True, digests is None, model=model)
             self.verdict.checks.append(check)
             self._record_unused(info)
             failing = [p for p in params if not p.ok]
-            if failing and self.verdict.first_divergence is None:
+            if not model.ok and not failing:  # spread thin over the parameters: all of them are the evidence
+                failing = sorted(params, key=lambda p: -p.judged_rel_fro_err / max(p.tolerance_rel_fro, 1e-300))
+            if (failing or not model.ok) and self.verdict.first_divergence is None:
+                model_floor = eq.rel_fro(eq.flat(floor, self.names), eq.flat(oracle, self.names))
                 evidence = GradientEvidence(
-                    step=step, grads=grads, oracle_grads=oracle, tolerance={p.parameter: p.tolerance_rel_fro for p in params},
+                    step=step, grads=grads, oracle_grads=floor, tolerance=classic_tolerance(
+                        params, model_floor, self.depth, self.cfg.dtype, self.world_size, self.u_wire),
                     oracle=self.oracle, state=state, batch=batch, world_size=self.world_size,
                     grad_accum=self.cfg.grad_accum, shard_digests=[i["shard"] for i in info],
                     has_batchnorm=self.has_batchnorm, sync_bn=self.cfg.sync_bn, compression=self.wire,
                     dtype=self.cfg.dtype, layout=self.layout, per_replica=self.per_replica, masks=forward_masks,
-                    previous=self.previous, loss_scale=loss_scale if scaler is not None else None)
+                    previous=self.previous, loss_scale=loss_scale if scaler is not None else None,
+                    judged_tolerance={p.parameter: p.tolerance_rel_fro for p in params})
                 found = diagnose_gradient(evidence, [p.parameter for p in failing])
-                first = failing[0]
+                first = next((p for p in failing if not p.ok), model)
                 self.verdict.diverge(eq.Divergence(
-                    step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
+                    step, first.parameter, first.judged_rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
                     reason_of(found), check="gradient", cause=found[0].cause, parameters=[p.parameter for p in failing]))
             if failure is not None:  # after the gradient's: of two failed checks at one step, the gradient comes first
                 self.verdict.diverge(failure)
@@ -466,74 +497,123 @@ class Verifier:
             return
         if pending.scale is not None and self._judge_scaler(pending):
             return
-        expected = self.expected_state if self.expected_state is not None else pending.backend_state
-        if expected is None:
+        state = pending.backend_state
+        if state is None:
             self._unverifiable(f"the update check at step {step} cannot know the optimizer state: the backend's "
                                "optimizer_state() gave none (no torch optimizer holding the model's parameters was "
                                "found behind the backend's optimizer)")
             return
+        expected = self.expected_state
+        if step == 0 and self.prestep is not None and expected == {}:
+            zeros = {n: torch.zeros_like(t) for n, t in pending.params.items()}
+            expected = reference_step(self.factory, pending.params, zeros, {}, torch.float64, self.device).state
+        # A parameter a single process gives no gradient is not stepped there: the reference replays it with none.
+        single = {n: (None if n in pending.none else g) for n, g in pending.grads.items()}
         with stochastic.isolated(self.device):
             after = {n: self.masters[n].detach().double().cpu() for n in self.names}
             delta = {n: after[n] - pending.params[n] for n in self.names}
-            ref = reference_step(self.factory, pending.params, pending.oracle, expected, torch.float64, self.device)
-            floor = reference_step(self.factory, pending.params, pending.floor, expected, self.dtype, self.device)
-            params = eq.compare(delta, ref.delta, floor.delta, dtype=self.cfg.dtype, world_size=self.world_size,
-                                depth=self.depth, u_sum=self.u_wire, names=self.names)
+            ref = reference_step(self.factory, pending.params, single, state, torch.float64, self.device)
+            floor = reference_step(self.factory, pending.params, single, state, self.dtype, self.device)
+            params, model = eq.compare(delta, ref.delta, floor.delta, dtype=self.cfg.dtype, world_size=1,
+                                       depth=self.depth, names=self.names)
             ratios = {n: _ratio(delta[n], ref.delta[n]) for n in self.names}
             whole = _ratio(eq.flat(delta, self.names), eq.flat(ref.delta, self.names))
-            self.verdict.checks[-1].update = eq.UpdateCheck(params, ratios, whole)
+            self.verdict.checks[-1].update = eq.UpdateCheck(params, ratios, whole, model)
             failing = [p for p in params if not p.ok]
-            # A step count is a whole number: a wrong one is a fault whatever the update's noise (Adam's first steps
-            # are near sign(g), where a recipe's rounding can hide a 26 % smaller update), so it fails on its own.
-            # An unused parameter the backend hands a zero gradient (ZeRO's flat partitions step as a whole) counts
-            # steps a single process does not take; its values are still held to the reference by the update check.
+            if not model.ok and not failing:
+                failing = list(params)
+            # The state the step started from, against what the previous step left (a fresh optimizer's before step 0,
+            # or the one the backend's recipe declares). A step count is a whole number: a wrong one is a fault
+            # whatever the update's noise. An unused parameter the backend hands a zero gradient (ZeRO's flat
+            # partitions step as a whole) counts steps a single process does not take.
             zero_stepped = [n for n in self.facts.unused if self.verdict.parameters["unused_grad"].get(n) == "zero"]
-            counted = (step_count_mismatch(pending.backend_state, expected, [n for n in self.names if n not in zero_stepped])
-                       if pending.backend_state is not None else None)
-            if zero_stepped and pending.backend_state is not None and not any(
-                    n.code == "unused_stepped" for n in self.verdict.notes):
-                have = float(pending.backend_state.get(zero_stepped[0], {}).get("step", 0))
-                if have:
-                    self.verdict.note("unused_stepped",
-                                      f"the backend steps the parameters that take no part in the loss with a zero "
-                                      f"gradient ({', '.join(zero_stepped)}): their optimizer step count advances "
-                                      f"({zero_stepped[0]}: {have:g} before step {step}) where a single process keeps "
-                                      "none; their values are still held to the reference update (with Adam and no "
-                                      "weight decay a zero gradient moves nothing; with --weight-decay they decay, "
-                                      "and the update check fails, cause unused_zero_grad)")
-            if counted is not None and self.verdict.first_divergence is None:
-                wrong, text = counted
-                first = next(p for p in params if p.parameter == wrong[0])
-                for p in params:
-                    p.ok = p.ok and p.parameter not in wrong
-                self.verdict.diverge(eq.Divergence(
-                    step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
-                    f"the gradient passed but the update did not: the optimizer state before step {step} is not "
-                    f"{self.expected_from}: {text}{FRESH_STEPPED_TRAP if step == 0 else ''}", check="update",
-                    cause="optimizer_state", parameters=wrong))
+            self._note_unused_stepped(step, state, zero_stepped)
+            judged_names = [n for n in self.names if n not in zero_stepped]
+            if expected is not None and self.verdict.first_divergence is None:
+                counted = step_count_mismatch(state, expected, judged_names)
+                differs = counted or state_difference(state, expected, judged_names)
+                if differs is not None:
+                    wrong, text = differs
+                    first = next(p for p in params if p.parameter == wrong[0])
+                    self.verdict.diverge(eq.Divergence(
+                        step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
+                        f"the optimizer state before step {step} is not {self.expected_from}: {text}"
+                        f"{FRESH_STEPPED_TRAP if step == 0 else ''}", check="update", cause="optimizer_state",
+                        parameters=wrong))
+            if step == 0 and self.prestep is not None and expected is not None:
+                self._note_prestep(pending, single, delta)
             if failing and self.verdict.first_divergence is None:
                 evidence = UpdateEvidence(
                     step=step, names=self.names, delta=delta, reference=ref.delta,
                     tolerance={p.parameter: p.tolerance_rel_fro for p in params}, params=pending.params,
-                    grads=pending.oracle, expected_state=expected, backend_state=pending.backend_state,
+                    grads=single, expected_state=state, backend_state=state,
                     factory=self.factory, device=self.device, world_size=self.world_size, lr=self.cfg.lr,
                     weight_decay=self.cfg.weight_decay, backend_hparams=pending.backend_hparams,
-                    expected_from=self.expected_from, skipped=self._skipped_since(pending))
+                    expected_from=self.expected_from, skipped=self._skipped_since(pending),
+                    backend_grads=pending.grads)
                 found = diagnose_update(evidence, [p.parameter for p in failing])
-                first = failing[0]
+                first = next((p for p in failing if not p.ok), model)
                 self.verdict.diverge(eq.Divergence(
                     step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
                     f"the gradient passed but the update did not: {reason_of(found)}", check="update",
                     cause=found[0].cause, parameters=[p.parameter for p in failing]))
-            # The next step's expected state: one reference step from the backend's own state before this one.
-            if pending.backend_state is None:
-                self.expected_state = None
-            elif expected is pending.backend_state:
-                self.expected_state = ref.state
-            else:
-                self.expected_state = reference_step(self.factory, pending.params, pending.oracle,
-                                                     pending.backend_state, torch.float64, self.device).state
+            self._judge_power(step)
+            # The next step's expected state: the one this step leaves, the optimizer replayed from the backend's own
+            # state with the gradient it was handed (zeros included, where the backend gave zeros).
+            leaves = ref if all((g is None) == (pending.grads[n] is None) for n, g in single.items()) else \
+                reference_step(self.factory, pending.params, pending.grads, state, torch.float64, self.device)
+            self.expected_state = leaves.state
             self.expected_from = f"the state step {step} left"
+
+    def _note_unused_stepped(self, step: int, state: OptState, zero_stepped: list[str]) -> None:
+        if not zero_stepped or any(n.code == "unused_stepped" for n in self.verdict.notes):
+            return
+        have = float(state.get(zero_stepped[0], {}).get("step", 0))
+        if have:
+            self.verdict.note("unused_stepped",
+                              f"the backend steps the parameters that take no part in the loss with a zero "
+                              f"gradient ({', '.join(zero_stepped)}): their optimizer step count advances "
+                              f"({zero_stepped[0]}: {have:g} before step {step}) where a single process keeps "
+                              "none; their values are still held to the reference update (with Adam and no "
+                              "weight decay a zero gradient moves nothing; with --weight-decay they decay, "
+                              "and the update check fails, cause unused_zero_grad)")
+
+    def _note_prestep(self, pending: _Pending, single: dict[str, torch.Tensor | None], delta: eq.Grads) -> None:
+        """The backend's recipe steps its optimizer on zero gradients before the first step, by design: its state
+        before step 0 was held to that, and what it does to the first update is measured against a fresh optimizer's."""
+        fresh = reference_step(self.factory, pending.params, single, {}, torch.float64, self.device).delta
+        ratio = _ratio(eq.flat(delta, self.names), eq.flat(fresh, self.names))
+        self.verdict.note("optimizer_prestep",
+                          f"{self.prestep}: its optimizer state before step 0 is that step's, as expected, not a fresh "
+                          f"optimizer's; the first update is {ratio:.4g}x a fresh optimizer's (||update|| ratio; with "
+                          "Adam the bias correction runs one step ahead, with SGD a zero momentum buffer steps like none)")
+
+    def _judge_power(self, step: int) -> None:
+        """`equivalent` needs power: a checked step whose gradient or update check would not catch a REQUIRED_POWER
+        change of its quantity makes the verdict `unverifiable`, naming why (recorded once; the checks go on)."""
+        check = self.verdict.checks[-1]
+        grad, update = check.min_detectable_rel, check.update.min_detectable_rel if check.update else 0.0
+        if max(grad, update) <= REQUIRED_POWER or any("cannot catch" in u for u in self.verdict.unverifiable):
+            return
+        causes = []
+        if grad > REQUIRED_POWER:
+            worst = max((p for p in check.params), key=lambda p: p.judged_floor_rel_fro)
+            causes.append(f"the gradient check detects only a {grad:.3g} change: at {self._floor_name()} the reference "
+                          f"regrouped differs from itself by {check.judged_floor:.3g} ({worst.parameter}){self._tf32_cause()}"
+                          "; a larger per-rank batch (BatchNorm over few samples amplifies rounding), float32 without "
+                          "--amp, or --dtype float64 gives the check power")
+        if update > REQUIRED_POWER:
+            causes.append(f"the update check detects only a {update:.3g} change: the update is below what "
+                          f"{self.cfg.dtype} storage of the weights resolves (its floor {check.update.floor:.3g}); a "
+                          "larger --lr or --dtype float64 gives it power")
+        self.verdict.unverifiable.append(f"at step {step} the checks cannot catch a {REQUIRED_POWER:.0%} change of the "
+                                         f"gradient or the update: {'; '.join(causes)}")
+
+    def _tf32_cause(self) -> str:
+        tf32 = self.verdict.precision.tf32 if self.verdict.precision is not None else None
+        if tf32 and (tf32.get("checked_matmul_allow_tf32") or tf32.get("checked_cudnn_allow_tf32")):
+            return " (TF32 convolutions and matmuls: float32 inputs rounded to 10 mantissa bits)"
+        return ""
 
     def _skipped_since(self, pending: _Pending) -> bool:
         scaler = self.backend.scaler_state()

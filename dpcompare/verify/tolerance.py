@@ -1,0 +1,231 @@
+"""The tolerance policy and the power of a check: the only place either is written.
+
+Owns: how one quantity (a reduced gradient, a parameter update) is held against its references, per parameter and
+as one vector of the whole model; the smallest uniform relative change each comparison would flag
+(`min_detectable_rel`); which parameters are too noisy to judge (left out, counted: coverage); and the power a
+verdict must have to say `equivalent`. Imports nothing of the run.
+
+Two ways to judge, by what the check can hold the quantity against:
+
+  against the run-precision reference (`spread` given; the gradient check). The backend's value `g` is held
+  against `r`, the same global batch computed on one process in the run's own precision recipe and split the way
+  the ranks split it: `g` and `r` share every rounding of the forward and backward, so what remains between them is
+  what data parallelism itself changes (the order and grouping of the reduction, a narrower wire). Its floor is
+  measured, not assumed: `s`, a second run-precision computation of the same function grouped differently (the
+  whole batch in one forward, or the ranks' forwards summed in another order), gives floor_p = rel_fro(s, r).
+      judged error  rel_fro(g, r)
+  The float64 oracle `o` stays the reported reference: rel_fro_err = rel_fro(g, o) and the precision floor
+  rel_fro(r, o) (what the run's precision costs on this model) are stated, not judged: on a deep network at
+  TF32 or bf16 that floor can exceed 1, and a tolerance built on it would pass a doubled or vanished gradient.
+
+  against the float64 reference (`spread` None; the update check). The backend's value is held against `o`, the
+  same operation in float64 on the same inputs, and the floor is the same operation in the run dtype: the update
+  check replays the optimizer on the backend's own parameters, gradient and state, so the floor is the optimizer's
+  arithmetic and the float32 storage of the weights, nothing else.
+      judged error  rel_fro(g, o),  floor_p = rel_fro(r, o)
+
+Both pass a parameter when
+    judged error <= FACTOR * (max(floor_p, floor_model, depth * u) + world_size * u_wire)
+(`u`: the run dtype's unit roundoff; `u_wire`: u, or the compressed wire dtype's; the world_size term bounds the
+N-1 additions and one division of an average), and the whole model, all parameters as one vector, when its error
+is within FACTOR * (max(floor_model, depth * u) + world_size * u_wire). rel_fro is ||a - b||_F divided by
+max(||o_p||_F, ||o||_F / sqrt(T)) (T parameter tensors): a parameter whose gradient is analytically about 0 is
+measured against its share of the model's.
+
+Power. A comparison flags a uniform relative change eps of its quantity (g -> (1 + eps) g) once eps * ||r_p|| /
+denominator_p exceeds its tolerance: `min_detectable_rel` = tolerance * denominator / ||r_p||, per parameter and
+for the whole model; a check's is the smallest over the model and the judged parameters. A parameter whose
+tolerance exceeds UNJUDGEABLE times its denominator (it would pass a zero or doubled value) is left out of the
+per-parameter check and counted in `coverage`; a parameter whose gradient is analytically zero is still judged,
+against its share of the model's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Iterable
+
+import torch
+
+FACTOR = 10.0
+TOLERANCE_FACTOR = FACTOR
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+WIRE_DTYPE = {"none": None, "fp16": "float16", "bf16": "bfloat16"}
+
+UNJUDGEABLE = 1.0
+"""A parameter whose own tolerance would pass a change of its whole value (a zero or a doubled gradient) says nothing
+about that parameter: it is left out of the per-parameter check and of the whole-model vector, and counted."""
+
+REQUIRED_POWER = 0.1
+"""`equivalent` needs every checked step to catch a 10 % change of the gradient and of the update; a run whose
+checks cannot is `unverifiable`, with the cause."""
+
+MODEL = "(all parameters)"
+"""The name of the whole-model comparison."""
+
+Grads = dict[str, torch.Tensor]
+
+
+def rel_fro(g: torch.Tensor, o: torch.Tensor, min_denom: float = 0.0) -> float:
+    denom = max(float(torch.linalg.vector_norm(o)), min_denom)
+    diff = float(torch.linalg.vector_norm(g - o))
+    if denom == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / denom
+
+
+def flat(grads: Grads, names: Iterable[str]) -> torch.Tensor:
+    return torch.cat([grads[n].reshape(-1) for n in names])
+
+
+@dataclass(slots=True)
+class ParamError:
+    parameter: str
+    max_abs_err: float
+    """max |g - o| against the float64 reference."""
+    max_rel_err: float
+    rel_fro_err: float
+    """Against the float64 reference (reported)."""
+    floor_rel_fro_err: float
+    """The run-precision reference's distance from the float64 one: what the precision costs (reported)."""
+    noise_ratio: float
+    """The judged error over the effective floor."""
+    tolerance_rel_fro: float
+    """The judged error's bound."""
+    ok: bool
+    judged_rel_fro_err: float = 0.0
+    """The error that is judged: against the run-precision reference (gradient), or the float64 one (update)."""
+    judged_floor_rel_fro: float = 0.0
+    """Its measured floor: what data parallelism alone changes (gradient), or the run dtype's arithmetic (update)."""
+    min_detectable_rel: float = 0.0
+    """The smallest uniform relative change of this value the comparison flags."""
+    judged: bool = True
+    """False: the floor is too large to judge this parameter (left out, counted in coverage)."""
+    elements: int = 0
+
+
+@dataclass(slots=True)
+class Coverage:
+    parameters: int
+    parameters_judged: int
+    elements: int
+    elements_judged: int
+    left_out: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _norm(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t))
+
+
+def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_size: int, depth: int,
+            u_sum: float | None = None, names: Iterable[str] | None = None,
+            spread: Grads | None = None) -> tuple[list[ParamError], ParamError]:
+    """Per-parameter errors of `values` and the whole model's (see the module docstring). `reference`: float64;
+    `floor`: the run-precision computation of the same quantity; `spread`: a second run-precision computation,
+    given when `values` is to be judged against `floor` (the gradient check). A non-finite value is an error of
+    +inf, never a pass."""
+    u = UNIT_ROUNDOFF[dtype]
+    u_sum = u if u_sum is None else u_sum
+    names = list(reference) if names is None else list(names)
+    whole = _norm(flat(reference, names))
+    share = whole / math.sqrt(max(len(names), 1))
+    against = floor if spread is not None else reference
+    other = spread if spread is not None else floor
+    minimum, reduction = depth * u, world_size * u_sum
+    own = {n: rel_fro(other[n], against[n], share) for n in names}
+    # A parameter too noisy to judge alone (its own floor would pass a change of its whole value) is left out, and out
+    # of the model's floor and vector: one noisy parameter must not set the power of the rest.
+    judged = [n for n in names if FACTOR * (max(own[n], minimum) + reduction) <= UNJUDGEABLE]
+    model_floor = rel_fro(flat(other, judged), flat(against, judged), _norm(flat(reference, judged))) if judged else 0.0
+    out = []
+    for name in names:
+        g, o, r = values[name], reference[name], against[name]
+        finite = bool(torch.isfinite(g).all())
+        diff = (g - o).abs()
+        scale = float(o.abs().max()) if o.numel() else 0.0
+        max_rel = float((diff / (o.abs() + u * scale + 1e-300)).max()) if o.numel() else 0.0
+        denom = max(_norm(o), share)
+        err = rel_fro(g, o, share) if finite else math.inf
+        judged_err = rel_fro(g, r, share) if finite else math.inf
+        floor_p = max(own[name], model_floor, minimum)
+        tol = FACTOR * (floor_p + reduction)
+        size = _norm(r)
+        detect = tol * denom / size if size > 0 else math.inf
+        alone = name in judged
+        out.append(ParamError(name, float(diff.max()) if o.numel() else 0.0, max_rel if finite else math.inf, err,
+                              rel_fro(floor[name], o, share), judged_err / floor_p, tol,
+                              judged_err <= tol or (not alone and finite), judged_err, own[name], detect, alone,
+                              o.numel()))
+    return out, _model(values, reference, floor, against, judged or names, model_floor, minimum, reduction)
+
+
+def _model(values: Grads, reference: Grads, floor: Grads, against: Grads, names: list[str], model_floor: float,
+           minimum: float, reduction: float) -> ParamError:
+    """All judged parameters as one vector: a fault spread thin over many parameters adds up here."""
+    g, o, r = flat(values, names), flat(reference, names), flat(against, names)
+    finite = bool(torch.isfinite(g).all())
+    denom = _norm(o)
+    err = rel_fro(g, o) if finite else math.inf
+    judged_err = rel_fro(g, r, denom) if finite else math.inf
+    floor_eff = max(model_floor, minimum)
+    tol = FACTOR * (floor_eff + reduction)
+    size = _norm(r)
+    detect = tol * denom / size if size > 0 else math.inf
+    diff = (g - o).abs()
+    return ParamError(MODEL, float(diff.max()) if o.numel() else 0.0, math.nan, err, rel_fro(flat(floor, names), o),
+                      judged_err / floor_eff if floor_eff > 0 else math.inf, tol, judged_err <= tol, judged_err,
+                      model_floor, detect, True, o.numel())
+
+
+def min_detectable(params: list[ParamError], model: ParamError | None) -> float:
+    """A check's power: the smallest uniform relative change that the whole-model comparison or any judged
+    parameter flags."""
+    candidates = [p.min_detectable_rel for p in params if p.judged]
+    if model is not None:
+        candidates.append(model.min_detectable_rel)
+    return min(candidates, default=math.inf)
+
+
+def coverage(params: list[ParamError]) -> Coverage:
+    judged = [p for p in params if p.judged]
+    return Coverage(len(params), len(judged), sum(p.elements for p in params), sum(p.elements for p in judged),
+                    [p.parameter for p in params if not p.judged])
+
+
+def wire_roundoff(dtype: str, compression: str = "none") -> float:
+    """Unit roundoff of the reduction: the run dtype's, or the compressed wire dtype's when it is coarser."""
+    wire = WIRE_DTYPE[compression]
+    u = UNIT_ROUNDOFF[dtype]
+    return max(u, UNIT_ROUNDOFF[wire]) if wire else u
+
+
+def classic_tolerance(params: list[ParamError], model_floor: float, depth: int, dtype: str, world_size: int,
+                      u_wire: float) -> dict[str, float]:
+    """Per parameter, a bound on the distance from the float64 reference that the run's precision alone explains
+    (FACTOR x the precision floor): how close a fault's float64-built candidate must come to the backend's value for
+    the diagnosis to name it."""
+    u = UNIT_ROUNDOFF[dtype]
+    return {p.parameter: FACTOR * (max(p.floor_rel_fro_err, model_floor, depth * u) + world_size * u_wire)
+            for p in params}
+
+
+def describe(policy_dtype: str) -> dict:
+    return {
+        "rule": "judged_rel_fro_err <= factor * (max(floor_param, floor_model, depth*u) + world_size*u_wire); gradient: "
+                "judged against the run-precision reference split as the ranks split it, floor: a second run-precision "
+                "computation grouped differently (what data parallelism alone changes)",
+        "update_rule": "rel_fro_err(update) <= factor * (max(floor_param, floor_model, depth*u) + world_size*u_wire), "
+                       "reference: the optimizer replayed in float64 on the backend's parameters, reduced gradient and "
+                       "optimizer state; floor: the same replay in the run dtype",
+        "trajectory_rule": "rel_param_distance(step k) <= factor * (max(floor_k, (k+1)*depth*u) + (k+1)*world_size*u_wire), "
+                           "floor_k: distance of a run-dtype single-process trajectory from the float64 one",
+        "model_rule": "all parameters as one vector: judged_rel_fro_err <= factor * (max(floor_model, depth*u) + "
+                      "world_size*u_wire)",
+        "min_detectable_rel": "tolerance * denominator / ||reference||: the smallest uniform relative change flagged",
+        "unjudgeable_above": UNJUDGEABLE,
+        "required_power": REQUIRED_POWER,
+    }
