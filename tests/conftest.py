@@ -84,9 +84,10 @@ UNVERIFIABLE_REASON = ("the forward draws random numbers (drop) and BatchNorm co
 
 def checked_equivalence(verdict: str = "equivalent", *, stochastic: bool = False, **overrides) -> dict:
     """An `equivalence` object as a run writes it since the update and trajectory checks: gradient 1.25x its
-    floor, update 3.5x with norm ratio 1.001, trajectory 2.25x."""
+    floor, update 3.5x with norm ratio 1.001, trajectory 2.25x; it catches a 3e-06 change."""
     e = {"verdict": verdict, "unverifiable_reason": None, "checked_steps": [0], "max_rel_err": 1e-7,
-         "max_rel_fro_err": 2.5e-8, "noise_floor_rel_fro": 2e-8, "noise_ratio": 1.25, "first_divergence": None,
+         "max_rel_fro_err": 2.5e-8, "noise_floor_rel_fro": 2e-8, "noise_ratio": 1.25, "min_detectable_rel": 3e-6,
+         "first_divergence": None,
          "replicas_identical": True, "initial_weights_identical": True, "tolerance": SYNTHETIC_TOLERANCE, "notes": [],
          "drift": [{"step": 0, "rel_param_distance": 4.5e-8, "floor_rel_param_distance": 2e-8, "noise_ratio": 2.25,
                     "tolerance": 1e-6, "ok": True, "worst_parameter": "fc1.weight"}],

@@ -118,6 +118,35 @@ class LocalClipDDP(DDPAdapter):
             p.grad.div_(self.env.world_size)
 
 
+class ClipByPartsDDP(DDPAdapter):
+    """DDP whose step clips the gradient in two parts, each by its own norm (the first half of the parameters and the
+    rest), as ZeRO-2 does when each rank clips its partition by the partition's norm instead of the global one."""
+
+    name = "clip-by-parts-ddp"
+
+    def step(self) -> None:
+        params = [p for p in self.wrapped.module.parameters() if p.grad is not None]
+        half = len(params) // 2
+        for part in (params[:half], params[half:]):
+            torch.nn.utils.clip_grad_norm_(part, max_norm=1e-3)
+        super().step()
+
+
+class RankScaledUnscaleDDP(DDPAdapter):
+    """DDP under --amp fp16 whose last rank undoes the loss scale twice over after the reduce (a rank-local scaler
+    state): rank 0's gradient is right, the last rank's is half of it, and the replicas part at the step."""
+
+    name = "rank-scaled-unscale-ddp"
+
+    def unscale(self) -> None:
+        super().unscale()
+        if self.env.rank == self.env.world_size - 1:
+            with torch.no_grad():
+                for p in self.wrapped.module.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(0.5)
+
+
 class DoubleStepDDP(DDPAdapter):
     """DDP whose step() runs the optimizer twice (a wrapper that steps and a loop that steps again)."""
 
@@ -324,6 +353,16 @@ class StaleGatherZeRO(DeepSpeedAdapter):
 
 
 from dpcompare.adapters.fsdp import FSDPAdapter  # noqa: E402 - the FSDP twins below
+
+
+class NeverSyncedFSDP(FSDPAdapter):
+    """FSDP2 whose loop switches gradient synchronisation off for every micro-batch, the last one too: no
+    reduce-scatter runs, so the sharded parameters are handed no gradient."""
+
+    name = "never-synced-fsdp"
+
+    def sync(self, enabled: bool):
+        return super().sync(False)
 
 
 class StaleShardFSDP(FSDPAdapter):

@@ -491,3 +491,37 @@ def test_admits_an_unknown_update_fault():
     reason, _ = _update_case("sgd", lambda f, p, g: ({n: t + 0.01 * torch.randn(t.shape, generator=noise, dtype=t.dtype)
                                                       for n, t in _step(f, p, g).delta.items()}, {}))
     assert "matches none of the known patterns" in reason
+
+
+def test_names_clipping_part_by_part():
+    """ZeRO-2 clipping each partition by its own norm: the first layer's gradient and the rest scaled apart."""
+    def by_parts(f, p, g):
+        names = list(g)
+        parts = [names[:2], names[2:]]
+        scaled = {}
+        for part in parts:
+            norm = float(torch.linalg.vector_norm(eq.flat(g, part)))
+            for n in part:
+                scaled[n] = g[n] * min(1.0, 1e-2 / norm)
+        return _step(f, p, scaled).delta, {}
+
+    reason, failing = _update_case("sgd", by_parts)
+    assert "clipped part by part" in reason and "0.weight..0.bias" in reason and "2.weight..2.bias" in reason, reason
+    assert "capped at 0.01" in reason, reason
+
+
+def test_clipping_by_the_global_norm_is_not_called_clipping_by_parts():
+    def global_clip(f, p, g):
+        norm = float(torch.linalg.vector_norm(eq.flat(g, list(g))))
+        return _step(f, p, {n: v * 1e-2 / norm for n, v in g.items()}).delta, {}
+
+    reason, _ = _update_case("sgd", global_clip)
+    assert "clipped before the step" in reason and "part by part" not in reason, reason
+
+
+def test_names_no_gradient_at_all():
+    oracle, state, batch, shards, digests = _setup(_linear())
+    grads = {n: torch.zeros_like(v) for n, v in oracle.oracle(state, *batch).items()}
+    found = _diagnoses(_linear(), lambda o, s, og, sh: grads)
+    assert [d.cause for d in found] == ["no_gradient"], reason_of(found)
+    assert "zero everywhere" in found[0].reason and "partition" not in found[0].reason

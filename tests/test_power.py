@@ -104,3 +104,30 @@ def test_deepspeed_bf16_engine_with_adamw_is_equivalent_and_states_its_prestep(l
     _equivalent(proc, result, "mlp")
     note = next(n for n in result["equivalence"]["notes"] if n["code"] == "optimizer_prestep")
     assert "initialize_optimizer_states" in note["text"] and "the first update is 0.74" in note["text"], note
+
+
+# -- the diagnosis of sharded and mixed-precision faults: one cause or none, never a wrong one ---------------------
+@pytest.mark.slow
+def test_clipping_part_by_part_is_named(launch):
+    proc, result = launch("tests.faulty_adapters:ClipByPartsDDP", 2, "mlp", ["--steps", "2", "--measure-steps", "0"])
+    d = update_failed(proc, result)
+    assert (d["step"], d["cause"]) == (0, "clipped_in_parts"), d
+    assert "clipped part by part, each part by its own norm" in d["reason"] and "capped at 0.001" in d["reason"]
+
+
+@pytest.mark.slow
+def test_a_rank_dependent_unscale_is_named_at_the_gradient_check(launch):
+    proc, result = launch("tests.faulty_adapters:RankScaledUnscaleDDP", 2, "mlp",
+                          ["--amp", "fp16", "--steps", "2", "--measure-steps", "0"])
+    d = different(proc, result)
+    assert (d["step"], d["cause"]) == (0, "rank_scale"), d
+    assert "rank 1's gradient is 0.5x rank 0's" in d["reason"], d["reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["fsdp"], indirect=True)
+def test_no_gradient_at_all_is_named_not_blamed_on_a_partition(launch, backend):
+    proc, result = launch("tests.faulty_adapters:NeverSyncedFSDP", 2, "mlp", ["--steps", "2", "--measure-steps", "0"])
+    d = different(proc, result)
+    assert (d["step"], d["cause"]) == (0, "no_gradient"), d
+    assert "no gradient at all" in d["reason"] and "partition" not in d["reason"], d["reason"]

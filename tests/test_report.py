@@ -277,15 +277,15 @@ def test_unverifiable_is_bold_with_its_reason_beside_the_update_and_trajectory_f
     write(tmp_path / "runs" / "ddp-accum.json", checked_run("ddp", 2, checked_equivalence(
         "unverifiable", unverifiable_reason=UNVERIFIABLE_REASON), config={"grad_accum": 4}))
     md = report.build_report(tmp_path).read_text()
-    assert "| reference | 1 | python | mlp | equivalent | 1.25 | 2.50e-08 | 3.50 | 1.0010 | 2.25 | none |" in md
-    assert ("| deepspeed | 2 | torchrun | mlp | **different** | 1.25 | 2.50e-08 | 9000000.00 | 2.0000 | 2.25 | step 1 "
+    assert "| reference | 1 | python | mlp | equivalent | 1.25 | 2.50e-08 | 3.50 | 1.0010 | 2.25 | 3e-06 | none |" in md
+    assert ("| deepspeed | 2 | torchrun | mlp | **different** | 1.25 | 2.50e-08 | 9000000.00 | 2.0000 | 2.25 | 3e-06 | step 1 "
             "(update check), `fc1.weight`: the update is twice the reference's: lr scaled by world size |") in md
     ddp_row = next(ln for ln in md.splitlines() if ln.startswith("| ddp | 2 | torchrun |"))
     cells = ddp_row.strip("| ").split(" | ")
     assert cells[4] == "**unverifiable**" and cells[-1] == UNVERIFIABLE_REASON
     assert all(c.startswith("n/a[^") for c in cells[5:10]), cells
     assert {_footnotes(md)[c[3:]] for c in cells[5:10]} == {UNVERIFIABLE_REASON}  # one reason, one footnote
-    assert "the update against a float64 optimizer step" in md  # the three checks are explained
+    assert "the update against a float64 optimizer step" in md and "catches:" in md  # the checks are explained
     assert "| ddp | 2 | grad_accum=4 | **unverifiable** |" in md  # the sweep table too
 
 

@@ -116,6 +116,8 @@ class VerificationPhase:
             mine["masks"] = self.recorder.take()
         if reads is not None:
             mine["grads"] = eq.grad_digests(reads.grads, self.names)
+            mine["grad_norms"] = {n: float(torch.linalg.vector_norm(g.detach().double())) for n, g in reads.grads.items()
+                                  if g is not None}
             mine["unused"] = _unused_grad_forms(reads.grads, self.facts.unused)
             mine["buffers"] = {"before": before, "after": buffers.snapshot(self.wrapped.module)}
         return mine

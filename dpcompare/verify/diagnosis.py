@@ -182,6 +182,10 @@ class GradientEvidence:
     judged_tolerance: dict[str, float] | None = None
     """The gradient check's own bounds (against the run-precision reference); `tolerance` is how close a candidate
     must come to be named."""
+    missing: frozenset[str] = frozenset()
+    """Parameters the backend's reduced_grads() gave no gradient at all (None) though the loss reaches them."""
+    rank_norms: list[dict[str, float]] | None = None
+    """Each rank's reduced gradient norm per parameter, when the ranks' reduced gradients differ."""
 
     @property
     def stochastic(self) -> bool:
@@ -214,8 +218,8 @@ class _GradientHypotheses:
         self._candidates: dict[Any, Grads] = {}
 
     def ordered(self) -> list[_Hypothesis]:
-        return [self.wire_range, self.non_finite, self.data, self.swapped, self.scaled, self.zeroed,
-                self.unsynchronised, self.stale, self.rank_scaled, self.batchnorm, self.wire]
+        return [self.no_gradient, self.ranks_disagree, self.wire_range, self.non_finite, self.data, self.swapped,
+                self.scaled, self.zeroed, self.unsynchronised, self.stale, self.rank_scaled, self.batchnorm, self.wire]
 
     def none_reason(self) -> str:
         none = ("the reduced gradient matches none of the known fault patterns (sum, 1/N, a scale factor, one rank's "
@@ -237,6 +241,42 @@ class _GradientHypotheses:
 
     def match(self, candidate: Grads, remaining: list[str]) -> list[str]:
         return _matching(self.g, candidate, self.o, remaining, self.ev.tolerance, self.share)
+
+    def no_gradient(self, remaining: list[str]) -> list[Diagnosis]:
+        """No gradient at all: the backend's reduced_grads() gave None where the loss reaches the parameter."""
+        absent = [p for p in remaining if p in self.ev.missing]
+        if not absent:
+            return []
+        every = set(absent) >= set(self.names)
+        return [Diagnosis("no_gradient", ("the backend holds no gradient at all after the reduce" if every else
+                          "these parameters have no gradient at all after the reduce") + " (reduced_grads() gives None "
+                          "though the loss reaches them): the backward's gradients never reached the parameters the "
+                          "optimizer steps — gradient synchronisation switched off on every micro-batch (FSDP's "
+                          "set_requires_gradient_sync(False) on the last one too, so no reduce-scatter ran), or the "
+                          "gradients were freed or zeroed before the step", absent)]
+
+    def ranks_disagree(self, remaining: list[str]) -> list[Diagnosis]:
+        """The ranks hold different reduced gradients: a factor applied on some ranks only, after the reduce."""
+        norms = self.ev.rank_norms
+        if not norms or len(norms) < 2:
+            return []
+        out = []
+        for rank, mine in enumerate(norms[1:], start=1):
+            ratios = {p: mine[p] / norms[0][p] for p in remaining if norms[0].get(p) and p in mine}
+            if not ratios:
+                continue
+            values = list(ratios.values())
+            c = sorted(values)[len(values) // 2]
+            agreeing = [p for p, v in ratios.items() if abs(v - c) <= SCALE_AGREEMENT * abs(c) and abs(c - 1) > 1e-3]
+            if agreeing:
+                scale = self.ev.loss_scale
+                hint = (f" (the loss scale of this step is {scale:g})" if scale and scale != 1.0 else "")
+                out.append(Diagnosis("rank_scale", f"after the reduce, rank {rank}'s gradient is {c:.4g}x rank 0's on "
+                                     f"{len(agreeing)} parameter(s){hint}: a scale, unscale or divisor applied on some "
+                                     "ranks only (a rank-local GradScaler or loss-scale state, a per-rank division); "
+                                     "every rank must hold the same reduced gradient", agreeing))
+                break
+        return out
 
     def wire_range(self, remaining: list[str]) -> list[Diagnosis]:
         """An all-reduce on a narrow wire whose range the gradients leave: flushed to zero or turned into inf."""
@@ -388,6 +428,10 @@ class _GradientHypotheses:
         zero = ((flat(self.g, self.names) == 0) & (flat(self.o, self.names) != 0)).nonzero().reshape(-1)
         total = sum(self.g[p].numel() for p in self.names)
         first, last = int(zero[0]), int(zero[-1])
+        if not bool(flat(self.g, self.names).any()):
+            return [Diagnosis("no_gradient", "the reduced gradient is exactly zero everywhere where the oracle's is "
+                              "not: no gradient reached the reduce, or it was zeroed before the step (zero_grad between "
+                              "backward and step, gradient synchronisation off on every micro-batch)", claimed)]
         return [Diagnosis("zeroed_partition",
                           f"the reduced gradient is exactly zero on {zero.numel()} of its {total} elements "
                           f"({zero.numel() / total:.0%}; elements {first}-{last} of the gradient flattened in parameter "
@@ -609,7 +653,7 @@ class _UpdateHypotheses:
     parameters not yet explained and returns the diagnoses whose candidate update matches the backend's."""
 
     NONE = ("the update matches none of the known patterns (learning rate x N, a double step, optimizer state, "
-            "weight decay, clipping, a scaled step size, a part never applied)")
+            "weight decay, clipping by the global norm or by parts' norms, a scaled step size, a part never applied)")
 
     def __init__(self, ev: UpdateEvidence) -> None:
         self.ev = ev
@@ -622,7 +666,7 @@ class _UpdateHypotheses:
 
     def ordered(self) -> list[_Hypothesis]:
         return [self.non_finite, self.skipped, self.lr_scaled, self.double_step, self.state, self.unused_zero_grad,
-                self.weight_decay, self.clipped, self.scale, self.unapplied]
+                self.weight_decay, self.clipped, self.clipped_in_parts, self.scale, self.unapplied]
 
     def match(self, candidate: Grads, remaining: list[str]) -> list[str]:
         return _matching(self.d, candidate, self.ref, remaining, self.ev.tolerance, self.share)
@@ -743,6 +787,48 @@ class _UpdateHypotheses:
                           f"{total:.3g} capped at {s * total:.3g}); set the same clipping in every backend or none "
                           "(DeepSpeed clips at 1.0 by default since 0.19.3: gradient_clipping)",
                           self.match(scaled(s), remaining))]
+
+    def clipped_in_parts(self, remaining: list[str]) -> list[Diagnosis]:
+        """The gradient clipped part by part, each part (a ZeRO partition, an FSDP shard, a parameter group) by its own
+        norm: each parameter's gradient scaled by its part's factor. Fitted per parameter where the update is affine
+        in the gradient (SGD, with or without momentum); Adam's is not, and is left to the other hypotheses."""
+        ev = self.ev
+        if "betas" in ev.factory([torch.nn.Parameter(torch.zeros(1))]).defaults:
+            return []  # Adam-like: the update is not affine in the gradient
+        usable = [p for p in remaining if ev.grads.get(p) is not None and bool(ev.grads[p].any())]
+        if len(usable) < 2:
+            return []
+        zero = ev.step_with(grads={p: (None if g is None else torch.zeros_like(g)) for p, g in ev.grads.items()})
+        full = ev.step_with()
+        factors = {}
+        for p in usable:
+            b = (full[p] - zero[p]).reshape(-1)
+            bb = float(b @ b)
+            if bb > 0:
+                factors[p] = float((self.d[p] - zero[p]).reshape(-1) @ b) / bb
+        clipped = {p: f for p, f in factors.items() if 0 < f < 1 - 1e-4}
+        groups: list[list[str]] = []
+        for p in [n for n in self.names if n in clipped]:  # parts are runs of parameters in parameter order
+            if groups and abs(clipped[groups[-1][0]] - clipped[p]) <= SCALE_AGREEMENT * clipped[p]:
+                groups[-1].append(p)
+            else:
+                groups.append([p])
+        if len(groups) < 2:
+            return []  # one factor for every parameter: clipping by the global norm, which `clipped` names
+        scaled = {p: (None if g is None else clipped.get(p, 1.0) * g) for p, g in ev.grads.items()}
+        explained = self.match(ev.step_with(grads=scaled), remaining)
+        if not explained:
+            return []
+        parts = []
+        for group in groups:
+            norm = float(torch.linalg.vector_norm(flat({p: ev.grads[p] for p in group}, group)))
+            f = clipped[group[0]]
+            parts.append(f"{group[0]}{'..' + group[-1] if len(group) > 1 else ''} x{f:.3g} (norm {norm:.3g} capped "
+                         f"at {f * norm:.3g})")
+        return [Diagnosis("clipped_in_parts", f"the gradient was clipped part by part, each part by its own norm: "
+                          f"{'; '.join(parts)}; clipping must use the global norm over every part (under ZeRO and "
+                          "FSDP each rank holds a partition: the norm is an all-reduce of the partitions' squared "
+                          "norms)", explained)]
 
     def scale(self, remaining: list[str]) -> list[Diagnosis]:
         c, agreeing = _common_scale(self.d, self.ref, remaining)

@@ -11,8 +11,9 @@ Two ways to judge, by what the check can hold the quantity against:
   against `r`, the same global batch computed on one process in the run's own precision recipe and split the way
   the ranks split it: `g` and `r` share every rounding of the forward and backward, so what remains between them is
   what data parallelism itself changes (the order and grouping of the reduction, a narrower wire). Its floor is
-  measured, not assumed: `s`, a second run-precision computation of the same function grouped differently (the
-  whole batch in one forward, or the ranks' forwards summed in another order), gives floor_p = rel_fro(s, r).
+  measured, not assumed: `s`, a second run-precision computation of the same function grouped as data parallelism
+  may group it (the ranks' forwards summed in another order; a forward that stands for several ranks' samples, as
+  global BatchNorm does, with its samples in the ranks' order), gives floor_p = rel_fro(s, r).
       judged error  rel_fro(g, r)
   The float64 oracle `o` stays the reported reference: rel_fro_err = rel_fro(g, o) and the precision floor
   rel_fro(r, o) (what the run's precision costs on this model) are stated, not judged: on a deep network at

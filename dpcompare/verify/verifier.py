@@ -327,21 +327,22 @@ class Verifier:
             return pieces
         return eq.replica_pieces(batch, self.layout, forward_masks)
 
-    @staticmethod
-    def _spread_pieces(pieces: list[eq.Piece]) -> list[eq.Piece]:
-        """The same function grouped differently, for the floor of what data parallelism alone changes: every forward's
-        samples in reverse order (the loss is a mean over samples; every reduction over the batch, BatchNorm's
-        statistics included, runs in another order) and the forwards summed in reverse order. Captured dropout masks
-        follow their samples where they are batch-first; otherwise only the forwards' order changes."""
-        out = []
-        for p in reversed(pieces):
-            n = p.x.shape[0]
-            if p.masks is not None and any(m.dim() == 0 or m.shape[0] != n for ms in p.masks.values() for m in ms):
-                out.append(p)
-                continue
-            masks = {k: [m.flip(0) for m in ms] for k, ms in p.masks.items()} if p.masks is not None else None
-            out.append(eq.Piece(p.x.flip(0), p.y.flip(0), p.weight, masks, p.rank))
-        return out
+    def _spread_pieces(self, pieces: list[eq.Piece]) -> list[eq.Piece]:
+        """The same function grouped the way data parallelism may legitimately group it differently, for the floor of
+        what it alone changes: the ranks' forwards summed in reverse order (a recomputation too: a nondeterministic
+        kernel shows here); where one forward stands for several ranks' samples (global BatchNorm under --sync-bn) its
+        samples in the order the ranks hold them, so the statistics are reduced in another order. A rank's own forward
+        is never regrouped: every backend runs it as it is, and in a chaotic regime (BatchNorm over a few samples at
+        bf16) a regrouped forward would measure that chaos, not data parallelism."""
+        if len(pieces) != 1 or not self.layout.splits_the_batch:
+            return list(reversed(pieces))
+        p = pieces[0]
+        n = p.x.shape[0]
+        order = torch.cat([idx for *_, idx in self.layout.positions(n)])
+        if p.masks is not None and any(m.dim() == 0 or m.shape[0] != n for ms in p.masks.values() for m in ms):
+            return [p]
+        masks = {k: [m[order] for m in ms] for k, ms in p.masks.items()} if p.masks is not None else None
+        return [eq.Piece(p.x[order], p.y[order], p.weight, masks, p.rank)]
 
     def _run_state(self, module: nn.Module, before: dict) -> dict:
         """The state the step's forward ran from: the parameters the optimizer holds (fp32 master values where the
@@ -432,7 +433,10 @@ class Verifier:
             failing = [p for p in params if not p.ok]
             if not model.ok and not failing:  # spread thin over the parameters: all of them are the evidence
                 failing = sorted(params, key=lambda p: -p.judged_rel_fro_err / max(p.tolerance_rel_fro, 1e-300))
-            if (failing or not model.ok) and self.verdict.first_divergence is None:
+            apart = self._ranks_apart(info)
+            if not failing and apart:  # rank 0's gradient is right, another rank's is not: the same evidence
+                failing = [p for p in params if p.parameter in apart]
+            if failing and self.verdict.first_divergence is None:
                 model_floor = eq.rel_fro(eq.flat(floor, self.names), eq.flat(oracle, self.names))
                 evidence = GradientEvidence(
                     step=step, grads=grads, oracle_grads=floor, tolerance=classic_tolerance(
@@ -442,9 +446,11 @@ class Verifier:
                     has_batchnorm=self.has_batchnorm, sync_bn=self.cfg.sync_bn, compression=self.wire,
                     dtype=self.cfg.dtype, layout=self.layout, per_replica=self.per_replica, masks=forward_masks,
                     previous=self.previous, loss_scale=loss_scale if scaler is not None else None,
-                    judged_tolerance={p.parameter: p.tolerance_rel_fro for p in params})
+                    judged_tolerance={p.parameter: p.tolerance_rel_fro for p in params},
+                    missing=frozenset(n for n in self.names if reduced.get(n) is None and n not in none),
+                    rank_norms=[i.get("grad_norms") or {} for i in info] if apart else None)
                 found = diagnose_gradient(evidence, [p.parameter for p in failing])
-                first = next((p for p in failing if not p.ok), model)
+                first = next((p for p in failing if not p.ok), failing[0])
                 self.verdict.diverge(eq.Divergence(
                     step, first.parameter, first.judged_rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
                     reason_of(found), check="gradient", cause=found[0].cause, parameters=[p.parameter for p in failing]))
@@ -456,6 +462,13 @@ class Verifier:
                         self.dumps[f"{step}/{kind}/{n}"] = t.numpy()
             self.previous = (step, grads)
             self.pending = pending
+
+    def _ranks_apart(self, info: list[dict]) -> list[str]:
+        """The parameters whose reduced gradient differs between ranks (by digest): every backend hands every rank the
+        same reduced gradient."""
+        per_rank = [i["grads"] for i in info]
+        return [n for k, n in enumerate(self.all_names) if n in self.names
+                and any(d[k] != per_rank[0][k] for d in per_rank[1:])]
 
     def _floor_name(self) -> str:
         return f"{self.cfg.amp} {self.recipe.kind}" if self.recipe.active else self.cfg.dtype
@@ -552,7 +565,7 @@ class Verifier:
                     expected_from=self.expected_from, skipped=self._skipped_since(pending),
                     backend_grads=pending.grads)
                 found = diagnose_update(evidence, [p.parameter for p in failing])
-                first = next((p for p in failing if not p.ok), model)
+                first = next((p for p in failing if not p.ok), failing[0])
                 self.verdict.diverge(eq.Divergence(
                     step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
                     f"the gradient passed but the update did not: {reason_of(found)}", check="update",

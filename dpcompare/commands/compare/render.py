@@ -57,9 +57,10 @@ def render(console, jobs: list[Job], unavailable: list[dict], matrix: dict[str, 
 def _verdict_table(jobs: list[Job], unavailable: list[dict]) -> Table:
     table = Table(title="dpcompare: is it the same computation?", show_lines=False)
     # Two-line headers keep the figures narrow enough for the note to have room at width 160.
-    # x floor: the worst error in multiples of the run dtype's own noise floor; norm: ||update|| / ||reference update||.
+    # x floor: the worst judged error in multiples of its floor; norm: ||update|| / ||reference update||; catches: the
+    # verdict's min_detectable_rel.
     for col in ("backend", "ws", "launcher", "verdict", "grad\nrel err", "grad\nfloor", "grad\nx floor",
-                "update\nx floor", "update\nnorm", "traj\nx floor", "replicas", "s"):
+                "update\nx floor", "update\nnorm", "traj\nx floor", "catches", "replicas", "s"):
         table.add_column(col, no_wrap=True)
     table.add_column("first divergence / note", overflow="fold", min_width=24)
     for j in jobs:
@@ -71,12 +72,12 @@ def _verdict_table(jobs: list[Job], unavailable: list[dict]) -> Table:
                       f"[{STATUS_STYLE.get(j.status, 'white')}]{j.status}[/]", _fmt(e.get("max_rel_fro_err")),
                       _fmt(e.get("noise_floor_rel_fro")), _fmt(e.get("noise_ratio"), ".2f"),
                       _fmt(update.get("noise_ratio"), ".2f"), _fmt(update.get("norm_ratio"), ".4f"),
-                      _fmt(trajectory.get("noise_ratio"), ".2f"),
+                      _fmt(trajectory.get("noise_ratio"), ".2f"), _fmt(e.get("min_detectable_rel"), ".1g"),
                       {True: "identical", False: "DIFFER"}.get(e.get("replicas_identical"), "-"),
                       _fmt(j.wall_s, ".0f"), Text(_note(j)))  # Text: a log line's [brackets] are not markup
     for u in unavailable:
         launcher = u.get("launcher") or declared_launcher(u["backend"])
-        table.add_row(u["backend"], "-", launcher, "[yellow]unavailable[/]", "-", "-", "-", "-", "-", "-", "-", "-",
+        table.add_row(u["backend"], "-", launcher, "[yellow]unavailable[/]", "-", "-", "-", "-", "-", "-", "-", "-", "-",
                       u["reason"])
     return table
 

@@ -15,13 +15,16 @@ from dpcompare.commands.report.load import created, is_number, label, metric, re
 NO_CHECKS = ("this result has no equivalence.checks (written before dpcompare checked the update and the "
              "trajectory): rerun to check them")
 VERDICT_INTRO = (
-    "Three checks per checked step, each as its worst error in multiples of the run dtype's own noise floor "
-    "(x floor): the reduced gradient against the float64 oracle, the update against a float64 optimizer step "
-    "from the same parameters and state (norm ratio: ||update|| / ||reference update||, 1 = the same step "
-    "length), and the trajectory, the parameters' distance to a float64 single process trained beside the "
-    "run. **unverifiable**: part of the run could not be checked; the reason is in the last column.")
+    "Three checks per checked step, each as its worst judged error in multiples of its floor (x floor): the reduced "
+    "gradient against the run-precision reference split as the ranks split it (its floor: the same computation "
+    "regrouped, what data parallelism alone changes; max rel fro err: its distance from the float64 oracle), the "
+    "update against a float64 optimizer step from the same parameters, gradient and state (norm ratio: ||update|| / "
+    "||reference update||, 1 = the same step length), and the trajectory, the parameters' distance to a float64 "
+    "single process trained beside the run. catches: the smallest relative change of the gradient or the update "
+    "that every checked step flags (`equivalent` needs 0.1 or less). **unverifiable**: part of the run could not be "
+    "checked, or the checks had no power; the reason is in the last column.")
 VERDICT_HEADER = ["backend", "ws", "launcher", "model", "verdict", "gradient (x floor)", "gradient max rel fro err",
-                  "update (x floor)", "update norm ratio", "trajectory (x floor)",
+                  "update (x floor)", "update norm ratio", "trajectory (x floor)", "catches (relative change)",
                   "first divergence / unverifiable reason / error"]
 
 
@@ -113,7 +116,7 @@ def _verdict_row(run: dict[str, Any], notes: Footnotes) -> list[str]:
     return [run["backend"], str(run["world_size"]), str(run.get("launcher", "?")), str(run.get("model", "?")),
             verdict_cell(verdict), f.figure("noise_ratio", ".2f"), f.figure("max_rel_fro_err", ".2e"),
             f.check_figure("update", "noise_ratio", ".2f"), f.check_figure("update", "norm_ratio", ".4f"),
-            f.check_figure("trajectory", "noise_ratio", ".2f"), f.divergence()]
+            f.check_figure("trajectory", "noise_ratio", ".2f"), f.figure("min_detectable_rel", ".2g"), f.divergence()]
 
 
 def _failed_job_rows(runs: list[dict[str, Any]], compare: dict[str, Any] | None) -> list[list[str]]:
@@ -121,7 +124,7 @@ def _failed_job_rows(runs: list[dict[str, Any]], compare: dict[str, Any] | None)
     # A job is its label (`deepspeed:zero2/2`, which its run carries as its tag); older summaries: backend and world size.
     have = {r.get("tag") for r in runs} | {(r["backend"], r["world_size"]) for r in runs}
     return [[str(job.get("entry") or job.get("backend")), str(job.get("world_size")), "-", "-",
-             verdict_cell(job["status"]), "-", "-", "-", "-", "-", job.get("error") or "no result written"]
+             verdict_cell(job["status"]), "-", "-", "-", "-", "-", "-", job.get("error") or "no result written"]
             for job in (compare or {}).get("runs") or []
             if job.get("status") in ("failed", "timeout")
             and (job["label"] not in have if job.get("label") else (job.get("backend"), job.get("world_size")) not in have)]
