@@ -117,18 +117,20 @@ def markdown(rows: list[dict], header: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(MODELS), help="'none' for the planted faults alone")
     parser.add_argument("--optimizers", default="sgd,adamw")
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--backends", default="ddp,horovod,deepspeed,fsdp")
     parser.add_argument("--twin-model", default="resnet50-cifar")
-    parser.add_argument("--twins", default=",".join(TWINS), help="'none' for no planted faults")
+    parser.add_argument("--twins", default="all", help="'all', 'none', or tests.faulty_adapters:Class,...")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--twin-steps", type=int, default=2, help="steps of a planted-fault run (each acts by step 1)")
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     backends = args.backends.split(",")
-    twins = [] if args.twins == "none" else args.twins.split(",")
+    models = [] if args.models == "none" else args.models.split(",")
+    twins = [] if args.twins == "none" else list(TWINS) if args.twins == "all" else args.twins.split(",")
     rows: list[dict] = []
     started = time.time()
 
@@ -139,17 +141,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"catches {_g(r.get('min_detectable_rel'))}  {r.get('divergence') or ''}", flush=True)
         (args.out / "matrix.json").write_text(json.dumps(rows, indent=1))
 
-    for model in args.models.split(","):
+    for model in models:
         for optimizer in args.optimizers.split(","):
             for precision in args.precisions.split(","):
                 folder = compare(args.out / "compares", model, optimizer, precision, backends, args.steps, args.timeout_s)
                 record(rows_of(folder, model, optimizer, precision, backends))
     for precision in args.precisions.split(",") if twins else []:
-        folder = compare(args.out / "compares", args.twin_model, "sgd", precision, twins, args.steps, args.timeout_s)
+        folder = compare(args.out / "compares", args.twin_model, "sgd", precision, twins, args.twin_steps,
+                         args.timeout_s)
         record(rows_of(folder, args.twin_model, "sgd", precision, twins))
     header = (f"Measured {time.strftime('%Y-%m-%d')} in {(time.time() - started) / 60:.0f} min, world size 2, "
-              f"--steps {args.steps}, --measure-steps 0; global batch per model: "
-              + ", ".join(f"{m} {MODELS.get(m, 8)}" for m in args.models.split(",")))
+              f"--steps {args.steps} (planted faults: {args.twin_steps}), --measure-steps 0; global batch per model: "
+              + ", ".join(f"{m} {MODELS.get(m, 8)}" for m in models + ([args.twin_model] if twins else [])))
     (args.out / "matrix.md").write_text(markdown(rows, header))
     print(markdown(rows, header))
     return 0 if all(ok(r) for r in rows) else 1

@@ -254,13 +254,14 @@ def test_compare_grads_arithmetic_by_hand():
     assert p.max_abs_err == pytest.approx(3e-6, rel=1e-9)
     assert p.rel_fro_err == pytest.approx(3e-6 / 5, rel=1e-9)
     assert p.floor_rel_fro_err == pytest.approx(1e-6 / 5, rel=1e-9)
-    assert p.noise_ratio == pytest.approx(3.0, rel=1e-9)  # floor_p = max(2e-7, 2e-7, 1 * u) = 2e-7
+    # floor_p = max(2e-7, 2e-7, 1 * u) = 2e-7, plus the reduction's 2u: noise_ratio = error / (tolerance / 10)
+    assert p.noise_ratio == pytest.approx((3e-6 / 5) / (2e-7 + 2 * U32), rel=1e-9)
     assert p.tolerance_rel_fro == pytest.approx(eq.TOLERANCE_FACTOR * (2e-7 + 2 * U32), rel=1e-12)
     assert p.max_rel_err == pytest.approx(3e-6 / (4.0 + U32 * 4.0), rel=1e-9)
     assert p.ok
     # The depth term takes over when the floor is below it: depth 10 -> floor_p = 10u.
     (q,) = eq.compare(grads, oracle, oracle, dtype="float32", world_size=2, depth=10)[0]
-    assert q.noise_ratio == pytest.approx((3e-6 / 5) / (10 * U32), rel=1e-9)
+    assert q.noise_ratio == pytest.approx((3e-6 / 5) / (10 * U32 + 2 * U32), rel=1e-9)
 
 
 def test_compare_grads_measures_a_zero_gradient_against_its_share_of_the_model():

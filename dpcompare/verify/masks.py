@@ -271,8 +271,14 @@ class _Replay:
             raise MaskMismatch(name, f"call {i + 1}: captured mask has shape {tuple(mask.shape)}, "
                                      f"input has shape {tuple(x.shape)}")
         p = float(module.p)
-        scale = 1.0 / (1.0 - p) if p < 1 else 0.0  # p == 1 drops everything: F.dropout returns zeros too
-        return x * mask.to(device=x.device, dtype=x.dtype) * scale
+        if p >= 1:
+            return x * 0.0  # p == 1 drops everything: F.dropout returns zeros too
+        keep = mask.to(device=x.device, dtype=x.dtype, copy=True)
+        if x.is_cuda:  # the fused kernel: input * mask * scale in its opmath type, rounded once
+            return x * keep * (1.0 / (1.0 - p))
+        # ATen's CPU dropout: a noise tensor of the input's dtype, divided by 1 - p in that dtype (1/0.9 is 1.109375 in
+        # bf16), times the input: in a 16-bit forward the scale's own rounding is part of what the run computes.
+        return x * keep.div_(1.0 - p)
 
     def unused(self) -> tuple[str, str] | None:
         for name, calls in self.masks.items():
@@ -290,8 +296,9 @@ class MaskReplayer:
     @contextlib.contextmanager
     def applying(self, masks: dict[str, list[torch.Tensor]] | None) -> Iterator[None]:
         """Inside: every call of each capturable module (by name) takes the next mask of its list and returns
-        input * mask * (1 / (1 - p)) (mask cast to the input's dtype and device, the scale computed in float64 then
-        used as a Python float), instead of drawing. masks None or {}: nothing is hooked. Raises MaskMismatch when a
+        the input times the mask scaled by 1 / (1 - p) as the device's kernel rounds it (on CUDA the fused kernel's
+        input * mask * scale in its opmath type; on the CPU a noise tensor of the input's dtype divided by 1 - p),
+        instead of drawing. masks None or {}: nothing is hooked. Raises MaskMismatch when a
         module is called more times than it has masks, when a mask's shape differs from the input's, and, on leaving
         the block without an exception in flight, when masks were left unused (name the module).
 

@@ -91,7 +91,8 @@ class ParamError:
     floor_rel_fro_err: float
     """The run-precision reference's distance from the float64 one: what the precision costs (reported)."""
     noise_ratio: float
-    """The judged error over the effective floor."""
+    """The judged error over the effective floor with the reduction's allowance (the tolerance / FACTOR): it passes
+    at or below FACTOR."""
     tolerance_rel_fro: float
     """The judged error's bound."""
     ok: bool
@@ -158,7 +159,7 @@ def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_
         detect = tol * denom / size if size > 0 else math.inf
         alone = name in judged
         out.append(ParamError(name, float(diff.max()) if o.numel() else 0.0, max_rel if finite else math.inf, err,
-                              rel_fro(floor[name], o, share), judged_err / floor_p, tol,
+                              rel_fro(floor[name], o, share), judged_err / (floor_p + reduction), tol,
                               judged_err <= tol or (not alone and finite), judged_err, own[name], detect, alone,
                               o.numel()))
     return out, _model(values, reference, floor, against, judged or names, model_floor, minimum, reduction)
@@ -178,7 +179,8 @@ def _model(values: Grads, reference: Grads, floor: Grads, against: Grads, names:
     detect = tol * denom / size if size > 0 else math.inf
     diff = (g - o).abs()
     return ParamError(MODEL, float(diff.max()) if o.numel() else 0.0, math.nan, err, rel_fro(flat(floor, names), o),
-                      judged_err / floor_eff if floor_eff > 0 else math.inf, tol, judged_err <= tol, judged_err,
+                      judged_err / (floor_eff + reduction) if floor_eff + reduction > 0 else math.inf, tol,
+                      judged_err <= tol, judged_err,
                       model_floor, detect, True, o.numel())
 
 

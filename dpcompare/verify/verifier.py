@@ -547,12 +547,18 @@ class Verifier:
                 differs = counted or state_difference(state, expected, judged_names)
                 if differs is not None:
                     wrong, text = differs
-                    first = next(p for p in params if p.parameter == wrong[0])
+                    # What the state costs the update: the backend's update against the one the expected state gives.
+                    had = eq.compare(delta, reference_step(self.factory, pending.params, single, expected, torch.float64,
+                                                           self.device).delta,
+                                     reference_step(self.factory, pending.params, single, expected, self.dtype,
+                                                    self.device).delta,
+                                     dtype=self.cfg.dtype, world_size=1, depth=self.depth, names=self.names)[0]
+                    first = next(p for p in had if p.parameter == wrong[0])
                     self.verdict.diverge(eq.Divergence(
                         step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
-                        f"the optimizer state before step {step} is not {self.expected_from}: {text}"
-                        f"{FRESH_STEPPED_TRAP if step == 0 else ''}", check="update", cause="optimizer_state",
-                        parameters=wrong))
+                        f"the gradient passed but the update did not: the optimizer state before step {step} is not "
+                        f"{self.expected_from}: {text}{FRESH_STEPPED_TRAP if step == 0 else ''}", check="update",
+                        cause="optimizer_state", parameters=wrong))
             if step == 0 and self.prestep is not None and expected is not None:
                 self._note_prestep(pending, single, delta)
             if failing and self.verdict.first_divergence is None:
