@@ -76,28 +76,27 @@ class DriftedInitDDP(DDPAdapter):
         return wrapped
 
 
-class LinearScaledLRHorovod(HorovodAdapter):
+class _LinearScaledLR:
+    """The linear-scaling rule applied in one backend only: the learning rate multiplied by the world size."""
+
+    def wrap(self, module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
+        for group in optimizer.param_groups:
+            group["lr"] *= self.env.world_size
+        return super().wrap(module, optimizer, local_batch, global_batch)
+
+
+class LinearScaledLRHorovod(_LinearScaledLR, HorovodAdapter):
     """Horovod with the linear-scaling rule applied here only: the optimizer's learning rate multiplied by
     hvd.size(), as many Horovod scripts do (while the DDP script beside them does not)."""
 
     name = "linear-scaled-lr-horovod"
 
-    def wrap(self, module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
-        for group in optimizer.param_groups:
-            group["lr"] *= self.env.world_size
-        return super().wrap(module, optimizer, local_batch, global_batch)
 
-
-class LinearScaledLRDDP(DDPAdapter):
+class LinearScaledLRDDP(_LinearScaledLR, DDPAdapter):
     """DDP with the linear-scaling rule applied here only: the learning rate multiplied by the world size (the
     update is N times the reference's from step 0, gradient right)."""
 
     name = "linear-scaled-lr-ddp"
-
-    def wrap(self, module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
-        for group in optimizer.param_groups:
-            group["lr"] *= self.env.world_size
-        return super().wrap(module, optimizer, local_batch, global_batch)
 
 
 class LocalClipDDP(DDPAdapter):

@@ -231,7 +231,11 @@ def summary_line(payload: dict[str, Any]) -> str:
     checks = e.get("checks") or {}
     gradient, update, trajectory = checks.get("gradient") or {}, checks.get("update") or {}, checks.get("trajectory") or {}
     if e["checked_steps"]:
-        parts.append(f"gradient: {f(ratio, '.2f')}x its data-parallel floor {f(gradient.get('dp_floor_rel_fro'), '.2e')}, "
+        t = e.get("tolerance") or {}
+        dp = gradient.get("dp_floor_rel_fro")
+        floor = (max(dp, t["depth"] * t["unit_roundoff"]) + t["world_size"] * t["unit_roundoff_wire"]
+                 if dp is not None and {"depth", "unit_roundoff", "world_size", "unit_roundoff_wire"} <= set(t) else dp)
+        parts.append(f"gradient: {f(ratio, '.2f')}x its data-parallel floor {f(floor, '.2e')}, "
                      f"max rel fro err {f(e['max_rel_fro_err'], '.2e')} from float64 (the {config.get('dtype', 'float32')}"
                      f"{' ' + config['amp'] if config.get('amp', 'none') != 'none' else ''} reference's "
                      f"{f(e['noise_floor_rel_fro'], '.2e')})")
