@@ -13,10 +13,11 @@ a run without power. Slow tier: the deep-model runs of the issue's done-when and
 from __future__ import annotations
 
 import pytest
+import torch
 
+from dpcompare.run.verification import checked_arithmetic
 from test_negative import different, update_failed
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(420)]
 RESNET_BF16 = ["--amp", "bf16", "--global-batch", "4", "--steps", "2", "--measure-steps", "0"]
 
 
@@ -39,6 +40,8 @@ def _power(result: dict) -> dict:
     return e
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["ddp"], indirect=True)
 def test_resnet_at_bf16_is_equivalent_with_power(shared_launch, backend):
@@ -50,6 +53,8 @@ def test_resnet_at_bf16_is_equivalent_with_power(shared_launch, backend):
     assert "catches a change of" in proc.stdout
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
 def test_learning_rate_times_n_on_a_resnet_at_bf16_is_named_at_step_0(launch):
     proc, result = launch("tests.faulty_adapters:LinearScaledLRDDP", 2, "resnet18-cifar", RESNET_BF16)
     d = update_failed(proc, result)
@@ -61,6 +66,8 @@ def test_learning_rate_times_n_on_a_resnet_at_bf16_is_named_at_step_0(launch):
     assert e["checks"]["gradient"]["min_detectable_rel"] <= 1e-3 < e["checks"]["gradient"]["noise_floor_rel_fro"]
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
 def test_a_run_without_power_is_unverifiable_and_says_why(launch):
     """bfloat16 weights end to end: the update is below what bf16 storage of the weights resolves."""
     proc, result = launch("ddp", 2, "mlp", ["--dtype", "bfloat16", "--steps", "2", "--measure-steps", "0"])
@@ -72,6 +79,8 @@ def test_a_run_without_power_is_unverifiable_and_says_why(launch):
     assert "unverifiable" in proc.stdout
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
 @pytest.mark.slow
 def test_local_clipping_on_a_resnet_at_bf16_is_different_and_named(launch):
     proc, result = launch("tests.faulty_adapters:LocalClipDDP", 2, "resnet18-cifar", RESNET_BF16)
@@ -86,11 +95,15 @@ def test_local_clipping_on_a_resnet_at_bf16_is_different_and_named(launch):
     pytest.param([], id="resnet50-defaults"),
     pytest.param(["--amp", "bf16", "--global-batch", "8", "--steps", "3"], id="resnet50-bf16"),
 ])
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
 def test_resnet50_at_the_defaults_is_equivalent(launch, backend, args):
     proc, result = launch("ddp", 2, "resnet50-cifar", [*args, "--measure-steps", "0"])
     assert _equivalent(proc, result, "resnet50-cifar")["min_detectable_rel"] <= 0.1
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["ddp"], indirect=True)
 def test_resnet18_with_adamw_over_eight_steps_is_equivalent(launch, backend):
@@ -98,6 +111,8 @@ def test_resnet18_with_adamw_over_eight_steps_is_equivalent(launch, backend):
     _equivalent(proc, result, "resnet18-cifar")
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
 def test_deepspeed_bf16_engine_with_adamw_is_equivalent_and_states_its_prestep(launch, backend):
@@ -111,6 +126,8 @@ def test_deepspeed_bf16_engine_with_adamw_is_equivalent_and_states_its_prestep(l
 
 
 # -- the diagnosis of sharded and mixed-precision faults: one cause or none, never a wrong one ---------------------
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
 @pytest.mark.slow
 def test_clipping_part_by_part_is_named(launch):
     proc, result = launch("tests.faulty_adapters:ClipByPartsDDP", 2, "mlp", ["--steps", "2", "--measure-steps", "0"])
@@ -119,6 +136,8 @@ def test_clipping_part_by_part_is_named(launch):
     assert "clipped part by part, each part by its own norm" in d["reason"] and "capped at 0.001" in d["reason"]
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
 @pytest.mark.slow
 def test_a_rank_dependent_unscale_is_named_at_the_gradient_check(launch):
     proc, result = launch("tests.faulty_adapters:RankScaledUnscaleDDP", 2, "mlp",
@@ -128,6 +147,8 @@ def test_a_rank_dependent_unscale_is_named_at_the_gradient_check(launch):
     assert "rank 1's gradient is 0.5x rank 0's" in d["reason"], d["reason"]
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["fsdp"], indirect=True)
 def test_no_gradient_at_all_is_named_not_blamed_on_a_partition(launch, backend):
@@ -135,3 +156,47 @@ def test_no_gradient_at_all_is_named_not_blamed_on_a_partition(launch, backend):
     d = different(proc, result)
     assert (d["step"], d["cause"]) == (0, "no_gradient"), d
     assert "no gradient at all" in d["reason"] and "partition" not in d["reason"], d["reason"]
+
+
+# -- TF32: the checked steps run float32 as float32, the measured steps keep the user's settings --------------------
+@pytest.fixture
+def tf32_on():
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision(),
+             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = True, True
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.benchmark = True
+    yield
+    (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, precision, torch.backends.cudnn.benchmark,
+     torch.backends.cudnn.deterministic) = saved
+    torch.set_float32_matmul_precision(precision)
+
+
+def _settings() -> tuple:
+    return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision(),
+            torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+
+
+def test_checked_steps_on_cuda_run_without_tf32_and_restore_the_users_settings(tf32_on):
+    with checked_arithmetic(torch.device("cuda")) as recorded:
+        assert _settings() == (False, False, "highest", False, True)
+    assert _settings() == (True, True, "high", True, False), "the measured steps keep what the user set"
+    assert recorded["matmul_allow_tf32"] and recorded["cudnn_allow_tf32"] and recorded["float32_matmul_precision"] == "high"
+    assert recorded["checked_with"].startswith("TF32 off") and not recorded["checked_cudnn_allow_tf32"]
+
+
+def test_checked_steps_on_the_cpu_leave_the_settings_alone(tf32_on):
+    """The twin: TF32 is a CUDA setting; nothing is switched, and the record says so."""
+    with checked_arithmetic(torch.device("cpu")) as recorded:
+        assert _settings() == (True, True, "high", True, False)
+    assert recorded["checked_with"].startswith("as set")
+
+
+def test_the_runs_line_says_when_the_checks_ran_without_tf32():
+    from dpcompare.run.trainer import _precision_facts
+
+    tf32 = {"matmul_allow_tf32": False, "cudnn_allow_tf32": True, "checked_with": "TF32 off and deterministic cuDNN ..."}
+    facts = _precision_facts({"precision": {"amp": "none", "tf32": tf32}})
+    assert facts == ["checked with TF32 off and deterministic cuDNN, measured with the settings as set (cudnn_allow_tf32)"]
+    assert _precision_facts({"precision": {"amp": "none", "tf32": dict(tf32, checked_with="as set (TF32 is a CUDA "
+                                                                                      "setting)")}}) == []
