@@ -49,6 +49,8 @@ class VerificationPhase:
                 self.verdict.precision.tf32 = tf32
             for step in range(self.cfg.steps):
                 self._step(step)
+            if self.check is not None:
+                self.check.finish()
         if self.check is not None and self.cfg.dump_grads:
             _save_npz_atomic(Path(self.cfg.dump_grads), self.check.dumps, self.cfg.closed_if)
         return self.verdict

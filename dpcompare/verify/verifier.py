@@ -584,6 +584,19 @@ class Verifier:
             self.expected_state = leaves.state
             self.expected_from = f"the state step {step} left"
 
+    def finish(self) -> None:
+        """After the last step: `equivalent` needs at least one step whose gradient was compared. A run whose every
+        checked step overflowed its loss scale (and was rightly skipped) compared none: the trajectory alone, which
+        saw no update, cannot stand for the verdict."""
+        if self.verdict.checks or self.stopped or not self.cfg.check_every:
+            return
+        skipped = self.verdict.precision.skipped_steps if self.verdict.precision is not None else []
+        self.verdict.unverifiable.append(
+            f"every checked step's scaled gradients overflowed and the step was skipped (steps "
+            f"{', '.join(map(str, skipped))}), so no gradient or update was compared: run more --steps (the loss "
+            "scaler halves the scale at each overflow) or start from a smaller --loss-scale" if skipped else
+            "no checked step compared a gradient: run more --steps")
+
     def _note_unused_stepped(self, step: int, state: OptState, zero_stepped: list[str]) -> None:
         if not zero_stepped or any(n.code == "unused_stepped" for n in self.verdict.notes):
             return
