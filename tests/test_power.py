@@ -81,6 +81,19 @@ def test_a_run_without_power_is_unverifiable_and_says_why(launch):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(420)
+def test_a_run_whose_every_checked_step_overflowed_compared_nothing_and_is_unverifiable(launch):
+    """Both steps overflow at 2^24 and are rightly skipped: no gradient was compared, so no `equivalent`."""
+    proc, result = launch("ddp", 2, "mlp", ["--amp", "fp16", "--loss-scale", str(2**24), "--steps", "2",
+                                            "--measure-steps", "0"])
+    assert proc.returncode == 0, proc.output[-4000:]
+    e = result["equivalence"]
+    assert e["precision"]["skipped_steps"] == [0, 1], e["precision"]
+    assert e["verdict"] == "unverifiable" and e["checked_steps"] == [], e["checks"]
+    assert "no gradient or update was compared" in e["unverifiable_reason"], e["unverifiable_reason"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
 @pytest.mark.slow
 def test_local_clipping_on_a_resnet_at_bf16_is_different_and_named(launch):
     proc, result = launch("tests.faulty_adapters:LocalClipDDP", 2, "resnet18-cifar", RESNET_BF16)
