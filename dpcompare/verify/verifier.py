@@ -43,6 +43,10 @@ from dpcompare.verify.trajectory import Trajectory
 from dpcompare.verify.precision import PrecisionReport, Recipe, ScaleStep
 from dpcompare.verify.update_check import OptState, OptimizerFactory, read_hparams, reference_step
 
+SPLIT_AGREEMENT = 1e-9
+"""The ranks' split and the global batch, both in float64, agree to about 1e-15 where the loss is a mean over
+independent samples; a loss that is not (a sum) puts them a factor apart."""
+
 STOCHASTIC_REL_DIFF = 2.0**-30
 """Two float64 forwards of the same input that differ by more than this (relative) draw random numbers:
 some 10^6 float64 roundings, far below what one changed dropout mask element does (~1e-3)."""
@@ -156,6 +160,8 @@ class Verifier:
         self._scaler_before = None
         self._unpacked: tuple[list[mk.MaskRecord], list[eq.Masks]] | None = None
         """The last step's records and their unpacked masks."""
+        self._split_global: bool | None = None
+        """The ranks' split computes the global batch's gradient (None: not yet measured)."""
         self.previous: tuple[int, eq.Grads] | None = None
         self.stopped = False
         """No further check: the run diverged, or its randomness cannot be captured."""
@@ -327,6 +333,24 @@ class Verifier:
             return pieces
         return eq.replica_pieces(batch, self.layout, forward_masks)
 
+    def _split_is_global(self, state: dict, split: list[eq.Piece], oracle: eq.Grads) -> bool:
+        """Whether the ranks' split of the batch computes the global batch's gradient (in float64, once, at the first
+        checked step): the run-precision reference splits the batch as the ranks do, which is the same function only
+        where the loss is a mean over independent samples, as the workload contract says. Where it is not (a loss
+        reduced with sum), the reference is the global batch, as the oracle is, and the run's split is judged
+        against it."""
+        if self._split_global is None:
+            names = self.names
+            gap = eq.rel_fro(eq.flat(self.oracle.oracle_of(state, split), names), eq.flat(oracle, names))
+            self._split_global = gap <= SPLIT_AGREEMENT
+            if not self._split_global:
+                self.verdict.note("split_not_global",
+                                  f"the ranks' split of the global batch does not compute its gradient on this workload: "
+                                  f"in float64 the two are {gap:.3g} apart (a loss that is not a mean over its samples, "
+                                  "or samples that interact); the run-precision reference is the global batch, as the "
+                                  "oracle is")
+        return self._split_global
+
     def _spread_pieces(self, pieces: list[eq.Piece]) -> list[eq.Piece]:
         """The same function grouped the way data parallelism may legitimately group it differently, for the floor of
         what it alone changes: the ranks' forwards summed in reverse order (a recomputation too: a nondeterministic
@@ -385,6 +409,9 @@ class Verifier:
                 oracle = self.oracle.oracle_of(state, pieces)
                 none = self.oracle.none
                 run_pieces = self._floor_pieces(batch, pieces, forward_masks)
+                if run_pieces is not pieces and not self._split_is_global(state, run_pieces, oracle):
+                    run_pieces = pieces
+                self.oracle.none = none
                 floor = self.oracle.floor_of(state, run_pieces, loss_scale)
                 spread = self.oracle.floor_of(state, self._spread_pieces(run_pieces), loss_scale)
             except mk.MaskMismatch as exc:
