@@ -55,6 +55,9 @@ def compare(out: Path, model: str, optimizer: str, precision: str, backends: lis
     if precision == "fp16" and model in FP16_LOSS_SCALE:
         cmd += [f"--run-arg=--loss-scale={FP16_LOSS_SCALE[model]}"]
     cmd += [f"--run-arg={a}" for a in MODEL_ARGS.get(model, [])]
+    # Rank 0's checks (and a fault's diagnosis: a forward and backward per hypothesis) on a deep model can outlast the
+    # waiting ranks' default stall timeout on a loaded box.
+    cmd += [f"--run-arg=--timeout-s={int(timeout_s)}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(Path.cwd()),
                                                                                           os.environ.get("PYTHONPATH")])))
     subprocess.run(cmd, env=env, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
