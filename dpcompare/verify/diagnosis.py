@@ -638,8 +638,6 @@ class UpdateEvidence:
     expected_from: str = "a fresh optimizer's"
     skipped: bool = False
     """The backend's loss scaler counted this step as skipped."""
-    backend_grads: dict[str, torch.Tensor | None] | None = None
-    """The reduced gradient as the backend handed it to its optimizer (zeros where it gave zeros)."""
 
     def step_with(self, grads: dict[str, torch.Tensor | None] | None = None, state: OptState | None = None,
                   times: int = 1, **overrides: Any) -> Grads:

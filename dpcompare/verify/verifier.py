@@ -595,8 +595,7 @@ class Verifier:
                     grads=single, expected_state=state, backend_state=state,
                     factory=self.factory, device=self.device, world_size=self.world_size, lr=self.cfg.lr,
                     weight_decay=self.cfg.weight_decay, backend_hparams=pending.backend_hparams,
-                    expected_from=self.expected_from, skipped=self._skipped_since(pending),
-                    backend_grads=pending.grads)
+                    expected_from=self.expected_from, skipped=self._skipped_since(pending))
                 found = diagnose_update(evidence, [p.parameter for p in failing])
                 first = next((p for p in failing if not p.ok), failing[0])
                 self.verdict.diverge(eq.Divergence(
