@@ -181,6 +181,13 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         timers.log = reset_quietly
         self._skipped = 0
         self._engine_recipe = self.settings.amp != "none" and self.settings.options["amp_recipe"] == "engine"
+        if self._engine_recipe:
+            # The bf16/fp16 sections run the forward on 16-bit weights without torch.autocast (the loss too, in the
+            # logits' dtype); a floating input is cast to the weights' dtype first, as fp16's auto_cast does and as a
+            # user of the bf16 section does by hand.
+            dtype = next(engine.module.parameters()).dtype
+            engine.module.register_forward_pre_hook(
+                lambda _, args: tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
         scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
         if scaler is not None and self.settings.loss_scale:
             # Its torch_autocast section has no initial-scale key: the engine's own GradScaler (stage 0, fp16) is
@@ -230,8 +237,13 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
             return []
         if not self._engine_recipe:
             scaled = " with the engine's own GradScaler (dynamic loss scale)" if amp == "fp16" else ""
+            narrow = self._autocast_wire_params(engine.module)
+            wire = (f"; ZeRO stage {self.stage} reduces the gradients of its lower_precision_safe_modules' parameters "
+                    f"(Linear, Conv: {len(narrow)} of {sum(1 for _ in engine.module.parameters())}) in "
+                    f"{AMP_NAMES[amp]}, judged with that wire's tolerance" if narrow else "")
             return [Note("deepspeed.amp_recipe", f"deepspeed: autocast recipe (torch_autocast section, {AMP_NAMES[amp]}): "
-                                                 f"float32 weights, the engine's forward under torch.autocast{scaled}")]
+                                                 f"float32 weights, the engine's forward under torch.autocast{scaled}"
+                                                 f"{wire}")]
         wire = WIRE_NAMES.get(engine.communication_data_type, "float32")
         return [Note("deepspeed.amp_recipe",
                      f"deepspeed: engine recipe ({amp} section): {AMP_NAMES[amp]} weights and gradients, all-reduced in "
@@ -249,6 +261,10 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         # stage 1 keeps the gradients local until the boundary, stages 2 and 3 reduce into their partitions.
         self.wrapped.model.set_gradient_accumulation_boundary(enabled)
         return super().sync(enabled)
+
+    def autocast(self):
+        # The engine recipe is DeepSpeed's own 16-bit forward, not torch.autocast over it (see wrap).
+        return contextlib.nullcontext() if getattr(self, "_engine_recipe", False) else super().autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
         self.wrapped.model.backward(loss)  # the engine scales the loss itself (its GradScaler or loss scaler)
@@ -389,7 +405,19 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
     def gradient_wire(self) -> str:
         if self._engine_recipe:
             return WIRE_NAMES.get(self.wrapped.model.communication_data_type, self.settings.compression)
+        if self._autocast_wire_params(self.wrapped.module):
+            return self.settings.amp
         return self.settings.compression
+
+    def _autocast_wire_params(self, module: nn.Module) -> list[str]:
+        """Under its torch_autocast section, ZeRO stages 1-3 reduce the gradients of the parameters of its
+        lower_precision_safe_modules (Linear, Conv) in the autocast dtype (get_param_comm_dtype): their names, or []
+        when the gradients travel in their own dtype (stage 0, no autocast, or a --compression the user chose)."""
+        if self.settings.amp == "none" or self._engine_recipe or not self.stage or self.settings.compression != "none":
+            return []
+        from deepspeed.runtime.torch_autocast import get_comm_dtype
+
+        return [n for n, p in module.named_parameters() if get_comm_dtype(p) in WIRE_NAMES]
 
     def optimizer_prestep(self) -> str | None:
         if getattr(self, "_engine_recipe", False) and not self.stage:

@@ -233,7 +233,8 @@ def summary_line(payload: dict[str, Any]) -> str:
     if e["checked_steps"]:
         t = e.get("tolerance") or {}
         dp = gradient.get("dp_floor_rel_fro")
-        floor = (max(dp, t["depth"] * t["unit_roundoff"]) + t["world_size"] * t["unit_roundoff_wire"]
+        u_sum = t.get("unit_roundoff") if t.get("wire_rounding") == "measured" else t.get("unit_roundoff_wire")
+        floor = (max(dp, t["depth"] * t["unit_roundoff"]) + t["world_size"] * u_sum
                  if dp is not None and {"depth", "unit_roundoff", "world_size", "unit_roundoff_wire"} <= set(t) else dp)
         parts.append(f"gradient: {f(ratio, '.2f')}x its data-parallel floor {f(floor, '.2e')}, "
                      f"max rel fro err {f(e['max_rel_fro_err'], '.2e')} from float64 (the {config.get('dtype', 'float32')}"
@@ -249,7 +250,9 @@ def summary_line(payload: dict[str, Any]) -> str:
                      + _coverage_phrase(gradient.get("coverage")))
     detail = "; ".join(parts) or "no figures"
     if e["tolerance"].get("compression", "none") != "none":
-        detail += f" ({e['tolerance']['compression']} on the wire, tolerance widened to match)"
+        detail += (f" ({e['tolerance']['compression']} on the wire, its rounding "
+                   + ("measured in the data-parallel floor)" if e["tolerance"].get("wire_rounding") == "measured"
+                      else "bounded: tolerance widened to match)"))
     m = payload.get("metrics")
     if m and m.get("step_ms_p50") is not None:
         detail += f"; step p50 {m['step_ms_p50']:.1f} ms, {m['samples_per_s']:.3g} samples/s"

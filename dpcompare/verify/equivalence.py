@@ -138,16 +138,17 @@ def replica_pieces(batch: tuple[torch.Tensor, torch.Tensor], layout: Layout,
 
 def accumulate_gradient(model: nn.Module, loss_fn: Callable, pieces: list[Piece], device: torch.device,
                         replayer: MaskReplayer | None = None, recipe: Recipe = NO_RECIPE,
-                        loss_scale: float = 1.0) -> tuple[Grads, frozenset[str]]:
+                        loss_scale: float = 1.0, ranks: int | None = None) -> tuple[Grads, frozenset[str]]:
     """Sum over pieces of weight * grad(loss(piece)) at the model's current parameters, each piece's forward
     applying its captured dropout masks (`replayer`, a MaskReplayer of `model`). Returns the gradients
     (float64, CPU; zeros where autograd left None) and the names whose gradient stayed None.
 
     Under a mixed-precision `recipe` each piece runs as its rank ran it (dpcompare.verify.precision): forward and
     loss under the recipe, the loss multiplied in the graph by `loss_scale` and by the rank's own share (the
-    piece's weight times the number of ranks in `pieces`), and the summed gradients divided by both afterwards."""
+    piece's weight times the number of ranks in `pieces`, or `ranks` where the pieces are one rank's of several),
+    and the summed gradients divided by both afterwards."""
     dtype = next(model.parameters()).dtype
-    ranks = len({p.rank for p in pieces}) if recipe.active else 1
+    ranks = (ranks or len({p.rank for p in pieces})) if recipe.active else 1
     model.train()
     model.zero_grad(set_to_none=True)
     for piece in pieces:
@@ -176,6 +177,11 @@ instead of keeping them when it is True (activation checkpointing). The verifica
 recomputation on the same device draws the same random numbers and rounds the same way, so the gradient is
 unchanged while a float64 copy of a large model keeps one block's activations instead of all of them. The
 ranks' own models are never switched: the run is measured as the user would run it."""
+
+
+def _through(g: torch.Tensor, dtype: torch.dtype, loss_scale: float) -> torch.Tensor:
+    """`g` (float64) as `dtype` holds it when it is stored or sent multiplied by `loss_scale`."""
+    return (g * loss_scale).to(dtype).double() / loss_scale if loss_scale != 1.0 else g.to(dtype).double()
 
 
 def verification_copy(template: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -213,9 +219,10 @@ class Oracle:
         """Parameters whose oracle gradient was None at the last `oracle_of` call (not in the loss)."""
 
     def _grad(self, model: nn.Module, replayer: MaskReplayer, state: dict, pieces: list[Piece],
-              recipe: Recipe = NO_RECIPE, loss_scale: float = 1.0) -> tuple[Grads, frozenset[str]]:
+              recipe: Recipe = NO_RECIPE, loss_scale: float = 1.0, ranks: int | None = None
+              ) -> tuple[Grads, frozenset[str]]:
         model.load_state_dict(state)
-        grads, none = accumulate_gradient(model, self.loss_fn, pieces, self.device, replayer, recipe, loss_scale)
+        grads, none = accumulate_gradient(model, self.loss_fn, pieces, self.device, replayer, recipe, loss_scale, ranks)
         model.zero_grad(set_to_none=True)  # the float64 gradients live on in `grads`; a run-dtype copy is freed
         return grads, none
 
@@ -226,6 +233,42 @@ class Oracle:
     def floor_of(self, state: dict, pieces: list[Piece], loss_scale: float = 1.0) -> Grads:
         """The run's own recipe on one process (`pieces`: as the ranks split the batch, under a recipe)."""
         return self._grad(self.model_run, self.replay_run, state, pieces, self.recipe, loss_scale)[0]
+
+    def wire_floor_of(self, state: dict, pieces: list[Piece], wire: torch.dtype, loss_scale: float = 1.0, *,
+                      regrouped: bool = False) -> Grads:
+        """The run's own recipe on one process with the ranks' shares of the mean sent through a `wire` narrower than
+        the gradients, as the backend sends them: cast to the wire dtype at the loss scale they travel at.
+
+        As the reference: each rank's pieces accumulated as that rank does, then summed in the ranks' order with the
+        partial sum rounded to the wire after every addition (a ring). `regrouped`, for its floor, the other ways a
+        data-parallel backend legitimately groups the same sum: micro-batch by micro-batch (a backend that reduces
+        every micro-batch), the ranks in reverse order, summed exactly and rounded once (a reduction in wider
+        arithmetic), the micro-batches then accumulated in the gradients' dtype. Every piece's gradient is
+        recomputed, so a nondeterministic kernel shows in the floor too."""
+        order = list(dict.fromkeys(p.rank for p in pieces))
+        by_rank = {r: [p for p in pieces if p.rank == r] for r in order}
+
+        def share(group: list[Piece]) -> Grads:
+            return self._grad(self.model_run, self.replay_run, state, group, self.recipe, loss_scale, len(order))[0]
+
+        total: Grads = {}
+        if not regrouped:
+            for rank in order:
+                for name, g in share(by_rank[rank]).items():
+                    sent = _through(g, wire, loss_scale)
+                    total[name] = sent if name not in total else _through(total[name] + sent, wire, loss_scale)
+            return total
+        accumulate = next(self.model_run.parameters()).dtype
+        for k in range(max(len(g) for g in by_rank.values())):
+            micro: Grads = {}
+            for rank in reversed(order):
+                if k < len(by_rank[rank]):
+                    for name, g in share([by_rank[rank][k]]).items():
+                        micro[name] = g if name not in micro else micro[name] + g
+            for name, g in micro.items():
+                sent = _through(g, wire, loss_scale)
+                total[name] = sent if name not in total else _through(total[name] + sent, accumulate, loss_scale)
+        return total
 
     def oracle(self, state: dict, x: torch.Tensor, y: torch.Tensor) -> Grads:
         return self.oracle_of(state, global_pieces((x, y)))
@@ -368,6 +411,9 @@ class Verdict:
     (dpcompare.verify.buffers)."""
     precision: "PrecisionReport | None" = None
     """The mixed-precision recipe that ran and what its loss scaler did at every checked step (None: not recorded)."""
+    wire_rounding: str = "bounded"
+    """How a wire narrower than the gradients is judged: "measured" (the run-precision reference and its floor send
+    the ranks' shares through it) or "bounded" (world_size x its unit roundoff added to the floor)."""
 
     def note(self, code: str, text: str) -> None:
         self.notes.append(Note(code, text))
@@ -457,7 +503,7 @@ class Verdict:
             "batchnorm": self.batchnorm,
             "buffers": self.buffers,
             "precision": self.precision.to_dict() if self.precision is not None else None,
-            "tolerance": tolerance_policy,
+            "tolerance": {**tolerance_policy, "wire_rounding": self.wire_rounding},
             "drift": self.drift,
             "notes": [n.to_dict() for n in self.notes],
             "per_step": [

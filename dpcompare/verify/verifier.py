@@ -368,6 +368,15 @@ class Verifier:
         masks = {k: [m[order] for m in ms] for k, ms in p.masks.items()} if p.masks is not None else None
         return [eq.Piece(p.x[order], p.y[order], p.weight, masks, p.rank)]
 
+    def _emulated_wire(self, pieces: list[eq.Piece]) -> torch.dtype | None:
+        """The wire dtype the run-precision reference sends the ranks' shares through: the declared one
+        (--compression, or the backend's recipe) where it is narrower than the run dtype and every rank's share is a
+        piece of its own; None: the reduction's rounding is bounded (world_size x its unit roundoff) instead."""
+        name = eq.WIRE_DTYPE[self.wire]
+        if name is None or eq.UNIT_ROUNDOFF[name] <= eq.UNIT_ROUNDOFF[self.cfg.dtype]:
+            return None
+        return getattr(torch, name) if len({p.rank for p in pieces}) == self.world_size else None
+
     def _run_state(self, module: nn.Module, before: dict) -> dict:
         """The state the step's forward ran from: the parameters the optimizer holds (fp32 master values where the
         backend keeps them apart) and the module buffers as they were before the forward."""
@@ -412,8 +421,14 @@ class Verifier:
                 if run_pieces is not pieces and not self._split_is_global(state, run_pieces, oracle):
                     run_pieces = pieces
                 self.oracle.none = none
-                floor = self.oracle.floor_of(state, run_pieces, loss_scale)
-                spread = self.oracle.floor_of(state, self._spread_pieces(run_pieces), loss_scale)
+                wire = self._emulated_wire(run_pieces)
+                if wire is None:
+                    floor = self.oracle.floor_of(state, run_pieces, loss_scale)
+                    spread = self.oracle.floor_of(state, self._spread_pieces(run_pieces), loss_scale)
+                else:  # the wire's rounding is measured, not bounded: the reduction's allowance is the run dtype's
+                    self.verdict.wire_rounding = "measured"
+                    floor = self.oracle.wire_floor_of(state, run_pieces, wire, loss_scale)
+                    spread = self.oracle.wire_floor_of(state, run_pieces, wire, loss_scale, regrouped=True)
             except mk.MaskMismatch as exc:
                 self._mask_failure(step, exc)
                 return
@@ -452,7 +467,8 @@ class Verifier:
                 return
             self._note_per_replica(step, state, batch, oracle, floor, pieces)
             params, model = eq.compare(grads, oracle, floor, dtype=self.cfg.dtype, world_size=self.world_size,
-                                       depth=self.depth, u_sum=self.u_wire, names=self.names, spread=spread)
+                                       depth=self.depth, u_sum=self.u_wire if wire is None else None,
+                                       names=self.names, spread=spread)
             digests = eq.first_mismatch([i["grads"] for i in info], self.all_names)
             check = eq.StepCheck(step, params, True, digests is None, model=model)
             self.verdict.checks.append(check)
