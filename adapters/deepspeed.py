@@ -181,13 +181,6 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         timers.log = reset_quietly
         self._skipped = 0
         self._engine_recipe = self.settings.amp != "none" and self.settings.options["amp_recipe"] == "engine"
-        if self._engine_recipe:
-            # The bf16/fp16 sections run the forward on 16-bit weights without torch.autocast (the loss too, in the
-            # logits' dtype); a floating input is cast to the weights' dtype first, as fp16's auto_cast does and as a
-            # user of the bf16 section does by hand.
-            dtype = next(engine.module.parameters()).dtype
-            engine.module.register_forward_pre_hook(
-                lambda _, args: tuple(a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
         scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
         if scaler is not None and self.settings.loss_scale:
             # Its torch_autocast section has no initial-scale key: the engine's own GradScaler (stage 0, fp16) is
@@ -263,7 +256,8 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         return super().sync(enabled)
 
     def autocast(self):
-        # The engine recipe is DeepSpeed's own 16-bit forward, not torch.autocast over it (see wrap).
+        # The engine recipe is DeepSpeed's own: the forward and the loss on 16-bit weights and inputs (the runner casts
+        # floating inputs to the weights' dtype), without torch.autocast, which would compute the loss in float32.
         return contextlib.nullcontext() if getattr(self, "_engine_recipe", False) else super().autocast()
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -140,6 +140,35 @@ def test_deepspeed_bf16_engine_with_adamw_is_equivalent_and_states_its_prestep(l
     assert "initialize_optimizer_states" in note["text"] and "the first update is 0.74" in note["text"], note
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+def test_a_bf16_wire_is_measured_so_four_ranks_accumulating_keep_their_power(launch, backend):
+    """The bf16 engine all-reduces in bf16: bounded as world_size x its unit roundoff, four ranks could never catch
+    10 %; measured (the reference sends the ranks' shares through the wire, its floor regroups them micro-batch by
+    micro-batch), they do, with gradient accumulation."""
+    proc, result = launch("deepspeed", 4, "mlp", ["--amp", "bf16", "--opt", "amp_recipe=engine", "--grad-accum", "2",
+                                                  "--steps", "2", "--measure-steps", "0"])
+    assert proc.returncode == 0, proc.output[-6000:]
+    e = result["equivalence"]
+    assert e["verdict"] == "equivalent", (e["first_divergence"], e.get("unverifiable_reason"))
+    assert e["tolerance"]["wire_rounding"] == "measured" and e["precision"]["wire"] == "bf16", e["tolerance"]
+    assert e["checks"]["gradient"]["min_detectable_rel"] < 0.1, e["checks"]["gradient"]
+    assert "its rounding measured in the data-parallel floor" in proc.stdout
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
+@pytest.mark.slow
+def test_a_gradient_five_percent_off_under_a_bf16_wire_is_different(launch):
+    proc, result = launch("tests.faulty_adapters:FivePercentGradientDeepSpeed", 2, "mlp",
+                          ["--amp", "bf16", "--opt", "amp_recipe=engine", "--steps", "2", "--measure-steps", "0"])
+    d = different(proc, result, "gradient")
+    # 1.05 in bf16 is 1.046875: the factor the diagnosis fits, named on the weights
+    assert d["step"] == 0 and d["cause"] == "scaled" and "is 1.049x the oracle" in d["reason"], d["reason"]
+
+
 # -- the diagnosis of sharded and mixed-precision faults: one cause or none, never a wrong one ---------------------
 @pytest.mark.multiproc
 @pytest.mark.timeout(420)

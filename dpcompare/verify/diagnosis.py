@@ -357,7 +357,9 @@ class _GradientHypotheses:
                                   f"ranks {seen[digest]} and {rank} read the same shard (duplicated data): each rank must "
                                   "read a disjoint 1/N of the global batch (DistributedSampler-style sharding)", remaining)]
             seen[digest] = rank
-        expected = [tensor_digest(shard(ev.batch, r, n)[0]) for r in range(n)]
+        cast = next(ev.oracle.model_run.parameters()).dtype  # the runner feeds floating inputs in the weights' dtype
+        expected = [tensor_digest(x.to(cast) if x.is_floating_point() else x)
+                    for x in (shard(ev.batch, r, n)[0] for r in range(n))]
         if sorted(ev.shard_digests) != sorted(expected):
             return [Diagnosis("wrong_shards", "the ranks' shards are not the shards of the global batch: the data stream "
                               "differs between ranks (seed, sampler or shuffling)", remaining)]
