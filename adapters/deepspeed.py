@@ -165,6 +165,10 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         }
         if self.settings.compression != "none":
             config["communication_data_type"] = self.settings.compression
+        self._untested = self.stage > 0 and not self._zero_tested(optimizer)
+        if self._untested:
+            # ZeRO refuses a client optimizer off its tested list (SGD) unless allowed; the verdict checks its numbers.
+            config["zero_allow_untested_optimizer"] = True
         # DeepSpeed puts the engine on cuda:LOCAL_RANK unless told the device: several ranks sharing one GPU
         # (--opt dist_backend=gloo) would reach for a device that does not exist.
         args = argparse.Namespace(device_rank=self.device.index) if self.device.type == "cuda" else None
@@ -193,6 +197,10 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
                       f"deepspeed: gradient_clipping={clip:g} (--opt): the update is clipped, unlike DDP's and Horovod's")]
         if self.stage:
             notes.append(Note("deepspeed.zero_stage", self._stage_note()))
+        if self._untested:
+            notes.append(Note("deepspeed.untested_optimizer",
+                              f"deepspeed: {type(optimizer).__name__} is not on ZeRO's list of tested optimizers: "
+                              "zero_allow_untested_optimizer is set, and the update check replays its step"))
         if self.settings.bucket_mb and not self.stage:
             notes.append(Note("knob_not_applicable",
                               "deepspeed: --bucket-mb does not apply to ZeRO stage 0 (allreduce_bucket_size is a stage "
@@ -200,6 +208,12 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
         notes += self._precision_notes(engine, ds_optimizer)
         self.wrapped = Wrapped(engine, module, ds_optimizer, notes)
         return self.wrapped
+
+    @staticmethod
+    def _zero_tested(optimizer) -> bool:
+        from deepspeed.runtime.zero.utils import is_zero_supported_optimizer
+
+        return is_zero_supported_optimizer(optimizer)
 
     def _zero_config(self) -> dict:
         config: dict = {"stage": self.stage}

@@ -113,6 +113,19 @@ def test_every_stage_is_equivalent_with_adamw(launch, backend, stage, accum) -> 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+@pytest.mark.parametrize(("stage", "momentum"), [(1, "0.9"), (2, "0"), (3, "0.9")])
+def test_every_stage_runs_the_default_sgd_and_is_equivalent(launch, backend, stage, momentum) -> None:
+    """SGD is not on ZeRO's list of tested optimizers: DeepSpeed refuses it unless allowed; the adapter allows it,
+    says so, and the verdict checks its numbers (with momentum, whose buffer is partitioned, and without)."""
+    proc, result = launch(backend, 2, "mlp", ["--steps", "3", "--measure-steps", "0", "--momentum", momentum,
+                                              *ZERO[stage]])
+    e = _equivalent(proc, result, stage)
+    assert e["checks"]["update"]["status"] == "pass", e["checks"]
+    assert any(n["code"] == "deepspeed.untested_optimizer" and "SGD" in n["text"] for n in e["notes"]), e["notes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
 def test_zero_steps_unused_parameters_with_a_zero_gradient_and_says_so(launch, backend) -> None:
     proc, result = launch(backend, 2, "mlp-unused", [*STEPS, *ZERO[2]])
     e = _equivalent(proc, result, 2)
