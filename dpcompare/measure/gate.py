@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import numpy as np
-from scipy import stats
 
 Verdict = Literal["regression", "improvement", "same"]
 
@@ -112,6 +111,7 @@ def bootstrap_ratio_ci(baseline: np.ndarray, current: np.ndarray, resamples: int
 def decide(baseline_s: Sequence[float], current_s: Sequence[float], alpha: float = 0.05,
            min_effect: float = 0.05, name: str = "the benchmark", seed: int = SEED) -> Decision:
     """The verdict for one benchmark from one figure per run on each side (seconds)."""
+    from scipy import stats  # scipy takes seconds to import: only where it is used
     if min_effect < 0.0:
         raise ValueError(f"min_effect must be 0 or more, got {min_effect:g}: use e.g. --min-effect 0.05 (5%)")
     baseline = np.asarray(baseline_s, dtype=float)
@@ -149,6 +149,7 @@ def smallest_paired_p(pairs: int) -> float:
 def decide_paired(baseline_s: Sequence[float], current_s: Sequence[float], alpha: float = 0.05,
                   min_effect: float = 0.05, name: str = "the benchmark", seed: int = SEED) -> Decision:
     """The verdict from interleaved runs, the k-th of each side paired (same length, in time order)."""
+    from scipy import stats  # scipy takes seconds to import: only where it is used
     baseline = np.asarray(baseline_s, dtype=float)
     current = np.asarray(current_s, dtype=float)
     if baseline.size != current.size:

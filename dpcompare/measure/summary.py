@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 from dpcompare.measure.bandwidth import algbw_gbps, busbw_gbps, tcomm_model_ms
 from dpcompare.measure.volume import comm_by_kind
@@ -231,6 +230,7 @@ def exposed_interval(synced: np.ndarray, unsynced: np.ndarray) -> list[float] | 
     """The 95 % bootstrap interval of the median over pairs of synced - unsynced (the pairs resampled together,
     percentile method, a fixed seed so a result is reproducible from its step times), clipped at 0 like the
     figure itself; None with too few pairs."""
+    from scipy import stats  # scipy takes seconds to import: only where it is used
     n = min(len(synced), len(unsynced))
     if n < MIN_PAIRS_FOR_INTERVAL:
         return None

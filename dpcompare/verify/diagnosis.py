@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from scipy.optimize import minimize_scalar
 
 from dpcompare.verify.equivalence import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, Grads, Layout, Masks, Oracle,
                                           flat, global_pieces, rel_fro, replica_pieces, tensor_digest)
@@ -778,6 +777,8 @@ class _UpdateHypotheses:
             return rel_fro(flat(d, remaining), flat(scaled(s), remaining))
 
         # Fit on a log scale: the match needs the scale to a relative precision near the tolerance.
+        from scipy.optimize import minimize_scalar  # scipy takes seconds to import: only where it is used
+
         fit = minimize_scalar(lambda t: loss(10.0**t), bounds=(-9.0, 0.0), method="bounded",
                               options={"xatol": 1e-10, "maxiter": 200})
         s = float(10.0**fit.x)
