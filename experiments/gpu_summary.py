@@ -17,6 +17,11 @@ def _fmt(value: Any, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def _cell(text: str) -> str:
+    """`text` as one Markdown table cell: a `|` in it (a quoted reason's ||update||, say) would end the cell."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
 def run_rows(out: Path) -> list[str]:
     rows = ["| model | backend | ws | device | verdict | step p50 ms | samples/s | tokens/s | peak MiB | "
             "exposed / total comm ms | clock (by device type) | memory |", "|" + " --- |" * 12]
@@ -36,7 +41,7 @@ def run_rows(out: Path) -> list[str]:
         if verdict != "equivalent" and why:
             verdict += f" ({why if isinstance(why, str) else json.dumps(why)})"[:200]
         rows.append(
-            f"| {r['model']} | {r['backend']} | {r['world_size']} | {r['device']} | {verdict} | "
+            f"| {r['model']} | {r['backend']} | {r['world_size']} | {r['device']} | {_cell(verdict)} | "
             f"{_fmt(m.get('step_ms_p50'), '.1f')} | {_fmt(m.get('samples_per_s'), '.1f')} | "
             f"{_fmt(m.get('tokens_per_s'), '.0f')} | {_fmt(m.get('peak_mem_mib'), '.0f')} | "
             f"{_fmt(m.get('comm_exposed_ms'), '.2f')} / {_fmt(m.get('comm_total_ms'), '.2f')} | "
@@ -49,8 +54,8 @@ def step_rows(out: Path) -> list[str]:
     rows = ["| step | exit | seconds | result | command |", "| --- | --- | --- | --- | --- |"]
     tsv = out / "steps.tsv"
     if tsv.exists():
-        for name, rc, seconds, verdict, command in csv.reader(tsv.open(), delimiter="\t"):
-            rows.append(f"| {name} | {rc} | {seconds} | {verdict} | `{command}` |")
+        for name, rc, seconds, verdict, command in csv.reader(tsv.open(), delimiter="\t", quoting=csv.QUOTE_NONE):
+            rows.append(f"| {name} | {rc} | {seconds} | {_cell(verdict)} | `{_cell(command)}` |")
     return rows
 
 
