@@ -777,3 +777,60 @@ def test_a_suites_dozen_runs_fit_the_matrix_and_the_cost_table_within_160_column
     # Twin: three runs keep their labels as the matrix's column headers.
     few = _rendered(jobs[:3])[0]
     assert "column N" not in few and "│ ddp/1 " in few and "deepspeed:zero0/1 ┃" in few
+
+
+# -- the README's quickstart lines ------------------------------------------------------------------------------
+def _quickstart_compare_lines() -> list[list[str]]:
+    """The `compare` lines of README.md's Quickstart block, as argument lists after `compare` (comments dropped)."""
+    import shlex
+
+    text = (REPO / "README.md").read_text()
+    block = text.split("## Quickstart", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    lines = []
+    for line in block.splitlines():
+        words = shlex.split(line.split("#", 1)[0])
+        if "compare" in words and "dpcompare" in words:
+            lines.append(words[words.index("compare") + 1:])
+    return lines
+
+
+def test_every_quickstart_compare_line_plans_every_run_it_names(tmp_path, monkeypatch):
+    """Each compare line of the README's Quickstart parses and plans (every backend, variant and suite it names
+    resolves to runs) without launching anything; the slow tier runs the sharded line as written."""
+    _every_backend_available(monkeypatch)
+    lines = _quickstart_compare_lines()
+    assert len(lines) >= 4 and ["--backends", "ddp,deepspeed:zero2,fsdp"] in lines, lines
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    for words in lines:
+        planned = plan.plan(parser.parse_args([*words, "--collectives", "none", "--out", str(tmp_path)]), tmp_path)
+        assert planned.jobs, words
+        if "--backends" in words:
+            named = set(words[words.index("--backends") + 1].split(","))
+            assert {j.entry for j in planned.jobs} == named, (words, [j.label for j in planned.jobs])
+
+
+def test_the_quickstart_check_can_fail_on_a_line_that_names_no_backend(tmp_path, monkeypatch):
+    _every_backend_available(monkeypatch)
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    with pytest.raises((SystemExit, ValueError)):
+        plan.plan(parser.parse_args(["--backends", "ddp,deepspeed:zero9", "--out", str(tmp_path)]), tmp_path)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_quickstart_line_with_a_zero_stage_runs_as_written_with_the_default_sgd(tmp_path):
+    """`compare --backends ddp,deepspeed:zero2,fsdp` exactly as the README shows it (the default SGD, which ZeRO
+    refuses unless allowed): every run is the same computation."""
+    if not registry.availability("deepspeed")[0]:
+        pytest.skip("deepspeed is not installed (bash scripts/setup.sh installs it)")
+    (words,) = [w for w in _quickstart_compare_lines() if "deepspeed:zero2" in " ".join(w)]
+    proc = _run(words, tmp_path, 590)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink()]
+    summary = json.loads((run_dir / "compare.json").read_text())
+    runs = {r["label"]: r for r in summary["runs"]}
+    assert "deepspeed:zero2/2" in runs and summary["optimizer"] == "sgd", (list(runs), summary.get("optimizer"))
+    assert [(label, r["verdict"], r["error"]) for label, r in runs.items() if r["verdict"] != "equivalent"] == []

@@ -126,6 +126,28 @@ def test_every_stage_runs_the_default_sgd_and_is_equivalent(launch, backend, sta
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+def test_zero_under_fp16_autocast_reads_its_own_scaler_and_is_equivalent(launch, backend) -> None:
+    """ZeRO 1-3 keep the torch_autocast GradScaler on their optimizer and unscale the partitions inside their step:
+    the reduced gradients are read scaled and divided by its scale (they were 65536x the oracle)."""
+    proc, result = launch(backend, 2, "mlp", ["--steps", "3", "--measure-steps", "0", "--amp", "fp16", *ZERO[1]])
+    e = _equivalent(proc, result, 1)
+    assert "ZeRO stage 1 optimizer" in e["precision"]["loss_scaler"], e["precision"]
+    assert any(n["code"] == "deepspeed.zero_autocast_fp16" for n in e["notes"]), e["notes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+def test_a_loss_scale_that_never_comes_down_is_different(launch, backend) -> None:
+    """DeepSpeed's own defect, the negative case: ZeRO under the torch_autocast section returns on overflow before
+    its GradScaler's update(), so a forced overflow (initial scale 2^24) is skipped at 2^24 forever."""
+    proc, result = launch(backend, 2, "mlp", ["--steps", "4", "--measure-steps", "0", "--amp", "fp16",
+                                              "--loss-scale", str(2**24), *ZERO[2]])
+    d = _different(proc, result, "loss_scale", "scale_never_lowered")
+    assert d["step"] == 2 and "steps 0-2 all overflowed and were skipped at the same loss scale 16777216" in d["reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
 def test_zero_steps_unused_parameters_with_a_zero_gradient_and_says_so(launch, backend) -> None:
     proc, result = launch(backend, 2, "mlp-unused", [*STEPS, *ZERO[2]])
     e = _equivalent(proc, result, 2)

@@ -108,7 +108,9 @@ class Trajectory:
         floor_eff = max(floor, k * self.depth * self.u)
         tolerance = TOLERANCE_FACTOR * (floor_eff + k * world_size * self.u_wire)
         return {"step": step, "rel_param_distance": distance, "floor_rel_param_distance": floor,
-                "noise_ratio": distance / floor_eff, "tolerance": tolerance, "ok": distance <= tolerance,
+                # as the gradient's: over the floor with the reduction's allowance (it passes at or below the factor)
+                "noise_ratio": distance / (tolerance / TOLERANCE_FACTOR), "tolerance": tolerance,
+                "ok": distance <= tolerance,
                 "worst_parameter": self._worst(module)}
 
     def _worst(self, module: nn.Module | dict[str, torch.Tensor]) -> str:

@@ -44,6 +44,10 @@ from dpcompare.verify.precision import PrecisionReport, Recipe, ScaleStep
 from dpcompare.verify.update_check import OptState, OptimizerFactory, read_hparams, reference_step
 
 SPLIT_AGREEMENT = 1e-9
+STUCK_SKIPS = 3
+"""Consecutive steps skipped on overflow at one unchanged loss scale that make a stuck scaler: a dynamic scaler lowers
+its scale at every overflow (GradScaler) or at every second one (DeepSpeed's, hysteresis 2); one that never does skips
+every step from there on."""
 """The ranks' split and the global batch, both in float64, agree to about 1e-15 where the loss is a mean over
 independent samples; a loss that is not (a sum) puts them a factor apart."""
 
@@ -161,6 +165,8 @@ class Verifier:
         self._unpacked: tuple[list[mk.MaskRecord], list[eq.Masks]] | None = None
         """The last step's records and their unpacked masks."""
         self._split_global: bool | None = None
+        self._stuck: tuple[float, int] = (math.nan, 0)
+        """The loss scale of the last skipped steps and how many in a row were skipped at it."""
         """The ranks' split computes the global batch's gradient (None: not yet measured)."""
         self.previous: tuple[int, eq.Grads] | None = None
         self.stopped = False
@@ -713,6 +719,7 @@ class Verifier:
         if scale_step.skipped:
             scale_step.ok = True
             # The state the next step starts from is the one this step found: a skipped step changes nothing.
+            self._judge_backoff(pending.step, scale_step)
             return True
         scale_step.ok = False
         stepped = not skipped and moved
@@ -727,6 +734,23 @@ class Verifier:
                                            cause="stepped_on_overflow" if stepped else "skip_not_counted",
                                            parameters=moved))
         return True
+
+    def _judge_backoff(self, step: int, scale_step: ScaleStep) -> None:
+        """A scaler whose scale never comes down after overflows skips every step: `different` once STUCK_SKIPS steps
+        in a row were skipped at one scale."""
+        scale, count = self._stuck
+        after = scale_step.scale_after if scale_step.scale_after is not None else scale_step.scale
+        count = count + 1 if after == scale and scale_step.scale == scale else 1
+        self._stuck = (after, count)
+        if count < STUCK_SKIPS or self.verdict.first_divergence is not None:
+            return
+        reason = (f"steps {step - count + 1}-{step} all overflowed and were skipped at the same loss scale "
+                  f"{after:.9g}: the scaler never lowers its scale after an overflow (a dynamic loss scaler backs off "
+                  "at every overflow, or every second one with DeepSpeed's hysteresis), so every later step is "
+                  "skipped too and the model never trains")
+        scale_step.reason = reason
+        self.verdict.diverge(eq.Divergence(step, "(loss scale)", math.inf, 0.0, math.inf, reason, check="loss_scale",
+                                           cause="scale_never_lowered"))
 
     def trajectory_step(self, step: int, batch, records: list[mk.MaskRecord] | None,
                         masters: dict[str, torch.Tensor]) -> None:
