@@ -235,7 +235,7 @@ class Oracle:
         return self._grad(self.model_run, self.replay_run, state, pieces, self.recipe, loss_scale)[0]
 
     def wire_floor_of(self, state: dict, pieces: list[Piece], wire: torch.dtype, loss_scale: float = 1.0, *,
-                      regrouped: bool = False) -> Grads:
+                      regrouped: bool = False, unsent: Grads | None = None) -> Grads:
         """The run's own recipe on one process with the ranks' shares of the mean sent through a `wire` narrower than
         the gradients, as the backend sends them: cast to the wire dtype at the loss scale they travel at.
 
@@ -244,7 +244,8 @@ class Oracle:
         data-parallel backend legitimately groups the same sum: micro-batch by micro-batch (a backend that reduces
         every micro-batch), the ranks in reverse order, summed exactly and rounded once (a reduction in wider
         arithmetic), the micro-batches then accumulated in the gradients' dtype. Every piece's gradient is
-        recomputed, so a nondeterministic kernel shows in the floor too."""
+        recomputed, so a nondeterministic kernel shows in the floor too. `unsent`, when given, receives the same
+        shares summed without the wire (what the wire itself changed is the difference)."""
         order = list(dict.fromkeys(p.rank for p in pieces))
         by_rank = {r: [p for p in pieces if p.rank == r] for r in order}
 
@@ -255,6 +256,8 @@ class Oracle:
         if not regrouped:
             for rank in order:
                 for name, g in share(by_rank[rank]).items():
+                    if unsent is not None:
+                        unsent[name] = g if name not in unsent else unsent[name] + g
                     sent = _through(g, wire, loss_scale)
                     total[name] = sent if name not in total else _through(total[name] + sent, wire, loss_scale)
             return total

@@ -383,6 +383,15 @@ class Verifier:
             return None
         return getattr(torch, name) if len({p.rank for p in pieces}) == self.world_size else None
 
+    def _wire_loses(self, sent: eq.Grads, unsent: eq.Grads) -> bool:
+        """Whether the declared wire changes the reference beyond its rounding (world_size x its unit roundoff, times
+        the factor) anywhere: gradients below its smallest subnormal flushed to zero, or above its range."""
+        u = eq.UNIT_ROUNDOFF[eq.WIRE_DTYPE[self.wire]]
+        names = [n for n in self.names if n in sent]
+        share = float(torch.linalg.vector_norm(eq.flat(unsent, names))) / max(len(names), 1) ** 0.5
+        return any(not bool(torch.isfinite(sent[n]).all())
+                   or eq.rel_fro(sent[n], unsent[n], share) > eq.TOLERANCE_FACTOR * self.world_size * u for n in names)
+
     def _run_state(self, module: nn.Module, before: dict) -> dict:
         """The state the step's forward ran from: the parameters the optimizer holds (fp32 master values where the
         backend keeps them apart) and the module buffers as they were before the forward."""
@@ -432,9 +441,17 @@ class Verifier:
                     floor = self.oracle.floor_of(state, run_pieces, loss_scale)
                     spread = self.oracle.floor_of(state, self._spread_pieces(run_pieces), loss_scale)
                 else:  # the wire's rounding is measured, not bounded: the reduction's allowance is the run dtype's
-                    self.verdict.wire_rounding = "measured"
-                    floor = self.oracle.wire_floor_of(state, run_pieces, wire, loss_scale)
-                    spread = self.oracle.wire_floor_of(state, run_pieces, wire, loss_scale, regrouped=True)
+                    unsent: eq.Grads = {}
+                    floor = self.oracle.wire_floor_of(state, run_pieces, wire, loss_scale, unsent=unsent)
+                    if self._wire_loses(floor, unsent):
+                        # Beyond rounding (gradients flushed to zero or overflowed on it): judged against the
+                        # reference without the wire, with its rounding bounded, so what it lost shows.
+                        wire = None
+                        floor = self.oracle.floor_of(state, run_pieces, loss_scale)
+                        spread = self.oracle.floor_of(state, self._spread_pieces(run_pieces), loss_scale)
+                    else:
+                        self.verdict.wire_rounding = "measured"
+                        spread = self.oracle.wire_floor_of(state, run_pieces, wire, loss_scale, regrouped=True)
             except mk.MaskMismatch as exc:
                 self._mask_failure(step, exc)
                 return
