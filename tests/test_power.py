@@ -7,7 +7,9 @@ backend's own parameters, gradient and state, so both keep their power there. Ev
 `min_detectable_rel`; a run whose checks cannot catch a 10 % change is `unverifiable`, with the cause.
 
 Default tier: one planted update fault on a ResNet at bf16 (small batch), whose gradient check passes with power, and
-a run without power. Slow tier: the deep-model runs of the issue's done-when and the local-clipping twin.
+a run without power. Slow tier: ResNet-18 at bf16 and with AdamW over eight steps, the planted faults. Deep tier
+(`pytest -m deep`, about 6 minutes, not in CI): ResNet-50 at the defaults and at bf16, the figures of
+docs/results/2026-11-26-deep-verdict-cpu.md.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def test_local_clipping_on_a_resnet_at_bf16_is_different_and_named(launch):
     assert "clipped its own local gradient" in d["reason"], d["reason"]
 
 
-@pytest.mark.slow
+@pytest.mark.deep
 @pytest.mark.parametrize("backend", ["ddp"], indirect=True)
 @pytest.mark.parametrize("args", [
     pytest.param([], id="resnet50-defaults"),
