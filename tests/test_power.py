@@ -6,8 +6,8 @@ as the ranks split it (its floor: the same function regrouped), and the update c
 backend's own parameters, gradient and state, so both keep their power there. Every check states its
 `min_detectable_rel`; a run whose checks cannot catch a 10 % change is `unverifiable`, with the cause.
 
-Default tier: one planted update fault on a ResNet at bf16 (small batch), whose gradient check passes with power, and
-a run without power. Slow tier: ResNet-18 at bf16 and with AdamW over eight steps, the planted faults. Deep tier
+Default tier: a run without power, and one whose every checked step overflowed. Slow tier: ResNet-18 at bf16 and with
+AdamW over eight steps, and the planted faults on it (lr x N named at step 0, local clipping). Deep tier
 (`pytest -m deep`, about 6 minutes, not in CI): ResNet-50 at the defaults and at bf16, the figures of
 docs/results/2026-11-26-deep-verdict-cpu.md.
 """
@@ -57,6 +57,7 @@ def test_resnet_at_bf16_is_equivalent_with_power(launch, backend):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(420)
+@pytest.mark.slow
 def test_learning_rate_times_n_on_a_resnet_at_bf16_is_named_at_step_0(launch):
     proc, result = launch("tests.faulty_adapters:LinearScaledLRDDP", 2, "resnet18-cifar", RESNET_BF16, timeout_s=400)
     d = update_failed(proc, result)
