@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dpcompare.run import launch
-from dpcompare.contract import Adapter, Capabilities, CommCounter, CommCounts, Note, Option, Wrapped
-from dpcompare.run.process_group import DIST_BACKEND, ProcessGroupMixin
+from dpcompare import (DIST_BACKEND, Adapter, Capabilities, CommCounter, CommCounts, Note, Option, ProcessGroupMixin, Wrapped,
+                       ensure_rendezvous)
 
 
 DEFAULT_BUCKET_MB = 25.0
@@ -52,7 +51,7 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
     NATIVE_NAMES = {"bucket_cap_mb": "bucket_mb", "comm_hook": "compression", "device_ids": "device"}
 
     def setup(self, timeout_s: float) -> None:
-        launch.ensure_rendezvous(self.env)
+        ensure_rendezvous(self.env)
         self.init_process_group(timeout_s)
 
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:

@@ -35,10 +35,8 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-from dpcompare.run import launch
-from dpcompare.contract import Adapter, Capabilities, CommCounter, CommCounts, Note, Option, Wrapped
-from dpcompare.run.precision import AMP_NAMES, ScalerState
-from dpcompare.run.process_group import DIST_BACKEND, ProcessGroupMixin
+from dpcompare import (AMP_NAMES, DIST_BACKEND, Adapter, Capabilities, CommCounter, CommCounts, Note, Option, ProcessGroupMixin,
+                       ScalerState, Wrapped, ensure_rendezvous)
 
 WIRE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 STAGE_SHARDS = {0: "none", 1: "optimizer", 2: "gradients", 3: "parameters"}
@@ -94,7 +92,7 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
 
     def setup(self, timeout_s: float) -> None:
         # Without RANK/WORLD_SIZE/MASTER_* DeepSpeed tries MPI discovery (mpi4py, a non-loopback address).
-        launch.ensure_rendezvous(self.env)
+        ensure_rendezvous(self.env)
         self._check_precision()
         import logging
 

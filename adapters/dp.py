@@ -13,7 +13,7 @@ from torch import nn
 
 import contextlib
 
-from dpcompare.contract import Adapter, Capabilities, CommCounter, CommCounts, Note, Wrapped
+from dpcompare import Adapter, Capabilities, CommCounter, CommCounts, Note, Wrapped
 
 
 class _CountingDataParallel(nn.DataParallel):

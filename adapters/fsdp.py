@@ -50,9 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpcompare.contract import Adapter, Capabilities, Note, Option, Wrapped
-from dpcompare.run import launch
-from dpcompare.run.process_group import DIST_BACKEND, ProcessGroupMixin
+from dpcompare import DIST_BACKEND, Adapter, Capabilities, Note, Option, ProcessGroupMixin, Wrapped, ensure_rendezvous
 
 CONTAINERS = (nn.Sequential, nn.ModuleList)
 
@@ -115,7 +113,7 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
     VARIANTS = {"noreshard": {"reshard_after_forward": False}}
 
     def setup(self, timeout_s: float) -> None:
-        launch.ensure_rendezvous(self.env)
+        ensure_rendezvous(self.env)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # FSDP's CUDA mesh communicates on the current device
         self.init_process_group(timeout_s)

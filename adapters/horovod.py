@@ -15,8 +15,7 @@ import os
 
 from torch import nn
 
-from dpcompare.run import syncbn
-from dpcompare.contract import Adapter, Capabilities, CommCounter, CommCounts, Note, Option, Wrapped
+from dpcompare import Adapter, Capabilities, CommCounter, CommCounts, Note, Option, Wrapped, convert_global_batchnorm
 
 
 class HorovodAdapter(Adapter):
@@ -69,7 +68,7 @@ class HorovodAdapter(Adapter):
         self._sync_enabled = True
 
     def sync_batchnorm(self, module: nn.Module) -> nn.Module:
-        return syncbn.convert(module, self.allreduce_sum_autograd())
+        return convert_global_batchnorm(module, self.allreduce_sum_autograd())
 
     def allreduce_sum_autograd(self):
         return lambda t: self.hvd.allreduce(t, op=self.hvd.Sum)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dpcompare.contract import Adapter, Capabilities
+from dpcompare import Adapter, Capabilities
 
 
 class ReferenceAdapter(Adapter):

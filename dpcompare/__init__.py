@@ -14,31 +14,36 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0"
-"""The one place the version is set (pyproject.toml reads it from here)."""
-SCHEMA_VERSION = 1
-"""Version of the JSON result schema (dpcompare/schema/result.schema.json)."""
+from dpcompare._version import SCHEMA_VERSION, __version__
 
 _EXPORTS = {
     # a custom workload
-    "Workload": "dpcompare.run.workloads",
-    "shard": "dpcompare.run.workloads",
+    "Workload": "dpcompare.contract.workload",
+    "shard": "dpcompare.contract.workload",
     # a custom backend: the adapter contract
-    "Adapter": "dpcompare.contract",
-    "Capabilities": "dpcompare.contract",
-    "Option": "dpcompare.contract",
-    "Settings": "dpcompare.contract",
-    "Note": "dpcompare.contract",
-    "Wrapped": "dpcompare.contract",
-    "ModelFacts": "dpcompare.contract",
-    "CommCounter": "dpcompare.contract",
-    "CommCounts": "dpcompare.contract",
-    "CounterWindow": "dpcompare.contract",
-    "ScalerState": "dpcompare.run.precision",
-    "LaunchEnv": "dpcompare.run.launch",
+    "Adapter": "dpcompare.contract.adapter",
+    "Capabilities": "dpcompare.contract.adapter",
+    "Option": "dpcompare.contract.adapter",
+    "Settings": "dpcompare.contract.adapter",
+    "Note": "dpcompare.contract.adapter",
+    "Wrapped": "dpcompare.contract.adapter",
+    "ModelFacts": "dpcompare.contract.adapter",
+    "CommCounter": "dpcompare.contract.adapter",
+    "CommCounts": "dpcompare.contract.adapter",
+    "CounterWindow": "dpcompare.contract.adapter",
+    "LaunchEnv": "dpcompare.contract.launch_env",
+    "ensure_rendezvous": "dpcompare.contract.launch_env",
+    # mixed precision: the recipes' dtypes and the loss-scaler state an adapter reports
+    "AMP_DTYPES": "dpcompare.contract.amp",
+    "AMP_NAMES": "dpcompare.contract.amp",
+    "ScalerState": "dpcompare.contract.amp",
     # the process-group helper a torch.distributed backend mixes in (process group, global BatchNorm, gather)
-    "ProcessGroupMixin": "dpcompare.run.process_group",
-    "DIST_BACKEND": "dpcompare.run.process_group",
+    "ProcessGroupMixin": "dpcompare.contract.process_group",
+    "DIST_BACKEND": "dpcompare.contract.process_group",
+    # BatchNorm over the global batch through a backend's own all-reduce (what Horovod's adapter does)
+    "GlobalBatchNorm": "dpcompare.contract.syncbn",
+    "convert_global_batchnorm": "dpcompare.contract.syncbn",
+    "has_batchnorm": "dpcompare.contract.syncbn",
     # a run from Python
     "RunConfig": "dpcompare.run.config",
 }
@@ -46,13 +51,14 @@ _EXPORTS = {
 __all__ = ["__version__", "SCHEMA_VERSION", *_EXPORTS]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from dpcompare.contract import (Adapter, Capabilities, CommCounter, CommCounts, CounterWindow, ModelFacts, Note,
-                                    Option, Settings, Wrapped)
-    from dpcompare.run.precision import ScalerState
+    from dpcompare.contract.adapter import (Adapter, Capabilities, CommCounter, CommCounts, CounterWindow, ModelFacts,
+                                            Note, Option, Settings, Wrapped)
+    from dpcompare.contract.amp import AMP_DTYPES, AMP_NAMES, ScalerState
+    from dpcompare.contract.launch_env import LaunchEnv, ensure_rendezvous
+    from dpcompare.contract.process_group import DIST_BACKEND, ProcessGroupMixin
+    from dpcompare.contract.syncbn import GlobalBatchNorm, convert_global_batchnorm, has_batchnorm
+    from dpcompare.contract.workload import Workload, shard
     from dpcompare.run.config import RunConfig
-    from dpcompare.run.launch import LaunchEnv
-    from dpcompare.run.process_group import DIST_BACKEND, ProcessGroupMixin
-    from dpcompare.run.workloads import Workload, shard
 
 
 def __getattr__(name: str) -> Any:

@@ -17,7 +17,7 @@ from typing import get_args
 
 from dpcompare import __version__
 from dpcompare.run import registry
-from dpcompare.run.launch import tell_launcher
+from dpcompare.contract.launch_env import tell_launcher
 from dpcompare.run.registry import UserCodeError
 from dpcompare.run.config import DEFAULT_GLOBAL_BATCH, Amp, Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
 
@@ -269,7 +269,7 @@ def _exit_now_if_distributed() -> None:
     communication libraries (gloo, DeepSpeed's shm op) sometimes abort in static destructors ("terminate
     called without an active exception"), turning a run whose result is already written into a failed
     launch. Everything is written and flushed at this point."""
-    from dpcompare.run.launch import detect
+    from dpcompare.contract.launch_env import detect
 
     if detect().world_size > 1:
         sys.stdout.flush()
@@ -282,7 +282,7 @@ def _exit_now_if_distributed() -> None:
 
 def _rank() -> int:
     try:
-        from dpcompare.run.launch import detect
+        from dpcompare.contract.launch_env import detect
 
         return detect().rank
     except Exception:  # noqa: BLE001 - only used to decide who prints

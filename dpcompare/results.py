@@ -20,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from dpcompare import SCHEMA_VERSION, __version__
+from dpcompare._version import SCHEMA_VERSION, __version__
 
 SCHEMA_PATH = Path(__file__).parent / "schema" / "result.schema.json"
 

@@ -137,7 +137,7 @@ import os, sys, torch
 from dpcompare.adapters.{module} import {cls}
 from dpcompare.contract import Settings
 from dpcompare.run import workloads
-from dpcompare.run.launch import LaunchEnv
+from dpcompare.contract.launch_env import LaunchEnv
 env = LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launcher="python", job_id="t")
 adapter = {cls}(env, torch.device("cpu"), Settings(options={{o.name: o.default for o in {cls}.OPTIONS}}))
 adapter.setup(60)

@@ -229,9 +229,9 @@ class SelfSyncingBatchNormDDP(DDPAdapter):
     name = "self-syncing-bn-ddp"
 
     def wrap(self, module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
-        from dpcompare.run import syncbn
+        from dpcompare.contract import syncbn
 
-        return super().wrap(syncbn.convert(module, syncbn.process_group_allreduce_sum()), optimizer, local_batch,
+        return super().wrap(syncbn.convert_global_batchnorm(module, syncbn.process_group_allreduce_sum()), optimizer, local_batch,
                             global_batch)
 
 

@@ -26,6 +26,7 @@ from dpcompare.run.trainer import summary_line
 
 PUBLIC = {"Workload", "shard", "Adapter", "Capabilities", "Option", "Settings", "Note", "Wrapped", "ModelFacts",
           "CommCounter", "CommCounts", "CounterWindow", "ScalerState", "LaunchEnv", "ProcessGroupMixin", "DIST_BACKEND", "RunConfig",
+          "ensure_rendezvous", "AMP_DTYPES", "AMP_NAMES", "GlobalBatchNorm", "convert_global_batchnorm", "has_batchnorm",
           "__version__", "SCHEMA_VERSION"}
 
 
@@ -116,13 +117,10 @@ def test_the_runs_line_says_what_it_chose_and_what_it_did_not_measure():
     assert "costs not measured (--measure-steps 0): add --measure-steps 20" in line
 
 
-@pytest.mark.parametrize(("old", "name", "new"), [
-    ("dpcompare.workloads", "Workload", "Workload"), ("dpcompare.process_group", "ProcessGroupMixin", "ProcessGroupMixin"),
-    ("dpcompare.config", "RunConfig", "RunConfig"), ("dpcompare.launch", "LaunchEnv", "LaunchEnv")])
-def test_the_paths_before_the_layers_still_import_with_a_deprecation_warning(old, name, new):
-    module = importlib.import_module(old)
-    with pytest.warns(DeprecationWarning, match=f"import .*{new}.* from dpcompare"):
-        value = getattr(module, name)
-    assert value is getattr(dpcompare, new)
-    with pytest.warns(DeprecationWarning), pytest.raises(AttributeError):
-        module.NoSuchName  # noqa: B018
+@pytest.mark.parametrize("old", ["dpcompare.workloads", "dpcompare.process_group", "dpcompare.config",
+                                 "dpcompare.launch", "dpcompare.contract.adapter.LaunchEnv"])
+def test_the_paths_deprecated_in_0_2_are_gone(old):
+    """0.3 retired the forwarders of 0.1's module paths (CHANGELOG): the names are imported from dpcompare."""
+    with pytest.raises(ImportError):
+        importlib.import_module(old)
+    assert dpcompare.LaunchEnv.__name__ == "LaunchEnv" and dpcompare.Workload.__name__ == "Workload"

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dpcompare.run.workloads import shard
+from dpcompare.contract.workload import shard
 from dpcompare.verify import buffers as bf
 from dpcompare.verify import equivalence as eq
 from faulty_workloads import _ClockBuffer

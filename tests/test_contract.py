@@ -8,7 +8,6 @@ gives a reason instead of a figure, a planted import of a command module is caug
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import json
 import os
@@ -25,11 +24,9 @@ from dpcompare.measure.clocks import IntervalClock
 from dpcompare.measure.comm import figures
 from dpcompare.run import backend, registry
 from dpcompare.run.config import RunConfig
-from dpcompare.run.launch import LaunchEnv
+from dpcompare.contract.launch_env import LaunchEnv
 
 REPO = Path(__file__).resolve().parents[1]
-LIBRARY = ("dpcompare/run", "dpcompare/verify", "dpcompare/measure", "dpcompare/contract.py", "dpcompare/results.py",
-           "adapters")
 ONE = LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launcher="python", job_id="test")
 
 
@@ -182,7 +179,7 @@ ONE_RANK_ADAPTER = """
 import os, sys, torch
 from dpcompare.contract import Settings
 from dpcompare.run import registry
-from dpcompare.run.launch import LaunchEnv
+from dpcompare.contract.launch_env import LaunchEnv
 env = LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launcher="python", job_id="t")
 cls = registry.load(sys.argv[1], registry.BACKENDS, "backend")
 adapter = cls(env, torch.device("cpu"), Settings(instrument=sys.argv[2] == "on",
@@ -234,42 +231,7 @@ def test_no_instrument_switches_the_backends_own_timers_off(backend_name, tmp_pa
         assert (on, off) == (1, 0)
 
 
-# -- layers ---------------------------------------------------------------------------------------------------
-def _command_imports(path: Path) -> list[str]:
-    """`dpcompare.commands...` imports anywhere in a module, including those inside functions."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        names = []
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        found += [f"{path.relative_to(REPO)}: {n}" for n in names if n.startswith("dpcompare.commands") or n == "dpcompare.cli"]
-    return found
-
-
-def _library_files() -> list[Path]:
-    files = []
-    for entry in LIBRARY:
-        path = REPO / entry
-        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
-    return files
-
-
-def test_no_library_module_imports_a_command_module():
-    offenders = [hit for path in _library_files() for hit in _command_imports(path)]
-    assert not offenders, offenders
-
-
-def test_layer_scan_catches_a_planted_command_import(tmp_path, monkeypatch):
-    planted = REPO / "dpcompare" / "run" / "_planted_for_test.py"
-    planted.write_text("def f():\n    from dpcompare.commands import report\n")
-    try:
-        assert any("_planted_for_test.py: dpcompare.commands" in hit for hit in _command_imports(planted))
-    finally:
-        planted.unlink()
-
-
+# -- layers (the import contracts: tests/test_layers.py) ----------------------------------------------------
 def test_a_rank_imports_no_command_module():
     """Importing the trainer and everything a rank loads (every built-in adapter class) loads no command module."""
     code = ("import sys, dpcompare.run.trainer, dpcompare.run.registry as r\n"

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import dpcompare
 from dpcompare.verify import equivalence as eq
-from dpcompare.run import workloads
 from dpcompare.verify.diagnosis import (Diagnosis, GradientEvidence, UpdateEvidence, _same_state, diagnose_gradient,
                                         diagnose_update, reason_of, state_difference)
 from dpcompare.verify.update_check import reference_step
@@ -38,7 +38,7 @@ def _setup(model: nn.Module, world_size: int = 2, loss_fn=None):
     y = torch.randint(0, 3, (8,))
     oracle = eq.Oracle(model, loss_fn or (lambda out, t: F.cross_entropy(out, t)), "float32", torch.device("cpu"))
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    shards = [workloads.shard((x, y), r, world_size) for r in range(world_size)]
+    shards = [dpcompare.shard((x, y), r, world_size) for r in range(world_size)]
     digests = [eq.tensor_digest(s[0]) for s in shards]
     return oracle, state, (x, y), shards, digests
 

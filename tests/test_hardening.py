@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from dpcompare import cli
-from dpcompare.run import launch, watchdog
+from dpcompare.contract import launch_env as launch
+from dpcompare.run import watchdog
 
 
 def _beat(pid: int, host: str | None = None) -> dict:

@@ -1,7 +1,7 @@
 """Mixed precision (--amp bf16|fp16): every backend's recipe is judged against the float64 oracle.
 
 Checks, against what each part must produce:
-  - the loss scaler (dpcompare.run.precision.GradScaling) counts a skipped step exactly when the scale backs off;
+  - the loss scaler (dpcompare.contract.amp.GradScaling) counts a skipped step exactly when the scale backs off;
   - the noise floor of a mixed-precision run recomputes the recipe rank by rank at the step's loss scale, so it
     overflows where a rank overflows, which the global batch in one forward does not (its negative twin);
   - the diagnosis names a loss scale that was never undone, or undone twice, with the factor, and a plain scale
@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dpcompare.run import workloads
-from dpcompare.run.precision import GradScaling
+from dpcompare.contract.amp import GradScaling
 from dpcompare.verify import equivalence as eq
 from dpcompare.verify.diagnosis import step_count_mismatch
 from dpcompare.verify.precision import Recipe

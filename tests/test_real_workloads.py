@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dpcompare.run import real_models, registry
-from dpcompare.run.process_group import ProcessGroupMixin
+from dpcompare.contract.process_group import ProcessGroupMixin
 
 
 def _params(module: torch.nn.Module) -> int:

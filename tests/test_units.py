@@ -22,10 +22,11 @@ from torch.utils.data import DistributedSampler
 
 from conftest import validate_result
 from dpcompare.verify import equivalence as eq
+import dpcompare
 from dpcompare import results
-from dpcompare.run import launch
+from dpcompare.contract import launch_env as launch
 from dpcompare.run import registry
-from dpcompare.run import syncbn
+from dpcompare.contract import syncbn
 from dpcompare.run import workloads
 from dpcompare.run.config import RunConfig
 from dpcompare.run.watchdog import Watchdog
@@ -149,7 +150,7 @@ def partition_problem(shards: list[torch.Tensor], batch: torch.Tensor) -> str | 
 def test_shard_is_distributed_sampler_order_disjoint_equal_and_complete(world_size):
     x = torch.arange(24)
     batch = (x.float().unsqueeze(1), x.clone())
-    shards = [workloads.shard(batch, r, world_size) for r in range(world_size)]
+    shards = [dpcompare.shard(batch, r, world_size) for r in range(world_size)]
     assert partition_problem([s[1] for s in shards], x) is None
     for rank, (xs, ys) in enumerate(shards):
         sampler = DistributedSampler(range(24), num_replicas=world_size, rank=rank, shuffle=False)
@@ -160,7 +161,7 @@ def test_shard_is_distributed_sampler_order_disjoint_equal_and_complete(world_si
 def test_partition_check_catches_duplicated_and_missing_shards():
     x = torch.arange(24)
     batch = (x, x)
-    duplicated = [workloads.shard(batch, 0, 2)[1]] * 2  # --inject-fault dupdata: everyone reads rank 0's shard
+    duplicated = [dpcompare.shard(batch, 0, 2)[1]] * 2  # --inject-fault dupdata: everyone reads rank 0's shard
     assert partition_problem(duplicated, x) == "shards overlap"
     assert partition_problem([x[:12], x[12:23]], x) == "unequal shard sizes [12, 11]"
     assert partition_problem([x[:6], x[6:12]], x) == "shards do not cover the batch"
@@ -190,7 +191,7 @@ def test_mean_of_equal_shard_losses_is_the_global_loss():
     x, y = w.make_batch(0, 12)
     with torch.no_grad():
         whole = w.loss_fn(w.model(x), y)
-        parts = [w.loss_fn(w.model(xs), ys) for xs, ys in (workloads.shard((x, y), r, 3) for r in range(3))]
+        parts = [w.loss_fn(w.model(xs), ys) for xs, ys in (dpcompare.shard((x, y), r, 3) for r in range(3))]
     torch.testing.assert_close(torch.stack(parts).mean(), whole)
 
 
@@ -467,7 +468,7 @@ def test_global_batchnorm_over_two_replicas_is_batchnorm_of_the_global_batch():
 def test_convert_replaces_every_batchnorm_and_keeps_the_parameters():
     model = workloads.cnn(1).model
     params_before = [id(p) for p in model.parameters()]
-    converted = syncbn.convert(model, lambda t: t)
+    converted = syncbn.convert_global_batchnorm(model, lambda t: t)
     assert syncbn.has_batchnorm(workloads.cnn(1).model)
     assert not syncbn.has_batchnorm(converted)
     assert sum(isinstance(m, syncbn.GlobalBatchNorm) for m in converted.modules()) == 2

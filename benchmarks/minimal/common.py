@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dpcompare.run.workloads import Workload, shard
+from dpcompare.contract.workload import Workload, shard
 
 SEED = 1234
 LR, MOMENTUM = 0.05, 0.9  # dpcompare's default optimizer: SGD(lr=0.05, momentum=0.9)

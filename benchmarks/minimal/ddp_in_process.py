@@ -43,7 +43,7 @@ from dpcompare.measure.collectives import CollectiveRecorder  # noqa: E402
 from dpcompare.measure.comm import CommWindow  # noqa: E402
 from dpcompare.measure.gate import decide_paired  # noqa: E402
 from dpcompare.run import registry  # noqa: E402
-from dpcompare.run.launch import LaunchEnv  # noqa: E402
+from dpcompare.contract.launch_env import LaunchEnv  # noqa: E402
 from dpcompare.run.step import StepRunner  # noqa: E402
 from dpcompare.run.watchdog import Watchdog  # noqa: E402
 

@@ -13,7 +13,7 @@ from dataclasses import fields
 from dpcompare.contract import Adapter, Settings
 from dpcompare.run import registry
 from dpcompare.run.config import RunConfig, initial_loss_scale
-from dpcompare.run.launch import LaunchEnv
+from dpcompare.contract.launch_env import LaunchEnv
 
 
 def load_adapter_class(cfg: RunConfig, env: LaunchEnv) -> type[Adapter]:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
+
+from dpcompare.contract.launch_env import free_port
 
 LAUNCHERS = ("python", "torchrun", "horovodrun", "deepspeed", "mpirun")
 
@@ -33,13 +34,6 @@ def launcher_bin(name: str) -> str:
     if found is None:
         raise RuntimeError(f"launcher {name!r} not found next to {sys.executable} or on PATH: run bash scripts/setup.sh")
     return found
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def native_command(launcher: str, world_size: int, args: Sequence[str], launcher_args: Sequence[str] = ()) -> list[str]:

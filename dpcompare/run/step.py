@@ -18,7 +18,7 @@ import torch
 
 from dpcompare.contract import Adapter
 from dpcompare.run.watchdog import Watchdog
-from dpcompare.run.workloads import Workload, shard
+from dpcompare.contract.workload import Workload, shard
 
 Hook = Callable[[], None] | None
 BACKWARD_FLOPS_FACTOR = 3.0

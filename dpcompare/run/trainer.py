@@ -18,7 +18,8 @@ from torch import nn
 
 from dpcompare import results
 from dpcompare.contract import Adapter, Note
-from dpcompare.run import backend, launch, registry
+from dpcompare.contract import launch_env as launch
+from dpcompare.run import backend, registry
 from dpcompare.run.config import RunConfig
 from dpcompare.run.measurement import MeasurementPhase
 from dpcompare.run.optim import make_optimizer
@@ -42,7 +43,7 @@ def load_workload(cfg: RunConfig) -> Workload:
         raise registry.UserCodeError(f"--model {cfg.model}: your function raised {type(exc).__name__}: {exc} "
                                      "(it is called as function(seed: int) and must return a Workload)") from exc
     if not isinstance(workload, Workload):
-        raise ValueError(f"--model {cfg.model}: the function must return dpcompare.run.workloads.Workload, got {type(workload).__name__}")
+        raise ValueError(f"--model {cfg.model}: the function must return dpcompare.Workload, got {type(workload).__name__}")
     if cfg.sync_bn and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in workload.model.modules()):
         raise ValueError(f"--sync-bn is invalid for --model {cfg.model}: it has no BatchNorm layer, so there are no "
                          "statistics to synchronise; drop --sync-bn")

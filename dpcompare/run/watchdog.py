@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 from dpcompare.results import atomic_file
-from dpcompare.run import launch
+from dpcompare.contract import launch_env as launch
 
 EXIT_PEER_FAILURE = 3
 """The exit status of a rank the watchdog stopped (docs/failures.md)."""

@@ -10,35 +10,15 @@ A user workload is a function `(seed: int) -> Workload`, loaded with `--model pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-
-@dataclass(slots=True)
-class Workload:
-    name: str
-    model: nn.Module
-    make_batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
-    """(step, global_batch) -> (inputs, targets) of the whole global batch, identical on every rank."""
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    """Mean loss over the samples given: the mean of equal shards' losses is the global-batch loss."""
-    tokens_per_sample: int = 1
-    source: str = "dpcompare"
-    """Where the network's definition comes from (e.g. "torchvision 0.26.0"): recorded in the result."""
+from dpcompare.contract.workload import Workload
 
 
 def _generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + step)
-
-
-def shard(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank's shard of a global batch, strided like DistributedSampler (rank::world_size)."""
-    x, y = batch
-    return x[rank::world_size], y[rank::world_size]
 
 
 def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,9 @@ import torch
 
 from dpcompare.verify.equivalence import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, Grads, Layout, Masks, Oracle,
                                           flat, global_pieces, rel_fro, replica_pieces, tensor_digest)
-from dpcompare.verify.update_check import OptState, OptimizerFactory, reference_step, state_summary
-from dpcompare.run.workloads import shard
+from dpcompare.contract.optim_state import OptimizerFactory, OptState
+from dpcompare.verify.update_check import reference_step, state_summary
+from dpcompare.contract.workload import shard
 
 
 @dataclass(slots=True)

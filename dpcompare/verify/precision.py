@@ -22,7 +22,7 @@ from typing import ContextManager
 
 import torch
 
-from dpcompare.run.precision import AMP_DTYPES, AMP_NAMES
+from dpcompare.contract.amp import AMP_DTYPES, AMP_NAMES
 
 Kind = str
 """none | autocast | engine"""

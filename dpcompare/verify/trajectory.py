@@ -27,7 +27,7 @@ from dpcompare.verify.equivalence import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOF
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
-from dpcompare.verify.update_check import OptimizerFactory
+from dpcompare.contract.optim_state import OptimizerFactory
 
 
 def _flat(module: nn.Module | dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:

@@ -18,44 +18,12 @@ How the optimizer state is mirrored, so the check stays step-local and cannot dr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-OptState = dict[str, dict[str, Any]]
-"""Parameter name -> that parameter's optimizer state (tensors as CPU copies in their own dtype)."""
-Tensors = dict[str, torch.Tensor]
-OptimizerFactory = Callable[..., torch.optim.Optimizer]
-"""`factory(params, **overrides)`: the run's optimizer over `params`, with hyper-parameters overridden."""
-
-
-def find_torch_optimizer(obj: Any, module: nn.Module) -> torch.optim.Optimizer | None:
-    """The torch optimizer that steps `module`'s parameters, looking through wrappers that keep theirs in
-    `.optimizer` (DeepSpeed's engine-side wrappers; Horovod's DistributedOptimizer is itself one)."""
-    wanted = {id(p) for p in module.parameters() if p.requires_grad}
-    for _ in range(8):
-        if obj is None:
-            return None
-        if isinstance(obj, torch.optim.Optimizer):
-            held = {id(p) for g in obj.param_groups for p in g["params"]}
-            if wanted <= held:
-                return obj
-        obj = getattr(obj, "optimizer", None)
-    return None
-
-
-def read_state(optimizer: torch.optim.Optimizer, params: nn.Module | dict[str, nn.Parameter]) -> OptState:
-    """The optimizer's state by parameter name (`params`: a module, or name -> parameter)."""
-    named = dict(params.named_parameters()) if isinstance(params, nn.Module) else params
-    by_id = {id(p): n for n, p in named.items()}
-    return {by_id[id(p)]: {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in e.items()}
-            for p, e in optimizer.state.items() if id(p) in by_id}
-
-
-def read_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, tuple, bool))}
-            for g in optimizer.param_groups]
+from dpcompare.contract.optim_state import OptimizerFactory, OptState, Tensors, read_state
 
 
 def state_summary(state: OptState) -> str:

@@ -41,7 +41,8 @@ from dpcompare.verify.tolerance import REQUIRED_POWER, classic_tolerance
 from dpcompare.verify.stochastic import RngState
 from dpcompare.verify.trajectory import Trajectory
 from dpcompare.verify.precision import PrecisionReport, Recipe, ScaleStep
-from dpcompare.verify.update_check import OptState, OptimizerFactory, read_hparams, reference_step
+from dpcompare.contract.optim_state import OptimizerFactory, OptState, read_hparams
+from dpcompare.verify.update_check import reference_step
 
 SPLIT_AGREEMENT = 1e-9
 STUCK_SKIPS = 3

@@ -17,7 +17,8 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from dpcompare.run import launch, launchers, registry
+from dpcompare.contract import launch_env as launch
+from dpcompare.run import launchers, registry
 
 Transport = Literal["torch", "mpi", "horovod", "deepspeed"]
 TRANSPORTS: tuple[Transport, ...] = get_args(Transport)

@@ -16,7 +16,7 @@ from dpcompare import results
 from dpcompare.commands.bench_collectives.sweep import BYTES_PER_ELEMENT, Sweep, check_sum, human_bytes, pattern
 from dpcompare.commands.bench_collectives.transports import Transport, connect
 from dpcompare.measure.bandwidth import algbw_gbps, busbw_gbps
-from dpcompare.run import launch
+from dpcompare.contract import launch_env as launch
 
 
 def bench_size(comm, nbytes: int, sweep: Sweep, rank: int, world_size: int, corrupt: bool = False) -> dict[str, Any]:

@@ -55,12 +55,12 @@ class GlobalBatchNorm(nn.Module):
         return y
 
 
-def convert(module: nn.Module, allreduce_sum: AllReduceSum) -> nn.Module:
+def convert_global_batchnorm(module: nn.Module, allreduce_sum: AllReduceSum) -> nn.Module:
     """Replace every BatchNorm layer in `module` (in place where possible) with GlobalBatchNorm."""
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return GlobalBatchNorm(module, allreduce_sum)
     for name, child in module.named_children():
-        setattr(module, name, convert(child, allreduce_sum))
+        setattr(module, name, convert_global_batchnorm(child, allreduce_sum))
     return module
 
 

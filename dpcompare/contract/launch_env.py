@@ -17,9 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from dpcompare.run.launchers import free_port
 
 Launcher = Literal["python", "torchrun", "deepspeed", "horovodrun", "mpirun", "slurm"]
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True, slots=True)

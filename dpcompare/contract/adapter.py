@@ -17,9 +17,9 @@ from typing import Any, Callable, ContextManager, Mapping
 import torch
 from torch import nn
 
-from dpcompare.run import precision
-from dpcompare.run.launch import LaunchEnv
-from dpcompare.run.precision import ScalerState
+from dpcompare.contract import amp as precision
+from dpcompare.contract.launch_env import LaunchEnv
+from dpcompare.contract.amp import ScalerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +305,7 @@ class Adapter:
         """The optimizer's state by parameter name, full (CPU copies), as a plain torch optimizer of the parameters
         would hold it; None when it cannot be read. Called on every rank. Default: the state of `optimizer_view()`'s
         optimizer, keyed by the tensors it steps."""
-        from dpcompare.verify.update_check import read_state  # the one reader of a torch optimizer's state
+        from dpcompare.contract.optim_state import read_state  # the one reader of a torch optimizer's state
 
         optimizer, masters = self.optimizer_view()
         return read_state(optimizer, masters) if optimizer is not None else None

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dpcompare.contract import Option
-from dpcompare.run import syncbn
+from dpcompare.contract import syncbn
 
 DIST_BACKEND = Option("dist_backend", str, "auto",
                       "process-group backend: auto (NCCL on CUDA, gloo on CPU), nccl, or gloo (gloo also carries "
@@ -61,7 +61,7 @@ class ProcessGroupMixin:
         if self.device.type == "cuda":
             return nn.SyncBatchNorm.convert_sync_batchnorm(module)
         # torch's SyncBatchNorm refuses CPU tensors: use the differentiable all-reduce of torch.distributed.
-        return syncbn.convert(module, self.allreduce_sum_autograd())
+        return syncbn.convert_global_batchnorm(module, self.allreduce_sum_autograd())
 
     def allreduce_sum_autograd(self):
         return syncbn.process_group_allreduce_sum()

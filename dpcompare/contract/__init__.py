@@ -1,0 +1,23 @@
+"""The contract: what a backend adapter and a workload are written against, and the vocabulary the library's
+layers above share (docs/ARCHITECTURE.md).
+
+  adapter        the `Adapter` base class and what it declares or returns (Capabilities, Option, Settings, Note,
+                 Wrapped, ModelFacts, CommCounter -> CommCounts)
+  workload       `Workload` and `shard` (how a global batch splits across ranks)
+  launch_env     `LaunchEnv`: who started this process and which rank it is; the rendezvous for launchers that
+                 set none
+  process_group  `ProcessGroupMixin`: the process group, global BatchNorm and gathers a torch.distributed
+                 backend mixes in
+  syncbn         BatchNorm over the global batch through any all-reduce
+  amp            the mixed-precision recipes (autocast, loss-scaler state)
+  optim_state    reading a torch optimizer's state by parameter name
+
+It imports nothing from the layers above it (run, verify, measure, commands): checked by import-linter
+(pyproject.toml, tests/test_layers.py). The public API (`dpcompare.__all__`) re-exports from here.
+"""
+
+from dpcompare.contract.adapter import (Adapter, Capabilities, CommCounter, CommCounts, CounterWindow, ModelFacts, Note,
+                                        Option, Settings, Wrapped)
+
+__all__ = ["Adapter", "Capabilities", "CommCounter", "CommCounts", "CounterWindow", "ModelFacts", "Note", "Option",
+           "Settings", "Wrapped"]

@@ -1,0 +1,28 @@
+"""Reading a torch optimizer's state by parameter name: the one reader, used by the adapter contract's default
+`optimizer_state()` and by the update check."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+OptState = dict[str, dict[str, Any]]
+"""Parameter name -> that parameter's optimizer state (tensors as CPU copies in their own dtype)."""
+Tensors = dict[str, torch.Tensor]
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+"""`factory(params, **overrides)`: the run's optimizer over `params`, with hyper-parameters overridden."""
+
+
+def read_state(optimizer: torch.optim.Optimizer, params: nn.Module | dict[str, nn.Parameter]) -> OptState:
+    """The optimizer's state by parameter name (`params`: a module, or name -> parameter)."""
+    named = dict(params.named_parameters()) if isinstance(params, nn.Module) else params
+    by_id = {id(p): n for n, p in named.items()}
+    return {by_id[id(p)]: {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in e.items()}
+            for p, e in optimizer.state.items() if id(p) in by_id}
+
+
+def read_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, tuple, bool))}
+            for g in optimizer.param_groups]
