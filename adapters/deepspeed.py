@@ -38,6 +38,8 @@ from torch import nn
 from dpcompare import (AMP_NAMES, DIST_BACKEND, Adapter, Capabilities, CommCounter, CommCounts, Note, Option, ProcessGroupMixin,
                        ScalerState, Wrapped, ensure_rendezvous)
 
+from .deepspeed_state import ZeroStateReader
+
 WIRE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 STAGE_SHARDS = {0: "none", 1: "optimizer", 2: "gradients", 3: "parameters"}
 
@@ -52,7 +54,7 @@ def remove_shm_segment(rank: int) -> None:
         os.unlink(name)
 
 
-class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
+class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
     name = "deepspeed"
     capabilities = Capabilities(
         multi_process=True,
@@ -315,118 +317,10 @@ class DeepSpeedAdapter(ProcessGroupMixin, Adapter):
             return None
         scaler = self._autocast_scaler()
         if scaler is not None:
-            return ScalerState(scaler.get_scale(), self._skipped, f"DeepSpeed torch_autocast GradScaler ("
+            return ScalerState(scaler.get_scale(), self._skipped, "DeepSpeed torch_autocast GradScaler ("
                                + ("stage 0)" if not self.stage else f"its ZeRO stage {self.stage} optimizer's)"))
         return ScalerState(self._engine_scale(), int(self.wrapped.model.skipped_steps),
                            f"DeepSpeed fp16 dynamic loss scaler ({type(self.wrapped.model.optimizer).__name__})")
-
-    # -- full values (collectives under ZeRO: every rank calls them) --------------------------------------------
-    @staticmethod
-    def _shape(p: torch.Tensor) -> torch.Size:
-        return getattr(p, "ds_shape", p.shape)  # ZeRO-3 leaves an empty placeholder in the module
-
-    def full_params(self) -> dict[str, torch.Tensor]:
-        if self.stage < 3:
-            return super().full_params()
-        named = list(self.wrapped.module.named_parameters())
-        with self.deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
-            return {n: p.detach().clone() for n, p in named}
-
-    def reduced_grads(self) -> dict[str, torch.Tensor | None]:
-        if self.stage:
-            from deepspeed.utils import safe_get_full_grad
-
-            grads = {}
-            for n, p in self.wrapped.module.named_parameters():
-                if p.requires_grad:
-                    g = safe_get_full_grad(p)
-                    grads[n] = None if g is None else g.detach().reshape(self._shape(p)).clone()
-        else:
-            grads = super().reduced_grads()
-        if not self._engine_recipe:
-            scaler = self._autocast_scaler() if self.stage else None
-            if scaler is None:
-                return grads
-            # ZeRO's GradScaler unscales the partitions inside its step: the reduced gradients are read scaled
-            scale = float(scaler.get_scale())
-            return {n: None if g is None else g / scale for n, g in grads.items()}
-        scale = self._engine_scale()  # a power of two: dividing is exact
-        return {n: None if g is None else g.float() / scale for n, g in grads.items()}
-
-    def master_params(self) -> dict[str, torch.Tensor]:
-        if self.stage:
-            from deepspeed.utils import safe_get_full_fp32_param
-
-            named = self.wrapped.module.named_parameters()
-            masters = {n: safe_get_full_fp32_param(p) if p.requires_grad else None for n, p in named}
-            whole = self.full_params() if any(t is None for t in masters.values()) else {}  # frozen: not partitioned in fp32
-            return {n: whole[n] if t is None else t.detach().reshape(self._shape(p)).clone()
-                    for (n, t), p in zip(masters.items(), self.wrapped.module.parameters())}
-        named = super().master_params()
-        if not self._engine_recipe:
-            return named
-        opt = self.wrapped.model.optimizer
-        master = {id(lp): hp for lows, highs in zip(opt.fp16_groups, opt.fp32_groups) for lp, hp in zip(lows, highs)}
-        return {n: master.get(id(p), p) for n, p in named.items()}
-
-    def _inner_optimizer(self) -> torch.optim.Optimizer | None:
-        inner = getattr(self.wrapped.model.optimizer, "optimizer", None)
-        return inner if isinstance(inner, torch.optim.Optimizer) else None
-
-    def optimizer_view(self):
-        if not self.stage:
-            return super().optimizer_view()
-        # ZeRO's torch optimizer steps flat partitions, not the parameters: its hyper-parameters are read here, its
-        # state by parameter through optimizer_state() (a collective, so not here: rank 0 alone asks for this).
-        return self._inner_optimizer(), {}
-
-    def optimizer_state(self) -> dict[str, dict] | None:
-        if not self.stage:
-            return super().optimizer_state()
-        from deepspeed.utils import safe_get_full_optimizer_state
-
-        inner = self._inner_optimizer()
-        if inner is None:
-            return None
-        entries = [e for e in inner.state.values() if e]
-        if not entries:
-            return {}  # a fresh optimizer's
-        keys = [k for k, v in entries[0].items() if torch.is_tensor(v) and v.dim() > 0]
-        scalars = {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
-                   for k, v in entries[0].items() if k not in keys}  # Adam's step: one count per flat partition
-        state = {}
-        for n, p in self.wrapped.module.named_parameters():
-            if not p.requires_grad:
-                continue
-            full = {k: safe_get_full_optimizer_state(p, k) for k in keys}
-            state[n] = {**{k: v.detach().reshape(self._shape(p)).to("cpu", copy=True) for k, v in full.items()
-                           if v is not None}, **scalars}
-        return state
-
-    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        if not self.stage:
-            return super().model_state_tensors()
-        opt = self.wrapped.model.optimizer
-        params = [getattr(p, "ds_tensor", p) for p in self.wrapped.module.parameters()]  # ZeRO-3: this rank's part
-        inner = self._inner_optimizer()
-        state = [v for e in (inner.state.values() if inner is not None else []) for v in e.values() if torch.is_tensor(v)]
-        masters = list(getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_partitioned_groups_flat", []))
-        grads = [t for t in (getattr(opt, "averaged_gradients", {}) or {}).values() for t in (t if isinstance(t, list) else [t])
-                 if torch.is_tensor(t)]
-        grads += [p.grad for p in self.wrapped.module.parameters() if p.grad is not None]
-        grads += [t.grad for t in masters if t.grad is not None]
-        return {"params": params, "grads": grads, "optimizer": state, "master_params": masters,
-                "comm_buffers": self._bucket_buffers(opt)}
-
-    @staticmethod
-    def _bucket_buffers(opt) -> list[torch.Tensor]:
-        """ZeRO's gradient buckets (stages 1-2: IPGBucket.buffer, a list of flat tensors; stage 3: IPGBucketZ3.buffer,
-        one tensor or None until the first reduce)."""
-        out = []
-        for bucket in (getattr(opt, "ipg_buckets", None) or {}).values():
-            buffer = getattr(bucket, "buffer", None)
-            out += [t for t in (buffer if isinstance(buffer, list) else [buffer]) if torch.is_tensor(t)]
-        return out
 
     def gradient_wire(self) -> str:
         if self._engine_recipe:
