@@ -215,8 +215,10 @@ def _bench(tmp_path: Path, transport: str, *extra: str) -> tuple[subprocess.Comp
 
 
 def _tiered(transport: str):
-    """torch (gloo) in the default tier, the other transports in the `slow` one."""
-    return pytest.param(transport, id=transport, marks=() if transport == "torch" else pytest.mark.slow)
+    """torch (gloo) in the default tier, mpi and horovod in the `slow` one, deepspeed (its launcher and ranks import
+    DeepSpeed: a minute on two cores) in the `deep` one; the sums-correctly test runs it in `slow`."""
+    tier = {"torch": (), "deepspeed": pytest.mark.deep}.get(transport, pytest.mark.slow)
+    return pytest.param(transport, id=transport, marks=tier)
 
 
 # All `slow`: in the default tier, compare end to end (test_compare.py) runs the torch transport's microbenchmark

@@ -95,19 +95,21 @@ def test_compare_produces_verdicts_matrix_costs_and_report(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sweep_stays_equivalent_and_names_what_does_not_apply(tmp_path):
-    backends = "ddp,deepspeed" if registry.availability("deepspeed")[0] else "ddp"
-    proc = _run(["--backends", backends, "--world-sizes", "2", "--steps", "2", "--measure-steps", "3",
+    # What does not apply is decided by the plan, before anything runs: a backend with no buckets skips that knob.
+    planned = plan.plan(_ns(backends="ddp,deepspeed", world_sizes="2", collectives="none", sweep=True,
+                            sweep_bucket_mb="0.01", sweep_accum="2", sweep_compression="fp16"), tmp_path / "plan")
+    assert any(s["backend"] == "deepspeed" and s["knob"].startswith("bucket_mb") for s in planned.sweep_skipped)
+    assert not any(s["backend"] == "ddp" for s in planned.sweep_skipped)
+    proc = _run(["--backends", "ddp", "--world-sizes", "2", "--steps", "2", "--measure-steps", "3",
                  "--warmup-steps", "1", "--collectives", "none", "--no-report", "--sweep",
                  "--sweep-bucket-mb", "0.01", "--sweep-accum", "2", "--sweep-compression", "fp16"], tmp_path, 540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink()]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink() and p.name != "plan"]
     summary = json.loads((run_dir / "compare.json").read_text())
     variants = {(r["backend"], r["variant"]): r["verdict"] for r in summary["runs"]}
     assert variants[("ddp", "bucket_mb=0.01")] == "equivalent"
     assert variants[("ddp", "grad_accum=2")] == "equivalent"
     assert variants[("ddp", "compression=fp16")] == "equivalent"
-    if "deepspeed" in backends:
-        assert any(s["backend"] == "deepspeed" and s["knob"].startswith("bucket_mb") for s in summary["sweep_skipped"])
     # The fp16 run's error is reported, larger than float32 noise but inside the widened tolerance.
     fp16 = next(r for r in summary["runs"] if r["variant"] == "compression=fp16")
     result = json.loads(Path(fp16["result_path"]).read_text())
@@ -116,7 +118,7 @@ def test_sweep_stays_equivalent_and_names_what_does_not_apply(tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
+@pytest.mark.deep
 @pytest.mark.timeout(600)
 def test_the_sharding_suite_checks_every_zero_stage_and_shows_what_each_shards(tmp_path):
     """`compare --suite sharding` as a user types it (a few minutes on two cores): ddp, ZeRO 0-3 and fsdp under AdamW
@@ -819,7 +821,7 @@ def test_the_quickstart_check_can_fail_on_a_line_that_names_no_backend(tmp_path,
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
+@pytest.mark.deep
 @pytest.mark.timeout(600)
 def test_the_quickstart_line_with_a_zero_stage_runs_as_written_with_the_default_sgd(tmp_path):
     """`compare --backends ddp,deepspeed:zero2,fsdp` exactly as the README shows it (the default SGD, which ZeRO

@@ -205,7 +205,7 @@ def test_the_fsdp_slurm_script_runs_under_a_stand_in_srun(tmp_path: Path) -> Non
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
+@pytest.mark.deep
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name, backend", [("ddp.sbatch", "ddp"), ("deepspeed.sbatch", "deepspeed")])
 def test_the_slurm_scripts_run_as_written_at_2_nodes_of_8(tmp_path: Path, name: str, backend: str) -> None:
