@@ -1,4 +1,5 @@
-"""What the backends built on a torch.distributed process group (ddp, deepspeed) do alike.
+"""What the backends built on a torch.distributed process group (ddp, deepspeed, fsdp) do alike; public as
+`dpcompare.ProcessGroupMixin` for a third-party backend.
 
 Owns: global BatchNorm over the default group (torch's SyncBatchNorm on CUDA; dpcompare's CPU-capable one
 elsewhere), the control-plane gather and the teardown. A mixin for adapters, not an adapter: adapters do

@@ -1,4 +1,4 @@
-"""What a rank executes: configuration, launch detection, workloads, the trainer and its watchdog.
+"""What a rank executes: configuration, the launchers, the built-in workloads, the trainer and its watchdog.
 
 Imports the verify and measure layers and the results module; never a command (dpcompare.commands).
 """

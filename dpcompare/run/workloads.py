@@ -1,11 +1,11 @@
-"""Workloads: a model and its deterministic synthetic data, built from one seed.
+"""The built-in workloads: a model and its deterministic synthetic data, built from one seed.
 
-Owns: the built-in models (mlp, mlp-wide (compute-bound), mlp-dropout, mlp-unused with a head forward never calls and a frozen layer,
-cnn with BatchNorm, a small causal transformer LM with a tied head), the
-synthetic global batch of every step, and sharding (DistributedSampler's rule: rank r takes samples
-r, r+N, r+2N, ... of the global batch, so shards are disjoint, equal and cover it). Every rank builds the
-same weights from the seed; the trainer verifies that with a fingerprint instead of assuming it.
-A user workload is a function `(seed: int) -> Workload`, loaded with `--model package.module:function`.
+Owns: the built-in models (mlp, mlp-wide (compute-bound), mlp-dropout, mlp-unused with a head forward never calls
+and a frozen layer, cnn with BatchNorm, a small causal transformer LM with a tied head) and the synthetic global
+batch of every step. What a workload is and how a global batch is sharded are the contract's
+(`dpcompare.contract.workload`). Every rank builds the same weights from the seed; the trainer verifies that with a
+fingerprint instead of assuming it. A user workload is a function `(seed: int) -> Workload`, loaded with
+`--model package.module:function`.
 """
 
 from __future__ import annotations

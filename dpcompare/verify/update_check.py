@@ -1,6 +1,6 @@
 """The update check: is the backend's parameter update the optimizer step a single process would take?
 
-Owns: reading a backend's optimizer state by parameter name, the reference optimizer step (a plain torch
+Owns: the reference optimizer step (a plain torch
 optimizer built like the run's, float64 from the oracle gradient; in the run dtype from the float32
 gradient for the floor), the expected optimizer state, and the update hypotheses the diagnosis tests.
 Imports no adapter: it receives the module, the backend's optimizer object and the run's optimizer factory.
