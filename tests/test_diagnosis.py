@@ -17,8 +17,9 @@ from torch.nn import functional as F
 
 import dpcompare
 from dpcompare.verify import equivalence as eq
-from dpcompare.verify.diagnosis import (Diagnosis, GradientEvidence, UpdateEvidence, _same_state, diagnose_gradient,
-                                        diagnose_update, reason_of, state_difference)
+from dpcompare.verify.diagnosis import (Diagnosis, GradientEvidence, UpdateEvidence, diagnose_gradient, diagnose_update,
+                                        reason_of, state_difference)
+from dpcompare.verify.state_comparison import _same_state
 from dpcompare.verify.update_check import reference_step
 
 

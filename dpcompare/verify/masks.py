@@ -1,28 +1,28 @@
 """Dropout masks: record the masks a rank drew, ship them packed, apply them in other copies of the model.
 
 Owns: the capture of every dropout mask a rank draws in a training step (on CPU or CUDA, directly or through
-DistributedDataParallel and nn.DataParallel replicas), each one proven against the module's own output; their
-form in transit (one bit per element); their replay inside a verification copy of the model (float64, float32)
-so that the copy computes the very random function the rank computed; the assembly of a whole batch's masks from
-the masks of its shards; and the check that a model draws no random numbers outside the modules whose masks are
-captured. Masks are captured, never re-drawn from seeds in the copies: a seed replayed on another dtype, device
-or tensor layout need not give the same mask. Recording never changes what the run computes or draws.
-Imports no adapter.
+DistributedDataParallel and nn.DataParallel replicas), each one proven against the module's own output and packed
+for transit (one bit per element: dpcompare.verify.mask_transit); their replay inside a verification copy of the
+model (float64, float32) so that the copy computes the very random function the rank computed; the assembly of a
+whole batch's masks from the masks of its shards; and the check that a model draws no random numbers outside the
+modules whose masks are captured. Masks are captured, never re-drawn from seeds in the copies: a seed replayed
+on another dtype, device or tensor layout need not give the same mask. Recording never changes what the run
+computes or draws. Imports no adapter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from dpcompare.verify.mask_transit import MaskRecord, PackedMask
 
 CAPTURABLE: tuple[type, ...] = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 """Modules whose training-mode output is input * mask / (1 - p) with a 0/1 mask: capturable."""
@@ -42,43 +42,6 @@ class MaskMismatch(RuntimeError):
 
     def __reduce__(self):  # picklable across processes although __init__ takes two arguments
         return (type(self), (self.module, self.reason))
-
-
-@dataclass(slots=True)
-class PackedMask:
-    """One call's mask, one bit per element: a float mask would cost 32 to 64 times as much to ship to rank 0."""
-
-    shape: tuple[int, ...]
-    replica: int  # device index of the input on CUDA (nn.DataParallel replicas run on several devices), else 0
-    bits: np.ndarray  # np.packbits of the flattened bool mask (uint8): 1 bit per element in transit
-
-    @classmethod
-    def of(cls, mask: torch.Tensor, replica: int = 0) -> PackedMask:
-        flat = mask.detach().reshape(-1).to(torch.bool).cpu().numpy()
-        return cls(tuple(mask.shape), replica, np.packbits(flat))
-
-    def unpack(self) -> torch.Tensor:
-        """The bool mask of `shape`, on CPU."""
-        bits = np.unpackbits(self.bits, count=math.prod(self.shape)).view(np.bool_)
-        return torch.from_numpy(bits).reshape(self.shape)
-
-
-@dataclass(slots=True)
-class MaskRecord:
-    """What one rank drew in one training step (all its micro-batches), picklable (sent through all_gather_object)."""
-
-    masks: dict[str, list[PackedMask]]  # module name -> masks in call order
-    problems: dict[str, str]  # module name -> why its mask could not be captured
-
-    @property
-    def nbytes(self) -> int:
-        return sum(m.bits.nbytes for calls in self.masks.values() for m in calls)
-
-    def calls(self, replica: int | None = None) -> dict[str, list[torch.Tensor]]:
-        """Unpacked bool masks per module in call order (only those of `replica` when given)."""
-        out = {name: [m.unpack() for m in calls if replica is None or m.replica == replica]
-               for name, calls in self.masks.items()}
-        return {name: calls for name, calls in out.items() if calls}
 
 
 @dataclass(slots=True)

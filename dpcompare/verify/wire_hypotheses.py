@@ -1,0 +1,130 @@
+"""Wire hypotheses: a reduced gradient that carries the marks of an all-reduce in a narrower dtype.
+
+Owns: the simulation of an all-reduce of the ranks' float32 gradients on an fp16 or bf16 wire (divided by the
+world size before the sum or after it, each partial sum rounded to the wire), and the two diagnoses it supports:
+gradients that leave the wire's range (flushed to zero, or turned into inf) and the wire's rounding on a backend
+that declared no compression. The hypotheses of dpcompare.verify.gradient_hypotheses call them with the ranks'
+local gradients and their mean. Imports no adapter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dpcompare.verify.equivalence import TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, Grads, rel_fro
+from dpcompare.verify.evidence import GradientEvidence
+from dpcompare.verify.explanation import EXPLAINED_SHARE, Diagnosis
+
+
+def wire_range_diagnoses(ev: GradientEvidence, local: list[Grads], base: Grads, share: float, wire_name: str,
+                         declared: bool, remaining: list[str]) -> list[Diagnosis]:
+    """An all-reduce of the ranks' `local` gradients on the `wire_name` wire, whose range the gradients leave: the
+    diagnosis that claims the failing parameters whose reduced gradient it reproduces, where elements flushed to
+    zero or turned into inf (against `base`, the mean of `local`), not the wire's rounding, make them fail.
+    `declared`: the run declared this wire (--compression)."""
+    g, o, n = ev.grads, ev.oracle_grads, ev.world_size
+    wire = getattr(torch, wire_name)
+    info = torch.finfo(wire)
+    # The wire's own rounding differs from the simulation's by the order of the sum: allow that much.
+    wire_tol = TOLERANCE_FACTOR * n * UNIT_ROUNDOFF[wire_name]
+    claimed, flushed, overflowed, elements, sizes, dominant, summed_first = [], 0, 0, 0, [], False, False
+    for p in remaining:
+        err = rel_fro(g[p], o[p], share) if bool(torch.isfinite(g[p]).all()) else math.inf
+        for pre_divide in (True, False):
+            sim = _simulate_wire(local, [p], wire, pre_divide)[p]
+            finite = torch.isfinite(sim)
+            if not _same_non_finite(g[p], sim):
+                continue
+            residual = rel_fro(g[p][finite], sim[finite], share)
+            if not (residual <= max(ev.tolerance[p], wire_tol) and residual <= EXPLAINED_SHARE * err):
+                continue
+            terms = torch.stack([(l[p].float() / n if pre_divide else l[p].float()) for l in local])
+            lost = (sim == 0) & (terms != 0).any(dim=0)
+            over = ~finite & torch.isfinite(base[p])
+            off = torch.isfinite(g[p]) & torch.isfinite(o[p])
+            error = float(torch.linalg.vector_norm((g[p] - o[p])[off]))
+            # The range, not the rounding, must be what makes this parameter fail.
+            dominant |= bool(over.any()) or float(torch.linalg.vector_norm(base[p][lost])) >= 0.5 * error > 0
+            claimed.append(p)
+            flushed, overflowed = flushed + int(lost.sum()), overflowed + int(over.sum())
+            elements += sim.numel()
+            # What travelled: the terms and, for an overflow, their sum (it overflows first when divided after).
+            on_wire = terms.abs().amax(dim=0).double()
+            on_wire = torch.maximum(on_wire, terms.double().sum(dim=0).abs()) if over.any() else on_wire
+            sizes.append(on_wire[over if over.any() else lost])
+            summed_first |= bool(over.any()) and not pre_divide
+            break
+    if not claimed or not dominant or not (flushed or overflowed):
+        return []
+    short = {"float16": "fp16", "bfloat16": "bf16"}[wire_name]
+    size = torch.cat(sizes)
+    undeclared = ("" if declared else f"; the backend all-reduces in {wire_name} though no --compression was given "
+                  f"(pass --compression {short} to judge its rounding with that wire's tolerance)")
+    wider = "use a wider wire (bf16 keeps float32's range)" if wire_name == "float16" else "all-reduce in float32"
+    if overflowed:
+        return [Diagnosis("wire_overflow", f"gradients of size up to ~{float(size.max()):.1e} exceed {short}'s "
+                          f"largest value {info.max:g} on the wire and become inf: {overflowed} of {elements} "
+                          "elements overflowed; scale the loss down before the all-reduce, "
+                          f"{'divide by the world size before summing, ' if summed_first else ''}or "
+                          f"{wider}{undeclared}", claimed)]
+    tiny = info.smallest_normal * info.eps
+    return [Diagnosis("wire_underflow", f"gradients of size ~{float(size.median()):.1e} underflow to zero on the "
+                      f"{short} wire (its smallest subnormal is {tiny:.1e}): {flushed} of {elements} elements "
+                      "flushed; scale the loss before the all-reduce (a GradScaler / loss scaling) or "
+                      f"{wider}{undeclared}", claimed)]
+
+
+def wire_rounding_diagnoses(ev: GradientEvidence, local: list[Grads], base: Grads, share: float,
+                            remaining: list[str]) -> list[Diagnosis]:
+    """The rounding of an fp16 or bf16 wire the run did not declare: the diagnosis that claims the failing
+    parameters whose error from `base` (the mean of the ranks' `local` gradients) an all-reduce on that wire
+    accounts for."""
+    g = ev.grads
+    tolerance = ev.judged_tolerance or ev.tolerance
+    declared = WIRE_DTYPE[ev.compression]
+    for wire_name in ("float16", "bfloat16"):
+        if declared == wire_name:
+            continue
+        short = {"float16": "fp16", "bfloat16": "bf16"}[wire_name]
+        sims = [_simulate_wire(local, remaining, getattr(torch, wire_name), pre_divide)
+                for pre_divide in (True, False)]
+        explained = []
+        for p in remaining:
+            # Rounding's exact size depends on the backend's order of summation: the simulation is only
+            # asked to account for most of the error, not to match within the float32 tolerance.
+            d0 = rel_fro(g[p], base[p], share)
+            d1 = min(rel_fro(g[p], s[p], share) for s in sims)
+            if d0 > tolerance[p] and d1 <= EXPLAINED_SHARE * d0:
+                explained.append(p)
+        if explained:
+            err = max(rel_fro(g[p], base[p], share) for p in explained)
+            return [Diagnosis("wire_dtype", f"rounding of the size of {wire_name} on the wire (error {err:.2e} = "
+                              f"{err / UNIT_ROUNDOFF[wire_name]:.2f} x its unit roundoff; an all-reduce in {wire_name} "
+                              "reproduces the reduced gradient): the backend compresses gradients it did not declare; "
+                              f"pass --compression {short} to judge it with that wire's tolerance, or turn the "
+                              "compression off", explained)]
+    return []
+
+
+def _simulate_wire(local: list[Grads], names: list[str], wire: torch.dtype, pre_divide: bool) -> Grads:
+    """The average of the ranks' float32 gradients all-reduced in `wire`: divided before the sum (DDP's
+    compression hooks) or after it (Horovod's Compression), each partial sum rounded to `wire`."""
+    n = len(local)
+    out = {}
+    for p in names:
+        acc = None
+        for l in local:
+            term = l[p].float()
+            term = (term / n if pre_divide else term).to(wire)
+            acc = term if acc is None else (acc.float() + term.float()).to(wire)
+        out[p] = acc.double() if pre_divide else (acc.float() / n).double()
+    return out
+
+
+def _same_non_finite(values: torch.Tensor, simulated: torch.Tensor) -> bool:
+    """Inf and NaN at the same places, infs of the same sign: what a simulated overflow must reproduce."""
+    a, b = ~torch.isfinite(values), ~torch.isfinite(simulated)
+    return bool(torch.equal(a, b)) and bool(torch.equal(torch.sign(values[a & ~values.isnan()]),
+                                                        torch.sign(simulated[b & ~simulated.isnan()])))
