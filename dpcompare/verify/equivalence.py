@@ -1,13 +1,15 @@
 """Equivalence: is the backend's reduced gradient the gradient of the global-batch loss?
 
-Owns: the float64 oracle, the run-precision reference (the noise floor), fingerprints for replica consistency,
-the per-step check records and the verdict they add up to. Imports no adapter: it receives
-tensors, state dicts and gathered fingerprints.
+Owns: the float64 oracle, the run-precision reference (the noise floor), the forwards a step's gradient is
+recomputed from (the global batch, or each replica's as the backend split it) and fingerprints for replica
+consistency. Imports no adapter: it receives tensors, state dicts and gathered fingerprints.
 
 The metrics, the tolerance policy and the power of each check are written once, in
 dpcompare.verify.tolerance: the reduced gradient is judged against the run-precision reference split as the ranks
 split it (floor: what data parallelism alone changes, measured by a second run-precision computation), and its
-distance from the float64 oracle is stated beside it.
+distance from the float64 oracle is stated beside it. The per-step check records and the verdict they add up to
+are dpcompare.verify.verdict's; the names of the two that the checks use are importable from here too (`__all__`).
+The diagnosis of a failed check is dpcompare.verify.diagnosis's.
 """
 
 from __future__ import annotations
@@ -15,20 +17,29 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import math
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Literal, Mapping
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
-from dpcompare.contract import Note
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
-from dpcompare.verify.precision import PrecisionReport, Recipe
-from dpcompare.verify.tolerance import (MODEL, TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, Coverage, ParamError,  # noqa: F401
-                                        compare, coverage, flat, min_detectable, rel_fro, wire_roundoff)
-from dpcompare.verify.tolerance import describe as describe_tolerance
+from dpcompare.verify.precision import Recipe
+from dpcompare.verify.tolerance import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, ParamError, compare, coverage,
+                                        flat, min_detectable, rel_fro, wire_roundoff)
+from dpcompare.verify.verdict import Divergence, StepCheck, UpdateCheck, Verdict, tolerance_policy
+
+__all__ = [
+    "DTYPES", "Grads", "Masks", "RECOMPUTE_ATTRIBUTE", "Layout", "Oracle", "Piece", "accumulate_gradient", "depth_of",
+    "first_mismatch", "global_pieces", "grad_digests", "param_digests", "replica_pieces", "tensor_digest",
+    "verification_copy",
+    # the tolerance policy's (dpcompare.verify.tolerance)
+    "TOLERANCE_FACTOR", "UNIT_ROUNDOFF", "WIRE_DTYPE", "ParamError", "compare", "coverage", "flat", "min_detectable",
+    "rel_fro", "wire_roundoff",
+    # the records and the verdict (dpcompare.verify.verdict)
+    "Divergence", "StepCheck", "UpdateCheck", "Verdict", "tolerance_policy",
+]
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -278,266 +289,3 @@ class Oracle:
 
     def floor(self, state: dict, x: torch.Tensor, y: torch.Tensor) -> Grads:
         return self.floor_of(state, global_pieces((x, y)))
-
-
-# -- verdict ---------------------------------------------------------------------------------------
-Check = Literal["initial", "gradient", "update", "trajectory", "replicas", "rng", "buffers", "loss_scale"]
-
-
-@dataclass(slots=True)
-class Divergence:
-    step: int
-    parameter: str
-    rel_fro_err: float
-    tolerance_rel_fro: float
-    noise_ratio: float
-    reason: str
-    check: Check = "gradient"
-    """Which check broke: initial weights, gradient, update, trajectory, replicas, the ranks' generators, the
-    module buffers, or the loss scaler (a step skipped, or stepped, against the recipe's overflow)."""
-    cause: str = "unknown"
-    """The diagnosis' code (dpcompare.verify.diagnosis.Diagnosis.cause)."""
-    parameters: list[str] = field(default_factory=list)
-    """Every parameter that broke tolerance at that step and check."""
-
-
-def _power(params: list[ParamError], model: ParamError | None) -> dict:
-    cov = coverage(params)
-    return {"min_detectable_rel": _finite(min_detectable(params, model)), "coverage": cov.to_dict(),
-            "model": _param_dict(model) if model is not None else None}
-
-
-def _finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None
-
-
-def _param_dict(p: ParamError) -> dict:
-    return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in asdict(p).items()}
-
-
-@dataclass(slots=True)
-class UpdateCheck:
-    """The parameter update of one checked step against the optimizer replayed on the backend's own parameters,
-    reduced gradient and state (float64; its floor the same replay in the run dtype)."""
-
-    params: list[ParamError]
-    norm_ratios: dict[str, float]
-    """Per parameter ||update_backend|| / ||update_reference||."""
-    norm_ratio: float
-    """The same over the whole model."""
-    model: ParamError | None = None
-    """All parameters as one vector."""
-
-    @property
-    def noise_ratio(self) -> float:
-        return max((p.noise_ratio for p in self.params if p.judged), default=0.0)
-
-    @property
-    def max_rel_fro_err(self) -> float:
-        return max((p.rel_fro_err for p in self.params), default=0.0)
-
-    @property
-    def floor(self) -> float:
-        return max((p.floor_rel_fro_err for p in self.params), default=0.0)
-
-    @property
-    def min_detectable_rel(self) -> float:
-        return min_detectable(self.params, self.model)
-
-    def to_dict(self) -> dict:
-        return {"max_rel_fro_err": self.max_rel_fro_err, "noise_floor_rel_fro": self.floor,
-                "noise_ratio": self.noise_ratio, "norm_ratio": self.norm_ratio, **_power(self.params, self.model),
-                "params": [dict(_param_dict(p), norm_ratio=self.norm_ratios.get(p.parameter)) for p in self.params]}
-
-
-@dataclass(slots=True)
-class StepCheck:
-    step: int
-    params: list[ParamError]
-    replicas_identical: bool
-    grads_identical_across_ranks: bool
-    mismatch: str | None = None
-    update: UpdateCheck | None = None
-    model: ParamError | None = None
-    """The gradient, all parameters as one vector."""
-
-    @property
-    def max_rel_err(self) -> float:
-        return max((p.max_rel_err for p in self.params), default=0.0)
-
-    @property
-    def max_rel_fro_err(self) -> float:
-        return max((p.rel_fro_err for p in self.params), default=0.0)
-
-    @property
-    def noise_ratio(self) -> float:
-        return max((p.noise_ratio for p in self.params if p.judged), default=0.0)
-
-    @property
-    def floor(self) -> float:
-        return max((p.floor_rel_fro_err for p in self.params), default=0.0)
-
-    @property
-    def judged_floor(self) -> float:
-        return max((p.judged_floor_rel_fro for p in self.params if p.judged), default=0.0)
-
-    @property
-    def min_detectable_rel(self) -> float:
-        return min_detectable(self.params, self.model)
-
-
-def _worst(values: list[float]) -> float | None:
-    return max(values) if values else None
-
-
-@dataclass(slots=True)
-class Verdict:
-    checks: list[StepCheck] = field(default_factory=list)
-    first_divergence: Divergence | None = None
-    replicas_identical: bool = True
-    initial_weights_identical: bool = True
-    drift: list[dict] = field(default_factory=list)
-    """The trajectory, judged: one entry per step (see dpcompare.verify.trajectory)."""
-    notes: list[Note] = field(default_factory=list)
-    """Known semantic differences and facts stated with the verdict (the adapter's and the checks')."""
-    unverifiable: list[str] = field(default_factory=list)
-    """Why part of the run could not be checked; any entry turns an `equivalent` into `unverifiable`."""
-    stochastic: dict | None = None
-    """What randomness the forward draws and how the check handled it (None: not probed)."""
-    parameters: dict = field(default_factory=dict)
-    """Unused and frozen parameters, and how the backend left the unused ones' gradients."""
-    batchnorm: dict | None = None
-    """BatchNorm judged per replica (no --sync-bn): its modules, local batch and measured distance from the
-    global batch (None: the model has no BatchNorm, it was synchronised, or the batch was not split)."""
-    buffers: list[dict] = field(default_factory=list)
-    """Every module buffer after the checked steps: do the ranks agree, and which semantics it follows
-    (dpcompare.verify.buffers)."""
-    precision: "PrecisionReport | None" = None
-    """The mixed-precision recipe that ran and what its loss scaler did at every checked step (None: not recorded)."""
-    wire_rounding: str = "bounded"
-    """How a wire narrower than the gradients is judged: "measured" (the run-precision reference and its floor send
-    the ranks' shares through it) or "bounded" (world_size x its unit roundoff added to the floor)."""
-
-    def note(self, code: str, text: str) -> None:
-        self.notes.append(Note(code, text))
-
-    def diverge(self, divergence: Divergence) -> None:
-        """Record a failed check; the first one recorded is the run's first divergence."""
-        if self.first_divergence is None:
-            self.first_divergence = divergence
-
-    def status(self) -> str:
-        if self.first_divergence is not None or not self.replicas_identical or not self.initial_weights_identical:
-            return "different"
-        if self.unverifiable:
-            return "unverifiable"
-        if not self.checks and not self.drift:
-            return "unchecked"
-        return "equivalent"
-
-    def _summaries(self) -> dict:
-        d = self.first_divergence
-
-        def status(check: str, ran: bool) -> str:
-            if d is not None and d.check == check:
-                return "fail"
-            if self.unverifiable and not ran:
-                return "unverifiable"
-            return "pass" if ran else "off"
-
-        updates = [c.update for c in self.checks if c.update is not None]
-        drift = [e for e in self.drift if e.get("noise_ratio") is not None]
-        worst_drift = max(drift, key=lambda e: e["noise_ratio"], default=None)
-        worst_ratio = max((u.norm_ratio for u in updates), key=lambda r: abs(math.log(r)) if r > 0 and math.isfinite(r)
-                          else math.inf, default=None)
-        grad_power = _worst([c.min_detectable_rel for c in self.checks])
-        update_power = _worst([u.min_detectable_rel for u in updates])
-        judged = [p for c in self.checks for p in c.params]
-        return {
-            "gradient": {"status": status("gradient", bool(self.checks)),
-                         "noise_ratio": _worst([c.noise_ratio for c in self.checks]),
-                         "max_rel_fro_err": _worst([c.max_rel_fro_err for c in self.checks]),
-                         "noise_floor_rel_fro": _worst([c.floor for c in self.checks]),
-                         "judged_rel_fro_err": _worst([p.judged_rel_fro_err for p in judged if p.judged]),
-                         "dp_floor_rel_fro": _worst([c.judged_floor for c in self.checks]),
-                         "min_detectable_rel": _finite(grad_power) if grad_power is not None else None,
-                         "coverage": coverage(self.checks[-1].params).to_dict() if self.checks else None},
-            "update": {"status": status("update", bool(updates)),
-                       "noise_ratio": _worst([u.noise_ratio for u in updates]),
-                       "max_rel_fro_err": _worst([u.max_rel_fro_err for u in updates]),
-                       "noise_floor_rel_fro": _worst([u.floor for u in updates]),
-                       "norm_ratio": worst_ratio,
-                       "min_detectable_rel": _finite(update_power) if update_power is not None else None,
-                       "coverage": coverage(updates[-1].params).to_dict() if updates else None},
-            "trajectory": {"status": status("trajectory", bool(drift)),
-                           "noise_ratio": worst_drift["noise_ratio"] if worst_drift else None,
-                           "rel_param_distance": worst_drift["rel_param_distance"] if worst_drift else None,
-                           "floor_rel_param_distance": worst_drift["floor_rel_param_distance"] if worst_drift else None,
-                           "step": worst_drift["step"] if worst_drift else None,
-                           "min_detectable_rel": _worst([e["tolerance"] for e in drift])},
-        }
-
-    def power(self) -> float | None:
-        """The verdict's own min_detectable_rel: the smallest uniform relative change of the gradient and of the update
-        that every checked step would flag (the weakest step's, each step's the weaker of its two checks)."""
-        per_step = [max(c.min_detectable_rel, c.update.min_detectable_rel if c.update is not None else 0.0)
-                    for c in self.checks]
-        worst = _worst(per_step)
-        return _finite(worst) if worst is not None else None
-
-    def to_dict(self, tolerance_policy: dict) -> dict:
-        worst = max(self.checks, key=lambda c: c.noise_ratio, default=None)
-        verdict = self.status()
-        return {
-            "verdict": verdict,
-            "unverifiable_reason": "; ".join(self.unverifiable) if verdict == "unverifiable" else None,
-            "checks": self._summaries(),
-            "checked_steps": [c.step for c in self.checks],
-            "max_rel_err": max((c.max_rel_err for c in self.checks), default=None),
-            "max_rel_fro_err": max((c.max_rel_fro_err for c in self.checks), default=None),
-            "noise_floor_rel_fro": max((c.floor for c in self.checks), default=None),
-            "noise_ratio": worst.noise_ratio if worst else None,
-            "min_detectable_rel": self.power(),
-            "first_divergence": asdict(self.first_divergence) if self.first_divergence else None,
-            "replicas_identical": self.replicas_identical,
-            "initial_weights_identical": self.initial_weights_identical,
-            "stochastic": self.stochastic,
-            "parameters": self.parameters,
-            "batchnorm": self.batchnorm,
-            "buffers": self.buffers,
-            "precision": self.precision.to_dict() if self.precision is not None else None,
-            "tolerance": {**tolerance_policy, "wire_rounding": self.wire_rounding},
-            "drift": self.drift,
-            "notes": [n.to_dict() for n in self.notes],
-            "per_step": [
-                {
-                    "step": c.step,
-                    "max_rel_err": c.max_rel_err,
-                    "max_rel_fro_err": c.max_rel_fro_err,
-                    "noise_floor_rel_fro": c.floor,
-                    "noise_ratio": c.noise_ratio,
-                    "replicas_identical": c.replicas_identical,
-                    "grads_identical_across_ranks": c.grads_identical_across_ranks,
-                    "min_detectable_rel": _finite(c.min_detectable_rel),
-                    "judged_floor_rel_fro": c.judged_floor,
-                    **{k: v for k, v in _power(c.params, c.model).items() if k != "min_detectable_rel"},
-                    "params": [_param_dict(p) for p in c.params],
-                    "update": c.update.to_dict() if c.update is not None else None,
-                }
-                for c in self.checks
-            ],
-        }
-
-
-def tolerance_policy(dtype: str, world_size: int, depth: int, compression: str = "none") -> dict:
-    wire = WIRE_DTYPE[compression]
-    return {
-        **describe_tolerance(dtype),
-        "compression": compression,
-        "unit_roundoff_wire": UNIT_ROUNDOFF[wire] if wire else UNIT_ROUNDOFF[dtype],
-        "factor": TOLERANCE_FACTOR,
-        "unit_roundoff": UNIT_ROUNDOFF[dtype],
-        "dtype": dtype,
-        "world_size": world_size,
-        "depth": depth,
-    }

@@ -1,0 +1,107 @@
+"""The forwards the oracle runs for a checked step, with the dropout masks the ranks drew.
+
+Owns: which forwards stand for a step's gradient: the global batch in one forward, or each replica's own forwards as
+the backend split them (`Layout`), where BatchNorm without --sync-bn normalises each replica's samples alone or where
+the masks the ranks drew apply rank by rank; the ranks' captured masks (dpcompare.verify.masks) split forward by
+forward, unpacked once per step: the gradient check, the buffers and the trajectory of a step share them (captured
+masks that do not fit the forwards raise MaskMismatch); and the per_replica_batchnorm note, how far the per-replica
+gradient the run is judged against is from the single-process global-batch gradient. Imports no adapter.
+"""
+from __future__ import annotations
+
+import torch
+
+from dpcompare.verify import masks as mk
+from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, global_pieces, replica_pieces
+from dpcompare.verify.tolerance import UNIT_ROUNDOFF, flat, rel_fro
+from dpcompare.verify.verdict import Verdict
+
+
+class Forwards:
+    """The forwards of the steps of a run split as `layout` says, of a model with BatchNorm modules `batchnorms`;
+    `per_replica`: BatchNorm without --sync-bn, the oracle runs each replica's forwards, as the backend does;
+    `stochastic`: the forward draws random numbers. `dtype` and `depth`: the run's, for the note's floor."""
+
+    def __init__(self, layout: Layout, oracle: Oracle, *, batchnorms: list[str], per_replica: bool, stochastic: bool,
+                 dtype: str, depth: int, verdict: Verdict) -> None:
+        self.layout, self.oracle, self.batchnorms, self.per_replica = layout, oracle, batchnorms, per_replica
+        self.has_batchnorm = bool(batchnorms)
+        self.stochastic, self.dtype, self.depth, self.verdict = stochastic, dtype, depth, verdict
+        self._unpacked: tuple[list[mk.MaskRecord], list[Masks]] | None = None
+        """The last step's records and their unpacked masks."""
+
+    def pieces(self, batch, records: list[mk.MaskRecord] | None) -> list[Piece]:
+        """The forwards the oracle runs for this step (see the module docstring); raises MaskMismatch when the
+        captured masks do not fit them."""
+        n = batch[0].shape[0]
+        masks = self.masks(n, records) if records is not None else None
+        if self.per_replica or (masks is not None and not self.has_batchnorm):
+            return replica_pieces(batch, self.layout, masks)
+        if masks is None:
+            return global_pieces(batch)
+        return global_pieces(batch, mk.combine(masks, [p[3] for p in self.layout.positions(n)], n))
+
+    def masks(self, batch_size: int, records: list[mk.MaskRecord]) -> list[Masks]:
+        """Each forward's masks, in the order of `layout.positions`: a rank's masks split by micro-batch. Unpacked
+        once per step: the gradient check, the buffers and the trajectory of a step share them."""
+        cached = self._unpacked
+        if cached is not None and len(cached[0]) == len(records) and all(a is b for a, b in zip(cached[0], records)):
+            return cached[1]
+        out = self._split_masks(batch_size, records)
+        self._unpacked = (list(records), out)
+        return out
+
+    def _split_masks(self, batch_size: int, records: list[mk.MaskRecord]) -> list[Masks]:
+        for record in records:
+            for name, why in record.problems.items():
+                raise mk.MaskMismatch(name, why)
+        k = self.layout.grad_accum
+        calls: dict[tuple[int, int], dict[str, list[torch.Tensor]]] = {}
+        out = []
+        for rank, micro, replica, _ in self.layout.positions(batch_size):
+            key = (rank, replica)
+            if key not in calls:
+                calls[key] = records[rank].calls(replica if self.layout.replicas > 1 else None)
+            forward = {}
+            for name, masks in calls[key].items():
+                if len(masks) % k:
+                    raise mk.MaskMismatch(name, f"{len(masks)} masks were captured over {k} micro-batches")
+                c = len(masks) // k
+                forward[name] = masks[micro * c:(micro + 1) * c]
+            out.append(forward)
+        return out
+
+    def note_per_replica(self, step: int, state: dict, batch, oracle: Grads, floor: Grads,
+                         pieces: list[Piece]) -> None:
+        """The distance between the per-replica gradient the run is judged against and the single-process
+        global-batch gradient, measured once (the first checked step), in floors of the gradient check."""
+        if not self.per_replica or self.verdict.batchnorm is not None:
+            return
+        n = batch[0].shape[0]
+        whole, none = None, self.oracle.none
+        try:
+            masks = (mk.combine([p.masks or {} for p in pieces], [p[3] for p in self.layout.positions(n)], n)
+                     if self.stochastic else None)
+            whole = self.oracle.oracle_of(state, global_pieces(batch, masks))
+        except mk.MaskMismatch:
+            pass  # masks that are not batch-first cannot be joined: the distance stays unmeasured, and says so
+        self.oracle.none = none  # the judged oracle's
+        names = self.oracle.names
+        floor_rel = max(rel_fro(flat(floor, names), flat(oracle, names)), self.depth * UNIT_ROUNDOFF[self.dtype])
+        distance = rel_fro(flat(whole, names), flat(oracle, names)) if whole is not None else None
+        ws, k, r = self.layout.world_size, self.layout.grad_accum, self.layout.replicas
+        forwards = ws * k * r
+        local = n // forwards
+        shown = ", ".join(self.batchnorms[:4]) + (f" and {len(self.batchnorms) - 4} more" if len(self.batchnorms) > 4 else "")
+        split = " x ".join([f"{ws} rank(s)"] + ([f"{k} micro-batches"] if k > 1 else []) +
+                           ([f"{r} device replicas"] if r > 1 else []))
+        measured = (f"at step {step} that gradient is {distance:.3g} (relative) from the single-process global-batch "
+                    f"gradient, {distance / floor_rel:.3g}x the {self.dtype} noise floor" if distance is not None else
+                    "its distance from the global-batch gradient was not measured (the captured masks are not batch-first)")
+        self.verdict.batchnorm = {"semantics": "per_replica", "modules": list(self.batchnorms), "local_batch": local,
+                                  "forwards": forwards, "step": step, "distance_rel_fro": distance,
+                                  "floors": distance / floor_rel if distance is not None else None}
+        self.verdict.note("per_replica_batchnorm",
+                          f"BatchNorm without --sync-bn ({len(self.batchnorms)} module(s): {shown}): each of the {split} "
+                          f"normalises its own {local} samples, so the run computes the mean of those forwards' losses, "
+                          f"and the oracle computes exactly that; {measured}; --sync-bn makes it one computation")

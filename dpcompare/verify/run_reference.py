@@ -1,0 +1,126 @@
+"""The run-precision reference of a checked step: what the reduced gradient is judged against, and its floor.
+
+Owns: the forwards the reference runs (each rank's own, as its loss scale and its rounding act rank by rank, except
+one forward under global BatchNorm); whether the ranks' split of the batch computes the global batch's gradient at
+all (measured once, in float64: where it does not, as with a loss reduced with sum, the reference is the global
+batch, as the oracle is, and the split_not_global note says so); the same function regrouped as data parallelism may
+legitimately regroup it, whose distance from the reference is the floor; and the wire a backend declares narrower
+than the run dtype (--compression, or what its precision recipe sends), emulated where every rank's share is a piece
+of its own and the wire changes no more than its rounding (`Verdict.wire_rounding` "measured"), bounded otherwise.
+The reference itself is computed by the oracle's run-precision copy (dpcompare.verify.equivalence). Imports no
+adapter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, replica_pieces
+from dpcompare.verify.tolerance import TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, flat, rel_fro
+from dpcompare.verify.verdict import Verdict
+
+SPLIT_AGREEMENT = 1e-9
+"""The ranks' split and the global batch, both in float64, agree to about 1e-15 where the loss is a mean over
+independent samples; a loss that is not (a sum) puts them a factor apart."""
+
+
+class RunReference:
+    """The run-precision reference and its floor at each checked step, for a run of `world_size` ranks split as
+    `layout` says, in `dtype`, sending its gradients through `wire` (none, fp16 or bf16)."""
+
+    def __init__(self, oracle: Oracle, layout: Layout, *, dtype: str, world_size: int, wire: str, has_batchnorm: bool,
+                 sync_bn: bool, verdict: Verdict) -> None:
+        self.oracle, self.layout, self.dtype, self.world_size, self.wire = oracle, layout, dtype, world_size, wire
+        self.has_batchnorm, self.sync_bn, self.verdict = has_batchnorm, sync_bn, verdict
+        self.names = oracle.names
+        self._split_global: bool | None = None
+        """The ranks' split computes the global batch's gradient (None: not yet measured)."""
+
+    def measure(self, state: dict, batch, pieces: list[Piece], forward_masks: list[Masks] | None, oracle: Grads,
+                loss_scale: float) -> tuple[Grads, Grads, torch.dtype | None]:
+        """The reference (floor), its regrouped twin (spread) and the wire dtype the reference sent the ranks' shares
+        through (None: the reduction's rounding is bounded instead), at the run's `state` and loss scale, for the
+        step whose oracle ran `pieces` and gave `oracle`. The oracle's `none` stays as that oracle left it; raises
+        MaskMismatch where the captured masks do not fit the reference's forwards."""
+        none = self.oracle.none
+        run_pieces = self._floor_pieces(batch, pieces, forward_masks)
+        if run_pieces is not pieces and not self._split_is_global(state, run_pieces, oracle):
+            run_pieces = pieces
+        self.oracle.none = none
+        wire = self._emulated_wire(run_pieces)
+        if wire is None:
+            floor = self.oracle.floor_of(state, run_pieces, loss_scale)
+            spread = self.oracle.floor_of(state, self._spread_pieces(run_pieces), loss_scale)
+        else:  # the wire's rounding is measured, not bounded: the reduction's allowance is the run dtype's
+            unsent: Grads = {}
+            floor = self.oracle.wire_floor_of(state, run_pieces, wire, loss_scale, unsent=unsent)
+            if self._wire_loses(floor, unsent):
+                # Beyond rounding (gradients flushed to zero or overflowed on it): judged against the
+                # reference without the wire, with its rounding bounded, so what it lost shows.
+                wire = None
+                floor = self.oracle.floor_of(state, run_pieces, loss_scale)
+                spread = self.oracle.floor_of(state, self._spread_pieces(run_pieces), loss_scale)
+            else:
+                self.verdict.wire_rounding = "measured"
+                spread = self.oracle.wire_floor_of(state, run_pieces, wire, loss_scale, regrouped=True)
+        return floor, spread, wire
+
+    def _floor_pieces(self, batch, pieces: list[Piece], forward_masks: list[Masks] | None) -> list[Piece]:
+        """The forwards of the run-precision reference: each rank's own (as its loss scale and its rounding act rank
+        by rank, and as each rank's shard sums into the reduction), except with global BatchNorm, one forward."""
+        if (self.has_batchnorm and self.sync_bn) or len(pieces) > 1 or not self.layout.splits_the_batch:
+            return pieces
+        return replica_pieces(batch, self.layout, forward_masks)
+
+    def _split_is_global(self, state: dict, split: list[Piece], oracle: Grads) -> bool:
+        """Whether the ranks' split of the batch computes the global batch's gradient (in float64, once, at the first
+        checked step): the run-precision reference splits the batch as the ranks do, which is the same function only
+        where the loss is a mean over independent samples, as the workload contract says. Where it is not (a loss
+        reduced with sum), the reference is the global batch, as the oracle is, and the run's split is judged
+        against it."""
+        if self._split_global is None:
+            names = self.names
+            gap = rel_fro(flat(self.oracle.oracle_of(state, split), names), flat(oracle, names))
+            self._split_global = gap <= SPLIT_AGREEMENT
+            if not self._split_global:
+                self.verdict.note("split_not_global",
+                                  f"the ranks' split of the global batch does not compute its gradient on this workload: "
+                                  f"in float64 the two are {gap:.3g} apart (a loss that is not a mean over its samples, "
+                                  "or samples that interact); the run-precision reference is the global batch, as the "
+                                  "oracle is")
+        return self._split_global
+
+    def _spread_pieces(self, pieces: list[Piece]) -> list[Piece]:
+        """The same function grouped the way data parallelism may legitimately group it differently, for the floor of
+        what it alone changes: the ranks' forwards summed in reverse order (a recomputation too: a nondeterministic
+        kernel shows here); where one forward stands for several ranks' samples (global BatchNorm under --sync-bn) its
+        samples in the order the ranks hold them, so the statistics are reduced in another order. A rank's own forward
+        is never regrouped: every backend runs it as it is, and in a chaotic regime (BatchNorm over a few samples at
+        bf16) a regrouped forward would measure that chaos, not data parallelism."""
+        if len(pieces) != 1 or not self.layout.splits_the_batch:
+            return list(reversed(pieces))
+        p = pieces[0]
+        n = p.x.shape[0]
+        order = torch.cat([idx for *_, idx in self.layout.positions(n)])
+        if p.masks is not None and any(m.dim() == 0 or m.shape[0] != n for ms in p.masks.values() for m in ms):
+            return [p]
+        masks = {k: [m[order] for m in ms] for k, ms in p.masks.items()} if p.masks is not None else None
+        return [Piece(p.x[order], p.y[order], p.weight, masks, p.rank)]
+
+    def _emulated_wire(self, pieces: list[Piece]) -> torch.dtype | None:
+        """The wire dtype the run-precision reference sends the ranks' shares through: the declared one
+        (--compression, or the backend's recipe) where it is narrower than the run dtype and every rank's share is a
+        piece of its own; None: the reduction's rounding is bounded (world_size x its unit roundoff) instead."""
+        name = WIRE_DTYPE[self.wire]
+        if name is None or UNIT_ROUNDOFF[name] <= UNIT_ROUNDOFF[self.dtype]:
+            return None
+        return getattr(torch, name) if len({p.rank for p in pieces}) == self.world_size else None
+
+    def _wire_loses(self, sent: Grads, unsent: Grads) -> bool:
+        """Whether the declared wire changes the reference beyond its rounding (world_size x its unit roundoff, times
+        the factor) anywhere: gradients below its smallest subnormal flushed to zero, or above its range."""
+        u = UNIT_ROUNDOFF[WIRE_DTYPE[self.wire]]
+        names = [n for n in self.names if n in sent]
+        share = float(torch.linalg.vector_norm(flat(unsent, names))) / max(len(names), 1) ** 0.5
+        return any(not bool(torch.isfinite(sent[n]).all())
+                   or rel_fro(sent[n], unsent[n], share) > TOLERANCE_FACTOR * self.world_size * u for n in names)

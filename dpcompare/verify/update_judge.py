@@ -1,0 +1,157 @@
+"""The update check of a checked step, judged, and the optimizer state the next step is expected to start from.
+
+Owns: the backend's parameter update held against the optimizer replayed in float64 on the backend's own parameters,
+reduced gradient and optimizer state, its floor the same replay in the run dtype (the replay itself is
+dpcompare.verify.update_check's `reference_step`); the optimizer state the step started from held against the one the
+previous step left (a fresh optimizer's before step 0, or the one after the pre-step the backend's recipe declares):
+a wrong step count or state is a fault whatever the update's noise; the notes on that declared pre-step and on unused
+parameters the backend steps with a zero gradient; the diagnosis of a failed update (dpcompare.verify.diagnosis); and
+the state the next checked step is expected to start from. Imports no adapter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dpcompare.contract import Adapter
+from dpcompare.contract.optim_state import OptimizerFactory, OptState
+from dpcompare.verify.diagnosis import (UpdateEvidence, diagnose_update, reason_of, state_difference,
+                                        step_count_mismatch, FRESH_STEPPED_TRAP)
+from dpcompare.verify.equivalence import DTYPES, Grads
+from dpcompare.verify.loss_scale import skipped_since
+from dpcompare.verify.reads import Pending
+from dpcompare.verify.tolerance import compare, flat
+from dpcompare.verify.update_check import StepResult, reference_step
+from dpcompare.verify.verdict import Divergence, UpdateCheck, Verdict
+
+
+class UpdateJudge:
+    """Judges the update of every checked step of a run (its --dtype, --lr and --weight-decay in `cfg`) into
+    `verdict`, and carries the optimizer state expected from one step to the next. `unused`: the parameters that
+    take no part in the loss; `prestep`: what the backend's recipe does to its optimizer before the first step by
+    design (None: nothing)."""
+
+    def __init__(self, *, cfg, factory: OptimizerFactory, device: torch.device, depth: int, names: list[str],
+                 world_size: int, unused: tuple[str, ...], prestep: str | None, backend: Adapter,
+                 verdict: Verdict) -> None:
+        self.cfg, self.factory, self.device, self.depth, self.names = cfg, factory, device, depth, names
+        self.world_size, self.unused, self.prestep = world_size, unused, prestep
+        self.backend, self.verdict = backend, verdict
+        self.dtype = DTYPES[cfg.dtype]
+        self.expected_state: OptState | None = {}  # a fresh optimizer's (after the declared pre-step, at step 0)
+        self.expected_from = ("a fresh optimizer's" if self.prestep is None else
+                              "a fresh optimizer's after one step on zero gradients")
+
+    def forget(self) -> None:
+        """An unchecked step: the next step's state cannot be predicted."""
+        self.expected_state = None
+
+    def expected_before(self, step: int, pending: Pending) -> OptState | None:
+        """The optimizer state the step is expected to start from: the one the previous step left, and before step 0,
+        where the backend's recipe declares a pre-step, a fresh optimizer's after one step on zero gradients."""
+        expected = self.expected_state
+        if step == 0 and self.prestep is not None and expected == {}:
+            zeros = {n: torch.zeros_like(t) for n, t in pending.params.items()}
+            expected = reference_step(self.factory, pending.params, zeros, {}, torch.float64, self.device).state
+        return expected
+
+    def judge(self, step: int, pending: Pending, state: OptState, expected: OptState | None,
+              single: dict[str, torch.Tensor | None], masters: dict[str, torch.Tensor]) -> StepResult:
+        """The update from `pending.params` to `masters` against the optimizer replayed from the backend's `state`
+        with `single` (the reduced gradient, None where a single process gives none), recorded on the step's check;
+        then `state` against `expected`. Returns the float64 replay."""
+        after = {n: masters[n].detach().double().cpu() for n in self.names}
+        delta = {n: after[n] - pending.params[n] for n in self.names}
+        ref = reference_step(self.factory, pending.params, single, state, torch.float64, self.device)
+        floor = reference_step(self.factory, pending.params, single, state, self.dtype, self.device)
+        params, model = compare(delta, ref.delta, floor.delta, dtype=self.cfg.dtype, world_size=1,
+                                depth=self.depth, names=self.names)
+        ratios = {n: _ratio(delta[n], ref.delta[n]) for n in self.names}
+        whole = _ratio(flat(delta, self.names), flat(ref.delta, self.names))
+        self.verdict.checks[-1].update = UpdateCheck(params, ratios, whole, model)
+        failing = [p for p in params if not p.ok]
+        if not model.ok and not failing:
+            failing = list(params)
+        # The state the step started from, against what the previous step left (a fresh optimizer's before step 0,
+        # or the one the backend's recipe declares). A step count is a whole number: a wrong one is a fault
+        # whatever the update's noise. An unused parameter the backend hands a zero gradient (ZeRO's flat
+        # partitions step as a whole) counts steps a single process does not take.
+        zero_stepped = [n for n in self.unused if self.verdict.parameters["unused_grad"].get(n) == "zero"]
+        self._note_unused_stepped(step, state, zero_stepped)
+        judged_names = [n for n in self.names if n not in zero_stepped]
+        if expected is not None and self.verdict.first_divergence is None:
+            counted = step_count_mismatch(state, expected, judged_names)
+            differs = counted or state_difference(state, expected, judged_names)
+            if differs is not None:
+                wrong, text = differs
+                # What the state costs the update: the backend's update against the one the expected state gives.
+                had = compare(delta, reference_step(self.factory, pending.params, single, expected, torch.float64,
+                                                    self.device).delta,
+                              reference_step(self.factory, pending.params, single, expected, self.dtype,
+                                             self.device).delta,
+                              dtype=self.cfg.dtype, world_size=1, depth=self.depth, names=self.names)[0]
+                first = next(p for p in had if p.parameter == wrong[0])
+                self.verdict.diverge(Divergence(
+                    step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
+                    f"the gradient passed but the update did not: the optimizer state before step {step} is not "
+                    f"{self.expected_from}: {text}{FRESH_STEPPED_TRAP if step == 0 else ''}", check="update",
+                    cause="optimizer_state", parameters=wrong))
+        if step == 0 and self.prestep is not None and expected is not None:
+            self._note_prestep(pending, single, delta)
+        if failing and self.verdict.first_divergence is None:
+            evidence = UpdateEvidence(
+                step=step, names=self.names, delta=delta, reference=ref.delta,
+                tolerance={p.parameter: p.tolerance_rel_fro for p in params}, params=pending.params,
+                grads=single, expected_state=state, backend_state=state,
+                factory=self.factory, device=self.device, world_size=self.world_size, lr=self.cfg.lr,
+                weight_decay=self.cfg.weight_decay, backend_hparams=pending.backend_hparams,
+                expected_from=self.expected_from, skipped=skipped_since(self.backend, pending))
+            found = diagnose_update(evidence, [p.parameter for p in failing])
+            first = next((p for p in failing if not p.ok), failing[0])
+            self.verdict.diverge(Divergence(
+                step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
+                f"the gradient passed but the update did not: {reason_of(found)}", check="update",
+                cause=found[0].cause, parameters=[p.parameter for p in failing]))
+        return ref
+
+    def advance(self, step: int, pending: Pending, state: OptState, single: dict[str, torch.Tensor | None],
+                ref: StepResult) -> None:
+        """The next step's expected state: the one this step leaves, the optimizer replayed from the backend's own
+        state with the gradient it was handed (zeros included, where the backend gave zeros)."""
+        leaves = ref if all((g is None) == (pending.grads[n] is None) for n, g in single.items()) else \
+            reference_step(self.factory, pending.params, pending.grads, state, torch.float64, self.device)
+        self.expected_state = leaves.state
+        self.expected_from = f"the state step {step} left"
+
+    def _note_unused_stepped(self, step: int, state: OptState, zero_stepped: list[str]) -> None:
+        if not zero_stepped or any(n.code == "unused_stepped" for n in self.verdict.notes):
+            return
+        have = float(state.get(zero_stepped[0], {}).get("step", 0))
+        if have:
+            self.verdict.note("unused_stepped",
+                              f"the backend steps the parameters that take no part in the loss with a zero "
+                              f"gradient ({', '.join(zero_stepped)}): their optimizer step count advances "
+                              f"({zero_stepped[0]}: {have:g} before step {step}) where a single process keeps "
+                              "none; their values are still held to the reference update (with Adam and no "
+                              "weight decay a zero gradient moves nothing; with --weight-decay they decay, "
+                              "and the update check fails, cause unused_zero_grad)")
+
+    def _note_prestep(self, pending: Pending, single: dict[str, torch.Tensor | None], delta: Grads) -> None:
+        """The backend's recipe steps its optimizer on zero gradients before the first step, by design: its state
+        before step 0 was held to that, and what it does to the first update is measured against a fresh optimizer's."""
+        fresh = reference_step(self.factory, pending.params, single, {}, torch.float64, self.device).delta
+        ratio = _ratio(flat(delta, self.names), flat(fresh, self.names))
+        self.verdict.note("optimizer_prestep",
+                          f"{self.prestep}: its optimizer state before step 0 is that step's, as expected, not a fresh "
+                          f"optimizer's; the first update is {ratio:.4g}x a fresh optimizer's (||update|| ratio; with "
+                          "Adam the bias correction runs one step ahead, with SGD a zero momentum buffer steps like none)")
+
+
+def _ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+    nb = float(torch.linalg.vector_norm(b))
+    na = float(torch.linalg.vector_norm(a))
+    if nb == 0.0:
+        return 1.0 if na == 0.0 else math.inf
+    return na / nb
