@@ -314,7 +314,8 @@ def test_compare_and_report_flag_the_contradiction(tmp_path) -> None:
 
     from dpcompare.commands.compare.plan import Job
     from dpcompare.commands.compare.render import render_cost
-    from dpcompare.commands.report.markdown import Footnotes, _exposed_cell
+    from dpcompare.commands.report.markdown import Footnotes
+    from dpcompare.commands.report.markdown_cost import _exposed_cell
 
     metrics = {"comm_exposed_ms": 2.14, "comm_total_ms": 1.04, "step_ms_p50": 5.0}
     calm = {"comm_exposed_ms": 0.5, "comm_total_ms": 1.04, "step_ms_p50": 5.0}
@@ -357,7 +358,8 @@ def test_compare_and_report_flag_a_breakdown_that_does_not_add_up(tmp_path) -> N
     from dpcompare.commands.compare.plan import Job
     from dpcompare.commands.compare.render import render_cost
     from dpcompare.commands.report.derive import Baseline, derive
-    from dpcompare.commands.report.markdown import Footnotes, _compute_cell
+    from dpcompare.commands.report.markdown import Footnotes
+    from dpcompare.commands.report.markdown_cost import _compute_cell
 
     slow = {"step_ms_p50": 77.65, "compute_ms_p50": 108.75, "comm_exposed_ms": 6.85, "comm_total_ms": 13.02}
     fits = {"step_ms_p50": 64.0, "compute_ms_p50": 56.9, "comm_exposed_ms": 3.4, "comm_total_ms": 7.1}

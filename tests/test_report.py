@@ -616,7 +616,7 @@ def test_deepspeeds_engine_recipe_is_a_variant_and_shows_its_master_copies() -> 
     """compare --amp runs deepspeed's engine recipe beside its autocast run: the engine run is a variant (its own row,
     with its fp32 master copies), never the baseline the cost tables report; the autocast run is the baseline."""
     from dpcompare.commands.report.derive import variant_of
-    from dpcompare.commands.report.markdown import sweep_section
+    from dpcompare.commands.report.markdown_sweep import sweep_section
 
     engine = {"backend": "deepspeed", "world_size": 2, "config": {"amp": "bf16", "options": {"amp_recipe": "engine"}},
               "equivalence": {"verdict": "equivalent", "max_rel_fro_err": 4.6e-3},
@@ -631,7 +631,7 @@ def test_deepspeeds_engine_recipe_is_a_variant_and_shows_its_master_copies() -> 
 def test_the_verdicts_say_which_runs_ran_under_which_precision_recipe() -> None:
     """A bf16 run's errors are ~1e-3: the report says which recipe each run ran, so its floor reads right; runs
     without --amp add no line (the twin)."""
-    from dpcompare.commands.report.markdown import _precision_lines
+    from dpcompare.commands.report.markdown_verdict import _precision_lines
 
     def run(backend: str, ws: int, precision: dict | None) -> dict:
         return {"backend": backend, "world_size": ws, "equivalence": {"precision": precision}}
