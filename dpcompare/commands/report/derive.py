@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from dpcompare.commands.report.load import created, is_number, label, metric, run_order
-from dpcompare.measure import summary
+from dpcompare.measure import consistency
 from dpcompare.measure.scaling import other_ms, scaling_efficiency
 
 # Config knobs that make a run a variant of the baseline computation (compare --sweep varies them).
@@ -130,7 +130,7 @@ def _efficiency(run: dict[str, Any], baseline: Baseline) -> tuple[float | None, 
 
 
 def _other(run: dict[str, Any]) -> tuple[float | None, str | None]:
-    mismatch = summary.breakdown_flag(run.get("metrics") or {})
+    mismatch = consistency.breakdown_flag(run.get("metrics") or {})
     if mismatch is not None:
         return None, mismatch
     other = other_ms(*(metric(run, n)[0] for n in STEP_PARTS))

@@ -9,7 +9,7 @@ from typing import Any, Callable
 from dpcompare.commands.report.derive import Derived, format_bytes, num, variant_of
 from dpcompare.commands.report.load import is_number, metric, raw_metric, reasons, run_order
 from dpcompare.commands.report.markdown import Footnotes, cell, table
-from dpcompare.measure import summary
+from dpcompare.measure import consistency
 from dpcompare.measure.bandwidth import bus_factor
 
 
@@ -45,7 +45,7 @@ def _time_rows(runs: list[dict[str, Any]], derived: list[Derived], tokens: bool,
 def _compute_cell(run: dict[str, Any], notes: Footnotes) -> str:
     """Compute, flagged in bold with its footnote when compute + exposed communication exceed the measured step."""
     text = cell(run, "compute_ms_p50", notes)
-    why = summary.breakdown_flag(run.get("metrics") or {})
+    why = consistency.breakdown_flag(run.get("metrics") or {})
     return text if why is None else f"**{text} (!)**" + notes.ref(why)
 
 
@@ -53,7 +53,7 @@ def _exposed_cell(run: dict[str, Any], notes: Footnotes) -> str:
     """Exposed communication, flagged in bold with its footnote when it contradicts the total, marked (~) with
     its footnote when it is above the total only within its interval."""
     text = cell(run, "comm_exposed_ms", notes)
-    flag = summary.exposed_flag(run.get("metrics") or {})
+    flag = consistency.exposed_flag(run.get("metrics") or {})
     if flag is None:
         return text
     return (f"**{text} (!)**" if flag[0] == "!" else f"{text} (~)") + notes.ref(flag[1])
