@@ -1,7 +1,8 @@
 """Command line: `python -m dpcompare [run] --backend B ...`, `python -m dpcompare compare ...`.
 
-Owns: argument parsing and turning every expected failure (bad config, bad environment, missing backend)
-into one line on stderr and exit status 2, never a traceback.
+Owns: the table of subcommands (COMMANDS: the top-level --help, the names and the dispatch all come from it),
+argument parsing and turning every expected failure (bad config, bad environment, missing backend) into one line
+on stderr and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import signal
 import sys
 import time
 import traceback
-from typing import get_args
+from dataclasses import dataclass
+from typing import Callable, get_args
 
 from dpcompare import __version__
 from dpcompare.run import registry
@@ -21,7 +23,6 @@ from dpcompare.contract.launch_env import tell_launcher
 from dpcompare.run.registry import UserCodeError
 from dpcompare.run.config import DEFAULT_GLOBAL_BATCH, Amp, Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
 
-SUBCOMMANDS = ("run", "compare", "report", "bench-collectives", "regress", "project")
 # Exit status of `run` (docs/failures.md): 0 done; 2 bad input (nothing ran); 3 a rank made no progress for
 # --timeout-s (the watchdog stopped it); 4 the run failed while running (a collective failed or timed out, a
 # peer died, a backend error); 130 interrupted.
@@ -51,16 +52,51 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
-COMMAND_SUMMARIES = {
-    "run": "(the default command) train one workload under one backend, check it against the float64 oracle, "
-           "measure its costs",
-    "compare": "run every installed backend at several world sizes and print verdicts, the gradient matrix and costs",
-    "report": "rebuild report.md and the plots from the JSON results under a directory",
-    "bench-collectives": "measure all-reduce bus bandwidth over each transport the backends use",
-    "regress": "decide whether a build's pytest-benchmark runs are slower than a baseline's (noise-aware)",
-    "project": "predict step time, scaling efficiency and exposed communication at larger world sizes on a link",
-}
-"""One line per subcommand, for the top-level --help."""
+RUN_DESCRIPTION = ("Train one workload under one backend and check its gradients against a float64 oracle; then "
+                   "measure its costs.")
+"""The --help description of run (each other command's is its module's docstring)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One subcommand: its name, its line in the top-level --help, and where its parser and its main live."""
+
+    name: str
+    summary: str
+    module: str | None = None
+    """The module holding add_arguments(parser) and main(namespace) -> exit status, its docstring the command's
+    --help description; imported only when the command is named (a rank of a run loads no command module). None for
+    run, which this module parses and runs itself."""
+    unwind_on_sigterm: bool = False
+    """SIGTERM (a CI job cancelled, `kill`) unwinds like Ctrl-C, so the launches the command started are killed
+    with their whole process tree by the runner's cleanup, never left training as orphans."""
+
+    def load(self) -> tuple[str | None, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
+        """(its --help description, its add_arguments, its main)."""
+        if self.module is None:
+            return RUN_DESCRIPTION, add_run_arguments, _run
+        module = importlib.import_module(self.module)
+        return module.__doc__, module.add_arguments, module.main
+
+
+COMMANDS = (
+    Command("run", "(the default command) train one workload under one backend, check it against the float64 "
+                   "oracle, measure its costs"),
+    Command("compare", "run every installed backend at several world sizes and print verdicts, the gradient matrix "
+                       "and costs", "dpcompare.commands.compare", unwind_on_sigterm=True),
+    Command("report", "rebuild report.md and the plots from the JSON results under a directory",
+            "dpcompare.commands.report"),
+    Command("bench-collectives", "measure all-reduce bus bandwidth over each transport the backends use",
+            "dpcompare.commands.bench_collectives", unwind_on_sigterm=True),
+    Command("regress", "decide whether a build's pytest-benchmark runs are slower than a baseline's (noise-aware)",
+            "dpcompare.commands.regress"),
+    Command("project", "predict step time, scaling efficiency and exposed communication at larger world sizes on a "
+                       "link", "dpcompare.commands.project"),
+)
+"""Every subcommand, in the order the top-level --help lists them; the first word of the arguments names one, else
+it is run."""
+SUBCOMMANDS = tuple(c.name for c in COMMANDS)
+_BY_NAME = {c.name: c for c in COMMANDS}
 
 
 def _top_level_help() -> str:
@@ -68,7 +104,7 @@ def _top_level_help() -> str:
              "Runs one model on one data stream through DDP, Horovod, nn.DataParallel, DeepSpeed (ZeRO 0-3) and FSDP2;",
              "checks the reduced gradients against a float64 oracle and measures what each backend costs.", "",
              "commands:"]
-    lines += [f"  {name:<18} {text}" for name, text in COMMAND_SUMMARIES.items()]
+    lines += [f"  {c.name:<18} {c.summary}" for c in COMMANDS]
     lines += ["", "options:", "  -h, --help         this overview; `python -m dpcompare COMMAND --help` shows a command's flags",
               "  --version          print the version and exit", "",
               "Under a launcher: torchrun --nproc_per_node=N -m dpcompare --backend ddp;",
@@ -80,17 +116,11 @@ def _top_level_help() -> str:
 
 def parser_for(command: str) -> argparse.ArgumentParser:
     """The argument parser of `command` (one of SUBCOMMANDS), as `python -m dpcompare COMMAND` builds it."""
-    if command == "run":
-        parser = _Parser(prog="dpcompare run", formatter_class=_HelpFormatter,
-                         description="Train one workload under one backend and check its gradients against a float64 "
-                                     "oracle; then measure its costs.")
-        add_run_arguments(parser)
-        return parser
-    if command not in COMMAND_MODULES:
+    if command not in _BY_NAME:
         raise ValueError(f"unknown command {command!r}: use one of {', '.join(SUBCOMMANDS)}")
-    module = importlib.import_module(COMMAND_MODULES[command])
-    parser = _Parser(prog=f"dpcompare {command}", description=module.__doc__, formatter_class=_HelpFormatter)
-    module.add_arguments(parser)
+    description, add_arguments, _ = _BY_NAME[command].load()
+    parser = _Parser(prog=f"dpcompare {command}", description=description, formatter_class=_HelpFormatter)
+    add_arguments(parser)
     for action in parser._actions:  # an option without help still shows its default
         if action.help is None and action.option_strings and action.default not in (None, [], False):
             action.help = "(default: %(default)s)"
@@ -210,22 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "--version":
         print(f"dpcompare {__version__}")
         return 0
-    command = argv.pop(0) if argv[0] in SUBCOMMANDS else "run"
-    if command in ("compare", "bench-collectives"):
-        # SIGTERM (a CI job cancelled, `kill`) must unwind like Ctrl-C, so the launches this command started
-        # are killed with their whole process tree by the runner's cleanup, never left training as orphans.
+    command = _BY_NAME[argv.pop(0) if argv[0] in SUBCOMMANDS else "run"]
+    if command.unwind_on_sigterm:
         signal.signal(signal.SIGTERM, _unwind_on_signal)
     try:
-        if command in COMMAND_MODULES:
-            return _command(command, argv)
-        cfg = config_from_args(parser_for("run").parse_args(argv))
-        from dpcompare.run import trainer
-
-        payload = trainer.run(cfg)
-        if payload:
-            print(trainer.summary_line(payload), flush=True)
-        _exit_now_if_distributed()
-        return 0
+        _, _, command_main = command.load()
+        return command_main(parser_for(command.name).parse_args(argv))
     except (ValueError, ImportError) as exc:
         # Configuration errors are usually the same on every rank: let rank 0 say it once. The other ranks
         # wait a moment first, so a launcher that stops every rank when the first one exits does not stop
@@ -249,15 +269,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-COMMAND_MODULES = {"compare": "dpcompare.commands.compare", "report": "dpcompare.commands.report",
-                   "bench-collectives": "dpcompare.commands.bench_collectives", "regress": "dpcompare.commands.regress",
-                   "project": "dpcompare.commands.project"}
-"""The subcommands other than run, imported only when named (a rank of a run loads no command module)."""
+def _run(ns: argparse.Namespace) -> int:
+    """The run command: train, check and measure in this process (one rank of a launch), print its line."""
+    cfg = config_from_args(ns)
+    from dpcompare.run import trainer
 
-
-def _command(command: str, argv: list[str]) -> int:
-    module = importlib.import_module(COMMAND_MODULES[command])
-    return module.main(parser_for(command).parse_args(argv))
+    payload = trainer.run(cfg)
+    if payload:
+        print(trainer.summary_line(payload), flush=True)
+    _exit_now_if_distributed()
+    return 0
 
 
 def _unwind_on_signal(signum: int, _frame) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from dpcompare.measure import summary
+from dpcompare.measure import consistency
 
 
 def inspect(compare_dir: Path) -> list[dict[str, Any]]:
@@ -33,13 +33,13 @@ def inspect(compare_dir: Path) -> list[dict[str, Any]]:
         m = run.get("metrics") or {}
         if m.get("comm_ablation_ms") is None:
             continue
-        exposed_flag = summary.exposed_flag(m)
+        exposed_flag = consistency.exposed_flag(m)
         native = m.get("comm_native_exposed_ms")
         rows.append({
             "run": f"{run.get('variant') or run['backend']}/{run['world_size']}",
             "exposed_flag": exposed_flag[0] if exposed_flag else None,
-            "interference_flag": summary.interference_flag(m) is not None,
-            "breakdown_flag": summary.breakdown_flag(m) is not None,
+            "interference_flag": consistency.interference_flag(m) is not None,
+            "breakdown_flag": consistency.breakdown_flag(m) is not None,
             "ablation_ms": m.get("comm_ablation_ms"), "exposed_ms": m.get("comm_exposed_ms"),
             "exposed_ci_ms": m.get("comm_exposed_ci_ms"), "total_ms": m.get("comm_total_ms"),
             "total_ms_per_rank": m.get("comm_total_ms_per_rank"), "interference_ms": m.get("comm_interference_ms"),

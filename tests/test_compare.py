@@ -44,6 +44,7 @@ from rich.console import Console
 from conftest import SYNTHETIC_TOLERANCE, UNVERIFIABLE_REASON, checked_equivalence, validate_result
 from dpcompare.commands import compare
 from dpcompare.commands.compare import matrix, plan, render
+from dpcompare.commands.compare.summary import run_entry
 from dpcompare.run import launchers, registry
 from dpcompare.run.config import RunConfig
 
@@ -605,10 +606,10 @@ def test_a_backend_variant_runs_with_the_options_its_adapter_declares_under_its_
         assert len(set(paths)) == len(paths), attr
     assert zero2.dump.name == "deepspeed-zero2-ws2.npz" and zero2.fence.name == "deepspeed-zero2-ws2.closed"
     # compare.json keeps the variant apart from the backend.
-    entry = compare._run_entry(zero2)
+    entry = run_entry(zero2)
     assert (entry["label"], entry["backend"], entry["entry"], entry["backend_variant"], entry["options"]) == (
         "deepspeed:zero2/2", "deepspeed", "deepspeed:zero2", "zero2", {"zero_stage": 2})
-    assert compare._run_entry(plain)["backend_variant"] is None
+    assert run_entry(plain)["backend_variant"] is None
 
 
 def test_a_variant_keeps_its_name_in_the_matrix_the_tables_and_the_sweep(tmp_path, monkeypatch):

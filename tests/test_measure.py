@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from dpcompare.measure import bandwidth, clocks
+from dpcompare.measure import bandwidth, clocks, consistency
 from dpcompare.measure import summary as measure
 from dpcompare.measure import timeline
 
@@ -260,15 +260,15 @@ def test_summarize_never_reports_exposed_above_the_total_and_says_where_the_exce
     assert m["comm_ablation_ms"] == pytest.approx(9.0) and m["comm_total_ms"] == pytest.approx(6.0)
     assert m["comm_exposed_ms"] == pytest.approx(6.0) and m["comm_interference_ms"] == pytest.approx(3.0)
     assert m["comm_exposed_ci_ms"][1] <= m["comm_total_ms"] < m["comm_ablation_ci_ms"][1]
-    assert measure.exposed_flag(m) is None  # nothing to flag on exposed vs total, by construction
-    assert "3.00 ms beyond the total communication 6.00 ms" in measure.interference_flag(m)
+    assert consistency.exposed_flag(m) is None  # nothing to flag on exposed vs total, by construction
+    assert "3.00 ms beyond the total communication 6.00 ms" in consistency.interference_flag(m)
     # the negative: unbounded, the same samples would be a contradiction
     raw = dict(m, comm_exposed_ms=m["comm_ablation_ms"], comm_exposed_ci_ms=m["comm_ablation_ci_ms"])
-    assert measure.contradiction(raw) is not None
+    assert consistency.contradiction(raw) is not None
     # within the total, nothing is moved and nothing is said
     calm = summarize([sample([25] * 10, [15] * 10, [11] * 10, comm)])
     assert calm["comm_exposed_ms"] == pytest.approx(4.0) and calm["comm_interference_ms"] == 0.0
-    assert measure.interference_flag(calm) is None
+    assert consistency.interference_flag(calm) is None
 
 
 def test_summarize_records_the_ablation_steps_and_the_interval() -> None:
@@ -285,7 +285,7 @@ def test_summarize_records_the_ablation_steps_and_the_interval() -> None:
 @pytest.mark.parametrize(("exposed", "total", "flagged"), [
     (2.14, 1.04, True), (1.15, 1.0, True), (1.05, 1.0, False), (0.4, 1.0, False), (2.0, None, False)])
 def test_exposed_beyond_total_is_a_contradiction(exposed, total, flagged) -> None:
-    why = measure.contradiction({"comm_exposed_ms": exposed, "comm_total_ms": total})
+    why = consistency.contradiction({"comm_exposed_ms": exposed, "comm_total_ms": total})
     assert (why is not None) == flagged
     if flagged:
         assert f"{exposed:.2f} ms > total {total:.2f} ms" in why and "upper bound" in why
@@ -298,7 +298,7 @@ def test_exposed_beyond_total_is_a_contradiction(exposed, total, flagged) -> Non
 ])
 def test_exposed_above_total_is_a_contradiction_only_beyond_its_interval(interval, kind) -> None:
     metrics = {"comm_exposed_ms": 11.0, "comm_total_ms": 7.5, "comm_exposed_ci_ms": interval, "ablation_pairs": 20}
-    clash, noisy = measure.contradiction(metrics), measure.within_noise(metrics)
+    clash, noisy = consistency.contradiction(metrics), consistency.within_noise(metrics)
     assert (clash is not None, noisy is not None) == (kind == "contradiction", kind == "noise")
     if kind == "noise":
         assert "11.00 ms is above total 7.50 ms" in noisy and "7.00-14.00 ms over 20 ablation pairs" in noisy
@@ -306,7 +306,7 @@ def test_exposed_above_total_is_a_contradiction_only_beyond_its_interval(interva
         assert "(95 % interval 9.00-14.00 ms) > total 7.50 ms" in clash
     # below the total nothing is said, whatever the interval
     calm = dict(metrics, comm_exposed_ms=5.0)
-    assert measure.contradiction(calm) is None and measure.within_noise(calm) is None
+    assert consistency.contradiction(calm) is None and consistency.within_noise(calm) is None
 
 
 def test_compare_and_report_flag_the_contradiction(tmp_path) -> None:
@@ -314,7 +314,8 @@ def test_compare_and_report_flag_the_contradiction(tmp_path) -> None:
 
     from dpcompare.commands.compare.plan import Job
     from dpcompare.commands.compare.render import render_cost
-    from dpcompare.commands.report.markdown import Footnotes, _exposed_cell
+    from dpcompare.commands.report.markdown import Footnotes
+    from dpcompare.commands.report.markdown_cost import _exposed_cell
 
     metrics = {"comm_exposed_ms": 2.14, "comm_total_ms": 1.04, "step_ms_p50": 5.0}
     calm = {"comm_exposed_ms": 0.5, "comm_total_ms": 1.04, "step_ms_p50": 5.0}
@@ -345,7 +346,7 @@ def test_compare_and_report_flag_the_contradiction(tmp_path) -> None:
     (60.0, None, 3.0, False),       # nothing to judge
 ])
 def test_compute_and_exposed_beyond_the_step_are_flagged(step, compute, exposed, flagged) -> None:
-    why = measure.breakdown_flag({"step_ms_p50": step, "compute_ms_p50": compute, "comm_exposed_ms": exposed})
+    why = consistency.breakdown_flag({"step_ms_p50": step, "compute_ms_p50": compute, "comm_exposed_ms": exposed})
     assert (why is not None) == flagged
     if flagged:
         assert f"more than the measured step p50 {step:.2f} ms" in why and "ablation's pairs ran slower" in why
@@ -357,7 +358,8 @@ def test_compare_and_report_flag_a_breakdown_that_does_not_add_up(tmp_path) -> N
     from dpcompare.commands.compare.plan import Job
     from dpcompare.commands.compare.render import render_cost
     from dpcompare.commands.report.derive import Baseline, derive
-    from dpcompare.commands.report.markdown import Footnotes, _compute_cell
+    from dpcompare.commands.report.markdown import Footnotes
+    from dpcompare.commands.report.markdown_cost import _compute_cell
 
     slow = {"step_ms_p50": 77.65, "compute_ms_p50": 108.75, "comm_exposed_ms": 6.85, "comm_total_ms": 13.02}
     fits = {"step_ms_p50": 64.0, "compute_ms_p50": 56.9, "comm_exposed_ms": 3.4, "comm_total_ms": 7.1}
@@ -497,8 +499,8 @@ def test_a_breakdown_that_does_not_add_up_is_blamed_on_the_arms_noise_not_the_ma
     # horovod/2 of an interleaved compare on the loaded 2-core VM: median(unsynced) + median(differences) went past
     # the step, whose synced part they estimate
     metrics = {"step_ms_p50": 190.35, "compute_ms_p50": 160.50, "comm_exposed_ms": 48.92, "comm_ablation_ms": 48.92}
-    why = measure.breakdown_flag(metrics)
+    why = consistency.breakdown_flag(metrics)
     assert "do not add up" in why and "load changed" not in why
     old = {k: v for k, v in metrics.items() if k != "comm_ablation_ms"}
-    assert "load changed between the two windows" in measure.breakdown_flag(old)
-    assert measure.breakdown_flag(dict(metrics, compute_ms_p50=140.0)) is None
+    assert "load changed between the two windows" in consistency.breakdown_flag(old)
+    assert consistency.breakdown_flag(dict(metrics, compute_ms_p50=140.0)) is None

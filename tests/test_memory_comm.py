@@ -404,7 +404,8 @@ def _reported_run(backend: str, options: dict, *, census: bool = True, kinds: bo
 
 
 def _cost_markdown(runs, variants) -> str:
-    from dpcompare.commands.report.markdown import Footnotes, cost_sections
+    from dpcompare.commands.report.markdown import Footnotes
+    from dpcompare.commands.report.markdown_cost import cost_sections
     from dpcompare.commands.report.derive import derive, scaling_baseline
 
     notes = Footnotes()

@@ -10,7 +10,8 @@ The verdict table shows the update and trajectory figures beside the gradient's,
 with its reason; a result written before those checks shows them as n/a with why. The scaling baseline is the
 world-size-1 run that declares capabilities.scaling_baseline, whatever its backend is called; a result without
 capabilities is never one. Runs are ordered as dpcompare.run.registry.BACKENDS lists the backends, and verdict
-notes load whether written as {code, text} objects or as plain strings.
+notes load whether written as {code, text} objects or as plain strings. The options that make a run a variant, and
+their baseline values, are those the adapters declare (a changed declaration changes them), read without torch.
 """
 
 from __future__ import annotations
@@ -616,7 +617,7 @@ def test_deepspeeds_engine_recipe_is_a_variant_and_shows_its_master_copies() -> 
     """compare --amp runs deepspeed's engine recipe beside its autocast run: the engine run is a variant (its own row,
     with its fp32 master copies), never the baseline the cost tables report; the autocast run is the baseline."""
     from dpcompare.commands.report.derive import variant_of
-    from dpcompare.commands.report.markdown import sweep_section
+    from dpcompare.commands.report.markdown_sweep import sweep_section
 
     engine = {"backend": "deepspeed", "world_size": 2, "config": {"amp": "bf16", "options": {"amp_recipe": "engine"}},
               "equivalence": {"verdict": "equivalent", "max_rel_fro_err": 4.6e-3},
@@ -631,7 +632,7 @@ def test_deepspeeds_engine_recipe_is_a_variant_and_shows_its_master_copies() -> 
 def test_the_verdicts_say_which_runs_ran_under_which_precision_recipe() -> None:
     """A bf16 run's errors are ~1e-3: the report says which recipe each run ran, so its floor reads right; runs
     without --amp add no line (the twin)."""
-    from dpcompare.commands.report.markdown import _precision_lines
+    from dpcompare.commands.report.markdown_verdict import _precision_lines
 
     def run(backend: str, ws: int, precision: dict | None) -> dict:
         return {"backend": backend, "world_size": ws, "equivalence": {"precision": precision}}
@@ -703,6 +704,81 @@ def test_a_zero_stage_run_is_its_own_row_never_the_deepspeed_baseline(tmp_path: 
 ])
 def test_variant_rows_are_named_by_their_options_else_by_their_compare_tag(backend, tag, config, expected) -> None:
     assert report.variant_of({"backend": backend, "world_size": 2, "tag": tag, "config": config}) == expected
+
+
+def _declared_by_the_classes() -> dict[str, Any]:
+    """The variant options and their baseline values as the adapter classes themselves hold them (importing them
+    imports torch, never a backend's runtime): what a variant sets, and amp_recipe."""
+    from dpcompare.run import registry
+
+    expected: dict[str, Any] = {}
+    for name in BACKENDS:
+        cls = registry.load(name, BACKENDS, "backend")
+        keys = {k for options in cls.VARIANTS.values() for k in options} | {"amp_recipe"}
+        for option in cls.OPTIONS:
+            if option.name in keys:
+                expected.setdefault(option.name, option.default)
+    return expected
+
+
+def test_the_variant_options_are_the_defaults_each_adapter_declares() -> None:
+    """The report's baseline value of every variant option is the default the adapter's OPTIONS declares for it, in
+    the registry's order (deepspeed's amp_recipe and zero_stage, fsdp's reshard_after_forward), read from the sources."""
+    from dpcompare.commands.report.declarations import variant_options
+
+    derived = variant_options()
+    assert list(derived.items()) == list(_declared_by_the_classes().items())
+    assert {"amp_recipe", "zero_stage", "reshard_after_forward"} <= derived.keys()
+
+
+TWINS = {
+    # a changed default: stage 1 is then deepspeed's baseline and stage 0 a variant
+    "default": ("deepspeed", 'Option("zero_stage", int, 0,', 'Option("zero_stage", int, 1,'),
+    # a variant no longer declared: its option no longer makes a variant
+    "variants": ("fsdp", 'VARIANTS = {"noreshard": {"reshard_after_forward": False}}', "VARIANTS = {}"),
+}
+
+
+@pytest.mark.parametrize("twin", list(TWINS))
+def test_a_changed_declaration_changes_the_variant_options(twin: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The negative twin: the same adapter with one declaration changed, registered in its place, changes what the
+    report takes for the baseline."""
+    from dpcompare.commands.report.declarations import source_of, variant_options
+    from dpcompare.run import registry
+
+    backend, old, new = TWINS[twin]
+    module, _, cls = BACKENDS[backend].partition(":")
+    source = source_of(module).read_text()
+    assert source.count(old) == 1, f"the {backend} adapter no longer declares {old!r}: update this twin"
+    (tmp_path / "twin_adapters").mkdir()
+    (tmp_path / "twin_adapters" / "__init__.py").write_text("")
+    (tmp_path / "twin_adapters" / f"{backend}.py").write_text(source.replace(old, new))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "BACKENDS", {**BACKENDS, backend: f"twin_adapters.{backend}:{cls}"})
+    stage = lambda n: {"backend": "deepspeed", "tag": f"deepspeed:zero{n}/2", "config": {"options": {"zero_stage": n}}}
+    noreshard = {"backend": "fsdp", "tag": "fsdp:noreshard/2", "config": {"options": {"reshard_after_forward": "false"}}}
+    if twin == "default":
+        assert variant_options()["zero_stage"] == 1 and variant_options(BACKENDS)["zero_stage"] == 0
+        assert (report.variant_of(stage(1)), report.variant_of(stage(0))) == ("", "zero_stage=0")
+    else:
+        assert "reshard_after_forward" not in variant_options() and "reshard_after_forward" in variant_options(BACKENDS)
+        assert report.variant_of(noreshard) == "noreshard"  # named by its compare tag alone
+    monkeypatch.setattr(registry, "BACKENDS", BACKENDS)
+    assert (report.variant_of(stage(1)), report.variant_of(stage(0)), report.variant_of(noreshard)) == (
+        "zero_stage=1", "", "reshard_after_forward=false")
+
+
+def test_the_variant_options_are_read_without_torch_or_a_backend() -> None:
+    """Where neither torch nor deepspeed can be imported, a deepspeed:zero2 result is still a variant: the declarations
+    are read from the adapters' sources, and no adapter module is imported."""
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None\n"
+            "from dpcompare.commands.report.derive import variant_of\n"
+            "print(variant_of({'backend': 'deepspeed', 'tag': 'deepspeed:zero2/2', "
+            "'config': {'options': {'zero_stage': '2'}}}))\n"
+            "print(sorted(m for m in sys.modules if m.startswith('dpcompare.adapters')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split("\n")[:2] == ["zero_stage=2", "[]"], proc.stdout + proc.stderr
 
 
 def test_a_failed_variant_job_is_listed_though_its_backend_succeeded(tmp_path: Path) -> None:

@@ -2,7 +2,9 @@
 
 Owns: percentiles, stragglers and `summarize` (the arithmetic of every reported figure). The clocks and the
 memory window are in dpcompare.measure.clocks, bandwidth formulas in dpcompare.measure.bandwidth, native
-communication counters' arithmetic in dpcompare.measure.comm. Imports no adapter and no torch.
+communication counters' arithmetic in dpcompare.measure.comm, and whether a recorded result's figures hold together
+(exposed communication against the total, the step breakdown) in dpcompare.measure.consistency. Imports no adapter
+and no torch.
 
 Definitions:
   step time            forward + backward + reduce + optimizer step, excluding the equivalence check;
@@ -366,87 +368,3 @@ def _by_kind(m: Metrics, samples: list[RankSample], world_size: int, analytic: d
     if reason is None and not any(isinstance(r, dict) for r in records):
         reason = "no rank recorded its collectives"
     m.set("comm_by_kind", comm_by_kind(records, analytic, world_size, reason, analytic_method))
-
-
-CONTRADICTION_SLACK = 0.10
-"""Exposed communication may exceed the total by this fraction (two methods, each with its own noise)."""
-
-
-def exposed_flag(metrics: dict[str, Any]) -> tuple[str, str] | None:
-    """("!", why) when exposed communication contradicts the total, ("~", why) when it is above the total only
-    within its 95 % interval, None otherwise. Exposed (the synced minus the unsynced step) is part of the total
-    (the backend's own counter), so it cannot be larger; it contradicts the total only when its whole interval
-    lies above it (a result without an interval is judged on its figure alone). Then the collectives slowed the
-    computation around them (cores, memory bandwidth or a PCIe link shared with compute), and the ablation
-    booked that slowdown as communication: read exposed as an upper bound, and the total as what the
-    collectives themselves took. Results measured with the interleaved ablation bound exposed by the total
-    (exposed_split) and put that slowdown in comm_interference_ms (interference_flag): this judges older results."""
-    exposed, total = metrics.get("comm_exposed_ms"), metrics.get("comm_total_ms")
-    if not isinstance(exposed, (int, float)) or not isinstance(total, (int, float)) or total <= 0:
-        return None
-    bound = total * (1.0 + CONTRADICTION_SLACK)
-    if exposed <= bound:
-        return None
-    interval = metrics.get("comm_exposed_ci_ms")
-    if isinstance(interval, list) and len(interval) == 2 and interval[0] <= bound:
-        pairs = metrics.get("ablation_pairs")
-        return "~", (f"exposed communication {exposed:.2f} ms is above total {total:.2f} ms, but its 95 % interval "
-                     f"({interval[0]:.2f}-{interval[1]:.2f} ms{f' over {pairs} ablation pairs' if pairs else ''}) "
-                     f"reaches the total: the ablation's noise, not a contradiction; more --measure-steps "
-                     f"(or --ablation-steps) narrow it")
-    within = f" (95 % interval {interval[0]:.2f}-{interval[1]:.2f} ms)" if isinstance(interval, list) else ""
-    return "!", (f"exposed communication {exposed:.2f} ms{within} > total {total:.2f} ms: the collectives slowed "
-                 f"the computation around them and the synced-minus-unsynced ablation counted that as "
-                 f"communication; exposed is an upper bound here")
-
-
-def interference_flag(metrics: dict[str, Any]) -> str | None:
-    """Why the ablation's difference exceeded the total by more than CONTRADICTION_SLACK, or None: the part beyond
-    the total (comm_interference_ms) is the computation slowed by the collectives beside it, shown apart from
-    exposed communication, which it is not."""
-    extra, total, raw = (metrics.get(k) for k in ("comm_interference_ms", "comm_total_ms", "comm_ablation_ms"))
-    if not all(isinstance(v, (int, float)) for v in (extra, total, raw)) or total <= 0:
-        return None
-    if extra <= total * CONTRADICTION_SLACK:
-        return None
-    return (f"the synced step took {raw:.2f} ms longer than the unsynced one, {extra:.2f} ms beyond the total "
-            f"communication {total:.2f} ms: the collectives slowed the computation beside them (cores, memory "
-            f"bandwidth, a shared link); exposed is bounded by the total and this interference is not counted in it")
-
-
-def breakdown_flag(metrics: dict[str, Any]) -> str | None:
-    """Why compute and exposed communication do not fit in the measured step, or None. The step is the p50 of the
-    measured window; compute and exposed come from the ablation's pairs, whose synced arm (compute + exposed) is
-    the measured step up to its reduce, so it is at most the step. More than CONTRADICTION_SLACK beyond it (results
-    of the older ablation, run after the measured window), the machine ran slower during the ablation than during
-    the measured steps (another tenant on a shared machine, a slow spell): the breakdown does not add up and is
-    not printed as if it did."""
-    step, compute, exposed = (metrics.get(k) for k in ("step_ms_p50", "compute_ms_p50", "comm_exposed_ms"))
-    if not all(isinstance(v, (int, float)) for v in (step, compute, exposed)) or step <= 0:
-        return None
-    parts = compute + max(exposed, 0.0)
-    if parts <= step * (1.0 + CONTRADICTION_SLACK):
-        return None
-    if isinstance(metrics.get("comm_ablation_ms"), (int, float)):  # the interleaved ablation: one machine
-        return (f"compute {compute:.2f} ms + exposed {max(exposed, 0.0):.2f} ms = {parts:.2f} ms is "
-                f"{parts / step - 1:.0%} more than the measured step p50 {step:.2f} ms, though the synced arm is part "
-                f"of every measured step: the median of the unsynced arm and the median of the pairs' differences "
-                f"do not add up to the synced arm's median when the steps are this noisy, so compute and exposed "
-                f"compare with each other, not with the step, and the rest of the step is not known; more "
-                f"--measure-steps, or a quieter machine, narrow it")
-    return (f"compute {compute:.2f} ms + exposed {max(exposed, 0.0):.2f} ms = {parts:.2f} ms is {parts / step - 1:.0%} "
-            f"more than the measured step p50 {step:.2f} ms: the ablation's pairs ran slower than the measured steps "
-            f"(the machine's load changed between the two windows), so compute and exposed compare with each other, "
-            f"not with the step, and the rest of the step is not known; rerun when the machine is quieter")
-
-
-def contradiction(metrics: dict[str, Any]) -> str | None:
-    """Why exposed communication contradicts the total (see exposed_flag), or None."""
-    flag = exposed_flag(metrics)
-    return flag[1] if flag and flag[0] == "!" else None
-
-
-def within_noise(metrics: dict[str, Any]) -> str | None:
-    """Why exposed communication above the total is the ablation's noise (see exposed_flag), or None."""
-    flag = exposed_flag(metrics)
-    return flag[1] if flag and flag[0] == "~" else None

@@ -25,9 +25,12 @@ DeviceChoice = Literal["auto", "cpu", "cuda"]
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
     backend: str = "reference"
-    """Registered backend name (reference, ddp, horovod, dp, deepspeed) or `package.module:Class`."""
+    """Registered backend name (reference, dp, ddp, horovod, deepspeed, fsdp: dpcompare.run.registry.BACKENDS) or
+    `package.module:Class`."""
     model: str = "mlp"
-    """Built-in workload (mlp, mlp-dropout, mlp-unused, cnn, lm) or `package.module:function` returning a Workload."""
+    """Built-in workload (dpcompare.run.registry.MODELS: the toys mlp, mlp-wide, mlp-dropout, mlp-unused, cnn, lm; the
+    real models resnet18, resnet50, resnet18-cifar, resnet50-cifar, gpt-tiny, gpt-mini, gpt2-small, gpt2-medium) or
+    `package.module:function` returning a Workload."""
     device: DeviceChoice = "auto"
     """auto: CUDA when available (process group NCCL), else CPU (gloo)."""
     global_batch: int | None = None

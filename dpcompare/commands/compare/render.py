@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dpcompare.commands.compare.plan import Job, declared_launcher
-from dpcompare.measure import summary
+from dpcompare.measure import consistency
 from dpcompare.results import note_code, note_text
 
 STATUS_STYLE = {"equivalent": "green", "different": "red", "failed": "red", "timeout": "red", "unverifiable": "yellow"}
@@ -135,11 +135,11 @@ def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None
     flagged: list[tuple[str, str]] = []
     for j in jobs:
         m = (j.result or {}).get("metrics") or {}
-        breakdown = summary.breakdown_flag(m)
+        breakdown = consistency.breakdown_flag(m)
         compute = _marked(_fmt(m.get("compute_ms_p50"), ".2f"), ("!", breakdown) if breakdown else None, j.label, flagged)
-        interference = summary.interference_flag(m)
+        interference = consistency.interference_flag(m)
         exposed = _marked(_fmt(m.get("comm_exposed_ms"), ".2f"),
-                          summary.exposed_flag(m) or (("+", interference) if interference else None), j.label, flagged)
+                          consistency.exposed_flag(m) or (("+", interference) if interference else None), j.label, flagged)
         table.add_row(j.label, _fmt(m.get("samples_per_s"), ".0f"), _fmt(eff.get(j.label), ".2f"),
                       _fmt(m.get("step_ms_p50"), ".2f"), compute, exposed, _fmt(m.get("comm_total_ms"), ".2f"),
                       _fmt(m.get("overlap_fraction"), ".2f"), _fmt(m.get("busbw_gbps"), ".3f"),

@@ -12,9 +12,11 @@ from typing import Any, NamedTuple
 from dpcompare.commands.report.derive import (Baseline, Derived, derive, newest_per_backend_world_size,
                                               scaling_baseline, scaling_mode, variant_of)
 from dpcompare.commands.report.load import Inputs, label, load_inputs, metric
-from dpcompare.commands.report.markdown import (Footnotes, cost_sections, environment_section, footnotes_section,
-                                                inputs_not_used_section, microbench_section, plot_md, sweep_section,
-                                                unavailable_section, verdict_section)
+from dpcompare.commands.report.markdown import Footnotes, footnotes_section, plot_md
+from dpcompare.commands.report.markdown_cost import cost_sections, microbench_section
+from dpcompare.commands.report.markdown_sources import environment_section, inputs_not_used_section, unavailable_section
+from dpcompare.commands.report.markdown_sweep import sweep_section
+from dpcompare.commands.report.markdown_verdict import verdict_section
 from dpcompare.commands.report.plots_cost import (MODEL_STATE_CAPTION, PLOT_MODEL_STATE, plot_busbw, plot_model_state,
                                                   plot_step_breakdown, plot_throughput)
 from dpcompare.commands.report.plots_project import PLOT_PROJECTION, find_projection, plot_projection, projection_caption

@@ -8,16 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from dpcompare.commands.report.declarations import variant_options
 from dpcompare.commands.report.load import created, is_number, label, metric, run_order
-from dpcompare.measure import summary
+from dpcompare.measure import consistency
 from dpcompare.measure.scaling import other_ms, scaling_efficiency
 
-# Config knobs that make a run a variant of the baseline computation (compare --sweep varies them).
+# Config knobs that make a run a variant of the baseline computation (compare --sweep varies them). Backend options
+# (--opt) do the same, with the value that is the baseline as the adapters declare it (declarations.variant_options):
+# compare --amp runs deepspeed's engine recipe beside its autocast one; compare --backends deepspeed:zero2 (--opt
+# zero_stage=2) a ZeRO stage beside stage 0, fsdp:noreshard (--opt reshard_after_forward=false) FSDP keeping its
+# gathered parameters through the backward.
 VARIANT_KNOBS = {"compression": "none", "grad_accum": 1, "bucket_mb": None}
-# Backend options (--opt) that do the same, with the value that is the baseline: compare --amp runs deepspeed's engine
-# recipe beside its autocast one; compare --backends deepspeed:zero2 (--opt zero_stage=2) a ZeRO stage beside stage 0,
-# fsdp:noreshard (--opt reshard_after_forward=false) FSDP keeping its gathered parameters through the backward.
-VARIANT_OPTIONS = {"amp_recipe": "autocast", "zero_stage": 0, "reshard_after_forward": True}
 NO_BASELINE = ("no run at world size 1 declares itself the scaling baseline (capabilities.scaling_baseline): get "
                "one with python -m dpcompare --backend reference (a result written before capabilities were "
                "recorded declares nothing)")
@@ -42,17 +43,18 @@ def backend_variant(run: dict[str, Any]) -> str:
 
 def variant_of(run: dict[str, Any]) -> str:
     """'' for a baseline run, else 'knob=value ...' for the knobs and options it changes (`zero_stage=2`, whatever
-    named it). A compare job of a named backend variant whose options are none of VARIANT_OPTIONS (a variant this
-    report has no option for) is named by its variant (`fsdp:grad_op/2` -> 'grad_op'), never taken for the baseline;
-    a ZeRO stage 0 run (deepspeed:zero0) is deepspeed's baseline, stage 0 being its default."""
+    named it). A compare job of a named backend variant whose options are none of the variant options (a variant
+    this report has no option for) is named by its variant (`fsdp:grad_op/2` -> 'grad_op'), never taken for the
+    baseline; a ZeRO stage 0 run (deepspeed:zero0) is deepspeed's baseline, stage 0 being its default."""
+    baselines = variant_options()
     config = run.get("config") or {}
     options = config.get("options") or {}
     knobs = [f"{k}={config[k]:g}" if isinstance(config[k], float) else f"{k}={config[k]}"
              for k, default in VARIANT_KNOBS.items() if config.get(k, default) != default]
     named = backend_variant(run)
-    if named and not any(k in options for k in VARIANT_OPTIONS):
+    if named and not any(k in options for k in baselines):
         knobs.insert(0, named)
-    return " ".join(knobs + [f"{k}={options[k]}" for k, default in VARIANT_OPTIONS.items()
+    return " ".join(knobs + [f"{k}={options[k]}" for k, default in baselines.items()
                              if not _same_option(options.get(k, default), default)])
 
 
@@ -130,7 +132,7 @@ def _efficiency(run: dict[str, Any], baseline: Baseline) -> tuple[float | None, 
 
 
 def _other(run: dict[str, Any]) -> tuple[float | None, str | None]:
-    mismatch = summary.breakdown_flag(run.get("metrics") or {})
+    mismatch = consistency.breakdown_flag(run.get("metrics") or {})
     if mismatch is not None:
         return None, mismatch
     other = other_ms(*(metric(run, n)[0] for n in STEP_PARTS))

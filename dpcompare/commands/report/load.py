@@ -179,3 +179,12 @@ def metric(run: dict[str, Any], name: str) -> tuple[Any, str | None]:
     if why:
         return None, str(why)
     return None, f"metrics.{name} is {'null' if name in metrics else 'absent'} and no reason was recorded"
+
+
+def raw_metric(run: dict[str, Any], name: str) -> tuple[Any, str | None]:
+    """A structured metric as the run recorded it (a dict or a list), or (None, why it is missing)."""
+    metrics = run.get("metrics")
+    value = metrics.get(name) if isinstance(metrics, dict) else None
+    if value is not None:
+        return value, None
+    return None, metric(run, name)[1]

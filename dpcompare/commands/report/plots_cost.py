@@ -16,7 +16,7 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 from dpcompare.commands.report.derive import STEP_PARTS, format_bytes, variant_of
 from dpcompare.commands.report.load import label, metric
 from dpcompare.commands.report.style import TRAINING_MARKERS, colour, marker, save
-from dpcompare.measure import summary
+from dpcompare.measure import consistency
 from dpcompare.measure.scaling import other_ms, scaling_efficiency
 
 
@@ -144,7 +144,7 @@ def plot_step_breakdown(runs: list[dict[str, Any]], path: Path) -> str | None:
     longest = max(max(v for v in parts if v is not None) for _, parts in rows)
     for y, (run, parts) in enumerate(reversed(rows)):
         end, notes = _draw_step(ax, y, parts, labelled)
-        if summary.breakdown_flag(run.get("metrics") or {}):
+        if consistency.breakdown_flag(run.get("metrics") or {}):
             notes.append("(!) compute + exposed > step: the machine was slower during the ablation")
         step = parts[0]
         text = (f"{step:.3g} ms" if step is not None else "") + ("  " + "; ".join(notes) if notes else "")

@@ -1,0 +1,44 @@
+"""compare.json, the summary of one compare: the invocation, every run with its outcome (label, backend and named
+variant, world size, status, wall time, error, command, result path, verdict), the backends unavailable, the sweep
+combinations skipped, and the cross-run figures (scaling, the gradient matrix, unused-parameter gradients, skipped
+steps)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from dpcompare import results
+from dpcompare.commands.compare import plan
+
+
+def payload(ns: argparse.Namespace, run_dir: Path, planned: plan.Plan, figures: dict[str, Any]) -> dict[str, Any]:
+    """compare.json: the invocation, every run and its outcome, and the cross-run figures."""
+    collectives = run_dir / "collectives.json"
+    return results.base_payload(
+        kind="compare",
+        created_unix=time.time(),
+        suite=ns.suite, backends=ns.backends,
+        model=ns.model, steps=ns.steps, measure_steps=ns.measure_steps, global_batch=ns.global_batch,
+        scaling_mode=ns.scaling, amp=ns.amp, optimizer=ns.optimizer,
+        runs=[run_entry(j) for j in planned.jobs],
+        unavailable=planned.unavailable,
+        sweep_skipped=planned.sweep_skipped,
+        scaling=figures["scaling"],
+        matrix=figures["matrix"],
+        unused_parameter_grads=figures["unused_parameter_grads"],
+        skipped_steps=figures["skipped_steps"],
+        collectives=str(collectives) if collectives.exists() else None,
+        env=results.environment(),
+    )
+
+
+def run_entry(job: plan.Job) -> dict[str, Any]:
+    return {"label": job.label, "backend": job.backend, "entry": job.entry,
+            "backend_variant": job.backend_variant or None, "options": job.options,
+            "world_size": job.world_size, "variant": job.variant,
+            "status": job.status, "wall_s": job.wall_s, "error": job.error, "command": job.command,
+            "result_path": None if job.result_path is None else str(job.result_path),
+            "verdict": (job.result or {}).get("equivalence", {}).get("verdict")}

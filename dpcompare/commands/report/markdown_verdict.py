@@ -1,0 +1,125 @@
+"""The verdict section of report.md (is it the same computation?): one row per run with its three checks, each
+as its worst judged error in multiples of its floor, the jobs that failed without a result, which runs ran under
+which mixed-precision recipe, and what the backends compute beside the single process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dpcompare.commands.report.load import is_number
+from dpcompare.commands.report.markdown import Footnotes, table, verdict_cell
+
+NO_CHECKS = ("this result has no equivalence.checks (written before dpcompare checked the update and the "
+             "trajectory): rerun to check them")
+VERDICT_INTRO = (
+    "Three checks per checked step, each as its worst judged error in multiples of its floor (x floor): the reduced "
+    "gradient against the run-precision reference split as the ranks split it (its floor: the same computation "
+    "regrouped, what data parallelism alone changes; max rel fro err: its distance from the float64 oracle), the "
+    "update against a float64 optimizer step from the same parameters, gradient and state (norm ratio: ||update|| / "
+    "||reference update||, 1 = the same step length), and the trajectory, the parameters' distance to a float64 "
+    "single process trained beside the run. catches: the smallest relative change of the gradient or the update "
+    "that every checked step flags (`equivalent` needs 0.1 or less). **unverifiable**: part of the run could not be "
+    "checked, or the checks had no power; the reason is in the last column.")
+VERDICT_HEADER = ["backend", "ws", "launcher", "model", "verdict", "gradient (x floor)", "gradient max rel fro err",
+                  "update (x floor)", "update norm ratio", "trajectory (x floor)", "catches (relative change)",
+                  "first divergence / unverifiable reason / error"]
+
+
+@dataclass(slots=True)
+class _VerdictFigures:
+    """The cells of one run's verdict row, each a figure or n/a with its reason."""
+    e: dict[str, Any]
+    notes: Footnotes
+    unchecked: str | None
+    unverifiable: str | None
+
+    def figure(self, name: str, spec: str) -> str:
+        v = self.e.get(name)
+        return format(v, spec) if is_number(v) else self.notes.na(
+            self.unchecked or self.unverifiable
+            or f"equivalence.{name} is {'null' if v is None else repr(v)} and no reason was recorded")
+
+    def check_figure(self, check: str, name: str, spec: str) -> str:
+        checks = self.e.get("checks")
+        if not isinstance(checks, dict):
+            return self.notes.na(self.unchecked or NO_CHECKS)
+        c = checks.get(check) if isinstance(checks.get(check), dict) else {}
+        v, status = c.get(name), c.get("status")
+        if is_number(v):
+            return format(v, spec)
+        if status == "unverifiable":
+            return self.notes.na(self.unverifiable or f"the {check} check could not be made and no reason was recorded")
+        if status == "off":
+            return self.notes.na(self.unchecked or f"the {check} check did not run (checks.{check}.status: off)")
+        return self.notes.na(f"equivalence.checks.{check}.{name} is {'null' if v is None else repr(v)} and no reason "
+                             "was recorded")
+
+    def divergence(self) -> str:
+        d = self.e.get("first_divergence")
+        if not d:
+            return self.unverifiable or "none"
+        check = f" ({d['check']} check)" if d.get("check") else ""
+        return f"step {d.get('step')}{check}, `{d.get('parameter')}`: {d.get('reason', '')}"
+
+
+def _verdict_row(run: dict[str, Any], notes: Footnotes) -> list[str]:
+    e = run.get("equivalence") or {}
+    verdict = e.get("verdict") or "n/a"
+    f = _VerdictFigures(e, notes, "no gradient check ran (verdict unchecked)" if verdict == "unchecked" else None,
+                        e.get("unverifiable_reason") if verdict == "unverifiable" else None)
+    return [run["backend"], str(run["world_size"]), str(run.get("launcher", "?")), str(run.get("model", "?")),
+            verdict_cell(verdict), f.figure("noise_ratio", ".2f"), f.figure("max_rel_fro_err", ".2e"),
+            f.check_figure("update", "noise_ratio", ".2f"), f.check_figure("update", "norm_ratio", ".4f"),
+            f.check_figure("trajectory", "noise_ratio", ".2f"), f.figure("min_detectable_rel", ".2g"), f.divergence()]
+
+
+def _failed_job_rows(runs: list[dict[str, Any]], compare: dict[str, Any] | None) -> list[list[str]]:
+    """Jobs the compare summary lists as failed or timed out that left no result behind."""
+    # A job is its label (`deepspeed:zero2/2`, which its run carries as its tag); older summaries: backend and world size.
+    have = {r.get("tag") for r in runs} | {(r["backend"], r["world_size"]) for r in runs}
+    return [[str(job.get("entry") or job.get("backend")), str(job.get("world_size")), "-", "-",
+             verdict_cell(job["status"]), "-", "-", "-", "-", "-", "-", job.get("error") or "no result written"]
+            for job in (compare or {}).get("runs") or []
+            if job.get("status") in ("failed", "timeout")
+            and (job["label"] not in have if job.get("label") else (job.get("backend"), job.get("world_size")) not in have)]
+
+
+SEMANTIC_NOTES = ("per_replica_batchnorm", "buffers_per_rank")
+"""Notes that say what a backend computes that a single process does not: listed under the verdicts."""
+
+
+def _semantic_lines(runs: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for run in runs:
+        for note in (run.get("equivalence") or {}).get("notes") or []:
+            if isinstance(note, dict) and note.get("code") in SEMANTIC_NOTES:
+                lines.append(f"- {run['backend']} ws={run['world_size']} {run.get('model', '?')} "
+                             f"(`{note['code']}`): {note.get('text', '')}")
+    return ["What the backends compute beside the single process (equivalent, and stated):", "", *lines] if lines else []
+
+
+def _precision_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """Which runs ran under which mixed-precision recipe (their floors are that recipe's), and what fp16's loss
+    scaler skipped."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for run in runs:
+        p = (run.get("equivalence") or {}).get("precision") or {}
+        if p.get("amp", "none") == "none":
+            continue
+        shown = f"{run['backend']} ws={run['world_size']}"
+        if p.get("loss_scaler"):
+            skipped = p.get("skipped_steps") or []
+            shown += f" (skipped {', '.join(map(str, skipped))})" if skipped else " (no step skipped)"
+        groups.setdefault((p["amp"], p.get("recipe", "?"), p.get("description", "")), []).append(shown)
+    if not groups:
+        return []
+    lines = [f"- `--amp {amp}`, {recipe} recipe ({description}): {', '.join(names)}"
+             for (amp, recipe, description), names in groups.items()]
+    return ["Mixed precision (each run judged on its own recipe's floor, recomputed rank by rank):", "", *lines]
+
+
+def verdict_section(runs: list[dict[str, Any]], compare: dict[str, Any] | None, notes: Footnotes) -> list[str]:
+    rows = [_verdict_row(run, notes) for run in runs] + _failed_job_rows(runs, compare)
+    extra = [block for block in (_precision_lines(runs), _semantic_lines(runs)) if block]
+    return [VERDICT_INTRO, "", *table(VERDICT_HEADER, rows), *[line for block in extra for line in ["", *block]]]
