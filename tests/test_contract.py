@@ -290,3 +290,10 @@ def test_horovod_timeline_is_the_counter_when_on_and_its_reason_is_said_when_off
     assert off is not None and off["metrics"]["comm_total_ms"] is None
     assert "timeline is off (--opt timeline=off)" in off["metrics"]["reasons"]["comm_total_ms"]
     assert off["metrics"]["comm_exposed_ms"] is not None
+
+
+def test_an_empty_backend_is_refused_naming_every_registered_one():
+    with pytest.raises(ValueError) as refused:
+        RunConfig(backend="").validate()
+    named = str(refused.value).split("(")[-1].split(")")[0].split(", ")
+    assert named == list(registry.BACKENDS), str(refused.value)

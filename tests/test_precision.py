@@ -24,7 +24,6 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from dpcompare.run import workloads
 from dpcompare.contract.amp import GradScaling

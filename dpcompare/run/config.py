@@ -123,7 +123,7 @@ class RunConfig:
         if self.timeout_s > MAX_TIMEOUT_S:
             raise bad("timeout_s", self.timeout_s, f"use at most {MAX_TIMEOUT_S:g} seconds (a week)")
         if not self.backend:
-            raise bad("backend", self.backend, "name a backend (reference, ddp, horovod, dp, deepspeed) or package.module:Class")
+            raise bad("backend", self.backend, "name a backend (reference, dp, ddp, horovod, deepspeed, fsdp) or package.module:Class")
         if self.global_batch is not None and self.global_batch < 1:
             raise bad("global_batch", self.global_batch, "use a positive whole number of samples")
         if self.local_batch is not None and self.local_batch < 1:
