@@ -23,6 +23,8 @@ replica normalises its own shard, judged as that per-replica computation in test
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 MODELS = ("mlp", "cnn", "lm", "mlp-dropout", "mlp-unused")
@@ -120,10 +122,17 @@ def test_backend_is_equivalent_to_the_float64_oracle(backend, world_size, model,
 @pytest.mark.timeout(330)
 @pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
 def test_deepspeed_under_its_own_launcher(backend, launch, record_noise_ratio):
-    """`deepspeed --num_gpus 2 --module dpcompare`: the launcher appends --local_rank and sets CROSS_RANK."""
+    """`deepspeed --num_gpus 2 --module dpcompare`: the launcher appends --local_rank and sets CROSS_RANK. Its CPU
+    shared-memory all-reduce creates a 66 MB /dev/shm segment per rank and never removes it; the adapter's teardown
+    does, or a test session fills /dev/shm and memory (the kernel's OOM killer ends a later run)."""
+    def segments() -> set[str]:
+        return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
+
+    before = segments()
     proc, result = launch(backend, 2, "mlp", STEPS, "deepspeed")
     assert_equivalent(proc, result, backend=backend, world_size=2, model="mlp", launcher="deepspeed")
     record_noise_ratio(result)
+    assert segments() - before == set(), sorted(segments() - before)
 
 
 @pytest.mark.multiproc
