@@ -372,6 +372,7 @@ def test_ddp_measures_every_ranks_model_state_and_its_all_reduce_is_analytic_onl
     assert ar["bytes_per_step"] is None and ar["analytic_bytes_per_step"] == m["grad_bytes_per_step"]
 
 
+@pytest.mark.slow  # the default tier measures DeepSpeed's all-reduce at ZeRO-1 (test_deepspeed_zero1_halves_...)
 @pytest.mark.multiproc
 def test_deepspeed_zero0_all_reduce_measured_in_python_is_the_gradient(launch) -> None:
     pytest.importorskip("deepspeed")

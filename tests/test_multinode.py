@@ -98,6 +98,7 @@ def test_a_hang_on_the_other_node_is_named_within_the_timeout(tmp_path: Path) ->
     assert slowest < timeout_s + 45, f"the launch took {slowest:.0f} s for a {timeout_s} s timeout"
 
 
+@pytest.mark.slow  # horovodrun's default-tier cell: horovod-ws2-mlp-unused in test_equivalence_matrix.py
 @pytest.mark.multiproc
 @pytest.mark.timeout(AGENT_TIMEOUT_S + 60)
 @pytest.mark.parametrize("backend", ["horovod"], indirect=True)
