@@ -1,7 +1,8 @@
 """The package installs from its wheel, outside the checkout: every package under dpcompare/ (found, not listed)
-and adapters/ as dpcompare.adapters are in it, and every subcommand starts from it.
+and adapters/ as dpcompare.adapters are in it, and every subcommand starts from it. The wheel is built from the sdist,
+as `python -m build` does.
 
-The wheel is built without isolation (setuptools is in the environment) and installed with `pip --target` into a
+Both are built without isolation (setuptools is in the environment); the wheel is installed with `pip --target` into a
 temporary directory, which goes first on PYTHONPATH; the environment's torch and the other dependencies are reused.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -27,9 +29,17 @@ def _packages_in_the_tree() -> set[str]:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> tuple[Path, Path]:
-    out = tmp_path_factory.mktemp("wheel")
+    """The wheel built as `python -m build` builds it: an sdist first (setuptools' PEP 517 backend), the wheel from
+    the sdist unpacked elsewhere (so nothing left in the checkout's build/ can ship), installed with --target."""
+    out = tmp_path_factory.mktemp("dist")
+    code = f"from setuptools import build_meta; print(build_meta.build_sdist({str(out)!r}))"
+    made = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert made.returncode == 0, made.stderr[-3000:]
+    with tarfile.open(out / made.stdout.strip().splitlines()[-1]) as tar:
+        tar.extractall(out / "unpacked", filter="data")
+    (source,) = (out / "unpacked").iterdir()
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(REPO)], check=True, capture_output=True, text=True, timeout=240)
+                    str(source)], check=True, capture_output=True, text=True, timeout=240)
     (wheel,) = out.glob("dpcompare-*.whl")
     target = tmp_path_factory.mktemp("site")
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
@@ -37,12 +47,28 @@ def installed(tmp_path_factory) -> tuple[Path, Path]:
     return wheel, target
 
 
+def _shipped(wheel: Path) -> tuple[set[str], list[str]]:
+    names = zipfile.ZipFile(wheel).namelist()
+    return {name.rsplit("/", 1)[0].replace("/", ".") for name in names if name.endswith("/__init__.py")}, names
+
+
 def test_the_wheel_holds_every_package_of_the_tree(installed) -> None:
     wheel, _ = installed
-    names = zipfile.ZipFile(wheel).namelist()
-    shipped = {name.rsplit("/", 1)[0].replace("/", ".") for name in names if name.endswith("/__init__.py")}
+    shipped, names = _shipped(wheel)
     assert shipped == _packages_in_the_tree(), (sorted(_packages_in_the_tree() - shipped), sorted(shipped))
     assert "dpcompare/schema/result.schema.json" in names and "dpcompare/py.typed" in names
+
+
+def test_the_wheel_holds_every_module_of_the_tree_and_nothing_else(installed) -> None:
+    """Module for module: what git tracks under dpcompare/ and adapters/ (as dpcompare/adapters/)."""
+    wheel, _ = installed
+    tracked = subprocess.run(["git", "ls-files", "dpcompare", "adapters"], cwd=REPO, capture_output=True, text=True,
+                             timeout=60)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout: " + tracked.stderr.strip())
+    in_tree = {("dpcompare/" + f) if f.startswith("adapters/") else f for f in tracked.stdout.split() if f.endswith(".py")}
+    in_wheel = {n for n in _shipped(wheel)[1] if n.endswith(".py")}
+    assert in_wheel == in_tree, (sorted(in_tree - in_wheel), sorted(in_wheel - in_tree))
 
 
 def test_the_tree_check_can_fail_on_a_package_left_out(installed) -> None:
