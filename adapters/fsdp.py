@@ -200,9 +200,9 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
 
     def clip_grad_norm(self, max_norm: float) -> float | None:
         # clip_grad_norm_ on DTensor gradients: each rank's norm of its shards is a partial norm, reduced over the mesh
-        # before the coefficient is taken, so every shard is clipped by the global norm. The returned total norm is a
-        # DTensor still holding that reduction: full_tensor() gives the global value (to_local() would be this rank's
-        # shards' norm).
+        # before the coefficient is taken, so every shard is clipped by the global norm. The total norm it returns is a
+        # DTensor: full_tensor() gives the global value whatever placement it is left in (torch 2.13: Replicate,
+        # reduced already). A norm taken by hand over `p.grad.to_local()` would be this rank's shards' only.
         assert self.wrapped is not None
         params = [p for p in self.wrapped.module.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)

@@ -128,10 +128,10 @@ class GradNormJudge:
         cause, what = self._diagnose(expected, reported)
         self.verdict.diverge(Divergence(
             step, MODEL, rel_err, expected.tolerance, record.noise_ratio,
-            f"the backend clipped by a total gradient norm of {reported:.6g} where the float64 oracle's global norm is "
-            f"{o:.6g} ({rel_err:.3g} relative, tolerance {expected.tolerance:.3g}): {what}; clip_grad_norm_ must see "
-            "the norm over every parameter's whole reduced gradient (under ZeRO or FSDP, the partitions' squared "
-            "norms all-reduced)", check="grad_norm", cause=cause, parameters=list(self.names)))
+            f"the total gradient norm the backend reports clipping by is {reported:.6g} where the float64 oracle's global "
+            f"norm is {o:.6g} ({rel_err:.3g} relative, tolerance {expected.tolerance:.3g}): {what}; the norm must be "
+            "taken over every parameter's whole reduced gradient (under ZeRO or FSDP, the partitions' squared norms "
+            "all-reduced)", check="grad_norm", cause=cause, parameters=list(self.names)))
 
     def _diagnose(self, expected: _Expected, reported: float) -> tuple[str, str]:
         """The known wrong norm the reported one is, as (cause, sentence), else (grad_norm, what it is not)."""

@@ -240,7 +240,8 @@ class Verdict:
                        "norm_ratio": worst_ratio,
                        "min_detectable_rel": _finite(update_power) if update_power is not None else None,
                        "coverage": coverage(updates[-1].params).to_dict() if updates else None},
-            "grad_norm": {"status": status("grad_norm", any(g.reported is not None for g in norms)),
+            "grad_norm": {"status": "fail" if any(g.reported is not None and not g.ok for g in norms) else
+                          status("grad_norm", any(g.reported is not None for g in norms)),
                           "noise_ratio": _worst([g.noise_ratio for g in norms if math.isfinite(g.noise_ratio)]),
                           "max_rel_err": _worst([g.rel_err for g in norms if math.isfinite(g.rel_err)]),
                           "min_detectable_rel": _worst([g.tolerance for g in norms]),
