@@ -217,7 +217,10 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
                               "partitions for overflow itself and returns before its GradScaler's update(), so the "
                               "loss scale never comes down after an overflow and every later step is skipped (the "
                               "verdict says `different`, cause scale_never_lowered, when it happens); the engine "
-                              "recipe (--opt amp_recipe=engine), bf16 or ZeRO stage 0 back off"))
+                              "recipe (--opt amp_recipe=engine), bf16 or ZeRO stage 0 back off"
+                              + ("; with gradient_clipping its norm is the scaled gradients' (its own loss scale is 1 "
+                                 "there, the GradScaler's is not divided out): it reports and clips by the loss scale "
+                                 "times the norm (cause grad_norm_scaled)" if self.clip else "")))
         if self._untested:
             notes.append(Note("deepspeed.untested_optimizer",
                               f"deepspeed: {type(optimizer).__name__} is not on ZeRO's list of tested optimizers: "

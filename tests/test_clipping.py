@@ -242,3 +242,16 @@ def test_a_norm_reported_from_one_ranks_shards_is_named(launch):
     d = named(proc, result, "grad_norm", "grad_norm_partition")
     assert "rank 0's dim-0 shard of every parameter" in d["reason"], d["reason"]
     assert result["equivalence"]["checks"]["update"]["status"] == "pass"  # its clipping is right
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.timeout(330)
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+def test_zero_under_autocast_fp16_clipping_by_the_scaled_norm_is_named(backend, launch):
+    """DeepSpeed 0.19.8, ZeRO-2 under its torch_autocast section at fp16: the GradScaler scales the loss while the ZeRO
+    optimizer's own loss scale stays 1, so the norm it reports and clips by is the loss scale times the true one."""
+    proc, result = launch(backend, WORLD_SIZE, "mlp", [*CLIPPED, "--amp", "fp16", "--opt", "zero_stage=2"])
+    d = named(proc, result, "grad_norm", "grad_norm_scaled")
+    assert "x the loss scale 65536" in d["reason"], d["reason"]
+    assert result["equivalence"]["checks"]["gradient"]["status"] == "pass"

@@ -2,7 +2,8 @@
 
 Owns: this rank's shard of a step's global batch, the forward and backward over `grad_accum` equal
 micro-batches (synchronising only the last when the backend can switch sync off; forward and loss inside the
-adapter's autocast), the reduce, the loss scale undone, the gradient clipped (--clip-grad-norm), the optimizer step, the injected faults of the failure tests, and the watchdog's heartbeat at every stage.
+adapter's autocast), the reduce, the loss scale undone, the gradient clipped (--clip-grad-norm), the optimizer step,
+the injected faults of the failure tests, and the watchdog's heartbeat at every stage.
 The verification phase hangs its checks on the hooks; measurement and the ablation time whole steps.
 """
 
@@ -37,7 +38,7 @@ class StepRunner:
         self.inject_slowdown = inject_slowdown
         self.clip_grad_norm = clip_grad_norm
         self.grad_norm: float | None = None
-        """The total gradient norm the backend reported clipping the last step (None: no clipping, or none reported)."""
+        """The total norm the backend reported clipping the last step's gradient by (None: no clipping, or none reported)."""
         self.forward_s = 0.0
         # Floating inputs go in the dtype of the model's weights: the run dtype, or a backend's low-precision
         # weights (DeepSpeed's bf16/fp16 engine); under autocast the weights stay float32 and autocast casts.

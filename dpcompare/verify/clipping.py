@@ -129,9 +129,8 @@ class GradNormJudge:
         self.verdict.diverge(Divergence(
             step, MODEL, rel_err, expected.tolerance, record.noise_ratio,
             f"the total gradient norm the backend reports clipping by is {reported:.6g} where the float64 oracle's global "
-            f"norm is {o:.6g} ({rel_err:.3g} relative, tolerance {expected.tolerance:.3g}): {what}; the norm must be "
-            "taken over every parameter's whole reduced gradient (under ZeRO or FSDP, the partitions' squared norms "
-            "all-reduced)", check="grad_norm", cause=cause, parameters=list(self.names)))
+            f"norm is {o:.6g} ({rel_err:.3g} relative, tolerance {expected.tolerance:.3g}): {what}; {FIXES.get(cause, FIX)}",
+            check="grad_norm", cause=cause, parameters=list(self.names)))
 
     def _diagnose(self, expected: _Expected, reported: float) -> tuple[str, str]:
         """The known wrong norm the reported one is, as (cause, sentence), else (grad_norm, what it is not)."""
@@ -163,6 +162,14 @@ class GradNormJudge:
         return "grad_norm", (f"it is {reported / o:.4g}x the oracle's, and none of the known wrong norms (a rank's local "
                              "norm before the reduce, one rank's shard or partition, the loss-scaled norm, the norm after "
                              "clipping, the summed gradient's)" if o > 0 else "the oracle's gradient is zero")
+
+
+FIX = ("the norm must be taken over every parameter's whole reduced gradient (under ZeRO or FSDP, the partitions' squared "
+       "norms all-reduced)")
+FIXES = {"grad_norm_scaled": "the loss scale must be divided out before the norm is taken (a clip by the scaled norm "
+                             "clips by the loss scale too much; the update check shows it)",
+         "grad_norm_after_clip": "the norm to report is the one taken before clipping (clip_grad_norm_'s return value)"}
+"""What to do about a wrong norm, by cause (FIX: every norm taken over part of the gradient, or before the reduce)."""
 
 
 def _shard_norm(grads: Grads, names: list[str], rank: int, world_size: int) -> float:
