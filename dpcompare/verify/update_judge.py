@@ -40,7 +40,7 @@ class UpdateJudge:
         self.world_size, self.unused, self.prestep = world_size, unused, prestep
         self.backend, self.verdict = backend, verdict
         self.dtype = DTYPES[cfg.dtype]
-        self.clip: float | None = getattr(cfg, "clip_grad_norm", None)
+        self.clip: float | None = cfg.clip_grad_norm
         """--clip-grad-norm: every reference step clips the gradient it is handed by its global norm."""
         self.expected_state: OptState | None = {}  # a fresh optimizer's (after the declared pre-step, at step 0)
         self.expected_from = ("a fresh optimizer's" if self.prestep is None else
