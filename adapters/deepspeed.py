@@ -6,6 +6,12 @@ whole backward (no overlap) the gradients are flattened into buffers, summed and
 on purpose and stated in the verdict's notes: gradient clipping (1.0 by default since 0.19.3, which
 would make its parameters differ from DDP's) is set to 0.0, and nothing else scales the loss.
 
+Gradient clipping (--clip-grad-norm X) is the engine's own: `gradient_clipping: X` in its config, applied inside
+`engine.step()` at every stage and recipe (the client optimizer's gradients at stage 0, the fp32 partitions under
+ZeRO, the master gradients under the engine recipe); the norm it clipped by is `engine.get_global_grad_norm()` after
+the step, except at stage 0 with the client optimizer, where the engine discards the norm its clip_grad_norm_
+returns: the adapter keeps it.
+
 Mixed precision, two recipes (`--opt amp_recipe=`): `autocast` (default) is DeepSpeed's `torch_autocast` section,
 float32 weights with the engine's forward under torch.autocast and, for fp16, the GradScaler the engine keeps at
 stage 0; `engine` is its `bf16`/`fp16` section: the model's weights and gradients in 16 bits, all-reduced in 16
@@ -91,6 +97,14 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
         # micro-batch into their partitions).
         self.capabilities = dataclasses.replace(type(self).capabilities, shards=STAGE_SHARDS[self.stage],
                                                 can_disable_sync=self.stage < 2, has_buckets=self.stage > 0)
+        own = float(self.settings.options.get("gradient_clipping", 0.0))
+        if self.settings.clip_grad_norm is not None and own:
+            raise ValueError(f"--opt gradient_clipping={own:g} and --clip-grad-norm {self.settings.clip_grad_norm:g} both "
+                             "clip: --clip-grad-norm sets DeepSpeed's gradient_clipping and has the checks clip alike; "
+                             "drop --opt gradient_clipping")
+        self.clip = self.settings.clip_grad_norm if self.settings.clip_grad_norm is not None else own
+        """The engine's gradient_clipping (0: off)."""
+        self._stage0_norm: float | None = None
 
     def setup(self, timeout_s: float) -> None:
         # Without RANK/WORLD_SIZE/MASTER_* DeepSpeed tries MPI discovery (mpi4py, a non-loopback address).
@@ -155,7 +169,7 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
             "train_batch_size": global_batch,
             "train_micro_batch_size_per_gpu": local_batch,
             "gradient_accumulation_steps": 1,
-            "gradient_clipping": self.settings.options["gradient_clipping"],
+            "gradient_clipping": self.clip,
             "zero_optimization": self._zero_config(),
             "steps_per_print": 1 << 30,
             # Its timers are the native communication counter ('bwd_allreduce'); on CUDA they synchronise,
@@ -192,11 +206,9 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
         attribute = "torch_autocast_z0_gradscaler" if not self.stage else "torch_autocast_gradscaler"
         if getattr(holder, attribute, None) is not None and self.settings.loss_scale:
             setattr(holder, attribute, torch.amp.GradScaler(self.device.type, init_scale=self.settings.loss_scale))
-        clip = self.settings.options["gradient_clipping"]
-        notes = [Note("deepspeed.gradient_clipping",
-                      "deepspeed: gradient_clipping set to 0.0 (DeepSpeed >= 0.19.3 clips at 1.0 by default, which "
-                      "changes the update relative to DDP and Horovod)" if not clip else
-                      f"deepspeed: gradient_clipping={clip:g} (--opt): the update is clipped, unlike DDP's and Horovod's")]
+        if self.settings.clip_grad_norm is not None and not self.stage and not self._engine_recipe:
+            self._keep_stage0_norm(engine)
+        notes = [Note("deepspeed.gradient_clipping", self._clipping_note())]
         if self.stage:
             notes.append(Note("deepspeed.zero_stage", self._stage_note()))
         if self.stage and not self._engine_recipe and self.settings.amp == "fp16":
@@ -205,7 +217,10 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
                               "partitions for overflow itself and returns before its GradScaler's update(), so the "
                               "loss scale never comes down after an overflow and every later step is skipped (the "
                               "verdict says `different`, cause scale_never_lowered, when it happens); the engine "
-                              "recipe (--opt amp_recipe=engine), bf16 or ZeRO stage 0 back off"))
+                              "recipe (--opt amp_recipe=engine), bf16 or ZeRO stage 0 back off"
+                              + ("; with gradient_clipping its norm is the scaled gradients' (its own loss scale is 1 "
+                                 "there, the GradScaler's is not divided out): it reports and clips by the loss scale "
+                                 "times the norm (cause grad_norm_scaled)" if self.clip else "")))
         if self._untested:
             notes.append(Note("deepspeed.untested_optimizer",
                               f"deepspeed: {type(optimizer).__name__} is not on ZeRO's list of tested optimizers: "
@@ -217,6 +232,30 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
         notes += self._precision_notes(engine, ds_optimizer)
         self.wrapped = Wrapped(engine, module, ds_optimizer, notes)
         return self.wrapped
+
+    def _clipping_note(self) -> str:
+        if self.settings.clip_grad_norm is not None:
+            return (f"deepspeed: gradient_clipping={self.clip:g} (--clip-grad-norm): the engine clips inside its step; "
+                    "the norm it clipped by is engine.get_global_grad_norm()" +
+                    (" (at stage 0 with the client optimizer the engine drops the norm its clip_grad_norm_ returns: "
+                     "the adapter keeps it)" if not self.stage and not self._engine_recipe else ""))
+        if not self.clip:
+            return ("deepspeed: gradient_clipping set to 0.0 (DeepSpeed >= 0.19.3 clips at 1.0 by default, which "
+                    "changes the update relative to DDP and Horovod)")
+        return f"deepspeed: gradient_clipping={self.clip:g} (--opt): the update is clipped, unlike DDP's and Horovod's"
+
+    def _keep_stage0_norm(self, engine) -> None:
+        """Stage 0 with the client optimizer clips in engine.clip_fp32_gradients(), which calls DeepSpeed's
+        clip_grad_norm_ and drops the norm it returns (get_global_grad_norm() stays None: the engine reads the norm
+        from optimizers that keep one, and a torch optimizer keeps none). The same call, its norm kept."""
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        def clip_fp32_gradients() -> None:
+            norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
+                                   mpu=engine.mpu)
+            self._stage0_norm = float(norm)
+
+        engine.clip_fp32_gradients = clip_fp32_gradients
 
     @staticmethod
     def _zero_tested(optimizer) -> bool:
@@ -291,8 +330,19 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
         # finds the gradients unscaled. The engine recipe unscales the fp32 copies inside its step: the gradients
         # are read unscaled by reduced_grads().
         scaler = self._autocast_scaler()
-        if scaler is not None and not self.stage:  # ZeRO's unscales its own partitions inside its step
+        # ZeRO's unscales its own partitions inside its step; at stage 0 with gradient_clipping the engine's step
+        # unscales before it clips (a second unscale_ would raise): reduced_grads() divides the scale out instead.
+        if scaler is not None and not self.stage and not self.clip:
             scaler.unscale_(self.wrapped.model.optimizer)
+
+    def clip_grad_norm(self, max_norm: float) -> float | None:
+        return None  # the engine clips inside its step (gradient_clipping in its config)
+
+    def grad_norm_after_step(self) -> float | None:
+        norm, self._stage0_norm = self._stage0_norm, None
+        if norm is None:
+            norm = self.wrapped.model.get_global_grad_norm()
+        return None if norm is None else float(norm)
 
     def step(self) -> None:
         scaler = self._autocast_scaler()

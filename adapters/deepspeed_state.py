@@ -12,8 +12,8 @@ import torch
 
 
 class ZeroStateReader:
-    """The adapter's readers of full values; it uses the adapter's `stage`, `deepspeed`, `wrapped`, `_engine_recipe`,
-    `_autocast_scaler()` and `_engine_scale()`."""
+    """The adapter's readers of full values; it uses the adapter's `stage`, `clip`, `deepspeed`, `wrapped`,
+    `_engine_recipe`, `_autocast_scaler()` and `_engine_scale()`."""
 
     # -- full values (collectives under ZeRO: every rank calls them) --------------------------------------------
     @staticmethod
@@ -39,10 +39,11 @@ class ZeroStateReader:
         else:
             grads = super().reduced_grads()
         if not self._engine_recipe:
-            scaler = self._autocast_scaler() if self.stage else None
+            scaler = self._autocast_scaler() if self.stage or self.clip else None
             if scaler is None:
                 return grads
-            # ZeRO's GradScaler unscales the partitions inside its step: the reduced gradients are read scaled
+            # ZeRO's GradScaler unscales the partitions inside its step, and at stage 0 with gradient_clipping the
+            # engine unscales before it clips, inside its step too: the reduced gradients are read scaled
             scale = float(scaler.get_scale())
             return {n: None if g is None else g / scale for n, g in grads.items()}
         scale = self._engine_scale()  # a power of two: dividing is exact

@@ -198,6 +198,16 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
                         unsharded.grad = None
                     fsdp_param.unsharded_accumulated_grad = None
 
+    def clip_grad_norm(self, max_norm: float) -> float | None:
+        # clip_grad_norm_ on DTensor gradients: each rank's norm of its shards is a partial norm, reduced over the mesh
+        # before the coefficient is taken, so every shard is clipped by the global norm. The total norm it returns is a
+        # DTensor: full_tensor() gives the global value whatever placement it is left in (torch 2.13: Replicate,
+        # reduced already). A norm taken by hand over `p.grad.to_local()` would be this rank's shards' only.
+        assert self.wrapped is not None
+        params = [p for p in self.wrapped.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(self._full(norm))
+
     # -- full values: collectives, every rank calls them ------------------------------------------------------
     @staticmethod
     def _full(t: torch.Tensor) -> torch.Tensor:

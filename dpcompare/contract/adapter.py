@@ -111,6 +111,9 @@ class Settings:
     """Mixed precision (--amp): none, bf16 or fp16; the forward and the loss run under `Adapter.autocast()`."""
     loss_scale: float | None = None
     """--amp fp16: the initial dynamic loss scale (None when the loss is not scaled)."""
+    clip_grad_norm: float | None = None
+    """--clip-grad-norm: the global gradient norm the backend clips to before each step (None: no clipping); the
+    trainer calls `Adapter.clip_grad_norm` with it, and a backend that clips inside its own step reads it here."""
     options: Mapping[str, Any] = field(default_factory=dict)
     """Every declared option, typed: the value given with --opt, else its default."""
 
@@ -270,6 +273,21 @@ class Adapter:
             self.grad_scaling.step(self.wrapped.optimizer)
         else:
             self.wrapped.optimizer.step()
+
+    def clip_grad_norm(self, max_norm: float) -> float | None:
+        """Under --clip-grad-norm, after `unscale()` and the checks that read the reduced gradients, before `step()`:
+        clip the reduced gradients by their global norm (coefficient min(1, max_norm / (norm + 1e-6))) and return that
+        norm, taken before clipping, as the backend computed it; None where the backend clips inside its own `step()`
+        (then `grad_norm_after_step()` reports it). Default: torch.nn.utils.clip_grad_norm_ on the wrapped module's
+        parameters."""
+        assert self.wrapped is not None
+        params = [p for p in self.wrapped.module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def grad_norm_after_step(self) -> float | None:
+        """After `step()`, where `clip_grad_norm` returned None: the total gradient norm the backend computed to clip
+        in that step (before clipping), or None when it reports none. Default None."""
+        return None
 
     def zero_grad(self) -> None:
         assert self.wrapped is not None

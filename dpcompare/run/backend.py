@@ -73,7 +73,7 @@ def settings_for(cls: type[Adapter], cfg: RunConfig) -> Settings:
                          "that replicate over devices in one process (dp); leave it out")
     return Settings(compression=cfg.compression, bucket_mb=cfg.bucket_mb, dp_devices=cfg.dp_devices,
                     instrument=cfg.instrument, amp=cfg.amp, loss_scale=initial_loss_scale(cfg),
-                    options=parse_options(cls, cfg))
+                    clip_grad_norm=cfg.clip_grad_norm, options=parse_options(cls, cfg))
 
 
 def variant_name(cls: type[Adapter], options: dict[str, object]) -> str:

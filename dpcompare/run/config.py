@@ -59,6 +59,10 @@ class RunConfig:
     momentum: float = 0.9
     """SGD momentum (ignored by AdamW)."""
     weight_decay: float = 0.0
+    clip_grad_norm: float | None = None
+    """Clip the reduced gradient by its global norm to at most this value before every optimizer step, each backend
+    its own way (None: no clipping). The oracle's reference step clips the same way, and the total norm each backend
+    reports is checked against the oracle's (the grad_norm check)."""
     dtype: Dtype = "float32"
     """Parameter and compute dtype of the run; the oracle is always float64."""
     amp: Amp = "none"
@@ -114,7 +118,8 @@ class RunConfig:
         def bad(name: str, value: object, fix: str) -> ValueError:
             return ValueError(f"--{name.replace('_', '-')}={value!r} is invalid: {fix}")
 
-        for name in ("lr", "momentum", "weight_decay", "timeout_s", "inject_slowdown", "bucket_mb", "loss_scale"):
+        for name in ("lr", "momentum", "weight_decay", "timeout_s", "inject_slowdown", "bucket_mb", "loss_scale",
+                     "clip_grad_norm"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise bad(name, value, "use a finite number")
@@ -144,6 +149,9 @@ class RunConfig:
             raise bad("momentum", self.momentum, "use a value in [0, 1)")
         if self.weight_decay < 0:
             raise bad("weight_decay", self.weight_decay, "use a value >= 0")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise bad("clip_grad_norm", self.clip_grad_norm, "use a positive total norm, e.g. 1.0 (leave the flag out "
+                      "for no clipping)")
         if self.grad_accum < 1:
             raise bad("grad_accum", self.grad_accum, "use 1 (no accumulation) or more micro-batches per step")
         if self.bucket_mb is not None and not self.bucket_mb > 0:

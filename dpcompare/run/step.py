@@ -2,7 +2,8 @@
 
 Owns: this rank's shard of a step's global batch, the forward and backward over `grad_accum` equal
 micro-batches (synchronising only the last when the backend can switch sync off; forward and loss inside the
-adapter's autocast), the reduce, the loss scale undone, the optimizer step, the injected faults of the failure tests, and the watchdog's heartbeat at every stage.
+adapter's autocast), the reduce, the loss scale undone, the gradient clipped (--clip-grad-norm), the optimizer step,
+the injected faults of the failure tests, and the watchdog's heartbeat at every stage.
 The verification phase hangs its checks on the hooks; measurement and the ablation time whole steps.
 """
 
@@ -28,12 +29,16 @@ BACKWARD_FLOPS_FACTOR = 3.0
 class StepRunner:
     def __init__(self, *, adapter: Adapter, workload: Workload, device: torch.device, dtype: torch.dtype,
                  grad_accum: int, watchdog: Watchdog, rank: int, world_size: int, global_batch: int,
-                 inject_fault: str | None = None, inject_slowdown: float = 0.0) -> None:
+                 clip_grad_norm: float | None = None, inject_fault: str | None = None,
+                 inject_slowdown: float = 0.0) -> None:
         self.adapter, self.workload, self.device, self.dtype = adapter, workload, device, dtype
         self.grad_accum, self.watchdog = grad_accum, watchdog
         self.rank, self.world_size, self.global_batch = rank, world_size, global_batch
         self.inject_fault = inject_fault
         self.inject_slowdown = inject_slowdown
+        self.clip_grad_norm = clip_grad_norm
+        self.grad_norm: float | None = None
+        """The total norm the backend reported clipping the last step's gradient by (None: no clipping, or none reported)."""
         self.forward_s = 0.0
         # Floating inputs go in the dtype of the model's weights: the run dtype, or a backend's low-precision
         # weights (DeepSpeed's bf16/fp16 engine); under autocast the weights stay float32 and autocast casts.
@@ -58,9 +63,10 @@ class StepRunner:
     def step(self, step: int, x: torch.Tensor, y: torch.Tensor, *, phase: str = "train", sync: bool = True,
              update: bool = True, after_reduce: Hook = None, after_update: Hook = None) -> None:
         """One step: forward and backward (sync=False: the ablation's unsynced arm, no communication), reduce,
-        the loss scale undone, then the optimizer step (update=False: gradients dropped unscaled, weights
-        untouched). The hooks run where the verification checks: after the reduce and the unscale (gradients
-        global, weights not yet moved) and after the update."""
+        the loss scale undone, the gradient clipped by its global norm (--clip-grad-norm), then the optimizer step
+        (update=False: gradients dropped unscaled, weights untouched). The hooks run where the verification checks:
+        after the reduce and the unscale (gradients global and not yet clipped, weights not yet moved) and after the
+        update (`grad_norm` then holds the norm the backend clipped by)."""
         self._inject(step)
         self.beat(f"{phase}: forward", step)
         self.forward_s = 0.0
@@ -77,8 +83,14 @@ class StepRunner:
         if after_reduce is not None:
             after_reduce()
             self.beat(f"{phase}: checked", step)
+        self.grad_norm = None
         if update:
+            clip = self.clip_grad_norm is not None
+            if clip:
+                self.grad_norm = self.adapter.clip_grad_norm(self.clip_grad_norm)
             self.adapter.step()
+            if clip and self.grad_norm is None:  # a backend that clips inside its own step
+                self.grad_norm = self.adapter.grad_norm_after_step()
         self.adapter.zero_grad()
         self.beat(f"{phase}: stepped", step)
         if after_update is not None:

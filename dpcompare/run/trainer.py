@@ -72,7 +72,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         template = _build(cfg, env, adapter, workload, device, global_batch, local_batch)
         runner = StepRunner(adapter=adapter, workload=workload, device=device, dtype=eq.DTYPES[cfg.dtype],
                             grad_accum=cfg.grad_accum, watchdog=watchdog, rank=env.rank, world_size=env.world_size,
-                            global_batch=global_batch, inject_fault=cfg.inject_fault,
+                            global_batch=global_batch, clip_grad_norm=cfg.clip_grad_norm, inject_fault=cfg.inject_fault,
                             inject_slowdown=cfg.inject_slowdown)
         verdict = VerificationPhase(cfg, adapter, runner, template, env.is_rank0).run()
         metrics = MeasurementPhase(cfg, adapter, runner, local_batch, env.is_rank0).run()
@@ -246,6 +246,12 @@ def summary_line(payload: dict[str, Any]) -> str:
                      f"{f(update['norm_ratio'], '.4g')}")
     if trajectory.get("status") not in (None, "off", "unverifiable"):
         parts.append(f"trajectory: {f(trajectory['noise_ratio'], '.2f')}x floor")
+    norm = checks.get("grad_norm") or {}
+    if norm.get("status") not in (None, "off", "unverifiable"):
+        clipped = norm.get("clipped_steps") or []
+        parts.append(f"grad_norm: {f(norm['noise_ratio'], '.2f')}x floor, clipped at {norm['clip']:g} at "
+                     + (f"step(s) {', '.join(map(str, clipped))} (unclipped norm above it)" if clipped else
+                        "no checked step (the unclipped norm stayed below it)"))
     if e.get("min_detectable_rel") is not None:
         parts.append(f"catches a change of {e['min_detectable_rel']:.2g} (relative) in the gradient or the update"
                      + _coverage_phrase(gradient.get("coverage")))

@@ -4,8 +4,9 @@ Owns: the cross-rank side of verification. At checked steps every rank sends ran
 its reduced gradients' digests, how it left unused parameters' gradients and its module buffers before the
 forward and after the backward; at every step of a model that draws random numbers, the dropout masks its
 forward drew (captured by dpcompare.verify.masks) and its generator's digest. Rank 0's `Verifier`
-(dpcompare.verify.verifier) checks the gradient against the oracle, the update against a reference
-optimizer step and, after every step, the parameters against the reference trajectory. The replicas'
+(dpcompare.verify.verifier) checks the gradient against the oracle, under --clip-grad-norm the total norm the
+backend clipped by against the oracle's, the update against a reference optimizer step (clipped as the run asks)
+and, after every step, the parameters against the reference trajectory. The replicas'
 weights are compared after checked steps and the last one, and the ranks' generators where the forward
 draws random numbers.
 """
@@ -98,6 +99,7 @@ class VerificationPhase:
         def after_update() -> None:
             masters = self.adapter.master_params() if self.cfg.check_every else None  # every rank, as above
             if self.check is not None:
+                self.check.check_grad_norm(step, self.runner.grad_norm)  # the norm the backend clipped by
                 self.check.check_update(step, masters)
                 self.check.trajectory_step(step, batch, [i["masks"] for i in gathered] if self.facts.stochastic else None,
                                            masters)

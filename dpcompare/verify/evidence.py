@@ -95,9 +95,12 @@ class UpdateEvidence:
     expected_from: str = "a fresh optimizer's"
     skipped: bool = False
     """The backend's loss scaler counted this step as skipped."""
+    clip: float | None = None
+    """--clip-grad-norm: the reference step clips the gradient by its global norm to this (None: no clipping)."""
 
     def step_with(self, grads: dict[str, torch.Tensor | None] | None = None, state: OptState | None = None,
-                  times: int = 1, **overrides: Any) -> Grads:
+                  times: int = 1, clip: float | None | str = "run", **overrides: Any) -> Grads:
+        """The reference step with one setting changed; `clip`: the run's clipping ("run"), or another (None: none)."""
         return reference_step(self.factory, self.params, self.grads if grads is None else grads,
                               self.expected_state if state is None else state, torch.float64, self.device,
-                              times=times, **overrides).delta
+                              times=times, clip=self.clip if clip == "run" else clip, **overrides).delta

@@ -3,8 +3,10 @@
 Owns: two plain single-process copies of the model trained on rank 0 beside the run, from the run's initial
 weights on the same global batches, split as the backend split them (and, for a model that draws random
 numbers, with the masks the ranks drew): one in float64, one in the run dtype or the run's mixed-precision
-recipe (autocast with the run's loss scale, or 16-bit weights from fp32 master weights). A step the run's loss
-scaler skipped is skipped by both; the run-recipe copy also skips a step whose own scaled gradient overflows. After every step the backend's parameters are measured
+recipe (autocast with the run's loss scale, or 16-bit weights from fp32 master weights), each clipping its gradient
+by its global norm before its step under --clip-grad-norm. A step the run's loss scaler skipped is skipped by both;
+the run-recipe copy also skips a step whose own scaled gradient overflows. After every step the backend's parameters
+are measured
 against the float64 copy, and that distance is judged in multiples of the run-dtype copy's distance to it,
 the drift a correct single process in the run dtype already has at that step. Imports no adapter.
 
@@ -24,6 +26,7 @@ from torch import nn
 
 from dpcompare.verify.equivalence import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Piece, accumulate_gradient, rel_fro,
                                           verification_copy)
+from dpcompare.verify.clipping import clip_
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
@@ -38,8 +41,9 @@ def _flat(module: nn.Module | dict[str, torch.Tensor], names: list[str]) -> torc
 class Trajectory:
     def __init__(self, template: nn.Module, loss_fn: Callable, factory: OptimizerFactory, dtype: str,
                  device: torch.device, depth: int, u_wire: float | None = None, recipe: Recipe = NO_RECIPE,
-                 prestep: bool = False) -> None:
+                 prestep: bool = False, clip: float | None = None) -> None:
         self.loss_fn, self.device, self.depth = loss_fn, device, depth
+        self.clip = clip
         self.u = UNIT_ROUNDOFF[dtype]
         self.u_wire = self.u if u_wire is None else u_wire
         self.model64 = verification_copy(template, device, torch.float64)
@@ -70,6 +74,7 @@ class Trajectory:
         if skip:
             return
         accumulate_gradient(self.model64, self.loss_fn, pieces, self.device, self.replayers[0])
+        self._clip(self.model64)
         self.opt64.step()
         self.model64.zero_grad(set_to_none=True)  # not needed until the next step: memory for the next check
         if not self.recipe.active:
@@ -90,8 +95,14 @@ class Trajectory:
                 buffers = dict(self.work.named_buffers())
                 for n, b in self.model_run.named_buffers():
                     b.copy_(buffers[n])
+        self._clip(self.model_run)
         self.opt_run.step()
         self.model_run.zero_grad(set_to_none=True)
+
+    def _clip(self, model: nn.Module) -> None:
+        if self.clip is not None:
+            with torch.no_grad():
+                clip_([p.grad for p in model.parameters() if p.grad is not None], self.clip)
 
     def judge(self, step: int, module: nn.Module | dict[str, torch.Tensor], world_size: int) -> dict:
         """The drift entry of `step` for the backend's parameters after the step (a module, or its master values by

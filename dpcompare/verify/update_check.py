@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dpcompare.contract.optim_state import OptimizerFactory, OptState, Tensors, read_state
+from dpcompare.verify.clipping import clip_
 
 
 def state_summary(state: OptState) -> str:
@@ -58,10 +59,12 @@ def reference_step(
     device: torch.device,
     *,
     times: int = 1,
+    clip: float | None = None,
     **overrides: Any,
 ) -> StepResult:
     """Take `times` plain optimizer steps from `params` (in `dtype`) with `grads` (None: no gradient, the
-    optimizer skips the parameter as it does in a single process) starting from `state`."""
+    optimizer skips the parameter as it does in a single process) starting from `state`; with `clip`, the gradients
+    clipped by their global norm first (--clip-grad-norm, clip_grad_norm_'s arithmetic in `dtype`)."""
     names = list(params)
     live = {n: nn.Parameter(params[n].detach().to(device=device, dtype=dtype).clone()) for n in names}
     optimizer = factory(list(live.values()), **overrides)
@@ -76,6 +79,8 @@ def reference_step(
         g = grads.get(n)
         live[n].grad = None if g is None else g.detach().to(device=device, dtype=dtype).clone()
     with torch.no_grad():
+        if clip is not None:
+            clip_([p.grad for p in live.values() if p.grad is not None], clip)
         for _ in range(times):
             optimizer.step()
     # The step's start is `params` rounded to `dtype`, as `live` was: recomputed here rather than kept, so a

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from dpcompare.verify.clipping import clip_coefficient
 from dpcompare.verify.equivalence import Grads, flat, rel_fro
 from dpcompare.verify.evidence import UpdateEvidence
 from dpcompare.verify.explanation import SCALE_AGREEMENT, Diagnosis, _common_scale, _Hypothesis, _matching, _share
@@ -138,6 +139,8 @@ class _UpdateHypotheses:
         return out
 
     def clipped(self, remaining: list[str]) -> list[Diagnosis]:
+        """The gradient clipped by one factor, where the run clips none or by another: a backend clipping of its own
+        (DeepSpeed's default), one clipping at another norm, or one that ignores --clip-grad-norm."""
         ev, d = self.ev, self.d
         usable = {p: g for p, g in ev.grads.items() if g is not None}
         if not usable:
@@ -145,11 +148,17 @@ class _UpdateHypotheses:
         total = float(torch.linalg.vector_norm(flat(usable, list(usable))))
 
         def scaled(s: float) -> Grads:
-            return ev.step_with(grads={p: (None if g is None else s * g) for p, g in ev.grads.items()})
+            return ev.step_with(grads={p: (None if g is None else s * g) for p, g in ev.grads.items()}, clip=None)
 
         def loss(s: float) -> float:
             return rel_fro(flat(d, remaining), flat(scaled(s), remaining))
 
+        if ev.clip is not None and total > ev.clip:
+            unclipped = self.match(ev.step_with(clip=None), remaining)
+            if unclipped:
+                return [Diagnosis("not_clipped", f"the gradient was not clipped: --clip-grad-norm {ev.clip:g} caps its "
+                                  f"total norm {total:.4g} (x{clip_coefficient(total, ev.clip):.4g}), and the update is "
+                                  "the unclipped gradient's: the backend ignored the clipping", unclipped)]
         # Fit on a log scale: the match needs the scale to a relative precision near the tolerance.
         from scipy.optimize import minimize_scalar  # scipy takes seconds to import: only where it is used
 
@@ -158,10 +167,11 @@ class _UpdateHypotheses:
         s = float(10.0**fit.x)
         if s > 1 - 1e-4:
             return []
+        fix = ("set the same clipping in every backend or none (DeepSpeed clips at 1.0 by default since 0.19.3: "
+               "gradient_clipping)" if ev.clip is None else
+               f"--clip-grad-norm {ev.clip:g} caps it at {min(total, ev.clip):.4g}: the backend clips at another norm")
         return [Diagnosis("clipped", f"the gradient was clipped before the step (scaled by {s:.3g}: total norm "
-                          f"{total:.3g} capped at {s * total:.3g}); set the same clipping in every backend or none "
-                          "(DeepSpeed clips at 1.0 by default since 0.19.3: gradient_clipping)",
-                          self.match(scaled(s), remaining))]
+                          f"{total:.3g} capped at {s * total:.3g}); {fix}", self.match(scaled(s), remaining))]
 
     def clipped_in_parts(self, remaining: list[str]) -> list[Diagnosis]:
         """The gradient clipped part by part, each part (a ZeRO partition, an FSDP shard, a parameter group) by its own
@@ -173,8 +183,9 @@ class _UpdateHypotheses:
         usable = [p for p in remaining if ev.grads.get(p) is not None and bool(ev.grads[p].any())]
         if len(usable) < 2:
             return []
-        zero = ev.step_with(grads={p: (None if g is None else torch.zeros_like(g)) for p, g in ev.grads.items()})
-        full = ev.step_with()
+        zero = ev.step_with(grads={p: (None if g is None else torch.zeros_like(g)) for p, g in ev.grads.items()},
+                            clip=None)
+        full = ev.step_with(clip=None)
         factors = {}
         for p in usable:
             b = (full[p] - zero[p]).reshape(-1)
@@ -191,7 +202,7 @@ class _UpdateHypotheses:
         if len(groups) < 2:
             return []  # one factor for every parameter: clipping by the global norm, which `clipped` names
         scaled = {p: (None if g is None else clipped.get(p, 1.0) * g) for p, g in ev.grads.items()}
-        explained = self.match(ev.step_with(grads=scaled), remaining)
+        explained = self.match(ev.step_with(grads=scaled, clip=None), remaining)
         if not explained:
             return []
         parts = []

@@ -40,6 +40,8 @@ class UpdateJudge:
         self.world_size, self.unused, self.prestep = world_size, unused, prestep
         self.backend, self.verdict = backend, verdict
         self.dtype = DTYPES[cfg.dtype]
+        self.clip: float | None = cfg.clip_grad_norm
+        """--clip-grad-norm: every reference step clips the gradient it is handed by its global norm."""
         self.expected_state: OptState | None = {}  # a fresh optimizer's (after the declared pre-step, at step 0)
         self.expected_from = ("a fresh optimizer's" if self.prestep is None else
                               "a fresh optimizer's after one step on zero gradients")
@@ -54,7 +56,8 @@ class UpdateJudge:
         expected = self.expected_state
         if step == 0 and self.prestep is not None and expected == {}:
             zeros = {n: torch.zeros_like(t) for n, t in pending.params.items()}
-            expected = reference_step(self.factory, pending.params, zeros, {}, torch.float64, self.device).state
+            expected = reference_step(self.factory, pending.params, zeros, {}, torch.float64, self.device,
+                                      clip=self.clip).state
         return expected
 
     def judge(self, step: int, pending: Pending, state: OptState, expected: OptState | None,
@@ -64,8 +67,8 @@ class UpdateJudge:
         then `state` against `expected`. Returns the float64 replay."""
         after = {n: masters[n].detach().double().cpu() for n in self.names}
         delta = {n: after[n] - pending.params[n] for n in self.names}
-        ref = reference_step(self.factory, pending.params, single, state, torch.float64, self.device)
-        floor = reference_step(self.factory, pending.params, single, state, self.dtype, self.device)
+        ref = reference_step(self.factory, pending.params, single, state, torch.float64, self.device, clip=self.clip)
+        floor = reference_step(self.factory, pending.params, single, state, self.dtype, self.device, clip=self.clip)
         params, model = compare(delta, ref.delta, floor.delta, dtype=self.cfg.dtype, world_size=1,
                                 depth=self.depth, names=self.names)
         ratios = {n: _ratio(delta[n], ref.delta[n]) for n in self.names}
@@ -88,9 +91,9 @@ class UpdateJudge:
                 wrong, text = differs
                 # What the state costs the update: the backend's update against the one the expected state gives.
                 had = compare(delta, reference_step(self.factory, pending.params, single, expected, torch.float64,
-                                                    self.device).delta,
+                                                    self.device, clip=self.clip).delta,
                               reference_step(self.factory, pending.params, single, expected, self.dtype,
-                                             self.device).delta,
+                                             self.device, clip=self.clip).delta,
                               dtype=self.cfg.dtype, world_size=1, depth=self.depth, names=self.names)[0]
                 first = next(p for p in had if p.parameter == wrong[0])
                 self.verdict.diverge(Divergence(
@@ -107,7 +110,7 @@ class UpdateJudge:
                 grads=single, expected_state=state, backend_state=state,
                 factory=self.factory, device=self.device, world_size=self.world_size, lr=self.cfg.lr,
                 weight_decay=self.cfg.weight_decay, backend_hparams=pending.backend_hparams,
-                expected_from=self.expected_from, skipped=skipped_since(self.backend, pending))
+                expected_from=self.expected_from, skipped=skipped_since(self.backend, pending), clip=self.clip)
             found = diagnose_update(evidence, [p.parameter for p in failing])
             first = next((p for p in failing if not p.ok), failing[0])
             self.verdict.diverge(Divergence(
@@ -121,7 +124,7 @@ class UpdateJudge:
         """The next step's expected state: the one this step leaves, the optimizer replayed from the backend's own
         state with the gradient it was handed (zeros included, where the backend gave zeros)."""
         leaves = ref if all((g is None) == (pending.grads[n] is None) for n, g in single.items()) else \
-            reference_step(self.factory, pending.params, pending.grads, state, torch.float64, self.device)
+            reference_step(self.factory, pending.params, pending.grads, state, torch.float64, self.device, clip=self.clip)
         self.expected_state = leaves.state
         self.expected_from = f"the state step {step} left"
 
@@ -141,7 +144,7 @@ class UpdateJudge:
     def _note_prestep(self, pending: Pending, single: dict[str, torch.Tensor | None], delta: Grads) -> None:
         """The backend's recipe steps its optimizer on zero gradients before the first step, by design: its state
         before step 0 was held to that, and what it does to the first update is measured against a fresh optimizer's."""
-        fresh = reference_step(self.factory, pending.params, single, {}, torch.float64, self.device).delta
+        fresh = reference_step(self.factory, pending.params, single, {}, torch.float64, self.device, clip=self.clip).delta
         ratio = _ratio(flat(delta, self.names), flat(fresh, self.names))
         self.verdict.note("optimizer_prestep",
                           f"{self.prestep}: its optimizer state before step 0 is that step's, as expected, not a fresh "

@@ -19,7 +19,7 @@ from dpcompare.verify.tolerance import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DT
                                         min_detectable)
 from dpcompare.verify.tolerance import describe as describe_tolerance
 
-Check = Literal["initial", "gradient", "update", "trajectory", "replicas", "rng", "buffers", "loss_scale"]
+Check = Literal["initial", "gradient", "grad_norm", "update", "trajectory", "replicas", "rng", "buffers", "loss_scale"]
 
 
 @dataclass(slots=True)
@@ -31,8 +31,9 @@ class Divergence:
     noise_ratio: float
     reason: str
     check: Check = "gradient"
-    """Which check broke: initial weights, gradient, update, trajectory, replicas, the ranks' generators, the
-    module buffers, or the loss scaler (a step skipped, or stepped, against the recipe's overflow)."""
+    """Which check broke: initial weights, gradient, the total norm clipped by (grad_norm), update, trajectory,
+    replicas, the ranks' generators, the module buffers, or the loss scaler (a step skipped, or stepped, against the
+    recipe's overflow)."""
     cause: str = "unknown"
     """The diagnosis' code (dpcompare.verify.diagnosis.Diagnosis.cause)."""
     parameters: list[str] = field(default_factory=list)
@@ -89,6 +90,35 @@ class UpdateCheck:
 
 
 @dataclass(slots=True)
+class GradNormCheck:
+    """One checked step's grad_norm check (--clip-grad-norm): the total norm the backend clipped by against the float64
+    oracle's global norm (judged by dpcompare.verify.clipping)."""
+
+    step: int
+    clip: float
+    """--clip-grad-norm."""
+    reported: float | None
+    """The total norm before clipping as the backend reported it (None: it reported none)."""
+    oracle: float
+    """The float64 oracle's global norm of the step's gradient: the unclipped norm."""
+    clipped: bool
+    """The clip took effect: the unclipped norm is above `clip`."""
+    coefficient: float
+    """What the reference step multiplies the gradient by: min(1, clip / (oracle + 1e-6))."""
+    rel_err: float
+    """|reported - oracle| / oracle (NaN: nothing reported)."""
+    floor: float
+    """The effective floor of the tolerance (dpcompare.verify.clipping)."""
+    tolerance: float
+    noise_ratio: float
+    """rel_err over the floor with the reduction's and the norm's allowances (it passes at or below the factor)."""
+    ok: bool
+
+    def to_dict(self) -> dict:
+        return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in asdict(self).items()}
+
+
+@dataclass(slots=True)
 class StepCheck:
     step: int
     params: list[ParamError]
@@ -98,6 +128,8 @@ class StepCheck:
     update: UpdateCheck | None = None
     model: ParamError | None = None
     """The gradient, all parameters as one vector."""
+    grad_norm: GradNormCheck | None = None
+    """Under --clip-grad-norm: the total norm the backend clipped by, against the oracle's."""
 
     @property
     def max_rel_err(self) -> float:
@@ -191,6 +223,7 @@ class Verdict:
         grad_power = _worst([c.min_detectable_rel for c in self.checks])
         update_power = _worst([u.min_detectable_rel for u in updates])
         judged = [p for c in self.checks for p in c.params]
+        norms = [c.grad_norm for c in self.checks if c.grad_norm is not None]
         return {
             "gradient": {"status": status("gradient", bool(self.checks)),
                          "noise_ratio": _worst([c.noise_ratio for c in self.checks]),
@@ -207,6 +240,13 @@ class Verdict:
                        "norm_ratio": worst_ratio,
                        "min_detectable_rel": _finite(update_power) if update_power is not None else None,
                        "coverage": coverage(updates[-1].params).to_dict() if updates else None},
+            "grad_norm": {"status": "fail" if any(g.reported is not None and not g.ok for g in norms) else
+                          status("grad_norm", any(g.reported is not None for g in norms)),
+                          "noise_ratio": _worst([g.noise_ratio for g in norms if math.isfinite(g.noise_ratio)]),
+                          "max_rel_err": _worst([g.rel_err for g in norms if math.isfinite(g.rel_err)]),
+                          "min_detectable_rel": _worst([g.tolerance for g in norms]),
+                          "clip": norms[0].clip if norms else None,
+                          "clipped_steps": [g.step for g in norms if g.clipped]},
             "trajectory": {"status": status("trajectory", bool(drift)),
                            "noise_ratio": worst_drift["noise_ratio"] if worst_drift else None,
                            "rel_param_distance": worst_drift["rel_param_distance"] if worst_drift else None,
@@ -261,6 +301,7 @@ class Verdict:
                     **{k: v for k, v in _power(c.params, c.model).items() if k != "min_detectable_rel"},
                     "params": [_param_dict(p) for p in c.params],
                     "update": c.update.to_dict() if c.update is not None else None,
+                    "grad_norm": c.grad_norm.to_dict() if c.grad_norm is not None else None,
                 }
                 for c in self.checks
             ],

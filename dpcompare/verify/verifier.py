@@ -4,6 +4,8 @@ Owns: the `Verifier`, which runs for every step of the verification phase
   - the gradient check: the reduced gradient against the float64 oracle of the global-batch loss, in
     multiples of the run dtype's own noise floor (dpcompare.verify.equivalence; the run-precision reference and
     its floor, the declared wire emulated or bounded: dpcompare.verify.run_reference);
+  - under --clip-grad-norm, the grad_norm check: the total norm the backend clipped by against the oracle's global
+    norm (dpcompare.verify.clipping), the reference step and the trajectory clipping as the run asks;
   - the update check: the parameter update against a plain optimizer step taken in float64 from the same
     parameters, the expected optimizer state and the oracle gradient (dpcompare.verify.update_judge, on
     dpcompare.verify.update_check), and the loss scaler's skips where the recipe overflows
@@ -38,6 +40,7 @@ from dpcompare.verify import masks as mk
 from dpcompare.verify import stochastic
 from dpcompare.contract import Adapter, ModelFacts, Wrapped
 from dpcompare.verify.buffers import BufferCheck
+from dpcompare.verify.clipping import GradNormJudge
 from dpcompare.verify.diagnosis import GradientEvidence, diagnose_gradient, reason_of
 from dpcompare.verify.forwards import Forwards
 from dpcompare.verify.loss_scale import LossScaleJudge
@@ -74,7 +77,7 @@ class Verifier:
         self.names = self.oracle.names
         self.u_wire = eq.wire_roundoff(cfg.dtype, self.wire)
         self.trajectory = Trajectory(template, loss_fn, factory, cfg.dtype, device, self.depth, self.u_wire, self.recipe,
-                                     prestep=backend.optimizer_prestep() is not None)
+                                     prestep=backend.optimizer_prestep() is not None, clip=cfg.clip_grad_norm)
         self.buffers = BufferCheck(self.oracle, self.depth, cfg.dtype)
         self.verdict = eq.Verdict(notes=list(wrapped.notes))
         self.forwards = Forwards(layout, self.oracle, batchnorms=self.batchnorms, per_replica=self.per_replica,
@@ -98,6 +101,9 @@ class Verifier:
                               f"--amp {cfg.amp}, {self.recipe.kind} recipe: {self.recipe.describe()}; the noise floor "
                               f"is this recipe's, recomputed rank by rank from the parameters the optimizer holds"
                               f"{scaled}")
+        self.grad_norms = GradNormJudge(clip=cfg.clip_grad_norm, dtype=cfg.dtype, depth=self.depth, world_size=world_size,
+                                        u_wire=self.u_wire, names=self.names, verdict=self.verdict) \
+            if cfg.clip_grad_norm is not None else None
         self.updates = UpdateJudge(cfg=cfg, factory=factory, device=device, depth=self.depth, names=self.names,
                                    world_size=world_size, unused=facts.unused, prestep=backend.optimizer_prestep(),
                                    backend=backend, verdict=self.verdict)
@@ -252,6 +258,10 @@ class Verifier:
             digests = eq.first_mismatch([i["grads"] for i in info], self.all_names)
             check = eq.StepCheck(step, params, True, digests is None, model=model)
             self.verdict.checks.append(check)
+            if self.grad_norms is not None:
+                self.grad_norms.expect(step, oracle, floor, model, lambda: [  # each rank's local gradient, on demand
+                    self.oracle.floor_of(state, eq.replica_pieces(batch, self.layout, forward_masks, ranks=[r]), loss_scale)
+                    for r in range(self.world_size)], loss_scale if scaler is not None else None)
             self._record_unused(info)
             failing = [p for p in params if not p.ok]
             if not model.ok and not failing:  # spread thin over the parameters: all of them are the evidence
@@ -307,6 +317,11 @@ class Verifier:
         for name in self.facts.unused:
             seen = {i["unused"].get(name, "none") for i in info}
             forms[name] = seen.pop() if len(seen) == 1 else "mixed"
+
+    def check_grad_norm(self, step: int, reported: float | None) -> None:
+        """After the optimizer step, under --clip-grad-norm: the total norm the backend reported clipping by."""
+        if self.grad_norms is not None and not self.stopped:
+            self.grad_norms.judge(step, reported)
 
     def check_update(self, step: int, masters: dict[str, torch.Tensor]) -> None:
         """After the optimizer step, with the values it stepped as every rank read them (`Adapter.master_params()`):
