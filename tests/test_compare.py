@@ -837,3 +837,34 @@ def test_the_quickstart_line_with_a_zero_stage_runs_as_written_with_the_default_
     runs = {r["label"]: r for r in summary["runs"]}
     assert "deepspeed:zero2/2" in runs and summary["optimizer"] == "sgd", (list(runs), summary.get("optimizer"))
     assert [(label, r["verdict"], r["error"]) for label, r in runs.items() if r["verdict"] != "equivalent"] == []
+
+
+def test_clip_grad_norm_reaches_every_job_and_a_bad_value_is_the_runs_own_refusal(tmp_path):
+    planned = plan.plan(_ns(backends="reference,ddp,deepspeed", collectives="none", clip_grad_norm=0.05), tmp_path)
+    for job in planned.jobs:
+        i = job.command.index("--clip-grad-norm")
+        assert float(job.command[i + 1]) == 0.05, job.command
+    unclipped = plan.plan(_ns(backends="reference,ddp", collectives="none"), tmp_path / "none")
+    assert all("--clip-grad-norm" not in job.command for job in unclipped.jobs)
+    with pytest.raises(ValueError) as refused:
+        plan.plan(_ns(backends="reference,ddp", collectives="none", clip_grad_norm=-1.0), tmp_path / "bad")
+    assert str(refused.value).startswith("--clip-grad-norm=-1.0 is invalid: use a positive total norm")
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compare_clips_every_backend_by_its_own_mechanism(tmp_path):
+    """`compare --clip-grad-norm 0.05`: every run clipped (the unclipped norm above the clip) and equivalent."""
+    backends = "ddp,deepspeed:zero2,fsdp" if registry.availability("deepspeed")[0] else "ddp,fsdp"
+    proc = _run(["--backends", backends, "--world-sizes", "2", "--measure-steps", "0", "--collectives", "none",
+                 "--no-report", "--clip-grad-norm", "0.05"], tmp_path, 540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink()]
+    summary = json.loads((run_dir / "compare.json").read_text())
+    assert summary["clip_grad_norm"] == 0.05
+    assert [(r["label"], r["verdict"]) for r in summary["runs"] if r["verdict"] != "equivalent"] == []
+    for r in summary["runs"]:
+        result = json.loads(Path(r["result_path"]).read_text())
+        assert result["config"]["clip_grad_norm"] == 0.05
+        assert result["equivalence"]["checks"]["grad_norm"]["clipped_steps"], r["label"]

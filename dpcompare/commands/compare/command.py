@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="strong: fixed global batch; weak: fixed per-rank batch (global batch / largest world size)")
     p.add_argument("--optimizer", choices=get_args(Optimizer), default=RunConfig().optimizer,
                    help="every run's optimizer (adamw keeps two moments per parameter: the state ZeRO and FSDP shard)")
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX_NORM",
+                   help="every run clips the reduced gradient's global norm to MAX_NORM before each step, each backend "
+                        "by its own mechanism (default: no clipping)")
     p.add_argument("--amp", choices=get_args(Amp), default="none",
                    help="mixed precision: run every backend under torch.autocast in this dtype (fp16 with each "
                         "backend's own dynamic loss scaling); deepspeed additionally runs its engine recipe "
