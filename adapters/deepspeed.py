@@ -35,7 +35,7 @@ import argparse
 import contextlib
 import dataclasses
 import math
-import os
+import time
 from datetime import timedelta
 
 import torch
@@ -44,20 +44,11 @@ from torch import nn
 from dpcompare import (AMP_NAMES, DIST_BACKEND, Adapter, Capabilities, CommCounter, CommCounts, Note, Option, ProcessGroupMixin,
                        ScalerState, Wrapped, ensure_rendezvous)
 
+from .deepspeed_host import remove_shm_segment, stale_build_lock
 from .deepspeed_state import ZeroStateReader
 
 WIRE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 STAGE_SHARDS = {0: "none", 1: "optimizer", 2: "gradients", 3: "parameters"}
-
-
-def remove_shm_segment(rank: int) -> None:
-    """Remove this rank's /dev/shm segment of DeepSpeed's CPU shared-memory all-reduce (deepspeed_shm_comm_op, used
-    under its own launcher): 66 MB per rank that DeepSpeed never unlinks, so run after run they fill /dev/shm and then
-    memory. Every rank mapped its peers' segments when the op started, so each removes its own once it is done."""
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
-    with contextlib.suppress(OSError):
-        os.unlink(name)
 
 
 class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
@@ -109,6 +100,10 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
     def setup(self, timeout_s: float) -> None:
         # Without RANK/WORLD_SIZE/MASTER_* DeepSpeed tries MPI discovery (mpi4py, a non-loopback address).
         ensure_rendezvous(self.env)
+        if self.device.type == "cpu" and (lock := stale_build_lock()) is not None:
+            raise ValueError(f"deepspeed: {lock} is a build lock a killed build left "
+                             f"({(time.time() - lock.stat().st_mtime) / 60:.0f} min old): DeepSpeed's CPU all-reduce "
+                             f"op would wait on it forever; remove it (rm {lock}) and run again")
         self._check_precision()
         import logging
 

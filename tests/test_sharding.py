@@ -20,6 +20,10 @@ refusal; the `slow` tier runs every stage x {1, 2} micro-batches on the mlp, the
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -97,6 +101,39 @@ def test_a_stage_that_does_not_exist_is_refused_in_one_line(launch, backend) -> 
     lines = [line for line in proc.stderr.strip().splitlines() if "real_accelerator.py" not in line]
     assert lines == ["dpcompare: error: --opt zero_stage='4' is invalid: choose one of 0, 1, 2, 3"], lines
     assert "Traceback" not in proc.stderr
+
+
+def _extension_lock(extensions: Path, monkeypatch, age_s: float) -> Path:
+    """A build lock of DeepSpeed's CPU all-reduce op under its own TORCH_EXTENSIONS_DIR, `age_s` old."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
+    lock = Path(cpp_extension._get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() - age_s, time.time() - age_s))
+    return lock
+
+
+def test_a_build_lock_is_stale_only_past_any_build(tmp_path, monkeypatch) -> None:
+    from dpcompare.adapters.deepspeed_host import STALE_BUILD_LOCK_S, stale_build_lock
+
+    lock = _extension_lock(tmp_path / "ext", monkeypatch, STALE_BUILD_LOCK_S + 60)
+    assert stale_build_lock() == lock
+    os.utime(lock, None)  # a build that holds it now
+    assert stale_build_lock() is None
+    lock.unlink()
+    assert stale_build_lock() is None
+
+
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+def test_a_stale_build_lock_is_one_line_not_a_hang(launch, backend, tmp_path, monkeypatch) -> None:
+    """A killed build of DeepSpeed's CPU op leaves its lock, and torch waits on it forever: the run refuses at once,
+    naming the file and the command that clears it."""
+    lock = _extension_lock(tmp_path / "ext", monkeypatch, 3600)
+    proc, result = launch(backend, 1, "mlp", STEPS, launcher="python", timeout_s=120)
+    assert proc.returncode == 2 and result is None, proc.output[-3000:]
+    lines = [line for line in proc.stderr.strip().splitlines() if "real_accelerator.py" not in line]
+    assert len(lines) == 1 and str(lock) in lines[0] and f"rm {lock}" in lines[0], lines
 
 
 

@@ -72,6 +72,12 @@ class _TorchComm:
             import deepspeed
             import deepspeed.comm as dscomm
 
+            from dpcompare.adapters.deepspeed_host import stale_build_lock
+
+            if not self.is_cuda and (lock := stale_build_lock()) is not None:
+                raise ValueError(f"deepspeed: {lock} is a build lock a killed build left: DeepSpeed's CPU all-reduce "
+                                 f"op would wait on it forever; remove it (rm {lock}) and run again")
+
             deepspeed.init_distributed(dist_backend=self.backend, timeout=timedelta(seconds=timeout_s),
                                        rank=env.rank, world_size=env.world_size, verbose=False)
             op = dscomm.ReduceOp.SUM
@@ -124,7 +130,7 @@ class _TorchComm:
 
     def close(self) -> None:
         if self.transport == "deepspeed":
-            from dpcompare.adapters.deepspeed import remove_shm_segment
+            from dpcompare.adapters.deepspeed_host import remove_shm_segment
 
             remove_shm_segment(self.rank)
         if self.dist.is_initialized():
