@@ -122,8 +122,9 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
                "free each group's unsharded parameters after its forward and all-gather them again in backward (false: "
                "keep them until the backward, one all-gather per group per step and more memory)"),
         Option("replicas", int, 1,
-               "HSDP: the ranks form this many replica groups, each sharding over world_size / replicas ranks, and the "
-               "groups all-reduce their sharded gradients (1: every rank in one shard group); must divide the world size"),
+               "HSDP: the ranks form this many replica groups, each sharding over world_size / replicas ranks, and "
+               "the groups all-reduce their sharded gradients (1: every rank in one shard group); must divide the "
+               "world size"),
     )
     VARIANTS = {"noreshard": {"reshard_after_forward": False}, "hsdp": {"replicas": 2}}
 

@@ -1,8 +1,8 @@
 """Communication volume by kind: the ZeRO paper's prediction of what a step sends, and the figures a run's
 collective records (dpcompare.measure.collectives.CollectiveRecorder) turn into, with nccl-tests' bus factors.
 
-Owns: `analytic_bytes_per_step`, `analytic_method`, `kind_ranks`, `comm_by_kind`, `union_ms`. Imports numpy only (the report reads
-these figures on machines without torch's backends).
+Owns: `analytic_bytes_per_step`, `analytic_method`, `kind_ranks`, `comm_by_kind`, `union_ms`. Imports numpy only (the
+report reads these figures on machines without torch's backends).
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def analytic_bytes_per_step(shards: str, grad_bytes: int, param_bytes: int, worl
     if shards in ("optimizer", "gradients"):
         return {"reduce_scatter": grad_bytes, "all_gather": param_bytes}
     if shards == "parameters":
-        out = {"reduce_scatter": grad_bytes, "all_gather": (2 if reshard else 1) * param_bytes} if shard_ranks > 1 else {}
+        gathers = 2 if reshard else 1
+        out = {} if shard_ranks == 1 else {"reduce_scatter": grad_bytes, "all_gather": gathers * param_bytes}
         if replicas > 1:
             out["all_reduce"] = grad_bytes // shard_ranks
         return out

@@ -3,8 +3,8 @@
 Owns: _GradientHypotheses, whose methods are the hypotheses for a failed gradient check, in the order they are
 tried (no gradient at all, ranks that disagree, a wire's range, non-finite values, duplicated or wrong shards,
 swapped gradients, a scale factor, a partition never written, an unsynchronised gradient, the mean of one replica
-group only, a stale gradient, a factor per rank, BatchNorm statistics, a wire's rounding), each rank's local gradient and each candidate computed once; and
-what they build candidates from: the mean of the ranks' gradients, the micro-batches synchronised BatchNorm
+group only, a stale gradient, a factor per rank, BatchNorm statistics, a wire's rounding), each rank's local gradient
+and each candidate computed once; and what they build candidates from: the mean of the ranks' gradients, the micro-batches synchronised BatchNorm
 normalises, whether the loss is a sum. The wire's hypotheses simulate the all-reduce
 (dpcompare.verify.wire_hypotheses). Imports no adapter.
 """
@@ -238,23 +238,25 @@ class _GradientHypotheses:
         (ranks 0 .. size-1, the shard group) and rank 0's column (every N/size-th rank). A group's mean acts on the
         whole gradient: it explains every failing parameter or nothing."""
         n = self.n
-        local = self.local() if n >= 4 else []
-        for size in (d for d in range(2, n) if n % d == 0):
+        sizes = [d for d in range(2, n) if n % d == 0]
+        if not sizes or not remaining:
+            return []
+        local = self.local()
+        for size in sizes:
             for ranks in (tuple(range(size)), tuple(range(0, n, n // size))):
-                candidate = self.candidate(("group", ranks), lambda ranks=ranks: _mean([local[r] for r in ranks],
-                                                                                         self.names))
-                if set(self.match(candidate, remaining)) != set(remaining):
+                mean = self.candidate(("group", ranks), lambda ranks=ranks: _mean([local[r] for r in ranks], self.names))
+                if set(self.match(mean, remaining)) != set(remaining):
                     continue
                 groups = n // size
                 others = "the other group" if groups == 2 else f"the other {groups - 1} groups"
                 return [Diagnosis("replica_group_only", f"the reduced gradient is the mean of the local gradients of "
                                   f"ranks {', '.join(map(str, ranks))} only ({size} of the {n} ranks: one of {groups} "
                                   f"replica groups), not of every rank: the group reduced its gradients within itself "
-                                  f"and never with {others}, as HSDP whose cross-replica "
-                                  "all-reduce did not run (fully_shard on a 1-D shard sub-mesh per group, the replicate "
-                                  "dimension dropped, the all-reduce skipped or undone; pytorch/pytorch#140183: "
-                                  "HYBRID_SHARD training as if on one node); pass fully_shard the whole 2-D mesh "
-                                  "(replicate, shard), so the groups all-reduce their gradient shards", list(remaining))]
+                                  f"and never with {others}, as HSDP whose cross-replica all-reduce did not run "
+                                  "(fully_shard on a 1-D shard sub-mesh per group, the replicate dimension dropped, the "
+                                  "all-reduce skipped or undone; pytorch/pytorch#140183: HYBRID_SHARD training as if "
+                                  "on one node); pass fully_shard the whole 2-D mesh (replicate, shard), so the groups "
+                                  "all-reduce their gradient shards", list(remaining))]
         return []
 
     def stale(self, remaining: list[str]) -> list[Diagnosis]:
