@@ -21,6 +21,16 @@ that is no container element and stays in the root's group, which is unsharded a
 group's unsharded parameters after its forward and all-gathers them again in backward, false keeps them until the
 backward (one all-gather per group per step, more memory).
 
+`--opt replicas=R` (HSDP; variant `hsdp`, R=2): the N ranks form a 2-D device mesh (replicate, shard) of R rows of
+N/R ranks, passed whole to every `fully_shard` call. Each rank holds a 1/(N/R) shard, the same as the other ranks of
+its column; after a group's backward FSDP reduce-scatters the gradients within the rank's row (its shard group) and
+all-reduces the resulting shard across the R rows (its replicate group), both with ReduceOp.AVG, so `.grad` is the
+shard of the mean over all N ranks. R must divide N (refused in `__init__`, before the process group starts); R=1 is
+a 1-D mesh of every rank, plain FSDP. `capabilities.shard_replicas` = R tells measurement that the sharding degree is
+N/R (the memory formula's divisor, the reduce-scatter's and all-gather's ranks) and that the all-reduce spans R
+ranks. A replica group that reduces only within itself (pytorch/pytorch#140183, HYBRID_SHARD training as if on one
+node) holds the mean over N/R ranks: the gradient check names it, cause `replica_group_only`.
+
 Gradient accumulation and the exposed-communication ablation: `set_requires_gradient_sync(False)` keeps the
 micro-batches' unsharded gradients local (no reduce-scatter); the parameter all-gathers still run, so the ablation's
 unsynced arm measures the reduce-scatter only.
@@ -44,6 +54,7 @@ MixedPrecisionPolicy (16-bit all-gathers and reduce-scatters) is not offered.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any
 
@@ -87,11 +98,12 @@ def _dtensor():
     return DTensor
 
 
-def _padded_bytes(p: torch.Tensor, world_size: int) -> int:
-    """Bytes of `p` unsharded as FSDP lays it out for its collectives: dim 0 padded to a multiple of the world size."""
+def _padded_bytes(p: torch.Tensor, shard_ranks: int) -> int:
+    """Bytes of `p` unsharded as FSDP lays it out for its collectives: dim 0 padded to a multiple of the ranks it is
+    sharded over (the world size, or the shard group's size under HSDP)."""
     rows = p.shape[0] if p.dim() else 1
     per_row = p.numel() // rows if rows else 0
-    return math.ceil(rows / world_size) * world_size * per_row * p.element_size()
+    return math.ceil(rows / shard_ranks) * shard_ranks * per_row * p.element_size()
 
 
 class FSDPAdapter(ProcessGroupMixin, Adapter):
@@ -109,8 +121,25 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
         Option("reshard_after_forward", bool, True,
                "free each group's unsharded parameters after its forward and all-gather them again in backward (false: "
                "keep them until the backward, one all-gather per group per step and more memory)"),
+        Option("replicas", int, 1,
+               "HSDP: the ranks form this many replica groups, each sharding over world_size / replicas ranks, and "
+               "the groups all-reduce their sharded gradients (1: every rank in one shard group); must divide the "
+               "world size"),
     )
-    VARIANTS = {"noreshard": {"reshard_after_forward": False}}
+    VARIANTS = {"noreshard": {"reshard_after_forward": False}, "hsdp": {"replicas": 2}}
+
+    def __init__(self, env, device, settings=None) -> None:
+        super().__init__(env, device, settings)
+        self.replicas = int(self.settings.options.get("replicas", 1))
+        ws = env.world_size
+        if self.replicas < 1 or ws % self.replicas:
+            divisors = ", ".join(str(d) for d in range(1, ws + 1) if ws % d == 0)
+            raise ValueError(f"--opt replicas={self.replicas} is invalid at world size {ws}: replicas must divide the "
+                             f"world size (HSDP puts world_size / replicas ranks in every shard group); use one of "
+                             f"{divisors} (1: plain FSDP), or start a world size that {self.replicas} divides")
+        self.shard_ranks = ws // self.replicas
+        """The ranks each parameter is sharded over (the mesh's shard dimension)."""
+        self.capabilities = dataclasses.replace(type(self).capabilities, shard_replicas=self.replicas)
 
     def setup(self, timeout_s: float) -> None:
         ensure_rendezvous(self.env)
@@ -119,7 +148,11 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
         self.init_process_group(timeout_s)
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.mesh = init_device_mesh(self.device.type, (self.env.world_size,))
+        if self.replicas == 1:
+            self.mesh = init_device_mesh(self.device.type, (self.env.world_size,))
+        else:  # HSDP: fully_shard shards over the last dimension and all-reduces over the first
+            self.mesh = init_device_mesh(self.device.type, (self.replicas, self.shard_ranks),
+                                         mesh_dim_names=("replicate", "shard"))
 
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
         from torch.distributed.fsdp import fully_shard
@@ -128,7 +161,7 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
             raise ValueError("--backend fsdp: the optimizer already holds state before wrapping; FSDP replaces the "
                              "parameters with sharded ones, so it must be a fresh optimizer")
         reshard = self.settings.options["reshard_after_forward"]
-        ws = self.env.world_size
+        ws, shard_ranks = self.env.world_size, self.shard_ranks
         names = {id(p): n for n, p in module.named_parameters()}
         blocks = block_modules(module)
         # The parameter groups FSDP makes (bottom-up: a block takes its parameters not already taken), their unsharded
@@ -138,10 +171,10 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
         for _, block in reversed(blocks):
             params = [p for p in block.parameters() if id(p) not in taken]
             taken |= {id(p) for p in params}
-            self._group_bytes.append(sum(_padded_bytes(p, ws) for p in params))
+            self._group_bytes.append(sum(_padded_bytes(p, shard_ranks) for p in params))
         rest = [p for p in module.parameters() if id(p) not in taken]
         if rest:
-            self._group_bytes.append(sum(_padded_bytes(p, ws) for p in rest))
+            self._group_bytes.append(sum(_padded_bytes(p, shard_ranks) for p in rest))
         for _, block in reversed(blocks):  # bottom-up, as FSDP requires
             fully_shard(block, mesh=self.mesh, reshard_after_forward=reshard)
         fully_shard(module, mesh=self.mesh, reshard_after_forward=reshard)
@@ -153,9 +186,14 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
         shown = ", ".join(n for n, _ in blocks[:6]) + (f" and {len(blocks) - 6} more" if len(blocks) > 6 else "")
         notes = [Note("fsdp.sharding",
                       f"fsdp: FSDP2 fully_shard on {len(blocks)} block(s)" + (f" ({shown})" if blocks else "") +
-                      f" and the root, reshard_after_forward={str(reshard).lower()}: each of the {ws} rank(s) holds "
-                      f"1/{ws} of every parameter, gradient and optimizer state; the checks all-gather the full values "
-                      "(DTensor.full_tensor) on every rank")]
+                      f" and the root, reshard_after_forward={str(reshard).lower()}: " + (
+                          f"each of the {ws} rank(s) holds 1/{ws} of every parameter, gradient and optimizer state"
+                          if self.replicas == 1 else
+                          f"HSDP, a {self.replicas}x{shard_ranks} mesh (replicate, shard): the {ws} ranks form "
+                          f"{self.replicas} replica groups of {shard_ranks}, each rank holds 1/{shard_ranks} of every "
+                          f"parameter, gradient and optimizer state, the gradients are reduce-scattered within a group "
+                          f"and all-reduced across the {self.replicas} groups") +
+                      "; the checks all-gather the full values (DTensor.full_tensor) on every rank")]
         notes.append(Note("fsdp.ablation",
                           "fsdp: the exposed-communication ablation's unsynced arm (set_requires_gradient_sync(False)) "
                           "still all-gathers the parameters: the exposed communication it measures is the gradients' "

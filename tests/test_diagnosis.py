@@ -46,17 +46,17 @@ def _setup(model: nn.Module, world_size: int = 2, loss_fn=None):
 
 def _diagnoses(model: nn.Module, grads_for, *, digests_for=None, has_batchnorm=False, sync_bn=False, per_replica=False,
                grad_accum=1, previous=None, loss_fn=None, tolerance=1e-6, compression="none",
-               loss_scale=None) -> list[Diagnosis]:
+               loss_scale=None, world_size=2) -> list[Diagnosis]:
     """The diagnosis of `grads_for`'s gradient at a check whose failing parameters are found as the verifier finds
     them (distance from the oracle against the parameter's share of the model's gradient)."""
-    oracle, state, batch, shards, digests = _setup(model, loss_fn=loss_fn)
-    layout = eq.Layout(2, grad_accum)
+    oracle, state, batch, shards, digests = _setup(model, world_size, loss_fn=loss_fn)
+    layout = eq.Layout(world_size, grad_accum)
     oracle_grads = (oracle.oracle_of(state, eq.replica_pieces(batch, layout)) if per_replica
                     else oracle.oracle(state, *batch))
     grads = grads_for(oracle, state, oracle_grads, shards)
     evidence = GradientEvidence(
         step=1, grads=grads, oracle_grads=oracle_grads, tolerance={n: tolerance for n in oracle.names}, oracle=oracle,
-        state=state, batch=batch, world_size=2, grad_accum=grad_accum,
+        state=state, batch=batch, world_size=world_size, grad_accum=grad_accum,
         shard_digests=digests_for(digests) if digests_for else digests, has_batchnorm=has_batchnorm, sync_bn=sync_bn,
         compression=compression, dtype="float32", layout=layout, per_replica=per_replica,
         previous=previous(oracle, state, shards) if previous else None, loss_scale=loss_scale)
@@ -118,6 +118,33 @@ def test_names_the_parameters_left_out_of_the_all_reduce():
     assert reason.startswith("on 0.bias, 2.bias:"), reason
     assert "rank 0's local gradient" in reason and "left out of the all-reduce" in reason
     assert "weight" not in reason.split(":")[0]
+
+
+def _mean_of_ranks(ranks):
+    def grads_for(o, s, og, sh):
+        local = [o.oracle(s, *sh[r]) for r in ranks]
+        return {k: sum(g[k] for g in local) / len(ranks) for k in og}
+    return grads_for
+
+
+@pytest.mark.parametrize(("ranks", "shown"), [((0, 1), "ranks 0, 1 only (2 of the 4 ranks: one of 2 replica groups)"),
+                                              ((0, 2), "ranks 0, 2 only (2 of the 4 ranks: one of 2 replica groups)")],
+                         ids=["row", "column"])
+def test_names_the_mean_of_one_replica_group(ranks, shown):
+    """4 ranks as 2 replica groups of 2 (HSDP) whose groups never all-reduced with each other: rank 0 holds its
+    group's mean, whether the group is rank 0's row of the (replicate, shard) mesh or its column."""
+    found = _diagnoses(_linear(), _mean_of_ranks(ranks), world_size=4)
+    assert [d.cause for d in found] == ["replica_group_only"], reason_of(found)
+    assert shown in found[0].reason and "cross-replica all-reduce did not run" in found[0].reason
+
+
+@pytest.mark.parametrize("ranks", [(0, 3), (0, 1, 2)], ids=["no-group", "three-ranks"])
+def test_a_mean_over_ranks_that_form_no_replica_group_is_not_named_one(ranks):
+    """Twin: ranks 0 and 3 form neither a row nor a column of a 2x2 mesh, and 3 of 4 ranks no group at all. What is
+    named instead is the fit of a factor per rank (the ranks left out weigh about 0)."""
+    found = _diagnoses(_linear(), _mean_of_ranks(ranks), world_size=4)
+    assert [d.cause for d in found] == ["rank_scale"], reason_of(found)
+    assert "replica group" not in found[0].reason
 
 
 def test_names_a_stale_gradient():

@@ -63,7 +63,8 @@ def run_args(model: str, world_size: int) -> list[str]:
     return STEPS + (["--sync-bn"] if model == "cnn" and world_size > 1 else [])
 
 
-def assert_equivalent(proc, result: dict | None, *, backend: str, world_size: int, model: str, launcher: str) -> None:
+def assert_equivalent(proc, result: dict | None, *, backend: str, world_size: int, model: str, launcher: str,
+                      steps: int = 2) -> None:
     assert proc.returncode == 0, proc.output[-6000:]
     assert result is not None
     assert (result["backend"], result["world_size"], result["model"], result["launcher"]) == (
@@ -74,14 +75,14 @@ def assert_equivalent(proc, result: dict | None, *, backend: str, world_size: in
     assert e["first_divergence"] is None, detail
     assert e["replicas_identical"] is True
     assert e["initial_weights_identical"] is True
-    assert e["checked_steps"] == [0, 1]
+    assert e["checked_steps"] == list(range(steps))
     assert all(s["grads_identical_across_ranks"] for s in e["per_step"]), "ranks hold different reduced gradients"
     assert e["noise_ratio"] is not None and e["noise_ratio"] < 10, f"noise ratio {e['noise_ratio']}"
     for check in ("gradient", "update", "trajectory"):
         c = e["checks"][check]
         assert c["status"] == "pass" and c["noise_ratio"] is not None and c["noise_ratio"] < 10, (check, c)
     assert abs(e["checks"]["update"]["norm_ratio"] - 1) < 1e-3, e["checks"]["update"]
-    assert len(e["drift"]) == 2 and all(d["ok"] for d in e["drift"]), e["drift"]
+    assert len(e["drift"]) == steps and all(d["ok"] for d in e["drift"]), e["drift"]
     named = backend + (f":{result['variant']}" if result.get("variant") else "")  # a variant's line names it
     summary = f"{named} ws={world_size} {model} [{launcher}]: equivalent"
     assert summary in proc.stdout, proc.stdout[-2000:]

@@ -80,7 +80,8 @@ def test_blocks_the_model_declares_are_taken_as_declared():
 def test_fsdp_declares_what_it_shards():
     caps = FSDPAdapter.capabilities
     assert (caps.shards, caps.can_disable_sync, caps.native_launcher) == ("parameters", True, "torchrun")
-    assert FSDPAdapter.VARIANTS == {"noreshard": {"reshard_after_forward": False}}
+    assert FSDPAdapter.VARIANTS == {"noreshard": {"reshard_after_forward": False}, "hsdp": {"replicas": 2}}
+    assert caps.shard_replicas == 1
 
 
 ONE_RANK = one_rank_script("fsdp", "FSDPAdapter", "mlp", """

@@ -128,6 +128,18 @@ def test_frozen_parameters_have_no_gradient_or_state_and_float64_doubles_everyth
     assert text["stage"] == 2 and "Psi_t=600" in text["formula"] and "/N" in text["formula"]
 
 
+def test_hsdp_divides_by_the_shard_group_not_the_world_size() -> None:
+    """8 ranks as 2 replica groups of 4 (capabilities.shard_replicas=2) hold what 4-way sharding holds."""
+    kw = dict(psi=1000, trainable=1000, shards="parameters", weight_bytes=4, masters=False, optimizer="adamw")
+    hsdp = memory.zero_formula_mib(world_size=8, replicas=2, **kw)
+    assert hsdp["total"] == pytest.approx(memory.zero_formula_mib(world_size=4, **kw)["total"])
+    assert hsdp["total"] * MIB == pytest.approx(16 * 1000 / 4)
+    assert "N=4 (HSDP: the 8 ranks as 2 replica groups of 4)" in hsdp["formula"]
+    assert "HSDP" not in memory.zero_formula_mib(world_size=8, **kw)["formula"]
+    with pytest.raises(ValueError, match="replicas must divide the world size"):
+        memory.zero_formula_mib(world_size=8, replicas=3, **kw)
+
+
 def test_the_formula_refuses_what_it_does_not_know() -> None:
     base = dict(psi=10, trainable=10, world_size=2, weight_bytes=4, masters=False, optimizer="adamw")
     with pytest.raises(ValueError, match="shards"):
@@ -173,6 +185,27 @@ def test_analytic_volume_per_stage_and_zero3_is_one_and_a_half_all_reduces() -> 
     assert volume.analytic_bytes_per_step("parameters", g, p, 1) == {}
 
 
+def test_hsdp_volume_is_fsdp_within_a_shard_group_plus_an_all_reduce_of_the_shards_across_groups() -> None:
+    """8 ranks as 2 replica groups of 4: FSDP's reduce-scatter and all-gathers over 4 ranks, then each rank
+    all-reduces its quarter of the gradients with the 2 groups; the bus factors take the ranks each kind spans."""
+    g = p = 1000
+    hsdp = volume.analytic_bytes_per_step("parameters", g, p, 8, replicas=2)
+    assert hsdp == {"reduce_scatter": 1000, "all_gather": 2000, "all_reduce": 250}
+    ranks = volume.kind_ranks(8, 2)
+    assert (ranks["reduce_scatter"], ranks["all_gather"], ranks["all_reduce"]) == (4, 4, 2)
+    assert volume.kind_ranks(8) == {k: 8 for k in volume.KINDS}
+    bus = sum(b * bandwidth.bus_factor(k, ranks[k]) for k, b in hsdp.items())
+    assert bus == pytest.approx(1000 * 0.75 + 2000 * 0.75 + 250 * 1.0)
+    # One rank per shard group: nothing to scatter or gather, the groups all-reduce the whole gradient (DDP's volume).
+    assert volume.analytic_bytes_per_step("parameters", g, p, 2, replicas=2) == {"all_reduce": 1000}
+    assert volume.analytic_bytes_per_step("parameters", g, p, 8) == {"reduce_scatter": 1000, "all_gather": 2000}
+    assert "HSDP, 2 replica groups" in volume.analytic_method("parameters", True, 2)
+    with pytest.raises(ValueError, match="HSDP"):
+        volume.analytic_bytes_per_step("gradients", g, p, 8, replicas=2)
+    with pytest.raises(ValueError, match="replicas must divide"):
+        volume.analytic_bytes_per_step("parameters", g, p, 8, replicas=3)
+
+
 def test_union_counts_overlapping_calls_once() -> None:
     assert volume.union_ms([(0, 2), (1, 3), (5, 6)]) == 4
     assert volume.union_ms([(0, 2), (2, 3)]) == 3 and volume.union_ms([]) == 0
@@ -195,6 +228,22 @@ def test_comm_by_kind_takes_bytes_from_rank0_and_time_from_the_rank_that_waited_
     assert ar["busbw_gbps"] == pytest.approx(1.0)  # 4e6 B in 4 ms = 1 GB/s, x 2(2-1)/2
     assert ag["ms_per_step"] == 2.0 and ag["busbw_gbps"] == pytest.approx(0.5)  # 2e6 B / 2 ms x 1/2
     assert ag["analytic_bytes_per_step"] == 0 and "reduce_scatter" not in out
+
+
+def test_comm_by_kind_takes_each_kinds_bus_factor_over_the_ranks_it_spans_under_hsdp() -> None:
+    """4 ranks as 2 replica groups of 2: the all-reduce spans 2 ranks (factor 1, not 1.5), the reduce-scatter 2
+    (factor 1/2, not 3/4)."""
+    rec = _record({"all_reduce": {"bytes": [2e6, 2e6], "calls": [1, 1], "ms": [2.0, 2.0]},
+                   "reduce_scatter": {"bytes": [4e6, 4e6], "calls": [1, 1], "ms": [4.0, 4.0]}})
+    out = volume.comm_by_kind([rec] * 4, {"all_reduce": 2_000_000, "reduce_scatter": 4_000_000}, 4, None, "a",
+                              replicas=2)
+    ar, rs = out["all_reduce"], out["reduce_scatter"]
+    assert (ar["group_ranks"], rs["group_ranks"]) == (2, 2)
+    assert ar["bus_bytes_per_step"] == ar["analytic_bus_bytes_per_step"] == pytest.approx(2e6)
+    assert rs["bus_bytes_per_step"] == rs["analytic_bus_bytes_per_step"] == pytest.approx(2e6)
+    assert ar["busbw_gbps"] == pytest.approx(1.0) and rs["busbw_gbps"] == pytest.approx(0.5)
+    flat = volume.comm_by_kind([rec] * 4, {"all_reduce": 2_000_000}, 4, None, "a")  # the twin: one group of 4
+    assert flat["all_reduce"]["group_ranks"] == 4 and flat["all_reduce"]["bus_bytes_per_step"] == pytest.approx(3e6)
 
 
 def test_comm_by_kind_is_analytic_only_when_nothing_passed_python_or_nothing_was_recorded() -> None:

@@ -723,19 +723,21 @@ def _declared_by_the_classes() -> dict[str, Any]:
 
 def test_the_variant_options_are_the_defaults_each_adapter_declares() -> None:
     """The report's baseline value of every variant option is the default the adapter's OPTIONS declares for it, in
-    the registry's order (deepspeed's amp_recipe and zero_stage, fsdp's reshard_after_forward), read from the sources."""
+    the registry's order (deepspeed's amp_recipe and zero_stage, fsdp's reshard_after_forward and replicas), read from
+    the sources."""
     from dpcompare.commands.report.declarations import variant_options
 
     derived = variant_options()
     assert list(derived.items()) == list(_declared_by_the_classes().items())
-    assert {"amp_recipe", "zero_stage", "reshard_after_forward"} <= derived.keys()
+    assert {"amp_recipe", "zero_stage", "reshard_after_forward", "replicas"} <= derived.keys()
 
 
 TWINS = {
     # a changed default: stage 1 is then deepspeed's baseline and stage 0 a variant
     "default": ("deepspeed", 'Option("zero_stage", int, 0,', 'Option("zero_stage", int, 1,'),
     # a variant no longer declared: its option no longer makes a variant
-    "variants": ("fsdp", 'VARIANTS = {"noreshard": {"reshard_after_forward": False}}', "VARIANTS = {}"),
+    "variants": ("fsdp", 'VARIANTS = {"noreshard": {"reshard_after_forward": False}, "hsdp": {"replicas": 2}}',
+                 "VARIANTS = {}"),
 }
 
 

@@ -49,6 +49,11 @@ class Capabilities:
     """What each rank holds only a part of: none (every rank a full replica), optimizer (its state: ZeRO-1),
     gradients (and the optimizer state: ZeRO-2) or parameters (all three: ZeRO-3, FSDP). An adapter whose options
     change it sets its instance's `capabilities` in `__init__`."""
+    shard_replicas: int = 1
+    """Copies of the sharded state (HSDP): the ranks form this many replica groups, each sharding over
+    world_size / shard_replicas ranks (the shard group, which the memory formula divides by and the reduce-scatter and
+    all-gather span), and the groups all-reduce their gradient shards with each other. 1: one shard group of every
+    rank."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,7 +124,7 @@ def optimizer_state_factor(optimizer: str, momentum: float, state_bytes: int) ->
 
 
 def zero_formula_mib(*, psi: int, trainable: int, world_size: int, shards: str, weight_bytes: int, masters: bool,
-                     optimizer: str, momentum: float = 0.0) -> dict[str, Any]:
+                     optimizer: str, momentum: float = 0.0, replicas: int = 1) -> dict[str, Any]:
     """The ZeRO paper's model-state memory per rank for this model, precision and optimizer, in MiB:
     {params, grads, optimizer, master_params, total, stage, formula}.
 
@@ -134,16 +134,20 @@ def zero_formula_mib(*, psi: int, trainable: int, world_size: int, shards: str, 
     16-bit weights, fp32 master copies) params and grads take 2 bytes and K = 4 (master) + the optimizer's state in
     fp32: mixed-precision Adam is 2 Psi + 2 Psi + 12 Psi (K = 12). Stage 1 (shards optimizer) divides the optimizer
     state and the masters by N, stage 2 (gradients) the gradients too, stage 3 (parameters) the parameters too.
+    N is the sharding degree: the world size, or under HSDP (`replicas` > 1: capabilities.shard_replicas) the shard
+    group's world_size / replicas ranks, each replica group holding the whole state once.
     Comm buffers, activations and fragmentation are not in the formula."""
     if shards not in SHARD_STAGES:
         raise ValueError(f"shards must be one of {', '.join(SHARD_STAGES)}, got {shards!r}")
     if world_size < 1 or psi < 0 or not 0 <= trainable <= psi:
         raise ValueError(f"need world_size >= 1 and 0 <= trainable <= psi, got {world_size}, {trainable}, {psi}")
+    if replicas < 1 or world_size % replicas:
+        raise ValueError(f"replicas must divide the world size, got {replicas} replicas of world size {world_size}")
     stage = SHARD_STAGES[shards]
     w = 2 if masters else weight_bytes
     state, state_name = optimizer_state_factor(optimizer, momentum, 4 if masters else weight_bytes)
     master = 4 if masters else 0
-    n = world_size
+    n = world_size // replicas
     per = {"params": w * psi / (n if stage >= 3 else 1), "grads": w * trainable / (n if stage >= 2 else 1),
            "optimizer": state * trainable / (n if stage >= 1 else 1),
            "master_params": master * trainable / (n if stage >= 1 else 1)}
@@ -157,7 +161,8 @@ def zero_formula_mib(*, psi: int, trainable: int, world_size: int, shards: str, 
             f"{term(w, 'Psi', stage >= 3)} params + {term(w, psi_t, stage >= 2)} grads + "
             f"{term(k, psi_t, stage >= 1)} optimizer (K={k}: "
             + (f"4 fp32 master + {state} {state_name}" if masters else state_name)
-            + f"), Psi={psi}" + (f", Psi_t={trainable} trainable" if trainable != psi else "") + f", N={n}, "
+            + f"), Psi={psi}" + (f", Psi_t={trainable} trainable" if trainable != psi else "") + f", N={n}"
+            + (f" (HSDP: the {world_size} ranks as {replicas} replica groups of {n})" if replicas > 1 else "") + ", "
             + ("16-bit weights with fp32 masters" if masters else f"{weight_bytes}-byte weights, no master copy")
             + f", {optimizer}")
     out: dict[str, Any] = {k2: v / MIB for k2, v in per.items()}

@@ -121,12 +121,13 @@ def summarize(
     comm_analytic: dict[str, int] | None = None,
     comm_analytic_method: str = "",
     comm_measured_reason: str | None = None,
+    comm_replicas: int = 1,
 ) -> dict[str, Any]:
     """Rank 0 turns the gathered per-rank samples into the run's metrics (units in the names). `model_state` is the
     analytic model state, used only where a rank took no census; `comm_analytic` the predicted bytes per step by
     kind (dpcompare.measure.volume.analytic_bytes_per_step; None: no communication, comm_by_kind is None),
     `comm_measured_reason` why the collective recorder did not run (None: it did, on every rank that has
-    `collectives`)."""
+    `collectives`); `comm_replicas` the backend's capabilities.shard_replicas (HSDP: the ranks each kind spans)."""
     m = Metrics()
     m.set("scaling", scaling)
     m.set("warmup_steps", warmup_steps)
@@ -144,7 +145,7 @@ def summarize(
     m.set("bucket_bytes", message_bytes, message_reason)
     _bandwidth(m, transfer, grad_bytes, world_size, microbench_busbw, microbench_reason, comm_possible)
     _memory(m, samples, model_state, model_state_formula, model_state_formula_reason)
-    _by_kind(m, samples, world_size, comm_analytic, comm_analytic_method, comm_measured_reason)
+    _by_kind(m, samples, world_size, comm_analytic, comm_analytic_method, comm_measured_reason, comm_replicas)
     return m.to_dict()
 
 
@@ -356,7 +357,7 @@ def _is_census(c: Any) -> bool:
 
 
 def _by_kind(m: Metrics, samples: list[RankSample], world_size: int, analytic: dict[str, int] | None,
-             analytic_method: str, measured_reason: str | None) -> None:
+             analytic_method: str, measured_reason: str | None, replicas: int = 1) -> None:
     """Communication by kind (dpcompare.measure.volume.comm_by_kind): measured where Python dispatched the
     collectives, beside the analytic volume. None (with `measured_reason`) where there is no analytic volume either
     (one rank: no communication)."""
@@ -367,4 +368,4 @@ def _by_kind(m: Metrics, samples: list[RankSample], world_size: int, analytic: d
     reason = measured_reason
     if reason is None and not any(isinstance(r, dict) for r in records):
         reason = "no rank recorded its collectives"
-    m.set("comm_by_kind", comm_by_kind(records, analytic, world_size, reason, analytic_method))
+    m.set("comm_by_kind", comm_by_kind(records, analytic, world_size, reason, analytic_method, replicas))

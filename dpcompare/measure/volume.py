@@ -1,8 +1,8 @@
 """Communication volume by kind: the ZeRO paper's prediction of what a step sends, and the figures a run's
 collective records (dpcompare.measure.collectives.CollectiveRecorder) turn into, with nccl-tests' bus factors.
 
-Owns: `analytic_bytes_per_step`, `analytic_method`, `comm_by_kind`, `union_ms`. Imports numpy only (the report reads
-these figures on machines without torch's backends).
+Owns: `analytic_bytes_per_step`, `analytic_method`, `kind_ranks`, `comm_by_kind`, `union_ms`. Imports numpy only (the
+report reads these figures on machines without torch's backends).
 """
 
 from __future__ import annotations
@@ -32,33 +32,64 @@ def union_ms(spans: list[tuple[float, float]]) -> float:
 
 
 # -- the prediction -------------------------------------------------------------------------------------------
+def _shard_ranks(world_size: int, replicas: int) -> int:
+    if replicas < 1 or world_size % replicas:
+        raise ValueError(f"replicas must divide the world size, got {replicas} replicas of world size {world_size}")
+    return world_size // replicas
+
+
 def analytic_bytes_per_step(shards: str, grad_bytes: int, param_bytes: int, world_size: int,
-                            reshard: bool = True) -> dict[str, int]:
+                            reshard: bool = True, replicas: int = 1) -> dict[str, int]:
     """Bytes per optimizer step (one micro-batch) by kind, in nccl-tests' count (the full buffer), as the ZeRO paper
     accounts them: replicas (shards none: DDP, Horovod, ZeRO-0) all-reduce the gradients; ZeRO-1 and ZeRO-2
     reduce-scatter the gradients and all-gather the updated parameters (the same bus traffic as the all-reduce);
     ZeRO-3 and FSDP reduce-scatter the gradients and all-gather the parameters before the forward and again before
     the backward when they were resharded after the forward (reshard), 1.5x the all-reduce's bus traffic. `grad_bytes`
-    in the dtype they are sent in, `param_bytes` in the dtype they are gathered in. {} at world size 1."""
+    in the dtype they are sent in, `param_bytes` in the dtype they are gathered in. {} at world size 1.
+
+    `replicas` > 1 (HSDP, shards parameters only: capabilities.shard_replicas): the reduce-scatter and the
+    all-gathers run within a shard group of world_size / replicas ranks, as above, and each rank then all-reduces its
+    gradient shard (1/(world_size / replicas) of the gradients) with the other replica groups."""
     if world_size < 2:
         return {}
+    shard_ranks = _shard_ranks(world_size, replicas)
+    if replicas > 1 and shards != "parameters":
+        raise ValueError(f"replicas > 1 (HSDP) shards the parameters, got shards={shards!r}")
     if shards == "none":
         return {"all_reduce": grad_bytes}
     if shards in ("optimizer", "gradients"):
         return {"reduce_scatter": grad_bytes, "all_gather": param_bytes}
     if shards == "parameters":
-        return {"reduce_scatter": grad_bytes, "all_gather": (2 if reshard else 1) * param_bytes}
+        gathers = 2 if reshard else 1
+        out = {} if shard_ranks == 1 else {"reduce_scatter": grad_bytes, "all_gather": gathers * param_bytes}
+        if replicas > 1:
+            out["all_reduce"] = grad_bytes // shard_ranks
+        return out
     raise ValueError(f"shards must be none, optimizer, gradients or parameters, got {shards!r}")
 
 
-def analytic_method(shards: str, reshard: bool) -> str:
+def analytic_method(shards: str, reshard: bool, replicas: int = 1) -> str:
     what = {"none": "all-reduce of the gradients (replicas)",
             "optimizer": "reduce-scatter of the gradients + all-gather of the parameters (ZeRO-1)",
             "gradients": "reduce-scatter of the gradients + all-gather of the parameters (ZeRO-2)",
             "parameters": "reduce-scatter of the gradients + " + ("2 all-gathers of the parameters (forward and "
                           "backward, resharded after the forward)" if reshard else "1 all-gather of the parameters "
                           "(kept after the forward)") + " (ZeRO-3 / FSDP)"}
-    return f"analytic from capabilities.shards={shards}: {what.get(shards, shards)}, one micro-batch per step"
+    hsdp = (f"; HSDP, {replicas} replica groups: the reduce-scatter and the all-gathers within a shard group "
+            f"(world_size / {replicas} ranks), then an all-reduce of each rank's gradient shard across the {replicas} "
+            "groups" if replicas > 1 else "")
+    return f"analytic from capabilities.shards={shards}: {what.get(shards, shards)}{hsdp}, one micro-batch per step"
+
+
+def kind_ranks(world_size: int, replicas: int = 1) -> dict[str, int]:
+    """The ranks one call of each kind spans, for its bus factor: every rank, but under HSDP (`replicas` > 1) the
+    reduce-scatter and the all-gather span a shard group (world_size / replicas ranks) and the all-reduce a replicate
+    group (`replicas` ranks)."""
+    if replicas == 1:
+        return {kind: world_size for kind in KINDS}
+    shard_ranks = _shard_ranks(world_size, replicas)
+    return {**{kind: world_size for kind in KINDS}, "all_reduce": replicas, "reduce_scatter": shard_ranks,
+            "all_gather": shard_ranks}
 
 
 # -- the figures ----------------------------------------------------------------------------------------------
@@ -69,10 +100,11 @@ def _rank_kind(record: dict[str, Any] | None, kind: str) -> dict[str, list] | No
 
 
 def comm_by_kind(records: list[dict[str, Any] | None], analytic: dict[str, int], world_size: int,
-                 measured_reason: str | None, analytic_how: str) -> dict[str, dict[str, Any]]:
+                 measured_reason: str | None, analytic_how: str, replicas: int = 1) -> dict[str, dict[str, Any]]:
     """{kind: {bytes_per_step, calls_per_step, ms_per_step, ms_per_step_max, busbw_gbps, bus_bytes_per_step, method,
-    analytic_bytes_per_step, analytic_bus_bytes_per_step, analytic_method}} for every kind predicted or seen (method:
-    how the measured figures were taken, or why there are none).
+    analytic_bytes_per_step, analytic_bus_bytes_per_step, analytic_method, group_ranks}} for every kind predicted or
+    seen (method: how the measured figures were taken, or why there are none; group_ranks: the ranks one call spans,
+    kind_ranks(world_size, replicas), whose bus factor the bus figures take).
 
     Bytes and calls are rank 0's means over the measured steps; ms_per_step is the median per-step time (union of
     the kind's calls) of the rank that spent least in that kind (the others waited for it: as comm_transfer_ms),
@@ -84,12 +116,13 @@ def comm_by_kind(records: list[dict[str, Any] | None], analytic: dict[str, int],
     reason = measured_reason or (None if seen else NOT_IN_PYTHON)
     kinds = [k for k in KINDS if k in analytic or any(_rank_kind(r, k) for r in seen)]
     rank0 = records[0] if records else None
+    ranks = kind_ranks(world_size, replicas)
     out: dict[str, dict[str, Any]] = {}
     for kind in kinds:
-        factor = bus_factor(kind, world_size)
+        factor = bus_factor(kind, ranks[kind])
         predicted = analytic.get(kind, 0)
         row: dict[str, Any] = {"analytic_bytes_per_step": predicted, "analytic_bus_bytes_per_step": predicted * factor,
-                               "analytic_method": analytic_how}
+                               "analytic_method": analytic_how, "group_ranks": ranks[kind]}
         if reason:
             row.update(bytes_per_step=None, calls_per_step=None, ms_per_step=None, ms_per_step_max=None,
                        busbw_gbps=None, bus_bytes_per_step=None, method=f"not measured: {reason}")
@@ -101,7 +134,7 @@ def comm_by_kind(records: list[dict[str, Any] | None], analytic: dict[str, int],
         times = [float(np.median(k["ms"])) for k in (_rank_kind(r, kind) for r in seen) if k]
         ms = min(times) if times else None
         busbw = None
-        if ms and nbytes and world_size > 1:
+        if ms and nbytes and ranks[kind] > 1:
             busbw = algbw_gbps(nbytes, ms / 1e3) * factor
         method = (seen[0].get("method") or "") + f"; bus factor {BUS_FACTOR_DOC}"
         if any(r.get("unwaited") for r in seen):

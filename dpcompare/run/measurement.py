@@ -217,12 +217,16 @@ class MeasurementPhase:
                 psi=psi, trainable=trainable, world_size=self.runner.world_size, shards=self._shards(),
                 weight_bytes=torch.empty((), dtype=self.runner.dtype).element_size(),
                 masters=self.adapter.amp_recipe() == "engine", optimizer=self.cfg.optimizer,
-                momentum=self.cfg.momentum), None
+                momentum=self.cfg.momentum, replicas=self._replicas()), None
         except ValueError as exc:
             return None, str(exc)
 
     def _shards(self) -> str:
         return getattr(self.adapter.capabilities, "shards", "none")
+
+    def _replicas(self) -> int:
+        """Replica groups of the sharded state (HSDP; 1: one shard group of every rank)."""
+        return getattr(self.adapter.capabilities, "shard_replicas", 1)
 
     def _analytic_comm(self, sizes: dict[str, int]) -> tuple[dict[str, int] | None, str]:
         """The predicted bytes per step by kind (None when there is no communication) and how they were predicted.
@@ -230,11 +234,11 @@ class MeasurementPhase:
         gathered twice a step."""
         if self.no_communication:
             return None, ""
-        shards = self._shards()
+        shards, replicas = self._shards(), self._replicas()
         reshard = bool(self.adapter.settings.options.get("reshard_after_forward", True))
         return (volume.analytic_bytes_per_step(shards, sizes["wire_grad_bytes"], sizes["param_bytes"],
-                                               self.runner.world_size, reshard),
-                volume.analytic_method(shards, reshard))
+                                               self.runner.world_size, reshard, replicas),
+                volume.analytic_method(shards, reshard, replicas))
 
     def _summarize(self, gathered: list[tuple[summary.RankSample, float]]) -> dict[str, Any]:
         wrapped, cfg = self.adapter.wrapped, self.cfg
@@ -256,7 +260,7 @@ class MeasurementPhase:
             microbench_busbw=microbench, microbench_reason=microbench_reason, scaling=cfg.scaling,
             comm_possible=self.comm_reason, instrumented=cfg.instrument,
             model_state_formula=formula, model_state_formula_reason=formula_reason,
-            comm_analytic=analytic, comm_analytic_method=analytic_how,
+            comm_analytic=analytic, comm_analytic_method=analytic_how, comm_replicas=self._replicas(),
             comm_measured_reason=self.no_communication or (
                 None if cfg.instrument else "instrumentation off (--no-instrument): the collectives were not wrapped"),
         )

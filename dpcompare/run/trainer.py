@@ -143,7 +143,8 @@ def _write_result(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workl
         global_batch=global_batch, local_batch=local_batch, scaling=cfg.scaling,
         steps=cfg.steps, tag=cfg.tag, config=cfg.to_dict(),
         capabilities={"multi_process": caps.multi_process, "native_launcher": caps.native_launcher,
-                      "scaling_baseline": caps.scaling_baseline, "shards": caps.shards},
+                      "scaling_baseline": caps.scaling_baseline, "shards": caps.shards,
+                      "shard_replicas": caps.shard_replicas},
         equivalence=verdict.to_dict(policy), metrics=metrics, env=results.environment(), created_unix=time.time(),
     )
     if cfg.dump_grads:

@@ -24,7 +24,7 @@ from dpcompare.verify.equivalence import Grads, flat, rel_fro
 class Diagnosis:
     cause: str
     """A short code: summed, averaged_twice, loss_sum, loss_scale_not_undone, loss_scale_undone_twice, scaled,
-    unsynchronised, stale, swapped, zeroed_partition, unapplied_shard, wire_dtype, wire_underflow, wire_overflow, batchnorm, duplicated_data,
+    unsynchronised, replica_group_only, stale, swapped, zeroed_partition, unapplied_shard, wire_dtype, wire_underflow, wire_overflow, batchnorm, duplicated_data,
     wrong_shards, non_finite, skipped_step, lr_scaled, double_step, optimizer_state, unused_zero_grad, weight_decay,
     clipped, not_clipped, clipped_in_parts, unknown."""
     reason: str

@@ -2,9 +2,9 @@
 
 Owns: _GradientHypotheses, whose methods are the hypotheses for a failed gradient check, in the order they are
 tried (no gradient at all, ranks that disagree, a wire's range, non-finite values, duplicated or wrong shards,
-swapped gradients, a scale factor, a partition never written, an unsynchronised or stale gradient, a factor per
-rank, BatchNorm statistics, a wire's rounding), each rank's local gradient and each candidate computed once; and
-what they build candidates from: the mean of the ranks' gradients, the micro-batches synchronised BatchNorm
+swapped gradients, a scale factor, a partition never written, an unsynchronised gradient, the mean of one replica
+group only, a stale gradient, a factor per rank, BatchNorm statistics, a wire's rounding), each rank's local gradient
+and each candidate computed once; and what they build candidates from: the mean of the ranks' gradients, the micro-batches synchronised BatchNorm
 normalises, whether the loss is a sum. The wire's hypotheses simulate the all-reduce
 (dpcompare.verify.wire_hypotheses). Imports no adapter.
 """
@@ -42,12 +42,14 @@ class _GradientHypotheses:
 
     def ordered(self) -> list[_Hypothesis]:
         return [self.no_gradient, self.ranks_disagree, self.wire_range, self.non_finite, self.data, self.swapped,
-                self.scaled, self.zeroed, self.unsynchronised, self.stale, self.rank_scaled, self.batchnorm, self.wire]
+                self.scaled, self.zeroed, self.unsynchronised, self.replica_group, self.stale, self.rank_scaled,
+                self.batchnorm, self.wire]
 
     def none_reason(self) -> str:
         none = ("the reduced gradient matches none of the known fault patterns (sum, 1/N, a scale factor, one rank's "
-                "local gradient, a stale gradient, a factor per rank (local clipping), two same-shape gradients exchanged, a part never written, an fp16 "
-                "or bf16 wire's rounding, underflow or overflow, per-rank or per-micro-batch BatchNorm, duplicated data)")
+                "local gradient, the mean of one replica group's ranks, a stale gradient, a factor per rank (local "
+                "clipping), two same-shape gradients exchanged, a part never written, an fp16 or bf16 wire's rounding, "
+                "underflow or overflow, per-rank or per-micro-batch BatchNorm, duplicated data)")
         if self.ev.stochastic:
             none += "; the model draws random numbers: the oracle applied the dropout masks each rank drew"
         return none
@@ -227,6 +229,34 @@ class _GradientHypotheses:
                 return [Diagnosis("unsynchronised", f"these hold rank {rank}'s local gradient: they were left out of the "
                                   "all-reduce while the other parameters were averaged (parameters ignored by the reducer, "
                                   "or a hook that skips them)", explained)]
+        return []
+
+    def replica_group(self, remaining: list[str]) -> list[Diagnosis]:
+        """The mean of the local gradients of rank 0's group of ranks only, not of every rank: a replica group that
+        reduced within itself and never across the groups (HSDP without its cross-replica all-reduce). Tried for every
+        group size strictly between 1 and N that divides N, as a (replicate, shard) mesh lays groups out: rank 0's row
+        (ranks 0 .. size-1, the shard group) and rank 0's column (every N/size-th rank). A group's mean acts on the
+        whole gradient: it explains every failing parameter or nothing."""
+        n = self.n
+        sizes = [d for d in range(2, n) if n % d == 0]
+        if not sizes or not remaining:
+            return []
+        local = self.local()
+        for size in sizes:
+            for ranks in (tuple(range(size)), tuple(range(0, n, n // size))):
+                mean = self.candidate(("group", ranks), lambda ranks=ranks: _mean([local[r] for r in ranks], self.names))
+                if set(self.match(mean, remaining)) != set(remaining):
+                    continue
+                groups = n // size
+                others = "the other group" if groups == 2 else f"the other {groups - 1} groups"
+                return [Diagnosis("replica_group_only", f"the reduced gradient is the mean of the local gradients of "
+                                  f"ranks {', '.join(map(str, ranks))} only ({size} of the {n} ranks: one of {groups} "
+                                  f"replica groups), not of every rank: the group reduced its gradients within itself "
+                                  f"and never with {others}, as HSDP whose cross-replica all-reduce did not run "
+                                  "(fully_shard on a 1-D shard sub-mesh per group, the replicate dimension dropped, the "
+                                  "all-reduce skipped or undone; pytorch/pytorch#140183: HYBRID_SHARD training as if "
+                                  "on one node); pass fully_shard the whole 2-D mesh (replicate, shard), so the groups "
+                                  "all-reduce their gradient shards", list(remaining))]
         return []
 
     def stale(self, remaining: list[str]) -> list[Diagnosis]:
