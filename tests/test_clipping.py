@@ -191,25 +191,31 @@ def test_each_rank_clipping_its_local_gradient_before_the_reduce_is_named(launch
     assert f"clipped its own local gradient to norm {CLIP:g} before the all-reduce" in d["reason"], d["reason"]
 
 
-@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.timeout(330)
 @pytest.mark.parametrize(("backend", "world_size", "options"), [
-    ("reference", 1, []), ("dp", 1, []), ("fsdp", 2, []), ("horovod", 2, []),
-    ("deepspeed", 2, []), ("deepspeed", 2, ["--opt", "zero_stage=1"]), ("deepspeed", 2, ["--opt", "zero_stage=2"]),
-    ("deepspeed", 2, ["--opt", "zero_stage=3"]),
-    ("deepspeed", 2, ["--amp", "bf16"]), ("deepspeed", 2, ["--amp", "bf16", "--opt", "zero_stage=2"]),
-], ids=["reference", "dp", "fsdp", "horovod", "zero0", "zero1", "zero2", "zero3", "zero0-bf16", "zero2-bf16"],
-    indirect=["backend"])
+    pytest.param("reference", 1, [], id="reference", marks=pytest.mark.slow),
+    pytest.param("dp", 1, [], id="dp", marks=pytest.mark.slow),
+    pytest.param("fsdp", 2, [], id="fsdp", marks=pytest.mark.slow),
+    pytest.param("horovod", 2, [], id="horovod", marks=pytest.mark.slow),
+    pytest.param("deepspeed", 2, [], id="zero0", marks=pytest.mark.slow),
+    pytest.param("deepspeed", 2, ["--opt", "zero_stage=2"], id="zero2", marks=pytest.mark.slow),
+    # the other stages and the bf16 recipes: the deep tier (outside CI's time)
+    pytest.param("deepspeed", 2, ["--opt", "zero_stage=1"], id="zero1", marks=pytest.mark.deep),
+    pytest.param("deepspeed", 2, ["--opt", "zero_stage=3"], id="zero3", marks=pytest.mark.deep),
+    pytest.param("deepspeed", 2, ["--amp", "bf16"], id="zero0-bf16", marks=pytest.mark.deep),
+    pytest.param("deepspeed", 2, ["--amp", "bf16", "--opt", "zero_stage=2"], id="zero2-bf16", marks=pytest.mark.deep),
+], indirect=["backend"])
 def test_every_backend_clipped_by_the_global_norm_is_equivalent(backend, world_size, options, launch):
     proc, result = launch(backend, world_size, "mlp", [*CLIPPED, *options])
     assert_clipped_and_equivalent(proc, result, backend)
 
 
-@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.timeout(330)
-@pytest.mark.parametrize("backend", ["ddp", "fsdp", "deepspeed"], indirect=True)
+@pytest.mark.parametrize("backend", [pytest.param("ddp", marks=pytest.mark.slow),
+                                     pytest.param("fsdp", marks=pytest.mark.deep),
+                                     pytest.param("deepspeed", marks=pytest.mark.deep)], indirect=True)
 def test_adamw_clipped_by_the_global_norm_is_equivalent(backend, launch):
     proc, result = launch(backend, WORLD_SIZE, "mlp", [*CLIPPED, "--optimizer", "adamw"])
     assert_clipped_and_equivalent(proc, result, backend)

@@ -112,10 +112,10 @@ def test_replica_groups_that_never_all_reduce_are_named(launch):
     assert e["replicas_identical"] is False, "each group trained on its own half of the batch"
 
 
-@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("extra", [["--optimizer", "adamw"], ["--clip-grad-norm", "0.05"]], ids=["adamw", "clip"])
+@pytest.mark.parametrize("extra", [pytest.param(["--optimizer", "adamw"], id="adamw", marks=pytest.mark.deep),
+                                   pytest.param(["--clip-grad-norm", "0.05"], id="clip", marks=pytest.mark.slow)])
 def test_hsdp_is_equivalent_with_adamw_and_with_the_clip(launch, record_noise_ratio, extra):
     proc, result = launch("fsdp", WS, "mlp", [*HSDP, "--measure-steps", "0", *extra])
     e = _hsdp_equivalent(proc, result)
