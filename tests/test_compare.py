@@ -852,7 +852,7 @@ def test_clip_grad_norm_reaches_every_job_and_a_bad_value_is_the_runs_own_refusa
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
+@pytest.mark.deep  # the plan-level test above checks the pass-through in the default tier
 @pytest.mark.timeout(600)
 def test_compare_clips_every_backend_by_its_own_mechanism(tmp_path):
     """`compare --clip-grad-norm 0.05`: every run clipped (the unclipped norm above the clip) and equivalent."""

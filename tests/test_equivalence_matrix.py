@@ -55,7 +55,10 @@ def _cases() -> list:
     for c in cases:
         case_id = f"{c[0]}-ws{c[1]}-{c[2]}-{c[3]}"
         if case_id not in ELSEWHERE:
-            params.append(pytest.param(*c, id=case_id, marks=() if case_id in DEFAULT_CASES else pytest.mark.slow))
+            # dp on CPU is a pass-through (one device): beyond the mlp its cells repeat reference's, in the deep tier
+            tier = (() if case_id in DEFAULT_CASES else
+                    pytest.mark.deep if c[0] == "dp" and c[2] != "mlp" else pytest.mark.slow)
+            params.append(pytest.param(*c, id=case_id, marks=tier))
     return params
 
 

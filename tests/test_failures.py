@@ -358,10 +358,18 @@ FAULT_TIMEOUT_S_FAST = 10
 FAULT_LAUNCHES = [("ddp", "torchrun"), ("deepspeed", "torchrun"), ("horovod", "horovodrun"), ("ddp", "mpirun"),
                   ("deepspeed", "deepspeed")]
 FAULT_NAMING = {"kill": "rank 1 died", "stop": "rank 1 is stopped", "hang": "culprit: rank(s) 1 (stuck at"}
-# The default tier kills and hangs a ddp rank under torchrun; the `slow` tier runs every fault under every launcher.
+# The default tier kills and hangs a ddp rank under torchrun; the `slow` tier runs every fault under every launcher
+# but DeepSpeed's stop and hang (its ranks take the longest to start), which the `deep` tier runs.
 FAULT_DEFAULT = {("kill", "torchrun", "ddp"), ("hang", "torchrun", "ddp")}
-FAULT_CASES = [pytest.param(b, launcher, fault, id=f"{fault}-{b}-{launcher}",
-                            marks=() if (fault, launcher, b) in FAULT_DEFAULT else pytest.mark.slow)
+
+
+def _fault_tier(fault: str, launcher: str, backend: str):
+    if (fault, launcher, backend) in FAULT_DEFAULT:
+        return ()
+    return pytest.mark.deep if backend == "deepspeed" and fault != "kill" else pytest.mark.slow
+
+
+FAULT_CASES = [pytest.param(b, launcher, fault, id=f"{fault}-{b}-{launcher}", marks=_fault_tier(fault, launcher, b))
                for fault in ("kill", "stop", "hang") for b, launcher in FAULT_LAUNCHES]
 
 
