@@ -513,6 +513,7 @@ def test_deepspeed_zero1_halves_the_optimizer_state_and_its_gradients_go_as_an_a
     assert kinds["all_gather"]["bytes_per_step"] == pytest.approx(kinds["all_gather"]["analytic_bytes_per_step"], rel=1e-2)
 
 
+@pytest.mark.slow  # the default tier keeps this capability in a sibling test
 @pytest.mark.multiproc
 def test_fsdp_gathers_the_parameters_twice_a_step_when_it_reshards(launch) -> None:
     done, result = launch("fsdp", 2, "mlp", RUN)

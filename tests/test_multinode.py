@@ -183,6 +183,7 @@ def _run_slurm_script(tmp_path: Path, name: str, replacements: dict[str, str], t
     return _only_result(run_dir / "results" / "slurm-4242")
 
 
+@pytest.mark.slow  # the default tier keeps this capability in a sibling test
 @pytest.mark.multiproc
 @pytest.mark.timeout(AGENT_TIMEOUT_S + 60)
 def test_the_ddp_slurm_script_runs_under_a_stand_in_srun(tmp_path: Path) -> None:

@@ -86,6 +86,7 @@ def test_duplicated_shard_is_named_at_step_0(launch):
     assert d["noise_ratio"] > 10, d
 
 
+@pytest.mark.slow  # the default tier keeps this capability in a sibling test
 def test_replica_that_starts_from_other_weights_is_named(launch):
     """Twin of `initial_weights_identical` and `replicas_identical` in the matrix."""
     proc, result = launch("tests.faulty_adapters:DriftedInitDDP", WORLD_SIZE, "mlp", STEPS)
@@ -224,6 +225,7 @@ def test_stale_gradient_is_named_at_step_1(launch):
     assert result["equivalence"]["per_step"][0]["noise_ratio"] < 10, "step 0 was reduced normally"
 
 
+@pytest.mark.slow  # the default tier keeps this capability in a sibling test
 def test_diverged_training_is_named_not_blamed_on_the_backend(launch):
     proc, result = launch("ddp", WORLD_SIZE, "mlp", ["--steps", "5", "--lr", "999"])
     assert proc.returncode == 0, proc.output[-4000:]
@@ -232,6 +234,7 @@ def test_diverged_training_is_named_not_blamed_on_the_backend(launch):
     assert "diverged numerically at step" in e["unverifiable_reason"] and "lower --lr" in e["unverifiable_reason"]
 
 
+@pytest.mark.slow  # the default tier keeps this capability in a sibling test
 # -- randomness ------------------------------------------------------------------------------------------
 def test_ranks_seeded_the_same_are_named(launch):
     """With dropout, a script that seeds every rank the same draws the same masks on every rank."""

@@ -207,6 +207,7 @@ def _assert_forced_overflow_skipped(proc, result) -> list[int]:
     return p["skipped_steps"]
 
 
+@pytest.mark.slow  # the default tier keeps this capability in a sibling test
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["horovod"], indirect=True)

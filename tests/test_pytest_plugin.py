@@ -34,6 +34,7 @@ def pytest_in(tmp_path: Path, *args: str, slowdown: float | None = None, timeout
 SUITE = ["--pyargs", "dpcompare.regression", "--dpcompare-steps", "12", "--dpcompare-warmup", "2"]
 
 
+@pytest.mark.slow  # the default tier keeps this capability in a sibling test
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
 def test_measured_steps_become_the_rounds_and_a_planted_slowdown_fails_the_compare(tmp_path):

@@ -78,6 +78,7 @@ def test_batchnorm_per_micro_batch_is_judged_as_its_own_replica(launch):
     assert buffers["1.running_mean"]["semantics"] == ["rank0_broadcast"], buffers["1.running_mean"]
 
 
+@pytest.mark.slow  # the default tier keeps this capability in a sibling test
 def test_batchnorm_synchronised_behind_the_users_back_is_named(launch):
     """Negative twin: per-replica judging fails a backend that computes the global batch where it should not."""
     proc, result = launch("tests.faulty_adapters:SelfSyncingBatchNormDDP", WS, "cnn", STEPS)
@@ -87,6 +88,7 @@ def test_batchnorm_synchronised_behind_the_users_back_is_named(launch):
     assert d["noise_ratio"] > 10, d
 
 
+@pytest.mark.slow  # the default tier keeps this capability in a sibling test
 def test_running_statistics_updated_twice_are_named(launch):
     """Negative twin of the buffer semantics: gradients right, buffers moved twice per step."""
     proc, result = launch("tests.faulty_adapters:TwiceForwardBatchNormDDP", WS, "cnn", STEPS)
@@ -121,6 +123,7 @@ def test_dropout_per_replica_is_checked_on_the_captured_masks(launch):
     assert result["equivalence"]["stochastic"]["captured"] and result["equivalence"]["batchnorm"]["floors"] > 100
 
 
+@pytest.mark.slow  # the default tier keeps this capability in a sibling test
 def test_dropout_that_cannot_be_captured_is_unverifiable_and_named(launch):
     """F.dropout inside a module's own forward: no module to hook, so no `equivalent`, and the module is named."""
     proc, result = launch("ddp", WS, "tests.faulty_workloads:functional_dropout_mlp", STEPS)

@@ -86,6 +86,7 @@ def test_a_dropped_gradient_partition_is_different_naming_its_parameters(launch,
     assert "one rank's partition of the reduce-scatter" in d["reason"]
 
 
+@pytest.mark.slow  # the default tier keeps this capability in a sibling test
 @pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
 def test_stale_parameters_after_the_all_gather_are_different_naming_one(launch, backend) -> None:
     proc, result = launch("tests.faulty_adapters:StaleGatherZeRO", 2, "mlp", [*STEPS, *ZERO[1]])
