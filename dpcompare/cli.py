@@ -21,7 +21,7 @@ from dpcompare import __version__
 from dpcompare.run import registry
 from dpcompare.contract.launch_env import tell_launcher
 from dpcompare.run.registry import UserCodeError
-from dpcompare.run.config import DEFAULT_GLOBAL_BATCH, Amp, Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
+from dpcompare.run.config import DEFAULT_GLOBAL_BATCH, Amp, CommandLineError, Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
 
 # Exit status of `run` (docs/failures.md): 0 done; 2 bad input (nothing ran); 3 a rank made no progress for
 # --timeout-s (the watchdog stopped it); 4 the run failed while running (a collective failed or timed out, a
@@ -225,7 +225,7 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
     for item in ns.opt:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--opt {item!r} is invalid: use KEY=VALUE, e.g. --opt gradient_as_bucket_view=true")
+            raise CommandLineError(f"--opt {item!r} is invalid: use KEY=VALUE, e.g. --opt gradient_as_bucket_view=true")
         options[key] = value
     fields = {k: v for k, v in vars(ns).items() if k not in ("opt", "command", "local_rank")}
     return RunConfig(**fields, options=options)
@@ -249,11 +249,14 @@ def main(argv: list[str] | None = None) -> int:
         _, _, command_main = command.load()
         return command_main(parser_for(command.name).parse_args(argv))
     except (ValueError, ImportError) as exc:
-        # Configuration errors are usually the same on every rank: let rank 0 say it once. The other ranks
-        # wait a moment first, so a launcher that stops every rank when the first one exits does not stop
-        # rank 0 before it has said it; a rank still alive after that moment failed alone (its device, its
-        # environment) and says so itself, with its rank.
+        # Configuration errors are usually the same on every rank: let rank 0 say it once. A setting refused for
+        # the command line alone (CommandLineError) is refused alike everywhere, so the other ranks leave without
+        # a word. For any other, they wait a moment first, so a launcher that stops every rank when the first one
+        # exits does not stop rank 0 before it has said it; a rank still alive after that moment failed alone
+        # (its device, its environment) and says so itself, with its rank.
         rank = _rank()
+        if rank != 0 and isinstance(exc, CommandLineError):
+            return EXIT_USAGE
         if rank == 0:
             _fail(str(exc))
             if isinstance(exc, UserCodeError) and exc.__cause__ is not None:

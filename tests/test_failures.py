@@ -240,6 +240,30 @@ def test_bad_input_under_torchrun_is_said_once_by_rank_0(launch, tmp_path, backe
         assert frames and all("/torch/" in f or f.endswith("/torchrun") for f in frames), frames
 
 
+@pytest.mark.parametrize(("backend", "extra", "said_by_every_rank"), [
+    pytest.param("ddp", ["--opt", "foo=1"], False, id="unknown-opt-key"),
+    pytest.param("ddp", ["--opt", "foo"], False, id="opt-not-key-value"),
+    pytest.param("ddp", ["--global-batch", "3"], False, id="global-batch-not-divisible"),
+    pytest.param("tests.faulty_adapters:NoSuchAdapter", [], True, id="adapter-class-missing"),
+])
+def test_a_rank_other_than_0_leaves_quietly_when_the_command_line_alone_is_refused(
+        in_process, monkeypatch, backend, extra, said_by_every_rank):
+    """Rank 1 of two, in process: a setting refused for the command line alone is rank 0's to say (every rank refuses
+    it alike), so rank 1 exits 2 at once and without a word, however late rank 0 says it. An error that could be
+    this rank's alone (here its adapter failing to load) is still said after the quiet wait, with the rank."""
+    waits: list[float] = []
+    monkeypatch.setattr(cli.time, "sleep", waits.append)
+    os.environ.update(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="29999", TORCHELASTIC_RUN_ID="quiet-rank")
+    status, out, err, written = in_process(backend, "mlp", extra)
+    assert status == 2 and written == [] and out == "", (status, out, written)
+    if said_by_every_rank:
+        assert waits == [cli.QUIET_RANK_EXIT_DELAY_S], waits
+        assert_one_error_line(err, "[rank 1]")
+    else:
+        assert err == "" and waits == [], (err, waits)
+
+
 OTHER_LAUNCHERS = [pytest.param("horovod", "horovodrun", id="horovodrun"), pytest.param("ddp", "mpirun", id="mpirun"),
                    pytest.param("deepspeed", "deepspeed", id="deepspeed-launcher")]
 

@@ -22,6 +22,11 @@ Scaling = Literal["strong", "weak"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 
 
+class CommandLineError(ValueError):
+    """A setting refused for what the command line says alone: every rank of a launch refuses it the same way, so
+    rank 0 says it and the other ranks leave without a word (however late rank 0 gets there)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
     backend: str = "reference"

@@ -9,10 +9,11 @@ body is dpcompare.run.step; the phases are dpcompare.run.verification and dpcomp
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from torch import nn
 
@@ -20,7 +21,7 @@ from dpcompare import results
 from dpcompare.contract import Adapter, Note
 from dpcompare.contract import launch_env as launch
 from dpcompare.run import backend, registry
-from dpcompare.run.config import RunConfig
+from dpcompare.run.config import CommandLineError, RunConfig
 from dpcompare.run.measurement import MeasurementPhase
 from dpcompare.run.optim import make_optimizer
 from dpcompare.run.step import StepRunner
@@ -50,15 +51,30 @@ def load_workload(cfg: RunConfig) -> Workload:
     return workload
 
 
+@contextlib.contextmanager
+def _said_by_rank0() -> Iterator[None]:
+    """Settings refused for the command line alone are refused alike on every rank: they leave as CommandLineError."""
+    try:
+        yield
+    except CommandLineError:
+        raise
+    except ValueError as exc:
+        if isinstance(exc, registry.UserCodeError):
+            raise
+        raise CommandLineError(str(exc)) from exc
+
+
 def run(cfg: RunConfig) -> dict[str, Any]:
-    cfg.validate()
     env = launch.detect()
+    with _said_by_rank0():
+        cfg.validate()
     if env.is_rank0:
         cfg.check_inputs()  # before any work: an input read only after the run would lose it
         cfg.check_outputs()  # before any work: a result that cannot be written would lose the whole run
     adapter_cls = backend.load_adapter_class(cfg, env)
-    settings = backend.settings_for(adapter_cls, cfg)  # every --opt checked before anything starts
-    global_batch, local_batch = cfg.batch_sizes(env.world_size)
+    with _said_by_rank0():
+        settings = backend.settings_for(adapter_cls, cfg)  # every --opt checked before anything starts
+        global_batch, local_batch = cfg.batch_sizes(env.world_size)
     workload = load_workload(cfg)
     device = launch.pick_device(cfg.device, env.local_rank)
     adapter = adapter_cls(env, device, settings)
