@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dpcompare import results
-from dpcompare.commands.compare import execute, matrix, plan, render, suites, summary
+from dpcompare.commands.compare import execute, matrix, plan, questions, render, suites, summary
 from dpcompare.run import registry
 from dpcompare.run.config import Amp, Optimizer, RunConfig
 
@@ -70,6 +70,8 @@ def main(ns: argparse.Namespace) -> int:
         console = Console(width=160)  # logs and CI: wide enough for the matrix, no wrapped numbers
     run_dir = Path(ns.out) / time.strftime("%Y%m%d-%H%M%S")
     suites.apply(ns)
+    if suites.poses_questions(ns):
+        return _answer_questions(console, ns, run_dir)
     given = ns.global_batch
     planned = plan.plan(ns, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -98,6 +100,38 @@ def main(ns: argparse.Namespace) -> int:
     variants = [j for j in planned.jobs if j.variant != "baseline"]
     if variants or planned.sweep_skipped:
         render.render_sweep(console, variants, planned.sweep_skipped)
+    if ns.report:
+        from dpcompare.commands import report
+
+        console.print(f"report: {report.build_report(run_dir)}")
+    console.print(f"results: {run_dir}")
+    return 1 if any(j.status in ("failed", "timeout") for j in planned.jobs) else 0
+
+
+QUESTIONS_OWN = ("backends", "world_sizes", "model", "global_batch", "scaling", "optimizer", "clip_grad_norm", "amp",
+                 "sweep")
+"""compare's flags that each question of --suite questions sets for itself."""
+
+
+def _answer_questions(console: Console, ns: argparse.Namespace, run_dir: Path) -> int:
+    """--suite questions: each question's rows run in turn, then one table per question and compare.json's
+    `questions`, with report.md unless --no-report."""
+    clashing = sorted(f"--{dest.replace('_', '-')}" for dest in QUESTIONS_OWN if dest in suites.given(ns))
+    if clashing:
+        raise ValueError(f"{', '.join(clashing)} cannot be given with --suite questions: each question runs the "
+                         "backends, world sizes and workload that pose it; drop the flag (or run compare without the "
+                         "suite)")
+    planned = questions.plan(ns, run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    console.print(f"suite questions: {len(planned.jobs)} runs", highlight=False)
+    for u in planned.unavailable:
+        console.print(f"[yellow]{u['backend']} unavailable:[/] {u['reason']}")
+    _run_all(console, ns, run_dir, planned.jobs)
+    answered = questions.answers(planned.jobs)
+    figures = {"matrix": matrix.build_matrix([]), "unused_parameter_grads": [], "scaling": [], "skipped_steps": []}
+    results.write_atomic(run_dir / "compare.json", summary.payload(ns, run_dir, planned, figures, answered))
+    results.point_latest(run_dir)
+    render.render_questions(console, answered, planned.unavailable)
     if ns.report:
         from dpcompare.commands import report
 

@@ -67,6 +67,8 @@ class Job:
     """The named variant of the backend this job runs (`zero2` of `deepspeed:zero2`), '' for the backend itself."""
     options: dict[str, Any] = field(default_factory=dict)
     """The `--opt` values of that variant, typed as its adapter declares them."""
+    question: str = ""
+    """The question of `compare --suite questions` this job is a row of ('' for any other job)."""
 
     @property
     def entry(self) -> str:
@@ -245,7 +247,7 @@ def plan(ns: argparse.Namespace, run_dir: Path) -> Plan:
 
     def add(entry: Entry, ws: int, variant: str, extra: list[str]) -> None:
         label = f"{entry.name}/{ws}" + ("" if variant == "baseline" else f" {variant}")
-        stem = _stem(label, stems)
+        stem = unique_stem(label, stems)
         dump = run_dir / "grads" / f"{stem}.npz"
         log = run_dir / "logs" / f"{stem}.log"
         args = ["--backend", entry.backend, *common, *entry.opt_args(), "--dump-grads", str(dump), "--tag", label,
@@ -262,7 +264,7 @@ def plan(ns: argparse.Namespace, run_dir: Path) -> Plan:
     return result
 
 
-def _stem(label: str, taken: set[str]) -> str:
+def unique_stem(label: str, taken: set[str]) -> str:
     """The file name stem of a job's dump, log and fence: `deepspeed:zero2/2 bucket_mb=25` ->
     `deepspeed-zero2-ws2-bucket_mb25`, only letters, digits and -_. (a user's `pkg.mod:Class` too), and unique."""
     stem = label.replace("/", "-ws").replace(" ", "-").replace("=", "").replace(":", "-")

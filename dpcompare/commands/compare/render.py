@@ -178,3 +178,21 @@ def render_sweep(console, jobs: list[Job], skipped: list[dict]) -> None:
     for k in skipped:
         table.add_row(k["backend"], "-", k["knob"], "n/a", "-", "-", "-", "-", k["reason"])
     console.print(table)
+
+
+def render_questions(console, answered: list[dict[str, Any]], unavailable: list[dict]) -> None:
+    """--suite questions: a table per question (what it asks, the threads that ask it), a row per run with its
+    verdict, the question's figure and the first divergence or error."""
+    for q in answered:
+        table = Table(title=f"{q['name']}: {q['asks']}", caption=f"asked in {', '.join(q['threads'])}; every row: "
+                      f"{' '.join(q['run_flags'])}", caption_justify="left")
+        notes = [row["first_divergence"] or row["error"] or "" for row in q["rows"]]
+        for col in ("run", "ws", "with", "verdict", "figure", *(["note"] if any(notes) else [])):
+            table.add_column(col, no_wrap=col in ("ws", "verdict"), overflow="fold")
+        for row, note in zip(q["rows"], notes):
+            table.add_row(row["entry"], str(row["world_size"]), row["knob"],
+                          Text(row["status"], style=STATUS_STYLE.get(row["status"], "")), row["figure"] or "-",
+                          *([note] if any(notes) else []))
+        console.print(table)
+    for u in unavailable:
+        console.print(f"not asked: {u['backend']}: {u['reason']}", highlight=False)

@@ -21,6 +21,9 @@ class Suite:
     """What the preset runs and why, for --help."""
     values: Mapping[str, Any]
     """compare's flags by dest, as argparse would have stored them."""
+    questions: bool = False
+    """Its runs are the rows of dpcompare.commands.compare.questions, each posing one question with flags of its own
+    (the workload too), instead of every backend at every world size on one workload."""
 
 
 SUITES: dict[str, Suite] = {
@@ -33,6 +36,16 @@ SUITES: dict[str, Suite] = {
         values={"backends": "ddp,deepspeed:zero0,deepspeed:zero1,deepspeed:zero2,deepspeed:zero3,fsdp",
                 "world_sizes": "1,2", "model": "mlp-wide", "optimizer": "adamw", "global_batch": 256, "steps": 2,
                 "warmup_steps": 1, "measure_steps": 5},
+    ),
+    "questions": Suite(
+        summary="the questions users ask in the backends' trackers, each answered by runs judged against the oracle "
+                "with the figure that settles it: gradient clipping under every backend (the norm each reports), "
+                "HSDP at 4 ranks against plain FSDP (what each sends, by kind), torch.compile and activation "
+                "checkpointing with dropout (their cost set against the run without them); 4 checked steps, "
+                "1 warm-up, 5 timed steps, no microbenchmark (a few minutes on two CPU cores). The workload is each "
+                "question's own: --model and --global-batch do not apply",
+        values={"steps": 4, "warmup_steps": 1, "measure_steps": 5, "collectives": "none"},
+        questions=True,
     ),
 }
 
@@ -56,6 +69,12 @@ def apply(ns: argparse.Namespace) -> None:
     for dest, value in SUITES[name].values.items():
         if dest not in given(ns):
             setattr(ns, dest, value)
+
+
+def poses_questions(ns: argparse.Namespace) -> bool:
+    """The runs are the questions' rows (--suite questions)."""
+    name = getattr(ns, "suite", None)
+    return bool(name) and name in SUITES and SUITES[name].questions
 
 
 def lists_backends(ns: argparse.Namespace) -> bool:

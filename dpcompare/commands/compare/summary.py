@@ -14,8 +14,10 @@ from dpcompare import results
 from dpcompare.commands.compare import plan
 
 
-def payload(ns: argparse.Namespace, run_dir: Path, planned: plan.Plan, figures: dict[str, Any]) -> dict[str, Any]:
-    """compare.json: the invocation, every run and its outcome, and the cross-run figures."""
+def payload(ns: argparse.Namespace, run_dir: Path, planned: plan.Plan, figures: dict[str, Any],
+            questions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """compare.json: the invocation, every run and its outcome, the cross-run figures, and under --suite questions
+    each question's answer (dpcompare.commands.compare.questions.answers)."""
     collectives = run_dir / "collectives.json"
     return results.base_payload(
         kind="compare",
@@ -31,6 +33,7 @@ def payload(ns: argparse.Namespace, run_dir: Path, planned: plan.Plan, figures: 
         unused_parameter_grads=figures["unused_parameter_grads"],
         skipped_steps=figures["skipped_steps"],
         collectives=str(collectives) if collectives.exists() else None,
+        questions=questions,
         env=results.environment(),
     )
 
@@ -38,7 +41,7 @@ def payload(ns: argparse.Namespace, run_dir: Path, planned: plan.Plan, figures: 
 def run_entry(job: plan.Job) -> dict[str, Any]:
     return {"label": job.label, "backend": job.backend, "entry": job.entry,
             "backend_variant": job.backend_variant or None, "options": job.options,
-            "world_size": job.world_size, "variant": job.variant,
+            "world_size": job.world_size, "variant": job.variant, "question": job.question or None,
             "status": job.status, "wall_s": job.wall_s, "error": job.error, "command": job.command,
             "result_path": None if job.result_path is None else str(job.result_path),
             "verdict": (job.result or {}).get("equivalence", {}).get("verdict")}

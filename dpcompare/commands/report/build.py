@@ -15,6 +15,7 @@ from dpcompare.commands.report.load import Inputs, label, load_inputs, metric
 from dpcompare.commands.report.markdown import Footnotes, footnotes_section, plot_md
 from dpcompare.commands.report.markdown_cost import cost_sections, microbench_section
 from dpcompare.commands.report.markdown_sources import environment_section, inputs_not_used_section, unavailable_section
+from dpcompare.commands.report.markdown_questions import questions_section
 from dpcompare.commands.report.markdown_sweep import sweep_section
 from dpcompare.commands.report.markdown_verdict import verdict_section
 from dpcompare.commands.report.plots_cost import (MODEL_STATE_CAPTION, PLOT_MODEL_STATE, plot_busbw, plot_model_state,
@@ -144,10 +145,18 @@ def _header(in_dir: Path, inputs: Inputs, sel: Selection) -> list[str]:
     return lines
 
 
-def compose(in_dir: Path, inputs: Inputs, sel: Selection, plots: list[Plot], drift: Plot) -> list[str]:
+def compose(in_dir: Path, inputs: Inputs, sel: Selection, plots: list[Plot], drift: Plot | None) -> list[str]:
     """report.md line by line; the footnotes are numbered in the order the sections are built."""
     notes = Footnotes()
     lines = _header(in_dir, inputs, sel)
+    if (inputs.compare or {}).get("questions"):
+        # compare --suite questions: each run poses one question on its own workload; the tables of one
+        # computation compared across backends do not apply.
+        asked = inputs.compare["questions"]
+        lines[4] = (f"{sum(len(q['rows']) for q in asked)} run(s) posing {len(asked)} question(s) "
+                    "(compare --suite questions).")
+        return [*lines[:6], *questions_section(inputs.compare), *unavailable_section(inputs.compare),
+                *inputs_not_used_section(inputs.skipped, inputs.ignored)]
     if sel.runs:
         lines += ["## Environment", "", *environment_section(sel.runs)]
         lines += ["## Is it the same computation?", "", *verdict_section(sel.runs, inputs.compare, notes), ""]
@@ -172,6 +181,11 @@ def write_report(in_dir: Path, out_dir: Path | None, link_peak_gbps: float | Non
     out_dir = in_dir if out_dir is None else out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     sel = select(inputs)
+    if (inputs.compare or {}).get("questions"):
+        for name in (*ALL_PLOTS, PLOT_MODEL_STATE, PLOT_PROJECTION):
+            (out_dir / name).unlink(missing_ok=True)  # the questions' report has no plots: none stale either
+        path = write_text_atomic(out_dir / "report.md", "\n".join(compose(in_dir, inputs, sel, [], None)))
+        return Report(path, sel.runs, sel.derived, inputs.skipped)
     plots, drift = draw_plots(inputs, sel, link_peak_gbps, out_dir)
     projection = find_projection(in_dir)  # python -m dpcompare project wrote one: draw it with the measured points
     (out_dir / PLOT_PROJECTION).unlink(missing_ok=True)

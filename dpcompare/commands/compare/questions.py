@@ -1,0 +1,203 @@
+"""`compare --suite questions`: the questions users keep asking in the backends' trackers, each answered by runs judged
+against the float64 oracle, with the figure that settles it.
+
+Owns: the questions (what is asked, the threads that ask it, the workload, and its rows: a backend or variant, a world
+size and the run flags that pose it; a row marked `control` is the same run without the feature, there for the cost
+it is set against), the jobs they plan, and each row's answer read back from its result: the verdict, its first
+divergence, and the question's own figure (the norm clipped by, the communication by kind, the compile time, the peak
+memory). A question whose flag this dpcompare does not have is left out, listed with why.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+from dpcompare.commands.compare import plan as planning
+from dpcompare.run import registry
+from dpcompare.run.config import RunConfig
+from dpcompare.run.launchers import native_command
+
+Figure = Callable[[dict[str, Any]], str]
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    entry: str
+    """The --backends entry: a backend (`ddp`) or one of its declared variants (`fsdp:hsdp`)."""
+    world_size: int
+    args: tuple[str, ...] = ()
+    """The run flags that pose the question (e.g. --clip-grad-norm 0.05), after the question's shared ones."""
+    control: bool = False
+    """The same run without the feature: the cost the feature's rows are set against."""
+
+    @property
+    def knob(self) -> str:
+        """What the row adds to the question's flags ('control' for the run without the feature)."""
+        return "control" if self.control else " ".join(self.args)
+
+
+@dataclass(frozen=True, slots=True)
+class Question:
+    name: str
+    asks: str
+    threads: tuple[str, ...]
+    """The public issue and pull-request threads that ask it (owner/repo#N)."""
+    run_flags: tuple[str, ...]
+    """The workload and settings every row of the question runs with (model, global batch, optimizer)."""
+    rows: tuple[Row, ...]
+    figure: Figure
+    """The question's own figure, read from one row's result: a short text."""
+    needs_flag: str | None = None
+    """A run flag the question poses (e.g. --compile): the question is left out where the run does not have it."""
+    figures: tuple[str, ...] = field(default=())
+    """Result paths (dotted) the figure reads, kept in compare.json beside the text."""
+
+
+def _get(result: dict[str, Any], path: str) -> Any:
+    value: Any = result
+    for key in path.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+def _num(x: Any, spec: str = ".3g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def clipping_figure(result: dict[str, Any]) -> str:
+    """The clip, the steps where it took effect, and the backend's reported norm against the oracle's."""
+    g = _get(result, "equivalence.checks.grad_norm") or {}
+    if g.get("status") in (None, "off"):
+        return "no clipping"
+    steps = g.get("clipped_steps") or []
+    norms = [s["grad_norm"] for s in _get(result, "equivalence.per_step") or [] if s.get("grad_norm")]
+    first = norms[0] if norms else {}
+    took = f"took effect at steps {', '.join(map(str, steps))}" if steps else "never took effect"
+    return (f"clip {_num(g.get('clip'))} {took}; norm reported {_num(first.get('reported'))} vs the oracle's "
+            f"{_num(first.get('oracle'))} (worst rel err {_num(g.get('max_rel_err'), '.2e')}, "
+            f"{_num(g.get('noise_ratio'), '.2f')}x its floor)")
+
+
+def comm_figure(result: dict[str, Any]) -> str:
+    """Communication per step by kind: measured bytes, against the prediction, and the ranks each kind spans."""
+    kinds = _get(result, "metrics.comm_by_kind") or {}
+    if not kinds:
+        return "no communication measured"
+    parts = []
+    for kind, row in kinds.items():
+        measured, predicted = row.get("bytes_per_step"), row.get("analytic_bytes_per_step")
+        ranks = row.get("group_ranks")
+        parts.append(f"{kind} {_num(measured, '.0f')} B (predicted {_num(predicted, '.0f')})"
+                     + (f" over {ranks} ranks" if ranks else ""))
+    state = _get(result, "metrics.model_state_mib.total")
+    return "; ".join(parts) + (f"; model state {_num(state)} MiB/rank" if state is not None else "")
+
+
+def peak_figure(result: dict[str, Any]) -> str:
+    """Peak memory per rank and step time: what the feature's rows are set against their control's."""
+    peak = _get(result, "metrics.peak_mem_mib")
+    step = _get(result, "metrics.step_ms_p50")
+    return f"peak {_num(peak)} MiB/rank, step p50 {_num(step)} ms"
+
+
+QUESTIONS: tuple[Question, ...] = (
+    Question(
+        name="clipping",
+        asks="Is the update clipped by the global norm under every backend, and is the norm it reports the global one?",
+        threads=("deepspeedai/DeepSpeed#7220", "deepspeedai/DeepSpeed#5188"),
+        run_flags=("--model", "mlp", "--global-batch", "24", "--optimizer", "sgd"),
+        rows=(Row("reference", 1, ("--clip-grad-norm", "0.05")), Row("ddp", 2, ("--clip-grad-norm", "0.05")),
+              Row("fsdp", 2, ("--clip-grad-norm", "0.05")),
+              Row("deepspeed:zero2", 2, ("--clip-grad-norm", "0.05")),
+              Row("horovod", 2, ("--clip-grad-norm", "0.05"))),
+        figure=clipping_figure, needs_flag="--clip-grad-norm",
+        figures=("equivalence.checks.grad_norm",),
+    ),
+    Question(
+        name="hsdp",
+        asks="Does HSDP (replicate across groups, shard within) train as plain FSDP does, and what does it send?",
+        threads=("pytorch/pytorch#140183", "pytorch/torchtitan#813", "NVIDIA/Megatron-LM#4891"),
+        run_flags=("--model", "mlp", "--global-batch", "24", "--optimizer", "sgd"),
+        rows=(Row("fsdp:hsdp", 4), Row("fsdp", 4, control=True)),
+        figure=comm_figure,
+        figures=("metrics.comm_by_kind", "metrics.model_state_mib.total"),
+    ),
+)
+
+
+def by_name() -> dict[str, Question]:
+    return {q.name: q for q in QUESTIONS}
+
+
+def _has_flag(flag: str) -> bool:
+    """The run takes `flag` (a RunConfig field of that name)."""
+    return flag.removeprefix("--").replace("-", "_") in {f.name for f in fields(RunConfig)}
+
+
+def plan(ns: argparse.Namespace, run_dir: Path) -> planning.Plan:
+    """A job for each row of each question this dpcompare can pose, each run as its users type it under the launcher
+    its adapter declares; a question whose flag the run lacks, and a row whose backend is not installed, are listed
+    as unavailable with why. Refuses (ValueError) a question's setting the run would refuse, before anything starts."""
+    result = planning.Plan()
+    stems: set[str] = set()
+    for q in QUESTIONS:
+        if q.needs_flag and not _has_flag(q.needs_flag):
+            result.unavailable.append({"backend": f"question {q.name}", "launcher": "-",
+                                       "reason": f"this dpcompare's run has no {q.needs_flag}"})
+            continue
+        for row in q.rows:
+            entries, missing = planning.parse_backends(row.entry, lenient=True)
+            if missing:
+                result.unavailable += [u for u in missing if u not in result.unavailable]
+                continue
+            (entry,) = entries
+            ok, reason = registry.availability(entry.backend)
+            if not ok:
+                if all(u["backend"] != entry.backend for u in result.unavailable):
+                    result.unavailable.append({"backend": entry.backend, "reason": reason,
+                                               "launcher": planning.declared_launcher(entry.backend)})
+                continue
+            label = f"{q.name}: {entry.name}/{row.world_size}" + (f" {row.knob}" if row.knob else "")
+            stem = planning.unique_stem(label, stems)
+            dump = run_dir / "grads" / f"{stem}.npz"
+            log = run_dir / "logs" / f"{stem}.log"
+            args = ["--backend", entry.backend, "--steps", str(ns.steps), "--measure-steps", str(ns.measure_steps),
+                    "--warmup-steps", str(ns.warmup_steps), "--out", str(run_dir / "runs"), *q.run_flags,
+                    *entry.opt_args(), "--dump-grads", str(dump), "--tag", label, "--closed-if",
+                    str(log.with_suffix(".closed")), *row.args, *ns.run_arg]
+            command = native_command(planning.capabilities(entry.backend).native_launcher, row.world_size, args)
+            result.jobs.append(planning.Job(entry.backend, row.world_size, command, label, dump, log,
+                                            variant=row.knob,
+                                            backend_variant=entry.variant, options=dict(entry.options),
+                                            question=q.name))
+    return result
+
+
+def answers(jobs: list[planning.Job]) -> list[dict[str, Any]]:
+    """compare.json's `questions`: each question posed, with each row's verdict, first divergence and figure."""
+    out = []
+    for q in QUESTIONS:
+        rows = [j for j in jobs if j.question == q.name]
+        if not rows:
+            continue
+        out.append({"name": q.name, "asks": q.asks, "threads": list(q.threads), "run_flags": list(q.run_flags),
+                    "rows": [_answer(q, j) for j in rows]})
+    return out
+
+
+def _answer(q: Question, job: planning.Job) -> dict[str, Any]:
+    result = job.result or {}
+    e = result.get("equivalence") or {}
+    d = e.get("first_divergence")
+    return {"label": job.label, "entry": job.entry, "world_size": job.world_size, "knob": job.variant,
+            "control": job.variant == "control", "status": job.status, "error": job.error,
+            "first_divergence": (f"step {d['step']} ({d.get('check', 'gradient')}) {d['parameter']}: {d['reason']}"
+                                 if d else None),
+            "figure": q.figure(result) if job.result else None,
+            "figures": {path: _get(result, path) for path in q.figures} if job.result else {},
+            "result_path": None if job.result_path is None else str(job.result_path)}
