@@ -215,7 +215,7 @@ def _probe(name: str, instrument: str, tmp_path: Path) -> int:
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend_name", ["ddp", pytest.param("horovod", marks=pytest.mark.slow),
-                                          pytest.param("deepspeed", marks=pytest.mark.slow)], indirect=False)
+                                          pytest.param("deepspeed", marks=pytest.mark.deep)], indirect=False)
 def test_no_instrument_switches_the_backends_own_timers_off(backend_name, tmp_path):
     """Under --no-instrument the backend's own counters cost the step nothing: DDP keeps its default logging
     sampling, DeepSpeed's timers and Horovod's dynamic timeline stay off. Instrumented, they are on."""

@@ -70,7 +70,7 @@ def _assert_equivalent(result: dict, backend: str, launcher: str) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
+@pytest.mark.deep
 @pytest.mark.timeout(AGENT_TIMEOUT_S + 60)
 @pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
 def test_two_torchrun_agents_on_one_host(tmp_path: Path, backend: str) -> None:

@@ -111,6 +111,10 @@ def test_each_figure_reads_what_its_question_asks_and_says_when_there_is_nothing
     assert questions.comm_figure({"metrics": {}}) == "no communication measured"
     assert questions.peak_figure({"metrics": {"peak_mem_mib": 320.4, "step_ms_p50": 9.4}}) == \
         "peak 320 MiB/rank, step p50 9.4 ms"
+    control = {"metrics": {"peak_mem_mib": 400.0, "step_ms_p50": 8.0}}
+    assert questions.peak_figure({"metrics": {"peak_mem_mib": 320.0, "step_ms_p50": 10.0}}, control) == (
+        "peak 320 MiB/rank (-20% against 400 without), step p50 10 ms (+25% against 8 without)")
+    assert questions.peak_figure(control, control) == "peak 400 MiB/rank, step p50 8 ms"  # the control itself
 
 
 def _answered(tmp_path: Path, monkeypatch) -> tuple[list[dict], list]:

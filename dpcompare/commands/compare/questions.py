@@ -20,7 +20,8 @@ from dpcompare.run import registry
 from dpcompare.run.config import RunConfig
 from dpcompare.run.launchers import native_command
 
-Figure = Callable[[dict[str, Any]], str]
+Figure = Callable[[dict[str, Any], dict[str, Any] | None], str]
+"""(a row's result, its question's control run at the same world size or None) -> the row's figure."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +50,8 @@ class Question:
     """The workload and settings every row of the question runs with (model, global batch, optimizer)."""
     rows: tuple[Row, ...]
     figure: Figure
-    """The question's own figure, read from one row's result: a short text."""
+    """The question's own figure, read from one row's result (and the control's, where the question has one at the
+    row's world size): a short text."""
     needs_flag: str | None = None
     """A run flag the question poses (e.g. --compile): the question is left out where the run does not have it."""
     figures: tuple[str, ...] = field(default=())
@@ -69,7 +71,7 @@ def _num(x: Any, spec: str = ".3g") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def clipping_figure(result: dict[str, Any]) -> str:
+def clipping_figure(result: dict[str, Any], control: dict[str, Any] | None = None) -> str:
     """The clip, the steps where it took effect, and the backend's reported norm against the oracle's."""
     g = _get(result, "equivalence.checks.grad_norm") or {}
     if g.get("status") in (None, "off"):
@@ -83,7 +85,7 @@ def clipping_figure(result: dict[str, Any]) -> str:
             f"{_num(g.get('noise_ratio'), '.2f')}x its floor)")
 
 
-def comm_figure(result: dict[str, Any]) -> str:
+def comm_figure(result: dict[str, Any], control: dict[str, Any] | None = None) -> str:
     """Communication per step by kind: measured bytes, against the prediction, and the ranks each kind spans."""
     kinds = _get(result, "metrics.comm_by_kind") or {}
     if not kinds:
@@ -98,11 +100,15 @@ def comm_figure(result: dict[str, Any]) -> str:
     return "; ".join(parts) + (f"; model state {_num(state)} MiB/rank" if state is not None else "")
 
 
-def peak_figure(result: dict[str, Any]) -> str:
-    """Peak memory per rank and step time: what the feature's rows are set against their control's."""
-    peak = _get(result, "metrics.peak_mem_mib")
-    step = _get(result, "metrics.step_ms_p50")
-    return f"peak {_num(peak)} MiB/rank, step p50 {_num(step)} ms"
+def peak_figure(result: dict[str, Any], control: dict[str, Any] | None = None) -> str:
+    """Peak memory per rank and step time, each set against the control's (the same run without the feature)."""
+    parts = []
+    for path, unit, what in (("metrics.peak_mem_mib", "MiB/rank", "peak"), ("metrics.step_ms_p50", "ms", "step p50")):
+        value = _get(result, path)
+        base = _get(control, path) if control is not None and control is not result else None
+        vs = f" ({value / base - 1:+.0%} against {_num(base)} without)" if value is not None and base else ""
+        parts.append(f"{what} {_num(value)} {unit}{vs}")
+    return ", ".join(parts)
 
 
 QUESTIONS: tuple[Question, ...] = (
@@ -186,11 +192,16 @@ def answers(jobs: list[planning.Job]) -> list[dict[str, Any]]:
         if not rows:
             continue
         out.append({"name": q.name, "asks": q.asks, "threads": list(q.threads), "run_flags": list(q.run_flags),
-                    "rows": [_answer(q, j) for j in rows]})
+                    "rows": [_answer(q, j, _control(rows, j)) for j in rows]})
     return out
 
 
-def _answer(q: Question, job: planning.Job) -> dict[str, Any]:
+def _control(rows: list[planning.Job], job: planning.Job) -> planning.Job | None:
+    """The question's control run at the job's world size (the first), or None."""
+    return next((j for j in rows if j.variant == "control" and j.world_size == job.world_size), None)
+
+
+def _answer(q: Question, job: planning.Job, control: planning.Job | None) -> dict[str, Any]:
     result = job.result or {}
     e = result.get("equivalence") or {}
     d = e.get("first_divergence")
@@ -198,6 +209,6 @@ def _answer(q: Question, job: planning.Job) -> dict[str, Any]:
             "control": job.variant == "control", "status": job.status, "error": job.error,
             "first_divergence": (f"step {d['step']} ({d.get('check', 'gradient')}) {d['parameter']}: {d['reason']}"
                                  if d else None),
-            "figure": q.figure(result) if job.result else None,
+            "figure": q.figure(result, control.result if control is not None else None) if job.result else None,
             "figures": {path: _get(result, path) for path in q.figures} if job.result else {},
             "result_path": None if job.result_path is None else str(job.result_path)}
