@@ -84,3 +84,16 @@ def describe(model: nn.Module) -> str:
            "dropout draws the forward's masks")
     return (f"--activation-checkpointing: {len(blocks)} block(s) ({shown}) keep only their input and recompute their "
             f"forward in backward (non-reentrant torch.utils.checkpoint){rng}")
+
+
+def summary_phrase(recorded: dict[str, Any] | None, metrics: dict[str, Any] | None) -> str:
+    """The run line's phrase on its checkpointed blocks (`record`'s) and the memory the measured steps took ('' when
+    no block was checkpointed)."""
+    if not recorded:
+        return ""
+    phrase = f"; {recorded['blocks']} block(s) recomputed in backward (--activation-checkpointing"
+    phrase += ")" if recorded["preserve_rng_state"] else ", WITHOUT the forward's generator state)"
+    peak, above = (metrics or {}).get("peak_mem_mib"), (metrics or {}).get("peak_above_start_mib")
+    if peak is not None:
+        phrase += f", peak memory {peak:.1f} MiB" + (f" ({above:.1f} MiB above the step's start)" if above is not None else "")
+    return phrase

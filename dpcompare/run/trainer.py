@@ -295,6 +295,7 @@ def summary_line(payload: dict[str, Any]) -> str:
         detail += f"; first divergence at step {d['step']} ({d.get('check', 'gradient')} check), {d['parameter']}: {d['reason']}"
     if e.get("unverifiable_reason"):
         detail += f"; unverifiable: {e['unverifiable_reason']}"
+    detail += checkpointing.summary_phrase(payload.get("activation_checkpointing"), m)
     detail += "; replicas identical" if e["replicas_identical"] else "; REPLICAS DIFFER"
     detail += "".join(f"; {fact}" for fact in _precision_facts(e) + _semantic_facts(e))
     return f"{head} ({'; '.join([detail, *about_the_run])}) -> {payload.get('result_path')}"
