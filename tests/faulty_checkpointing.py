@@ -35,3 +35,18 @@ class RedrawingFSDP(FSDPAdapter):
 
     def checkpoint_activations(self, module: nn.Module) -> list[str]:
         return checkpoint_blocks(module, preserve_rng_state=False)
+
+
+def no_blocks(seed: int):
+    """A workload whose model names no block (one Linear layer, no container): nothing to checkpoint."""
+    import torch
+
+    from dpcompare import Workload
+
+    torch.manual_seed(seed)
+
+    def make_batch(step: int, global_batch: int):
+        g = torch.Generator().manual_seed(seed * 1000 + step)
+        return torch.randn(global_batch, 4, generator=g), torch.randn(global_batch, 2, generator=g)
+
+    return Workload("no-blocks", nn.Linear(4, 2), make_batch, nn.functional.mse_loss)
