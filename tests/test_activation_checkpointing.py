@@ -157,6 +157,7 @@ def test_the_memory_above_the_windows_start_is_what_the_window_allocated(allocat
     window.reset()
     if allocate_mib:
         held = torch.ones(allocate_mib * 2**18)  # float32: 4 bytes each, every page touched
+        assert float(held[-1]) == 1.0
         del held
     above = window.above_start(window.peak())
     assert above is not None

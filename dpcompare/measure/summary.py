@@ -340,6 +340,7 @@ def _memory(m: Metrics, samples: list[RankSample], model_state: dict[str, float 
     known_above = [x for x in above if x is not None]
     m.set("peak_above_start_mib", max(known_above) if known_above else None,
           samples[0].memory_reason or "what the rank held when the window opened was not read")
+    m.set("peak_above_start_mib_per_rank", above)
     censuses = [s.model_state for s in samples]
     if censuses and all(_is_census(c) for c in censuses):
         largest = max(range(len(censuses)), key=lambda r: (censuses[r]["total"], -r))
