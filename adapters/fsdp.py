@@ -7,7 +7,8 @@ group's ReduceOp.AVG), so each rank's `.grad` is its shard of the global mean wh
 the root's final backward callback makes the current stream wait for the last reduce-scatter, so `reduce` has nothing
 left to wait for.
 
-Which modules are `fully_shard`ed ("blocks"), bottom-up, then the root (whose group takes every parameter left):
+Which modules are `fully_shard`ed, bottom-up, then the root (whose group takes every parameter left): the model's
+blocks, `dpcompare.block_modules` (the rule --activation-checkpointing uses too):
   1. the modules whose class the model names in `_no_split_modules` (the Hugging Face convention), if it has one;
   2. else the elements of the model's outermost containers: every direct child of an `nn.Sequential` or
      `nn.ModuleList` found walking down from the root without entering a container's elements (a Sequential root's
@@ -61,36 +62,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpcompare import DIST_BACKEND, Adapter, Capabilities, Note, Option, ProcessGroupMixin, Wrapped, ensure_rendezvous
-
-CONTAINERS = (nn.Sequential, nn.ModuleList)
-
-
-def _holds_parameters(module: nn.Module) -> bool:
-    return next(module.parameters(), None) is not None
-
-
-def block_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules `fully_shard` wraps before the root, by name, in module order (the rule in the module docstring)."""
-    declared = getattr(root, "_no_split_modules", None)
-    if declared:
-        names = set(declared)
-        return [(n, m) for n, m in root.named_modules() if n and type(m).__name__ in names and _holds_parameters(m)]
-    found: list[tuple[str, nn.Module]] = []
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            path = f"{prefix}{name}"
-            if isinstance(child, CONTAINERS):
-                found.extend((f"{path}.{n}", c) for n, c in child.named_children() if _holds_parameters(c))
-            else:
-                visit(f"{path}.", child)
-
-    if isinstance(root, CONTAINERS):
-        return [(n, c) for n, c in root.named_children() if _holds_parameters(c)]
-    visit("", root)
-    return found
-
+from dpcompare import (DIST_BACKEND, Adapter, Capabilities, Note, Option, ProcessGroupMixin, Wrapped, block_modules,
+                       ensure_rendezvous)
 
 def _dtensor():
     from torch.distributed.tensor import DTensor

@@ -20,6 +20,9 @@ _EXPORTS = {
     # a custom workload
     "Workload": "dpcompare.contract.workload",
     "shard": "dpcompare.contract.workload",
+    "block_modules": "dpcompare.contract.workload",
+    # --activation-checkpointing: each block recomputes its forward in backward
+    "checkpoint_blocks": "dpcompare.contract.checkpointing",
     # a custom backend: the adapter contract
     "Adapter": "dpcompare.contract.adapter",
     "Capabilities": "dpcompare.contract.adapter",
@@ -57,7 +60,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from dpcompare.contract.launch_env import LaunchEnv, ensure_rendezvous
     from dpcompare.contract.process_group import DIST_BACKEND, ProcessGroupMixin
     from dpcompare.contract.syncbn import GlobalBatchNorm, convert_global_batchnorm, has_batchnorm
-    from dpcompare.contract.workload import Workload, shard
+    from dpcompare.contract.checkpointing import checkpoint_blocks
+    from dpcompare.contract.workload import Workload, block_modules, shard
     from dpcompare.run.config import RunConfig
 
 

@@ -178,6 +178,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=_number, default=d.weight_decay, help="weight decay")
     p.add_argument("--clip-grad-norm", type=_number, default=None, metavar="MAX_NORM",
                    help="clip the reduced gradient's global norm to MAX_NORM before each step (default: no clipping)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="each block of the model (those FSDP shards) recomputes its forward in backward instead of "
+                        "keeping its activations (non-reentrant torch.utils.checkpoint, dropout masks preserved)")
     p.add_argument("--dtype", default=d.dtype, choices=get_args(Dtype), help="parameter and compute dtype")
     p.add_argument("--amp", default=d.amp, choices=get_args(Amp),
                    help="mixed precision: forward and loss under torch.autocast in bf16 or fp16, parameters and optimizer "

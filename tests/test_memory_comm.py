@@ -553,10 +553,15 @@ def test_peak_memory_leaves_out_what_only_the_ablation_holds() -> None:
 
     from dpcompare.run.measurement import MeasurementPhase
 
-    window = SimpleNamespace(peak=lambda: {"peak_mem_mib": 100.0, "peak_mem_reserved_mib": 120.0})
+    # what the unsynced arm holds was there when the window opened: the rise above the start keeps it out already
+    window = SimpleNamespace(peak=lambda: {"peak_mem_mib": 100.0, "peak_mem_reserved_mib": 120.0},
+                             above_start=lambda peak: 30.0)
     phase = SimpleNamespace(cfg=SimpleNamespace(instrument=True),
                             adapter=SimpleNamespace(ablation_bytes=lambda: 16 * 1024 * 1024))
-    assert MeasurementPhase._peak(phase, window, pairs=10) == {"peak_mem_mib": 84.0, "peak_mem_reserved_mib": 104.0}
-    assert MeasurementPhase._peak(phase, window, pairs=0) == {"peak_mem_mib": 100.0, "peak_mem_reserved_mib": 120.0}
+    assert MeasurementPhase._peak(phase, window, pairs=10) == {"peak_mem_mib": 84.0, "peak_mem_reserved_mib": 104.0,
+                                                               "peak_above_start_mib": 30.0}
+    assert MeasurementPhase._peak(phase, window, pairs=0) == {"peak_mem_mib": 100.0, "peak_mem_reserved_mib": 120.0,
+                                                              "peak_above_start_mib": 30.0}
     phase.cfg.instrument = False
-    assert MeasurementPhase._peak(phase, window, pairs=10) == {"peak_mem_mib": None, "peak_mem_reserved_mib": None}
+    assert MeasurementPhase._peak(phase, window, pairs=10) == {"peak_mem_mib": None, "peak_mem_reserved_mib": None,
+                                                               "peak_above_start_mib": None}

@@ -3,7 +3,8 @@ layers above share (docs/ARCHITECTURE.md).
 
   adapter        the `Adapter` base class and what it declares or returns (Capabilities, Option, Settings, Note,
                  Wrapped, ModelFacts, CommCounter -> CommCounts)
-  workload       `Workload` and `shard` (how a global batch splits across ranks)
+  workload       `Workload`, `shard` (how a global batch splits across ranks) and `block_modules` (a model's blocks)
+  checkpointing  --activation-checkpointing: each block recomputes its forward in backward
   launch_env     `LaunchEnv`: who started this process and which rank it is; the rendezvous for launchers that
                  set none
   process_group  `ProcessGroupMixin`: the process group, global BatchNorm and gathers a torch.distributed

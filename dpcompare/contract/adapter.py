@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dpcompare.contract import amp as precision
+from dpcompare.contract.checkpointing import checkpoint_blocks
 from dpcompare.contract.launch_env import LaunchEnv
 from dpcompare.contract.amp import ScalerState
 
@@ -54,6 +55,9 @@ class Capabilities:
     world_size / shard_replicas ranks (the shard group, which the memory formula divides by and the reduce-scatter and
     all-gather span), and the groups all-reduce their gradient shards with each other. 1: one shard group of every
     rank."""
+    activation_checkpointing: bool = True
+    """It runs a model whose blocks recompute their forward in backward (--activation-checkpointing,
+    `Adapter.checkpoint_activations`); False: the flag is refused before the run."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +232,12 @@ class Adapter:
     def sync_batchnorm(self, module: nn.Module) -> nn.Module:
         """Return the module with BatchNorm computing global-batch statistics (identity when one replica)."""
         return module
+
+    def checkpoint_activations(self, module: nn.Module) -> list[str]:
+        """Under --activation-checkpointing, before `wrap`: make each of the module's blocks recompute its forward in
+        backward, with the generator state of its forward (dropout draws the same masks); returns the blocks' names.
+        Default: `dpcompare.checkpoint_blocks` (non-reentrant torch.utils.checkpoint)."""
+        return checkpoint_blocks(module)
 
     def wrap(self, module: nn.Module, optimizer: torch.optim.Optimizer, local_batch: int, global_batch: int) -> Wrapped:
         self.wrapped = Wrapped(module, module, optimizer)

@@ -1,6 +1,8 @@
-"""What a workload is: a model, its synthetic global batch and its loss (`Workload`), and how a global batch
-is sharded across ranks (`shard`, DistributedSampler's rule: rank r takes samples r, r+N, r+2N, ...). The
-built-in models are in `dpcompare.run.workloads`; a user workload is a function `(seed: int) -> Workload`.
+"""What a workload is: a model, its synthetic global batch and its loss (`Workload`), how a global batch
+is sharded across ranks (`shard`, DistributedSampler's rule: rank r takes samples r, r+N, r+2N, ...), and which of
+its modules are its blocks (`block_modules`: the units FSDP shards one by one and --activation-checkpointing
+recomputes one by one). The built-in models are in `dpcompare.run.workloads`; a user workload is a function
+`(seed: int) -> Workload`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+CONTAINERS = (nn.Sequential, nn.ModuleList)
 
 
 @dataclass(slots=True)
@@ -29,3 +33,36 @@ def shard(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world_size: int) 
     """Rank's shard of a global batch, strided like DistributedSampler (rank::world_size)."""
     x, y = batch
     return x[rank::world_size], y[rank::world_size]
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def block_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's blocks, by name, in module order:
+      1. the modules whose class the model names in `_no_split_modules` (the Hugging Face convention), if it has one;
+      2. else the elements of the model's outermost containers: every direct child of an `nn.Sequential` or
+         `nn.ModuleList` found walking down from the root without entering a container's elements (a Sequential
+         root's own layers: mlp, cnn; the transformer blocks of `gpt-*`'s `h` and `lm`'s `blocks`; ResNet's residual
+         blocks),
+    each only if it holds parameters. A container's element runs its parameters inside its own forward, which is what
+    lets FSDP unshard them around that forward alone and a checkpoint recompute that forward alone."""
+    declared = getattr(root, "_no_split_modules", None)
+    if declared:
+        names = set(declared)
+        return [(n, m) for n, m in root.named_modules() if n and type(m).__name__ in names and _holds_parameters(m)]
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if isinstance(child, CONTAINERS):
+                found.extend((f"{path}.{n}", c) for n, c in child.named_children() if _holds_parameters(c))
+            else:
+                visit(f"{path}.", child)
+
+    if isinstance(root, CONTAINERS):
+        return [(n, c) for n, c in root.named_children() if _holds_parameters(c)]
+    visit("", root)
+    return found

@@ -65,19 +65,31 @@ class SegmentClock:
 
 # -- memory ----------------------------------------------------------------------------------------
 class MemoryWindow:
+    """The peak memory of the measured window, and how far it rose above what was held when the window opened (the
+    step's own memory: activations kept for backward, gradients, temporaries; what activation checkpointing cuts)."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.reason: str | None = None
+        self.start_mib: float | None = None
 
     def reset(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_mib = torch.cuda.memory_allocated(self.device) / MIB
             return
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM to the current resident size
         except OSError as exc:
             self.reason = f"cannot reset the resident high-water mark (/proc/self/clear_refs: {exc.strerror})"
+            return
+        self.start_mib = _status_mib("VmRSS:")
+
+    def above_start(self, peak: dict[str, float | None]) -> float | None:
+        """`peak`'s peak_mem_mib less what was held when the window opened (None where either is unknown)."""
+        top = peak.get("peak_mem_mib")
+        return None if top is None or self.start_mib is None else top - self.start_mib
 
     def peak(self) -> dict[str, float | None]:
         if self.device.type == "cuda":
@@ -94,6 +106,18 @@ class MemoryWindow:
             self.reason = f"cannot read /proc/self/status ({exc.strerror})"
         self.reason = self.reason or "no VmHWM line in /proc/self/status (not Linux?)"
         return {"peak_mem_mib": None, "peak_mem_reserved_mib": None}
+
+
+def _status_mib(field: str) -> float | None:
+    """A size line of /proc/self/status (VmRSS:, VmHWM:) in MiB, None where it cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
 
 
 def model_state_mib(module: torch.nn.Module, optimizer: Any, comm_buffer_bytes: int | None,

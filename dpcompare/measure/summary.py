@@ -319,7 +319,9 @@ def _bandwidth(m: Metrics, total: float | None, grad_bytes: int, world_size: int
 
 def _memory(m: Metrics, samples: list[RankSample], model_state: dict[str, float | None],
             formula: dict[str, Any] | None = None, formula_reason: str | None = None) -> None:
-    """Peak memory over the window: the highest rank's, each rank's, the allocator's reserve; the model state.
+    """Peak memory over the window: the highest rank's, each rank's, the allocator's reserve, the most any rank rose
+    above what it held when the window opened (peak_above_start_mib: the steps' own memory, activations included);
+    the model state.
 
     model_state_mib is the census of the rank whose measured model state is largest (its whole breakdown, with
     `rank`: what the largest rank needs, as peak_mem_mib is the highest rank's; ZeRO's padded partitions make the
@@ -334,6 +336,11 @@ def _memory(m: Metrics, samples: list[RankSample], model_state: dict[str, float 
     reserved = [s.memory.get("peak_mem_reserved_mib") for s in samples if s.memory.get("peak_mem_reserved_mib") is not None]
     m.set("peak_mem_reserved_mib", max(reserved) if reserved else None, "CPU: no allocator reserve to report")
     m.set("mem_method", "cuda max_memory_allocated" if reserved else "resident high-water mark (VmHWM) over the window")
+    above = [s.memory.get("peak_above_start_mib") for s in samples]
+    known_above = [x for x in above if x is not None]
+    m.set("peak_above_start_mib", max(known_above) if known_above else None,
+          samples[0].memory_reason or "what the rank held when the window opened was not read")
+    m.set("peak_above_start_mib_per_rank", above)
     censuses = [s.model_state for s in samples]
     if censuses and all(_is_census(c) for c in censuses):
         largest = max(range(len(censuses)), key=lambda r: (censuses[r]["total"], -r))

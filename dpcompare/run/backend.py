@@ -71,6 +71,9 @@ def settings_for(cls: type[Adapter], cfg: RunConfig) -> Settings:
     if cfg.dp_devices is not None and not caps.device_replicas:
         raise ValueError(f"--dp-devices={cfg.dp_devices} does not apply to --backend {cfg.backend}: it sizes backends "
                          "that replicate over devices in one process (dp); leave it out")
+    if cfg.activation_checkpointing and not caps.activation_checkpointing:
+        raise ValueError(f"--activation-checkpointing is not available for --backend {cfg.backend}: its adapter declares "
+                         "that it cannot run blocks recomputed in backward; leave the flag out or choose another backend")
     return Settings(compression=cfg.compression, bucket_mb=cfg.bucket_mb, dp_devices=cfg.dp_devices,
                     instrument=cfg.instrument, amp=cfg.amp, loss_scale=initial_loss_scale(cfg),
                     clip_grad_norm=cfg.clip_grad_norm, options=parse_options(cls, cfg))

@@ -68,6 +68,10 @@ class RunConfig:
     """Clip the reduced gradient by its global norm to at most this value before every optimizer step, each backend
     its own way (None: no clipping). The oracle's reference step clips the same way, and the total norm each backend
     reports is checked against the oracle's (the grad_norm check)."""
+    activation_checkpointing: bool = False
+    """Each block of the model (dpcompare.block_modules, the units FSDP shards) keeps no activations for backward and
+    recomputes its forward there (non-reentrant torch.utils.checkpoint, the generator state of the forward restored,
+    so dropout draws the same masks). Refused for a backend whose capabilities say it cannot."""
     dtype: Dtype = "float32"
     """Parameter and compute dtype of the run; the oracle is always float64."""
     amp: Amp = "none"

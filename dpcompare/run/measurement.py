@@ -74,12 +74,14 @@ class MeasurementPhase:
 
     def _peak(self, window: clocks.MemoryWindow, pairs: int) -> dict[str, float | None]:
         """The window's peak memory, less what only the ablation's unsynced arm holds (Adapter.ablation_bytes): the
-        peak of the training step, ablation or not. None under --no-instrument."""
+        peak of the training step, ablation or not; and how far it rose above what the rank held when the window
+        opened. None under --no-instrument."""
         if not self.cfg.instrument:
-            return {"peak_mem_mib": None, "peak_mem_reserved_mib": None}
+            return {"peak_mem_mib": None, "peak_mem_reserved_mib": None, "peak_above_start_mib": None}
         peak = window.peak()
+        above = window.above_start(peak)  # what the unsynced arm holds was there when the window opened
         held = self.adapter.ablation_bytes() / memory.MIB if pairs else 0.0
-        return {k: (None if v is None else v - held) for k, v in peak.items()}
+        return {**{k: (None if v is None else v - held) for k, v in peak.items()}, "peak_above_start_mib": above}
 
     def _pairs(self) -> tuple[int, str | None]:
         """(synced/unsynced pairs to run, the reason there is no exposed figure or None). --ablation-steps, default

@@ -19,7 +19,9 @@ from torch import nn
 
 from dpcompare import results
 from dpcompare.contract import Adapter, Note
+from dpcompare.contract import checkpointing
 from dpcompare.contract import launch_env as launch
+from dpcompare.contract.workload import block_modules
 from dpcompare.run import backend, registry
 from dpcompare.run.config import CommandLineError, RunConfig
 from dpcompare.run.measurement import MeasurementPhase
@@ -45,6 +47,10 @@ def load_workload(cfg: RunConfig) -> Workload:
                                      "(it is called as function(seed: int) and must return a Workload)") from exc
     if not isinstance(workload, Workload):
         raise ValueError(f"--model {cfg.model}: the function must return dpcompare.Workload, got {type(workload).__name__}")
+    if cfg.activation_checkpointing and not block_modules(workload.model):
+        raise ValueError(f"--activation-checkpointing is invalid for --model {cfg.model}: it names no block to recompute "
+                         "(no _no_split_modules, no nn.Sequential or nn.ModuleList of modules with parameters); drop "
+                         "--activation-checkpointing")
     if cfg.sync_bn and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in workload.model.modules()):
         raise ValueError(f"--sync-bn is invalid for --model {cfg.model}: it has no BatchNorm layer, so there are no "
                          "statistics to synchronise; drop --sync-bn")
@@ -133,7 +139,10 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
         module = adapter.sync_batchnorm(module)
     optimizer = make_optimizer(cfg, module.parameters())
     adapter.model_facts = facts
+    blocks = adapter.checkpoint_activations(module) if cfg.activation_checkpointing else []
     wrapped = adapter.wrap(module, optimizer, local_batch, global_batch)
+    if blocks:
+        wrapped.notes.append(Note("activation_checkpointing", checkpointing.describe(wrapped.module)))
     if switched:
         wrapped.notes.append(Note("dropout_off", f"--no-dropout: dropout switched off in {', '.join(switched)}"))
     wrapped.model.train()  # once: every step trains (the oracle and the shadow have their own copies)
@@ -167,6 +176,7 @@ def _write_result(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workl
         payload["grad_dump"] = str(cfg.dump_grads)
     variant = backend.variant_name(type(adapter), dict(adapter.settings.options))
     payload["variant"] = variant
+    payload["activation_checkpointing"] = checkpointing.record(adapter.wrapped.module)
     path = results.result_path(cfg.out, cfg.backend, env.world_size, workload.name, variant)
     payload = results.sanitize(payload)
     results.validate(payload)
@@ -285,6 +295,7 @@ def summary_line(payload: dict[str, Any]) -> str:
         detail += f"; first divergence at step {d['step']} ({d.get('check', 'gradient')} check), {d['parameter']}: {d['reason']}"
     if e.get("unverifiable_reason"):
         detail += f"; unverifiable: {e['unverifiable_reason']}"
+    detail += checkpointing.summary_phrase(payload.get("activation_checkpointing"), m)
     detail += "; replicas identical" if e["replicas_identical"] else "; REPLICAS DIFFER"
     detail += "".join(f"; {fact}" for fact in _precision_facts(e) + _semantic_facts(e))
     return f"{head} ({'; '.join([detail, *about_the_run])}) -> {payload.get('result_path')}"

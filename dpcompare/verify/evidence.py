@@ -54,6 +54,9 @@ class GradientEvidence:
     """Parameters the backend's reduced_grads() gave no gradient at all (None) though the loss reaches them."""
     rank_norms: list[dict[str, float]] | None = None
     """Each rank's reduced gradient norm per parameter, when the ranks' reduced gradients differ."""
+    redrawn: dict[str, str] = field(default_factory=dict)
+    """Dropout modules a checkpointed block's recomputation in backward ran with other masks than its forward drew
+    (dpcompare.verify.masks), by name: "rank R: how"."""
 
     @property
     def stochastic(self) -> bool:

@@ -26,7 +26,7 @@ class Diagnosis:
     """A short code: summed, averaged_twice, loss_sum, loss_scale_not_undone, loss_scale_undone_twice, scaled,
     unsynchronised, replica_group_only, stale, swapped, zeroed_partition, unapplied_shard, wire_dtype, wire_underflow, wire_overflow, batchnorm, duplicated_data,
     wrong_shards, non_finite, skipped_step, lr_scaled, double_step, optimizer_state, unused_zero_grad, weight_decay,
-    clipped, not_clipped, clipped_in_parts, unknown."""
+    clipped, not_clipped, clipped_in_parts, recompute_redrew_masks, unknown."""
     reason: str
     parameters: list[str] = field(default_factory=list)
 

@@ -41,7 +41,7 @@ class _GradientHypotheses:
         self._candidates: dict[Any, Grads] = {}
 
     def ordered(self) -> list[_Hypothesis]:
-        return [self.no_gradient, self.ranks_disagree, self.wire_range, self.non_finite, self.data, self.swapped,
+        return [self.no_gradient, self.redrawn_masks, self.ranks_disagree, self.wire_range, self.non_finite, self.data, self.swapped,
                 self.scaled, self.zeroed, self.unsynchronised, self.replica_group, self.stale, self.rank_scaled,
                 self.batchnorm, self.wire]
 
@@ -79,6 +79,21 @@ class _GradientHypotheses:
                           "optimizer steps — gradient synchronisation switched off on every micro-batch (FSDP's "
                           "set_requires_gradient_sync(False) on the last one too, so no reduce-scatter ran), or the "
                           "gradients were freed or zeroed before the step", absent)]
+
+    def redrawn_masks(self, remaining: list[str]) -> list[Diagnosis]:
+        """A checkpointed block's recomputation in backward ran its dropout with other masks than its forward drew (no
+        generator state restored): seen directly by the mask capture, which holds the recomputed dropout outputs it
+        sees to the forward's masks. The backward then differentiates another function than the forward computed, so
+        every parameter the block's gradient flows into is off: all the failing ones are claimed."""
+        if not self.ev.redrawn or not remaining:
+            return []
+        names = sorted(self.ev.redrawn)
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        return [Diagnosis("recompute_redrew_masks", "activation checkpointing recomputed dropout in backward with other "
+                          f"masks than the forward drew ({shown}; {names[0]}: {self.ev.redrawn[names[0]]}): the "
+                          "backward differentiates a function the forward never computed (allenai/OLMo-core PR #828); "
+                          "recompute from the forward's generator state (torch.utils.checkpoint's "
+                          "preserve_rng_state=True, its default)", list(remaining))]
 
     def ranks_disagree(self, remaining: list[str]) -> list[Diagnosis]:
         """The ranks hold different reduced gradients: a factor applied on some ranks only, after the reduce."""

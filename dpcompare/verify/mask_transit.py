@@ -2,14 +2,14 @@
 
 Owns: PackedMask, one call's mask at one bit per element with the replica that drew it, and MaskRecord, every
 mask one rank drew in one training step (module name -> masks in call order) with the modules whose mask could
-not be captured, picklable for all_gather_object. The capture and the replay are dpcompare.verify.masks'.
+not be captured and those a recomputation in backward redrew, picklable for all_gather_object. The capture and the replay are dpcompare.verify.masks'.
 Imports no adapter.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,6 +40,8 @@ class MaskRecord:
 
     masks: dict[str, list[PackedMask]]  # module name -> masks in call order
     problems: dict[str, str]  # module name -> why its mask could not be captured
+    redrawn: dict[str, str] = field(default_factory=dict)
+    """Module name -> how a checkpointed block's recomputation in backward drew another mask than its forward."""
 
     @property
     def nbytes(self) -> int:

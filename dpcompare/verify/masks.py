@@ -2,7 +2,8 @@
 
 Owns: the capture of every dropout mask a rank draws in a training step (on CPU or CUDA, directly or through
 DistributedDataParallel and nn.DataParallel replicas), each one proven against the module's own output and packed
-for transit (one bit per element: dpcompare.verify.mask_transit); their replay inside a verification copy of the
+for transit (one bit per element: dpcompare.verify.mask_transit), and a checkpointed block's recomputation in
+backward held to the masks its forward drew (never recorded twice; a redrawn mask is reported); their replay inside a verification copy of the
 model (float64, float32) so that the copy computes the very random function the rank computed; the assembly of a
 whole batch's masks from the masks of its shards; and the check that a model draws no random numbers outside the
 modules whose masks are captured. Masks are captured, never re-drawn from seeds in the copies: a seed replayed
@@ -61,8 +62,8 @@ def _functional(module: nn.Module) -> Callable[..., torch.Tensor]:
 
 
 def _recomputing() -> bool:
-    """Inside backward: a checkpointed block recomputing its forward (torch.utils.checkpoint restores the
-    generator state, so it redraws the very mask of the forward call it repeats)."""
+    """Inside backward: a checkpointed block recomputing its forward (torch.utils.checkpoint with
+    preserve_rng_state=True restores the generator state, so it redraws the very mask of the forward call it repeats)."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -94,6 +95,18 @@ def _ones_aligned_like(x: torch.Tensor) -> torch.Tensor:
     return torch.ones(shift + x.numel(), dtype=x.dtype, device=x.device)[shift:].view(x.shape)
 
 
+def _contradicts(mask: torch.Tensor, module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> bool:
+    """Does the module's output (from input `x`) contradict `mask`? The proof: kept where the output is nonzero,
+    dropped where a nonzero input became zero. Non-finite values prove nothing (a dropped NaN stays NaN)."""
+    out = output.detach()
+    wrong = (out != 0) & out.isfinite() & ~mask
+    if not getattr(module, "inplace", False):
+        # With inplace=True the input was overwritten by the output: only the output half can be checked.
+        x = x.detach()
+        wrong |= (x != 0) & x.isfinite() & (out == 0) & mask
+    return bool(wrong.any())
+
+
 def _key(name: str) -> tuple[str, int]:
     # nn.DataParallel runs each replica's forward in its own thread: a pre-hook and its forward hook meet by thread
     return (name, threading.get_ident())
@@ -112,6 +125,7 @@ class MaskRecorder:
         self._pending: dict[tuple[str, int], _Saved] = {}
         self._masks: dict[str, list[PackedMask]] = {}
         self._problems: dict[str, str] = {}
+        self._redrawn: dict[str, str] = {}
         self._active = False
 
     @property
@@ -139,9 +153,31 @@ class MaskRecorder:
         wrong masks, where a missing list makes the replay fail loudly.
         """
         with self._lock:
-            masks, problems = self._masks, self._problems
-            self._masks, self._problems = {}, {}
-        return MaskRecord({name: calls for name, calls in masks.items() if name not in problems}, problems)
+            masks, problems, redrawn = self._masks, self._problems, self._redrawn
+            self._masks, self._problems, self._redrawn = {}, {}, {}
+        return MaskRecord({name: calls for name, calls in masks.items() if name not in problems}, problems, redrawn)
+
+    def _check_recomputed(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """A checkpointed block recomputing its forward in backward calls the module again. That call draws no new
+        mask to record; its output must be its input times one of the masks the module's forward calls drew this
+        step, else the recomputation redrew the mask (no generator state restored) and the backward differentiates
+        another function than the forward computed: said in the record's `redrawn`. A recomputation that stops once
+        its last saved tensor is back (non-reentrant checkpoint's early stop) leaves the module it stops in unhooked:
+        a block's last dropout is not seen here when nothing after it saves a tensor, the others are."""
+        if not args or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
+            return
+        with self._lock:
+            if name in self._problems or name in self._redrawn:
+                return
+            calls = list(self._masks.get(name, ()))
+        # the latest first: a micro-batch's backward recomputes the forward just before it
+        for packed in reversed(calls):
+            if packed.shape == tuple(output.shape) and not _contradicts(
+                    packed.unpack().to(output.device), module, args[0], output):
+                return
+        with self._lock:
+            self._redrawn.setdefault(name, f"its output in the recomputation fits none of the {len(calls)} mask(s) "
+                                           "its forward drew this step")
 
     def _problem(self, name: str, reason: str) -> None:
         with self._lock:
@@ -149,7 +185,7 @@ class MaskRecorder:
 
     def _before(self, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not _draws(module) or _recomputing():
-            return None  # a recomputation repeats a call already recorded
+            return None  # a recomputation repeats a call already recorded (its output is checked in `_after`)
         if not args or not isinstance(args[0], torch.Tensor):
             self._problem(name, "called without a tensor as its first positional argument")
             return None
@@ -161,6 +197,10 @@ class MaskRecorder:
         return None
 
     def _after(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if _recomputing():
+            if _draws(module):
+                self._check_recomputed(name, module, args, output)
+            return None
         with self._lock:
             saved = self._pending.pop(_key(name), None)
         if saved is None:
@@ -176,15 +216,7 @@ class MaskRecorder:
             if saved.cuda is not None:
                 torch.cuda.set_rng_state(saved.cuda, x.device)
             mask = _functional(module)(_ones_aligned_like(x), p=module.p, training=True, inplace=False) != 0
-            # The proof: kept where the output is nonzero, dropped where a nonzero input became zero. Non-finite
-            # values prove nothing (a dropped NaN stays NaN).
-            out = output.detach()
-            wrong = (out != 0) & out.isfinite() & ~mask
-            if not getattr(module, "inplace", False):
-                # With inplace=True the input was overwritten by the output: only the output half can be checked.
-                x = x.detach()
-                wrong |= (x != 0) & x.isfinite() & (out == 0) & mask
-            if bool(wrong.any()):
+            if _contradicts(mask, module, x, output):
                 self._problem(name, "the mask regenerated from the generator state before the call does not match "
                                     "its output: it draws other random numbers, or draws differently for this tensor")
                 return None

@@ -281,7 +281,9 @@ class Verifier:
                     previous=self.previous, loss_scale=loss_scale if scaler is not None else None,
                     judged_tolerance={p.parameter: p.tolerance_rel_fro for p in params},
                     missing=frozenset(n for n in self.names if reduced.get(n) is None and n not in none),
-                    rank_norms=[i.get("grad_norms") or {} for i in info] if apart else None)
+                    rank_norms=[i.get("grad_norms") or {} for i in info] if apart else None,
+                    redrawn={name: f"rank {rank}: {how}" for rank, r in reversed(list(enumerate(records or [])))
+                             for name, how in r.redrawn.items()})
                 found = diagnose_gradient(evidence, [p.parameter for p in failing])
                 first = next((p for p in failing if not p.ok), failing[0])
                 self.verdict.diverge(eq.Divergence(

@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX_NORM",
                    help="every run clips the reduced gradient's global norm to MAX_NORM before each step, each backend "
                         "by its own mechanism (default: no clipping)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="every run recomputes each block of the model in backward instead of keeping its activations "
+                        "(the runs' peak memory then shows what it saves)")
     p.add_argument("--amp", choices=get_args(Amp), default="none",
                    help="mixed precision: run every backend under torch.autocast in this dtype (fp16 with each "
                         "backend's own dynamic loss scaling); deepspeed additionally runs its engine recipe "
