@@ -25,7 +25,10 @@ from dpcompare.run import registry
 
 ROWS = ["clipping: reference/1 --clip-grad-norm 0.05", "clipping: ddp/2 --clip-grad-norm 0.05",
         "clipping: fsdp/2 --clip-grad-norm 0.05", "clipping: deepspeed:zero2/2 --clip-grad-norm 0.05",
-        "clipping: horovod/2 --clip-grad-norm 0.05", "hsdp: fsdp:hsdp/4", "hsdp: fsdp/4 control"]
+        "clipping: horovod/2 --clip-grad-norm 0.05", "hsdp: fsdp:hsdp/4", "hsdp: fsdp/4 control",
+        "checkpointing: reference/1 --activation-checkpointing", "checkpointing: ddp/2 --activation-checkpointing",
+        "checkpointing: ddp/2 control", "checkpointing: fsdp/2 --activation-checkpointing",
+        "checkpointing: fsdp/2 control"]
 
 
 def _parsed(*argv: str) -> argparse.Namespace:
@@ -115,6 +118,10 @@ def test_each_figure_reads_what_its_question_asks_and_says_when_there_is_nothing
     assert questions.peak_figure({"metrics": {"peak_mem_mib": 320.0, "step_ms_p50": 10.0}}, control) == (
         "peak 320 MiB/rank (-20% against 400 without), step p50 10 ms (+25% against 8 without)")
     assert questions.peak_figure(control, control) == "peak 400 MiB/rank, step p50 8 ms"  # the control itself
+    checkpointed = {"activation_checkpointing": {"blocks": 2}, "metrics": {"peak_mem_mib": 380.0, "step_ms_p50": 12.0}}
+    assert questions.checkpointing_figure(checkpointed, control) == (
+        "2 block(s) recomputed; peak 380 MiB/rank (-5% against 400 without), step p50 12 ms (+50% against 8 without)")
+    assert questions.checkpointing_figure(control, control) == "peak 400 MiB/rank, step p50 8 ms"
 
 
 def _answered(tmp_path: Path, monkeypatch) -> tuple[list[dict], list]:
@@ -129,7 +136,7 @@ def _answered(tmp_path: Path, monkeypatch) -> tuple[list[dict], list]:
 
 def test_the_answers_table_and_the_report_show_each_question_with_its_rows(tmp_path, monkeypatch):
     answered, jobs = _answered(tmp_path, monkeypatch)
-    assert [q["name"] for q in answered] == ["clipping", "hsdp"]
+    assert [q["name"] for q in answered] == ["clipping", "hsdp", "checkpointing"]
     clip = answered[0]
     assert clip["threads"] == ["deepspeedai/DeepSpeed#7220", "deepspeedai/DeepSpeed#5188"]
     assert [r["status"] for r in clip["rows"]][:2] == ["equivalent", "failed"]
@@ -175,5 +182,9 @@ def test_the_questions_suite_answers_each_question_equivalent_with_its_figure(tm
     plain = rows["hsdp: fsdp/4 control"]["figures"]["metrics.comm_by_kind"]
     assert hsdp["all_reduce"]["group_ranks"] == 2 and hsdp["all_reduce"]["bytes_per_step"] > 0
     assert "all_reduce" not in plain and plain["reduce_scatter"]["group_ranks"] == 4
+    for label, r in rows.items():
+        if label.startswith("checkpointing:"):
+            blocks = (r["figures"]["activation_checkpointing"] or {}).get("blocks")
+            assert blocks == (None if label.endswith("control") else 2), label
     md = (run_dir / "report.md").read_text()
     assert "## The questions" in md and md.count("| equivalent |") == len(rows)

@@ -21,7 +21,8 @@ from dpcompare.run.config import RunConfig
 from dpcompare.run.launchers import native_command
 
 Figure = Callable[[dict[str, Any], dict[str, Any] | None], str]
-"""(a row's result, its question's control run at the same world size or None) -> the row's figure."""
+"""(a row's result, its question's control run of the same backend at the same world size, or None) -> the row's
+figure."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +51,8 @@ class Question:
     """The workload and settings every row of the question runs with (model, global batch, optimizer)."""
     rows: tuple[Row, ...]
     figure: Figure
-    """The question's own figure, read from one row's result (and the control's, where the question has one at the
-    row's world size): a short text."""
+    """The question's own figure, read from one row's result (and the control's, where the question has one for the
+    row's backend and world size): a short text."""
     needs_flag: str | None = None
     """A run flag the question poses (e.g. --compile): the question is left out where the run does not have it."""
     figures: tuple[str, ...] = field(default=())
@@ -100,6 +101,12 @@ def comm_figure(result: dict[str, Any], control: dict[str, Any] | None = None) -
     return "; ".join(parts) + (f"; model state {_num(state)} MiB/rank" if state is not None else "")
 
 
+def checkpointing_figure(result: dict[str, Any], control: dict[str, Any] | None = None) -> str:
+    """The blocks recomputed in backward, then peak memory and step time against the run without it."""
+    blocks = (result.get("activation_checkpointing") or {}).get("blocks")
+    return (f"{blocks} block(s) recomputed; " if blocks else "") + peak_figure(result, control)
+
+
 def peak_figure(result: dict[str, Any], control: dict[str, Any] | None = None) -> str:
     """Peak memory per rank and step time, each set against the control's (the same run without the feature)."""
     parts = []
@@ -132,6 +139,19 @@ QUESTIONS: tuple[Question, ...] = (
         rows=(Row("fsdp:hsdp", 4), Row("fsdp", 4, control=True)),
         figure=comm_figure,
         figures=("metrics.comm_by_kind", "metrics.model_state_mib.total"),
+    ),
+    Question(
+        name="checkpointing",
+        asks="With dropout on, does activation checkpointing recompute each block with the masks its forward drew, "
+             "and what does it save and cost?",
+        threads=("allenai/OLMo-core#828",),
+        run_flags=("--model", "gpt-tiny", "--global-batch", "24", "--optimizer", "sgd"),
+        rows=(Row("reference", 1, ("--activation-checkpointing",)),
+              Row("ddp", 2, ("--activation-checkpointing",)), Row("ddp", 2, control=True),
+              Row("fsdp", 2, ("--activation-checkpointing",)), Row("fsdp", 2, control=True)),
+        figure=checkpointing_figure, needs_flag="--activation-checkpointing",
+        figures=("activation_checkpointing", "metrics.peak_mem_mib", "metrics.peak_above_start_mib",
+                 "metrics.step_ms_p50"),
     ),
 )
 
@@ -197,8 +217,9 @@ def answers(jobs: list[planning.Job]) -> list[dict[str, Any]]:
 
 
 def _control(rows: list[planning.Job], job: planning.Job) -> planning.Job | None:
-    """The question's control run at the job's world size (the first), or None."""
-    return next((j for j in rows if j.variant == "control" and j.world_size == job.world_size), None)
+    """The question's control run of the job's backend (or variant) at its world size, or None."""
+    return next((j for j in rows if j.variant == "control" and (j.entry, j.world_size) == (job.entry, job.world_size)),
+                None)
 
 
 def _answer(q: Question, job: planning.Job, control: planning.Job | None) -> dict[str, Any]:
