@@ -115,6 +115,7 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
         native_launcher="torchrun",
         can_disable_sync=True,
         shards="parameters",
+        compiles=True,
     )
     OPTIONS = (
         DIST_BACKEND,

@@ -178,6 +178,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=_number, default=d.weight_decay, help="weight decay")
     p.add_argument("--clip-grad-norm", type=_number, default=None, metavar="MAX_NORM",
                    help="clip the reduced gradient's global norm to MAX_NORM before each step (default: no clipping)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (reference, ddp, fsdp, deepspeed, horovod); needs a C++ compiler "
+                        "(g++, or the one $CXX names); compile time is reported apart from the step time")
     p.add_argument("--dtype", default=d.dtype, choices=get_args(Dtype), help="parameter and compute dtype")
     p.add_argument("--amp", default=d.amp, choices=get_args(Amp),
                    help="mixed precision: forward and loss under torch.autocast in bf16 or fp16, parameters and optimizer "

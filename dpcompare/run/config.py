@@ -68,6 +68,10 @@ class RunConfig:
     """Clip the reduced gradient by its global norm to at most this value before every optimizer step, each backend
     its own way (None: no clipping). The oracle's reference step clips the same way, and the total norm each backend
     reports is checked against the oracle's (the grad_norm check)."""
+    compile: bool = False
+    """torch.compile the model as the backend supports it (Adapter.compile; refused where its capabilities say it
+    cannot). The float64 oracle stays uncompiled; the run-precision reference's floor then includes a compiled copy's
+    rounding, and compile time, graphs, graph breaks and recompilations are reported apart from the step time."""
     dtype: Dtype = "float32"
     """Parameter and compute dtype of the run; the oracle is always float64."""
     amp: Amp = "none"
