@@ -119,17 +119,15 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
             self.wrapped.model = measured
 
     def compile(self) -> None:
-        # The module DDP wraps is compiled in place (nn.Module.compile): DDP's forward stays eager and calls it inside
+        # The module DDP wraps has its forward compiled in place: DDP's forward stays eager and calls it inside
         # `_inside_ddp_forward`, where Dynamo hands the graph to its DDPOptimizer, which splits it at DDP's bucket
-        # boundaries so each bucket's all-reduce can start while the backward of the earlier pieces runs. The same
-        # as torch.compile(ddp_model) for a model whose forward is user code; torch.compile(ddp_model) compiles
-        # nothing at all for a model whose forward is torch's own (nn.Sequential: Dynamo skips torch-internal frames
-        # it is not told to compile; measured on torch 2.13). The ablation's no-op twin calls the same module, so its
-        # unsynced arm runs the same compiled code.
-        assert self.wrapped is not None
-        self.wrapped.module.compile()
-        self.wrapped.notes.append(Note("compile", "ddp: the wrapped module compiled in place (nn.Module.compile) under "
-                                       "DDP's forward: Dynamo's DDPOptimizer splits its graph at DDP's bucket boundaries "
+        # boundaries so each bucket's all-reduce can start while the backward of the earlier pieces runs. The same as
+        # torch.compile(ddp_model) for a model whose forward is user code; for one whose forward is torch's own
+        # (nn.Sequential) torch.compile(ddp_model) compiles nothing at all (Dynamo skips that frame; measured on torch
+        # 2.13). The ablation's no-op twin calls the same module, so its unsynced arm runs the same compiled code.
+        super().compile()
+        self.wrapped.notes.append(Note("compile", "ddp: the wrapped module's forward compiled in place, called by DDP's "
+                                       "forward: Dynamo's DDPOptimizer splits its graph at DDP's bucket boundaries "
                                        f"({self.settings.bucket_mb or DEFAULT_BUCKET_MB:g} MiB, the first 1 MiB)"))
 
     def ablation_bytes(self) -> int:

@@ -230,10 +230,19 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
         return self.wrapped
 
     def compile(self) -> None:
-        # The engine's own: it compiles its module in place (nn.Module.compile) with the accelerator's compile backend
-        # (inductor on CPU and CUDA); its hooks, reduction and step stay eager.
+        # The engine's own compile(): its module compiled in place by nn.Module.compile() with the accelerator's
+        # compile backend (inductor on CPU and CUDA); its hooks, reduction and step stay eager. nn.Module.compile()
+        # compiles nothing where the module's forward is torch's own (nn.Sequential: pytorch/pytorch#150915), so
+        # there the module's forward is compiled as every other backend's is, with the engine's backend.
         assert self.wrapped is not None
-        self.wrapped.model.compile()
+        engine = self.wrapped.model
+        if type(self.wrapped.module).forward.__module__.startswith("torch."):
+            super().compile()
+            self.wrapped.notes.append(Note("compile", "deepspeed: the module's forward is torch's own, which the "
+                                           "engine's compile() (nn.Module.compile) leaves uncompiled "
+                                           "(pytorch/pytorch#150915): the forward was compiled in place instead"))
+        else:
+            engine.compile()
 
     def _clipping_note(self) -> str:
         if self.settings.clip_grad_norm is not None:

@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from dpcompare.contract.adapter import compile_forward
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
@@ -245,12 +246,12 @@ class Oracle:
 
     def floor_of(self, state: dict, pieces: list[Piece], loss_scale: float = 1.0, compiled: bool = False) -> Grads:
         """The run's own recipe on one process (`pieces`: as the ranks split the batch, under a recipe); `compiled`:
-        by a third run-precision copy compiled in place (torch.compile, made on first use), whose kernels round as a
+        by a third run-precision copy whose forward is compiled in place (made on first use), whose kernels round as a
         compiled run's do (fused, reordered reductions; BatchNorm decomposed) where the eager copy's do not."""
         if compiled:
             if self._compiled is None:
                 model = verification_copy(self.template, self.device, self.run_dtype)
-                model.compile()
+                compile_forward(model)
                 self._compiled = (model, MaskReplayer(model))
             return self._grad(*self._compiled, state, pieces, self.recipe, loss_scale)[0]
         return self._grad(self.model_run, self.replay_run, state, pieces, self.recipe, loss_scale)[0]
