@@ -126,8 +126,9 @@ class Verifier:
             self._unverifiable(reason)
         elif cfg.compile and facts.stochastic:
             self._unverifiable(f"--compile with a forward that draws random numbers ({', '.join(facts.random_modules)}): "
-                               "compiled kernels draw them with the compiler's own generator, inside fused code where "
-                               "no mask can be captured for the oracle to replay; add --no-dropout")
+                               "the oracle replays the masks the ranks' dropout drew, captured by hooks that read the "
+                               "eager generator, but compiled dropout draws its masks inside Inductor's kernels from "
+                               "a generator of its own (and the capture hooks break the graph); add --no-dropout")
         if cfg.compile:
             self.verdict.note("compile", "--compile: the float64 oracle and the float32 reference run eagerly; the "
                               "floor's regrouped twin runs a compiled copy of the model, so the compiled kernels' "

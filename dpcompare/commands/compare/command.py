@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX_NORM",
                    help="every run clips the reduced gradient's global norm to MAX_NORM before each step, each backend "
                         "by its own mechanism (default: no clipping)")
+    p.add_argument("--compile", action="store_true",
+                   help="every run compiles its model with torch.compile (backends that declare no compiled path are "
+                        "listed as unavailable); needs a C++ compiler")
     p.add_argument("--amp", choices=get_args(Amp), default="none",
                    help="mixed precision: run every backend under torch.autocast in this dtype (fp16 with each "
                         "backend's own dynamic loss scaling); deepspeed additionally runs its engine recipe "
