@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpcompare.contract.adapter import compile_forward
+from dpcompare.contract.compiling import compile_forward
 from dpcompare.run import compilation
 from dpcompare.run.measurement import MeasurementPhase
 from dpcompare.run.trainer import summary_line

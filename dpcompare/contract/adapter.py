@@ -20,6 +20,7 @@ from torch import nn
 from dpcompare.contract import amp as precision
 from dpcompare.contract.launch_env import LaunchEnv
 from dpcompare.contract.amp import ScalerState
+from dpcompare.contract.compiling import compile_forward
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,20 +60,6 @@ class Capabilities:
     world_size / shard_replicas ranks (the shard group, which the memory formula divides by and the reduce-scatter and
     all-gather span), and the groups all-reduce their gradient shards with each other. 1: one shard group of every
     rank."""
-
-
-def compile_forward(module: nn.Module, **options: Any) -> None:
-    """Compile `module`'s forward in place (torch.compile `options`), its hooks left outside the compiled code: the
-    instance's `forward` becomes a compiled function of this module that calls the original. Not nn.Module.compile():
-    it compiles `Module._call_impl`, a frame in torch's own files that Dynamo skips when the module's forward is torch's
-    too (nn.Sequential, nn.Linear), so nothing at all is compiled and nothing says so (pytorch/pytorch#150915); a frame
-    here is traced, and the forward it calls inlined, whoever defined it."""
-    forward = module.forward
-
-    def compiled_forward(*args: Any, **kwargs: Any) -> Any:
-        return forward(*args, **kwargs)
-
-    module.forward = torch.compile(compiled_forward, **options)
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,7 +293,12 @@ class Adapter:
         they run uncompiled. Default: `compile_forward(wrapped.module)`, in place, so whatever wrapper the trainer
         calls (DDP, an engine) calls the compiled forward."""
         assert self.wrapped is not None
-        compile_forward(self.wrapped.module)
+        self.compile_module(self.wrapped.module)
+
+    def compile_module(self, module: nn.Module) -> None:
+        """Compile `module`'s forward in place with torch.compile (`compile_forward`): the default `compile()`'s tool,
+        for a backend that compiles its model part by part."""
+        compile_forward(module)
 
     def clip_grad_norm(self, max_norm: float) -> float | None:
         """Under --clip-grad-norm, after `unscale()` and the checks that read the reduced gradients, before `step()`:

@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from dpcompare.contract.adapter import compile_forward
+from dpcompare.contract.compiling import compile_forward
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
