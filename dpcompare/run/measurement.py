@@ -69,7 +69,7 @@ class MeasurementPhase:
         self.comm_reason = ablation_reason  # after the window: the counter ran all the same
         step_ms, synced_ms, unsynced_ms = clock.step_ms(), arms[True].step_ms(), arms[False].step_ms()
         compiled: list[int] = []
-        if self.runner.compile_log is not None:
+        if getattr(self.runner, "compile_log", None) is not None:
             # A step that compiled (on any rank) is timed with its compile: left out of every rank's figures.
             compiled = sorted(set().union(*self.adapter.all_gather_object(self.compiled_steps)))
             step_ms, synced_ms, unsynced_ms, loop_ms = self._without(compiled, step_ms, synced_ms, unsynced_ms,
@@ -81,7 +81,7 @@ class MeasurementPhase:
         if not self.rank0:
             return None
         metrics = self._summarize(gathered)
-        if self.runner.compile_log is not None:
+        if getattr(self.runner, "compile_log", None) is not None:
             metrics["compile"] = {"measured_steps_excluded": len(compiled), "excluded_steps": compiled}
         return metrics
 
@@ -152,7 +152,7 @@ class MeasurementPhase:
         recorder = CollectiveRecorder(self.runner.device) if instrument and self.comm_reason is None else None
         paired = set(paired_steps(self.cfg.measure_steps, pairs))
         whole = clocks.SegmentClock(self.runner.device)  # the unsynced steps, left out of the loop's wall clock
-        log = self.runner.compile_log  # --compile: a step that compiles is noted, and left out
+        log = getattr(self.runner, "compile_log", None)  # --compile: a step that compiles is noted, and left out
         self.compiled_steps: list[int] = []
 
         def census() -> None:  # after the last measured step's reduce: gradients exist, the optimizer has state
