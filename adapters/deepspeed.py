@@ -60,6 +60,7 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
         native_launcher="deepspeed",
         compressions=frozenset({"none", "fp16", "bf16"}),
         collective_transport="deepspeed",
+        compiles=True,
     )
     OPTIONS = (
         DIST_BACKEND,
@@ -227,6 +228,21 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
         notes += self._precision_notes(engine, ds_optimizer)
         self.wrapped = Wrapped(engine, module, ds_optimizer, notes)
         return self.wrapped
+
+    def compile(self) -> None:
+        # The engine's own compile(): its module compiled in place by nn.Module.compile() with the accelerator's
+        # compile backend (inductor on CPU and CUDA); its hooks, reduction and step stay eager. nn.Module.compile()
+        # compiles nothing where the module's forward is torch's own (nn.Sequential: pytorch/pytorch#150915), so
+        # there the module's forward is compiled as every other backend's is, with the engine's backend.
+        assert self.wrapped is not None
+        engine = self.wrapped.model
+        if type(self.wrapped.module).forward.__module__.startswith("torch."):
+            super().compile()
+            self.wrapped.notes.append(Note("compile", "deepspeed: the module's forward is torch's own, which the "
+                                           "engine's compile() (nn.Module.compile) leaves uncompiled "
+                                           "(pytorch/pytorch#150915): the forward was compiled in place instead"))
+        else:
+            engine.compile()
 
     def _clipping_note(self) -> str:
         if self.settings.clip_grad_norm is not None:

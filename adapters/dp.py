@@ -57,6 +57,9 @@ class DataParallelAdapter(Adapter):
         launch_hint="python -m dpcompare --backend dp  (one process drives all local GPUs)",
         can_disable_sync=False,
         device_replicas=True,
+        compile_refusal="dp offers no compiled path: without CUDA nn.DataParallel is a pass-through (--backend "
+                        "reference --compile is that run), and its replicate and scatter over several GPUs on every "
+                        "forward have not been checked under torch.compile",
     )
     NATIVE_NAMES = {"device_ids": "dp_devices"}
 

@@ -88,6 +88,7 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
         native_launcher="torchrun",
         can_disable_sync=True,
         shards="parameters",
+        compiles=True,
     )
     OPTIONS = (
         DIST_BACKEND,
@@ -137,6 +138,7 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
         ws, shard_ranks = self.env.world_size, self.shard_ranks
         names = {id(p): n for n, p in module.named_parameters()}
         blocks = block_modules(module)
+        self._blocks = [b for _, b in blocks]
         # The parameter groups FSDP makes (bottom-up: a block takes its parameters not already taken), their unsharded
         # sizes as the collectives lay them out; for comm_buffer_bytes and message_bytes.
         taken: set[int] = set()
@@ -177,6 +179,16 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
                               "one reduce-scatter"))
         self.wrapped = Wrapped(module, module, optimizer, notes)
         return self.wrapped
+
+    def compile(self) -> None:
+        # Block by block, as torchtitan compiles FSDP2 models: each fully_shard'ed block's forward compiled in place,
+        # its all-gather and reduce-scatter hooks around it, eager. A compiled root alone would compile nothing
+        # between its blocks' hooks, which Dynamo does not trace (a graph break at each), and a block whose forward is
+        # torch's own (nn.Linear) is a frame Dynamo skips.
+        for block in self._blocks or [self.wrapped.module]:
+            self.compile_module(block)
+        self.wrapped.notes.append(Note("compile", f"fsdp: compiled block by block ({len(self._blocks)} fully_shard'ed "
+                                       "block(s)), FSDP's all-gathers and reduce-scatters eager around them"))
 
     # -- synchronisation -------------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -28,6 +28,7 @@ class HorovodAdapter(Adapter):
         compressions=frozenset({"none", "fp16"}),
         has_buckets=True,
         collective_transport="horovod",
+        compiles=True,
     )
     OPTIONS = (
         Option("timeline", str, "auto",

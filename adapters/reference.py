@@ -12,4 +12,5 @@ class ReferenceAdapter(Adapter):
         launchers=frozenset({"python"}),
         launch_hint="python -m dpcompare --backend reference",
         scaling_baseline=True,
+        compiles=True,
     )

@@ -181,6 +181,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="each block of the model (those FSDP shards) recomputes its forward in backward instead of "
                         "keeping its activations (non-reentrant torch.utils.checkpoint, dropout masks preserved)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (reference, ddp, fsdp, deepspeed, horovod); needs a C++ compiler "
+                        "(g++, or the one $CXX names); compile time is reported apart from the step time")
     p.add_argument("--dtype", default=d.dtype, choices=get_args(Dtype), help="parameter and compute dtype")
     p.add_argument("--amp", default=d.amp, choices=get_args(Amp),
                    help="mixed precision: forward and loss under torch.autocast in bf16 or fp16, parameters and optimizer "

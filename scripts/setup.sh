@@ -59,6 +59,14 @@ for tool in cmake g++; do
   command -v "$tool" >/dev/null 2>&1 || die "'$tool' is missing; it is needed to build Horovod: install it (Debian: apt-get install $tool) or set DPCOMPARE_NO_HOROVOD=1"
 done
 
+# --- a C++ compiler for --compile: TorchInductor builds its CPU kernels with $CXX, else g++ (Triton its GPU launcher) ----
+cxx=${CXX:-g++}
+if command -v "$cxx" >/dev/null 2>&1 && "$cxx" --version >/dev/null 2>&1; then
+  say "C++ compiler for --compile: $(command -v "$cxx")"
+else
+  say "no working C++ compiler ('$cxx'): runs with --compile will refuse to start; install one (Debian/Ubuntu: apt-get install g++; RHEL/Fedora: dnf install gcc-c++; conda: conda install -c conda-forge gxx) or set CXX=/path/to/g++"
+fi
+
 # --- venv ------------------------------------------------------------------------------------------
 if [ ! -x "$venv/bin/python" ]; then
   say "creating $venv with $py"

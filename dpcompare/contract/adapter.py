@@ -21,6 +21,7 @@ from dpcompare.contract import amp as precision
 from dpcompare.contract.checkpointing import checkpoint_blocks
 from dpcompare.contract.launch_env import LaunchEnv
 from dpcompare.contract.amp import ScalerState
+from dpcompare.contract.compiling import compile_forward
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,11 @@ class Capabilities:
     """What each rank holds only a part of: none (every rank a full replica), optimizer (its state: ZeRO-1),
     gradients (and the optimizer state: ZeRO-2) or parameters (all three: ZeRO-3, FSDP). An adapter whose options
     change it sets its instance's `capabilities` in `__init__`."""
+    compiles: bool = False
+    """`compile()` puts the step's forward and backward under torch.compile the way this backend supports it
+    (--compile); False: --compile is refused before the run starts."""
+    compile_refusal: str = ""
+    """Where `compiles` is False: why, said when --compile is refused."""
     shard_replicas: int = 1
     """Copies of the sharded state (HSDP): the ranks form this many replica groups, each sharding over
     world_size / shard_replicas ranks (the shard group, which the memory formula divides by and the reduce-scatter and
@@ -123,6 +129,8 @@ class Settings:
     clip_grad_norm: float | None = None
     """--clip-grad-norm: the global gradient norm the backend clips to before each step (None: no clipping); the
     trainer calls `Adapter.clip_grad_norm` with it, and a backend that clips inside its own step reads it here."""
+    compile: bool = False
+    """--compile: the trainer calls `Adapter.compile()` after `wrap` (only where Capabilities.compiles)."""
     options: Mapping[str, Any] = field(default_factory=dict)
     """Every declared option, typed: the value given with --opt, else its default."""
 
@@ -288,6 +296,19 @@ class Adapter:
             self.grad_scaling.step(self.wrapped.optimizer)
         else:
             self.wrapped.optimizer.step()
+
+    def compile(self) -> None:
+        """Under --compile, after `wrap` and before the first step (only where `capabilities.compiles`): put the model's
+        forward (and so its backward) under torch.compile, the backend's own hooks and communication around it as
+        they run uncompiled. Default: `compile_forward(wrapped.module)`, in place, so whatever wrapper the trainer
+        calls (DDP, an engine) calls the compiled forward."""
+        assert self.wrapped is not None
+        self.compile_module(self.wrapped.module)
+
+    def compile_module(self, module: nn.Module) -> None:
+        """Compile `module`'s forward in place with torch.compile (`compile_forward`): the default `compile()`'s tool,
+        for a backend that compiles its model part by part."""
+        compile_forward(module)
 
     def clip_grad_norm(self, max_norm: float) -> float | None:
         """Under --clip-grad-norm, after `unscale()` and the checks that read the reduced gradients, before `step()`:

@@ -74,9 +74,13 @@ def settings_for(cls: type[Adapter], cfg: RunConfig) -> Settings:
     if cfg.activation_checkpointing and not caps.activation_checkpointing:
         raise ValueError(f"--activation-checkpointing is not available for --backend {cfg.backend}: its adapter declares "
                          "that it cannot run blocks recomputed in backward; leave the flag out or choose another backend")
+    if cfg.compile and not caps.compiles:
+        raise ValueError(f"--compile is not available for --backend {cfg.backend}: its adapter declares no compiled path "
+                         f"(Capabilities.compiles){': ' + caps.compile_refusal if caps.compile_refusal else ''}; leave "
+                         "--compile out")
     return Settings(compression=cfg.compression, bucket_mb=cfg.bucket_mb, dp_devices=cfg.dp_devices,
                     instrument=cfg.instrument, amp=cfg.amp, loss_scale=initial_loss_scale(cfg),
-                    clip_grad_norm=cfg.clip_grad_norm, options=parse_options(cls, cfg))
+                    clip_grad_norm=cfg.clip_grad_norm, compile=cfg.compile, options=parse_options(cls, cfg))
 
 
 def variant_name(cls: type[Adapter], options: dict[str, object]) -> str:

@@ -72,6 +72,10 @@ class RunConfig:
     """Each block of the model (dpcompare.block_modules, the units FSDP shards) keeps no activations for backward and
     recomputes its forward there (non-reentrant torch.utils.checkpoint, the generator state of the forward restored,
     so dropout draws the same masks). Refused for a backend whose capabilities say it cannot."""
+    compile: bool = False
+    """torch.compile the model as the backend supports it (Adapter.compile; refused where its capabilities say it
+    cannot). The float64 oracle stays uncompiled; the run-precision reference's floor then includes a compiled copy's
+    rounding, and compile time, graphs, graph breaks and recompilations are reported apart from the step time."""
     dtype: Dtype = "float32"
     """Parameter and compute dtype of the run; the oracle is always float64."""
     amp: Amp = "none"

@@ -6,8 +6,9 @@ memory window, the backend's native counter and the recorder of Python collectiv
 outside its clock segments and the loop's wall clock), with the ablation interleaved: each paired measured step is
 followed by the same step with gradient synchronisation off (A B A B ...). The measured step is the synced arm, timed
 up to its reduce (its optimizer step left out); the unsynced step, timed up to the same point, is the compute arm
-(exposed communication = synced - unsynced, measured on the very steps the counter counts). Rank 0 gathers every
-rank's samples and dpcompare.measure does the arithmetic.
+(exposed communication = synced - unsynced, measured on the very steps the counter counts). Under --compile a
+measured step that compiled anything on any rank (with its unsynced twin) is left out of the figures and counted.
+Rank 0 gathers every rank's samples and dpcompare.measure does the arithmetic.
 """
 
 from __future__ import annotations
@@ -66,11 +67,39 @@ class MeasurementPhase:
         clock, window, comm, by_kind, loop_ms = self._timed(start, pairs, arms)
         self._extra_pairs(start + self.cfg.measure_steps + pairs, pairs, arms)
         self.comm_reason = ablation_reason  # after the window: the counter ran all the same
-        sample = summary.RankSample(clock.step_ms(), arms[True].step_ms(), arms[False].step_ms(),
+        step_ms, synced_ms, unsynced_ms = clock.step_ms(), arms[True].step_ms(), arms[False].step_ms()
+        compiled: list[int] = []
+        if getattr(self.runner, "compile_log", None) is not None:
+            # A step that compiled (on any rank) is timed with its compile: left out of every rank's figures.
+            compiled = sorted(set().union(*self.adapter.all_gather_object(self.compiled_steps)))
+            step_ms, synced_ms, unsynced_ms, loop_ms = self._without(compiled, step_ms, synced_ms, unsynced_ms,
+                                                                      loop_ms, pairs)
+        sample = summary.RankSample(step_ms, synced_ms, unsynced_ms,
                                     self._peak(window, pairs), window.reason, comm,
                                     model_state=self.census, collectives=by_kind)
         gathered = self.adapter.all_gather_object((sample, loop_ms))
-        return self._summarize(gathered) if self.rank0 else None
+        if not self.rank0:
+            return None
+        metrics = self._summarize(gathered)
+        if getattr(self.runner, "compile_log", None) is not None:
+            metrics["compile"] = {"measured_steps_excluded": len(compiled), "excluded_steps": compiled}
+        return metrics
+
+    def _without(self, compiled: list[int], step_ms: list[float], synced_ms: list[float], unsynced_ms: list[float],
+                 loop_ms: float, pairs: int) -> tuple[list[float], list[float], list[float], float]:
+        """The figures without the measured steps that compiled (their ablation pairs too); the loop's wall clock
+        less their clocked time."""
+        if not compiled:
+            return step_ms, synced_ms, unsynced_ms, loop_ms
+        drop = set(compiled)
+        paired = paired_steps(self.cfg.measure_steps, pairs)
+        keep_pair = [i not in drop for i in paired] + [True] * (len(synced_ms) - len(paired))
+        kept = [v for i, v in enumerate(step_ms) if i not in drop]
+        if step_ms and kept:
+            n = self.cfg.measure_steps
+            loop_ms = (loop_ms * n - sum(v for i, v in enumerate(step_ms) if i in drop)) / len(kept)
+        return (kept, [v for v, k in zip(synced_ms, keep_pair) if k], [v for v, k in zip(unsynced_ms, keep_pair) if k],
+                loop_ms)
 
     def _peak(self, window: clocks.MemoryWindow, pairs: int) -> dict[str, float | None]:
         """The window's peak memory, less what only the ablation's unsynced arm holds (Adapter.ablation_bytes): the
@@ -125,6 +154,8 @@ class MeasurementPhase:
         recorder = CollectiveRecorder(self.runner.device) if instrument and self.comm_reason is None else None
         paired = set(paired_steps(self.cfg.measure_steps, pairs))
         whole = clocks.SegmentClock(self.runner.device)  # the unsynced steps, left out of the loop's wall clock
+        log = getattr(self.runner, "compile_log", None)  # --compile: a step that compiles is noted, and left out
+        self.compiled_steps: list[int] = []
 
         def census() -> None:  # after the last measured step's reduce: gradients exist, the optimizer has state
             clock.stop()
@@ -151,6 +182,8 @@ class MeasurementPhase:
                 recorder.begin()
             loop_start = time.perf_counter()
             for i, (x, y) in enumerate(self.batches):
+                if log is not None:
+                    log.mark()
                 clock.start()
                 if i in paired:
                     arms[True].start()
@@ -166,6 +199,8 @@ class MeasurementPhase:
                     with recorder.paused() if recorder is not None else contextlib.nullcontext():
                         self._unsynced(start + self.cfg.measure_steps + len(arms[False].steps), x, y, arms[False],
                                        whole)
+                if log is not None and log.step_compiled():
+                    self.compiled_steps.append(i)
             if self.runner.device.type == "cuda":
                 torch.cuda.synchronize()
             loop_s = time.perf_counter() - loop_start - self.census_s - sum(whole.step_ms()) / 1e3

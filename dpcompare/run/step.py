@@ -3,7 +3,8 @@
 Owns: this rank's shard of a step's global batch, the forward and backward over `grad_accum` equal
 micro-batches (synchronising only the last when the backend can switch sync off; forward and loss inside the
 adapter's autocast), the reduce, the loss scale undone, the gradient clipped (--clip-grad-norm), the optimizer step,
-the injected faults of the failure tests, and the watchdog's heartbeat at every stage.
+the injected faults of the failure tests, the watchdog's heartbeat at every stage, and under --compile what the
+checks compile kept apart from what the step compiles (dpcompare.run.compilation).
 The verification phase hangs its checks on the hooks; measurement and the ablation time whole steps.
 """
 
@@ -18,6 +19,7 @@ from typing import Callable
 import torch
 
 from dpcompare.contract import Adapter
+from dpcompare.run.compilation import CompileLog
 from dpcompare.run.watchdog import Watchdog
 from dpcompare.contract.workload import Workload, shard
 
@@ -30,7 +32,7 @@ class StepRunner:
     def __init__(self, *, adapter: Adapter, workload: Workload, device: torch.device, dtype: torch.dtype,
                  grad_accum: int, watchdog: Watchdog, rank: int, world_size: int, global_batch: int,
                  clip_grad_norm: float | None = None, inject_fault: str | None = None,
-                 inject_slowdown: float = 0.0) -> None:
+                 inject_slowdown: float = 0.0, compile_log: CompileLog | None = None) -> None:
         self.adapter, self.workload, self.device, self.dtype = adapter, workload, device, dtype
         self.grad_accum, self.watchdog = grad_accum, watchdog
         self.rank, self.world_size, self.global_batch = rank, world_size, global_batch
@@ -40,6 +42,10 @@ class StepRunner:
         self.grad_norm: float | None = None
         """The total norm the backend reported clipping the last step's gradient by (None: no clipping, or none reported)."""
         self.forward_s = 0.0
+        self.compile_log = compile_log
+        """--compile: what torch.compile did in this runner's steps, the checks' own compiles (the hooks) left out."""
+        if compile_log is not None:
+            compile_log.start()
         # Floating inputs go in the dtype of the model's weights: the run dtype, or a backend's low-precision
         # weights (DeepSpeed's bf16/fp16 engine); under autocast the weights stay float32 and autocast casts.
         weights = [p for p in adapter.wrapped.module.parameters() if p.is_floating_point()] if adapter.wrapped else []
@@ -81,7 +87,8 @@ class StepRunner:
             self.adapter.unscale()
         self.beat(f"{phase}: reduced", step)
         if after_reduce is not None:
-            after_reduce()
+            with self._aside():
+                after_reduce()
             self.beat(f"{phase}: checked", step)
         self.grad_norm = None
         if update:
@@ -94,8 +101,13 @@ class StepRunner:
         self.adapter.zero_grad()
         self.beat(f"{phase}: stepped", step)
         if after_update is not None:
-            after_update()
+            with self._aside():
+                after_update()
             self.beat(f"{phase}: done", step)
+
+    def _aside(self):
+        """Around the hooks: what they compile (rank 0's compiled reference copy) is not the run's."""
+        return self.compile_log.aside() if self.compile_log is not None else contextlib.nullcontext()
 
     def _host_time(self) -> float:
         """Now; with --inject-slowdown on CUDA, after the device has finished what was queued."""

@@ -22,7 +22,7 @@ from dpcompare.contract import Adapter, Note
 from dpcompare.contract import checkpointing
 from dpcompare.contract import launch_env as launch
 from dpcompare.contract.workload import block_modules
-from dpcompare.run import backend, registry
+from dpcompare.run import backend, compilation, registry
 from dpcompare.run.config import CommandLineError, RunConfig
 from dpcompare.run.measurement import MeasurementPhase
 from dpcompare.run.optim import make_optimizer
@@ -81,6 +81,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     with _said_by_rank0():
         settings = backend.settings_for(adapter_cls, cfg)  # every --opt checked before anything starts
         global_batch, local_batch = cfg.batch_sizes(env.world_size)
+    if cfg.compile:
+        compilation.require_compiler()  # every rank: the compiler is this host's
     workload = load_workload(cfg)
     device = launch.pick_device(cfg.device, env.local_rank)
     adapter = adapter_cls(env, device, settings)
@@ -95,13 +97,15 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         runner = StepRunner(adapter=adapter, workload=workload, device=device, dtype=eq.DTYPES[cfg.dtype],
                             grad_accum=cfg.grad_accum, watchdog=watchdog, rank=env.rank, world_size=env.world_size,
                             global_batch=global_batch, clip_grad_norm=cfg.clip_grad_norm, inject_fault=cfg.inject_fault,
-                            inject_slowdown=cfg.inject_slowdown)
+                            inject_slowdown=cfg.inject_slowdown,
+                            compile_log=compilation.CompileLog() if cfg.compile else None)
         verdict = VerificationPhase(cfg, adapter, runner, template, env.is_rank0).run()
         metrics = MeasurementPhase(cfg, adapter, runner, local_batch, env.is_rank0).run()
         _compare_final_replicas(adapter, verdict, env.is_rank0)
         payload = None
         if env.is_rank0:
-            payload = _write_result(cfg, env, adapter, workload, template, verdict, metrics, global_batch, local_batch)
+            payload = _write_result(cfg, env, adapter, workload, template, verdict, metrics, global_batch, local_batch,
+                                    runner.compile_log)
         # Nobody leaves before rank 0 has written: a launcher may kill stragglers once one rank exits.
         adapter.all_gather_object(None)
         clean = True
@@ -143,6 +147,8 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
     wrapped = adapter.wrap(module, optimizer, local_batch, global_batch)
     if blocks:
         wrapped.notes.append(Note("activation_checkpointing", checkpointing.describe(wrapped.module)))
+    if cfg.compile:
+        adapter.compile()
     if switched:
         wrapped.notes.append(Note("dropout_off", f"--no-dropout: dropout switched off in {', '.join(switched)}"))
     wrapped.model.train()  # once: every step trains (the oracle and the shadow have their own copies)
@@ -158,7 +164,8 @@ def _compare_final_replicas(adapter: Adapter, verdict: eq.Verdict, is_rank0: boo
 
 
 def _write_result(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Workload, template,
-                  verdict: eq.Verdict, metrics: dict[str, Any] | None, global_batch: int, local_batch: int) -> dict[str, Any]:
+                  verdict: eq.Verdict, metrics: dict[str, Any] | None, global_batch: int, local_batch: int,
+                  compile_log: compilation.CompileLog | None = None) -> dict[str, Any]:
     caps = adapter.capabilities
     policy = eq.tolerance_policy(cfg.dtype, env.world_size, eq.depth_of(template), adapter.gradient_wire())
     payload = results.base_payload(
@@ -174,6 +181,8 @@ def _write_result(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workl
     )
     if cfg.dump_grads:
         payload["grad_dump"] = str(cfg.dump_grads)
+    if compile_log is not None:
+        payload["compile"] = {**compile_log.to_dict(), **(metrics or {}).pop("compile", {})}
     variant = backend.variant_name(type(adapter), dict(adapter.settings.options))
     payload["variant"] = variant
     payload["activation_checkpointing"] = checkpointing.record(adapter.wrapped.module)
@@ -222,6 +231,22 @@ def _precision_facts(e: dict[str, Any]) -> list[str]:
             facts.append("every checked step overflowed and was skipped, so no gradient was compared: run more --steps "
                          "or start from a smaller --loss-scale")
     return facts
+
+
+def _compile_phrase(c: dict[str, Any]) -> str:
+    """--compile: compile time, graphs, breaks and recompilations, and the measured steps they cost."""
+    def n(x: int | None, word: str) -> str:
+        return f"? {word}s" if x is None else f"{x} {word}{'' if x == 1 else 's'}"
+
+    seconds = "?" if c.get("compile_s") is None else f"{c['compile_s']:.1f}"
+    text = (f"compiled in {seconds} s apart from the step time: {n(c.get('graphs'), 'graph')} ("
+            f"{n(c.get('compiled_graphs'), 'compiled piece')}), {n(c.get('graph_breaks'), 'graph break')}, "
+            f"{n(c.get('recompiles'), 'recompilation')}")
+    if c.get("graphs") == 0:
+        text += " (NOTHING COMPILED: the model ran eagerly)"
+    if c.get("measured_steps_excluded"):
+        text += f", {c['measured_steps_excluded']} measured step(s) that compiled left out"
+    return text
 
 
 def _power_of_two(x: float) -> str:
@@ -290,6 +315,8 @@ def summary_line(payload: dict[str, Any]) -> str:
     m = payload.get("metrics")
     if m and m.get("step_ms_p50") is not None:
         detail += f"; step p50 {m['step_ms_p50']:.1f} ms, {m['samples_per_s']:.3g} samples/s"
+    if payload.get("compile"):
+        detail += "; " + _compile_phrase(payload["compile"])
     if e["first_divergence"]:
         d = e["first_divergence"]
         detail += f"; first divergence at step {d['step']} ({d.get('check', 'gradient')} check), {d['parameter']}: {d['reason']}"

@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from dpcompare.contract.compiling import compile_forward
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
@@ -222,9 +223,11 @@ class Oracle:
         self.loss_fn = loss_fn
         self.device = device
         self.recipe = recipe
+        self.template, self.run_dtype = template, recipe.weights_dtype or DTYPES[dtype]
         self.model64 = verification_copy(template, device, torch.float64)
-        self.model_run = verification_copy(template, device, recipe.weights_dtype or DTYPES[dtype])
+        self.model_run = verification_copy(template, device, self.run_dtype)
         self.replay64, self.replay_run = MaskReplayer(self.model64), MaskReplayer(self.model_run)
+        self._compiled: tuple[nn.Module, MaskReplayer] | None = None
         self.names = [n for n, p in template.named_parameters() if p.requires_grad]
         self.none: frozenset[str] = frozenset()
         """Parameters whose oracle gradient was None at the last `oracle_of` call (not in the loss)."""
@@ -241,8 +244,16 @@ class Oracle:
         grads, self.none = self._grad(self.model64, self.replay64, state, pieces)
         return grads
 
-    def floor_of(self, state: dict, pieces: list[Piece], loss_scale: float = 1.0) -> Grads:
-        """The run's own recipe on one process (`pieces`: as the ranks split the batch, under a recipe)."""
+    def floor_of(self, state: dict, pieces: list[Piece], loss_scale: float = 1.0, compiled: bool = False) -> Grads:
+        """The run's own recipe on one process (`pieces`: as the ranks split the batch, under a recipe); `compiled`:
+        by a third run-precision copy whose forward is compiled in place (made on first use), whose kernels round as a
+        compiled run's do (fused, reordered reductions; BatchNorm decomposed) where the eager copy's do not."""
+        if compiled:
+            if self._compiled is None:
+                model = verification_copy(self.template, self.device, self.run_dtype)
+                compile_forward(model)
+                self._compiled = (model, MaskReplayer(model))
+            return self._grad(*self._compiled, state, pieces, self.recipe, loss_scale)[0]
         return self._grad(self.model_run, self.replay_run, state, pieces, self.recipe, loss_scale)[0]
 
     def wire_floor_of(self, state: dict, pieces: list[Piece], wire: torch.dtype, loss_scale: float = 1.0, *,

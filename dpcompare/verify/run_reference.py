@@ -4,7 +4,9 @@ Owns: the forwards the reference runs (each rank's own, as its loss scale and it
 one forward under global BatchNorm); whether the ranks' split of the batch computes the global batch's gradient at
 all (measured once, in float64: where it does not, as with a loss reduced with sum, the reference is the global
 batch, as the oracle is, and the split_not_global note says so); the same function regrouped as data parallelism may
-legitimately regroup it, whose distance from the reference is the floor; and the wire a backend declares narrower
+legitimately regroup it, whose distance from the reference is the floor (under --compile the regrouped twin runs a
+compiled copy: a compiled run's kernels round differently from the eager reference's, and that is measured here, not
+assumed); and the wire a backend declares narrower
 than the run dtype (--compression, or what its precision recipe sends), emulated where every rank's share is a piece
 of its own and the wire changes no more than its rounding (`Verdict.wire_rounding` "measured"), bounded otherwise.
 The reference itself is computed by the oracle's run-precision copy (dpcompare.verify.equivalence). Imports no
@@ -29,8 +31,10 @@ class RunReference:
     `layout` says, in `dtype`, sending its gradients through `wire` (none, fp16 or bf16)."""
 
     def __init__(self, oracle: Oracle, layout: Layout, *, dtype: str, world_size: int, wire: str, has_batchnorm: bool,
-                 sync_bn: bool, verdict: Verdict) -> None:
+                 sync_bn: bool, verdict: Verdict, compiled: bool = False) -> None:
         self.oracle, self.layout, self.dtype, self.world_size, self.wire = oracle, layout, dtype, world_size, wire
+        self.compiled = compiled
+        """--compile: the regrouped twin runs compiled, so the floor holds the compiler's rounding too."""
         self.has_batchnorm, self.sync_bn, self.verdict = has_batchnorm, sync_bn, verdict
         self.names = oracle.names
         self._split_global: bool | None = None
@@ -50,7 +54,7 @@ class RunReference:
         wire = self._emulated_wire(run_pieces)
         if wire is None:
             floor = self.oracle.floor_of(state, run_pieces, loss_scale)
-            spread = self.oracle.floor_of(state, self._spread_pieces(run_pieces), loss_scale)
+            spread = self.oracle.floor_of(state, self._spread_pieces(run_pieces), loss_scale, compiled=self.compiled)
         else:  # the wire's rounding is measured, not bounded: the reduction's allowance is the run dtype's
             unsent: Grads = {}
             floor = self.oracle.wire_floor_of(state, run_pieces, wire, loss_scale, unsent=unsent)
@@ -59,7 +63,8 @@ class RunReference:
                 # reference without the wire, with its rounding bounded, so what it lost shows.
                 wire = None
                 floor = self.oracle.floor_of(state, run_pieces, loss_scale)
-                spread = self.oracle.floor_of(state, self._spread_pieces(run_pieces), loss_scale)
+                spread = self.oracle.floor_of(state, self._spread_pieces(run_pieces), loss_scale,
+                                              compiled=self.compiled)
             else:
                 self.verdict.wire_rounding = "measured"
                 spread = self.oracle.wire_floor_of(state, run_pieces, wire, loss_scale, regrouped=True)

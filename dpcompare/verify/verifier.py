@@ -83,7 +83,8 @@ class Verifier:
         self.forwards = Forwards(layout, self.oracle, batchnorms=self.batchnorms, per_replica=self.per_replica,
                                  stochastic=facts.stochastic, dtype=cfg.dtype, depth=self.depth, verdict=self.verdict)
         self.reference = RunReference(self.oracle, layout, dtype=cfg.dtype, world_size=world_size, wire=self.wire,
-                                      has_batchnorm=self.has_batchnorm, sync_bn=cfg.sync_bn, verdict=self.verdict)
+                                      has_batchnorm=self.has_batchnorm, sync_bn=cfg.sync_bn, verdict=self.verdict,
+                                      compiled=cfg.compile)
         self.loss_scale = LossScaleJudge(backend, self.verdict, cfg.amp, self.names)
         scaler = backend.scaler_state()
         self.verdict.precision = PrecisionReport(cfg.amp, self.recipe.kind, self.recipe.describe(), self.wire,
@@ -123,6 +124,15 @@ class Verifier:
                                       "gradient must be None or zero on every rank")
         if (reason := judge_randomness(facts, replay_reason, self.verdict)) is not None:
             self._unverifiable(reason)
+        elif cfg.compile and facts.stochastic:
+            self._unverifiable(f"--compile with a forward that draws random numbers ({', '.join(facts.random_modules)}): "
+                               "the oracle replays the masks the ranks' dropout drew, captured by hooks that read the "
+                               "eager generator, but compiled dropout draws its masks inside Inductor's kernels from "
+                               "a generator of its own (and the capture hooks break the graph); add --no-dropout")
+        if cfg.compile:
+            self.verdict.note("compile", "--compile: the float64 oracle and the float32 reference run eagerly; the "
+                              "floor's regrouped twin runs a compiled copy of the model, so the compiled kernels' "
+                              "rounding (fused and reordered reductions, decomposed BatchNorm) is measured in the floor")
         if self.optimizer is None and getattr(backend.capabilities, "shards", "none") == "none":
             self.verdict.note("optimizer_state_unreadable", "no torch optimizer holding the model's parameters was found behind the "
                                       "backend's optimizer: its state cannot be read")

@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="every run recomputes each block of the model in backward instead of keeping its activations "
                         "(the runs' peak memory then shows what it saves)")
+    p.add_argument("--compile", action="store_true",
+                   help="every run compiles its model with torch.compile (backends that declare no compiled path are "
+                        "listed as unavailable); needs a C++ compiler")
     p.add_argument("--amp", choices=get_args(Amp), default="none",
                    help="mixed precision: run every backend under torch.autocast in this dtype (fp16 with each "
                         "backend's own dynamic loss scaling); deepspeed additionally runs its engine recipe "

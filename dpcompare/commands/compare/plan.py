@@ -234,6 +234,8 @@ def plan(ns: argparse.Namespace, run_dir: Path) -> Plan:
     available: list[Entry] = []
     for entry in entries:
         ok, reason = registry.availability(entry.backend)
+        if ok and config.compile and not capabilities(entry.backend).compiles:
+            ok, reason = False, f"--compile: {entry.backend} declares no compiled path ({capabilities(entry.backend).compile_refusal or 'Capabilities.compiles'})"
         if ok:
             available.append(entry)
             baseline += [(entry, ws) for ws in (world_sizes if capabilities(entry.backend).multi_process else [1])]
@@ -335,7 +337,7 @@ def run_config(ns: argparse.Namespace, world_sizes: list[int]) -> RunConfig:
         ns.global_batch = default_global_batch(ns, world_sizes)
     shared = dict(model=ns.model, steps=ns.steps, measure_steps=ns.measure_steps, warmup_steps=ns.warmup_steps,
                   amp=ns.amp, optimizer=ns.optimizer, clip_grad_norm=ns.clip_grad_norm,
-                  activation_checkpointing=ns.activation_checkpointing)
+                  activation_checkpointing=ns.activation_checkpointing, compile=ns.compile)
     if ns.scaling == "weak":
         return RunConfig(**shared, scaling="weak", local_batch=max(ns.global_batch // max(world_sizes), 1))
     return RunConfig(**shared, global_batch=ns.global_batch)
@@ -354,6 +356,8 @@ def _common_args(ns: argparse.Namespace, run_dir: Path, config: RunConfig) -> li
         common += ["--clip-grad-norm", repr(config.clip_grad_norm)]
     if config.activation_checkpointing:
         common += ["--activation-checkpointing"]
+    if config.compile:
+        common += ["--compile"]
     if config.scaling == "weak":
         return common + ["--scaling", "weak", "--local-batch", str(config.local_batch)]
     return common + ["--global-batch", str(config.global_batch)]

@@ -26,6 +26,7 @@ def payload(ns: argparse.Namespace, run_dir: Path, planned: plan.Plan, figures: 
         model=ns.model, steps=ns.steps, measure_steps=ns.measure_steps, global_batch=ns.global_batch,
         scaling_mode=ns.scaling, amp=ns.amp, optimizer=ns.optimizer, clip_grad_norm=ns.clip_grad_norm,
         activation_checkpointing=ns.activation_checkpointing,
+        compile=ns.compile,
         runs=[run_entry(j) for j in planned.jobs],
         unavailable=planned.unavailable,
         sweep_skipped=planned.sweep_skipped,
