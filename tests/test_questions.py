@@ -28,7 +28,8 @@ ROWS = ["clipping: reference/1 --clip-grad-norm 0.05", "clipping: ddp/2 --clip-g
         "clipping: horovod/2 --clip-grad-norm 0.05", "hsdp: fsdp:hsdp/4", "hsdp: fsdp/4 control",
         "checkpointing: reference/1 --activation-checkpointing", "checkpointing: ddp/2 --activation-checkpointing",
         "checkpointing: ddp/2 control", "checkpointing: fsdp/2 --activation-checkpointing",
-        "checkpointing: fsdp/2 control"]
+        "checkpointing: fsdp/2 control", "compile: reference/1 --compile", "compile: ddp/2 --compile",
+        "compile: ddp/2 control"]
 
 
 def _parsed(*argv: str) -> argparse.Namespace:
@@ -122,6 +123,12 @@ def test_each_figure_reads_what_its_question_asks_and_says_when_there_is_nothing
     assert questions.checkpointing_figure(checkpointed, control) == (
         "2 block(s) recomputed; peak 380 MiB/rank (-5% against 400 without), step p50 12 ms (+50% against 8 without)")
     assert questions.checkpointing_figure(control, control) == "peak 400 MiB/rank, step p50 8 ms"
+    compiled = {"compile": {"compile_s": 10.24, "graphs": 1, "compiled_graphs": 2, "graph_breaks": 0, "recompiles": 0,
+                            "measured_steps_excluded": 1}, "metrics": {"step_ms_p50": 6.0}}
+    assert questions.compile_figure(compiled, control) == (
+        "compile 10.2 s apart from the steps, 1 graph(s) (2 compiled piece(s)), 0 graph break(s), 0 recompilation(s), "
+        "1 measured step(s) left out for compiling; step p50 6 ms (-25% against 8 without)")
+    assert questions.compile_figure(control, control) == "step p50 8 ms"
 
 
 def _answered(tmp_path: Path, monkeypatch) -> tuple[list[dict], list]:
@@ -136,7 +143,7 @@ def _answered(tmp_path: Path, monkeypatch) -> tuple[list[dict], list]:
 
 def test_the_answers_table_and_the_report_show_each_question_with_its_rows(tmp_path, monkeypatch):
     answered, jobs = _answered(tmp_path, monkeypatch)
-    assert [q["name"] for q in answered] == ["clipping", "hsdp", "checkpointing"]
+    assert [q["name"] for q in answered] == ["clipping", "hsdp", "checkpointing", "compile"]
     clip = answered[0]
     assert clip["threads"] == ["deepspeedai/DeepSpeed#7220", "deepspeedai/DeepSpeed#5188"]
     assert [r["status"] for r in clip["rows"]][:2] == ["equivalent", "failed"]
@@ -186,5 +193,9 @@ def test_the_questions_suite_answers_each_question_equivalent_with_its_figure(tm
         if label.startswith("checkpointing:"):
             blocks = (r["figures"]["activation_checkpointing"] or {}).get("blocks")
             assert blocks == (None if label.endswith("control") else 2), label
+    for label in ("compile: reference/1 --compile", "compile: ddp/2 --compile"):
+        compiled = rows[label]["figures"]["compile"]
+        assert compiled["graphs"] >= 1 and compiled["compile_s"] > 0, (label, compiled)
+    assert rows["compile: ddp/2 control"]["figures"]["compile"] is None
     md = (run_dir / "report.md").read_text()
     assert "## The questions" in md and md.count("| equivalent |") == len(rows)

@@ -107,15 +107,37 @@ def checkpointing_figure(result: dict[str, Any], control: dict[str, Any] | None 
     return (f"{blocks} block(s) recomputed; " if blocks else "") + peak_figure(result, control)
 
 
+def compile_figure(result: dict[str, Any], control: dict[str, Any] | None = None) -> str:
+    """What torch.compile did (its time apart from the steps, graphs, breaks, recompilations, steps left out), then
+    the step time against the run without it."""
+    c = result.get("compile")
+    if not c:
+        return _step_against(result, control)
+    pieces = c.get("compiled_graphs")
+    graphs = f"{_num(c.get('graphs'))} graph(s)" + (f" ({pieces} compiled piece(s))" if pieces not in (None, c.get("graphs"))
+                                                   else "")
+    left_out = c.get("measured_steps_excluded")
+    return (f"compile {_num(c.get('compile_s'))} s apart from the steps, {graphs}, {c.get('graph_breaks')} graph "
+            f"break(s), {_num(c.get('recompiles'))} recompilation(s)"
+            + (f", {left_out} measured step(s) left out for compiling" if left_out else "") + "; "
+            + _step_against(result, control))
+
+
+def _step_against(result: dict[str, Any], control: dict[str, Any] | None) -> str:
+    return _against(result, control, "metrics.step_ms_p50", "ms", "step p50")
+
+
+def _against(result: dict[str, Any], control: dict[str, Any] | None, path: str, unit: str, what: str) -> str:
+    value = _get(result, path)
+    base = _get(control, path) if control is not None and control is not result else None
+    vs = f" ({value / base - 1:+.0%} against {_num(base)} without)" if value is not None and base else ""
+    return f"{what} {_num(value)} {unit}{vs}"
+
+
 def peak_figure(result: dict[str, Any], control: dict[str, Any] | None = None) -> str:
     """Peak memory per rank and step time, each set against the control's (the same run without the feature)."""
-    parts = []
-    for path, unit, what in (("metrics.peak_mem_mib", "MiB/rank", "peak"), ("metrics.step_ms_p50", "ms", "step p50")):
-        value = _get(result, path)
-        base = _get(control, path) if control is not None and control is not result else None
-        vs = f" ({value / base - 1:+.0%} against {_num(base)} without)" if value is not None and base else ""
-        parts.append(f"{what} {_num(value)} {unit}{vs}")
-    return ", ".join(parts)
+    return ", ".join((_against(result, control, "metrics.peak_mem_mib", "MiB/rank", "peak"),
+                      _step_against(result, control)))
 
 
 QUESTIONS: tuple[Question, ...] = (
@@ -152,6 +174,16 @@ QUESTIONS: tuple[Question, ...] = (
         figure=checkpointing_figure, needs_flag="--activation-checkpointing",
         figures=("activation_checkpointing", "metrics.peak_mem_mib", "metrics.peak_above_start_mib",
                  "metrics.step_ms_p50"),
+    ),
+    Question(
+        name="compile",
+        asks="Does torch.compile under data parallelism keep the gradients synchronised and BatchNorm's numerics, "
+             "and what does compiling cost?",
+        threads=("pytorch/pytorch#109774", "pytorch/pytorch#187444"),
+        run_flags=("--model", "cnn", "--global-batch", "24", "--optimizer", "sgd"),
+        rows=(Row("reference", 1, ("--compile",)), Row("ddp", 2, ("--compile",)), Row("ddp", 2, control=True)),
+        figure=compile_figure, needs_flag="--compile",
+        figures=("compile", "equivalence.noise_ratio", "metrics.step_ms_p50"),
     ),
 )
 
