@@ -204,18 +204,20 @@ def test_checkpointing_that_redraws_the_masks_is_different_and_named(launch):
     assert_redrawn_and_named(proc, result)
 
 
-@pytest.mark.slow
+SLOW, DEEP = pytest.mark.slow, pytest.mark.deep  # reference, ddp and fsdp: `compare --suite questions` (slow) runs them
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(("backend", "world_size", "options"), [
-    pytest.param("reference", 1, [], id="reference"),
-    pytest.param("dp", 1, [], id="dp"),
-    pytest.param("fsdp", 2, [], id="fsdp"),
-    pytest.param("horovod", 2, [], id="horovod"),
-    pytest.param("deepspeed", 2, [], id="zero0"),
-    pytest.param("deepspeed", 2, ["--opt", "zero_stage=3"], id="zero3"),
-    pytest.param("ddp", 2, ["--optimizer", "adamw"], id="ddp-adamw"),
-    pytest.param("fsdp", 2, ["--optimizer", "adamw"], id="fsdp-adamw"),
+    pytest.param("reference", 1, [], id="reference", marks=DEEP),
+    pytest.param("dp", 1, [], id="dp", marks=SLOW),
+    pytest.param("fsdp", 2, [], id="fsdp", marks=DEEP),
+    pytest.param("horovod", 2, [], id="horovod", marks=SLOW),
+    pytest.param("deepspeed", 2, [], id="zero0", marks=DEEP),
+    pytest.param("deepspeed", 2, ["--opt", "zero_stage=3"], id="zero3", marks=SLOW),
+    pytest.param("ddp", 2, ["--optimizer", "adamw"], id="ddp-adamw", marks=SLOW),
+    pytest.param("fsdp", 2, ["--optimizer", "adamw"], id="fsdp-adamw", marks=DEEP),
 ], indirect=["backend"])
 def test_every_backend_checkpointed_with_dropout_is_equivalent(backend, world_size, options, launch):
     proc, result = launch(backend, world_size, "gpt-tiny", [*FLAG, "--measure-steps", "0", *options])
@@ -231,7 +233,7 @@ def test_fsdp_checkpointing_that_redraws_the_masks_is_different_and_named(launch
     assert_redrawn_and_named(proc, result)
 
 
-@pytest.mark.slow
+@pytest.mark.deep
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_compare_with_the_flag_checkpoints_every_run(tmp_path):

@@ -210,18 +210,20 @@ def test_compiling_the_inner_module_around_ddp_is_different(launch):
     assert result["compile"]["graphs"] >= 1  # it did compile: the fault is the missing all-reduce, not eager code
 
 
-@pytest.mark.slow
+SLOW, DEEP = pytest.mark.slow, pytest.mark.deep  # reference and ddp on cnn: `compare --suite questions` (slow) runs them
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
 @pytest.mark.parametrize(("backend", "world_size", "model", "extra"), [
-    ("reference", 1, "cnn", []),
-    ("ddp", WORLD_SIZE, "cnn", []),
-    ("ddp", WORLD_SIZE, "gpt-tiny", ["--no-dropout"]),
-    ("ddp", WORLD_SIZE, "mlp", ["--optimizer", "adamw"]),
-    ("fsdp", WORLD_SIZE, "mlp", []),
-    ("fsdp", WORLD_SIZE, "gpt-tiny", ["--no-dropout", "--optimizer", "adamw"]),
-    ("deepspeed", WORLD_SIZE, "mlp", []),
-    ("horovod", WORLD_SIZE, "mlp", []),
+    pytest.param("reference", 1, "cnn", [], marks=DEEP),
+    pytest.param("ddp", WORLD_SIZE, "cnn", [], marks=DEEP),
+    pytest.param("ddp", WORLD_SIZE, "gpt-tiny", ["--no-dropout"], marks=DEEP),
+    pytest.param("ddp", WORLD_SIZE, "mlp", ["--optimizer", "adamw"], marks=SLOW),
+    pytest.param("fsdp", WORLD_SIZE, "mlp", [], marks=SLOW),
+    pytest.param("fsdp", WORLD_SIZE, "gpt-tiny", ["--no-dropout", "--optimizer", "adamw"], marks=DEEP),
+    pytest.param("deepspeed", WORLD_SIZE, "mlp", [], marks=SLOW),
+    pytest.param("horovod", WORLD_SIZE, "mlp", [], marks=SLOW),
 ], indirect=["backend"])
 def test_every_backend_compiled_is_equivalent(backend, world_size, model, extra, launch):
     proc, result = launch(backend, world_size, model, ["--compile", "--measure-steps", "3", *extra],
