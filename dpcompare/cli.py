@@ -30,6 +30,10 @@ EXIT_USAGE = 2
 EXIT_RUN_FAILURE = 4
 EXIT_INTERRUPTED = 130
 QUIET_RANK_EXIT_DELAY_S = 3.0
+SAID_BY_RANK0_WAIT_S = 60.0
+"""How long a rank other than 0 waits, silent, before leaving on an error of the command line alone: long enough for
+rank 0 to reach the same error and say it (a launcher that ends every rank once one exits would otherwise end rank 0
+first); the launcher ends the wait once rank 0 has exited."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -255,13 +259,14 @@ def main(argv: list[str] | None = None) -> int:
         _, _, command_main = command.load()
         return command_main(parser_for(command.name).parse_args(argv))
     except (ValueError, ImportError) as exc:
-        # Configuration errors are usually the same on every rank: let rank 0 say it once. A setting refused for
-        # the command line alone (CommandLineError) is refused alike everywhere, so the other ranks leave without
-        # a word. For any other, they wait a moment first, so a launcher that stops every rank when the first one
-        # exits does not stop rank 0 before it has said it; a rank still alive after that moment failed alone
-        # (its device, its environment) and says so itself, with its rank.
+        # Configuration errors are usually the same on every rank: let rank 0 say it once. The other ranks wait
+        # first, so a launcher that stops every rank when the first one exits does not stop rank 0 before it has said
+        # it. A setting refused for the command line alone (CommandLineError) is refused alike everywhere: the other
+        # ranks never say it, and wait until the launcher ends them once rank 0 has. For any other error, a rank
+        # still alive after a moment failed alone (its device, its environment) and says so itself, with its rank.
         rank = _rank()
         if rank != 0 and isinstance(exc, CommandLineError):
+            time.sleep(SAID_BY_RANK0_WAIT_S)
             return EXIT_USAGE
         if rank == 0:
             _fail(str(exc))

@@ -81,6 +81,7 @@ def test_hsdp_at_4_ranks_is_equivalent_at_the_run_defaults(launch, record_noise_
     assert result["config"]["optimizer"] == "sgd" and result["config"]["momentum"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.timeout(200)
 def test_replicas_that_do_not_divide_the_world_size_are_one_line_and_exit_2(launch, tmp_path):

@@ -493,6 +493,7 @@ def test_model_state_plot_is_drawn_with_the_formula_and_skipped_without_any_stat
     assert not (tmp_path / "none.png").exists()
 
 
+@pytest.mark.slow  # fsdp keeps sharded model state against the formula in the default tier
 @pytest.mark.multiproc
 def test_deepspeed_zero1_halves_the_optimizer_state_and_its_gradients_go_as_an_all_reduce(launch) -> None:
     pytest.importorskip("deepspeed")

@@ -78,6 +78,7 @@ def test_the_tree_check_can_fail_on_a_package_left_out(installed) -> None:
     assert shipped != _packages_in_the_tree()
 
 
+@pytest.mark.slow  # the wheel's modules are checked in the default tier; starting each subcommand is breadth
 def test_every_subcommand_starts_from_the_installed_wheel(installed, tmp_path) -> None:
     _, target = installed
     env = dict(os.environ, PYTHONPATH=str(target), OMP_NUM_THREADS="1")

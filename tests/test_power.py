@@ -83,6 +83,7 @@ def test_a_run_without_power_is_unverifiable_and_says_why(launch):
     assert "unverifiable" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.timeout(420)
 def test_a_run_whose_every_checked_step_overflowed_compared_nothing_and_is_unverifiable(launch):

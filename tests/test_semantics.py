@@ -55,6 +55,7 @@ def test_ddp_without_sync_bn_is_judged_per_replica(shared_launch):
     _per_replica(proc, result, "ddp", "rank0_broadcast")
 
 
+@pytest.mark.slow  # ddp keeps the per-replica judgement in the default tier
 @pytest.mark.parametrize("backend", ["horovod"], indirect=True)
 def test_horovod_without_sync_bn_keeps_each_ranks_statistics(backend, shared_launch):
     proc, result = shared_launch(backend, WS, "cnn", STEPS)
