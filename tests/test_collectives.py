@@ -221,12 +221,12 @@ def _tiered(transport: str):
     return pytest.param(transport, id=transport, marks=tier)
 
 
-# All `slow`: in the default tier, compare end to end (test_compare.py) runs the torch transport's microbenchmark
+# All `slow` (deepspeed's, `deep`): in the default tier, compare end to end (test_compare.py) runs the torch transport's microbenchmark
 # and checks that its runs quote it, the positive twin of the wrong-result test below.
 @pytest.mark.multiproc
-@pytest.mark.slow
 @pytest.mark.timeout(300)  # the first deepspeed launch on a machine compiles its shm comm op (~1.5 min)
-@pytest.mark.parametrize("transport", transports.TRANSPORTS)
+@pytest.mark.parametrize("transport", [pytest.param(t, marks=pytest.mark.deep if t == "deepspeed" else pytest.mark.slow)
+                                       for t in transports.TRANSPORTS])
 def test_each_transport_sums_correctly_under_its_own_launcher(tmp_path, transport):
     proc, doc = _bench(tmp_path, transport, "--max-bytes", "1MiB", "--iters", "10")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -133,7 +133,7 @@ def test_resnet18_with_adamw_over_eight_steps_is_equivalent(launch, backend):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(420)
-@pytest.mark.slow
+@pytest.mark.deep
 @pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
 def test_deepspeed_bf16_engine_with_adamw_is_equivalent_and_states_its_prestep(launch, backend):
     """DeepSpeed's FP16_UnfusedOptimizer steps AdamW once on zero gradients when it is built (by design): the state
