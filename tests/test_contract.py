@@ -214,7 +214,8 @@ def _probe(name: str, instrument: str, tmp_path: Path) -> int:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend_name", ["ddp", pytest.param("horovod", marks=pytest.mark.slow),
+@pytest.mark.parametrize("backend_name", [pytest.param("ddp", marks=pytest.mark.slow),
+                                          pytest.param("horovod", marks=pytest.mark.slow),
                                           pytest.param("deepspeed", marks=pytest.mark.deep)], indirect=False)
 def test_no_instrument_switches_the_backends_own_timers_off(backend_name, tmp_path):
     """Under --no-instrument the backend's own counters cost the step nothing: DDP keeps its default logging

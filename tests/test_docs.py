@@ -374,6 +374,7 @@ def test_the_readme_own_model_example_runs_as_written(tmp_path: Path):
     assert "ws=2" in out
 
 
+@pytest.mark.slow  # the README's own-model example keeps a docs example run in the default tier
 @pytest.mark.multiproc
 def test_the_custom_backend_example_runs_as_written(tmp_path: Path):
     out = run_example(REPO_ROOT / "docs" / "extending.md", "--backend", tmp_path)

@@ -31,9 +31,11 @@ MODELS = ("mlp", "cnn", "lm", "mlp-dropout", "mlp-unused")
 STEPS = ["--steps", "2"]
 
 
-# Every backend, launcher and model once, in the default tier (the rest of the matrix is `slow`).
-DEFAULT_CASES = {"reference-ws1-mlp-python", "dp-ws1-mlp-python", "ddp-ws2-mlp-torchrun", "ddp-ws3-cnn-torchrun",
-                 "horovod-ws2-mlp-unused-horovodrun", "horovod-ws3-lm-mpirun", "deepspeed-ws2-mlp-dropout-torchrun"}
+# Every backend, launcher and model once in the default tier, with the default tier's other runs (the rest of the
+# matrix is `slow`): reference and dp at one rank run in compare end to end (test_compare.py), the cnn under ddp at two
+# ranks in test_semantics.py.
+DEFAULT_CASES = {"ddp-ws2-mlp-torchrun", "horovod-ws2-mlp-unused-horovodrun", "horovod-ws3-lm-mpirun",
+                 "deepspeed-ws2-mlp-dropout-torchrun"}
 # Launched by test_multinode.py in a multi-host shape, with the same checks (assert_equivalent).
 ELSEWHERE = {"horovod-ws2-mlp-horovodrun"}
 
