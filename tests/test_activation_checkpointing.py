@@ -16,7 +16,6 @@ AdamW, the FSDP twin and compare end to end.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
@@ -28,8 +27,8 @@ import pytest
 import torch
 
 from conftest import child_env
+from test_compare import _ns
 from dpcompare import Adapter, block_modules, checkpoint_blocks
-from dpcompare.commands import compare
 from dpcompare.commands.compare import plan
 from dpcompare.contract.checkpointing import checkpointed_blocks
 from dpcompare.measure.clocks import MemoryWindow
@@ -134,15 +133,6 @@ def test_a_model_without_blocks_is_refused_in_one_line(tmp_path):
 
 
 # -- compare and the memory figure ----------------------------------------------------------------------------------
-def _ns(**kw) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    compare.add_arguments(parser)
-    ns = parser.parse_args([])
-    for k, v in kw.items():
-        setattr(ns, k, v)
-    return ns
-
-
 def test_compare_passes_the_flag_to_every_run(tmp_path):
     planned = plan.plan(_ns(backends="reference,ddp,fsdp", collectives="none", activation_checkpointing=True), tmp_path)
     assert planned.jobs and all("--activation-checkpointing" in job.command for job in planned.jobs)
