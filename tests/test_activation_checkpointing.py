@@ -203,9 +203,9 @@ SLOW, DEEP = pytest.mark.slow, pytest.mark.deep  # reference, ddp and fsdp: `com
     pytest.param("reference", 1, [], id="reference", marks=DEEP),
     pytest.param("dp", 1, [], id="dp", marks=SLOW),
     pytest.param("fsdp", 2, [], id="fsdp", marks=DEEP),
-    pytest.param("horovod", 2, [], id="horovod", marks=SLOW),
+    pytest.param("horovod", 2, [], id="horovod", marks=DEEP),
     pytest.param("deepspeed", 2, [], id="zero0", marks=DEEP),
-    pytest.param("deepspeed", 2, ["--opt", "zero_stage=3"], id="zero3", marks=SLOW),
+    pytest.param("deepspeed", 2, ["--opt", "zero_stage=3"], id="zero3", marks=DEEP),
     pytest.param("ddp", 2, ["--optimizer", "adamw"], id="ddp-adamw", marks=SLOW),
     pytest.param("fsdp", 2, ["--optimizer", "adamw"], id="fsdp-adamw", marks=DEEP),
 ], indirect=["backend"])

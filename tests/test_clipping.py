@@ -194,12 +194,13 @@ def test_each_rank_clipping_its_local_gradient_before_the_reduce_is_named(launch
 @pytest.mark.multiproc
 @pytest.mark.timeout(330)
 @pytest.mark.parametrize(("backend", "world_size", "options"), [
-    pytest.param("reference", 1, [], id="reference", marks=pytest.mark.slow),
+    # reference, fsdp, horovod and ZeRO-2 are rows of `compare --suite questions` (slow tier), with these checks
+    pytest.param("reference", 1, [], id="reference", marks=pytest.mark.deep),
     pytest.param("dp", 1, [], id="dp", marks=pytest.mark.slow),
-    pytest.param("fsdp", 2, [], id="fsdp", marks=pytest.mark.slow),
-    pytest.param("horovod", 2, [], id="horovod", marks=pytest.mark.slow),
+    pytest.param("fsdp", 2, [], id="fsdp", marks=pytest.mark.deep),
+    pytest.param("horovod", 2, [], id="horovod", marks=pytest.mark.deep),
     pytest.param("deepspeed", 2, [], id="zero0", marks=pytest.mark.slow),
-    pytest.param("deepspeed", 2, ["--opt", "zero_stage=2"], id="zero2", marks=pytest.mark.slow),
+    pytest.param("deepspeed", 2, ["--opt", "zero_stage=2"], id="zero2", marks=pytest.mark.deep),
     # the other stages and the bf16 recipes: the deep tier (outside CI's time)
     pytest.param("deepspeed", 2, ["--opt", "zero_stage=1"], id="zero1", marks=pytest.mark.deep),
     pytest.param("deepspeed", 2, ["--opt", "zero_stage=3"], id="zero3", marks=pytest.mark.deep),

@@ -223,7 +223,7 @@ SLOW, DEEP = pytest.mark.slow, pytest.mark.deep  # reference and ddp on cnn: `co
     pytest.param("fsdp", WORLD_SIZE, "mlp", [], marks=SLOW),
     pytest.param("fsdp", WORLD_SIZE, "gpt-tiny", ["--no-dropout", "--optimizer", "adamw"], marks=DEEP),
     pytest.param("deepspeed", WORLD_SIZE, "mlp", [], marks=SLOW),
-    pytest.param("horovod", WORLD_SIZE, "mlp", [], marks=SLOW),
+    pytest.param("horovod", WORLD_SIZE, "mlp", [], marks=DEEP),
 ], indirect=["backend"])
 def test_every_backend_compiled_is_equivalent(backend, world_size, model, extra, launch):
     proc, result = launch(backend, world_size, model, ["--compile", "--measure-steps", "3", *extra],

@@ -58,8 +58,10 @@ def _cases() -> list:
         case_id = f"{c[0]}-ws{c[1]}-{c[2]}-{c[3]}"
         if case_id not in ELSEWHERE:
             # dp on CPU is a pass-through (one device): beyond the mlp its cells repeat reference's, in the deep tier
+            # ddp and deepspeed at three ranks repeat their two-rank cells (horovod's three, under mpirun, stay slow)
             tier = (() if case_id in DEFAULT_CASES else
-                    pytest.mark.deep if c[0] == "dp" and c[2] != "mlp" else pytest.mark.slow)
+                    pytest.mark.deep if (c[0] == "dp" and c[2] != "mlp") or (c[0] in ("ddp", "deepspeed") and c[1] == 3)
+                    else pytest.mark.slow)
             params.append(pytest.param(*c, id=case_id, marks=tier))
     return params
 
@@ -142,7 +144,7 @@ def test_deepspeed_under_its_own_launcher(backend, launch, record_noise_ratio):
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
+@pytest.mark.deep
 @pytest.mark.timeout(600)
 def test_sixteen_ranks_pick_a_global_batch_they_divide(launch, record_noise_ratio):
     """`torchrun --nproc_per_node=16 -m dpcompare --backend ddp --model mlp --steps 1`, as written: with no

@@ -392,7 +392,11 @@ FAULT_DEFAULT = {("kill", "torchrun", "ddp"), ("hang", "torchrun", "ddp")}
 def _fault_tier(fault: str, launcher: str, backend: str):
     if (fault, launcher, backend) in FAULT_DEFAULT:
         return ()
-    return pytest.mark.deep if backend == "deepspeed" and fault != "kill" else pytest.mark.slow
+    # A stopped rank under ddp and horovod and a hung one under mpirun: the deep tier (the slow tier keeps every
+    # launcher's killed rank, and a hung rank under torchrun and horovodrun).
+    if (backend == "deepspeed" and fault != "kill") or fault == "stop" or (fault, launcher) == ("hang", "mpirun"):
+        return pytest.mark.deep
+    return pytest.mark.slow
 
 
 FAULT_CASES = [pytest.param(b, launcher, fault, id=f"{fault}-{b}-{launcher}", marks=_fault_tier(fault, launcher, b))

@@ -99,7 +99,7 @@ def test_a_run_whose_every_checked_step_overflowed_compared_nothing_and_is_unver
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(420)
-@pytest.mark.slow
+@pytest.mark.deep  # the slow tier keeps ResNet-18 at bf16 equivalent and its lr x N twin named
 def test_local_clipping_on_a_resnet_at_bf16_is_different_and_named(launch):
     proc, result = launch("tests.faulty_adapters:LocalClipDDP", 2, "resnet18-cifar", RESNET_BF16, timeout_s=400)
     d = different(proc, result)

@@ -230,10 +230,17 @@ MATRIX = [(b, a, m) for b in ("reference", "dp", "ddp", "horovod", "deepspeed") 
           for m in ("mlp", "gpt-tiny") if not (b == "ddp" and a == "bf16" and m == "mlp")]
 
 
-@pytest.mark.slow
+def _matrix_tier(backend: str, model: str):
+    """dp on CPU is reference's pass-through, and Horovod's and DeepSpeed's gpt-tiny cells repeat their mlp's recipe
+    on a model ddp covers: the deep tier."""
+    return pytest.mark.deep if backend == "dp" or (backend in ("horovod", "deepspeed") and model == "gpt-tiny") \
+        else pytest.mark.slow
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("backend", "amp", "model"), MATRIX, indirect=["backend"])
+@pytest.mark.parametrize(("backend", "amp", "model"), [pytest.param(b, a, m, marks=_matrix_tier(b, m)) for b, a, m in MATRIX],
+                         indirect=["backend"])
 def test_every_backend_recipe_and_model_is_equivalent(launch, backend, amp, model, record_noise_ratio) -> None:
     ws = 1 if backend in ("reference", "dp") else 2
     proc, result = launch(backend, ws, model, ["--steps", "2", "--measure-steps", "0", "--amp", amp])
