@@ -102,15 +102,23 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
     )
     VARIANTS = {"noreshard": {"reshard_after_forward": False}, "hsdp": {"replicas": 2}}
 
+    @classmethod
+    def world_size_refusal(cls, world_size: int, options) -> str | None:
+        replicas = int(options.get("replicas", 1))
+        if replicas >= 1 and world_size % replicas == 0:
+            return None
+        divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+        return (f"--opt replicas={replicas} is invalid at world size {world_size}: replicas must divide the world size "
+                f"(HSDP puts world_size / replicas ranks in every shard group); use one of {divisors} (1: plain FSDP), "
+                f"or start a world size that {replicas} divides")
+
     def __init__(self, env, device, settings=None) -> None:
         super().__init__(env, device, settings)
         self.replicas = int(self.settings.options.get("replicas", 1))
         ws = env.world_size
-        if self.replicas < 1 or ws % self.replicas:
-            divisors = ", ".join(str(d) for d in range(1, ws + 1) if ws % d == 0)
-            raise ValueError(f"--opt replicas={self.replicas} is invalid at world size {ws}: replicas must divide the "
-                             f"world size (HSDP puts world_size / replicas ranks in every shard group); use one of "
-                             f"{divisors} (1: plain FSDP), or start a world size that {self.replicas} divides")
+        refusal = self.world_size_refusal(ws, self.settings.options)
+        if refusal:
+            raise ValueError(refusal)
         self.shard_ranks = ws // self.replicas
         """The ranks each parameter is sharded over (the mesh's shard dimension)."""
         self.capabilities = dataclasses.replace(type(self).capabilities, shard_replicas=self.replicas)

@@ -166,3 +166,22 @@ def test_collectives_by_kind_are_the_hsdp_volume_over_each_kinds_ranks(shared_la
         assert row["bus_bytes_per_step"] == pytest.approx(nbytes * factor), (kind, row)
         assert "HSDP, 2 replica groups" in row["analytic_method"]
     assert kinds["reduce_scatter"]["calls_per_step"] == kinds["all_reduce"]["calls_per_step"] == 3  # one per group
+
+
+def test_compare_leaves_out_hsdp_where_its_replicas_do_not_divide_the_world_size_and_says_why(tmp_path, monkeypatch):
+    """compare --backends fsdp,fsdp:hsdp at world sizes 1, 2, 4: HSDP's 2 replica groups cannot be made of one rank,
+    so fsdp:hsdp/1 is listed with the run's own refusal instead of launched to fail; plain FSDP runs at every size."""
+    from dpcompare.commands.compare import plan
+    from dpcompare.run import registry
+    from test_compare import _ns
+
+    monkeypatch.setattr(registry, "availability", lambda b: (True, ""))
+    planned = plan.plan(_ns(backends="fsdp,fsdp:hsdp", world_sizes="1,2,4", collectives="none"), tmp_path)
+    assert [j.label for j in planned.jobs] == ["fsdp/1", "fsdp/2", "fsdp/4", "fsdp:hsdp/2", "fsdp:hsdp/4"]
+    (refused,) = planned.unavailable
+    assert refused["backend"] == "fsdp:hsdp/1" and refused["launcher"] == "torchrun"
+    assert refused["reason"].startswith("--opt replicas=2 is invalid at world size 1: replicas must divide")
+    # Twin: the refusal is the adapter's own, the one the run raises before it starts.
+    fsdp = plan.adapter_class("fsdp")
+    assert fsdp.world_size_refusal(1, {"replicas": 2}) == refused["reason"]
+    assert fsdp.world_size_refusal(4, {"replicas": 2}) is None and fsdp.world_size_refusal(3, {}) is None

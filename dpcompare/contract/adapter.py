@@ -224,6 +224,12 @@ class Adapter:
     VARIANTS: Mapping[str, Mapping[str, Any]] = {}
     """Named variants (`compare --backends deepspeed:zero2`): a name -> the `--opt` values it stands for."""
 
+    @classmethod
+    def world_size_refusal(cls, world_size: int, options: Mapping[str, Any]) -> str | None:
+        """Why this backend, with these `--opt` values (typed), cannot run at `world_size` (None: it can). The run
+        refuses it before it starts; compare leaves that job out and says why."""
+        return None
+
     def __init__(self, env: LaunchEnv, device: torch.device, settings: Settings | None = None) -> None:
         self.env = env
         self.device = device

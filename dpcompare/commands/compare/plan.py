@@ -20,16 +20,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dpcompare.commands.compare import suites
-from dpcompare.contract import Capabilities
+from dpcompare.contract import Adapter, Capabilities
 from dpcompare.run import registry
 from dpcompare.run.config import RunConfig, smallest_multiple
 from dpcompare.run.launchers import native_command
 
 
 @functools.cache
+def adapter_class(backend: str) -> type[Adapter]:
+    """The backend's adapter class (importing it imports torch, never the backend's runtime)."""
+    return registry.load(backend, registry.BACKENDS, "backend")
+
+
 def capabilities(backend: str) -> Capabilities:
-    """What the backend's adapter declares (importing the adapter class imports torch, never its runtime)."""
-    return registry.load(backend, registry.BACKENDS, "backend").capabilities
+    """What the backend's adapter declares."""
+    return adapter_class(backend).capabilities
 
 
 def declared_launcher(backend: str) -> str:
@@ -238,7 +243,13 @@ def plan(ns: argparse.Namespace, run_dir: Path) -> Plan:
             ok, reason = False, f"--compile: {entry.backend} declares no compiled path ({capabilities(entry.backend).compile_refusal or 'Capabilities.compiles'})"
         if ok:
             available.append(entry)
-            baseline += [(entry, ws) for ws in (world_sizes if capabilities(entry.backend).multi_process else [1])]
+            for ws in (world_sizes if capabilities(entry.backend).multi_process else [1]):
+                refusal = adapter_class(entry.backend).world_size_refusal(ws, dict(entry.options))
+                if refusal is None:
+                    baseline.append((entry, ws))
+                else:  # e.g. fsdp:hsdp (2 replica groups) at world size 1: said, not run
+                    result.unavailable.append({"backend": f"{entry.name}/{ws}", "reason": refusal,
+                                               "launcher": declared_launcher(entry.backend)})
         elif all(u["backend"] != entry.backend for u in result.unavailable):  # once for all its variants
             result.unavailable.append({"backend": entry.backend, "reason": reason,
                                        "launcher": declared_launcher(entry.backend)})
