@@ -260,14 +260,8 @@ def plan(ns: argparse.Namespace, run_dir: Path) -> Plan:
 
     def add(entry: Entry, ws: int, variant: str, extra: list[str]) -> None:
         label = f"{entry.name}/{ws}" + ("" if variant == "baseline" else f" {variant}")
-        stem = unique_stem(label, stems)
-        dump = run_dir / "grads" / f"{stem}.npz"
-        log = run_dir / "logs" / f"{stem}.log"
-        args = ["--backend", entry.backend, *common, *entry.opt_args(), "--dump-grads", str(dump), "--tag", label,
-                "--closed-if", str(log.with_suffix(".closed")), *extra, *run_args]
-        command = native_command(capabilities(entry.backend).native_launcher, ws, args)
-        result.jobs.append(Job(entry.backend, ws, command, label, dump, log, variant, backend_variant=entry.variant,
-                               options=dict(entry.options)))
+        result.jobs.append(make_job(entry, ws, label, variant, run_dir, stems, [*common, *entry.opt_args()],
+                                    [*extra, *run_args]))
 
     for entry, ws in baseline:
         add(entry, ws, "baseline", [])
@@ -275,6 +269,20 @@ def plan(ns: argparse.Namespace, run_dir: Path) -> Plan:
     if ns.sweep:
         result.sweep_skipped += sweep(ns, available, max(world_sizes), add)
     return result
+
+
+def make_job(entry: Entry, ws: int, label: str, variant: str, run_dir: Path, stems: set[str], before: list[str],
+             after: list[str], question: str = "") -> Job:
+    """A job as its users would type it under the launcher its adapter declares: the run flags `before`, its dump,
+    tag and fence (named after the label, unique in `stems`), then the flags `after`."""
+    stem = unique_stem(label, stems)
+    dump = run_dir / "grads" / f"{stem}.npz"
+    log = run_dir / "logs" / f"{stem}.log"
+    args = ["--backend", entry.backend, *before, "--dump-grads", str(dump), "--tag", label,
+            "--closed-if", str(log.with_suffix(".closed")), *after]
+    command = native_command(capabilities(entry.backend).native_launcher, ws, args)
+    return Job(entry.backend, ws, command, label, dump, log, variant, backend_variant=entry.variant,
+               options=dict(entry.options), question=question)
 
 
 def unique_stem(label: str, taken: set[str]) -> str:

@@ -18,7 +18,6 @@ from typing import Any, Callable
 from dpcompare.commands.compare import plan as planning
 from dpcompare.run import registry
 from dpcompare.run.config import RunConfig
-from dpcompare.run.launchers import native_command
 
 Figure = Callable[[dict[str, Any], dict[str, Any] | None], str]
 """(a row's result, its question's control run of the same backend at the same world size, or None) -> the row's
@@ -221,18 +220,10 @@ def plan(ns: argparse.Namespace, run_dir: Path) -> planning.Plan:
                                                "launcher": planning.declared_launcher(entry.backend)})
                 continue
             label = f"{q.name}: {entry.name}/{row.world_size}" + (f" {row.knob}" if row.knob else "")
-            stem = planning.unique_stem(label, stems)
-            dump = run_dir / "grads" / f"{stem}.npz"
-            log = run_dir / "logs" / f"{stem}.log"
-            args = ["--backend", entry.backend, "--steps", str(ns.steps), "--measure-steps", str(ns.measure_steps),
-                    "--warmup-steps", str(ns.warmup_steps), "--out", str(run_dir / "runs"), *q.run_flags,
-                    *entry.opt_args(), "--dump-grads", str(dump), "--tag", label, "--closed-if",
-                    str(log.with_suffix(".closed")), *row.args, *ns.run_arg]
-            command = native_command(planning.capabilities(entry.backend).native_launcher, row.world_size, args)
-            result.jobs.append(planning.Job(entry.backend, row.world_size, command, label, dump, log,
-                                            variant=row.knob,
-                                            backend_variant=entry.variant, options=dict(entry.options),
-                                            question=q.name))
+            before = ["--steps", str(ns.steps), "--measure-steps", str(ns.measure_steps), "--warmup-steps",
+                      str(ns.warmup_steps), "--out", str(run_dir / "runs"), *q.run_flags, *entry.opt_args()]
+            result.jobs.append(planning.make_job(entry, row.world_size, label, row.knob, run_dir, stems, before,
+                                                 [*row.args, *ns.run_arg], question=q.name))
     return result
 
 
