@@ -166,7 +166,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
     p.add_argument("--version", action="version", version=f"dpcompare {__version__}")
     p.add_argument("--backend", default=d.backend, help=f"{', '.join(registry.BACKENDS)}, or package.module:Class")
-    p.add_argument("--model", default=d.model, help=f"{', '.join(registry.MODELS)}, or package.module:function")
+    p.add_argument("--model", default=d.model,
+                   help=f"{', '.join(registry.MODELS)}, package.module:function, or hf:NAME_OR_PATH (a Hugging Face "
+                        "transformers config: a folder holding config.json, or a hub name whose config is cached)")
+    p.add_argument("--seq-len", type=_whole, default=None,
+                   help="hf: causal language models: tokens per sample (default: 128, at most the config's context)")
     p.add_argument("--device", default=d.device, choices=get_args(DeviceChoice),
                    help="auto: CUDA when present (NCCL process group), else CPU (gloo)")
     p.add_argument("--global-batch", type=_whole, default=d.global_batch,

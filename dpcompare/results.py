@@ -80,7 +80,17 @@ def result_path(out_dir: str | os.PathLike, backend: str, world_size: int, model
     safe_backend = "".join(c if c.isalnum() or c in "-_" else "_" for c in backend)
     safe_variant = "".join(c if c.isalnum() or c in "-_" else "_" for c in variant)
     name = safe_backend + (f"-{safe_variant}" if safe_variant else "")
-    return Path(out_dir) / f"{stamp}-{name}-ws{world_size}-{model}-{os.getpid()}.json"
+    return Path(out_dir) / f"{stamp}-{name}-ws{world_size}-{file_stem_of_model(model)}-{os.getpid()}.json"
+
+
+def file_stem_of_model(model: str) -> str:
+    """A model's name as a file name's part: `hf:meta-llama/Llama-3.2-1B` and `hf:./configs/llama/` name a path or a
+    hub repository, whose last part names the model (`hf-Llama-3.2-1B`, `hf-llama`); any other character a file name
+    should not hold becomes `_`."""
+    kind, sep, rest = model.partition(":")
+    if sep and "/" in rest:
+        model = f"{kind}-{rest.rstrip('/').rsplit('/', 1)[-1] or 'model'}"
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
 
 
 class Closed(RuntimeError):

@@ -35,7 +35,10 @@ class RunConfig:
     model: str = "mlp"
     """Built-in workload (dpcompare.run.registry.MODELS: the toys mlp, mlp-wide, mlp-dropout, mlp-unused, cnn, lm; the
     real models resnet18, resnet50, resnet18-cifar, resnet50-cifar, gpt-tiny, gpt-mini, gpt2-small, gpt2-medium) or
-    `package.module:function` returning a Workload."""
+    `package.module:function` returning a Workload, or `hf:NAME_OR_PATH`: a Hugging Face transformers model built from
+    its config with random weights (dpcompare.run.hf_models; needs the `hf` extra)."""
+    seq_len: int | None = None
+    """Tokens per sample of an `hf:` causal language model (default: 128, at most the config's context)."""
     device: DeviceChoice = "auto"
     """auto: CUDA when available (process group NCCL), else CPU (gloo)."""
     global_batch: int | None = None
@@ -148,6 +151,11 @@ class RunConfig:
             raise bad("local_batch", self.local_batch, "use a positive whole number of samples per rank")
         if self.scaling == "weak" and self.local_batch is None:
             raise bad("scaling", self.scaling, "weak scaling fixes the per-rank batch: also pass --local-batch N")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise bad("seq_len", self.seq_len, "use a positive number of tokens per sample")
+        if self.seq_len is not None and not self.model.startswith("hf:"):
+            raise bad("seq_len", self.seq_len, f"it sets the sample length of an hf: causal language model; "
+                      f"--model {self.model} fixes its own: drop --seq-len")
         if self.steps < 1:
             raise bad("steps", self.steps, "run at least one step")
         if self.warmup_steps < 0:

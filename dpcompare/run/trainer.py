@@ -22,7 +22,7 @@ from dpcompare.contract import Adapter, Note
 from dpcompare.contract import checkpointing
 from dpcompare.contract import launch_env as launch
 from dpcompare.contract.workload import block_modules
-from dpcompare.run import backend, compilation, registry
+from dpcompare.run import backend, compilation, hf_models, registry
 from dpcompare.run.config import CommandLineError, RunConfig
 from dpcompare.run.measurement import MeasurementPhase
 from dpcompare.run.optim import make_optimizer
@@ -35,6 +35,10 @@ from dpcompare.verify import stochastic, verifier
 
 
 def load_workload(cfg: RunConfig) -> Workload:
+    if hf_models.is_hf(cfg.model):
+        workload = hf_models.build(cfg.model, cfg.seed, cfg.seq_len)
+        _check_workload_flags(cfg, workload)
+        return workload
     factory = registry.load(cfg.model, registry.MODELS, "model")
     if not callable(factory):
         raise ValueError(f"--model {cfg.model}: {type(factory).__name__} is not callable; give a function (seed) -> Workload")
@@ -47,6 +51,11 @@ def load_workload(cfg: RunConfig) -> Workload:
                                      "(it is called as function(seed: int) and must return a Workload)") from exc
     if not isinstance(workload, Workload):
         raise ValueError(f"--model {cfg.model}: the function must return dpcompare.Workload, got {type(workload).__name__}")
+    _check_workload_flags(cfg, workload)
+    return workload
+
+
+def _check_workload_flags(cfg: RunConfig, workload: Workload) -> None:
     if cfg.activation_checkpointing and not block_modules(workload.model):
         raise ValueError(f"--activation-checkpointing is invalid for --model {cfg.model}: it names no block to recompute "
                          "(no _no_split_modules, no nn.Sequential or nn.ModuleList of modules with parameters); drop "
@@ -54,7 +63,6 @@ def load_workload(cfg: RunConfig) -> Workload:
     if cfg.sync_bn and not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in workload.model.modules()):
         raise ValueError(f"--sync-bn is invalid for --model {cfg.model}: it has no BatchNorm layer, so there are no "
                          "statistics to synchronise; drop --sync-bn")
-    return workload
 
 
 @contextlib.contextmanager

@@ -93,6 +93,10 @@ class Verifier:
         self.masters: dict[str, torch.Tensor] = {}
         """The values the optimizer steps, full, as last read on every rank (`Adapter.master_params()`)."""
         self.all_names = [n for n, _ in template.named_parameters()]
+        named = {id(p): n for n, p in reversed(list(template.named_parameters()))}
+        self.state_keys = {k: named[id(t)] for k, t in template.state_dict(keep_vars=True).items() if id(t) in named}
+        """State-dict key -> the parameter it holds, by name: a tied weight (an LM head sharing the embedding) has
+        several keys and one name."""
         """Every parameter, trainable or not, in the order the ranks' digests list them."""
         if self.recipe.active:
             scaled = (f"; the loss is scaled ({scaler.method}, {scaler.scale:.9g} at the start) and the floor is taken "
@@ -187,9 +191,9 @@ class Verifier:
         """The state the step's forward ran from: the parameters the optimizer holds (fp32 master values where the
         backend keeps them apart) and the module buffers as they were before the forward."""
         state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        for name, t in self.masters.items():
-            if name in state:
-                state[name] = t.detach().clone()
+        for key, name in self.state_keys.items():  # a tied weight is in the state dict under each of its names
+            if name in self.masters:
+                state[key] = self.masters[name].detach().clone()
         # The forward ran from the buffers before it (it has updated them since): the oracle starts there too.
         state.update({k: v for k, v in before.items() if k in state})
         return state
