@@ -107,8 +107,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                             global_batch=global_batch, clip_grad_norm=cfg.clip_grad_norm, inject_fault=cfg.inject_fault,
                             inject_slowdown=cfg.inject_slowdown,
                             compile_log=compilation.CompileLog() if cfg.compile else None)
-        verdict = VerificationPhase(cfg, adapter, runner, template, env.is_rank0).run()
+        verification = VerificationPhase(cfg, adapter, runner, template, env.is_rank0)
+        verdict = verification.run()
         metrics = MeasurementPhase(cfg, adapter, runner, local_batch, env.is_rank0).run()
+        if verification.cost is not None and cfg.check_every:
+            metrics = {**(metrics or {"measured_steps": 0}), **verification.cost.figures}
         _compare_final_replicas(adapter, verdict, env.is_rank0)
         payload = None
         if env.is_rank0:

@@ -14,6 +14,7 @@ draws random numbers.
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 
 from dpcompare import results
 from dpcompare.contract import Adapter
+from dpcompare.measure import clocks
 from dpcompare.run.config import RunConfig
 from dpcompare.run.optim import optimizer_factory
 from dpcompare.run.step import StepRunner
@@ -42,16 +44,23 @@ class VerificationPhase:
         self.rank0 = is_rank0
         self.check: verifier.Verifier | None = None
         self.recorder = mk.MaskRecorder(self.wrapped.module) if self.facts.stochastic else None
+        self.cost = VerificationCost(self.runner.device) if is_rank0 else None
+        """Rank 0's time and memory for checking (the oracle, the references, the trajectory), beside the step's."""
 
     def run(self) -> eq.Verdict:
         with checked_arithmetic(self.runner.device) as tf32:
-            self.verdict = self._start()
+            if self.cost is not None:
+                self.cost.open()
+            with self._costed(setup=True):
+                self.verdict = self._start()
             if self.verdict.precision is not None:
                 self.verdict.precision.tf32 = tf32
             for step in range(self.cfg.steps):
                 self._step(step)
             if self.check is not None:
                 self.check.finish()
+            if self.cost is not None:
+                self.cost.close(self.cfg.steps, len(self.verdict.checks) if self.check is not None else 0)
         if self.check is not None and self.cfg.dump_grads:
             _save_npz_atomic(Path(self.cfg.dump_grads), self.check.dumps, self.cfg.closed_if)
         return self.verdict
@@ -90,24 +99,29 @@ class VerificationPhase:
             if checked or self.facts.stochastic:
                 gathered.extend(self.adapter.all_gather_object(self._evidence(x, rng, reads, before)))
             if self.check is not None:
-                self.check.observe_scaler(step)
-                if self.facts.stochastic:
-                    self.check.observe_generators(step, [i["rng"] for i in gathered])
-                if checked:
-                    self.check.check_gradient(step, batch, gathered, reads)
+                with self._costed():
+                    self.check.observe_scaler(step)
+                    if self.facts.stochastic:
+                        self.check.observe_generators(step, [i["rng"] for i in gathered])
+                    if checked:
+                        self.check.check_gradient(step, batch, gathered, reads)
 
         def after_update() -> None:
             masters = self.adapter.master_params() if self.cfg.check_every else None  # every rank, as above
             if self.check is not None:
-                self.check.check_grad_norm(step, self.runner.grad_norm)  # the norm the backend clipped by
-                self.check.check_update(step, masters)
-                self.check.trajectory_step(step, batch, [i["masks"] for i in gathered] if self.facts.stochastic else None,
-                                           masters)
+                with self._costed():
+                    self.check.check_grad_norm(step, self.runner.grad_norm)  # the norm the backend clipped by
+                    self.check.check_update(step, masters)
+                    self.check.trajectory_step(step, batch,
+                                               [i["masks"] for i in gathered] if self.facts.stochastic else None, masters)
             if checked or step == self.cfg.steps - 1:
                 self._compare_replicas(step)
 
         with self.recorder.recording() if self.recorder is not None else contextlib.nullcontext():
             self.runner.step(step, x, y, phase="verify", after_reduce=after_reduce, after_update=after_update)
+
+    def _costed(self, setup: bool = False) -> contextlib.AbstractContextManager:
+        return self.cost.timing(setup) if self.cost is not None else contextlib.nullcontext()
 
     def _reads(self) -> verifier.Reads:
         """The reduced gradients, the values the optimizer steps and its state, full, read on every rank."""
@@ -140,6 +154,56 @@ class VerificationPhase:
             step, mismatch[1], float("nan"), 0.0, float("nan"),
             f"after the optimizer step rank {mismatch[0]} holds different values of {mismatch[1]} "
             "than rank 0: the replicas diverged", check="replicas", cause="replicas"))
+
+
+class VerificationCost:
+    """Rank 0's cost of checking: the wall time of its verifier's work (building the float64 oracle and the references,
+    then each step's checks and reference trajectory; CUDA synchronised at both ends), and the peak memory of the
+    verification phase with what it rose above the memory held before the verifier was built (CUDA:
+    max_memory_allocated; CPU: the resident high-water mark). The figures go to the result's metrics beside the
+    measured step's own: `verify_ms_per_step`, `verify_setup_ms`, `verify_peak_mib`, `verify_above_start_mib`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.window = clocks.MemoryWindow(device)
+        self.setup_s = 0.0
+        self.steps_s = 0.0
+        self.figures: dict[str, Any] = {}
+
+    def open(self) -> None:
+        self.window.reset()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def timing(self, setup: bool):
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            elapsed = time.perf_counter() - start
+            if setup:
+                self.setup_s += elapsed
+            else:
+                self.steps_s += elapsed
+
+    def close(self, steps: int, checked: int) -> None:
+        peak = self.window.peak()
+        self.figures = {
+            "verify_ms_per_step": 1e3 * self.steps_s / steps if steps else None,
+            "verify_setup_ms": 1e3 * self.setup_s,
+            "verify_steps": steps,
+            "verify_checked_steps": checked,
+            "verify_peak_mib": peak.get("peak_mem_mib"),
+            "verify_above_start_mib": self.window.above_start(peak),
+            "verify_mem_method": ("cuda max_memory_allocated" if self.device.type == "cuda" else
+                                  "resident high-water mark (VmHWM)") if peak.get("peak_mem_mib") is not None
+            else self.window.reason,
+        }
 
 
 @contextlib.contextmanager
