@@ -209,6 +209,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-instrument", dest="instrument", action="store_false", help="measurement: only the loop wall clock")
     p.add_argument("--collectives", default=None, help="bench-collectives JSON to quote the microbenchmark busbw from")
     p.add_argument("--check-every", type=_whole, default=d.check_every, help="check every Nth step (0: no checks)")
+    p.add_argument("--check-coverage", default=d.check_coverage, metavar="auto|full|SHARE",
+                   help="what the float64 oracle checks: auto (every parameter where its memory fits on rank 0, else as "
+                        "many whole blocks as fit, stated), full (all or a one-line refusal), or a share in (0, 1]")
     p.add_argument("--grad-accum", type=_whole, default=d.grad_accum, help="micro-batches per step")
     p.add_argument("--compression", default=d.compression, choices=get_args(Compression), help="gradient compression on the wire")
     p.add_argument("--bucket-mb", type=_number, default=None,

@@ -105,6 +105,10 @@ class RunConfig:
     """Set every dropout probability to 0: a forward that draws no random numbers can always be checked
     (with dropout on, the check applies the masks each rank drew where they can be captured, else says
     `unverifiable` and names the module)."""
+    check_coverage: str = "auto"
+    """What the float64 oracle checks (dpcompare.verify.coverage): `auto`, every parameter where its memory fits on
+    rank 0, else as many whole blocks as fit, the coverage stated; `full`, every parameter or a one-line refusal;
+    a fraction in (0, 1], whole blocks up to that share of the parameters."""
     timeout_s: float = 120.0
     """A rank that makes no progress for this long makes every rank exit with an error naming it."""
     out: str = "results"
@@ -156,6 +160,14 @@ class RunConfig:
         if self.seq_len is not None and not self.model.startswith("hf:"):
             raise bad("seq_len", self.seq_len, f"it sets the sample length of an hf: causal language model; "
                       f"--model {self.model} fixes its own: drop --seq-len")
+        if self.check_coverage not in ("auto", "full"):
+            try:
+                share = float(self.check_coverage)
+            except ValueError:
+                share = float("nan")
+            if not 0 < share <= 1:
+                raise bad("check_coverage", self.check_coverage, "use auto, full or a share of the parameters in "
+                          "(0, 1], e.g. 0.25")
         if self.steps < 1:
             raise bad("steps", self.steps, "run at least one step")
         if self.warmup_steps < 0:

@@ -24,10 +24,11 @@ import torch
 from dpcompare import results
 from dpcompare.contract import Adapter
 from dpcompare.measure import clocks
-from dpcompare.run.config import RunConfig
+from dpcompare.run.config import CommandLineError, RunConfig
 from dpcompare.run.optim import optimizer_factory
 from dpcompare.run.step import StepRunner
 from dpcompare.verify import buffers
+from dpcompare.verify import coverage as cv
 from dpcompare.verify import equivalence as eq
 from dpcompare.verify import masks as mk
 from dpcompare.verify import stochastic, verifier
@@ -51,8 +52,9 @@ class VerificationPhase:
         with checked_arithmetic(self.runner.device) as tf32:
             if self.cost is not None:
                 self.cost.open()
+            coverage = self._plan_coverage()
             with self._costed(setup=True):
-                self.verdict = self._start()
+                self.verdict = self._start(coverage)
             if self.verdict.precision is not None:
                 self.verdict.precision.tf32 = tf32
             for step in range(self.cfg.steps):
@@ -65,7 +67,30 @@ class VerificationPhase:
             _save_npz_atomic(Path(self.cfg.dump_grads), self.check.dumps, self.cfg.closed_if)
         return self.verdict
 
-    def _start(self) -> eq.Verdict:
+    def _plan_coverage(self) -> cv.Coverage | None:
+        """Rank 0 plans what the oracle checks within the memory free (dpcompare.verify.coverage); every rank learns
+        the plan, so a refusal ends every rank alike, in one line said by rank 0."""
+        plan: cv.Coverage | str | None = None
+        if self.rank0 and self.cfg.check_every:
+            try:
+                plan = cv.plan(self.template, request=self.cfg.check_coverage, optimizer=self.cfg.optimizer,
+                               dtype_bytes=eq.DTYPES[self.cfg.dtype].itemsize, device=self.runner.device,
+                               refuse_partial=self._partial_refusal())
+            except cv.CoverageRefused as exc:
+                plan = str(exc)
+        plan = self.adapter.all_gather_object(plan)[0]
+        if isinstance(plan, str):
+            raise CommandLineError(plan)
+        return plan
+
+    def _partial_refusal(self) -> str | None:
+        if self.cfg.clip_grad_norm is not None:
+            return "--clip-grad-norm clips by the global norm of every parameter's gradient"
+        if self.cfg.amp == "fp16":
+            return "--amp fp16's loss scaler skips a step when any gradient overflows"
+        return None
+
+    def _start(self, coverage: cv.Coverage | None) -> eq.Verdict:
         """Rank 0's verifier (initial weights against the workload's), then every rank's initial weights."""
         if self.rank0 and self.cfg.check_every:
             self.check = verifier.Verifier(
@@ -73,7 +98,7 @@ class VerificationPhase:
                 loss_fn=self.runner.workload.loss_fn, facts=self.facts, wrapped=self.wrapped, device=self.runner.device,
                 factory=optimizer_factory(self.cfg),
                 layout=eq.Layout(self.runner.world_size, self.cfg.grad_accum, self.adapter.replicas_per_process()),
-                replay_reason=self.adapter.rng_replay_reason(), backend=self.adapter)
+                replay_reason=self.adapter.rng_replay_reason(), backend=self.adapter, coverage=coverage)
         full = self.adapter.full_params()  # on every rank: a collective where the backend shards its parameters
         if self.check is not None:
             self.check.check_initial(full)

@@ -99,6 +99,17 @@ class Trajectory:
         self.opt_run.step()
         self.model_run.zero_grad(set_to_none=True)
 
+    def follow(self, params: dict[str, torch.Tensor], names: frozenset[str]) -> None:
+        """Load the run's values of `names` (the parameters coverage leaves unchecked, which the copies do not train)
+        into both copies, so their next step's forward runs from the run's weights there."""
+        if not names:
+            return
+        with torch.no_grad():
+            for model in (self.model64, self.model_run):
+                for n, p in model.named_parameters():
+                    if n in names:
+                        p.copy_(params[n].detach().to(device=p.device, dtype=p.dtype))
+
     def _clip(self, model: nn.Module) -> None:
         if self.clip is not None:
             with torch.no_grad():

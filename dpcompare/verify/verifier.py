@@ -41,6 +41,7 @@ from dpcompare.verify import stochastic
 from dpcompare.contract import Adapter, ModelFacts, Wrapped
 from dpcompare.verify.buffers import BufferCheck
 from dpcompare.verify.clipping import GradNormJudge
+from dpcompare.verify.coverage import Coverage, unchecked_frozen
 from dpcompare.verify.diagnosis import GradientEvidence, diagnose_gradient, reason_of
 from dpcompare.verify.forwards import Forwards
 from dpcompare.verify.loss_scale import LossScaleJudge
@@ -60,8 +61,11 @@ __all__ = ["Reads", "Verifier", "probe"]
 class Verifier:
     def __init__(self, *, cfg, world_size: int, template: nn.Module, loss_fn: Callable, facts: ModelFacts,
                  wrapped: Wrapped, device: torch.device, factory: OptimizerFactory, layout: eq.Layout,
-                 replay_reason: str | None, backend: Adapter) -> None:
+                 replay_reason: str | None, backend: Adapter, coverage: Coverage | None = None) -> None:
         self.cfg, self.world_size, self.device = cfg, world_size, device
+        self.coverage = coverage
+        self.unchecked = coverage.unchecked if coverage is not None else frozenset()
+        unchecked_frozen(template, self.unchecked)  # before any copy: no gradient, state or check for them
         self.template, self.facts, self.wrapped = template, facts, wrapped
         self.layout = layout
         self.batchnorms = [n for n, m in template.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
@@ -80,6 +84,13 @@ class Verifier:
                                      prestep=backend.optimizer_prestep() is not None, clip=cfg.clip_grad_norm)
         self.buffers = BufferCheck(self.oracle, self.depth, cfg.dtype)
         self.verdict = eq.Verdict(notes=list(wrapped.notes))
+        if coverage is not None and not coverage.full:
+            self.verdict.coverage = coverage.to_dict()
+            self.verdict.note("coverage", f"the float64 oracle checks {coverage.fraction:.1%} of the parameters "
+                              f"({coverage.checked_parameters:,} of {coverage.parameters:,}: "
+                              f"{', '.join(coverage.units_checked)}); {coverage.reason}. The others "
+                              f"({', '.join(coverage.units_unchecked)}) enter every forward at the run's values, but "
+                              "their gradients, updates and drift are not compared")
         self.forwards = Forwards(layout, self.oracle, batchnorms=self.batchnorms, per_replica=self.per_replica,
                                  stochastic=facts.stochastic, dtype=cfg.dtype, depth=self.depth, verdict=self.verdict)
         self.reference = RunReference(self.oracle, layout, dtype=cfg.dtype, world_size=world_size, wire=self.wire,
@@ -428,6 +439,7 @@ class Verifier:
             self._mask_failure(step, exc)
             return
         entry = self.trajectory.judge(step, {n: t for n, t in self.masters.items()}, self.world_size)
+        self.trajectory.follow(self.masters, self.unchecked)
         self.verdict.drift.append(entry)
         if entry["ok"] is False:
             self.verdict.diverge(eq.Divergence(

@@ -1,0 +1,220 @@
+"""How much of the model the float64 oracle checks, chosen so that its memory fits before anything is built.
+
+Owns: the verifier's memory model (`need_bytes`: the model copies every check needs, whatever it covers, plus what
+each checked parameter adds: its float64 gradients, the reference optimizer states, the update check's copies), the
+memory a device has free for it (`available_bytes`), and the choice of the parameters checked (`plan`): all of them
+where they fit; else, under `--check-coverage auto` or a fraction, whole blocks (the units FSDP shards, the model's
+`_no_split_modules`) in a stated order — the first block, the last, the parameters outside the blocks (embeddings,
+head, final norm), then the blocks halfway between those taken — as many as fit; else a refusal in one line with
+the figures. The parameters left out are still in every forward (at the run's own values), only their gradients
+and updates are not compared; the coverage is recorded in the verdict and said with it. Imports no adapter.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpcompare.contract.workload import block_modules
+
+GIB = 1024.0**3
+
+COPY_BYTES_PER_PARAM = 40.0
+"""The oracle's and the reference trajectory's model copies (float64 and run dtype, each twice), the state the checks
+load and the snapshot of the parameters, per parameter of the model, whatever the coverage (float32 run). Measured
+(verify_above_start_mib, a 11 M-parameter Llama-style model on CPU, 2026-11-26; docs/results/
+2026-11-26-verification-cost-cpu.md): 34 B/param with SGD, 42 with AdamW."""
+CHECKED_BYTES_PER_PARAM = {"sgd": 160.0, "adamw": 185.0}
+"""What each checked parameter adds: float64 gradients of the oracle and the references (reduced, oracle, floor,
+spread), the update check's float64 copies and the reference trajectories' optimizer states (AdamW's twice SGD's).
+Measured as above: 157 B/param with SGD, 180 with AdamW (every parameter checked: 191 and 222 B/param in all)."""
+FIXED_BYTES = 256 * 1024**2
+"""The checks' fixed part (the float64 activations of a small batch, allocator slack)."""
+MARGIN = 0.85
+"""Of the memory free when the verifier is planned, the share it may plan to use (the run's steps keep allocating)."""
+
+
+class CoverageRefused(ValueError):
+    """The oracle cannot check even one block within the memory free: one line with the figures and what to do."""
+
+
+@dataclass(slots=True)
+class Coverage:
+    """The parameters the oracle checks; `unchecked` empty means all of them."""
+
+    parameters: int
+    checked_parameters: int
+    unchecked: frozenset[str] = frozenset()
+    units_checked: list[str] = field(default_factory=list)
+    units_unchecked: list[str] = field(default_factory=list)
+    need_bytes: float = 0.0
+    full_need_bytes: float = 0.0
+    available_bytes: float | None = None
+    reason: str = ""
+
+    @property
+    def fraction(self) -> float:
+        return self.checked_parameters / self.parameters if self.parameters else 1.0
+
+    @property
+    def full(self) -> bool:
+        return not self.unchecked
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fraction": self.fraction, "parameters": self.parameters, "checked_parameters": self.checked_parameters,
+                "units_checked": self.units_checked, "units_unchecked": self.units_unchecked,
+                "need_gib": self.need_bytes / GIB, "full_need_gib": self.full_need_bytes / GIB,
+                "available_gib": None if self.available_bytes is None else self.available_bytes / GIB,
+                "reason": self.reason}
+
+    def phrase(self) -> str:
+        if self.full:
+            return ""
+        return (f"coverage {self.fraction:.0%} of the parameters ({len(self.units_checked)} of "
+                f"{len(self.units_checked) + len(self.units_unchecked)} units)")
+
+
+def need_bytes(parameters: int, checked: int, optimizer: str, dtype_bytes: int = 4) -> float:
+    """The verifier's memory on rank 0 for a model of `parameters`, `checked` of them compared (see the constants)."""
+    scale = dtype_bytes / 4 if dtype_bytes > 4 else 1.0  # a float64 run holds its run-dtype copies at 8 bytes
+    per_checked = CHECKED_BYTES_PER_PARAM.get(optimizer, max(CHECKED_BYTES_PER_PARAM.values()))
+    return FIXED_BYTES + COPY_BYTES_PER_PARAM * scale * parameters + per_checked * checked
+
+
+def available_bytes(device: torch.device) -> tuple[float | None, str]:
+    """(bytes free for the verifier, where the figure comes from). CUDA: the device's free memory; CPU: the host's
+    MemAvailable, or the cgroup's limit less its usage where that is smaller; DPCOMPARE_VERIFY_MEMORY_GIB, where set,
+    stands for either (a smaller budget than the machine's, or a test's). None where it cannot be read."""
+    override = os.environ.get("DPCOMPARE_VERIFY_MEMORY_GIB")
+    if override:
+        return float(override) * GIB, "DPCOMPARE_VERIFY_MEMORY_GIB"
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free), "CUDA free memory (torch.cuda.mem_get_info)"
+    found: list[tuple[float, str]] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append((int(line.split()[1]) * 1024.0, "MemAvailable"))
+    except OSError:
+        pass
+    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = open(limit_path).read().strip()
+            usage = float(open(usage_path).read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and float(limit) < 2**60:
+            found.append((float(limit) - usage, "the cgroup's memory limit less its usage"))
+        break
+    if not found:
+        return None, "no MemAvailable in /proc/meminfo"
+    return min(found)
+
+
+def units(template: nn.Module) -> list[tuple[str, list[str]]]:
+    """The units coverage takes whole, in the order it takes them: (name, trainable parameter names). The first
+    block, the last, what lies outside the blocks, then the blocks halfway between those taken."""
+    named = [(n, p) for n, p in template.named_parameters() if p.requires_grad]
+    blocks = block_modules(template)
+    owner: dict[str, str] = {}
+    for block, module in blocks:
+        for n, _ in module.named_parameters():
+            owner.setdefault(f"{block}.{n}", block)
+    by_unit: dict[str, list[str]] = {}
+    for n, _ in named:
+        by_unit.setdefault(owner.get(n, "(outside the blocks)"), []).append(n)
+    order = [b for b, _ in blocks if b in by_unit]
+    picked: list[int] = []
+    if order:
+        picked = [0] + ([len(order) - 1] if len(order) > 1 else [])
+        gaps = [(0, len(order) - 1)]
+        while gaps:  # breadth first: the middle of every gap between blocks taken
+            lo, hi = gaps.pop(0)
+            if hi - lo < 2:
+                continue
+            mid = (lo + hi) // 2
+            picked.append(mid)
+            gaps += [(lo, mid), (mid, hi)]
+    ordered = [order[i] for i in picked]
+    result = [(u, by_unit[u]) for u in ordered[:2]]
+    if "(outside the blocks)" in by_unit:
+        result.append(("(outside the blocks)", by_unit["(outside the blocks)"]))
+    result += [(u, by_unit[u]) for u in ordered[2:]]
+    return result
+
+
+def plan(template: nn.Module, *, request: str, optimizer: str, dtype_bytes: int, device: torch.device,
+         refuse_partial: str | None = None) -> Coverage:
+    """The parameters the oracle checks. `request`: 'full' (all, refused in one line where they do not fit), 'auto'
+    (all where they fit, else as many whole units as fit) or a fraction in (0, 1] (whole units up to that share of the
+    parameters, each taken only while it fits). `refuse_partial`: why this run cannot be checked on a subset (the
+    global gradient norm under --clip-grad-norm needs every gradient), said where a subset would be needed."""
+    trainable = [(n, p.numel()) for n, p in template.named_parameters() if p.requires_grad]
+    total = sum(c for _, c in trainable)
+    sizes = dict(trainable)
+    full_need = need_bytes(total, total, optimizer, dtype_bytes)
+    free, source = available_bytes(device)
+    budget = None if free is None else free * MARGIN
+    where = f"{'the GPU' if device.type == 'cuda' else 'this host'}"
+
+    def figures(need: float) -> str:
+        return (f"needs about {need / GIB:.1f} GiB on rank 0 and {where} has {free / GIB:.1f} GiB free ({source}; "
+                f"{MARGIN:.0%} of it planned)" if free is not None else f"needs about {need / GIB:.1f} GiB")
+
+    fraction = None if request in ("auto", "full") else float(request)
+    if fraction is None or fraction >= 1.0:
+        if budget is None or full_need <= budget:
+            return Coverage(total, total, need_bytes=full_need, full_need_bytes=full_need, available_bytes=free)
+        if request == "full" or (fraction is not None and fraction >= 1.0):
+            raise CoverageRefused(f"the float64 oracle cannot check every parameter of this model: it {figures(full_need)}; "
+                                  "pass --check-coverage auto to check the blocks that fit (the coverage is stated), "
+                                  "--check-every 0 to measure without checking, or run where more memory is free")
+        fraction = 1.0
+    if refuse_partial:
+        raise CoverageRefused(f"the float64 oracle cannot check every parameter ({figures(full_need)}) and a subset "
+                              f"cannot be checked here: {refuse_partial}; run where more memory is free, or "
+                              "--check-every 0 to measure without checking")
+    taken: list[str] = []
+    left: list[str] = []
+    names: set[str] = set()
+    checked = 0
+    for unit, members in units(template):
+        size = sum(sizes[n] for n in members)
+        fits = budget is None or need_bytes(total, checked + size, optimizer, dtype_bytes) <= budget
+        within = (checked + size) / total <= fraction + 1e-12 or not taken
+        if fits and within:
+            taken.append(unit)
+            names.update(members)
+            checked += size
+        else:
+            left.append(unit)
+    if not taken:
+        floor_need = need_bytes(total, min(sum(sizes[n] for n in m) for _, m in units(template)), optimizer, dtype_bytes)
+        raise CoverageRefused(f"the float64 oracle cannot check even one block of this model: with one block it "
+                              f"{figures(floor_need)} (its copies of the whole model alone take "
+                              f"{COPY_BYTES_PER_PARAM * total / GIB:.1f} GiB); --check-every 0 measures without "
+                              "checking, or run where more memory is free")
+    unchecked = frozenset(n for n, _ in trainable if n not in names)
+    why = ("requested" if fraction < 1.0 and (budget is None or full_need <= budget)
+           else f"every parameter {figures(full_need)}")
+    return Coverage(total, checked, unchecked, taken, left, need_bytes(total, checked, optimizer, dtype_bytes),
+                    full_need, free, f"--check-coverage {request}: {why}")
+
+
+def unchecked_frozen(template: nn.Module, unchecked: frozenset[str]) -> None:
+    """Mark the parameters left out `requires_grad=False` in the verifier's template, so every copy of it computes no
+    gradient, keeps no optimizer state and holds no check for them (their values still enter every forward)."""
+    for n, p in template.named_parameters():
+        if n in unchecked:
+            p.requires_grad_(False)
+
+
+__all__ = ["Coverage", "CoverageRefused", "available_bytes", "need_bytes", "plan", "unchecked_frozen", "units"]
