@@ -16,6 +16,8 @@ import torch.distributed as dist
 from dpcompare.adapters.ddp import DDPAdapter
 from dpcompare.adapters.deepspeed import DeepSpeedAdapter
 from dpcompare.adapters.horovod import HorovodAdapter
+from dpcompare.adapters.reference import ReferenceAdapter
+from dpcompare import block_modules
 from dpcompare.contract import Wrapped
 
 
@@ -396,3 +398,27 @@ class StaleShardFSDP(FSDPAdapter):
         if before is not None:
             with torch.no_grad():
                 shard.copy_(before)
+
+
+class _BlockScaledReference(ReferenceAdapter):
+    """The single process whose gradient of one block reaches the optimizer 5 % too large: a fault confined to one
+    block, for the oracle's coverage (--check-coverage) to see where it checks that block and miss where it does not."""
+
+    BLOCK = 0
+
+    def reduce(self) -> None:
+        super().reduce()
+        _, block = block_modules(self.wrapped.module)[self.BLOCK]
+        for p in block.parameters():
+            if p.grad is not None:
+                p.grad.mul_(1.05)
+
+
+class FirstBlockScaledReference(_BlockScaledReference):
+    name = "first-block-scaled-reference"
+    BLOCK = 0
+
+
+class LastBlockScaledReference(_BlockScaledReference):
+    name = "last-block-scaled-reference"
+    BLOCK = -1

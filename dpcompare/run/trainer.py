@@ -121,6 +121,10 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         adapter.all_gather_object(None)
         clean = True
         return payload or {}
+    except CommandLineError:  # decided on rank 0 for every rank (the oracle's memory): said once, by rank 0
+        if watchdog is not None:
+            watchdog.quiet_on_sigterm()
+        raise
     except RuntimeError as exc:
         # A collective that timed out or lost a peer: say which rank fell behind, not only what broke.
         if watchdog is not None and env.world_size > 1:

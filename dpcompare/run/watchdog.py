@@ -173,7 +173,14 @@ class Watchdog:
             self.give_up(f"dpcompare: error: [rank {self.rank}] stopped by the launcher "
                          f"({signal.Signals(signum).name}); culprit: {self.culprits_or_why_not()}", 128 + signum)
 
-        signal.signal(signal.SIGTERM, stopped)
+        self._previous_sigterm = signal.signal(signal.SIGTERM, stopped)
+
+    def quiet_on_sigterm(self) -> None:
+        """Back to the handler before `name_the_culprit_on_sigterm`: a rank leaving on an error rank 0 says for every
+        rank (CommandLineError) is ended by the launcher without a word of its own."""
+        previous = getattr(self, "_previous_sigterm", None)
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
 
     def end_stopped_peers(self) -> None:
         """A suspended rank cannot act on the launcher's SIGTERM, so the launcher would wait out its grace period
