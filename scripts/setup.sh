@@ -2,7 +2,7 @@
 # Set up dpcompare's whole stack in .venv/ at the repository root. Idempotent: a second run only checks
 # (no package index is contacted when nothing changed since the last complete run).
 #
-#   bash scripts/setup.sh          torch (CPU wheel), DeepSpeed, mpi4py + Open MPI, Horovod, test tools
+#   bash scripts/setup.sh          torch (CPU wheel), DeepSpeed, mpi4py + Open MPI, Horovod, transformers, test tools
 #
 # Order matters: torch goes in first, alone and pinned. A bare `torch` requirement (ours or another
 # package's) with no torch installed pulls the newest CUDA build, several GB.
@@ -79,7 +79,7 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 stamp="$venv/.dpcompare-setup"
 fingerprint=$(cat "$root/scripts/setup.sh" "$root/pyproject.toml" | sha256sum | cut -c1-16)-$torch_req-${DPCOMPARE_NO_HOROVOD:-0}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$fingerprint" ] \
-    && "$venv/bin/python" -c 'import torch, dpcompare, deepspeed, mpi4py, pytest, pytest_benchmark, jsonschema, rich, importlinter' &>/dev/null; then
+    && "$venv/bin/python" -c 'import torch, dpcompare, deepspeed, mpi4py, transformers, pytest, pytest_benchmark, jsonschema, rich, importlinter' &>/dev/null; then
   say "already set up (nothing changed since the last run; remove $stamp to force a reinstall)"
   say "ready: $venv"
   exit 0
@@ -96,7 +96,7 @@ torch_version=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
 say "torch $torch_version"
 
 # The project with its extras; torch is already satisfied, so nothing here can replace it.
-"${pip[@]}" install -e ".[deepspeed,mpi,test]"
+"${pip[@]}" install -e ".[deepspeed,mpi,hf,test]"
 
 # --- Horovod -----------------------------------------------------------------------------------------
 # On a CUDA torch Horovod is built with NCCL operations (HOROVOD_GPU_OPERATIONS=NCCL), which needs NCCL's headers

@@ -98,9 +98,12 @@ def test_a_share_of_the_blocks_is_checked_and_stated_and_a_fault_there_is_caught
     done, result = _run(launch, "reference", spec, "--check-coverage", "0.4")
     assert done.returncode == 0, done.output[-3000:]
     e = result["equivalence"]
-    assert e["verdict"] == "equivalent" and e["coverage"]["units_checked"] == ["model.layers.0"]
-    assert 0.3 < e["coverage"]["fraction"] < 0.4 and any(n["code"] == "coverage" for n in e["notes"])
+    assert e["verdict"] == "equivalent" and e["oracle_coverage"]["units_checked"] == ["model.layers.0"]
+    assert 0.3 < e["oracle_coverage"]["fraction"] < 0.4 and any(n["code"] == "oracle_coverage" for n in e["notes"])
     assert "ORACLE COVERAGE 35%" in done.stdout
+    m = result["metrics"]  # what checking cost rank 0, recorded with no measured step too
+    assert m["measured_steps"] == 0 and m["verify_steps"] == 4 and m["verify_checked_steps"] == 4
+    assert m["verify_ms_per_step"] > 0 and m["verify_peak_mib"] > 0 and m["verify_above_start_mib"] > 0
     # the negative: the first block's gradient 5 % large, with that block checked
     done, result = _run(launch, "tests.faulty_adapters:FirstBlockScaledReference", spec, "--check-coverage", "0.4")
     assert done.returncode == 0, done.output[-3000:]
@@ -121,7 +124,7 @@ def test_a_fault_in_a_block_coverage_leaves_out_is_missed_and_full_coverage_catc
     done, result = _run(launch, "tests.faulty_adapters:LastBlockScaledReference", spec, "--check-coverage", "0.4")
     assert done.returncode == 0, done.output[-3000:]
     assert result["equivalence"]["verdict"] == "equivalent"  # the blind spot the coverage states
-    assert "model.layers.1" in result["equivalence"]["coverage"]["units_unchecked"]
+    assert "model.layers.1" in result["equivalence"]["oracle_coverage"]["units_unchecked"]
     done, result = _run(launch, "tests.faulty_adapters:LastBlockScaledReference", spec)
     e = result["equivalence"]
     assert e["verdict"] == "different" and e["first_divergence"]["parameter"].startswith("model.layers.1.")

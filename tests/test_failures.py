@@ -384,9 +384,10 @@ FAULT_TIMEOUT_S_FAST = 10
 FAULT_LAUNCHES = [("ddp", "torchrun"), ("deepspeed", "torchrun"), ("horovod", "horovodrun"), ("ddp", "mpirun"),
                   ("deepspeed", "deepspeed")]
 FAULT_NAMING = {"kill": "rank 1 died", "stop": "rank 1 is stopped", "hang": "culprit: rank(s) 1 (stuck at"}
-# The default tier kills and hangs a ddp rank under torchrun; the `slow` tier runs every fault under every launcher
-# but DeepSpeed's stop and hang (its ranks take the longest to start), which the `deep` tier runs.
-FAULT_DEFAULT = {("kill", "torchrun", "ddp"), ("hang", "torchrun", "ddp")}
+# The default tier kills a ddp rank under torchrun; the `slow` tier runs every fault under every launcher but
+# DeepSpeed's stop and hang (its ranks take the longest to start), which the `deep` tier runs. The hung rank's
+# culprit naming stays in the default tier through the watchdog's unit tests (tests/test_units.py, test_hardening.py).
+FAULT_DEFAULT = {("kill", "torchrun", "ddp")}
 
 
 def _fault_tier(fault: str, launcher: str, backend: str):

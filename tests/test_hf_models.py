@@ -115,13 +115,14 @@ def test_without_transformers_the_run_says_how_to_install_it(tmp_path: Path, con
     assert len(lines) == 1 and 'pip install "dpcompare[hf]"' in lines[0] and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow  # the default tier runs this config on the reference under --check-coverage (tests/test_coverage.py)
 def test_a_llama_config_is_equivalent_on_the_reference_with_its_verification_cost(
         launch, configs: dict[str, Path]) -> None:
     done, result = launch("reference", 1, f"hf:{configs['llama']}", ["--seq-len", "16", "--measure-steps", "2",
                                                                       "--warmup-steps", "1"])
     assert done.returncode == 0, done.output[-3000:]
     assert result["equivalence"]["verdict"] == "equivalent", result["equivalence"]
-    assert result["equivalence"]["coverage"] is None  # every parameter checked
+    assert result["equivalence"]["oracle_coverage"] is None  # every parameter checked
     m = result["metrics"]
     assert m["verify_ms_per_step"] > 0 and m["verify_steps"] == 4 and m["verify_checked_steps"] == 4
     assert m["verify_peak_mib"] > 0 and m["verify_above_start_mib"] > 0 and m["step_ms_p50"] > 0

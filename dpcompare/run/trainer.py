@@ -322,7 +322,7 @@ def summary_line(payload: dict[str, Any]) -> str:
     if e.get("min_detectable_rel") is not None:
         parts.append(f"catches a change of {e['min_detectable_rel']:.2g} (relative) in the gradient or the update"
                      + _coverage_phrase(gradient.get("coverage")))
-    if (cov := e.get("coverage")) is not None:
+    if (cov := e.get("oracle_coverage")) is not None:
         parts.append(f"ORACLE COVERAGE {cov['fraction']:.0%} of the parameters ({len(cov['units_checked'])} of "
                      f"{len(cov['units_checked']) + len(cov['units_unchecked'])} units; --check-coverage)")
     detail = "; ".join(parts) or "no figures"

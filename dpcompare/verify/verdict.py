@@ -184,8 +184,8 @@ class Verdict:
     (dpcompare.verify.buffers)."""
     precision: "PrecisionReport | None" = None
     """The mixed-precision recipe that ran and what its loss scaler did at every checked step (None: not recorded)."""
-    coverage: dict | None = None
-    """The parameters the oracle checked (dpcompare.verify.coverage); None: every one."""
+    oracle_coverage: dict | None = None
+    """The parameters the oracle checked (--check-coverage, dpcompare.verify.coverage); None: every one."""
     wire_rounding: str = "bounded"
     """How a wire narrower than the gradients is judged: "measured" (the run-precision reference and its floor send
     the ranks' shares through it) or "bounded" (world_size x its unit roundoff added to the floor)."""
@@ -283,7 +283,7 @@ class Verdict:
             "initial_weights_identical": self.initial_weights_identical,
             "stochastic": self.stochastic,
             "parameters": self.parameters,
-            "coverage": self.coverage,
+            "oracle_coverage": self.oracle_coverage,
             "batchnorm": self.batchnorm,
             "buffers": self.buffers,
             "precision": self.precision.to_dict() if self.precision is not None else None,

@@ -85,8 +85,8 @@ class Verifier:
         self.buffers = BufferCheck(self.oracle, self.depth, cfg.dtype)
         self.verdict = eq.Verdict(notes=list(wrapped.notes))
         if coverage is not None and not coverage.full:
-            self.verdict.coverage = coverage.to_dict()
-            self.verdict.note("coverage", f"the float64 oracle checks {coverage.fraction:.1%} of the parameters "
+            self.verdict.oracle_coverage = coverage.to_dict()
+            self.verdict.note("oracle_coverage", f"the float64 oracle checks {coverage.fraction:.1%} of the parameters "
                               f"({coverage.checked_parameters:,} of {coverage.parameters:,}: "
                               f"{', '.join(coverage.units_checked)}); {coverage.reason}. The others "
                               f"({', '.join(coverage.units_unchecked)}) enter every forward at the run's values, but "

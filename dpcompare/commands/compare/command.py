@@ -27,9 +27,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "backend of your own")
     p.add_argument("--world-sizes", default="1,2", help="comma-separated world sizes for multi-process backends")
     p.add_argument("--model", default="mlp-wide",
-                   help="workload, a name or package.module:function; mlp-wide (0.8 M parameters) is compute-bound on "
+                   help="workload, a name, package.module:function or hf:NAME_OR_PATH (a transformers config); mlp-wide (0.8 M parameters) is compute-bound on "
                         "a CPU core at the default global batch, so the costs compare backends rather than Python "
                         "overhead")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="hf: causal language models: tokens per sample of every run (default: 128, at most the "
+                        "config's context)")
+    p.add_argument("--check-coverage", default="auto", metavar="auto|full|SHARE",
+                   help="what each run's float64 oracle checks: auto (every parameter where its memory fits, else the "
+                        "whole blocks that fit, stated), full, or a share of the parameters in (0, 1]")
     p.add_argument("--steps", type=int, default=2,
                    help="verification steps, each checked against the oracle; 2 check a fresh optimizer, then the "
                         "state the first step left")

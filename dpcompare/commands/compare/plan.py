@@ -356,7 +356,8 @@ def run_config(ns: argparse.Namespace, world_sizes: list[int]) -> RunConfig:
         ns.global_batch = default_global_batch(ns, world_sizes)
     shared = dict(model=ns.model, steps=ns.steps, measure_steps=ns.measure_steps, warmup_steps=ns.warmup_steps,
                   amp=ns.amp, optimizer=ns.optimizer, clip_grad_norm=ns.clip_grad_norm,
-                  activation_checkpointing=ns.activation_checkpointing, compile=ns.compile)
+                  activation_checkpointing=ns.activation_checkpointing, compile=ns.compile,
+                  seq_len=getattr(ns, "seq_len", None), check_coverage=getattr(ns, "check_coverage", "auto"))
     if ns.scaling == "weak":
         return RunConfig(**shared, scaling="weak", local_batch=max(ns.global_batch // max(world_sizes), 1))
     return RunConfig(**shared, global_batch=ns.global_batch)
@@ -377,6 +378,10 @@ def _common_args(ns: argparse.Namespace, run_dir: Path, config: RunConfig) -> li
         common += ["--activation-checkpointing"]
     if config.compile:
         common += ["--compile"]
+    if config.seq_len is not None:
+        common += ["--seq-len", str(config.seq_len)]
+    if config.check_coverage != RunConfig().check_coverage:
+        common += ["--check-coverage", config.check_coverage]
     if config.scaling == "weak":
         return common + ["--scaling", "weak", "--local-batch", str(config.local_batch)]
     return common + ["--global-batch", str(config.global_batch)]
