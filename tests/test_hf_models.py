@@ -115,7 +115,7 @@ def test_without_transformers_the_run_says_how_to_install_it(tmp_path: Path, con
     assert len(lines) == 1 and 'pip install "dpcompare[hf]"' in lines[0] and "Traceback" not in done.stderr
 
 
-@pytest.mark.slow  # the default tier runs this config on the reference under --check-coverage (tests/test_coverage.py)
+@pytest.mark.deep  # the default tier runs this config on the reference under --check-coverage (tests/test_coverage.py)
 def test_a_llama_config_is_equivalent_on_the_reference_with_its_verification_cost(
         launch, configs: dict[str, Path]) -> None:
     done, result = launch("reference", 1, f"hf:{configs['llama']}", ["--seq-len", "16", "--measure-steps", "2",
@@ -130,11 +130,18 @@ def test_a_llama_config_is_equivalent_on_the_reference_with_its_verification_cos
         p.numel() for p in hf_models.build(f"hf:{configs['llama']}", 0).model.parameters())
 
 
-@pytest.mark.slow
+# The slow tier runs the two commands (Llama-style under FSDP and ZeRO-3) and GPT-2 with its dropout and tied
+# head under FSDP; the deep tier the rest of the matrix.
+HF_CASES = [pytest.param(model, backend, extra, id=f"{name}-{model}",
+                         marks=pytest.mark.slow if (model, name) in {("llama", "fsdp"), ("llama", "zero3"),
+                                                                     ("gpt2", "fsdp")} else pytest.mark.deep)
+            for model in ("llama", "gpt2")
+            for name, backend, extra in (("fsdp", "fsdp", []), ("zero3", "deepspeed", ["--opt", "zero_stage=3"]),
+                                         ("ddp", "ddp", []))]
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("model", ["llama", "gpt2"])
-@pytest.mark.parametrize(("backend", "extra"), [("fsdp", []), ("deepspeed", ["--opt", "zero_stage=3"]), ("ddp", [])],
-                         ids=["fsdp", "zero3", "ddp"])
+@pytest.mark.parametrize(("model", "backend", "extra"), HF_CASES)
 def test_tiny_hf_configs_are_equivalent_at_world_size_2(launch, configs: dict[str, Path], model: str, backend: str,
                                                         extra: list[str]) -> None:
     if backend == "deepspeed":
