@@ -4,7 +4,7 @@
     cd /work/main && OMP_NUM_THREADS=1 .venv/bin/python -m pytest benchmarks/test_verification_cost.py -m deep \\
         -s -p no:cacheprovider
 
-Marked `deep` (it takes about half an hour and fills most of a 24 GiB box): the default `pytest` and `pytest -m
+Marked `deep` (7 to 12 minutes on the 2-core box, at its peak 13 GiB of its 24): the default `pytest` and `pytest -m
 slow` never collect it (benchmarks/ is outside pyproject's testpaths, and the mark keeps it out of a plain
 `pytest benchmarks` too); `--benchmark-only` skips it (no benchmark fixture).
 
@@ -19,8 +19,8 @@ AdamW at the smaller sizes (its state enters the verifier's memory). The figures
 (dpcompare/run/verification.py, VerificationCost): verify_ms_per_step, verify_setup_ms, verify_peak_mib (the
 process's resident high-water mark over the verification phase), verify_above_start_mib (that peak less what was
 resident before the verifier was built: on CPU it includes the run's own gradients and optimizer state, which are
-first allocated in that phase), beside step_ms_p50 of the measured steps; and the whole process's CPU seconds (os.wait4), steadier than wall
-time where other work shares the cores.
+first allocated in that phase), beside step_ms_p50 of the measured steps; and the whole process's CPU seconds
+(os.wait4), steadier than wall time where other work shares the cores.
 
 Never OOM: before each size its peak is predicted from the runs done so far (a line through their peaks: the
 highest of verify_peak_mib, peak_mem_mib and the resident size this benchmark sampled every 0.5 s; before two runs,
@@ -70,8 +70,8 @@ TIME_BUDGET_S = float(os.environ.get("DPCOMPARE_VCOST_BUDGET_S", 30 * 60))
 """Wall time for all the runs together; a size predicted to overrun what is left is skipped."""
 RUN_TIMEOUT_S = 2400.0
 THREADS = "1"
-"""One thread: with 2 OpenMP threads on two cores shared with other work, the threads' barriers made step times
-swing 35x between neighbouring sizes (a first run, 2026-11-26)."""
+"""One thread: with 2 OpenMP threads on two cores that other work was using, a first run (2026-11-26) measured step
+times 35x apart between neighbouring sizes (153 ms at 39 M, 5290 ms at 74 M) and failed the time fit."""
 HOST_BYTES, GPU_BYTES = 16e9, 80e9
 """The extrapolated limits: a host with 16 GB of memory, one 80 GB GPU (GB = 1e9 bytes)."""
 STATE_BYTES_PER_PARAM = {"sgd": 4 + 4 + 4, "adamw": 4 + 4 + 8}
@@ -150,7 +150,8 @@ class Point:
 
     def row(self) -> dict[str, Any]:
         m = self.metrics
-        out = {"size": self.size.label, "optimizer": self.optimizer, "parameters": self.parameters or self.size.parameters,
+        out = {"size": self.size.label, "optimizer": self.optimizer,
+               "parameters": self.parameters or self.size.parameters,
                "skipped": self.skipped, "error": self.error, "verdict": self.verdict, "wall_s": self.wall_s,
                "cpu_s": self.cpu_s, "sampled_max_rss_mib": self.sampled_rss_mib, "load1_mean": self.load1}
         for k in ("step_ms_p50", "peak_mem_mib", "verify_ms_per_step", "verify_setup_ms", "verify_peak_mib",
@@ -376,7 +377,8 @@ def _print_points(points: list[Point]) -> None:
                       f"{r['verify_ms_per_step']:.0f}", f"{r['ratio_verify_to_step']:.1f}",
                       f"{r['verify_setup_ms']:.0f}", f"{r['verify_peak_mib']:.0f}",
                       f"{r['verify_above_start_mib']:.0f}", f"{r['above_start_bytes_per_param']:.0f}",
-                      f"{r['sampled_max_rss_mib']:.0f}", f"{p.wall_s:.0f}", f"{p.cpu_s:.0f}", f"{p.load1:.1f}", p.verdict)
+                      f"{r['sampled_max_rss_mib']:.0f}", f"{p.wall_s:.0f}", f"{p.cpu_s:.0f}", f"{p.load1:.1f}",
+                      p.verdict)
     Console(width=200, force_terminal=False).print(table)
 
 
@@ -442,7 +444,8 @@ def test_verification_cost_grows_linearly_with_model_size(tmp_path: Path) -> Non
             m = point.metrics
             print(f"    {point.verdict}; step {m['step_ms_p50']:.0f} ms, verify {m['verify_ms_per_step']:.0f} ms/step, "
                   f"peak {m['verify_peak_mib']:.0f} MiB ({m['verify_above_start_mib']:.0f} above start), sampled "
-                  f"RSS {point.sampled_rss_mib:.0f} MiB, wall {point.wall_s:.0f} s, CPU {point.cpu_s:.0f} s, load {point.load1:.1f}", flush=True)
+                  f"RSS {point.sampled_rss_mib:.0f} MiB, wall {point.wall_s:.0f} s, CPU {point.cpu_s:.0f} s, "
+                  f"load {point.load1:.1f}", flush=True)
 
     fits = _fits(points)
     _print_points(points)
@@ -465,8 +468,7 @@ def test_verification_cost_grows_linearly_with_model_size(tmp_path: Path) -> Non
     assert len(adamw) >= 2, f"only {len(adamw)} AdamW sizes measured"
     above = [p.metrics["verify_above_start_mib"] for p in sgd]
     assert all(b > a for a, b in zip(above, above[1:])), f"the verifier's memory does not grow with P: {above}"
-    for a in adamw:  # the optimizer's state enters the verifier's memory
-        (s,) = [p for p in sgd if p.size == a.size]
+    for a, s in ((a, s) for a in adamw for s in sgd if s.size == a.size):  # the optimizer's state enters it
         assert a.metrics["verify_above_start_mib"] > s.metrics["verify_above_start_mib"], (a.size.label, a.metrics,
                                                                                            s.metrics)
     f = fits["sgd"]
