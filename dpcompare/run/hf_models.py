@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from dpcompare.run.config import CommandLineError
-from dpcompare.run.workloads import Workload, _cross_entropy, _generator
+from dpcompare.run.workloads import Workload, _cross_entropy, _generator, token_stream
 
 PREFIX = "hf:"
 INSTALL = 'pip install "dpcompare[hf]"  (or: pip install transformers)'
@@ -220,12 +220,7 @@ def build(spec: str, seed: int, seq_len: int | None = None) -> Workload:
                                    f"--seq-len {context} or less")
 
         def make_tokens(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-            # A learnable stream: each token is the previous one plus a per-sequence stride, mod vocab.
-            g = _generator(seed, step)
-            start = torch.randint(0, vocab, (global_batch, 1), generator=g)
-            stride = torch.randint(1, 8, (global_batch, 1), generator=g)
-            stream = (start + stride * torch.arange(seq + 1)) % vocab
-            return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+            return token_stream(seed, step, global_batch, vocab, seq, 8)
 
         return Workload(name, model, make_tokens, _cross_entropy, tokens_per_sample=seq,
                         source=f"{source}, {seq} tokens per sample")

@@ -21,6 +21,16 @@ def _generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + step)
 
 
+def token_stream(seed: int, step: int, global_batch: int, vocab: int, seq: int, max_stride: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learnable stream: each token is the previous one plus a per-sequence stride, mod vocab; next-token targets."""
+    g = _generator(seed, step)
+    start = torch.randint(0, vocab, (global_batch, 1), generator=g)
+    stride = torch.randint(1, max_stride, (global_batch, 1), generator=g)
+    stream = (start + stride * torch.arange(seq + 1)) % vocab
+    return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+
+
 def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
@@ -140,11 +150,6 @@ def lm(seed: int) -> Workload:
     model = TinyLM(vocab=vocab, seq=seq)
 
     def make_batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # A learnable stream: each token is the previous one plus a per-sequence stride, mod vocab.
-        g = _generator(seed, step)
-        start = torch.randint(0, vocab, (global_batch, 1), generator=g)
-        stride = torch.randint(1, 4, (global_batch, 1), generator=g)
-        stream = (start + stride * torch.arange(seq + 1)) % vocab
-        return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+        return token_stream(seed, step, global_batch, vocab, seq, 4)
 
     return Workload("lm", model, make_batch, _cross_entropy, tokens_per_sample=seq)
