@@ -31,7 +31,7 @@ from dpcompare.run.verification import VerificationPhase
 from dpcompare.run.watchdog import Watchdog
 from dpcompare.run.workloads import Workload
 from dpcompare.verify import equivalence as eq
-from dpcompare.verify import stochastic, verifier
+from dpcompare.verify import float64_paths, stochastic, verifier
 
 
 def load_workload(cfg: RunConfig) -> Workload:
@@ -342,5 +342,6 @@ def summary_line(payload: dict[str, Any]) -> str:
         detail += f"; unverifiable: {e['unverifiable_reason']}"
     detail += checkpointing.summary_phrase(payload.get("activation_checkpointing"), m)
     detail += "; replicas identical" if e["replicas_identical"] else "; REPLICAS DIFFER"
-    detail += "".join(f"; {fact}" for fact in _precision_facts(e) + _semantic_facts(e))
+    detail += "".join(f"; {fact}" for fact in _precision_facts(e) + _semantic_facts(e)
+                      + float64_paths.phrases(e.get("oracle_precision")))
     return f"{head} ({'; '.join([detail, *about_the_run])}) -> {payload.get('result_path')}"

@@ -35,6 +35,7 @@ from torch import nn
 
 from dpcompare.verify.equivalence import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, Divergence, Layout, Masks, Oracle, Piece,
                                           rel_fro)
+from dpcompare.verify.dtypes import as_input, is_float, state_distance
 from dpcompare.verify.masks import MaskReplayer, combine
 
 SEMANTICS = {
@@ -54,17 +55,9 @@ def snapshot(module: nn.Module) -> Buffers:
     return {name: b.detach().to("cpu", copy=True) for name, b in module.named_buffers()}
 
 
-def _float(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
-
-
-def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative distance of two buffers; integer and bool buffers are equal (0) or not (inf)."""
-    if a.shape != b.shape:
-        return math.inf
-    if _float(a) and _float(b):
-        return rel_fro(a.double(), b.double())
-    return 0.0 if torch.equal(a.to(torch.int64), b.to(torch.int64)) else math.inf
+_float = is_float
+_distance = state_distance
+"""Relative distance of two buffers; integer and bool buffers (their dtype included) are equal (0) or not (inf)."""
 
 
 @dataclass(slots=True)
@@ -113,8 +106,7 @@ class BufferCheck:
             model.train()
             for piece in pieces:
                 for _ in range(times):
-                    x = piece.x.to(self.oracle.device)
-                    x = x.to(next(model.parameters()).dtype) if x.is_floating_point() else x
+                    x = as_input(piece.x, model, self.oracle.device)
                     # the run-dtype prediction computes as the run does: under its autocast, if it has one
                     recipe = self.oracle.recipe.autocast() if model is self.oracle.model_run else contextlib.nullcontext()
                     with replayer.applying(piece.masks) if piece.masks else contextlib.nullcontext(), recipe:

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from dpcompare.contract.compiling import compile_forward
+from dpcompare.verify import float64_paths
+from dpcompare.verify.dtypes import as_input, float_dtype
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
@@ -159,14 +161,11 @@ def accumulate_gradient(model: nn.Module, loss_fn: Callable, pieces: list[Piece]
     loss under the recipe, the loss multiplied in the graph by `loss_scale` and by the rank's own share (the
     piece's weight times the number of ranks in `pieces`, or `ranks` where the pieces are one rank's of several),
     and the summed gradients divided by both afterwards."""
-    dtype = next(model.parameters()).dtype
     ranks = (ranks or len({p.rank for p in pieces})) if recipe.active else 1
     model.train()
     model.zero_grad(set_to_none=True)
     for piece in pieces:
-        x = piece.x.to(device)
-        if x.is_floating_point():
-            x = x.to(dtype)
+        x = as_input(piece.x, model, device)
         in_graph = piece.weight * ranks * loss_scale
         # backward inside: a model that recomputes activations runs its dropout again there, on the same masks
         with replayer.applying(piece.masks) if replayer is not None else contextlib.nullcontext():
@@ -197,13 +196,15 @@ def _through(g: torch.Tensor, dtype: torch.dtype, loss_scale: float) -> torch.Te
 
 
 def verification_copy(template: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """A plain copy of the workload's model for checking, in `dtype` on `device`, recomputing activations in
-    backward where the model offers it (`RECOMPUTE_ATTRIBUTE`)."""
+    """A plain copy of the workload's model for checking, its floating parameters and buffers in `dtype` (integer and
+    bool ones as the model built them) on `device`, recomputing activations in backward where the model offers it
+    (`RECOMPUTE_ATTRIBUTE`). A float64 copy computes an op with no float64 kernel on the model's own alternative path,
+    or else in float32 (dpcompare.verify.float64_paths)."""
     model = copy.deepcopy(template).to(device=device, dtype=dtype)
     for m in model.modules():
         if isinstance(getattr(m, RECOMPUTE_ATTRIBUTE, None), bool):
             setattr(m, RECOMPUTE_ATTRIBUTE, True)
-    return model
+    return float64_paths.prepare(model) if dtype == torch.float64 else model
 
 
 class Oracle:
@@ -283,7 +284,7 @@ class Oracle:
                     sent = _through(g, wire, loss_scale)
                     total[name] = sent if name not in total else _through(total[name] + sent, wire, loss_scale)
             return total
-        accumulate = next(self.model_run.parameters()).dtype
+        accumulate = float_dtype(self.model_run)
         for k in range(max(len(g) for g in by_rank.values())):
             micro: Grads = {}
             for rank in reversed(order):

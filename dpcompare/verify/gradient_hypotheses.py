@@ -19,6 +19,7 @@ import torch
 from dpcompare.verify.equivalence import (WIRE_DTYPE, Grads, Layout, flat, global_pieces, rel_fro, replica_pieces,
                                           tensor_digest)
 from dpcompare.contract.workload import shard
+from dpcompare.verify.dtypes import float_dtype
 from dpcompare.verify.evidence import GradientEvidence
 from dpcompare.verify.explanation import (EXPLAINED_SHARE, SCALE_AGREEMENT, Diagnosis, _common_scale, _Hypothesis,
                                           _matching, _share)
@@ -148,7 +149,7 @@ class _GradientHypotheses:
                                   f"ranks {seen[digest]} and {rank} read the same shard (duplicated data): each rank must "
                                   "read a disjoint 1/N of the global batch (DistributedSampler-style sharding)", remaining)]
             seen[digest] = rank
-        cast = next(ev.oracle.model_run.parameters()).dtype  # the runner feeds floating inputs in the weights' dtype
+        cast = float_dtype(ev.oracle.model_run)  # the runner feeds floating inputs in the weights' dtype
         expected = [tensor_digest(x.to(cast) if x.is_floating_point() else x)
                     for x in (shard(ev.batch, r, n)[0] for r in range(n))]
         if sorted(ev.shard_digests) != sorted(expected):

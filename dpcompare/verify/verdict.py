@@ -186,6 +186,8 @@ class Verdict:
     """The mixed-precision recipe that ran and what its loss scaler did at every checked step (None: not recorded)."""
     oracle_coverage: dict | None = None
     """The parameters the oracle checked (--check-coverage, dpcompare.verify.coverage); None: every one."""
+    oracle_precision: dict | None = None
+    """Where the float64 copies left float64 or the model's own path (dpcompare.verify.float64_paths); None: nowhere."""
     wire_rounding: str = "bounded"
     """How a wire narrower than the gradients is judged: "measured" (the run-precision reference and its floor send
     the ranks' shares through it) or "bounded" (world_size x its unit roundoff added to the floor)."""
@@ -284,6 +286,7 @@ class Verdict:
             "stochastic": self.stochastic,
             "parameters": self.parameters,
             "oracle_coverage": self.oracle_coverage,
+            "oracle_precision": self.oracle_precision,
             "batchnorm": self.batchnorm,
             "buffers": self.buffers,
             "precision": self.precision.to_dict() if self.precision is not None else None,

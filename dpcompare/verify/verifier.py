@@ -37,7 +37,7 @@ from torch import nn
 
 from dpcompare.verify import equivalence as eq
 from dpcompare.verify import masks as mk
-from dpcompare.verify import stochastic
+from dpcompare.verify import float64_paths, stochastic
 from dpcompare.contract import Adapter, ModelFacts, Wrapped
 from dpcompare.verify.buffers import BufferCheck
 from dpcompare.verify.clipping import GradNormJudge
@@ -378,6 +378,7 @@ class Verifier:
         """After the last step: `equivalent` needs at least one step whose gradient was compared. A run whose every
         checked step overflowed its loss scale (and was rightly skipped) compared none: the trajectory alone, which
         saw no update, cannot stand for the verdict."""
+        self.verdict.oracle_precision = float64_paths.report(self.oracle.model64, self.trajectory.model64)
         if self.verdict.checks or self.stopped or not self.cfg.check_every:
             return
         skipped = self.verdict.precision.skipped_steps if self.verdict.precision is not None else []
