@@ -78,11 +78,14 @@ class Coverage:
                 f"{len(self.units_checked) + len(self.units_unchecked)} units)")
 
 
-def need_bytes(parameters: int, checked: int, optimizer: str, dtype_bytes: int = 4) -> float:
-    """The verifier's memory on rank 0 for a model of `parameters`, `checked` of them compared (see the constants)."""
+def need_bytes(parameters: int, checked: int, optimizer: str, dtype_bytes: int = 4, copied: int | None = None) -> float:
+    """The verifier's memory on rank 0 for a model of `parameters`, `checked` of them compared (see the constants).
+    `copied`: the elements every copy of the model holds (frozen parameters, integer ones and buffers included; the
+    copies keep an integer at its own 8 bytes or less), where more than `parameters`."""
     scale = dtype_bytes / 4 if dtype_bytes > 4 else 1.0  # a float64 run holds its run-dtype copies at 8 bytes
     per_checked = CHECKED_BYTES_PER_PARAM.get(optimizer, max(CHECKED_BYTES_PER_PARAM.values()))
-    return FIXED_BYTES + COPY_BYTES_PER_PARAM * scale * parameters + per_checked * checked
+    copies = max(parameters, copied or 0)
+    return FIXED_BYTES + COPY_BYTES_PER_PARAM * scale * copies + per_checked * checked
 
 
 def available_bytes(device: torch.device) -> tuple[float | None, str]:
@@ -160,7 +163,12 @@ def plan(template: nn.Module, *, request: str, optimizer: str, dtype_bytes: int,
     trainable = [(n, p.numel()) for n, p in template.named_parameters() if p.requires_grad]
     total = sum(c for _, c in trainable)
     sizes = dict(trainable)
-    full_need = need_bytes(total, total, optimizer, dtype_bytes)
+    copied = sum(t.numel() for t in (*template.parameters(), *template.buffers()))
+
+    def need(checked: int) -> float:
+        return need_bytes(total, checked, optimizer, dtype_bytes, copied)
+
+    full_need = need(total)
     free, source = available_bytes(device)
     budget = None if free is None else free * MARGIN
     where = f"{'the GPU' if device.type == 'cuda' else 'this host'}"
@@ -188,7 +196,7 @@ def plan(template: nn.Module, *, request: str, optimizer: str, dtype_bytes: int,
     checked = 0
     for unit, members in units(template):
         size = sum(sizes[n] for n in members)
-        fits = budget is None or need_bytes(total, checked + size, optimizer, dtype_bytes) <= budget
+        fits = budget is None or need(checked + size) <= budget
         within = (checked + size) / total <= fraction + 1e-12 or not taken
         if fits and within:
             taken.append(unit)
@@ -197,15 +205,15 @@ def plan(template: nn.Module, *, request: str, optimizer: str, dtype_bytes: int,
         else:
             left.append(unit)
     if not taken:
-        floor_need = need_bytes(total, min(sum(sizes[n] for n in m) for _, m in units(template)), optimizer, dtype_bytes)
+        floor_need = need(min(sum(sizes[n] for n in m) for _, m in units(template)))
         raise CoverageRefused(f"the float64 oracle cannot check even one block of this model: with one block it "
                               f"{figures(floor_need)} (its copies of the whole model alone take "
-                              f"{COPY_BYTES_PER_PARAM * total / GIB:.1f} GiB); --check-every 0 measures without "
+                              f"{COPY_BYTES_PER_PARAM * max(total, copied) / GIB:.1f} GiB); --check-every 0 measures without "
                               "checking, or run where more memory is free")
     unchecked = frozenset(n for n, _ in trainable if n not in names)
     why = ("requested" if fraction < 1.0 and (budget is None or full_need <= budget)
            else f"every parameter {figures(full_need)}")
-    return Coverage(total, checked, unchecked, taken, left, need_bytes(total, checked, optimizer, dtype_bytes),
+    return Coverage(total, checked, unchecked, taken, left, need(checked),
                     full_need, free, f"--check-coverage {request}: {why}")
 
 

@@ -11,13 +11,15 @@ Imports no adapter.
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 import torch
 from torch import nn
 
 from dpcompare.verify.tolerance import rel_fro
+from dpcompare.verify.verdict import Check, Divergence
 
-__all__ = ["as_input", "float_dtype", "is_float", "state_distance"]
+__all__ = ["ROUNDING_DTYPES", "as_input", "float_dtype", "is_float", "non_float_change", "non_float_divergence", "state_distance"]
 
 
 def is_float(t: torch.Tensor) -> bool:
@@ -49,3 +51,46 @@ def state_distance(a: torch.Tensor, b: torch.Tensor) -> float:
     if is_float(a) and is_float(b):
         return rel_fro(a.detach().double().cpu(), b.detach().double().cpu())
     return 0.0 if a.dtype == b.dtype and torch.equal(a.detach().cpu(), b.detach().cpu()) else math.inf
+
+
+ROUNDING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The floating buffers a backend may send a non-float tensor through (a flattened collective promotes mixed dtypes)."""
+
+
+def non_float_change(name: str, have: torch.Tensor, want: torch.Tensor) -> tuple[str, str]:
+    """(cause, phrase) for a non-float tensor `have` that should be bitwise `want`: converted to another dtype,
+    rounded through a floating dtype and cast back, or changed otherwise."""
+    have, want = have.detach().cpu(), want.detach().cpu()
+    kind = str(want.dtype).removeprefix("torch.")
+    if have.dtype != want.dtype:
+        return "non_float_converted", (f"{name} is {str(have.dtype).removeprefix('torch.')} where the model holds it as "
+                                       f"{kind}: the backend converted a non-float parameter")
+    if have.shape != want.shape:
+        return "non_float_changed", f"{name} has shape {tuple(have.shape)} where the model's is {tuple(want.shape)}"
+    differ = have != want
+    count, first = int(differ.sum()), int(differ.reshape(-1).nonzero()[0])
+    example = f"{want.reshape(-1)[first].item()} became {have.reshape(-1)[first].item()}"
+    what = f"{count} of {want.numel()} elements of {name} ({kind}) differ from the single process's ({example})"
+    for dtype in ROUNDING_DTYPES:
+        if want.dtype != torch.bool and torch.equal(want.to(dtype).to(want.dtype), have):
+            low = str(dtype).removeprefix("torch.")
+            return "non_float_rounded", (f"{what}, each the value rounded to {low}: the backend sent this {kind} "
+                                         f"parameter through a {low} buffer and cast it back (a flattened all-reduce, "
+                                         "broadcast or parameter average that packs mixed dtypes into one tensor)")
+    return "non_float_changed", f"{what}: the backend changed a parameter that no gradient or optimizer step changes"
+
+
+def non_float_divergence(step: int, check: Check, have: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor],
+                         names: list[str], when: str) -> Divergence | None:
+    """The first of `names` whose value in `have` is not bitwise its value in `want` (dtype included), as a
+    divergence of `check` at `step` naming every one that differs; None where all agree. `when`: the phrase that
+    opens the reason ("after step 3")."""
+    wrong = [n for n in names if n in have and n in want and state_distance(have[n], want[n]) != 0.0]
+    if not wrong:
+        return None
+    a, b = have[wrong[0]], want[wrong[0]]
+    cause, why = non_float_change(wrong[0], a, b)
+    distance = rel_fro(a.detach().double().cpu(), b.detach().double().cpu()) if a.shape == b.shape else math.inf
+    return Divergence(step, wrong[0], distance, 0.0, math.nan,
+                      f"{when}, {why}; a non-float parameter is compared bitwise with the model's own",
+                      check=check, cause=cause, parameters=wrong)

@@ -4,7 +4,8 @@ Owns: the comparisons of a backend's optimizer state with the expected one: whet
 (_same_state), the parameters whose state differs with a phrase on the first entry that does
 (state_difference), the parameters whose step count differs, compared exactly (step_count_mismatch), and the
 known way a fresh optimizer comes to have stepped already (FRESH_STEPPED_TRAP). A missing entry and an all-zero
-buffer count as the same. Imports no adapter.
+buffer count as the same; integer and bool entries are compared exactly, floating ones to rounding. Imports no
+adapter.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ def _same_state(a: OptState, b: OptState) -> bool:
                     return False
                 continue
             if torch.is_tensor(va) and torch.is_tensor(vb):
+                if _integral(va, vb):
+                    if va.shape != vb.shape or not torch.equal(va.to(torch.int64), vb.to(torch.int64)):
+                        return False
+                    continue
                 va, vb = va.double(), vb.double()
                 scale = float(vb.abs().max()) if vb.numel() else 0.0
                 if float((va - vb).abs().max() if va.numel() else 0.0) > 1e-4 * max(scale, 1e-30):
@@ -38,6 +43,11 @@ def _same_state(a: OptState, b: OptState) -> bool:
             elif va != vb:
                 return False
     return True
+
+
+def _integral(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Both integer or bool: no rounding excuses a difference."""
+    return not (a.is_floating_point() or a.is_complex()) and not (b.is_floating_point() or b.is_complex())
 
 
 def state_difference(backend: OptState, expected: OptState, names: list[str]) -> tuple[list[str], str] | None:
@@ -78,7 +88,7 @@ def _entry_difference(name: str, key: str, have: Any, want: Any) -> str | None:
         gap = (a - b).abs()
         scale = float(b.abs().max())
         worst = int(gap.argmax())
-        if float(gap[worst]) <= 1e-4 * max(scale, 1e-30):
+        if float(gap[worst]) <= (0.0 if _integral(have, want) else 1e-4 * max(scale, 1e-30)):
             return None
         where = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), tuple(want.shape))) if want.dim() > 1 \
             else worst

@@ -15,6 +15,11 @@ Tolerance (written here once): at step k (0-based, after k+1 updates)
 with the factor of the gradient check. The (k+1) * depth * u term is the smallest floor (a float64 run, whose
 run-dtype copy is the float64 copy); (k+1) * world_size * u_wire bounds what averaging N gradients adds per
 step (u_wire: the compressed wire dtype's unit roundoff under --compression, else u).
+
+Non-float parameters (integer and bool: an index, a mask) keep their dtype in both copies and are compared bitwise
+after every step (`carried`): no gradient or optimizer step changes them, so the run's value must be the float64
+copy's exactly. One the copies' own forward writes (a counter kept as a parameter) follows the forward's semantics,
+as a buffer does: it is left to the replica fingerprints.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from torch import nn
 from dpcompare.verify.equivalence import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Piece, accumulate_gradient, rel_fro,
                                           verification_copy)
 from dpcompare.verify.clipping import clip_
+from dpcompare.verify.dtypes import is_float, non_float_divergence, state_distance
+from dpcompare.verify.verdict import Divergence
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
@@ -49,6 +56,10 @@ class Trajectory:
         self.model64 = verification_copy(template, device, torch.float64)
         self.model_run = verification_copy(template, device, DTYPES[dtype])
         self.names = [n for n, p in template.named_parameters() if p.requires_grad]
+        self.carried = [n for n, p in template.named_parameters() if not is_float(p)]
+        """Non-float parameters, compared bitwise (see the module docstring)."""
+        self.written: set[str] = set()
+        """Of those, the ones the copies' forward writes: left to the replica fingerprints."""
         self.opt64 = factory([p for p in self.model64.parameters() if p.requires_grad])
         self.opt_run = factory([p for p in self.model_run.parameters() if p.requires_grad])
         self.recipe = recipe
@@ -73,10 +84,13 @@ class Trajectory:
         """One optimizer step of both copies on `pieces`; none when the run's loss scaler skipped this step."""
         if skip:
             return
+        carried = {n: p.detach().clone() for n, p in self.model64.named_parameters() if n in self.carried}
         accumulate_gradient(self.model64, self.loss_fn, pieces, self.device, self.replayers[0])
         self._clip(self.model64)
         self.opt64.step()
         self.model64.zero_grad(set_to_none=True)  # not needed until the next step: memory for the next check
+        self.written.update(n for n, p in self.model64.named_parameters()
+                            if n in carried and state_distance(p, carried[n]) != 0.0)
         if not self.recipe.active:
             accumulate_gradient(self.model_run, self.loss_fn, pieces, self.device, self.replayers[1])
         else:
@@ -109,6 +123,12 @@ class Trajectory:
                 for n, p in model.named_parameters():
                     if n in names:
                         p.copy_(params[n].detach().to(device=p.device, dtype=p.dtype))
+
+    def carried_divergence(self, step: int, params: dict[str, torch.Tensor]) -> Divergence | None:
+        """The run's non-float parameters after `step` (every parameter by name, `Adapter.master_params()`) against the
+        float64 copy's, bitwise: the first that differs, with every one that does, or None."""
+        return non_float_divergence(step, "trajectory", params, dict(self.model64.named_parameters()),
+                                    [n for n in self.carried if n not in self.written], f"after step {step}")
 
     def _clip(self, model: nn.Module) -> None:
         if self.clip is not None:

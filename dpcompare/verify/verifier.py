@@ -42,6 +42,7 @@ from dpcompare.contract import Adapter, ModelFacts, Wrapped
 from dpcompare.verify.buffers import BufferCheck
 from dpcompare.verify.clipping import GradNormJudge
 from dpcompare.verify.coverage import Coverage, unchecked_frozen
+from dpcompare.verify.dtypes import is_float, non_float_divergence
 from dpcompare.verify.diagnosis import GradientEvidence, diagnose_gradient, reason_of
 from dpcompare.verify.forwards import Forwards
 from dpcompare.verify.loss_scale import LossScaleJudge
@@ -132,8 +133,12 @@ class Verifier:
 
         self.verdict.parameters = {"unused": list(facts.unused), "frozen": list(facts.frozen), "unused_grad": {}}
         if facts.frozen:
+            carried = [n for n in facts.frozen if n in self.trajectory.carried]
             self.verdict.note("frozen_parameters", f"frozen parameters (requires_grad=False) left out of every check: "
-                                      f"{', '.join(facts.frozen)}")
+                                      f"{', '.join(facts.frozen)}" + (
+                                          f"; but the non-float ones ({', '.join(carried)}) keep their dtype in every "
+                                          "copy and are compared bitwise before step 0 and after every step" if carried
+                                          else ""))
         if facts.unused:
             self.verdict.note("unused_parameters", f"parameters that take no part in the loss: {', '.join(facts.unused)}; their "
                                       "gradient must be None or zero on every rank")
@@ -161,7 +166,14 @@ class Verifier:
         """Rank 0's weights before step 0 (full, `Adapter.full_params()`) are the workload's initial weights (the
         ranks agreeing with each other is checked separately, by fingerprint)."""
         built = dict(self.template.named_parameters())
+        carried = [n for n, t in built.items() if not is_float(t)]
+        if (changed := non_float_divergence(0, "initial", params, built, carried, "before step 0")) is not None:
+            self.verdict.initial_weights_identical = False
+            self.verdict.diverge(changed)
+            return
         for name, p in params.items():
+            if name in carried:
+                continue
             want = built[name].detach().to(dtype=p.dtype)
             have = p.detach().cpu()
             if not torch.equal(have, want):
@@ -442,6 +454,8 @@ class Verifier:
         entry = self.trajectory.judge(step, {n: t for n, t in self.masters.items()}, self.world_size)
         self.trajectory.follow(self.masters, self.unchecked)
         self.verdict.drift.append(entry)
+        if (carried := self.trajectory.carried_divergence(step, self.masters)) is not None:
+            self.verdict.diverge(carried)
         if entry["ok"] is False:
             self.verdict.diverge(eq.Divergence(
                 step, entry["worst_parameter"], entry["rel_param_distance"], entry["tolerance"], entry["noise_ratio"],
