@@ -156,7 +156,10 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
     module = workload.model.to(device=device, dtype=eq.DTYPES[cfg.dtype])
     if cfg.sync_bn:
         module = adapter.sync_batchnorm(module)
-    optimizer = make_optimizer(cfg, module.parameters())
+    # The trainable parameters alone: torch never steps a parameter without a gradient, and DeepSpeed's ZeRO 1/2 take
+    # their gradient buffers' dtype from the first parameter of the first group (stage_1_and_2.py, `self.dtype`): an
+    # integer parameter listed first (an index kept as a parameter) would make them integer.
+    optimizer = make_optimizer(cfg, [p for p in module.parameters() if p.requires_grad])
     adapter.model_facts = facts
     blocks = adapter.checkpoint_activations(module) if cfg.activation_checkpointing else []
     wrapped = adapter.wrap(module, optimizer, local_batch, global_batch)
