@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import torch
 from torch import nn
 
 from dpcompare import Adapter, Capabilities, CommCounter, CommCounts, Note, Option, Wrapped, convert_global_batchnorm
@@ -76,7 +77,12 @@ class HorovodAdapter(Adapter):
 
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
         hvd = self.hvd
-        hvd.broadcast_parameters(module.state_dict(), root_rank=0)
+        state = module.state_dict()
+        if bools := [k for k, t in state.items() if t.dtype == torch.bool]:  # refused alike on every rank
+            raise ValueError(f"--backend horovod: the model holds bool tensors ({', '.join(bools)}) and Horovod cannot "
+                             "broadcast one (hvd.broadcast_parameters: 'Tensor type torch.BoolTensor is not "
+                             "supported'); hold them as torch.uint8, or use another backend")
+        hvd.broadcast_parameters(state, root_rank=0)
         compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[self.settings.compression]
         dist_opt = hvd.DistributedOptimizer(
             optimizer, named_parameters=module.named_parameters(), op=hvd.Average, compression=compression

@@ -4,7 +4,8 @@ tests.dtype_models:CLASS`.
 
   index_mlp      an MLP holding an int64 `nn.Parameter` (requires_grad=False: hashed ids it gathers its hidden units
                  by, as PyTorch's own DDP tests keep integer parameters), a bool parameter (a mask of hidden units) and
-                 an int64 buffer the forward counts in
+                 an int64 buffer the forward counts in; `int_index_mlp`: the same without the bool parameter (Horovod
+                 cannot broadcast a bool tensor)
   grouped_moe    a mixture of experts written with `torch._grouped_mm` (tokens routed top-1, experts as one 3-D
                  weight), an op with no float64 kernel on the CPU or CUDA
   AveragingDDP   DDP that also averages every parameter after each optimizer step with torch's own
@@ -42,25 +43,30 @@ def _batches(seed: int, dim: int):
 
 
 class IndexMLP(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, mask: bool = True) -> None:
         super().__init__()
         self.fc1 = nn.Linear(DIM, HIDDEN)
         self.fc2 = nn.Linear(HIDDEN, CLASSES)
         ids = ID_BASE + torch.randperm(HIDDEN) * 1_000_003 + torch.arange(HIDDEN)
         self.ids = nn.Parameter(ids, requires_grad=False)
-        self.keep = nn.Parameter(torch.arange(HIDDEN) % 5 != 0, requires_grad=False)
+        self.keep = nn.Parameter(torch.arange(HIDDEN) % 5 != 0, requires_grad=False) if mask else None
         self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             self.forwards += 1
         h = torch.tanh(self.fc1(x))[:, self.ids % HIDDEN]  # a permutation while the ids are intact
-        return self.fc2(h * self.keep)
+        return self.fc2(h * self.keep if self.keep is not None else h)
 
 
 def index_mlp(seed: int) -> Workload:
     torch.manual_seed(seed)
     return Workload("index-mlp", IndexMLP(), _batches(seed, DIM), F.cross_entropy)
+
+
+def int_index_mlp(seed: int) -> Workload:
+    torch.manual_seed(seed)
+    return Workload("int-index-mlp", IndexMLP(mask=False), _batches(seed, DIM), F.cross_entropy)
 
 
 class GroupedMoE(nn.Module):

@@ -268,13 +268,24 @@ def test_integer_parameters_are_equivalent(launch, backend: str, extra: list[str
 
 
 @pytest.mark.deep
-@pytest.mark.parametrize(("backend", "extra"), [
-    ("ddp", []), ("fsdp", ["--optimizer", "adamw", "--lr", "0.01"]), ("deepspeed", []),
-    ("deepspeed", ["--opt", "zero_stage=3"]), ("horovod", []), ("reference", [])])
-def test_integer_parameters_under_every_backend(launch, backend: str, extra: list[str]) -> None:
-    proc, result = launch(backend, 1 if backend == "reference" else 2, "tests.dtype_models:index_mlp", [*STEPS, *extra])
+@pytest.mark.parametrize(("backend", "model", "extra"), [
+    ("ddp", "index_mlp", []), ("fsdp", "index_mlp", ["--optimizer", "adamw", "--lr", "0.01"]),
+    ("deepspeed", "index_mlp", []), ("deepspeed", "index_mlp", ["--opt", "zero_stage=2"]),
+    ("deepspeed", "index_mlp", ["--opt", "zero_stage=3"]), ("horovod", "int_index_mlp", []),
+    ("reference", "index_mlp", [])])
+def test_integer_parameters_under_every_backend(launch, backend: str, model: str, extra: list[str]) -> None:
+    proc, result = launch(backend, 1 if backend == "reference" else 2, f"tests.dtype_models:{model}", [*STEPS, *extra])
     assert proc.returncode == 0, proc.output[-3000:]
     assert result["equivalence"]["verdict"] == "equivalent", proc.stdout[-2000:]
+
+
+@pytest.mark.deep
+def test_horovod_refuses_a_bool_parameter_it_cannot_broadcast_in_one_line(launch) -> None:
+    proc, result = launch("horovod", 2, "tests.dtype_models:index_mlp", STEPS)
+    assert proc.returncode != 0 and result is None and "Exit code: 2" in proc.output  # horovodrun's own status is 1
+    said = [line for line in proc.output.splitlines() if "Horovod cannot broadcast" in line]
+    assert len(said) == 1 and "keep" in said[0] and "uint8" in said[0], proc.output[-3000:]
+    assert "/dpcompare/" not in proc.output  # no traceback of ours (horovodrun prints its own on any failed rank)
 
 
 @pytest.mark.deep

@@ -58,7 +58,7 @@ class FallbackOp:
     error: str = ""
 
     def to_dict(self) -> dict:
-        return {"op": self.op, "modules": self.modules, "calls": self.calls, "precision": str(FALLBACK_DTYPE)[6:],
+        return {"op": self.op, "modules": self.modules, "calls": self.calls, "precision": str(FALLBACK_DTYPE).removeprefix("torch."),
                 "tf32": False, "unit_roundoff": torch.finfo(FALLBACK_DTYPE).eps / 2, "error": self.error}
 
 
@@ -156,23 +156,34 @@ _PREPARED: "weakref.WeakKeyDictionary[nn.Module, _Paths]" = weakref.WeakKeyDicti
 
 
 def switch_alternative_paths(model: nn.Module) -> list[Switched]:
-    """Switch every module that offers it (outermost first) to its path with float64 kernels (`ALTERNATIVES`)."""
+    """Switch every module that offers it (outermost first) to its path with float64 kernels (`ALTERNATIVES`); a
+    switch is recorded only where the module's own getter then reads the new value (a class that cannot switch at run
+    time leaves it, and its ops fall back per call instead)."""
     done: list[Switched] = []
     for setter, getter, value, why in ALTERNATIVES:
         for name, m in model.named_modules():
             if not callable(getattr(m, setter, None)) or not callable(getattr(m, getter, None)):
                 continue
-            try:
-                before = m.__getattribute__(getter)()
-            except (AttributeError, TypeError, ValueError):
-                continue
-            current = {k: v for k, v in (before.items() if isinstance(before, dict) else [("", before)])
-                       if v is not None and v != value}
+            before = _settings(m, getter)
+            current = {k: v for k, v in before.items() if v is not None and v != value}
             if not current:
                 continue
-            getattr(m, setter)(value)
+            try:
+                getattr(m, setter)(value)
+            except (RuntimeError, ValueError, ImportError):
+                continue  # a path locked at load time (transformers' deepgemm_megamoe): the per-call fallback
+            if any(v != value for k, v in _settings(m, getter).items() if k in current):
+                continue
             done.append(Switched(name, setter.removeprefix("set_"), ", ".join(sorted(set(current.values()))), value, why))
     return done
+
+
+def _settings(module: nn.Module, getter: str) -> dict:
+    try:
+        got = getattr(module, getter)()
+    except (AttributeError, TypeError, ValueError):
+        return {}
+    return dict(got) if isinstance(got, dict) else {"": got}
 
 
 def prepare(model: nn.Module) -> nn.Module:
