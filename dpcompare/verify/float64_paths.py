@@ -32,8 +32,8 @@ __all__ = ["Float32Fallback", "FALLBACK_DTYPE", "phrases", "prepare", "report", 
 
 FALLBACK_DTYPE = torch.float32
 ALTERNATIVES = (("set_experts_implementation", "get_experts_implementation", "eager",
-                 "transformers' grouped_mm experts have no float64 kernel: its eager loop over the experts computes the "
-                 "same function in float64"),)
+                 "transformers' fused experts kernels (grouped_mm) have no float64 kernel; its eager loop over the "
+                 "experts computes the same function with ordinary float64 matmuls"),)
 """(setter, getter, value, why): a model's own switch to a path with float64 kernels, tried on every module."""
 
 
@@ -242,8 +242,8 @@ def phrases(recorded: dict | None) -> list[str]:
     """The run line's account of `report`'s record: each path switched and each op computed in float32."""
     if not recorded:
         return []
-    out = [f"float64 oracle on the model's {s['setting']} {s['to']} (from {s['from']}) in {s['module']}"
-           for s in recorded.get("switched", [])]
+    out = [f"float64 oracle with {s['setting']}={s['to']} in {s['module']} (the run-precision copies keep the run's "
+           f"{s['from']})" for s in recorded.get("switched", [])]
     ops = recorded.get("float32_ops", [])
     if ops:
         shown = "; ".join(f"{op['op']} in {', '.join(op['modules'][:3])}{' and more' if len(op['modules']) > 3 else ''}"
