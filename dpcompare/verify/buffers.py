@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dpcompare.verify.equivalence import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, Divergence, Layout, Masks, Oracle, Piece,
-                                          rel_fro)
+from dpcompare.verify.equivalence import TOLERANCE_FACTOR, UNIT_ROUNDOFF, Divergence, Layout, Masks, Oracle, Piece
 from dpcompare.verify.dtypes import as_input, is_float, state_distance
 from dpcompare.verify.masks import MaskReplayer, combine
 
@@ -53,11 +52,6 @@ Buffers = dict[str, torch.Tensor]
 def snapshot(module: nn.Module) -> Buffers:
     """Copies of every registered buffer, on the CPU (the run's own buffers are never handed out)."""
     return {name: b.detach().to("cpu", copy=True) for name, b in module.named_buffers()}
-
-
-_float = is_float
-_distance = state_distance
-"""Relative distance of two buffers; integer and bool buffers (their dtype included) are equal (0) or not (inf)."""
 
 
 @dataclass(slots=True)
@@ -102,7 +96,7 @@ class BufferCheck:
         with torch.no_grad():
             for name, b in model.named_buffers():
                 if name in start:
-                    b.copy_(start[name].to(b.device, b.dtype) if _float(b) else start[name].to(b.device))
+                    b.copy_(start[name].to(b.device, b.dtype) if is_float(b) else start[name].to(b.device))
             model.train()
             for piece in pieces:
                 for _ in range(times):
@@ -149,26 +143,26 @@ class BufferCheck:
             entry.steps.append(step)
             if not all(name in a for a in after):
                 continue
-            between = max((_distance(a[name], mine) for a in after[1:]), default=0.0)
+            between = max((state_distance(a[name], mine) for a in after[1:]), default=0.0)
             entry.max_rel_diff_between_ranks = max(entry.max_rel_diff_between_ranks, between)
             if between > 0.0:
                 entry.ranks_agree = False
                 differing.append(name)
-            entry.updated = entry.updated or _distance(own[0][name], before[0][name]) > 0.0
-            if _distance(again[name], own[0][name]) > (REPRODUCIBLE if _float(mine) else 0.0):
+            entry.updated = entry.updated or state_distance(own[0][name], before[0][name]) > 0.0
+            if state_distance(again[name], own[0][name]) > (REPRODUCIBLE if is_float(mine) else 0.0):
                 # Not a function of the forward (a clock, a random source of its own): no semantics can be judged.
                 entry.semantics, entry.nearest = [], []
                 if entry.unexplained is None:
                     entry.unexplained = {"step": step, "distances": None, "tolerance": None, "reproducible": False}
                 continue
-            floor = _distance(run_dtype[name], own[0][name]) if _float(mine) else 0.0
-            tol = TOLERANCE_FACTOR * (max(floor, self.depth * self.u) + ws * self.u) if _float(mine) else 0.0
+            floor = state_distance(run_dtype[name], own[0][name]) if is_float(mine) else 0.0
+            tol = TOLERANCE_FACTOR * (max(floor, self.depth * self.u) + ws * self.u) if is_float(mine) else 0.0
             matched, distances = [], {}
             for semantics, per_rank in predicted.items():
                 if per_rank[0] is None:
                     distances[semantics] = None
                     continue
-                worst = max(_distance(after[r][name], per_rank[r][name]) for r in range(ws))
+                worst = max(state_distance(after[r][name], per_rank[r][name]) for r in range(ws))
                 distances[semantics] = worst
                 if worst <= tol:
                     matched.append(semantics)
@@ -208,12 +202,12 @@ class BufferCheck:
                  before: list[Buffers], after: list[Buffers], pieces_of, k: int) -> Divergence:
         nearest = min((d for d in distances.values() if d is not None), default=math.inf)
         tried = ", ".join(f"{SEMANTICS[s]} ({'not computed' if d is None else f'{d:.2e}'})" for s, d in distances.items())
-        rank = next((r for r in range(len(after)) if _distance(after[r][name], before[r][name]) == 0.0), None)
+        rank = next((r for r in range(len(after)) if state_distance(after[r][name], before[r][name]) == 0.0), None)
         twice = [self._f64(state, before[r], pieces_of(r, range(k)), times=2) for r in range(len(after))]
-        if all(_distance(after[r][name], twice[r][name]) <= max(tol, 0.0) for r in range(len(after))):
+        if all(state_distance(after[r][name], twice[r][name]) <= max(tol, 0.0) for r in range(len(after))):
             cause, why = "buffer_updated_twice", ("every rank updated it twice per forward: an extra training-mode "
                                                   "forward (or a module called twice) in the backend")
-        elif rank is not None and _distance(before[rank][name], self._f64(state, before[rank], pieces_of(rank, range(k)))[name]) > 0:
+        elif rank is not None and state_distance(before[rank][name], self._f64(state, before[rank], pieces_of(rank, range(k)))[name]) > 0:
             cause, why = "buffer_not_updated", (f"rank {rank} left it unchanged where its forward updates it: the forward "
                                                 "ran in eval mode, or the backend restored the buffer after it")
         else:

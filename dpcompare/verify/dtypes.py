@@ -19,7 +19,8 @@ from torch import nn
 from dpcompare.verify.tolerance import rel_fro
 from dpcompare.verify.verdict import Check, Divergence
 
-__all__ = ["ROUNDING_DTYPES", "as_input", "float_dtype", "is_float", "non_float_change", "non_float_divergence", "state_distance"]
+__all__ = ["ROUNDING_DTYPES", "as_input", "float_dtype", "is_float", "non_float_change", "non_float_divergence",
+           "state_distance"]
 
 
 def is_float(t: torch.Tensor) -> bool:
@@ -63,8 +64,8 @@ def non_float_change(name: str, have: torch.Tensor, want: torch.Tensor) -> tuple
     have, want = have.detach().cpu(), want.detach().cpu()
     kind = str(want.dtype).removeprefix("torch.")
     if have.dtype != want.dtype:
-        return "non_float_converted", (f"{name} is {str(have.dtype).removeprefix('torch.')} where the model holds it as "
-                                       f"{kind}: the backend converted a non-float parameter")
+        got = str(have.dtype).removeprefix("torch.")
+        return "non_float_converted", f"{name} is {got} where the model holds it as {kind}: the backend converted it"
     if have.shape != want.shape:
         return "non_float_changed", f"{name} has shape {tuple(have.shape)} where the model's is {tuple(want.shape)}"
     differ = have != want
@@ -92,5 +93,5 @@ def non_float_divergence(step: int, check: Check, have: Mapping[str, torch.Tenso
     cause, why = non_float_change(wrong[0], a, b)
     distance = rel_fro(a.detach().double().cpu(), b.detach().double().cpu()) if a.shape == b.shape else math.inf
     return Divergence(step, wrong[0], distance, 0.0, math.nan,
-                      f"{when}, {why}; a non-float parameter is compared bitwise with the model's own",
+                      f"{when}, {why}; a non-float parameter must match bitwise",
                       check=check, cause=cause, parameters=wrong)

@@ -58,8 +58,9 @@ class FallbackOp:
     error: str = ""
 
     def to_dict(self) -> dict:
-        return {"op": self.op, "modules": self.modules, "calls": self.calls, "precision": str(FALLBACK_DTYPE).removeprefix("torch."),
-                "tf32": False, "unit_roundoff": torch.finfo(FALLBACK_DTYPE).eps / 2, "error": self.error}
+        return {"op": self.op, "modules": self.modules, "calls": self.calls,
+                "precision": str(FALLBACK_DTYPE).removeprefix("torch."), "tf32": False,
+                "unit_roundoff": torch.finfo(FALLBACK_DTYPE).eps / 2, "error": self.error}
 
 
 def _floating64(x) -> bool:
@@ -174,7 +175,8 @@ def switch_alternative_paths(model: nn.Module) -> list[Switched]:
                 continue  # a path locked at load time (transformers' deepgemm_megamoe): the per-call fallback
             if any(v != value for k, v in _settings(m, getter).items() if k in current):
                 continue
-            done.append(Switched(name, setter.removeprefix("set_"), ", ".join(sorted(set(current.values()))), value, why))
+            was = ", ".join(sorted(set(current.values())))
+            done.append(Switched(name, setter.removeprefix("set_"), was, value, why))
     return done
 
 
