@@ -162,8 +162,7 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
     optimizer = make_optimizer(cfg, [p for p in module.parameters() if p.requires_grad])
     adapter.model_facts = facts
     blocks = adapter.checkpoint_activations(module) if cfg.activation_checkpointing else []
-    with _said_by_rank0():  # an adapter refusing the model (a dtype its library cannot send) refuses it on every rank
-        wrapped = adapter.wrap(module, optimizer, local_batch, global_batch)
+    wrapped = adapter.wrap(module, optimizer, local_batch, global_batch)
     if blocks:
         wrapped.notes.append(Note("activation_checkpointing", checkpointing.describe(wrapped.module)))
     if cfg.compile:
