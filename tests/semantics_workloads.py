@@ -120,6 +120,24 @@ class _ByContent(nn.Module):
         return x * keep.unsqueeze(1).to(x.dtype)
 
 
+class _ByMagnitude(nn.Module):
+    """Control flow on the local batch's content that agrees with the global batch's at some steps only: tanh where
+    the batch's mean magnitude is above a level, GELU below. With the mlp's data at seed 1234 the ranks' batches and
+    the global batch fall on the same side at steps 0-2, and on different sides at step 3."""
+
+    LEVEL = 0.465
+
+    def forward(self, x):
+        return torch.tanh(x) if float(x.detach().abs().mean()) > self.LEVEL else F.gelu(x)
+
+
+def split_later_mlp(seed: int) -> Workload:
+    base = mlp(seed)
+    layers = list(base.model.children())
+    model = nn.Sequential(layers[0], _ByMagnitude(), *layers[2:])
+    return Workload("split-later-mlp", model, base.make_batch, base.loss_fn)
+
+
 def split_by_size_mlp(seed: int) -> Workload:
     base = mlp(seed)
     layers = list(base.model.children())

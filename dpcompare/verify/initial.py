@@ -180,7 +180,8 @@ def _built_apart(verdict: Verdict, built_apart: dict[str, tuple[int, ...]], apar
                     "a patchwork of the ranks' models" if math.isfinite(moved[name]) else
                     f"rank 0 no longer holds the values it built of {name}")
     else:
-        held_how = f"{_ranks(apart_after[name])} still hold{'s' if len(apart_after[name]) == 1 else ''} their own {name}"
+        one = len(apart_after[name]) == 1
+        held_how = f"{_ranks(apart_after[name])} still hold{'s its' if one else ' their'} own {name}"
     verdict.initial_weights_identical = False
     verdict.diverge(Divergence(
         0, name, moved.get(name, math.nan), 0.0, math.nan,

@@ -16,8 +16,10 @@ model could (depth x float32's unit roundoff) is not credited as rounding. Three
                  the reference compute those, as for BatchNorm without --sync-bn, and the note states their
                  distance from the global batch.
 
-Measured at the first checked step, and again at a failed gradient check while the finding is `global` (a split
-that changes nothing at one step may at another). Imports no adapter.
+Measured at the first checked step, and again at a later one where the run-precision reference (the ranks' split)
+moves away from the float64 oracle (the global batch) by more than the tolerance factor times its distance at the
+first (a split that changes nothing at one step may at another: control flow on the batch's content). Imports no
+adapter.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class SplitFinding:
     """loss_not_mean: the split's gradient over the global one."""
     floors: float | None = None
     """per_replica: the distance in the run's noise floors (its precision floor at that step)."""
+    forwards: int = 1
+    """The forwards data parallelism split each step's batch into (ranks x micro-batches x device replicas)."""
 
     def to_dict(self) -> dict:
         return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in asdict(self).items()}
@@ -83,6 +87,8 @@ class SplitCheck:
         self.depth, self.applies, self.verdict = depth, applies, verdict
         self.finding: SplitFinding | None = None
         self.unmeasured = False
+        self.baseline: float | None = None
+        """The run-precision reference's distance from the float64 oracle where the split was found global."""
         """The ranks' masks cannot be joined into one forward (not batch-first): no global batch to hold the split to."""
 
     def settle(self, step: int, state: dict, batch, records, masks: list[Masks] | None, pieces: list[Piece],
@@ -94,15 +100,24 @@ class SplitCheck:
         return self._decide(step, state, batch, records, masks, pieces, oracle)
 
     def reconsider(self, step: int, state: dict, batch, records, masks: list[Masks] | None, pieces: list[Piece],
-                   oracle: Grads) -> tuple[list[Piece], Grads] | None:
-        """At a failed gradient check (its `pieces` and float64 `oracle`), while the split was found to compute the
-        global batch at an earlier step: measured again at this one. The step's pieces and oracle where the forwards
-        changed (the step is judged again on them), else None."""
+                   oracle: Grads, floor: Grads) -> tuple[list[Piece], Grads] | None:
+        """At every checked step after the first, while the split was found to compute the global batch: where the
+        run-precision reference (`floor`, the ranks' split) has moved from the float64 oracle (`oracle`, the global
+        batch, from `pieces`) by more than the tolerance factor times what it was at the first checked step (its
+        precision), the split is measured again at this step. The step's pieces and oracle where the forwards changed
+        (the step is judged on them), else None. Costs nothing more where nothing moved."""
         f = self.finding
-        if not self.applies or f is None or f.semantics != "global" or f.step == step:
+        if not self.applies or f is None or f.semantics != "global" or len(pieces) != 1:
+            return None
+        names = self.oracle.names
+        moved = rel_fro(flat(floor, names), flat(oracle, names))
+        if f.step == step or self.baseline is None:
+            self.baseline = max(moved, self.depth * UNIT_ROUNDOFF["float64"])
+            return None
+        if moved <= TOLERANCE_FACTOR * self.baseline:
             return None
         now = self._decide(step, state, batch, records, masks, pieces, oracle)
-        return now if self.finding is not f and self.finding.semantics != "global" else None
+        return now if self.finding.semantics != "global" else None
 
     def _decide(self, step: int, state: dict, batch, records, masks: list[Masks] | None, pieces: list[Piece],
                 oracle: Grads) -> tuple[list[Piece], Grads]:
@@ -136,7 +151,8 @@ class SplitCheck:
         # Float32 inside the model rounds its float64 gradient by up to about depth x float32's unit roundoff; a
         # reordering that moves it further is no rounding (the samples interact through their order).
         credited = rounding if rounding is not None and rounding <= self.depth * UNIT_ROUNDOFF["float32"] else 0.0
-        finding = SplitFinding("global", step, distance, rounding, max(SPLIT_AGREEMENT, TOLERANCE_FACTOR * credited))
+        finding = SplitFinding("global", step, distance, rounding, max(SPLIT_AGREEMENT, TOLERANCE_FACTOR * credited),
+                               forwards=self.layout.world_size * self.layout.grad_accum * self.layout.replicas)
         if distance > finding.agreement:
             ww = float(w @ w)
             scale = float(s @ w) / ww if ww > 0 else math.nan
@@ -161,7 +177,7 @@ class SplitCheck:
             self.verdict.note("split_not_global",
                               f"the loss is not a mean over its samples: in float64 the ranks' split of the batch "
                               f"computes {f.scale:.6g}x the global batch's gradient at step {f.step} (a loss reduced "
-                              f"with sum gives 1/{self.layout.world_size * self.layout.grad_accum * self.layout.replicas}"
+                              f"with sum gives 1/{f.forwards}"
                               f"){rounding}; the oracle and the run-precision reference are the global batch, so the "
                               "run is judged against what a single process computes; reduce the loss with mean")
             return

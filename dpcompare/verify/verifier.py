@@ -225,6 +225,10 @@ class Verifier:
                                                    self.oracle.oracle_of(state, pieces))
                 none = self.oracle.none
                 floor, spread, wire = self.reference.measure(state, batch, pieces, forward_masks, loss_scale)
+                if (now := self.split.reconsider(step, state, batch, records, forward_masks, pieces, oracle, floor)):
+                    pieces, oracle = now  # the split changes the gradient here, not at the first step: as the ranks ran
+                    none = self.oracle.none
+                    floor, spread, wire = self.reference.measure(state, batch, pieces, forward_masks, loss_scale)
             except mk.MaskMismatch as exc:
                 self._mask_failure(step, exc)
                 return
@@ -261,13 +265,6 @@ class Verifier:
                     self.verdict.diverge(failure)
                 return
             params, model = self._compare(grads, oracle, floor, spread, wire)
-            if (not model.ok or not all(p.ok for p in params)) and self.verdict.first_divergence is None and (
-                    now := self.split.reconsider(step, state, batch, records, forward_masks, pieces, oracle)):
-                # the split changes the gradient at this step, though not at an earlier one: judged as the ranks ran it
-                pieces, oracle = now
-                pending.none = none = self.oracle.none
-                floor, spread, wire = self.reference.measure(state, batch, pieces, forward_masks, loss_scale)
-                params, model = self._compare(grads, oracle, floor, spread, wire)
             self.forwards.note_per_replica(step, state, batch, oracle, floor, pieces)
             self.split.note(max(eq.rel_fro(eq.flat(floor, self.names), eq.flat(oracle, self.names)),
                                 self.depth * eq.UNIT_ROUNDOFF[self.cfg.dtype]))
