@@ -127,6 +127,18 @@ def test_values_built_apart_that_the_backend_leaves_apart_are_different_with_tha
     assert alike.cause == "initial_weights" and "optimizer step while wrapping" in alike.reason
 
 
+def test_buffers_built_apart_are_judged_by_what_the_ranks_then_hold():
+    mine, theirs = _mlp(), _mlp()
+    with torch.no_grad():
+        theirs[1].running_mean.add_(1.0)
+    apart = initial.compare([initial.describe(mine), initial.describe(theirs)]).values
+    assert apart == {"1.running_mean": (1,)}
+    kept = _judge(mine, apart, mine, [theirs]).first_divergence
+    assert kept.cause == "weights_built_apart" and "rank 1 still holds its own 1.running_mean" in kept.reason, kept
+    broadcast = _judge(mine, apart, mine, [mine])
+    assert broadcast.first_divergence is None and any(n.code == "initial_weights_built_apart" for n in broadcast.notes)
+
+
 # -- how the batch is split ------------------------------------------------------------------------------------------
 def _split_check(workload, step: int = 0, check: SplitCheck | None = None):
     """The split's finding for `workload` at 2 ranks, from its initial weights and `step`'s batch (as rank 0's

@@ -102,9 +102,9 @@ class VerificationPhase:
         full = self.adapter.full_params()  # on every rank: a collective where the backend shards its parameters
         held = self.adapter.all_gather_object(initial.held(full, self.wrapped.module))
         verdict = self.check.verdict if self.check is not None else eq.Verdict(notes=list(self.wrapped.notes))
-        if self.rank0:  # against the workload's weights where there is a verifier, the ranks against rank 0's anyway
+        if self.rank0:  # every parameter against the workload's where there is a verifier
             initial.judge(verdict, self.template, dict(self.facts.built_apart), full, self.wrapped.module, held,
-                          against_template=self.check is not None)
+                          every_parameter=self.check is not None)
         return verdict
 
     def _step(self, step: int) -> None:

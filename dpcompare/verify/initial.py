@@ -39,7 +39,8 @@ def describe(module: nn.Module) -> list[Entry]:
             if isinstance(t, nn.parameter.UninitializedTensorMixin):  # a lazy module's: no shape, no values yet
                 out.append((kind, name, None, str(t.dtype).removeprefix("torch."), "uninitialized"))
                 continue
-            out.append((kind, name, tuple(t.shape), str(t.dtype).removeprefix("torch."), tensor_digest(t)))
+            digest = "meta" if t.is_meta else tensor_digest(t)  # a deferred initialisation's: no values yet
+            out.append((kind, name, tuple(t.shape), str(t.dtype).removeprefix("torch."), digest))
     return out
 
 
@@ -112,11 +113,11 @@ def _listed(names: list[str]) -> str:
 
 
 def judge(verdict: Verdict, template: nn.Module, built_apart: dict[str, tuple[int, ...]], full: dict[str, torch.Tensor],
-          module: nn.Module, per_rank: list[dict[str, list[str]]], against_template: bool = True) -> None:
+          module: nn.Module, per_rank: list[dict[str, list[str]]], every_parameter: bool = True) -> None:
     """Rank 0: what the ranks hold before step 0 (`full`: rank 0's full parameters; `module`: its wrapped module,
     for the buffers; `per_rank`: every rank's `held`), against what they built (`template`: rank 0's model as built;
-    `built_apart`: the values the ranks built differently). `against_template` False: only the ranks against each
-    other (no verifier: nothing holds the template to compare with)."""
+    `built_apart`: the values the ranks built differently). `every_parameter` False (an unchecked run): only the
+    values built apart are held to what rank 0 built, the rest only to each other across ranks."""
     names = list(full)
     buffers = [n for n, _ in module.named_buffers()]
     apart_after: dict[str, list[int]] = {}  # name -> the ranks that hold other values than rank 0 after wrapping
@@ -125,20 +126,10 @@ def judge(verdict: Verdict, template: nn.Module, built_apart: dict[str, tuple[in
             for name, digest, ref in zip(order, mine[kind], per_rank[0][kind]):
                 if digest != ref and (kind == "parameters" or name in built_apart):
                     apart_after.setdefault(name, []).append(rank)
-    moved: dict[str, float] = {}  # rank 0's values that are not the ones it built -> by how much (relative)
-    if against_template:
-        # Buffers only where the ranks built them apart: whether the backend made them rank 0's. Buffers built alike
-        # are the buffer check's, step by step (a backend may legitimately recast them when it wraps).
-        built = {**dict(template.named_buffers()), **dict(template.named_parameters())}
-        now = {**{n: b for n, b in module.named_buffers() if n in built_apart}, **full}
-        for name, have in now.items():
-            want = built.get(name)
-            if want is None or want.shape != have.shape:
-                continue
-            have = have.detach().cpu()
-            want = want.detach().to(dtype=have.dtype)
-            if not torch.equal(have, want):
-                moved[name] = rel_fro(have.double(), want.double()) if have.is_floating_point() else math.nan
+    # Buffers only where the ranks built them apart: whether the backend made them rank 0's. Buffers built alike are
+    # the buffer check's, step by step (a backend may legitimately recast them when it wraps).
+    now = {**{n: b for n, b in module.named_buffers() if n in built_apart}, **full}
+    moved = _moved(template, {n: t for n, t in now.items() if every_parameter or n in built_apart})
     apart = [n for n in built_apart if n in moved or n in apart_after]
     if built_apart:
         _built_apart(verdict, built_apart, apart, moved, apart_after)
@@ -159,6 +150,21 @@ def judge(verdict: Verdict, template: nn.Module, built_apart: dict[str, tuple[in
         verdict.replicas_identical = False
         verdict.note("initial_weights", f"rank {apart_after[rest[0]][0]} started with different weights at "
                      f"{'parameter' if rest[0] in full else 'buffer'} {rest[0]}")
+
+
+def _moved(template: nn.Module, now: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The values rank 0 holds (`now`) that are not the ones it built, with how far they moved (relative)."""
+    built = {**dict(template.named_buffers()), **dict(template.named_parameters())}
+    moved = {}
+    for name, have in now.items():
+        want = built.get(name)
+        if want is None or want.shape != have.shape:
+            continue
+        have = have.detach().cpu()
+        want = want.detach().to(dtype=have.dtype)
+        if not torch.equal(have, want):
+            moved[name] = rel_fro(have.double(), want.double()) if have.is_floating_point() else math.nan
+    return moved
 
 
 def _built_apart(verdict: Verdict, built_apart: dict[str, tuple[int, ...]], apart: list[str], moved: dict[str, float],
