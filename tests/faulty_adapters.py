@@ -78,6 +78,21 @@ class DriftedInitDDP(DDPAdapter):
         return wrapped
 
 
+class NoBroadcastDDP(DDPAdapter):
+    """DDP whose ranks keep the weights each built: DDP's broadcast of rank 0's at wrap time undone (as
+    DistributedDataParallel(init_sync=False) leaves them)."""
+
+    name = "no-broadcast-ddp"
+
+    def wrap(self, module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
+        built = {n: p.detach().clone() for n, p in module.named_parameters()}
+        wrapped = super().wrap(module, optimizer, local_batch, global_batch)
+        with torch.no_grad():
+            for n, p in wrapped.module.named_parameters():
+                p.copy_(built[n])
+        return wrapped
+
+
 class _LinearScaledLR:
     """The linear-scaling rule applied in one backend only: the learning rate multiplied by the world size."""
 

@@ -193,6 +193,9 @@ class ModelFacts:
     """Two forwards of the same input differ: the forward draws random numbers."""
     uncaptured: str | None = None
     """The module that draws random numbers where no dropout mask can be captured (None: all captured)."""
+    built_apart: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Parameters and buffers whose values the ranks built differently (before wrapping), each with the ranks whose
+    values differ from rank 0's."""
 
 
 @dataclass(slots=True)

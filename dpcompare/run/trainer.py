@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import time
 from typing import Any, Iterator
@@ -31,7 +32,7 @@ from dpcompare.run.verification import VerificationPhase
 from dpcompare.run.watchdog import Watchdog
 from dpcompare.run.workloads import Workload
 from dpcompare.verify import equivalence as eq
-from dpcompare.verify import float64_paths, stochastic, verifier
+from dpcompare.verify import float64_paths, initial, stochastic, verifier
 
 
 def load_workload(cfg: RunConfig) -> Workload:
@@ -144,13 +145,18 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
     """Model, optimizer and the backend's wrapper, on every rank; returns the untouched template (the
     architecture the oracle and the reference trajectory copy)."""
     switched = stochastic.switch_off_dropout(workload.model) if cfg.no_dropout else []
+    # Before anything is wrapped (a backend broadcasts rank 0's weights, or shards each rank's own): did every rank
+    # build the same model? Every rank learns every rank's answer, so a refusal ends them all alike.
+    built = initial.compare(adapter.all_gather_object(initial.describe(workload.model)))
+    if built.refusal is not None:
+        raise CommandLineError(f"--model {cfg.model}: {built.refusal}")
     template = copy.deepcopy(workload.model)
     # Rank 0 probes the model before wrapping (unused parameters decide DDP's find_unused_parameters);
     # every rank takes rank 0's answer.
     facts = None
     if env.is_rank0:
         facts = verifier.probe(template, workload.loss_fn, workload.make_batch(0, global_batch), device)
-    facts = adapter.all_gather_object(facts)[0]
+    facts = dataclasses.replace(adapter.all_gather_object(facts)[0], built_apart=tuple(built.values.items()))
     # Same seed for the weights (above), a seed of its own per rank for what the forward draws (seed 000).
     stochastic.seed_rank(cfg.seed, env.rank)
     module = workload.model.to(device=device, dtype=eq.DTYPES[cfg.dtype])
@@ -221,6 +227,15 @@ def _semantic_facts(e: dict[str, Any]) -> list[str]:
                     else "distance from the global batch not measured")
         facts.append(f"per-replica BatchNorm over {bn['local_batch']} samples: {distance} (--sync-bn makes it one "
                      "computation)")
+    split = e.get("split") or {}
+    if split.get("semantics") == "per_replica":
+        facts.append(f"the forward depends on how the batch is split: judged as the ranks' forwards, "
+                     f"{split['distance_rel_fro']:.3g} (relative) from the global batch's gradient")
+    elif split.get("semantics") == "loss_not_mean":
+        facts.append(f"the loss is not a mean over its samples: the ranks' split computes {split['scale']:.4g}x the "
+                     "global batch's gradient")
+    if any(n.get("code") == "initial_weights_built_apart" for n in e.get("notes") or []):
+        facts.append("the ranks built different initial weights; the backend gave every rank rank 0's")
     differ = [b for b in e.get("buffers") or [] if not b.get("ranks_agree", True)]
     if differ:
         follows = sorted({s for b in differ for s in b.get("nearest", b.get("semantics")) or []}) or ["no known semantics"]

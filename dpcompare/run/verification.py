@@ -31,7 +31,7 @@ from dpcompare.verify import buffers
 from dpcompare.verify import coverage as cv
 from dpcompare.verify import equivalence as eq
 from dpcompare.verify import masks as mk
-from dpcompare.verify import stochastic, verifier
+from dpcompare.verify import initial, stochastic, verifier
 
 
 class VerificationPhase:
@@ -100,14 +100,11 @@ class VerificationPhase:
                 layout=eq.Layout(self.runner.world_size, self.cfg.grad_accum, self.adapter.replicas_per_process()),
                 replay_reason=self.adapter.rng_replay_reason(), backend=self.adapter, coverage=coverage)
         full = self.adapter.full_params()  # on every rank: a collective where the backend shards its parameters
-        if self.check is not None:
-            self.check.check_initial(full)
+        held = self.adapter.all_gather_object(initial.held(full, self.wrapped.module))
         verdict = self.check.verdict if self.check is not None else eq.Verdict(notes=list(self.wrapped.notes))
-        mismatch = eq.first_mismatch(self.adapter.all_gather_object(eq.param_digests(full)), self.names)
-        if mismatch:
-            verdict.initial_weights_identical = False
-            verdict.replicas_identical = False
-            verdict.note("initial_weights", f"rank {mismatch[0]} started with different weights at parameter {mismatch[1]}")
+        if self.rank0:  # every parameter against the workload's where there is a verifier
+            initial.judge(verdict, self.template, dict(self.facts.built_apart), full, self.wrapped.module, held,
+                          every_parameter=self.check is not None)
         return verdict
 
     def _step(self, step: int) -> None:

@@ -1,8 +1,9 @@
 """The forwards the oracle runs for a checked step, with the dropout masks the ranks drew.
 
 Owns: which forwards stand for a step's gradient: the global batch in one forward, or each replica's own forwards as
-the backend split them (`Layout`), where BatchNorm without --sync-bn normalises each replica's samples alone or where
-the masks the ranks drew apply rank by rank; the ranks' captured masks (dpcompare.verify.masks) split forward by
+the backend split them (`Layout`), where BatchNorm without --sync-bn normalises each replica's samples alone, where
+the forward depends on how the batch is split (dpcompare.verify.split finds it) or where the masks the ranks drew
+apply rank by rank (unless the loss is not a mean: then the global batch, the masks joined); the ranks' captured masks (dpcompare.verify.masks) split forward by
 forward, unpacked once per step: the gradient check, the buffers and the trajectory of a step share them (captured
 masks that do not fit the forwards raise MaskMismatch); and the per_replica_batchnorm note, how far the per-replica
 gradient the run is judged against is from the single-process global-batch gradient. Imports no adapter.
@@ -27,6 +28,9 @@ class Forwards:
         self.layout, self.oracle, self.batchnorms, self.per_replica = layout, oracle, batchnorms, per_replica
         self.has_batchnorm = bool(batchnorms)
         self.stochastic, self.dtype, self.depth, self.verdict = stochastic, dtype, depth, verdict
+        self.joined = False
+        """The loss is not a mean over its samples (dpcompare.verify.split): the oracle runs the global batch in one
+        forward, the ranks' masks joined, even where it would otherwise run the ranks' forwards for their masks."""
         self._unpacked: tuple[list[mk.MaskRecord], list[Masks]] | None = None
         """The last step's records and their unpacked masks."""
 
@@ -35,10 +39,16 @@ class Forwards:
         captured masks do not fit them."""
         n = batch[0].shape[0]
         masks = self.masks(n, records) if records is not None else None
-        if self.per_replica or (masks is not None and not self.has_batchnorm):
+        if self.per_replica or (masks is not None and not self.has_batchnorm and not self.joined):
             return replica_pieces(batch, self.layout, masks)
+        return self.whole(batch, masks)
+
+    def whole(self, batch, masks: list[Masks] | None) -> list[Piece]:
+        """The global batch in one forward, the ranks' masks (`masks`, each forward's) joined; raises MaskMismatch
+        where they cannot be (not batch-first)."""
         if masks is None:
             return global_pieces(batch)
+        n = batch[0].shape[0]
         return global_pieces(batch, mk.combine(masks, [p[3] for p in self.layout.positions(n)], n))
 
     def masks(self, batch_size: int, records: list[mk.MaskRecord]) -> list[Masks]:
@@ -75,8 +85,8 @@ class Forwards:
                          pieces: list[Piece]) -> None:
         """The distance between the per-replica gradient the run is judged against and the single-process
         global-batch gradient, measured once (the first checked step), in floors of the gradient check."""
-        if not self.per_replica or self.verdict.batchnorm is not None:
-            return
+        if not (self.per_replica and self.has_batchnorm) or self.verdict.batchnorm is not None:
+            return  # per replica for another reason than BatchNorm: dpcompare.verify.split's note
         n = batch[0].shape[0]
         whole, none = None, self.oracle.none
         try:

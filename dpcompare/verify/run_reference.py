@@ -1,16 +1,14 @@
 """The run-precision reference of a checked step: what the reduced gradient is judged against, and its floor.
 
 Owns: the forwards the reference runs (each rank's own, as its loss scale and its rounding act rank by rank, except
-one forward under global BatchNorm); whether the ranks' split of the batch computes the global batch's gradient at
-all (measured once, in float64: where it does not, as with a loss reduced with sum, the reference is the global
-batch, as the oracle is, and the split_not_global note says so); the same function regrouped as data parallelism may
-legitimately regroup it, whose distance from the reference is the floor (under --compile the regrouped twin runs a
-compiled copy: a compiled run's kernels round differently from the eager reference's, and that is measured here, not
-assumed); and the wire a backend declares narrower
-than the run dtype (--compression, or what its precision recipe sends), emulated where every rank's share is a piece
-of its own and the wire changes no more than its rounding (`Verdict.wire_rounding` "measured"), bounded otherwise.
-The reference itself is computed by the oracle's run-precision copy (dpcompare.verify.equivalence). Imports no
-adapter.
+one forward under global BatchNorm, and the global batch where the loss is not a mean over its samples, as
+dpcompare.verify.split finds it: there the run's split is judged against what a single process computes); the same
+function regrouped as data parallelism may legitimately regroup it, whose distance from the reference is the floor
+(under --compile the regrouped twin runs a compiled copy: a compiled run's kernels round differently from the eager
+reference's, and that is measured here, not assumed); and the wire a backend declares narrower than the run dtype
+(--compression, or what its precision recipe sends), emulated where every rank's share is a piece of its own and the
+wire changes no more than its rounding (`Verdict.wire_rounding` "measured"), bounded otherwise. The reference itself
+is computed by the oracle's run-precision copy (dpcompare.verify.equivalence). Imports no adapter.
 """
 
 from __future__ import annotations
@@ -18,12 +16,9 @@ from __future__ import annotations
 import torch
 
 from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, replica_pieces
+from dpcompare.verify.split import SplitCheck, in_ranks_order
 from dpcompare.verify.tolerance import TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, flat, rel_fro
 from dpcompare.verify.verdict import Verdict
-
-SPLIT_AGREEMENT = 1e-9
-"""The ranks' split and the global batch, both in float64, agree to about 1e-15 where the loss is a mean over
-independent samples; a loss that is not (a sum) puts them a factor apart."""
 
 
 class RunReference:
@@ -31,26 +26,22 @@ class RunReference:
     `layout` says, in `dtype`, sending its gradients through `wire` (none, fp16 or bf16)."""
 
     def __init__(self, oracle: Oracle, layout: Layout, *, dtype: str, world_size: int, wire: str, has_batchnorm: bool,
-                 sync_bn: bool, verdict: Verdict, compiled: bool = False) -> None:
+                 sync_bn: bool, verdict: Verdict, split: SplitCheck, compiled: bool = False) -> None:
         self.oracle, self.layout, self.dtype, self.world_size, self.wire = oracle, layout, dtype, world_size, wire
         self.compiled = compiled
         """--compile: the regrouped twin runs compiled, so the floor holds the compiler's rounding too."""
         self.has_batchnorm, self.sync_bn, self.verdict = has_batchnorm, sync_bn, verdict
         self.names = oracle.names
-        self._split_global: bool | None = None
-        """The ranks' split computes the global batch's gradient (None: not yet measured)."""
+        self.split = split
+        """Whether the ranks' split computes the global batch's gradient (dpcompare.verify.split)."""
 
-    def measure(self, state: dict, batch, pieces: list[Piece], forward_masks: list[Masks] | None, oracle: Grads,
+    def measure(self, state: dict, batch, pieces: list[Piece], forward_masks: list[Masks] | None,
                 loss_scale: float) -> tuple[Grads, Grads, torch.dtype | None]:
         """The reference (floor), its regrouped twin (spread) and the wire dtype the reference sent the ranks' shares
         through (None: the reduction's rounding is bounded instead), at the run's `state` and loss scale, for the
-        step whose oracle ran `pieces` and gave `oracle`. The oracle's `none` stays as that oracle left it; raises
-        MaskMismatch where the captured masks do not fit the reference's forwards."""
-        none = self.oracle.none
+        step whose oracle ran `pieces`. The oracle's `none` stays as that oracle left it; raises MaskMismatch where
+        the captured masks do not fit the reference's forwards."""
         run_pieces = self._floor_pieces(batch, pieces, forward_masks)
-        if run_pieces is not pieces and not self._split_is_global(state, run_pieces, oracle):
-            run_pieces = pieces
-        self.oracle.none = none
         wire = self._emulated_wire(run_pieces)
         if wire is None:
             floor = self.oracle.floor_of(state, run_pieces, loss_scale)
@@ -72,28 +63,13 @@ class RunReference:
 
     def _floor_pieces(self, batch, pieces: list[Piece], forward_masks: list[Masks] | None) -> list[Piece]:
         """The forwards of the run-precision reference: each rank's own (as its loss scale and its rounding act rank
-        by rank, and as each rank's shard sums into the reduction), except with global BatchNorm, one forward."""
-        if (self.has_batchnorm and self.sync_bn) or len(pieces) > 1 or not self.layout.splits_the_batch:
+        by rank, and as each rank's shard sums into the reduction), except with global BatchNorm, one forward, and
+        where the loss is not a mean, the global batch, as the oracle (the run's split is judged against it)."""
+        finding = self.split.finding
+        if ((self.has_batchnorm and self.sync_bn) or len(pieces) > 1 or not self.layout.splits_the_batch
+                or (finding is not None and finding.semantics == "loss_not_mean")):
             return pieces
         return replica_pieces(batch, self.layout, forward_masks)
-
-    def _split_is_global(self, state: dict, split: list[Piece], oracle: Grads) -> bool:
-        """Whether the ranks' split of the batch computes the global batch's gradient (in float64, once, at the first
-        checked step): the run-precision reference splits the batch as the ranks do, which is the same function only
-        where the loss is a mean over independent samples, as the workload contract says. Where it is not (a loss
-        reduced with sum), the reference is the global batch, as the oracle is, and the run's split is judged
-        against it."""
-        if self._split_global is None:
-            names = self.names
-            gap = rel_fro(flat(self.oracle.oracle_of(state, split), names), flat(oracle, names))
-            self._split_global = gap <= SPLIT_AGREEMENT
-            if not self._split_global:
-                self.verdict.note("split_not_global",
-                                  f"the ranks' split of the global batch does not compute its gradient on this workload: "
-                                  f"in float64 the two are {gap:.3g} apart (a loss that is not a mean over its samples, "
-                                  "or samples that interact); the run-precision reference is the global batch, as the "
-                                  "oracle is")
-        return self._split_global
 
     def _spread_pieces(self, pieces: list[Piece]) -> list[Piece]:
         """The same function grouped the way data parallelism may legitimately group it differently, for the floor of
@@ -104,13 +80,7 @@ class RunReference:
         bf16) a regrouped forward would measure that chaos, not data parallelism."""
         if len(pieces) != 1 or not self.layout.splits_the_batch:
             return list(reversed(pieces))
-        p = pieces[0]
-        n = p.x.shape[0]
-        order = torch.cat([idx for *_, idx in self.layout.positions(n)])
-        if p.masks is not None and any(m.dim() == 0 or m.shape[0] != n for ms in p.masks.values() for m in ms):
-            return [p]
-        masks = {k: [m[order] for m in ms] for k, ms in p.masks.items()} if p.masks is not None else None
-        return [Piece(p.x[order], p.y[order], p.weight, masks, p.rank)]
+        return [in_ranks_order(pieces[0], self.layout) or pieces[0]]
 
     def _emulated_wire(self, pieces: list[Piece]) -> torch.dtype | None:
         """The wire dtype the run-precision reference sends the ranks' shares through: the declared one

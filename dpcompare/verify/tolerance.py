@@ -86,6 +86,7 @@ class ParamError:
     max_abs_err: float
     """max |g - o| against the float64 reference."""
     max_rel_err: float
+    """max |g - o| / (|o| + u max|o|) over the elements; NaN where o is zero throughout (`max_rel_err_reason`)."""
     rel_fro_err: float
     """Against the float64 reference (reported)."""
     floor_rel_fro_err: float
@@ -105,6 +106,8 @@ class ParamError:
     judged: bool = True
     """False: the floor is too large to judge this parameter (left out, counted in coverage)."""
     elements: int = 0
+    max_rel_err_reason: str | None = None
+    """Why `max_rel_err` is undefined (None: it is defined)."""
 
 
 @dataclass(slots=True)
@@ -149,7 +152,10 @@ def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_
         finite = bool(torch.isfinite(g).all())
         diff = (g - o).abs()
         scale = float(o.abs().max()) if o.numel() else 0.0
-        max_rel = float((diff / (o.abs() + u * scale + 1e-300)).max()) if o.numel() else 0.0
+        # A relative error over a zero reference is no figure: NaN (null in the result) with its reason.
+        max_rel = float((diff / (o.abs() + u * scale)).max()) if scale > 0 else math.nan
+        why = None if scale > 0 else (f"the float64 reference of {name} is zero throughout: no relative error "
+                                      "(max_abs_err is its distance)" if o.numel() else f"{name} has no elements")
         denom = max(_norm(o), share)
         err = rel_fro(g, o, share) if finite else math.inf
         judged_err = rel_fro(g, r, share) if finite else math.inf
@@ -161,7 +167,7 @@ def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_
         out.append(ParamError(name, float(diff.max()) if o.numel() else 0.0, max_rel if finite else math.inf, err,
                               rel_fro(floor[name], o, share), judged_err / (floor_p + reduction), tol,
                               judged_err <= tol or (not alone and finite), judged_err, own[name], detect, alone,
-                              o.numel()))
+                              o.numel(), why if finite else None))
     return out, _model(values, reference, floor, against, judged or names, model_floor, minimum, reduction)
 
 

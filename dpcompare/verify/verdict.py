@@ -133,7 +133,14 @@ class StepCheck:
 
     @property
     def max_rel_err(self) -> float:
-        return max((p.max_rel_err for p in self.params), default=0.0)
+        """The largest defined one (NaN: none is: every reference is zero, `max_rel_err_reason`)."""
+        return _defined_max([p.max_rel_err for p in self.params])
+
+    @property
+    def max_rel_err_reason(self) -> str | None:
+        if not math.isnan(self.max_rel_err):
+            return None
+        return next((p.max_rel_err_reason for p in self.params if p.max_rel_err_reason), "no parameter was compared")
 
     @property
     def max_rel_fro_err(self) -> float:
@@ -154,6 +161,11 @@ class StepCheck:
     @property
     def min_detectable_rel(self) -> float:
         return min_detectable(self.params, self.model)
+
+
+def _defined_max(values: list[float]) -> float:
+    """The largest of `values` that is not NaN (an undefined figure, whose reason is recorded beside it)."""
+    return max((v for v in values if not math.isnan(v)), default=math.nan)
 
 
 def _worst(values: list[float]) -> float | None:
@@ -179,6 +191,10 @@ class Verdict:
     batchnorm: dict | None = None
     """BatchNorm judged per replica (no --sync-bn): its modules, local batch and measured distance from the
     global batch (None: the model has no BatchNorm, it was synchronised, or the batch was not split)."""
+    split: dict | None = None
+    """Whether the ranks' split of the batch computes the global batch's gradient, as measured in float64
+    (dpcompare.verify.split: global, loss_not_mean or per_replica, the distance, the rounding it was allowed; None:
+    the batch was not split, or something else decided the forwards)."""
     buffers: list[dict] = field(default_factory=list)
     """Every module buffer after the checked steps: do the ranks agree, and which semantics it follows
     (dpcompare.verify.buffers)."""
@@ -275,7 +291,10 @@ class Verdict:
             "unverifiable_reason": "; ".join(self.unverifiable) if verdict == "unverifiable" else None,
             "checks": self._summaries(),
             "checked_steps": [c.step for c in self.checks],
-            "max_rel_err": max((c.max_rel_err for c in self.checks), default=None),
+            "max_rel_err": _defined_max([c.max_rel_err for c in self.checks]) if self.checks else None,
+            "max_rel_err_reason": (next((c.max_rel_err_reason for c in self.checks if c.max_rel_err_reason), None)
+                                   if self.checks and math.isnan(_defined_max([c.max_rel_err for c in self.checks]))
+                                   else None),
             "max_rel_fro_err": max((c.max_rel_fro_err for c in self.checks), default=None),
             "noise_floor_rel_fro": max((c.floor for c in self.checks), default=None),
             "noise_ratio": worst.noise_ratio if worst else None,
@@ -288,6 +307,7 @@ class Verdict:
             "oracle_coverage": self.oracle_coverage,
             "oracle_precision": self.oracle_precision,
             "batchnorm": self.batchnorm,
+            "split": self.split,
             "buffers": self.buffers,
             "precision": self.precision.to_dict() if self.precision is not None else None,
             "tolerance": {**tolerance_policy, "wire_rounding": self.wire_rounding},
@@ -297,6 +317,7 @@ class Verdict:
                 {
                     "step": c.step,
                     "max_rel_err": c.max_rel_err,
+                    "max_rel_err_reason": c.max_rel_err_reason,
                     "max_rel_fro_err": c.max_rel_fro_err,
                     "noise_floor_rel_fro": c.floor,
                     "noise_ratio": c.noise_ratio,

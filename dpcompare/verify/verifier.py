@@ -18,8 +18,9 @@ Owns: the `Verifier`, which runs for every step of the verification phase
 and the power each checked step must have for the verdict to say `equivalent`. The model probe before wrapping
 (unused, frozen and random parts of the model) is dpcompare.verify.probe's, `probe` importable from here too.
 The oracle computes what data parallelism computes: the global batch in one forward, or, where the model
-couples the samples of a batch (BatchNorm without --sync-bn), each replica's own forwards as the backend
-split them, its distance from the global batch stated as a note (dpcompare.verify.forwards). Dropout masks are
+couples the samples of a batch (BatchNorm without --sync-bn) or its forward depends on how the batch is split
+(dpcompare.verify.split), each replica's own forwards as the backend split them, its distance from the global batch
+stated as a note (dpcompare.verify.forwards). What the ranks hold before step 0 is dpcompare.verify.initial's. Dropout masks are
 the ones the ranks drew, captured during their forward (dpcompare.verify.masks), never redrawn.
 A failed check is diagnosed (dpcompare.verify.diagnosis); a part that cannot be checked is recorded as such and
 the verdict says `unverifiable` with the reason, never `equivalent`. Everything here runs on generators
@@ -42,13 +43,13 @@ from dpcompare.contract import Adapter, ModelFacts, Wrapped
 from dpcompare.verify.buffers import BufferCheck
 from dpcompare.verify.clipping import GradNormJudge
 from dpcompare.verify.coverage import Coverage, unchecked_frozen
-from dpcompare.verify.dtypes import is_float, non_float_divergence
 from dpcompare.verify.diagnosis import GradientEvidence, diagnose_gradient, reason_of
 from dpcompare.verify.forwards import Forwards
 from dpcompare.verify.loss_scale import LossScaleJudge
 from dpcompare.verify.probe import judge_randomness, probe
 from dpcompare.verify.reads import Pending, Reads
 from dpcompare.verify.run_reference import RunReference
+from dpcompare.verify.split import SplitCheck
 from dpcompare.verify.tolerance import REQUIRED_POWER, classic_tolerance
 from dpcompare.verify.stochastic import RngState
 from dpcompare.verify.trajectory import Trajectory
@@ -71,7 +72,7 @@ class Verifier:
         self.layout = layout
         self.batchnorms = [n for n, m in template.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         self.has_batchnorm = bool(self.batchnorms)
-        self.per_replica = self.has_batchnorm and not cfg.sync_bn and layout.splits_the_batch
+        per_replica = self.has_batchnorm and not cfg.sync_bn and layout.splits_the_batch
         """BatchNorm without --sync-bn: the oracle runs each replica's forwards, as the backend does."""
         self.depth = eq.depth_of(template)
         self.backend = backend
@@ -92,11 +93,13 @@ class Verifier:
                               f"{', '.join(coverage.units_checked)}); {coverage.reason}. The others "
                               f"({', '.join(coverage.units_unchecked)}) enter every forward at the run's values, but "
                               "their gradients, updates and drift are not compared")
-        self.forwards = Forwards(layout, self.oracle, batchnorms=self.batchnorms, per_replica=self.per_replica,
+        self.forwards = Forwards(layout, self.oracle, batchnorms=self.batchnorms, per_replica=per_replica,
                                  stochastic=facts.stochastic, dtype=cfg.dtype, depth=self.depth, verdict=self.verdict)
+        self.split = SplitCheck(self.oracle, self.forwards, depth=self.depth, verdict=self.verdict,
+                                applies=layout.splits_the_batch and not self.has_batchnorm)
         self.reference = RunReference(self.oracle, layout, dtype=cfg.dtype, world_size=world_size, wire=self.wire,
                                       has_batchnorm=self.has_batchnorm, sync_bn=cfg.sync_bn, verdict=self.verdict,
-                                      compiled=cfg.compile)
+                                      split=self.split, compiled=cfg.compile)
         self.loss_scale = LossScaleJudge(backend, self.verdict, cfg.amp, self.names)
         scaler = backend.scaler_state()
         self.verdict.precision = PrecisionReport(cfg.amp, self.recipe.kind, self.recipe.describe(), self.wire,
@@ -162,32 +165,6 @@ class Verifier:
         self.verdict.unverifiable.append(reason)
         self.stopped = True
 
-    def check_initial(self, params: dict[str, torch.Tensor]) -> None:
-        """Rank 0's weights before step 0 (full, `Adapter.full_params()`) are the workload's initial weights (the
-        ranks agreeing with each other is checked separately, by fingerprint)."""
-        built = dict(self.template.named_parameters())
-        carried = [n for n, t in built.items() if not is_float(t)]
-        if (changed := non_float_divergence(0, "initial", params, built, carried, "before step 0")) is not None:
-            self.verdict.initial_weights_identical = False
-            self.verdict.diverge(changed)
-            return
-        for name, p in params.items():
-            if name in carried:
-                continue
-            want = built[name].detach().to(dtype=p.dtype)
-            have = p.detach().cpu()
-            if not torch.equal(have, want):
-                change = eq.rel_fro(have.double(), want.double())
-                self.verdict.initial_weights_identical = False
-                self.verdict.diverge(eq.Divergence(
-                    0, name, change, 0.0, math.nan,
-                    f"the weights before step 0 are not the workload's initial weights ({name} moved by {change:.2e} "
-                    "relative): something changed them after the model was built, such as an optimizer step while "
-                    "wrapping (Horovod's broadcast_optimizer_state on a fresh optimizer runs step() on zero gradients, "
-                    "horovod/horovod#3743) or a checkpoint load", check="initial", cause="initial_weights",
-                    parameters=[name]))
-                return
-
     # -- per step ----------------------------------------------------------------------------------
     def observe_scaler(self, step: int) -> None:
         """Before every step's optimizer step: the loss scale its backward used and the skips counted so far, so the
@@ -248,9 +225,14 @@ class Verifier:
             grads = {n: (reduced[n] if reduced.get(n) is not None else torch.zeros_like(self.masters[n])).detach().double().cpu()
                      for n in self.names}
             try:
-                oracle = self.oracle.oracle_of(state, pieces)
+                pieces, oracle = self.split.settle(step, state, batch, records, forward_masks, pieces,
+                                                   self.oracle.oracle_of(state, pieces))
                 none = self.oracle.none
-                floor, spread, wire = self.reference.measure(state, batch, pieces, forward_masks, oracle, loss_scale)
+                floor, spread, wire = self.reference.measure(state, batch, pieces, forward_masks, loss_scale)
+                if (now := self.split.reconsider(step, state, batch, records, forward_masks, pieces, oracle, floor)):
+                    pieces, oracle = now  # the split changes the gradient here, not at the first step: as the ranks ran
+                    none = self.oracle.none
+                    floor, spread, wire = self.reference.measure(state, batch, pieces, forward_masks, loss_scale)
             except mk.MaskMismatch as exc:
                 self._mask_failure(step, exc)
                 return
@@ -275,8 +257,6 @@ class Verifier:
                 self.verdict.notes = [n for n in self.verdict.notes if n.code != "buffers_per_rank"]
                 self.verdict.note("buffers_per_rank", text)
             backend_state = reads.state
-            if not all(bool(torch.isfinite(t).all()) for t in spread.values()):
-                spread = floor  # the regrouped sum overflows where the ranks' does not: no measured spread
             pending = Pending(
                 step, {n: self.masters[n].detach().double().cpu().clone() for n in self.names},
                 {n: (None if reduced.get(n) is None else grads[n]) for n in self.names}, none,
@@ -288,10 +268,10 @@ class Verifier:
                 if failure is not None:
                     self.verdict.diverge(failure)
                 return
+            params, model = self._compare(grads, oracle, floor, spread, wire)
             self.forwards.note_per_replica(step, state, batch, oracle, floor, pieces)
-            params, model = eq.compare(grads, oracle, floor, dtype=self.cfg.dtype, world_size=self.world_size,
-                                       depth=self.depth, u_sum=self.u_wire if wire is None else None,
-                                       names=self.names, spread=spread)
+            self.split.note(max(eq.rel_fro(eq.flat(floor, self.names), eq.flat(oracle, self.names)),
+                                self.depth * eq.UNIT_ROUNDOFF[self.cfg.dtype]))
             digests = eq.first_mismatch([i["grads"] for i in info], self.all_names)
             check = eq.StepCheck(step, params, True, digests is None, model=model)
             self.verdict.checks.append(check)
@@ -314,7 +294,7 @@ class Verifier:
                     oracle=self.oracle, state=state, batch=batch, world_size=self.world_size,
                     grad_accum=self.cfg.grad_accum, shard_digests=[i["shard"] for i in info],
                     has_batchnorm=self.has_batchnorm, sync_bn=self.cfg.sync_bn, compression=self.wire,
-                    dtype=self.cfg.dtype, layout=self.layout, per_replica=self.per_replica, masks=forward_masks,
+                    dtype=self.cfg.dtype, layout=self.layout, per_replica=self.forwards.per_replica, masks=forward_masks,
                     previous=self.previous, loss_scale=loss_scale if scaler is not None else None,
                     judged_tolerance={p.parameter: p.tolerance_rel_fro for p in params},
                     missing=frozenset(n for n in self.names if reduced.get(n) is None and n not in none),
@@ -334,6 +314,12 @@ class Verifier:
                         self.dumps[f"{step}/{kind}/{n}"] = t.numpy()
             self.previous = (step, grads)
             self.pending = pending
+
+    def _compare(self, grads: eq.Grads, oracle: eq.Grads, floor: eq.Grads, spread: eq.Grads, wire) -> tuple:
+        if not all(bool(torch.isfinite(t).all()) for t in spread.values()):
+            spread = floor  # the regrouped sum overflows where the ranks' does not: no measured spread
+        return eq.compare(grads, oracle, floor, dtype=self.cfg.dtype, world_size=self.world_size, depth=self.depth,
+                          u_sum=self.u_wire if wire is None else None, names=self.names, spread=spread)
 
     def _ranks_apart(self, info: list[dict]) -> list[str]:
         """The parameters whose reduced gradient differs between ranks (by digest): every backend hands every rank the

@@ -39,15 +39,20 @@ def _stochastic(job: Job) -> bool:
 
 
 PER_REPLICA_ACROSS_SPLITS = (
-    "not comparable: BatchNorm is judged per replica (no --sync-bn) and the two runs split the global batch into "
-    "different forwards, so each normalises other sets of samples and computes another function; each run's oracle "
-    "column judges it against its own split (compare with --run-arg=--sync-bn for one computation)")
+    "not comparable: the run is judged per replica (BatchNorm without --sync-bn, or a forward that depends on how the "
+    "batch is split) and the two runs split the global batch into different forwards, so each computes another "
+    "function; each run's oracle column judges it against its own split (for BatchNorm, compare with "
+    "--run-arg=--sync-bn for one computation)")
 
 
 def _per_replica_split(job: Job) -> int | None:
-    """The number of forwards a run normalised separately (BatchNorm per replica), or None when it did not."""
-    bn = ((job.result or {}).get("equivalence") or {}).get("batchnorm") or {}
-    return bn.get("forwards") if bn.get("semantics") == "per_replica" else None
+    """The number of forwards a run computed separately (BatchNorm per replica, or a forward that depends on the
+    split), or None when it did not."""
+    e = (job.result or {}).get("equivalence") or {}
+    for section in (e.get("batchnorm") or {}, e.get("split") or {}):
+        if section.get("semantics") == "per_replica":
+            return section.get("forwards")
+    return None
 
 
 def _not_comparable(a: Job, b: Job) -> str | None:

@@ -1,0 +1,196 @@
+"""Whether the ranks' split of a step's batch computes the global batch's gradient.
+
+Owns: the measurement, in float64 on rank 0: the gradient of the ranks' split (each rank's forwards, weighted by
+their share), of the global batch in one forward, and of the global batch with its samples in the order the ranks
+hold them. That reordering is the same function for any model whose loss is a mean over independent samples; what
+it changes is the rounding of ops the model computes below float64 inside its float64 copy (Gemma's RMSNorm upcasts
+to float32 whatever the input's dtype), so its distance from the global batch is the agreement the split can be
+asked for (never less than SPLIT_AGREEMENT). A reordering that moves the gradient beyond what float32 inside the
+model could (depth x float32's unit roundoff) is not credited as rounding. Three findings (`SplitFinding`):
+
+  global         the split computes the global batch's gradient (the workload contract);
+  loss_not_mean  the split's gradient is a scalar multiple of the global one (a loss reduced with sum: 1/N): the
+                 oracle and the reference stay the global batch, so the run's scaled gradient shows at the check;
+  per_replica    the forward depends on how the batch is split (control flow on the local batch's size or
+                 content, samples that interact): data parallelism computes each rank's forwards, so the oracle and
+                 the reference compute those, as for BatchNorm without --sync-bn, and the note states their
+                 distance from the global batch.
+
+Measured at the first checked step, and again at a later one where the run-precision reference (the ranks' split)
+moves away from the float64 oracle (the global batch) by more than the tolerance factor times its distance at the
+first (a split that changes nothing at one step may at another: control flow on the batch's content). Imports no
+adapter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+
+from dpcompare.verify import masks as mk
+from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, replica_pieces
+from dpcompare.verify.forwards import Forwards
+from dpcompare.verify.tolerance import TOLERANCE_FACTOR, UNIT_ROUNDOFF, flat, rel_fro
+from dpcompare.verify.verdict import Verdict
+
+SPLIT_AGREEMENT = 1e-9
+"""The least agreement asked of the split and the global batch in float64: a mean over independent samples computed
+in float64 throughout puts them about 1e-15 apart."""
+
+Semantics = Literal["global", "loss_not_mean", "per_replica"]
+
+
+@dataclass(slots=True)
+class SplitFinding:
+    semantics: Semantics
+    step: int
+    """The checked step it was measured at."""
+    distance_rel_fro: float
+    """The split's float64 gradient from the global batch's (relative Frobenius)."""
+    rounding_rel_fro: float | None
+    """The global batch reordered from itself, in float64: the rounding of what the model computes below float64
+    (None: not measured, the captured dropout masks are not batch-first)."""
+    agreement: float
+    """What the split had to be within to count as the global batch."""
+    scale: float | None = None
+    """loss_not_mean: the split's gradient over the global one."""
+    floors: float | None = None
+    """per_replica: the distance in the run's noise floors (its precision floor at that step)."""
+    forwards: int = 1
+    """The forwards data parallelism split each step's batch into (ranks x micro-batches x device replicas)."""
+
+    def to_dict(self) -> dict:
+        return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in asdict(self).items()}
+
+
+def in_ranks_order(piece: Piece, layout: Layout) -> Piece | None:
+    """`piece` (one forward of the global batch) with its samples in the order the ranks hold them (rank by rank,
+    micro-batch by micro-batch), its dropout masks reordered alike; None where a mask is not batch-first."""
+    n = piece.x.shape[0]
+    order = torch.cat([idx for *_, idx in layout.positions(n)])
+    if piece.masks is not None and any(m.dim() == 0 or m.shape[0] != n for ms in piece.masks.values() for m in ms):
+        return None
+    masks = {k: [m[order] for m in ms] for k, ms in piece.masks.items()} if piece.masks is not None else None
+    return Piece(piece.x[order], piece.y[order], piece.weight, masks, piece.rank)
+
+
+class SplitCheck:
+    """The finding of a run whose oracle runs `forwards` (dpcompare.verify.forwards), measured by `oracle` (its
+    float64 copy), for a model of `depth`. `applies`: the batch is split and nothing else decided the forwards yet
+    (BatchNorm without --sync-bn runs the ranks' forwards; with it, one forward stands for the ranks')."""
+
+    def __init__(self, oracle: Oracle, forwards: Forwards, *, depth: int, applies: bool, verdict: Verdict) -> None:
+        self.oracle, self.forwards, self.layout = oracle, forwards, forwards.layout
+        self.depth, self.applies, self.verdict = depth, applies, verdict
+        self.finding: SplitFinding | None = None
+        self.unmeasured = False
+        self.baseline: float | None = None
+        """The run-precision reference's distance from the float64 oracle where the split was found global."""
+        """The ranks' masks cannot be joined into one forward (not batch-first): no global batch to hold the split to."""
+
+    def settle(self, step: int, state: dict, batch, records, masks: list[Masks] | None, pieces: list[Piece],
+               oracle: Grads) -> tuple[list[Piece], Grads]:
+        """At the first checked step: the finding (`measure`), the forwards switched to what it says, and the step's
+        pieces and float64 oracle as they then are (recomputed where they changed; the oracle's `none` with them)."""
+        if not self.applies or self.finding is not None or self.unmeasured:
+            return pieces, oracle
+        return self._decide(step, state, batch, records, masks, pieces, oracle)
+
+    def reconsider(self, step: int, state: dict, batch, records, masks: list[Masks] | None, pieces: list[Piece],
+                   oracle: Grads, floor: Grads) -> tuple[list[Piece], Grads] | None:
+        """At every checked step after the first, while the split was found to compute the global batch: where the
+        run-precision reference (`floor`, the ranks' split) has moved from the float64 oracle (`oracle`, the global
+        batch, from `pieces`) by more than the tolerance factor times what it was at the first checked step (its
+        precision), the split is measured again at this step. The step's pieces and oracle where the forwards changed
+        (the step is judged on them), else None. Costs nothing more where nothing moved."""
+        f = self.finding
+        if not self.applies or f is None or f.semantics != "global" or len(pieces) != 1:
+            return None
+        names = self.oracle.names
+        moved = rel_fro(flat(floor, names), flat(oracle, names))
+        if f.step == step or self.baseline is None:
+            self.baseline = max(moved, self.depth * UNIT_ROUNDOFF["float64"])
+            return None
+        if moved <= TOLERANCE_FACTOR * self.baseline:
+            return None
+        now = self._decide(step, state, batch, records, masks, pieces, oracle)
+        return now if self.finding.semantics != "global" else None
+
+    def _decide(self, step: int, state: dict, batch, records, masks: list[Masks] | None, pieces: list[Piece],
+                oracle: Grads) -> tuple[list[Piece], Grads]:
+        try:
+            whole = self.forwards.whole(batch, masks)
+        except mk.MaskMismatch:
+            self.unmeasured = True
+            return pieces, oracle
+        split = replica_pieces(batch, self.layout, masks)
+        finding = self.measure(step, state, split, whole, oracle, known_is_whole=len(pieces) == 1)
+        self.forwards.per_replica = finding.semantics == "per_replica"
+        self.forwards.joined = finding.semantics == "loss_not_mean"
+        now = self.forwards.pieces(batch, records)
+        if len(now) != len(pieces):
+            oracle = self.oracle.oracle_of(state, now)
+        return now, oracle
+
+    def measure(self, step: int, state: dict, split: list[Piece], whole: list[Piece], known: Grads,
+                known_is_whole: bool) -> SplitFinding:
+        """The finding at `step` from the run's `state`: `split`, the ranks' forwards; `whole`, the global batch in one
+        forward (the ranks' masks joined); `known`, the float64 gradient of one of the two (`known_is_whole`), already
+        computed. Records it (`finding`); the oracle's `none` is left as it was."""
+        none = self.oracle.none
+        names = self.oracle.names
+        s = flat(self.oracle.oracle_of(state, split), names) if known_is_whole else flat(known, names)
+        w = flat(known, names) if known_is_whole else flat(self.oracle.oracle_of(state, whole), names)
+        reordered = in_ranks_order(whole[0], self.layout)
+        rounding = rel_fro(flat(self.oracle.oracle_of(state, [reordered]), names), w) if reordered is not None else None
+        self.oracle.none = none
+        distance = rel_fro(s, w)
+        # Float32 inside the model rounds its float64 gradient by up to about depth x float32's unit roundoff; a
+        # reordering that moves it further is no rounding (the samples interact through their order).
+        credited = rounding if rounding is not None and rounding <= self.depth * UNIT_ROUNDOFF["float32"] else 0.0
+        finding = SplitFinding("global", step, distance, rounding, max(SPLIT_AGREEMENT, TOLERANCE_FACTOR * credited),
+                               forwards=self.layout.world_size * self.layout.grad_accum * self.layout.replicas)
+        if distance > finding.agreement:
+            ww = float(w @ w)
+            scale = float(s @ w) / ww if ww > 0 else math.nan
+            if (math.isfinite(scale) and abs(scale - 1.0) > finding.agreement
+                    and rel_fro(s, scale * w) <= finding.agreement):
+                finding.semantics, finding.scale = "loss_not_mean", scale
+            else:
+                finding.semantics = "per_replica"
+        self.finding = finding
+        self.verdict.split = finding.to_dict()
+        return finding
+
+    def note(self, floor_rel: float) -> None:
+        """The finding's note, once the step's precision floor (`floor_rel`, relative) is known."""
+        f = self.finding
+        if f is None or f.semantics == "global" or any(n.code.startswith("split_") for n in self.verdict.notes):
+            return
+        rounding = ("" if f.rounding_rel_fro is None else
+                    f"; the global batch reordered moves it {f.rounding_rel_fro:.3g}, the rounding of what the model "
+                    "computes below float64")
+        if f.semantics == "loss_not_mean":
+            self.verdict.note("split_not_global",
+                              f"the loss is not a mean over its samples: in float64 the ranks' split of the batch "
+                              f"computes {f.scale:.6g}x the global batch's gradient at step {f.step} (a loss reduced "
+                              f"with sum gives 1/{f.forwards}"
+                              f"){rounding}; the oracle and the run-precision reference are the global batch, so the "
+                              "run is judged against what a single process computes; reduce the loss with mean")
+            return
+        f.floors = f.distance_rel_fro / floor_rel if floor_rel > 0 else None
+        self.verdict.split = f.to_dict()
+        ws, k, r = self.layout.world_size, self.layout.grad_accum, self.layout.replicas
+        split = " x ".join([f"{ws} rank(s)"] + ([f"{k} micro-batches"] if k > 1 else []) +
+                           ([f"{r} device replicas"] if r > 1 else []))
+        floors = f", {f.floors:.3g}x the noise floor" if f.floors is not None else ""
+        self.verdict.note("split_dependent_forward",
+                          f"the forward depends on how the batch is split (its result on a rank's samples is not those "
+                          f"samples' own: control flow on the local batch's size or content, or samples that interact): "
+                          f"each of the {split} computes its own forwards, and the oracle and the reference compute "
+                          f"exactly those; at step {f.step} that gradient is {f.distance_rel_fro:.3g} (relative, in "
+                          f"float64) from the single-process global-batch gradient{floors}{rounding}; not a scalar "
+                          "multiple of it, so not a loss that is not a mean")
