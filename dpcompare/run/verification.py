@@ -2,8 +2,8 @@
 
 Owns: the cross-rank side of verification. At checked steps every rank sends rank 0 its shard's digest,
 its reduced gradients' digests, how it left unused parameters' gradients and its module buffers before the
-forward and after the backward; at every step of a model that draws random numbers, the dropout masks its
-forward drew (captured by dpcompare.verify.masks) and its generator's digest. Rank 0's `Verifier`
+forward and after the backward; at every step of a model that draws random numbers, the random numbers its
+forward drew (recorded by dpcompare.verify.masks around the forwards and backwards) and its generator's digest. Rank 0's `Verifier`
 (dpcompare.verify.verifier) checks the gradient against the oracle, under --clip-grad-norm the total norm the
 backend clipped by against the oracle's, the update against a reference optimizer step (clipped as the run asks)
 and, after every step, the parameters against the reference trajectory. The replicas'
@@ -142,8 +142,8 @@ class VerificationPhase:
             if checked or step == self.cfg.steps - 1:
                 self._compare_replicas(step)
 
-        with self.recorder.recording() if self.recorder is not None else contextlib.nullcontext():
-            self.runner.step(step, x, y, phase="verify", after_reduce=after_reduce, after_update=after_update)
+        self.runner.step(step, x, y, phase="verify", after_reduce=after_reduce, after_update=after_update,
+                         recording=self.recorder.recording if self.recorder is not None else None)
 
     def _costed(self, setup: bool = False) -> contextlib.AbstractContextManager:
         return self.cost.timing(setup) if self.cost is not None else contextlib.nullcontext()

@@ -83,7 +83,7 @@ def depth_of(module: nn.Module) -> int:
 
 # -- the oracle ------------------------------------------------------------------------------------
 Masks = dict[str, list[torch.Tensor]]
-"""Captured dropout masks of one forward: module name -> bool masks in call order (dpcompare.verify.masks)."""
+"""Recorded random draws of one forward: "module|op" -> the op's numbers in call order (dpcompare.verify.masks)."""
 
 
 @dataclass(frozen=True, slots=True)

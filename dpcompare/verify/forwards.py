@@ -1,16 +1,17 @@
-"""The forwards the oracle runs for a checked step, with the dropout masks the ranks drew.
+"""The forwards the oracle runs for a checked step, with the random numbers the ranks drew.
 
 Owns: which forwards stand for a step's gradient: the global batch in one forward, or each replica's own forwards as
 the backend split them (`Layout`), where BatchNorm without --sync-bn normalises each replica's samples alone or where
-the masks the ranks drew apply rank by rank; the ranks' captured masks (dpcompare.verify.masks) split forward by
-forward, unpacked once per step: the gradient check, the buffers and the trajectory of a step share them (captured
-masks that do not fit the forwards raise MaskMismatch); and the per_replica_batchnorm note, how far the per-replica
+the numbers the ranks drew apply rank by rank; the ranks' recorded draws (dpcompare.verify.masks) split forward by
+forward, unpacked once per step: the gradient check, the buffers and the trajectory of a step share them (recorded
+draws that do not fit the forwards raise MaskMismatch); and the per_replica_batchnorm note, how far the per-replica
 gradient the run is judged against is from the single-process global-batch gradient. Imports no adapter.
 """
 from __future__ import annotations
 
 import torch
 
+from dpcompare.verify import draws
 from dpcompare.verify import masks as mk
 from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, global_pieces, replica_pieces
 from dpcompare.verify.tolerance import UNIT_ROUNDOFF, flat, rel_fro
@@ -65,7 +66,8 @@ class Forwards:
             forward = {}
             for name, masks in calls[key].items():
                 if len(masks) % k:
-                    raise mk.MaskMismatch(name, f"{len(masks)} masks were captured over {k} micro-batches")
+                    raise mk.MaskMismatch(draws.module_of(name), f"{len(masks)} draws of {draws.op_of(name)} were "
+                                                                 f"recorded over {k} micro-batches")
                 c = len(masks) // k
                 forward[name] = masks[micro * c:(micro + 1) * c]
             out.append(forward)
