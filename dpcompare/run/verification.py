@@ -44,7 +44,8 @@ class VerificationPhase:
         """Every parameter, in the order the ranks' digests list them (the wrapped module's names are the template's)."""
         self.rank0 = is_rank0
         self.check: verifier.Verifier | None = None
-        self.recorder = mk.MaskRecorder(self.wrapped.module) if self.facts.stochastic else None
+        # Under --compile a random forward is unverifiable (verifier.py): recording would only keep Dynamo from compiling.
+        self.recorder = mk.MaskRecorder(self.wrapped.module) if self.facts.stochastic and not cfg.compile else None
         self.cost = VerificationCost(self.runner.device) if is_rank0 else None
         """Rank 0's time and memory for checking (the oracle, the references, the trajectory), beside the step's."""
 
@@ -138,7 +139,8 @@ class VerificationPhase:
                     self.check.check_grad_norm(step, self.runner.grad_norm)  # the norm the backend clipped by
                     self.check.check_update(step, masters)
                     self.check.trajectory_step(step, batch,
-                                               [i["masks"] for i in gathered] if self.facts.stochastic else None, masters)
+                                               [i.get("masks") for i in gathered] if self.facts.stochastic else None,
+                                               masters)
             if checked or step == self.cfg.steps - 1:
                 self._compare_replicas(step)
 
