@@ -24,7 +24,10 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from dpcompare.verify import draws
+from dpcompare.verify.equivalence import Layout
+from dpcompare.verify.forwards import Forwards
 from dpcompare.verify.masks import MaskMismatch, MaskRecord, MaskRecorder, MaskReplayer, PackedDraw, combine, uncaptured
+from dpcompare.verify.verdict import Verdict
 
 BERNOULLI = "aten.bernoulli_.float"
 
@@ -340,6 +343,44 @@ def test_a_data_parallel_replica_on_its_own_thread_is_recorded():
         thread.start()
         thread.join()
     assert recorder.take().masks == {}
+
+
+class _LayerDrop(nn.Module):
+    """Skips its dropout when a number it draws falls below 0.5 (as LayerDrop skips layers): how many numbers a forward
+    draws depends on what it drew."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.drop, self.b = nn.Linear(6, 6), nn.Dropout(0.3), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(self.drop(h) if float(torch.rand([])) >= 0.5 else h)
+
+
+def test_each_micro_batch_takes_its_own_forwards_draws_however_many_it_made():
+    torch.manual_seed(0)
+    model, x = _LayerDrop(), _x(8, 6)
+    seed = next(s for s in range(100) if [len(c) for c in _record(model, x[:4], x[4:], seed=s)[0].masks.values()]
+                == [2, 1])
+    record, (y1, y2) = _record(model, x[:4], x[4:], seed=seed)
+    assert record.forwards == 2
+    forwards = Forwards(Layout(1, grad_accum=2), None, batchnorms=[], per_replica=False, stochastic=True,
+                        dtype="float32", depth=2, verdict=Verdict())
+    split = forwards.masks(8, [record])
+    assert [{k: len(c) for k, c in f.items()} for f in split] in ([{_key("", "aten.rand.default"): 1},
+                                                                   {_key("", "aten.rand.default"): 1,
+                                                                    _key("drop"): 1}],
+                                                                  [{_key("", "aten.rand.default"): 1, _key("drop"): 1},
+                                                                   {_key("", "aten.rand.default"): 1}])
+    copy64 = copy.deepcopy(model).double()
+    for xs, y, drawn in ((x[:4], y1, split[0]), (x[4:], y2, split[1])):
+        with MaskReplayer(copy64).applying(drawn):
+            assert _rel(y, copy64(xs.double())) < 1e-5
+    # Twin: a rank that ran its forward three times in a step of two micro-batches is refused.
+    three, _ = _record(model, x[:4], x[4:], x[:4], seed=seed)
+    with pytest.raises(MaskMismatch, match="forward 3 times in a step of 2"):
+        forwards.masks(8, [three])
 
 
 # -- combine ---------------------------------------------------------------------------------------

@@ -9,9 +9,6 @@ gradient the run is judged against is from the single-process global-batch gradi
 """
 from __future__ import annotations
 
-import torch
-
-from dpcompare.verify import draws
 from dpcompare.verify import masks as mk
 from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, global_pieces, replica_pieces
 from dpcompare.verify.tolerance import UNIT_ROUNDOFF, flat, rel_fro
@@ -57,21 +54,13 @@ class Forwards:
             for name, why in record.problems.items():
                 raise mk.MaskMismatch(name, why)
         k = self.layout.grad_accum
-        calls: dict[tuple[int, int], dict[str, list[torch.Tensor]]] = {}
-        out = []
-        for rank, micro, replica, _ in self.layout.positions(batch_size):
-            key = (rank, replica)
-            if key not in calls:
-                calls[key] = records[rank].calls(replica if self.layout.replicas > 1 else None)
-            forward = {}
-            for name, masks in calls[key].items():
-                if len(masks) % k:
-                    raise mk.MaskMismatch(draws.module_of(name), f"{len(masks)} draws of {draws.op_of(name)} were "
-                                                                 f"recorded over {k} micro-batches")
-                c = len(masks) // k
-                forward[name] = masks[micro * c:(micro + 1) * c]
-            out.append(forward)
-        return out
+        for rank, record in enumerate(records):
+            if record.forwards > k:
+                raise mk.MaskMismatch("", f"rank {rank} ran the model's forward {record.forwards} times in a step of "
+                                          f"{k} micro-batch(es): its draws fit no forwards the oracle runs")
+        # Each forward of a rank's step is one of its micro-batches (on each replica): its draws are that forward's.
+        return [records[rank].calls(replica if self.layout.replicas > 1 else None, forward=micro)
+                for rank, micro, replica, _ in self.layout.positions(batch_size)]
 
     def note_per_replica(self, step: int, state: dict, batch, oracle: Grads, floor: Grads,
                          pieces: list[Piece]) -> None:

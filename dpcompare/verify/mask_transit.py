@@ -1,6 +1,7 @@
 """Random draws in transit: the form in which the random numbers a rank's forward drew travel to rank 0.
 
-Owns: PackedDraw, the output of one random op's call (dpcompare.verify.draws) with the replica that drew it, packed
+Owns: PackedDraw, the output of one random op's call (dpcompare.verify.draws) with the replica and the forward (the
+micro-batch) that drew it, packed
 at one bit per element where it is a 0/1 mask (bernoulli, dropout) and kept as it is otherwise (rand, randn,
 randint, ...), and MaskRecord, every draw one rank made in one training step (key "module|op" -> draws in call
 order), with the modules whose draws cannot be replayed and those a recomputation in backward redrew, picklable for
@@ -26,16 +27,17 @@ class PackedDraw:
     bits: np.ndarray | None  # np.packbits of the flattened 0/1 values (uint8), for a mask
     raw: np.ndarray | None = None  # the values' bytes (uint8), for anything else
     dtype: str = "bool"  # the values' torch dtype (without "torch."), for `raw`
+    forward: int = 0  # which of the step's forwards of the model (on this replica) drew it: its micro-batch
 
     @classmethod
-    def of(cls, values: torch.Tensor, replica: int = 0, *, mask: bool = False) -> PackedDraw:
+    def of(cls, values: torch.Tensor, replica: int = 0, *, mask: bool = False, forward: int = 0) -> PackedDraw:
         """`mask`: the values are 0/1 by construction (bernoulli, a dropout mask): packed to bits, unpacked as bool."""
         values = values.detach()
         if mask:
             flat = values.reshape(-1).to(torch.bool).cpu().numpy()
-            return cls(tuple(values.shape), replica, np.packbits(flat))
+            return cls(tuple(values.shape), replica, np.packbits(flat), forward=forward)
         raw = values.reshape(-1).contiguous().cpu().view(torch.uint8).numpy().copy()
-        return cls(tuple(values.shape), replica, None, raw, str(values.dtype).removeprefix("torch."))
+        return cls(tuple(values.shape), replica, None, raw, str(values.dtype).removeprefix("torch."), forward)
 
     @property
     def nbytes(self) -> int:
@@ -71,8 +73,14 @@ class MaskRecord:
     def nbytes(self) -> int:
         return sum(m.nbytes for calls in self.masks.values() for m in calls)
 
-    def calls(self, replica: int | None = None) -> dict[str, list[torch.Tensor]]:
-        """Unpacked draws per key in call order (only those of `replica` when given)."""
-        out = {name: [m.unpack() for m in calls if replica is None or m.replica == replica]
+    @property
+    def forwards(self) -> int:
+        """How many forwards of the model drew (on the replica that ran the most)."""
+        return 1 + max((m.forward for calls in self.masks.values() for m in calls), default=-1)
+
+    def calls(self, replica: int | None = None, forward: int | None = None) -> dict[str, list[torch.Tensor]]:
+        """Unpacked draws per key in call order (only those of `replica`, of the `forward`-th forward, when given)."""
+        out = {name: [m.unpack() for m in calls if (replica is None or m.replica == replica)
+                      and (forward is None or m.forward == forward)]
                for name, calls in self.masks.items()}
         return {name: calls for name, calls in out.items() if calls}

@@ -83,6 +83,9 @@ class MaskRecorder:
         self._masks: dict[str, list[PackedDraw]] = {}
         self._problems: dict[str, str] = {}
         self._redrawn: dict[str, str] = {}
+        self._forwards: dict[int, int] = {}
+        """Forwards of the model begun since the last take(), per replica."""
+        self._local = threading.local()
         self._active = False
         self._bypassed = False
 
@@ -93,11 +96,23 @@ class MaskRecorder:
             raise RuntimeError("MaskRecorder.recording() is already active")
         self._active = True
         self._bypassed = bool(checkpointed_blocks(self._attribution.model))
+        root = self._attribution.model.register_forward_pre_hook(self._begin)
         try:
             with _attributed(self._attribution):
                 yield
         finally:
+            root.remove()
             self._active = False
+
+    def _begin(self, module: nn.Module, args: tuple) -> None:
+        """A forward of the model begins (a micro-batch; on nn.DataParallel, a replica's part of one)."""
+        if draws.recomputing():
+            return
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        replica = _replica(first) if first is not None else 0
+        with self._lock:
+            self._local.forward = self._forwards.get(replica, 0)
+            self._forwards[replica] = self._local.forward + 1
 
     def take(self) -> MaskRecord:
         """The draws recorded since the last take(); clears them.
@@ -107,7 +122,7 @@ class MaskRecorder:
         """
         with self._lock:
             masks, problems, redrawn = self._masks, self._problems, self._redrawn
-            self._masks, self._problems, self._redrawn = {}, {}, {}
+            self._masks, self._problems, self._redrawn, self._forwards = {}, {}, {}, {}
         return MaskRecord({k: calls for k, calls in masks.items() if draws.module_of(k) not in problems},
                           problems, redrawn)
 
@@ -124,7 +139,7 @@ class MaskRecorder:
                 self._problems.setdefault(module, unreplayable(rule, args, kwargs))
             return out
         values = rule.values(args, kwargs, out)
-        packed = PackedDraw.of(values, _replica(values), mask=rule.mask)
+        packed = PackedDraw.of(values, _replica(values), mask=rule.mask, forward=getattr(self._local, "forward", 0))
         if again:
             self._check_recomputed(module, rule.op, packed)
         else:
@@ -299,40 +314,51 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+Summary = tuple[tuple[int, ...], torch.dtype, tuple[float, ...]]
+
+
+def _summaries(value: Any) -> list[Summary]:
+    """Each tensor of `value` as its shape, dtype and a few float64 sums (sum, sum of |x|, norm, NaN count): a
+    forward that draws other numbers moves them by the size of the values; a model's every activation stays small."""
+    out = []
+    for t in _tensors(value):
+        x = t.detach()
+        if x.is_floating_point() or x.is_complex():
+            x64 = x.double() if x.is_floating_point() else x.abs().double()
+            finite = x64.nan_to_num(0.0, 0.0, 0.0)
+            sums = (float(finite.sum()), float(finite.abs().sum()), float(finite.norm()), float(x64.isnan().sum()))
+        else:
+            sums = (float(x.double().sum()), float(x.double().abs().sum()), 0.0, 0.0)
+        out.append((tuple(x.shape), x.dtype, sums))
+    return out
+
+
+def _same(a: list[Summary], b: list[Summary]) -> bool:
     """Equal up to the rounding of a replayed dropout's scale (the kernel's own against input * mask / (1 - p)); a
     different random draw differs by the size of the values themselves."""
     if len(a) != len(b):
         return False
-    for x, y in zip(a, b):
-        if x.shape != y.shape or x.dtype != y.dtype:
+    for (shape, dtype, x), (shape2, dtype2, y) in zip(a, b):
+        if shape != shape2 or dtype != dtype2:
             return False
-        if not x.is_floating_point() or x.numel() == 0:
-            if not torch.equal(x, y):
-                return False
-            continue
-        x64, y64 = x.double(), y.double()
-        if not torch.equal(x64.isnan(), y64.isnan()):
-            return False
-        x64, y64 = x64.nan_to_num(0.0), y64.nan_to_num(0.0)
-        if bool((x64 - y64).abs().max() > min(64 * torch.finfo(x.dtype).eps, 0.1) * y64.abs().max()):
+        tolerance = min(64 * torch.finfo(dtype).eps, 0.1) if dtype.is_floating_point else 0.0
+        if x[3] != y[3] or any(abs(u - v) > tolerance * max(abs(x[1]), abs(y[1])) for u, v in zip(x[:3], y[:3])):
             return False
     return True
 
 
 @contextlib.contextmanager
-def _watching(model: nn.Module) -> Iterator[list[tuple[str, list[torch.Tensor], list[torch.Tensor]]]]:
-    """Records each module call's tensor inputs and outputs (copied: later in-place ops must not change them), in the
-    order the calls end."""
-    seen: list[tuple[str, list[torch.Tensor], list[torch.Tensor]]] = []
-    inputs: dict[tuple[str, int], list[list[torch.Tensor]]] = {}
+def _watching(model: nn.Module) -> Iterator[list[tuple[str, list[Summary], list[Summary]]]]:
+    """Records each module call's tensor inputs and outputs, summarised (`_summaries`), in the order the calls end."""
+    seen: list[tuple[str, list[Summary], list[Summary]]] = []
+    inputs: dict[tuple[str, int], list[list[Summary]]] = {}
 
     def before(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        inputs.setdefault((name, id(module)), []).append([t.detach().clone() for t in _tensors([args, kwargs])])
+        inputs.setdefault((name, id(module)), []).append(_summaries([args, kwargs]))
 
     def after(name: str, module: nn.Module, args: tuple, output: Any) -> None:
         pending = inputs.get((name, id(module))) or [[]]
-        seen.append((name, pending.pop(), [t.detach().clone() for t in _tensors(output)]))
+        seen.append((name, pending.pop(), _summaries(output)))
 
     handles = []
     for name, m in model.named_modules():
@@ -381,7 +407,7 @@ def uncaptured(model: nn.Module, x: torch.Tensor) -> str | None:
     finally:
         for m, training in flags.items():
             m.training = training
-    if _same(_tensors(out1), _tensors(out2)):
+    if _same(_summaries(out1), _summaries(out2)):
         return None
     outside = " draws random numbers outside torch's random operations (its output differs between two forwards " \
               "that replay every random operation's numbers)"
