@@ -2,9 +2,9 @@
 
 Owns: the model probe before wrapping (`probe`: one float64 forward/backward of the first global batch, for the
 unused, frozen and random parts of the model: which module draws with which random op, and whether replaying the
-recorded draws accounts for every random number the forward draws), and the verdict's account of that randomness before the first step
-(`judge_randomness`): captured, or the reason the run cannot be checked against an oracle. Everything here runs on
-generators forked from the run's. Imports no adapter.
+recorded draws accounts for every random number the forward draws), and the verdict's account of that randomness
+before the first step (`judge_randomness`): replayed, or the reason the run cannot be checked against an oracle.
+Everything here runs on generators forked from the run's. Imports no adapter.
 """
 
 from __future__ import annotations
