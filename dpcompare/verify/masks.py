@@ -135,8 +135,9 @@ class MaskRecorder:
         if module is None and not (again and self._bypassed):
             return out
         if rule.kind == "kernel":
-            with self._lock:
-                self._problems.setdefault(module, unreplayable(rule, args, kwargs))
+            if not again:  # a recomputation repeats a forward call, already named
+                with self._lock:
+                    self._problems.setdefault(module, unreplayable(rule, args, kwargs))
             return out
         values = rule.values(args, kwargs, out)
         packed = PackedDraw.of(values, _replica(values), mask=rule.mask, forward=getattr(self._local, "forward", 0))

@@ -13,7 +13,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dpcompare.contract import ModelFacts
 from dpcompare.verify import masks as mk
@@ -39,9 +38,10 @@ def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, tor
     with stochastic.isolated(device):
         with recorder.recording():
             first = model(x)
-        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):  # as the recorded forward ran
-            second = model(x)
-        loss_fn(first, y.to(device)).backward()
+            with torch.no_grad():
+                second = model(x)  # its own draws (only the list of what draws is read from the record)
+            # backward inside: a recomputing copy runs its forward again there, on the same attention path
+            loss_fn(first, y.to(device)).backward()
     record = recorder.take()
     diff = float(torch.linalg.vector_norm((first.detach() - second).double()))
     norm = float(torch.linalg.vector_norm(first.detach().double()))
