@@ -96,7 +96,7 @@ class MaskRecorder:
             raise RuntimeError("MaskRecorder.recording() is already active")
         self._active = True
         self._bypassed = bool(checkpointed_blocks(self._attribution.model))
-        root = self._attribution.model.register_forward_pre_hook(self._begin)
+        root = self._attribution.model.register_forward_pre_hook(self._begin, with_kwargs=True)
         try:
             with _attributed(self._attribution):
                 yield
@@ -104,11 +104,11 @@ class MaskRecorder:
             root.remove()
             self._active = False
 
-    def _begin(self, module: nn.Module, args: tuple) -> None:
+    def _begin(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A forward of the model begins (a micro-batch; on nn.DataParallel, a replica's part of one)."""
         if draws.recomputing():
             return
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         replica = _replica(first) if first is not None else 0
         with self._lock:
             self._local.forward = self._forwards.get(replica, 0)
