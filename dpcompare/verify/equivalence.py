@@ -152,7 +152,7 @@ def accumulate_gradient(model: nn.Module, loss_fn: Callable, pieces: list[Piece]
                         replayer: MaskReplayer | None = None, recipe: Recipe = NO_RECIPE,
                         loss_scale: float = 1.0, ranks: int | None = None) -> tuple[Grads, frozenset[str]]:
     """Sum over pieces of weight * grad(loss(piece)) at the model's current parameters, each piece's forward
-    applying its captured dropout masks (`replayer`, a MaskReplayer of `model`). Returns the gradients
+    replaying the random numbers its rank drew (`replayer`, a MaskReplayer of `model`). Returns the gradients
     (float64, CPU; zeros where autograd left None) and the names whose gradient stayed None.
 
     Under a mixed-precision `recipe` each piece runs as its rank ran it (dpcompare.verify.precision): forward and
@@ -168,7 +168,7 @@ def accumulate_gradient(model: nn.Module, loss_fn: Callable, pieces: list[Piece]
         if x.is_floating_point():
             x = x.to(dtype)
         in_graph = piece.weight * ranks * loss_scale
-        # backward inside: a model that recomputes activations runs its dropout again there, on the same masks
+        # backward inside: a model that recomputes activations draws again there, and takes the same numbers
         with replayer.applying(piece.masks) if replayer is not None else contextlib.nullcontext():
             with recipe.autocast():
                 loss = loss_fn(model(x), piece.y.to(device))
