@@ -31,21 +31,6 @@ def dropout_cnn(seed: int) -> Workload:
     return Workload("dropout-cnn", model, base.make_batch, base.loss_fn)
 
 
-class _FunctionalDropout(nn.Module):
-    """Dropout written in the module's own forward (F.dropout), as fused attention does it: no module to hook."""
-
-    def forward(self, x):
-        return F.dropout(x, 0.2, training=self.training)
-
-
-def functional_dropout_mlp(seed: int) -> Workload:
-    """The MLP with dropout drawn by F.dropout inside a module's forward: its masks cannot be captured."""
-    base = mlp(seed)
-    layers = list(base.model.children())
-    model = nn.Sequential(*layers[:2], _FunctionalDropout(), *layers[2:])
-    return Workload("functional-dropout-mlp", model, base.make_batch, base.loss_fn)
-
-
 class _ClockBuffer(nn.Module):
     """Identity whose float buffer records the wall clock at every training forward: a buffer of the model's own
     that no replay of the forward can predict (and that differs between ranks)."""

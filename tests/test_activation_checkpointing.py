@@ -104,7 +104,7 @@ def test_the_capture_records_each_mask_once_and_holds_the_recomputation_to_it(pr
         assert recorded.redrawn == {}
     else:
         assert {"h.0.attn.attn_dropout", "h.1.attn.resid_dropout"} <= set(recorded.redrawn), recorded.redrawn
-        assert "fits none of the 1 mask(s) its forward drew" in recorded.redrawn["h.0.attn.attn_dropout"]
+        assert "fits none of the 1 draw(s) its forward made" in recorded.redrawn["h.0.attn.attn_dropout"]
 
 
 # -- refusals -----------------------------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
-"""Captured dropout masks make another copy of the model compute the same random function, and nothing else changes.
+"""Recorded random draws make another copy of the model compute the same random function, and nothing else changes.
 
-Each test runs a small real model in one process: it records the masks its dropout modules draw
-(dpcompare.verify.masks.MaskRecorder), applies them in a float64 or float32 copy (MaskReplayer), assembles a whole
-batch's masks from its shards' (combine) or asks whether a model draws outside capturable modules (uncaptured).
-Every check has a twin that must fail: a run that draws one extra number is seen to change, a copy without the
-masks is seen to differ, a module that draws before its mask is refused, masks in the wrong order or for the wrong
-rows give the wrong output.
+Each test runs a small real model in one process: it records the random ops its forward calls at the dispatcher
+(dpcompare.verify.masks.MaskRecorder: bernoulli for dropout, rand, randn, rrelu's noise), replays them in a float64 or
+float32 copy (MaskReplayer), assembles a whole batch's draws from its shards' (combine) or asks whether a model draws
+where no replay reaches (uncaptured). Every check has a twin that must fail: a run that draws one extra number is seen
+to change, a copy without the draws is seen to differ, draws in the wrong order or for the wrong rows give the wrong
+output, a draw of another shape or one too many is refused, noise from outside torch is named by its module.
 """
 
 from __future__ import annotations
@@ -21,9 +21,15 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from dpcompare.verify.masks import (CAPTURABLE, MaskMismatch, MaskRecord, MaskRecorder, MaskReplayer, PackedMask,
-                                    combine, uncaptured)
+from dpcompare.verify import draws
+from dpcompare.verify.equivalence import Layout
+from dpcompare.verify.forwards import Forwards
+from dpcompare.verify.masks import MaskMismatch, MaskRecord, MaskRecorder, MaskReplayer, PackedDraw, combine, uncaptured
+from dpcompare.verify.verdict import Verdict
+
+BERNOULLI = "aten.bernoulli_.float"
 
 
 def _net(p: float = 0.3, inplace: bool = False) -> nn.Module:
@@ -52,22 +58,19 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in model.named_parameters()}
 
 
+def _hooked(model: nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def _key(module: str, op: str = BERNOULLI) -> str:
+    return draws.key_of(module, op)
+
+
 class _DrawsFirst(nn.Dropout):
-    """Draws a number of its own before its mask: the mask regenerated from the state before the call is wrong."""
+    """Draws a number of its own before its mask."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        torch.rand(1)
-        return super().forward(x)
-
-
-class _PlainSubclass(nn.Dropout):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x)
-
-
-class _FunctionalDropout(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(x, 0.3, self.training)
+        return super().forward(x) + 0.1 * torch.rand(1)
 
 
 class _Attention(nn.Module):
@@ -89,6 +92,22 @@ class _Noisy(nn.Module):
         return self.lin(x) + 0.1 * torch.randn(x.shape[0], 4)
 
 
+class _NumpyAttention(nn.Module):
+    """Attention whose probabilities are perturbed by NumPy's generator before its output projection: the projection
+    is the first module to see a difference, the attention the one that draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 8)
+        self.rng = np.random.default_rng(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        probs = torch.softmax(q @ k.transpose(1, 2), dim=-1)
+        probs = probs * torch.from_numpy(self.rng.random(probs.shape) < 0.9).to(probs.dtype)
+        return self.out(probs @ v)
+
+
 class _Transposed(nn.Module):
     """Drops along features-first rows: its mask is not batch-first."""
 
@@ -100,12 +119,26 @@ class _Transposed(nn.Module):
         return self.drop(x.t()).t()
 
 
+# -- which calls draw ----------------------------------------------------------------------------------------------
+def test_the_dispatchers_random_ops_are_classified_by_what_replays_them():
+    aten = torch.ops.aten
+    assert draws.rule_of(aten.bernoulli_.float).kind == "values" and draws.rule_of(aten.bernoulli_.float).mask
+    assert draws.rule_of(aten.rand.default).kind == "values" and not draws.rule_of(aten.rand.default).mask
+    assert draws.rule_of(aten.native_dropout.default).kind == "dropout"
+    assert draws.rule_of(aten.rrelu_with_noise.default).kind == "rrelu"
+    flash = draws.rule_of(aten._scaled_dot_product_efficient_attention.default)
+    assert flash.kind == "kernel"
+    q = torch.zeros(1, 1, 2, 4)
+    assert flash.draws((q, q, q, None, True), {"dropout_p": 0.1})
+    assert not flash.draws((q, q, q, None, True), {"dropout_p": 0.0})  # no dropout: deterministic
+    cudnn_rnn = draws.rule_of(aten._cudnn_rnn.default)
+    assert cudnn_rnn.kind == "kernel"
+    # Twin: deterministic ops have no rule, and a dropout kernel in eval mode draws nothing.
+    assert draws.rule_of(aten.mul.Tensor) is None and draws.rule_of(aten.add.Tensor) is None
+    assert not draws.rule_of(aten.native_dropout.default).draws((q, 0.1, False), {})
+
+
 # -- recording -------------------------------------------------------------------------------------
-def test_capturable_is_the_dropout_family_with_a_0_1_mask():
-    assert nn.Dropout in CAPTURABLE and nn.Dropout2d in CAPTURABLE
-    assert not isinstance(nn.AlphaDropout(0.1), CAPTURABLE)  # its dropped value is not 0
-
-
 def test_recording_changes_nothing_the_run_computes_or_draws():
     model, x = _net(), _x(8, 6)
 
@@ -126,41 +159,46 @@ def test_recording_changes_nothing_the_run_computes_or_draws():
     y, state = run(recorder)
     assert torch.equal(y, plain_y) and torch.equal(state, plain_state)
     record = recorder.take()
-    assert recorder.modules == ["2", "4"] and sorted(record.masks) == ["2", "4"] and not record.problems
+    assert sorted(record.masks) == [_key("2"), _key("4")] and not record.problems
     assert all(len(calls) == 1 for calls in record.masks.values())
-    assert not model[2]._forward_hooks and not model[2]._forward_pre_hooks  # hooks only inside the block
+    assert not _hooked(model) and not _get_current_dispatch_mode_stack()  # hooks and mode only inside the block
 
     # Twin: a hook that draws one number of its own is seen by the same comparison.
     drawn_y, drawn_state = run(None, extra_draw=True)
     assert not torch.equal(drawn_state, plain_state) and not torch.equal(drawn_y, plain_y)
 
 
-def test_hooks_are_removed_when_the_forward_fails():
+def test_hooks_and_mode_are_removed_when_the_forward_fails():
     model = _net()
     recorder = MaskRecorder(model)
     with pytest.raises(RuntimeError, match="shape"):
         with recorder.recording():
             model(_x(8, 5))
-    assert not model[2]._forward_hooks and not model[2]._forward_pre_hooks
+    assert not _hooked(model) and not _get_current_dispatch_mode_stack()
 
 
-def test_eval_mode_and_p_zero_record_nothing():
+def test_eval_mode_p_zero_and_draws_outside_the_model_record_nothing():
     model = _net()
     model.eval()
     record, _ = _record(model, _x(4, 6))
     assert record.masks == {} and record.problems == {}
-    assert MaskRecorder(_net(p=0.0)).modules == []
+    record, _ = _record(_net(p=0.0), _x(4, 6))
+    assert record.masks == {}
+    recorder = MaskRecorder(_net())
+    with recorder.recording():
+        torch.rand(3)  # the loss's or the backend's own draw: not the model's forward
+    assert recorder.take().masks == {}
 
 
 # -- replay ----------------------------------------------------------------------------------------
 def _assert_replayed(model: nn.Module, copy64: nn.Module, x: torch.Tensor, y: torch.Tensor,
                      record: MaskRecord) -> dict[str, torch.Tensor]:
-    """The float64 copy under the captured masks computes the recorded forward and its gradients (float32 rounding);
+    """The float64 copy under the recorded draws computes the recorded forward and its gradients (float32 rounding);
     returns the recorded model's gradients."""
     (y ** 2).sum().backward()
     with MaskReplayer(copy64).applying(record.calls()):
         y64 = copy64(x.double())
-    (y64 ** 2).sum().backward()
+        (y64 ** 2).sum().backward()
     assert _rel(y, y64) < 1e-5
     grads, grads64 = _grads(model), _grads(copy64)
     assert all(_rel(grads[n], grads64[n]) < 1e-5 for n in grads), {n: _rel(grads[n], grads64[n]) for n in grads}
@@ -168,13 +206,13 @@ def _assert_replayed(model: nn.Module, copy64: nn.Module, x: torch.Tensor, y: to
 
 
 @pytest.mark.parametrize("inplace", [False, True])
-def test_captured_masks_make_a_float64_copy_compute_the_same_forward_and_gradients(inplace):
+def test_recorded_masks_make_a_float64_copy_compute_the_same_forward_and_gradients(inplace):
     model, x = _net(inplace=inplace), _x(8, 6)
     copy64 = copy.deepcopy(model).double()
     record, (y,) = _record(model, x)
     grads = _assert_replayed(model, copy64, x, y, record)
 
-    # Twin: without the masks the copy draws its own and computes another function.
+    # Twin: without the draws the copy draws its own and computes another function.
     free64 = copy.deepcopy(model).double()
     free64.zero_grad()
     torch.manual_seed(6)
@@ -184,25 +222,41 @@ def test_captured_masks_make_a_float64_copy_compute_the_same_forward_and_gradien
     assert max(_rel(grads[n], g.grad) for n, g in free64.named_parameters()) > 1e-2
 
 
-def test_dropout2d_channel_masks_are_captured():
+@pytest.mark.parametrize("make", [
+    lambda: nn.Sequential(nn.Linear(6, 8), nn.AlphaDropout(0.3), nn.Linear(8, 4)),
+    lambda: nn.Sequential(nn.Linear(6, 8), nn.RReLU(), nn.Linear(8, 4)),
+    lambda: nn.Sequential(nn.Linear(6, 16), nn.ReLU(), _DrawsFirst(0.3), nn.Linear(16, 4)),
+    lambda: _Noisy(),
+], ids=["alpha-dropout", "rrelu", "draws-before-its-mask", "randn-in-forward"])
+def test_every_random_op_of_the_forward_replays(make):
+    torch.manual_seed(0)
+    model, x = make(), _x(8, 6)
+    copy64 = copy.deepcopy(model).double()
+    record, (y,) = _record(model, x)
+    assert record.masks and not record.problems
+    _assert_replayed(model, copy64, x, y, record)
+
+    # Twin: the draws of another seed give another output.
+    other, _ = _record(model, x, seed=6)
+    with MaskReplayer(copy64).applying(other.calls()):
+        assert _rel(y, copy64(x.double())) > 1e-3
+
+
+def test_dropout2d_draws_one_number_per_channel_and_replays():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Dropout2d(0.5), nn.Conv2d(8, 2, 1))
     x = _x(4, 3, 5, 5)
     copy64 = copy.deepcopy(model).double()
     record, (y,) = _record(model, x)
-    (mask,) = record.calls()["1"]
-    assert mask.shape == (4, 8, 5, 5)
-    per_channel = mask.flatten(2)
-    assert bool((per_channel.all(-1) | ~per_channel.any(-1)).all())  # each channel kept or dropped whole
-    assert 0 < int(per_channel.all(-1).sum()) < 32
+    (mask,) = record.calls()[_key("1")]
+    assert mask.shape == (4, 8, 1, 1) and mask.dtype == torch.bool and 0 < int(mask.sum()) < 32
     with MaskReplayer(copy64).applying(record.calls()):
         assert _rel(y, copy64(x.double())) < 1e-5
 
-    # Twin: element-wise dropout in the same place draws a mask that varies over the spatial dims.
+    # Twin: element-wise dropout in the same place draws a mask of the input's shape.
     model[1] = nn.Dropout(0.5)
     record, _ = _record(model, x)
-    per_element = record.calls()["1"][0].flatten(2)
-    assert not bool((per_element.all(-1) | ~per_element.any(-1)).all())
+    assert record.calls()[_key("1")][0].shape == (4, 8, 5, 5)
 
 
 def test_micro_batches_replay_in_call_order():
@@ -210,18 +264,18 @@ def test_micro_batches_replay_in_call_order():
     copy64 = copy.deepcopy(model).double()
     record, (y1, y2) = _record(model, x1, x2)
     calls = record.calls()
-    assert {n: len(c) for n, c in calls.items()} == {"2": 2, "4": 2}
-    assert not torch.equal(calls["2"][0], calls["2"][1])
+    assert {n: len(c) for n, c in calls.items()} == {_key("2"): 2, _key("4"): 2}
+    assert not torch.equal(calls[_key("2")][0], calls[_key("2")][1])
 
     replayer = MaskReplayer(copy64)
     with replayer.applying(calls):
         assert _rel(y1, copy64(x1.double())) < 1e-5
         assert _rel(y2, copy64(x2.double())) < 1e-5
-        with pytest.raises(MaskMismatch, match="called 3 times") as third:
+        with pytest.raises(MaskMismatch, match="3 times") as third:
             copy64(x1.double())
     assert third.value.module == "2"
 
-    # Twin: the masks in the other order give other outputs.
+    # Twin: the draws in the other order give other outputs.
     with replayer.applying({n: c[::-1] for n, c in calls.items()}):
         assert _rel(y1, copy64(x1.double())) > 1e-2
         copy64(x2.double())
@@ -233,59 +287,46 @@ def test_micro_batches_replay_in_call_order():
     with pytest.raises(ValueError, match="in flight"):  # an error inside is not hidden by the leftover check
         with replayer.applying(calls):
             raise ValueError("in flight")
-    assert not copy64[2]._forward_hooks and not copy64[2]._forward_pre_hooks
+    assert not _hooked(copy64) and not _get_current_dispatch_mode_stack()
 
 
-def test_nothing_is_hooked_without_masks():
+def test_nothing_is_hooked_without_draws():
     model = _net()
-    for masks in (None, {}):
-        torch.manual_seed(5)
-        with MaskReplayer(model).applying(masks):
-            assert not model[2]._forward_hooks
-            y = model(_x(4, 6))
-        torch.manual_seed(5)
-        assert torch.equal(y, model(_x(4, 6)))
+    torch.manual_seed(5)
+    with MaskReplayer(model).applying(None):
+        assert not _hooked(model)
+        y = model(_x(4, 6))
+    torch.manual_seed(5)
+    assert torch.equal(y, model(_x(4, 6)))
+    # Twin: an empty record says the run drew nothing, so a copy that draws is refused.
+    with pytest.raises(MaskMismatch, match="recorded no draw") as drew:
+        with MaskReplayer(model).applying({}):
+            model(_x(4, 6))
+    assert drew.value.module == "2"
 
 
-def test_a_module_that_draws_before_its_mask_is_refused():
-    model = _net()
-    model[2] = _DrawsFirst(0.3)
-    record, _ = _record(model, _x(8, 6))
-    assert list(record.problems) == ["2"] and "does not match" in record.problems["2"]
-    assert "2" not in record.masks and "4" in record.masks  # the plain dropout beside it is still captured
-    copy64 = copy.deepcopy(model).double()
-    with pytest.raises(MaskMismatch, match="no mask was captured") as missing:
-        with MaskReplayer(copy64).applying(record.calls()):
-            copy64(_x(8, 6).double())
-    assert missing.value.module == "2"
-
-    # Twin: a subclass that only calls nn.Dropout's forward is captured.
-    model[2] = _PlainSubclass(0.3)
-    record, _ = _record(model, _x(8, 6))
-    assert record.problems == {} and sorted(record.masks) == ["2", "4"]
-
-
-def test_a_mask_of_another_shape_is_refused():
+def test_a_draw_of_another_shape_is_refused():
     model = _net()
     record, _ = _record(model, _x(4, 6))
     copy64 = copy.deepcopy(model).double()
     replayer = MaskReplayer(copy64)
-    with pytest.raises(MaskMismatch, match=r"shape \(4, 16\), input has shape \(3, 16\)") as wrong:
+    with pytest.raises(MaskMismatch, match=r"shape \(4, 16\), this call's \(3, 16\)") as wrong:
         with replayer.applying(record.calls()):
             copy64(_x(3, 6).double())
     assert wrong.value.module == "2"
-    with pytest.raises(MaskMismatch, match="no capturable module") as unknown:
-        with replayer.applying({"0": record.calls()["2"]}):
+    with pytest.raises(MaskMismatch, match="no module of this name") as unknown:
+        with replayer.applying({_key("9"): record.calls()[_key("2")]}):
             pass
-    assert unknown.value.module == "0"
+    assert unknown.value.module == "9"
 
     # Twin: the shape it was recorded with is accepted.
     with replayer.applying(record.calls()):
         copy64(_x(4, 6).double())
 
 
-def test_hooks_fire_in_a_data_parallel_replica_on_its_own_thread():
-    """nn.DataParallel's replicate() shallow-copies each module's __dict__: the replica shares the hooks dict."""
+def test_a_data_parallel_replica_on_its_own_thread_is_recorded():
+    """nn.DataParallel's replicate() shallow-copies each module's __dict__: the replica shares the hooks dict, and its
+    thread enters the recording's dispatch mode at its first hooked call."""
     model = _net()
     recorder = MaskRecorder(model)
     replica = model[2]._replicate_for_data_parallel()
@@ -295,11 +336,55 @@ def test_hooks_fire_in_a_data_parallel_replica_on_its_own_thread():
         thread.start()
         thread.join()
     record = recorder.take()
-    assert [m.replica for m in record.masks["2"]] == [0] and record.problems == {}
+    assert [m.replica for m in record.masks[_key("2")]] == [0] and record.problems == {}
+    # Twin: a thread outside the model's modules records nothing.
+    with recorder.recording():
+        thread = threading.Thread(target=lambda: F.dropout(h, 0.5))
+        thread.start()
+        thread.join()
+    assert recorder.take().masks == {}
+
+
+class _LayerDrop(nn.Module):
+    """Skips its dropout when a number it draws falls below 0.5 (as LayerDrop skips layers): how many numbers a forward
+    draws depends on what it drew."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.drop, self.b = nn.Linear(6, 6), nn.Dropout(0.3), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(self.drop(h) if float(torch.rand([])) >= 0.5 else h)
+
+
+def test_each_micro_batch_takes_its_own_forwards_draws_however_many_it_made():
+    torch.manual_seed(0)
+    model, x = _LayerDrop(), _x(8, 6)
+    seed = next(s for s in range(100) if [len(c) for c in _record(model, x[:4], x[4:], seed=s)[0].masks.values()]
+                == [2, 1])
+    record, (y1, y2) = _record(model, x[:4], x[4:], seed=seed)
+    assert record.forwards == 2
+    forwards = Forwards(Layout(1, grad_accum=2), None, batchnorms=[], per_replica=False, stochastic=True,
+                        dtype="float32", depth=2, verdict=Verdict())
+    split = forwards.masks(8, [record])
+    assert [{k: len(c) for k, c in f.items()} for f in split] in ([{_key("", "aten.rand.default"): 1},
+                                                                   {_key("", "aten.rand.default"): 1,
+                                                                    _key("drop"): 1}],
+                                                                  [{_key("", "aten.rand.default"): 1, _key("drop"): 1},
+                                                                   {_key("", "aten.rand.default"): 1}])
+    copy64 = copy.deepcopy(model).double()
+    for xs, y, drawn in ((x[:4], y1, split[0]), (x[4:], y2, split[1])):
+        with MaskReplayer(copy64).applying(drawn):
+            assert _rel(y, copy64(xs.double())) < 1e-5
+    # Twin: a rank that ran its forward three times in a step of two micro-batches is refused.
+    three, _ = _record(model, x[:4], x[4:], x[:4], seed=seed)
+    with pytest.raises(MaskMismatch, match="forward 3 times in a step of 2"):
+        forwards.masks(8, [three])
 
 
 # -- combine ---------------------------------------------------------------------------------------
-def test_masks_of_strided_shards_assemble_into_the_whole_batch():
+def test_draws_of_strided_shards_assemble_into_the_whole_batch():
     model, x = _net(), _x(6, 6)
     index = [torch.arange(r, 6, 2) for r in range(2)]
     pieces, outs = [], []
@@ -308,10 +393,10 @@ def test_masks_of_strided_shards_assemble_into_the_whole_batch():
         pieces.append(record.calls())
         outs.append(y)
     whole = combine(pieces, index, 6)
-    for name in ("2", "4"):
-        assert len(whole[name]) == 1
+    for key in (_key("2"), _key("4")):
+        assert len(whole[key]) == 1
         for r in range(2):
-            assert torch.equal(whole[name][0][index[r]], pieces[r][name][0])
+            assert torch.equal(whole[key][0][index[r]], pieces[r][key][0])
     expected = torch.empty(6, 4)
     for r in range(2):
         expected[index[r]] = outs[r].detach()
@@ -319,7 +404,7 @@ def test_masks_of_strided_shards_assemble_into_the_whole_batch():
     with MaskReplayer(copy64).applying(whole):
         assert _rel(copy64(x.double()), expected) < 1e-5
 
-    # Twin: the same pieces read as contiguous halves put the masks on the wrong rows.
+    # Twin: the same pieces read as contiguous halves put the draws on the wrong rows.
     halves = combine(pieces, [torch.arange(0, 3), torch.arange(3, 6)], 6)
     with MaskReplayer(copy64).applying(halves):
         assert _rel(copy64(x.double()), expected) > 1e-2
@@ -327,11 +412,11 @@ def test_masks_of_strided_shards_assemble_into_the_whole_batch():
         combine(pieces, [torch.arange(0, 3), torch.arange(0, 3)], 6)
 
 
-def test_combine_refuses_masks_that_are_not_batch_first_or_unevenly_called():
+def test_combine_refuses_draws_that_are_not_batch_first_or_unevenly_called():
     model, x = _Transposed(), _x(6, 6)
     index = [torch.arange(r, 6, 2) for r in range(2)]
     pieces = [_record(model, x[index[r]], seed=r)[0].calls() for r in range(2)]
-    assert pieces[0]["drop"][0].shape == (6, 3)
+    assert pieces[0][_key("drop")][0].shape == (6, 3)
     with pytest.raises(MaskMismatch, match="not batch-first") as wrong:
         combine(pieces, index, 6)
     assert wrong.value.module == "drop"
@@ -344,30 +429,59 @@ def test_combine_refuses_masks_that_are_not_batch_first_or_unevenly_called():
 
 
 # -- uncaptured ------------------------------------------------------------------------------------
-def test_uncaptured_passes_models_whose_randomness_is_all_captured():
+def test_uncaptured_passes_models_whose_randomness_is_all_replayed():
     torch.manual_seed(0)
     with_bn = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 4))
     no_randomness = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
-    for model in (_net(), _net(inplace=True), with_bn, no_randomness):
+    functional = nn.Sequential(nn.Linear(6, 8), nn.AlphaDropout(0.3), nn.RReLU(), _DrawsFirst(0.2))
+    for model in (_net(), _net(inplace=True), with_bn, no_randomness, functional, _Noisy()):
         assert uncaptured(model, _x(8, 6)) is None
-    assert uncaptured(_Attention(dropout=0.0), _x(2, 5, 8)) is None
+    for dropout in (0.0, 0.1):  # nn.MultiheadAttention drops its attention weights with F.dropout
+        assert uncaptured(_Attention(dropout=dropout), _x(2, 5, 8)) is None
 
 
 @pytest.mark.parametrize(("model", "shape", "expected"), [
-    (lambda: nn.Sequential(nn.Linear(6, 8), _FunctionalDropout(), nn.Linear(8, 4)), (8, 6), "1 (_FunctionalDropout)"),
-    (lambda: nn.Sequential(nn.Linear(6, 8), nn.AlphaDropout(0.3), nn.Linear(8, 4)), (8, 6), "1 (AlphaDropout)"),
-    (lambda: _Attention(dropout=0.1), (2, 5, 8), "attn (MultiheadAttention)"),
-    (lambda: _Noisy(), (8, 6), "the model's own forward (_Noisy)"),
-    (lambda: nn.Sequential(nn.Linear(6, 16), nn.ReLU(), _DrawsFirst(0.3)), (8, 6), "2 (_DrawsFirst)"),
+    (lambda: nn.Sequential(nn.Linear(8, 8), _NumpyAttention(), nn.Linear(8, 3)), (2, 5, 8), "1 (_NumpyAttention) draws"),
+    (lambda: nn.Sequential(_NumpyAttention()), (2, 5, 8), "0 (_NumpyAttention) draws"),
 ])
-def test_uncaptured_names_the_module_that_draws(model, shape, expected):
+def test_uncaptured_names_the_module_that_draws_not_the_first_to_see_it(model, shape, expected):
     torch.manual_seed(0)
     model = model()
     model.eval()
     state = torch.get_rng_state()
-    assert uncaptured(model, _x(*shape)) == expected
+    found = uncaptured(model, _x(*shape))
+    assert found.startswith(expected) and "outside torch's random operations" in found, found
+    assert "out" not in found.split(" draws")[0]  # not its output projection, the first module whose output differs
     assert not model.training and not any(m.training for m in model.modules())  # its training flags as found
     assert torch.equal(torch.get_rng_state(), state)  # the caller's generator untouched
+
+
+def test_a_fused_kernel_that_draws_is_named_with_its_op():
+    """CUDA's memory-efficient attention draws its dropout inside the kernel: run here on meta tensors, which go
+    through the dispatcher the same way."""
+
+    class FusedAttention(nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            out = torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, None, True, dropout_p=0.1)
+            return out[0]
+
+    model = nn.Sequential(FusedAttention())
+    recorder = MaskRecorder(model)
+    with recorder.recording():
+        model(torch.empty(2, 2, 4, 8, device="meta"))
+    record = recorder.take()
+    assert list(record.problems) == ["0"]
+    assert "aten._scaled_dot_product_efficient_attention.default with dropout 0.1" in record.problems["0"]
+    assert "inside the kernel" in record.problems["0"]
+    with pytest.raises(MaskMismatch, match="inside the kernel") as refused:
+        with MaskReplayer(model).applying({}):
+            model(torch.empty(2, 2, 4, 8, device="meta"))
+    assert refused.value.module == "0"
+    # Twin: the same kernel without dropout draws nothing.
+    model[0].forward = lambda q: torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, None, True)[0]
+    with recorder.recording():
+        model(torch.empty(2, 2, 4, 8, device="meta"))
+    assert not recorder.take().problems
 
 
 def test_uncaptured_keeps_mixed_training_flags():
@@ -379,23 +493,34 @@ def test_uncaptured_keeps_mixed_training_flags():
 
 # -- transit ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape", [(3, 5, 7), (1,), (13,), (2, 0, 3), (4, 8)])
-def test_packed_masks_round_trip_at_one_bit_per_element(shape):
+def test_masks_round_trip_at_one_bit_per_element(shape):
     mask = torch.rand(shape, generator=torch.Generator().manual_seed(3)) < 0.5
-    packed = PackedMask.of(mask, replica=1)
-    assert packed.bits.dtype == np.uint8 and packed.bits.nbytes == math.ceil(mask.numel() / 8)
+    packed = PackedDraw.of(mask.float(), replica=1, mask=True)
+    assert packed.bits.dtype == np.uint8 and packed.nbytes == math.ceil(mask.numel() / 8)
     assert torch.equal(packed.unpack(), mask) and packed.unpack().device.type == "cpu"
     # Twin: the padding bits of the last byte are not read back as elements; a flipped element bit is.
     if mask.numel() % 8:
-        padded = PackedMask(packed.shape, 1, packed.bits.copy())
+        padded = PackedDraw(packed.shape, 1, packed.bits.copy())
         padded.bits[-1] |= (1 << (8 - mask.numel() % 8)) - 1
         assert torch.equal(padded.unpack(), mask)
     if mask.numel():
-        flipped = PackedMask(packed.shape, 1, packed.bits.copy())
+        flipped = PackedDraw(packed.shape, 1, packed.bits.copy())
         flipped.bits[0] ^= 0x80
-        assert not torch.equal(flipped.unpack(), mask)
+        assert not torch.equal(flipped.unpack(), mask) and not flipped.same(packed)
 
 
-def test_mask_records_are_picklable_and_small():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64])
+def test_other_draws_travel_as_they_are(dtype):
+    values = (torch.rand(3, 5, generator=torch.Generator().manual_seed(4)) * 100).to(dtype)
+    packed = PackedDraw.of(values)
+    assert packed.bits is None and packed.nbytes == values.numel() * values.element_size()
+    assert packed.unpack().dtype == dtype and torch.equal(packed.unpack(), values)
+    changed = values.clone()
+    changed[0, 0] += 1
+    assert not PackedDraw.of(changed).same(packed) and PackedDraw.of(values.clone()).same(packed)
+
+
+def test_records_are_picklable_and_small():
     model, x = _net(), _x(7, 6)
     record, _ = _record(model, x, x)
     again = pickle.loads(pickle.dumps(record))
@@ -410,9 +535,9 @@ def test_mask_records_are_picklable_and_small():
 
 def test_calls_selects_a_replica():
     one, two = torch.tensor([True, False]), torch.tensor([False, True])
-    record = MaskRecord({"d": [PackedMask.of(one, 0), PackedMask.of(two, 1)]}, {})
-    assert [m.tolist() for m in record.calls()["d"]] == [one.tolist(), two.tolist()]
-    assert [m.tolist() for m in record.calls(replica=1)["d"]] == [two.tolist()]
+    record = MaskRecord({"d|op": [PackedDraw.of(one, 0, mask=True), PackedDraw.of(two, 1, mask=True)]}, {})
+    assert [m.tolist() for m in record.calls()["d|op"]] == [one.tolist(), two.tolist()]
+    assert [m.tolist() for m in record.calls(replica=1)["d|op"]] == [two.tolist()]
     assert record.calls(replica=2) == {}
 
 
@@ -428,7 +553,9 @@ def test_masks_drawn_on_cuda_make_a_float64_copy_compute_the_same_forward_and_gr
     plain_state = torch.cuda.get_rng_state(device)
     record, (y,) = _record(model, x)
     assert torch.equal(y, plain) and torch.equal(torch.cuda.get_rng_state(device), plain_state)
-    assert record.problems == {} and all(m.replica == x.device.index for m in record.masks["2"])
+    assert record.problems == {} and list(record.masks) == [_key("2", "aten.native_dropout.default"),
+                                                             _key("4", "aten.native_dropout.default")]
+    assert all(m.replica == x.device.index for m in record.masks[_key("2", "aten.native_dropout.default")])
     _assert_replayed(model, copy64, x, y, record)
 
     torch.manual_seed(6)

@@ -9,7 +9,7 @@ are captured during the ranks' forward, also where BatchNorm couples the samples
 
 With --sync-bn the statistics are the global batch's on every rank: the matrix's cnn runs check that
 (test_equivalence_matrix.py). Negative twins: a backend that synchronises BatchNorm behind the user's back, one that updates the running
-statistics twice per step, and a model whose dropout cannot be captured (F.dropout in its own forward) --
+statistics twice per step, and a model whose randomness cannot be replayed (NumPy noise in its own forward) --
 `different` with the cause, or `unverifiable` naming the module. The unit-level twins of the buffer check are
 in test_buffers.py, of the mask capture in test_masks.py.
 """
@@ -125,13 +125,15 @@ def test_dropout_per_replica_is_checked_on_the_captured_masks(launch):
 
 
 @pytest.mark.slow  # the default tier keeps this capability in a sibling test
-def test_dropout_that_cannot_be_captured_is_unverifiable_and_named(launch):
-    """F.dropout inside a module's own forward: no module to hook, so no `equivalent`, and the module is named."""
-    proc, result = launch("ddp", WS, "tests.faulty_workloads:functional_dropout_mlp", STEPS)
+def test_randomness_that_cannot_be_replayed_is_unverifiable_and_named(launch):
+    """Noise from NumPy's generator inside a module's forward: no torch random op draws it, so no replay reaches it,
+    no `equivalent`, and the module is named (its neighbour's drop path, a torch.rand, is replayable)."""
+    proc, result = launch("ddp", WS, "tests.random_models:numpy_noise", STEPS)
     assert proc.returncode == 0, proc.output[-4000:]
     e = result["equivalence"]
     assert e["verdict"] == "unverifiable", e
-    assert "2 (_FunctionalDropout)" in e["unverifiable_reason"] and "--no-dropout" in e["unverifiable_reason"], e
+    assert "blocks.1 (NumpyNoiseBlock) draws random numbers outside torch's random operations" in \
+        e["unverifiable_reason"] and "--no-dropout" in e["unverifiable_reason"], e
     assert e["checked_steps"] == [] and e["noise_ratio"] is None, "no figure measured against randomness"
     assert e["stochastic"]["stochastic"] is True and e["stochastic"]["captured"] is False
     assert "unverifiable" in proc.stdout

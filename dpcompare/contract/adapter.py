@@ -188,11 +188,13 @@ class ModelFacts:
     frozen: tuple[str, ...] = ()
     """Parameters with requires_grad=False: never updated, left out of every check."""
     random_modules: tuple[str, ...] = ()
-    """Modules that draw random numbers in training mode (dropout)."""
+    """Modules that draw random numbers in training mode (dropout, drop path, any random op in their forward)."""
+    random_ops: tuple[str, ...] = ()
+    """What they draw with, each as "module (Type) op", in the order the forward first calls it."""
     stochastic: bool = False
     """Two forwards of the same input differ: the forward draws random numbers."""
     uncaptured: str | None = None
-    """The module that draws random numbers where no dropout mask can be captured (None: all captured)."""
+    """The module that draws random numbers no replay reaches, and how (None: every draw is replayed)."""
     built_apart: tuple[tuple[str, tuple[int, ...]], ...] = ()
     """Parameters and buffers whose values the ranks built differently (before wrapping), each with the ranks whose
     values differ from rank 0's."""

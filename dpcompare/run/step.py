@@ -67,16 +67,19 @@ class StepRunner:
 
     # -- the step ------------------------------------------------------------------------------------
     def step(self, step: int, x: torch.Tensor, y: torch.Tensor, *, phase: str = "train", sync: bool = True,
-             update: bool = True, after_reduce: Hook = None, after_update: Hook = None) -> None:
+             update: bool = True, after_reduce: Hook = None, after_update: Hook = None,
+             recording: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
         """One step: forward and backward (sync=False: the ablation's unsynced arm, no communication), reduce,
         the loss scale undone, the gradient clipped by its global norm (--clip-grad-norm), then the optimizer step
         (update=False: gradients dropped unscaled, weights untouched). The hooks run where the verification checks:
         after the reduce and the unscale (gradients global and not yet clipped, weights not yet moved) and after the
-        update (`grad_norm` then holds the norm the backend clipped by)."""
+        update (`grad_norm` then holds the norm the backend clipped by). `recording`: a context around the forwards and
+        backwards alone (the verification's record of the random numbers they draw; the hooks' work stays outside)."""
         self._inject(step)
         self.beat(f"{phase}: forward", step)
         self.forward_s = 0.0
-        self.forward_backward(x, y, comm=sync)
+        with recording() if recording is not None else contextlib.nullcontext():
+            self.forward_backward(x, y, comm=sync)
         if self.inject_slowdown:
             # Compute = forward + backward ~ 3 x forward (the backward's wall time also holds the all-reduce).
             _spin(self.inject_slowdown * BACKWARD_FLOPS_FACTOR * self.forward_s)

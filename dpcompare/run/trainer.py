@@ -173,8 +173,8 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
         wrapped.notes.append(Note("activation_checkpointing", checkpointing.describe(wrapped.module)))
     if cfg.compile:
         adapter.compile()
-    if switched:
-        wrapped.notes.append(Note("dropout_off", f"--no-dropout: dropout switched off in {', '.join(switched)}"))
+    if cfg.no_dropout:
+        wrapped.notes.append(Note("dropout_off", stochastic.no_dropout_note(switched, facts)))
     wrapped.model.train()  # once: every step trains (the oracle and the shadow have their own copies)
     return template
 

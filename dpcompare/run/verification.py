@@ -2,8 +2,8 @@
 
 Owns: the cross-rank side of verification. At checked steps every rank sends rank 0 its shard's digest,
 its reduced gradients' digests, how it left unused parameters' gradients and its module buffers before the
-forward and after the backward; at every step of a model that draws random numbers, the dropout masks its
-forward drew (captured by dpcompare.verify.masks) and its generator's digest. Rank 0's `Verifier`
+forward and after the backward; at every step of a model that draws random numbers, the random numbers its
+forward drew (recorded by dpcompare.verify.masks around the forwards and backwards) and its generator's digest. Rank 0's `Verifier`
 (dpcompare.verify.verifier) checks the gradient against the oracle, under --clip-grad-norm the total norm the
 backend clipped by against the oracle's, the update against a reference optimizer step (clipped as the run asks)
 and, after every step, the parameters against the reference trajectory. The replicas'
@@ -44,7 +44,8 @@ class VerificationPhase:
         """Every parameter, in the order the ranks' digests list them (the wrapped module's names are the template's)."""
         self.rank0 = is_rank0
         self.check: verifier.Verifier | None = None
-        self.recorder = mk.MaskRecorder(self.wrapped.module) if self.facts.stochastic else None
+        # Under --compile a random forward is unverifiable (verifier.py): recording would only keep Dynamo from compiling.
+        self.recorder = mk.MaskRecorder(self.wrapped.module) if self.facts.stochastic and not cfg.compile else None
         self.cost = VerificationCost(self.runner.device) if is_rank0 else None
         """Rank 0's time and memory for checking (the oracle, the references, the trajectory), beside the step's."""
 
@@ -135,12 +136,13 @@ class VerificationPhase:
                     self.check.check_grad_norm(step, self.runner.grad_norm)  # the norm the backend clipped by
                     self.check.check_update(step, masters)
                     self.check.trajectory_step(step, batch,
-                                               [i["masks"] for i in gathered] if self.facts.stochastic else None, masters)
+                                               [i.get("masks") for i in gathered] if self.facts.stochastic else None,
+                                               masters)
             if checked or step == self.cfg.steps - 1:
                 self._compare_replicas(step)
 
-        with self.recorder.recording() if self.recorder is not None else contextlib.nullcontext():
-            self.runner.step(step, x, y, phase="verify", after_reduce=after_reduce, after_update=after_update)
+        self.runner.step(step, x, y, phase="verify", after_reduce=after_reduce, after_update=after_update,
+                         recording=self.recorder.recording if self.recorder is not None else None)
 
     def _costed(self, setup: bool = False) -> contextlib.AbstractContextManager:
         return self.cost.timing(setup) if self.cost is not None else contextlib.nullcontext()

@@ -85,7 +85,7 @@ def depth_of(module: nn.Module) -> int:
 
 # -- the oracle ------------------------------------------------------------------------------------
 Masks = dict[str, list[torch.Tensor]]
-"""Captured dropout masks of one forward: module name -> bool masks in call order (dpcompare.verify.masks)."""
+"""Recorded random draws of one forward: "module|op" -> the op's numbers in call order (dpcompare.verify.masks)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +154,7 @@ def accumulate_gradient(model: nn.Module, loss_fn: Callable, pieces: list[Piece]
                         replayer: MaskReplayer | None = None, recipe: Recipe = NO_RECIPE,
                         loss_scale: float = 1.0, ranks: int | None = None) -> tuple[Grads, frozenset[str]]:
     """Sum over pieces of weight * grad(loss(piece)) at the model's current parameters, each piece's forward
-    applying its captured dropout masks (`replayer`, a MaskReplayer of `model`). Returns the gradients
+    replaying the random numbers its rank drew (`replayer`, a MaskReplayer of `model`). Returns the gradients
     (float64, CPU; zeros where autograd left None) and the names whose gradient stayed None.
 
     Under a mixed-precision `recipe` each piece runs as its rank ran it (dpcompare.verify.precision): forward and
@@ -167,7 +167,7 @@ def accumulate_gradient(model: nn.Module, loss_fn: Callable, pieces: list[Piece]
     for piece in pieces:
         x = as_input(piece.x, model, device)
         in_graph = piece.weight * ranks * loss_scale
-        # backward inside: a model that recomputes activations runs its dropout again there, on the same masks
+        # backward inside: a model that recomputes activations draws again there, and takes the same numbers
         with replayer.applying(piece.masks) if replayer is not None else contextlib.nullcontext():
             with recipe.autocast():
                 loss = loss_fn(model(x), piece.y.to(device))

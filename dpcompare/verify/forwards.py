@@ -1,16 +1,15 @@
-"""The forwards the oracle runs for a checked step, with the dropout masks the ranks drew.
+"""The forwards the oracle runs for a checked step, with the random numbers the ranks drew.
 
 Owns: which forwards stand for a step's gradient: the global batch in one forward, or each replica's own forwards as
 the backend split them (`Layout`), where BatchNorm without --sync-bn normalises each replica's samples alone, where
-the forward depends on how the batch is split (dpcompare.verify.split finds it) or where the masks the ranks drew
-apply rank by rank (unless the loss is not a mean: then the global batch, the masks joined); the ranks' captured masks (dpcompare.verify.masks) split forward by
-forward, unpacked once per step: the gradient check, the buffers and the trajectory of a step share them (captured
-masks that do not fit the forwards raise MaskMismatch); and the per_replica_batchnorm note, how far the per-replica
+the forward depends on how the batch is split (dpcompare.verify.split finds it) or where the numbers the ranks drew
+apply rank by rank (unless the loss is not a mean: then the global batch, the draws joined); the ranks' recorded draws
+(dpcompare.verify.masks) split forward by forward, unpacked once per step: the gradient check, the buffers and the
+trajectory of a step share them (recorded draws that do not fit the forwards raise MaskMismatch); and the
+per_replica_batchnorm note, how far the per-replica
 gradient the run is judged against is from the single-process global-batch gradient. Imports no adapter.
 """
 from __future__ import annotations
-
-import torch
 
 from dpcompare.verify import masks as mk
 from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, global_pieces, replica_pieces
@@ -66,20 +65,13 @@ class Forwards:
             for name, why in record.problems.items():
                 raise mk.MaskMismatch(name, why)
         k = self.layout.grad_accum
-        calls: dict[tuple[int, int], dict[str, list[torch.Tensor]]] = {}
-        out = []
-        for rank, micro, replica, _ in self.layout.positions(batch_size):
-            key = (rank, replica)
-            if key not in calls:
-                calls[key] = records[rank].calls(replica if self.layout.replicas > 1 else None)
-            forward = {}
-            for name, masks in calls[key].items():
-                if len(masks) % k:
-                    raise mk.MaskMismatch(name, f"{len(masks)} masks were captured over {k} micro-batches")
-                c = len(masks) // k
-                forward[name] = masks[micro * c:(micro + 1) * c]
-            out.append(forward)
-        return out
+        for rank, record in enumerate(records):
+            if record.forwards > k:
+                raise mk.MaskMismatch("", f"rank {rank} ran the model's forward {record.forwards} times in a step of "
+                                          f"{k} micro-batch(es): its draws fit no forwards the oracle runs")
+        # Each forward of a rank's step is one of its micro-batches (on each replica): its draws are that forward's.
+        return [records[rank].calls(replica if self.layout.replicas > 1 else None, forward=micro)
+                for rank, micro, replica, _ in self.layout.positions(batch_size)]
 
     def note_per_replica(self, step: int, state: dict, batch, oracle: Grads, floor: Grads,
                          pieces: list[Piece]) -> None:

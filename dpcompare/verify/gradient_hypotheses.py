@@ -52,7 +52,7 @@ class _GradientHypotheses:
                 "clipping), two same-shape gradients exchanged, a part never written, an fp16 or bf16 wire's rounding, "
                 "underflow or overflow, per-rank or per-micro-batch BatchNorm, duplicated data)")
         if self.ev.stochastic:
-            none += "; the model draws random numbers: the oracle applied the dropout masks each rank drew"
+            none += "; the model draws random numbers: the oracle replayed the numbers each rank drew"
         return none
 
     def local(self) -> list[Grads]:

@@ -1,10 +1,10 @@
 """What the model is, found before it is wrapped, and what the verdict says of the randomness its forward draws.
 
 Owns: the model probe before wrapping (`probe`: one float64 forward/backward of the first global batch, for the
-unused, frozen and random parts of the model, and whether the dropout masks a capture can take account for every
-random number the forward draws), and the verdict's account of that randomness before the first step
-(`judge_randomness`): captured, or the reason the run cannot be checked against an oracle. Everything here runs on
-generators forked from the run's. Imports no adapter.
+unused, frozen and random parts of the model: which module draws with which random op, and whether replaying the
+recorded draws accounts for every random number the forward draws), and the verdict's account of that randomness
+before the first step (`judge_randomness`): replayed, or the reason the run cannot be checked against an oracle.
+Everything here runs on generators forked from the run's. Imports no adapter.
 """
 
 from __future__ import annotations
@@ -26,22 +26,27 @@ some 10^6 float64 roundings, far below what one changed dropout mask element doe
 
 
 def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> ModelFacts:
-    """One float64 forward/backward of the first global batch (which parameters get no gradient), a second
-    forward of the same input (does the forward draw random numbers?) and, when it does, whether capturing
-    the dropout modules' masks accounts for all of it (which module draws where no mask can be captured)."""
+    """One float64 forward/backward of the first global batch (which parameters get no gradient), its random ops
+    recorded at the dispatcher (which module draws with which op), a second forward of the same input (does the
+    forward draw random numbers?) and, when it does, whether replaying the recorded draws accounts for all of it
+    (which module draws where no replay reaches, and with what)."""
     model = verification_copy(template, device, torch.float64).train()
     x, y = batch
     x = x.to(device)
     x = x.double() if x.is_floating_point() else x
+    recorder = mk.MaskRecorder(model)
     with stochastic.isolated(device):
-        first = model(x)
-        with torch.no_grad():
-            second = model(x)
-        loss_fn(first, y.to(device)).backward()
+        with recorder.recording():
+            first = model(x)
+            with torch.no_grad():
+                second = model(x)  # its own draws (only the list of what draws is read from the record)
+            # backward inside: a recomputing copy runs its forward again there, on the same attention path
+            loss_fn(first, y.to(device)).backward()
+    record = recorder.take()
     diff = float(torch.linalg.vector_norm((first.detach() - second).double()))
     norm = float(torch.linalg.vector_norm(first.detach().double()))
     named = list(model.named_parameters())
-    drawn = diff > STOCHASTIC_REL_DIFF * max(norm, 1e-300)
+    drawn = diff > STOCHASTIC_REL_DIFF * max(norm, 1e-300) or bool(record.masks) or bool(record.problems)
     uncaptured = None
     if drawn:
         with stochastic.isolated(device):
@@ -49,7 +54,8 @@ def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, tor
     return ModelFacts(
         unused=tuple(n for n, p in named if p.requires_grad and p.grad is None),
         frozen=tuple(n for n, p in named if not p.requires_grad),
-        random_modules=tuple(stochastic.random_modules(template)),
+        random_modules=tuple(stochastic.drawing_modules(template, [*record.masks, *record.problems])),
+        random_ops=tuple(stochastic.draws_described(template, record)),
         stochastic=drawn,
         uncaptured=uncaptured,
     )
@@ -57,27 +63,23 @@ def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, tor
 
 def judge_randomness(facts: ModelFacts, replay_reason: str | None, verdict: Verdict) -> str | None:
     """The verdict's account of the forward's randomness (`verdict.stochastic`, and the masks_captured note where
-    every rank's masks are captured); returns why the run cannot be checked (None: it can). `replay_reason`: why the
-    backend's random numbers are drawn where no captured mask reaches (`Adapter.rng_replay_reason()`), or None."""
-    modules = ", ".join(facts.random_modules) or "an operation in forward"
+    every rank's draws are replayed); returns why the run cannot be checked (None: it can). `replay_reason`: why the
+    backend's random numbers are drawn where no recorded draw reaches (`Adapter.rng_replay_reason()`), or None."""
+    drawn = ", ".join(facts.random_ops or facts.random_modules) or "an operation in forward"
     verdict.stochastic = {"stochastic": facts.stochastic, "modules": list(facts.random_modules),
-                          "captured": False, "reason": None, "capture_bytes_per_step": None}
+                          "draws": list(facts.random_ops), "captured": False, "reason": None,
+                          "capture_bytes_per_step": None}
     if not facts.stochastic:
         return None
-    blockers = []
-    if facts.uncaptured:
-        blockers.append(f"{facts.uncaptured} draws random numbers where no mask can be captured (dropout inside a "
-                        "functional call or a fused kernel, such as scaled_dot_product_attention's dropout_p, or a "
-                        "random operation other than dropout)")
-    if replay_reason:
-        blockers.append(replay_reason)
+    blockers = [b for b in (facts.uncaptured, replay_reason) if b]
     if blockers:
         verdict.stochastic["reason"] = "; ".join(blockers)
-        return (f"the forward draws random numbers ({modules}) and {'; '.join(blockers)}: comparing "
-                "against an oracle that draws its own would measure randomness, not rounding; rerun "
-                "with --no-dropout to check the computation deterministically")
+        return (f"the forward draws random numbers ({drawn}) and {'; '.join(blockers)}: comparing against an oracle "
+                "that draws its own would measure randomness, not rounding; rerun with --no-dropout to check the "
+                "computation deterministically")
     verdict.stochastic["captured"] = True
-    verdict.note("masks_captured", f"the forward draws random numbers ({modules}): each rank's dropout masks are "
-                                   "captured during its forward and applied in the oracle, the floor and the reference "
-                                   "trajectory")
+    verdict.note("masks_captured", f"the forward draws random numbers ({drawn}): each rank's draws are recorded where "
+                                   "they are drawn (its random ops, at the dispatcher) and replayed in the oracle, the "
+                                   "floor and the reference trajectory; scaled_dot_product_attention runs on its math "
+                                   "path in the checked steps")
     return None

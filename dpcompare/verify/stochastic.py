@@ -1,23 +1,28 @@
-"""Randomness in the forward pass: find it, give every rank its own stream, fingerprint each rank's state.
+"""Randomness in the forward pass: find it, switch it off, give every rank its own stream, fingerprint each rank's state.
 
-Owns: which modules of a model draw random numbers in training (dropout and its kin), the per-rank seed
-(seed 000: the same seed for the weights, a different one per replica for dropout and augmentation), and
-the capture of a rank's generator state before its forward, whose digest tells ranks that would draw the
-same masks (the masks themselves are captured by dpcompare.verify.masks). Also `isolated()`: rank 0's
-verification work runs on a forked generator, so checking a run never changes the random numbers the run
-itself draws. Imports no adapter.
+Owns: which modules of a model draw random numbers in training (by type, and as the probe's recording found them,
+with their ops), --no-dropout (every dropout probability a model holds set to 0, and the note on what still draws),
+the per-rank seed (seed 000: the same seed for the weights, a different one per replica for dropout and
+augmentation), and the capture of a rank's generator state before its forward, whose digest tells ranks that would
+draw the same numbers (the numbers themselves are recorded by dpcompare.verify.masks). Also `isolated()`: rank 0's
+verification work runs on a forked generator, so checking a run never changes the random numbers the run itself
+draws. Imports no adapter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
 from torch import nn
+
+from dpcompare.contract import ModelFacts
+from dpcompare.verify.mask_transit import MaskRecord
 
 _DROPOUT_TYPES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
@@ -60,7 +65,8 @@ def isolated(device: torch.device) -> Iterator[None]:
 
 
 def random_modules(module: nn.Module) -> list[str]:
-    """Names of the modules that draw random numbers in training mode (dropout with p > 0)."""
+    """Names of the modules declared to draw random numbers in training mode (dropout with p > 0, attention dropout,
+    RReLU), by their type alone; what a forward really draws is found by recording it (`drawing_modules`)."""
     names = []
     for name, m in module.named_modules():
         if isinstance(m, _DROPOUT_TYPES) and m.p > 0:
@@ -72,12 +78,60 @@ def random_modules(module: nn.Module) -> list[str]:
     return names
 
 
+def _root(module: nn.Module, name: str) -> str:
+    return name or type(module).__name__
+
+
+def drawing_modules(model: nn.Module, keys: Iterable[str]) -> list[str]:
+    """The modules of `model` named in recorded keys ("module|op" or a module's name), each once, in order (the root
+    by its type)."""
+    return list(dict.fromkeys(_root(model, key.rpartition("|")[0] if "|" in key else key) for key in keys))
+
+
+def draws_described(model: nn.Module, record: MaskRecord) -> list[str]:
+    """Each recorded key as "module (Type) op" (the op without its overload)."""
+    types = {name: type(m).__name__ for name, m in model.named_modules()}
+    out = []
+    for key in record.masks:
+        name, _, op = key.rpartition("|")
+        packet = op.rsplit(".", 1)[0] if op.count(".") > 1 else op
+        out.append(f"{_root(model, name)} ({types.get(name, '?')}) {packet}")
+    return list(dict.fromkeys(out))
+
+
+_DROP_NAME = re.compile(r"(\w*dropout\w*|\w*layerdrop|(\w+_)?drop(_?path)?(_?(prob|rate|p))?)")
+"""Float attributes that hold a dropout probability: dropout, dropout_p, attention_dropout, hidden_dropout_prob,
+drop_prob, drop_rate, drop_path_rate, attn_drop, proj_drop, layerdrop (timm, transformers, hand-written attention)."""
+
+
+def _drop_like(m: nn.Module) -> bool:
+    kind = type(m).__name__.lower()
+    return "drop" in kind or "stochasticdepth" in kind  # DropPath, DropBlock, torchvision's StochasticDepth
+
+
 def switch_off_dropout(module: nn.Module) -> list[str]:
-    """Set every dropout probability to 0 (what --no-dropout does); returns the modules changed."""
-    changed = random_modules(module)
-    for m in module.modules():
-        if isinstance(m, _DROPOUT_TYPES):
-            m.p = 0.0
-        elif isinstance(m, nn.MultiheadAttention):
-            m.dropout = 0.0
+    """Set every dropout probability to 0 (what --no-dropout does): the p of nn.Dropout and its kin and of drop-path
+    modules, and every float attribute named like a dropout probability (the `dropout` of nn.MultiheadAttention and
+    nn.LSTM, a `dropout_p` a forward hands to scaled_dot_product_attention, a `drop_prob` a drop path reads). Returns
+    what changed: a module's name, or module.attribute. Random ops that no probability switches off (RReLU, noise
+    drawn with torch.randn) still draw: the probe finds them (`no_dropout_note`)."""
+    changed = []
+    for name, m in module.named_modules():
+        for attr, value in list(vars(m).items()):
+            if isinstance(value, bool) or not isinstance(value, float) or not 0 < value <= 1:
+                continue
+            if (attr == "p" and _drop_like(m)) or _DROP_NAME.fullmatch(attr):
+                setattr(m, attr, 0.0)
+                changed.append(_root(module, name) if attr == "p" else f"{name}.{attr}" if name else attr)
     return changed
+
+
+def no_dropout_note(switched: list[str], facts: ModelFacts) -> str:
+    """The dropout_off note: what --no-dropout switched off, and what the forward still draws (the probe's record)."""
+    text = f"--no-dropout: dropout switched off in {', '.join(switched) or 'nothing (no dropout probability found)'}"
+    if not facts.stochastic:
+        return text
+    still = ", ".join(facts.random_ops or facts.random_modules) or "an operation in forward"
+    fate = (f"not replayable ({facts.uncaptured})" if facts.uncaptured else
+            "recorded on every rank and replayed in the oracle")
+    return f"{text}; the forward still draws random numbers: {still}, {fate}"

@@ -20,8 +20,8 @@ and the power each checked step must have for the verdict to say `equivalent`. T
 The oracle computes what data parallelism computes: the global batch in one forward, or, where the model
 couples the samples of a batch (BatchNorm without --sync-bn) or its forward depends on how the batch is split
 (dpcompare.verify.split), each replica's own forwards as the backend split them, its distance from the global batch
-stated as a note (dpcompare.verify.forwards). What the ranks hold before step 0 is dpcompare.verify.initial's. Dropout masks are
-the ones the ranks drew, captured during their forward (dpcompare.verify.masks), never redrawn.
+stated as a note (dpcompare.verify.forwards). What the ranks hold before step 0 is dpcompare.verify.initial's. Random
+numbers are the ones the ranks drew, recorded during their forward (dpcompare.verify.masks), never redrawn.
 A failed check is diagnosed (dpcompare.verify.diagnosis); a part that cannot be checked is recorded as such and
 the verdict says `unverifiable` with the reason, never `equivalent`. Everything here runs on generators
 forked from the run's, so checking never changes the random numbers the run draws. Imports no adapter.
@@ -149,9 +149,9 @@ class Verifier:
             self._unverifiable(reason)
         elif cfg.compile and facts.stochastic:
             self._unverifiable(f"--compile with a forward that draws random numbers ({', '.join(facts.random_modules)}): "
-                               "the oracle replays the masks the ranks' dropout drew, captured by hooks that read the "
-                               "eager generator, but compiled dropout draws its masks inside Inductor's kernels from "
-                               "a generator of its own (and the capture hooks break the graph); add --no-dropout")
+                               "the oracle replays the numbers the ranks' random ops drew, recorded at the eager "
+                               "dispatcher, but compiled dropout draws its masks inside Inductor's kernels from a "
+                               "generator of its own (and the recording breaks the graph); add --no-dropout")
         if cfg.compile:
             self.verdict.note("compile", "--compile: the float64 oracle and the float32 reference run eagerly; the "
                               "floor's regrouped twin runs a compiled copy of the model, so the compiled kernels' "
@@ -332,8 +332,9 @@ class Verifier:
         return f"{self.cfg.amp} {self.recipe.kind}" if self.recipe.active else self.cfg.dtype
 
     def _mask_failure(self, step: int, exc: mk.MaskMismatch) -> None:
-        self._unverifiable(f"the dropout masks of {exc.module} could not be captured at step {step} ({exc}): the "
-                           "oracle would measure randomness, not rounding; rerun with --no-dropout")
+        self._unverifiable(f"the random numbers drawn in {exc.module or 'the model itself'} could not be replayed at "
+                           f"step {step} ({exc.reason}): the oracle would measure randomness, not rounding; rerun with "
+                           "--no-dropout")
         self.verdict.stochastic["captured"] = False
         self.verdict.stochastic["reason"] = f"{exc.module}: {exc}"
 
