@@ -3,9 +3,10 @@
 Owns: which forwards stand for a step's gradient: the global batch in one forward, or each replica's own forwards as
 the backend split them (`Layout`), where BatchNorm without --sync-bn normalises each replica's samples alone, where
 the forward depends on how the batch is split (dpcompare.verify.split finds it) or where the masks the ranks drew
-apply rank by rank (unless the loss is not a mean: then the global batch, the masks joined); the ranks' captured masks (dpcompare.verify.masks) split forward by
-forward, unpacked once per step: the gradient check, the buffers and the trajectory of a step share them (captured
-masks that do not fit the forwards raise MaskMismatch); and the per_replica_batchnorm note, how far the per-replica
+apply rank by rank (unless the loss is not a mean: then the global batch, the masks joined); the ranks' captured
+masks (dpcompare.verify.masks) split forward by forward, unpacked once per step: the gradient check, the buffers and
+the trajectory of a step share them (captured masks that do not fit the forwards raise MaskMismatch); and the
+per_replica_batchnorm note, how far the per-replica
 gradient the run is judged against is from the single-process global-batch gradient. Imports no adapter.
 """
 from __future__ import annotations

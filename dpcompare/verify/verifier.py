@@ -20,8 +20,8 @@ and the power each checked step must have for the verdict to say `equivalent`. T
 The oracle computes what data parallelism computes: the global batch in one forward, or, where the model
 couples the samples of a batch (BatchNorm without --sync-bn) or its forward depends on how the batch is split
 (dpcompare.verify.split), each replica's own forwards as the backend split them, its distance from the global batch
-stated as a note (dpcompare.verify.forwards). What the ranks hold before step 0 is dpcompare.verify.initial's. Dropout masks are
-the ones the ranks drew, captured during their forward (dpcompare.verify.masks), never redrawn.
+stated as a note (dpcompare.verify.forwards). What the ranks hold before step 0 is dpcompare.verify.initial's.
+Dropout masks are the ones the ranks drew, captured during their forward (dpcompare.verify.masks), never redrawn.
 A failed check is diagnosed (dpcompare.verify.diagnosis); a part that cannot be checked is recorded as such and
 the verdict says `unverifiable` with the reason, never `equivalent`. Everything here runs on generators
 forked from the run's, so checking never changes the random numbers the run draws. Imports no adapter.
@@ -72,8 +72,9 @@ class Verifier:
         self.layout = layout
         self.batchnorms = [n for n, m in template.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         self.has_batchnorm = bool(self.batchnorms)
+        # BatchNorm without --sync-bn: the oracle runs each replica's forwards, as the backend does (as it does where
+        # the forward depends on the split, which dpcompare.verify.split finds at the first checked step).
         per_replica = self.has_batchnorm and not cfg.sync_bn and layout.splits_the_batch
-        """BatchNorm without --sync-bn: the oracle runs each replica's forwards, as the backend does."""
         self.depth = eq.depth_of(template)
         self.backend = backend
         self.recipe = Recipe(backend.amp_recipe(), cfg.amp, device.type)
@@ -253,6 +254,8 @@ class Verifier:
                 self.verdict.notes = [n for n in self.verdict.notes if n.code != "buffers_per_rank"]
                 self.verdict.note("buffers_per_rank", text)
             backend_state = reads.state
+            if not all(bool(torch.isfinite(t).all()) for t in spread.values()):
+                spread = floor  # the regrouped sum overflows where the ranks' does not: no measured spread
             pending = Pending(
                 step, {n: self.masters[n].detach().double().cpu().clone() for n in self.names},
                 {n: (None if reduced.get(n) is None else grads[n]) for n in self.names}, none,
@@ -264,10 +267,12 @@ class Verifier:
                 if failure is not None:
                     self.verdict.diverge(failure)
                 return
-            params, model = self._compare(grads, oracle, floor, spread, wire)
             self.forwards.note_per_replica(step, state, batch, oracle, floor, pieces)
             self.split.note(max(eq.rel_fro(eq.flat(floor, self.names), eq.flat(oracle, self.names)),
                                 self.depth * eq.UNIT_ROUNDOFF[self.cfg.dtype]))
+            params, model = eq.compare(grads, oracle, floor, dtype=self.cfg.dtype, world_size=self.world_size,
+                                       depth=self.depth, u_sum=self.u_wire if wire is None else None,
+                                       names=self.names, spread=spread)
             digests = eq.first_mismatch([i["grads"] for i in info], self.all_names)
             check = eq.StepCheck(step, params, True, digests is None, model=model)
             self.verdict.checks.append(check)
@@ -310,12 +315,6 @@ class Verifier:
                         self.dumps[f"{step}/{kind}/{n}"] = t.numpy()
             self.previous = (step, grads)
             self.pending = pending
-
-    def _compare(self, grads: eq.Grads, oracle: eq.Grads, floor: eq.Grads, spread: eq.Grads, wire) -> tuple:
-        if not all(bool(torch.isfinite(t).all()) for t in spread.values()):
-            spread = floor  # the regrouped sum overflows where the ranks' does not: no measured spread
-        return eq.compare(grads, oracle, floor, dtype=self.cfg.dtype, world_size=self.world_size, depth=self.depth,
-                          u_sum=self.u_wire if wire is None else None, names=self.names, spread=spread)
 
     def _ranks_apart(self, info: list[dict]) -> list[str]:
         """The parameters whose reduced gradient differs between ranks (by digest): every backend hands every rank the
