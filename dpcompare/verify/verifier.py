@@ -72,8 +72,9 @@ class Verifier:
         self.layout = layout
         self.batchnorms = [n for n, m in template.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         self.has_batchnorm = bool(self.batchnorms)
+        # BatchNorm without --sync-bn: the oracle runs each replica's forwards, as the backend does (as it does where
+        # the forward depends on the split, which dpcompare.verify.split finds at the first checked step).
         per_replica = self.has_batchnorm and not cfg.sync_bn and layout.splits_the_batch
-        """BatchNorm without --sync-bn: the oracle runs each replica's forwards, as the backend does."""
         self.depth = eq.depth_of(template)
         self.backend = backend
         self.recipe = Recipe(backend.amp_recipe(), cfg.amp, device.type)
@@ -257,6 +258,8 @@ class Verifier:
                 self.verdict.notes = [n for n in self.verdict.notes if n.code != "buffers_per_rank"]
                 self.verdict.note("buffers_per_rank", text)
             backend_state = reads.state
+            if not all(bool(torch.isfinite(t).all()) for t in spread.values()):
+                spread = floor  # the regrouped sum overflows where the ranks' does not: no measured spread
             pending = Pending(
                 step, {n: self.masters[n].detach().double().cpu().clone() for n in self.names},
                 {n: (None if reduced.get(n) is None else grads[n]) for n in self.names}, none,
@@ -268,10 +271,12 @@ class Verifier:
                 if failure is not None:
                     self.verdict.diverge(failure)
                 return
-            params, model = self._compare(grads, oracle, floor, spread, wire)
             self.forwards.note_per_replica(step, state, batch, oracle, floor, pieces)
             self.split.note(max(eq.rel_fro(eq.flat(floor, self.names), eq.flat(oracle, self.names)),
                                 self.depth * eq.UNIT_ROUNDOFF[self.cfg.dtype]))
+            params, model = eq.compare(grads, oracle, floor, dtype=self.cfg.dtype, world_size=self.world_size,
+                                       depth=self.depth, u_sum=self.u_wire if wire is None else None,
+                                       names=self.names, spread=spread)
             digests = eq.first_mismatch([i["grads"] for i in info], self.all_names)
             check = eq.StepCheck(step, params, True, digests is None, model=model)
             self.verdict.checks.append(check)
@@ -314,12 +319,6 @@ class Verifier:
                         self.dumps[f"{step}/{kind}/{n}"] = t.numpy()
             self.previous = (step, grads)
             self.pending = pending
-
-    def _compare(self, grads: eq.Grads, oracle: eq.Grads, floor: eq.Grads, spread: eq.Grads, wire) -> tuple:
-        if not all(bool(torch.isfinite(t).all()) for t in spread.values()):
-            spread = floor  # the regrouped sum overflows where the ranks' does not: no measured spread
-        return eq.compare(grads, oracle, floor, dtype=self.cfg.dtype, world_size=self.world_size, depth=self.depth,
-                          u_sum=self.u_wire if wire is None else None, names=self.names, spread=spread)
 
     def _ranks_apart(self, info: list[dict]) -> list[str]:
         """The parameters whose reduced gradient differs between ranks (by digest): every backend hands every rank the
