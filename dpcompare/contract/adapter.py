@@ -193,6 +193,14 @@ class ModelFacts:
     """Two forwards of the same input differ: the forward draws random numbers."""
     uncaptured: str | None = None
     """The module that draws random numbers where no dropout mask can be captured (None: all captured)."""
+    data_reads: str | None = None
+    """Where the forward reads the data into Python ('module (call)'): a tensor's value (`.item()`, `if t:`) or a size its
+    values decide (`nonzero`, `x[mask]`); None when it never does. Only there can which parameters take part change
+    with the batch."""
+    routes_by_data: bool = False
+    """The forward sizes tensors by their values (`nonzero`, `x[mask]`), as routing samples to experts does."""
+    left_out_by_parts: tuple[str, ...] = ()
+    """Trainable parameters the whole first batch uses but some part of it (a rank's shard, say) leaves out."""
 
 
 @dataclass(slots=True)
@@ -435,7 +443,7 @@ class Adapter:
 
     def ablation_bytes(self) -> int:
         """Device memory that the ablation's unsynced arm holds for the whole measured window and a training step
-        would not (DDP's no-op twin keeps buckets of its own): left out of peak_mem_mib. Asked after comm_off() was
+        would not (a second wrapper's buckets, say): left out of peak_mem_mib. Asked after comm_off() was
         entered once, empty, before the warm-up. Default 0."""
         return 0
 

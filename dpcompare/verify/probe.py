@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dpcompare.contract import ModelFacts
+from dpcompare.verify import data_dependence
 from dpcompare.verify import masks as mk
 from dpcompare.verify import stochastic
 from dpcompare.verify.equivalence import verification_copy
@@ -28,13 +29,15 @@ some 10^6 float64 roundings, far below what one changed dropout mask element doe
 def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> ModelFacts:
     """One float64 forward/backward of the first global batch (which parameters get no gradient), a second
     forward of the same input (does the forward draw random numbers?) and, when it does, whether capturing
-    the dropout modules' masks accounts for all of it (which module draws where no mask can be captured)."""
+    the dropout modules' masks accounts for all of it (which module draws where no mask can be captured); where the
+    forward reads the data into Python (data_dependence), the parameters that parts of the batch leave out."""
     model = verification_copy(template, device, torch.float64).train()
     x, y = batch
     x = x.to(device)
     x = x.double() if x.is_floating_point() else x
     with stochastic.isolated(device):
-        first = model(x)
+        with data_dependence.watch(model) as reads:
+            first = model(x)
         with torch.no_grad():
             second = model(x)
         loss_fn(first, y.to(device)).backward()
@@ -46,12 +49,19 @@ def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, tor
     if drawn:
         with stochastic.isolated(device):
             uncaptured = mk.uncaptured(verification_copy(template, device, torch.float64), x)
+    unused = tuple(n for n, p in named if p.requires_grad and p.grad is None)
+    left_out = ()
+    if reads.first is not None:  # only a forward that reads the data can leave out a part of itself by the data
+        with stochastic.isolated(device):
+            left_out = tuple(n for n in data_dependence.left_out_by_parts(model, loss_fn, x, y.to(device))
+                             if n not in unused)
     return ModelFacts(
-        unused=tuple(n for n, p in named if p.requires_grad and p.grad is None),
+        unused=unused,
         frozen=tuple(n for n, p in named if not p.requires_grad),
         random_modules=tuple(stochastic.random_modules(template)),
         stochastic=drawn,
         uncaptured=uncaptured,
+        data_reads=reads.first, routes_by_data=reads.sized is not None, left_out_by_parts=left_out,
     )
 
 
