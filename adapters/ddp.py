@@ -106,19 +106,16 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
         choice, facts = self.settings.options["find_unused_parameters"], self.model_facts
         seen = [*facts.unused, *facts.left_out_by_parts]
         if choice == "false" and seen:
-            where = ("take no part in the loss" if facts.unused else
-                     f"get no gradient from some part of the first batch (the forward reads the data at {facts.data_reads})")
-            raise ValueError(f"--opt find_unused_parameters=false is invalid for this model: {_names(seen)} {where}, "
-                             "and DDP would wait for their gradients forever: use --opt find_unused_parameters=true "
-                             "(or auto)")
+            why = f"{_names(facts.unused)} take no part in the loss" if facts.unused else facts.varying_use()
+            raise ValueError(f"--opt find_unused_parameters=false is invalid for this model: {why}, and DDP would wait "
+                             "for their gradients forever: use --opt find_unused_parameters=true (or auto)")
         if choice != "auto":
             return choice == "true", "(--opt find_unused_parameters)"
         if facts.unused:
             return True, (f"because {_names(facts.unused)} take no part in the loss (found by a float64 "
                           "forward/backward before wrapping)")
         if facts.left_out_by_parts:
-            return True, (f"because parts of the first batch leave {_names(facts.left_out_by_parts)} out (the forward "
-                          f"reads the data at {facts.data_reads}), so which parameters take part changes with the data")
+            return True, f"because {facts.varying_use()}, so which parameters take part changes with the data"
         if facts.routes_by_data:
             return True, (f"because the forward sizes tensors by their values at {facts.data_reads}, as routing samples "
                           "does, so which parameters take part can change with the data")

@@ -202,6 +202,15 @@ class ModelFacts:
     left_out_by_parts: tuple[str, ...] = ()
     """Trainable parameters the whole first batch uses but some part of it (a rank's shard, say) leaves out."""
 
+    def varying_use(self) -> str | None:
+        """Why the parameters one rank's forward uses can differ from another's at a step, as the probe saw it (parts of
+        the first batch leave some out), in words; None when it saw no such part."""
+        if not self.left_out_by_parts:
+            return None
+        names, more = ", ".join(self.left_out_by_parts[:4]), len(self.left_out_by_parts) - 4
+        return (f"parts of the first batch leave {names}{f' and {more} more' if more > 0 else ''} out (the forward "
+                f"reads the data at {self.data_reads})")
+
 
 @dataclass(slots=True)
 class Wrapped:
@@ -344,7 +353,13 @@ class Adapter:
         self.wrapped.optimizer.zero_grad()  # set_to_none is the default; Horovod takes no argument
 
     def teardown(self) -> None:
-        """Stop the backend's runtime; must not raise when setup failed half-way."""
+        """Stop the backend's runtime; must not raise when setup failed half-way. Called where the process goes on (one
+        process); a rank of a launch of several calls `before_exit` instead."""
+
+    def before_exit(self) -> None:
+        """A rank of a launch of several processes is about to leave with os._exit (dpcompare.run.leave), its process
+        group and wrapper left alive, since destroying them can deadlock: do what must still happen before a process
+        leaves (MPI_Finalize, a shared file removed); must not raise when setup failed half-way. Default: nothing."""
 
     # -- what verification reads (where the backend keeps it) ------------------------------------
     # The full-value reads below are called on every rank at the same point of a step: where a backend shards
