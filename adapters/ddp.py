@@ -55,7 +55,7 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
                "DDP's find_unused_parameters: true (DDP walks the autograd graph every step for parameters the loss "
                "left out), false (every parameter must get a gradient on every rank at every step), or auto (true where "
                "the probe before wrapping finds a parameter the loss leaves out, a part of the batch that leaves one "
-               "out, or a forward that routes samples by their values)", choices=("auto", "true", "false")),
+               "out, or a forward that branches on the data)", choices=("auto", "true", "false")),
     )
     NATIVE_NAMES = {"bucket_cap_mb": "bucket_mb", "comm_hook": "compression", "device_ids": "device"}
 
@@ -100,8 +100,8 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
     def _find_unused(self) -> tuple[bool, str]:
         """find_unused_parameters, and why (empty: nothing worth a note). It costs a graph traversal every step, so auto
         turns it on only where the probe (rank 0's float64 forward/backward of the first batch, before wrapping) saw a
-        reason: a parameter the loss leaves out, a part of the batch that leaves one out, or a forward that sizes
-        tensors by their values. false where the probe saw a parameter left out is refused: DDP would wait for its
+        reason: a parameter the loss leaves out, a part of the batch that leaves one out, or a forward that branches on the
+        data (dpcompare's probe: a tensor sized by its values, or a value read in the model's own code). false where the probe saw a parameter left out is refused: DDP would wait for its
         gradient forever."""
         choice, facts = self.settings.options["find_unused_parameters"], self.model_facts
         seen = [*facts.unused, *facts.left_out_by_parts]
@@ -116,9 +116,9 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
                           "forward/backward before wrapping)")
         if facts.left_out_by_parts:
             return True, f"because {facts.varying_use()}, so which parameters take part changes with the data"
-        if facts.routes_by_data:
-            return True, (f"because the forward sizes tensors by their values at {facts.data_reads}, as routing samples "
-                          "does, so which parameters take part can change with the data")
+        if facts.branches_on_data:
+            return True, (f"because the forward branches on the data at {facts.data_reads}, so which parameters take "
+                          "part can change with the data")
         if facts.data_reads:
             return False, (f"although the forward reads the data at {facts.data_reads}: every part of the first batch "
                            "used every parameter (a step that leaves one out stops the run and says so)")

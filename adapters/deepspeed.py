@@ -161,7 +161,7 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
                          "initial_scale_power": int(math.log2(self.settings.loss_scale or 2.0**16))}, **types}
 
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
-        if self.stage and (varying := self.model_facts.varying_use()):  # ranks would leave different gradients out
+        if self.stage and self.env.world_size > 1 and (varying := self.model_facts.varying_use()):  # ranks differ
             raise ValueError(f"--backend deepspeed --opt zero_stage={self.stage} cannot run this model: {varying}, and ZeRO "
                              "reduces in buckets every rank fills alike: use --opt zero_stage=0, --backend ddp or horovod")
         config = {

@@ -8,6 +8,11 @@
   ranks at some steps and used by them at others.
 - `routed_always_used`: the same experts, every one used by every batch, but the forward still reads tensor values
   into Python (`.item()` on a statistic): a data-dependent read that does not change which parameters are used.
+- `per_sample_branch`: each sample goes through one of two heads by an `if` on its own first feature (the rare head
+  for about one sample in eight): a value read in the model's own code, no tensor sized by the data.
+- `extra_head_until_planted`: an MLP with an extra head that the forward skips for a batch holding the sample planted
+  in step 2's global batch (rank 1's shard at 2 ranks): every part of the first batch uses every parameter, so only
+  the run itself can find the step that leaves the extra head out.
 - `raises_at_step2`, `raises_at_step2_rank1`: an MLP whose forward raises a ValueError when it meets the sample
   planted in step 2's global batch (in every rank's shard; in rank 1's alone at 2 ranks).
 - `torch_raises_at_step2`: the same, but the forward's own torch call raises (a shape error, a RuntimeError), as a
@@ -87,6 +92,39 @@ def routed_always_used(seed: int) -> Workload:
     torch.manual_seed(seed)
     return Workload("routed-always-used", Routed(skip_unchosen=False), _routed_batch(seed), _cross_entropy,
                     source="tests.robust_models")
+
+
+class PerSampleBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.common = nn.Linear(DIM, CLASSES)
+        self.rare = nn.Linear(DIM, CLASSES)
+        self.threshold = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(1.0 - RARE_SHARE)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.rare(xi) if xi[0] > self.threshold else self.common(xi) for xi in x])
+
+
+def per_sample_branch(seed: int) -> Workload:
+    torch.manual_seed(seed)
+    return Workload("per-sample-branch", PerSampleBranch(), _routed_batch(seed), _cross_entropy)
+
+
+class ExtraHeadUntilPlanted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(DIM, 32), nn.GELU(), nn.Linear(32, CLASSES))
+        self.extra = nn.Linear(DIM, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        planted = x.detach().abs() >= PLANTED
+        out = self.body(x.masked_fill(planted, 0.0))
+        return out if planted.any() else out + self.extra(x)
+
+
+def extra_head_until_planted(seed: int) -> Workload:
+    torch.manual_seed(seed)
+    return Workload("extra-head-until-planted", ExtraHeadUntilPlanted(), _planted(seed, 2, 1), _cross_entropy)
 
 
 class RaisesOnPlanted(nn.Module):

@@ -194,11 +194,12 @@ class ModelFacts:
     uncaptured: str | None = None
     """The module that draws random numbers where no dropout mask can be captured (None: all captured)."""
     data_reads: str | None = None
-    """Where the forward reads the data into Python ('module (call)'): a tensor's value (`.item()`, `if t:`) or a size its
-    values decide (`nonzero`, `x[mask]`); None when it never does. Only there can which parameters take part change
-    with the batch."""
-    routes_by_data: bool = False
-    """The forward sizes tensors by their values (`nonzero`, `x[mask]`), as routing samples to experts does."""
+    """Where the forward reads the data into Python ('module (Class) (call)'): a tensor's value (`.item()`, `if t:`) or
+    a size its values decide (`nonzero`, `x[mask]`); where it branches on the data, if anywhere; None when it never
+    reads it. Only there can which parameters take part change with the batch."""
+    branches_on_data: bool = False
+    """The forward sizes tensors by their values (`nonzero`, `x[mask]`: routing samples to experts) or the model's own
+    code reads a tensor's value into Python (`if t.any():`): the parameters it uses can change with the data."""
     left_out_by_parts: tuple[str, ...] = ()
     """Trainable parameters the whole first batch uses but some part of it (a rank's shard, say) leaves out."""
 

@@ -1,18 +1,24 @@
 """Whether a model's forward can change with the batch's content which of its parameters take part.
 
-Owns: `watch(model)`, a context that records, during one forward, the first place the forward reads a tensor's value
-into Python (`.item()`, `if tensor:`, `int(t)`, `.tolist()`, `.numpy()`) and the first place it sizes a tensor by its
-values (`nonzero`, `x[mask]`, `masked_select`, `unique`): the only ways Python code can branch on the data, and so
-use a parameter on one batch and leave it out on another (a mixture of experts skipping an expert no token chose);
-and `left_out_by_parts`, which looks for that on parts of a batch. DDP needs to know (find_unused_parameters). Calls
-inside torch's own Python functions are not seen (a torch function mode sees the outermost call only): what is
-recorded is the model's code. Imports no adapter.
+Owns: `watch(model)`, a context that records, during one forward, where the forward reads a tensor's value into
+Python (`.item()`, `if tensor:`, `int(t)`, `.tolist()`, `.numpy()`) and where it sizes a tensor by its values
+(`nonzero`, `x[mask]`, `masked_select`, `unique`): the only ways Python code can branch on the data, and so use a
+parameter on one batch and leave it out on another (a mixture of experts skipping an expert no token chose); and
+`left_out_by_parts`, which looks for that on parts of a batch. DDP needs to know (find_unused_parameters).
+
+A value read counts as branching only in the model's own code (the files of its modules' classes): a library
+helper's read (transformers' causal-mask helpers check their inputs with `if tensor.all():` in every causal LM)
+decides no parameter. A tensor sized by its values counts wherever it is made. Calls inside torch's own Python
+functions are not seen (a torch function mode sees the outermost call only). Imports no adapter.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -24,6 +30,7 @@ _READS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__
 _SIZED_BY_VALUES = frozenset({"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"})
 """Functions whose result's shape depends on the values."""
 _INDEXING = frozenset({"__getitem__", "index_select"})
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 
 
 def _boolean_index(args: tuple) -> bool:
@@ -47,37 +54,75 @@ def _data_dependent(func, args: tuple, kwargs: dict) -> str | None:
 @dataclass(slots=True)
 class DataReads:
     read: str | None = None
-    """Where the forward first read a tensor's value into Python: 'module path (Class) (call)', None when it never did."""
+    """Where the forward first read a tensor's value into Python, in any code: 'module path (Class) (call)', or None."""
+    own_read: str | None = None
+    """Where the model's own code first read a tensor's value into Python, or None."""
     sized: str | None = None
     """Where the forward first made a tensor whose size its values decide (routing: nonzero, x[mask]), or None."""
 
     @property
+    def branch(self) -> str | None:
+        """Where the forward can branch on the data (a tensor sized by it, or a value read in the model's code)."""
+        return self.sized or self.own_read
+
+    @property
     def first(self) -> str | None:
-        return self.sized or self.read
+        return self.branch or self.read
+
+
+def _caller_file() -> str:
+    """The file of the innermost frame outside torch and this module: the code that made the call."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name != __file__ and not name.startswith(_TORCH_DIR):
+            return name
+        frame = frame.f_back
+    return ""
 
 
 class _Watch(TorchFunctionMode):
-    def __init__(self, found: DataReads, stack: list[str]) -> None:
+    def __init__(self, found: DataReads, stack: list[str], own_files: frozenset[str]) -> None:
         super().__init__()
-        self.found, self.stack = found, stack
+        self.found, self.stack, self.own_files = found, stack, own_files
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.found.read is None or self.found.sized is None:
+        if self.found.own_read is None or self.found.sized is None:
             what = _data_dependent(func, args, kwargs)
             if what is not None:
-                where = f"{self.stack[-1] if self.stack else 'the forward'} ({what})"
-                if what in _READS:
-                    self.found.read = self.found.read or where
-                else:
-                    self.found.sized = self.found.sized or where
+                self._record(what)
         return func(*args, **kwargs)
+
+    def _record(self, what: str) -> None:
+        where = f"{self.stack[-1] if self.stack else 'the forward'} ({what})"
+        if what not in _READS:
+            self.found.sized = self.found.sized or where
+            return
+        self.found.read = self.found.read or where
+        if self.found.own_read is None and _resolved(_caller_file()) in self.own_files:
+            self.found.own_read = where
+
+
+def _resolved(name: str) -> str:
+    return str(Path(name).resolve()) if name and not name.startswith("<") else name
+
+
+def _own_files(model: nn.Module) -> frozenset[str]:
+    """The files of the model's modules' classes, torch's own layers aside."""
+    files = set()
+    for m in model.modules():
+        if type(m).__module__.startswith("torch."):
+            continue
+        with contextlib.suppress(TypeError, OSError):
+            files.add(_resolved(inspect.getsourcefile(type(m)) or ""))
+    return frozenset(files - {""})
 
 
 @contextlib.contextmanager
 def watch(model: nn.Module) -> Iterator[DataReads]:
-    """Around one forward of `model`: the first read of a tensor's value and the first tensor sized by its values in it
-    (`DataReads`), each named by the innermost module running at the time."""
+    """Around one forward of `model`: where it reads the data (`DataReads`), each place named by the innermost module
+    running at the time."""
     found, stack = DataReads(), []
     handles = []
 
@@ -90,7 +135,7 @@ def watch(model: nn.Module) -> Iterator[DataReads]:
         handles.append(module.register_forward_pre_hook(lambda *_, label=label: stack.append(label)))
         handles.append(module.register_forward_hook(leave, always_call=True))
     try:
-        with _Watch(found, stack):
+        with _Watch(found, stack, _own_files(model)):
             yield found
     finally:
         for handle in handles:
@@ -102,10 +147,10 @@ MAX_PARTS = 8
 
 
 def left_out_by_parts(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> tuple[str, ...]:
-    """The trainable parameters of `model` that some part of the batch (x, y) leaves without a gradient, though the
-    whole batch uses them: up to MAX_PARTS strided parts of at least two samples each (as ranks take their shards;
-    two, so that BatchNorm still trains). A part whose forward fails (a model that refuses small batches) is passed
-    over: this looks for evidence, it does not judge. `model`'s gradients are left cleared."""
+    """The trainable parameters of `model` that some part of the batch (x, y) leaves without a gradient: up to
+    MAX_PARTS strided parts of at least two samples each (as ranks take their shards; two, so that BatchNorm still
+    trains). A part whose forward fails (a model that refuses small batches) is passed over: this looks for evidence,
+    it does not judge. `model`'s gradients are left cleared."""
     parts = min(MAX_PARTS, x.shape[0] // 2)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     left_out: dict[str, None] = {}

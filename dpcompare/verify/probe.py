@@ -61,7 +61,7 @@ def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, tor
         random_modules=tuple(stochastic.random_modules(template)),
         stochastic=drawn,
         uncaptured=uncaptured,
-        data_reads=reads.first, routes_by_data=reads.sized is not None, left_out_by_parts=left_out,
+        data_reads=reads.first, branches_on_data=reads.branch is not None, left_out_by_parts=left_out,
     )
 
 
