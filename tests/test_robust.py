@@ -269,6 +269,21 @@ def test_a_model_raising_on_one_rank_gets_the_build_time_line_and_the_other_rank
 
 @pytest.mark.multiproc
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("backend", "extra"), [pytest.param("fsdp", [], id="fsdp"),
+                                                pytest.param("deepspeed", ["--opt", "zero_stage=3"], id="zero3")],
+                         indirect=["backend"])
+def test_a_model_raising_on_one_rank_under_a_sharding_backend(launch, tmp_path, backend, extra):
+    """The same under FSDP2 and ZeRO-3, whose hooks gather parameters inside the model's forward: the model's frame is
+    the deepest, and rank 0, waiting in a collective, leaves silent."""
+    _, logs, codes = _launch_logs(launch, tmp_path, backend, "tests.robust_models:raises_at_step2_rank1", extra)
+    lines = _said_once(logs, 1, "[rank 1] --model tests.robust_models:raises_at_step2_rank1: your model raised "
+                                "ValueError in its forward at step 2 (verify)")
+    assert lines[1].startswith("Traceback")
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_model_raising_on_every_rank_is_said_once_by_rank_0(launch, tmp_path):
     _, logs, codes = _launch_logs(launch, tmp_path, "ddp", "tests.robust_models:torch_raises_at_step2", [])

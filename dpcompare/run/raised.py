@@ -37,9 +37,10 @@ def _file_of(obj: Any) -> str | None:
 
 
 def model_files(model: nn.Module, loss_fn: Callable) -> frozenset[str]:
-    """The files holding the model's code: its modules' classes (torch's own layers aside, see _TORCH_LAYERS) and
-    its loss function."""
-    files = {_file_of(type(m)) for m in model.modules() if not type(m).__module__.startswith("torch.")}
+    """The files holding the model's code: its modules' classes and their bases (FSDP2 swaps a module's class for a
+    subclass of its own; torch's own layers aside, see _TORCH_LAYERS) and its loss function."""
+    files = {_file_of(cls) for m in model.modules() for cls in type(m).__mro__
+             if cls is not object and not cls.__module__.startswith("torch.")}
     files.add(_file_of(getattr(loss_fn, "func", loss_fn)))  # a functools.partial's function
     return frozenset(f for f in files if f)
 
