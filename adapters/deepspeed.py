@@ -161,6 +161,9 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
                          "initial_scale_power": int(math.log2(self.settings.loss_scale or 2.0**16))}, **types}
 
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
+        if self.stage and self.env.world_size > 1 and (varying := self.model_facts.varying_use()):  # ranks differ
+            raise ValueError(f"--backend deepspeed --opt zero_stage={self.stage} cannot run this model: {varying}, and ZeRO "
+                             "reduces in buckets every rank fills alike: use --opt zero_stage=0, --backend ddp or horovod")
         config = {
             "train_batch_size": global_batch,
             "train_micro_batch_size_per_gpu": local_batch,
@@ -415,6 +418,9 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
     def teardown(self) -> None:
         remove_shm_segment(self.env.rank)
         super().teardown()
+
+    def before_exit(self) -> None:
+        remove_shm_segment(self.env.rank)
 
     def message_bytes(self, grad_bytes: int) -> tuple[int | None, str | None]:
         # ZeRO-0 flattens all gradients and all-reduces them after backward (allreduce_bucket_size does

@@ -153,6 +153,9 @@ class HorovodAdapter(Adapter):
         if getattr(self, "hvd", None) is not None:
             self.hvd.shutdown()
 
+    def before_exit(self) -> None:
+        self.teardown()  # Horovod's shutdown calls MPI_Finalize under MPI, which mpirun requires of every rank
+
 
 def usable_cores() -> int:
     """The cores this process may run on (its affinity mask, which containers and mpirun narrow), else cpu_count."""

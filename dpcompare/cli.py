@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import Callable, get_args
 
 from dpcompare import __version__
-from dpcompare.run import registry
+from dpcompare.run import leave, registry
 from dpcompare.contract.launch_env import tell_launcher
 from dpcompare.run.registry import UserCodeError
-from dpcompare.run.config import DEFAULT_GLOBAL_BATCH, Amp, CommandLineError, Compression, DeviceChoice, Dtype, Optimizer, RunConfig, Scaling
+from dpcompare.run.config import (DEFAULT_GLOBAL_BATCH, Amp, CommandLineError, Compression, DeviceChoice, Dtype, Optimizer,
+                                  RunConfig, SaidByAnotherRank, Scaling)
 
 # Exit status of `run` (docs/failures.md): 0 done; 2 bad input (nothing ran); 3 a rank made no progress for
 # --timeout-s (the watchdog stopped it); 4 the run failed while running (a collective failed or timed out, a
@@ -249,6 +250,21 @@ def config_from_args(ns: argparse.Namespace) -> RunConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line's exit status. A rank of a launch that got as far as its backend never returns: it leaves with
+    os._exit once its lines are out (dpcompare.run.leave), whatever the status, so no destructor can keep it alive."""
+    try:
+        status = _main(argv)
+    except BaseException:
+        if leave.holding():
+            traceback.print_exc()
+            sys.stderr.flush()
+            leave.exit_if_held(EXIT_RUN_FAILURE)
+        raise
+    leave.exit_if_held(status)
+    return status
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The deepspeed launcher puts --local_rank=N before the user's arguments (LOCAL_RANK is read instead).
     while argv and (argv[0].startswith("--local_rank") or argv[0].startswith("--local-rank")):
@@ -265,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _, _, command_main = command.load()
         return command_main(parser_for(command.name).parse_args(argv))
+    except SaidByAnotherRank as exc:  # another rank says why the run ends; this one adds nothing
+        if exc.wait_for_launcher:
+            time.sleep(SAID_BY_RANK0_WAIT_S)
+        return EXIT_USAGE
     except (ValueError, ImportError) as exc:
         # Configuration errors are usually the same on every rank: let rank 0 say it once. The other ranks wait
         # first, so a launcher that stops every rank when the first one exits does not stop rank 0 before it has said
@@ -275,13 +295,11 @@ def main(argv: list[str] | None = None) -> int:
         if rank != 0 and isinstance(exc, CommandLineError):
             time.sleep(SAID_BY_RANK0_WAIT_S)
             return EXIT_USAGE
-        if rank == 0:
-            _fail(str(exc))
-            if isinstance(exc, UserCodeError) and exc.__cause__ is not None:
-                traceback.print_exception(exc.__cause__, file=sys.stderr)
-        else:
+        if rank != 0 and not getattr(exc, "rank0_silent", False):  # the run has seen rank 0 stay silent
             time.sleep(QUIET_RANK_EXIT_DELAY_S)
-            _fail(f"[rank {rank}] {exc}")
+        _fail(f"[rank {rank}] {exc}" if rank else str(exc))
+        if isinstance(exc, UserCodeError) and exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__, file=sys.stderr)
         return EXIT_USAGE
     except RuntimeError as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -300,28 +318,11 @@ def _run(ns: argparse.Namespace) -> int:
     payload = trainer.run(cfg)
     if payload:
         print(trainer.summary_line(payload), flush=True)
-    _exit_now_if_distributed()
     return 0
 
 
 def _unwind_on_signal(signum: int, _frame) -> None:
     raise SystemExit(128 + signum)
-
-
-def _exit_now_if_distributed() -> None:
-    """After a finished multi-process run, leave without interpreter finalisation: C++ threads of the
-    communication libraries (gloo, DeepSpeed's shm op) sometimes abort in static destructors ("terminate
-    called without an active exception"), turning a run whose result is already written into a failed
-    launch. Everything is written and flushed at this point."""
-    from dpcompare.contract.launch_env import detect
-
-    if detect().world_size > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        mpi = sys.modules.get("mpi4py.MPI")  # mpirun counts a rank that skips MPI_Finalize as failed
-        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-            mpi.Finalize()
-        os._exit(0)
 
 
 def _rank() -> int:

@@ -88,7 +88,8 @@ def test_a_deepspeed_stage_declares_what_it_shards_per_instance():
 def test_declared_options_are_typed_and_defaulted():
     cfg = RunConfig(backend="ddp", options={"gradient_as_bucket_view": "true"})
     settings = backend.settings_for(adapter_class("ddp"), cfg)
-    assert settings.options == {"dist_backend": "auto", "gradient_as_bucket_view": True, "broadcast_buffers": True}
+    assert settings.options == {"dist_backend": "auto", "gradient_as_bucket_view": True, "broadcast_buffers": True,
+                                "find_unused_parameters": "auto"}
     # From Python an option may already be typed.
     typed = backend.settings_for(adapter_class("deepspeed"), RunConfig(backend="deepspeed", options={"gradient_clipping": 1.0}))
     assert typed.options == {"dist_backend": "auto", "gradient_clipping": 1.0, "amp_recipe": "autocast",

@@ -132,7 +132,7 @@ def test_backend_is_equivalent_to_the_float64_oracle(backend, world_size, model,
 def test_deepspeed_under_its_own_launcher(backend, launch, record_noise_ratio):
     """`deepspeed --num_gpus 2 --module dpcompare`: the launcher appends --local_rank and sets CROSS_RANK. Its CPU
     shared-memory all-reduce creates a 66 MB /dev/shm segment per rank and never removes it; the adapter's teardown
-    does, or a test session fills /dev/shm and memory (the kernel's OOM killer ends a later run)."""
+    does (before_exit), or a test session fills /dev/shm and memory (the kernel's OOM killer ends a later run)."""
     def segments() -> set[str]:
         return {p.name for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
 

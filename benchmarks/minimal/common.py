@@ -89,7 +89,7 @@ def dist_gather(obj: object) -> list:
 
 def leave() -> None:
     """Exit without interpreter finalisation once the result is printed, as dpcompare's own runs do
-    (dpcompare/cli.py `_exit_now_if_distributed`): gloo's and DeepSpeed's C++ threads sometimes abort in static
+    (dpcompare/run/leave.py `exit_if_held`): gloo's and DeepSpeed's C++ threads sometimes abort in static
     destructors ("terminate called without an active exception", SIGABRT), which would fail a launch whose figures
     are already out. Not part of the timed loop."""
     import os

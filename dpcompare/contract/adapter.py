@@ -198,6 +198,24 @@ class ModelFacts:
     built_apart: tuple[tuple[str, tuple[int, ...]], ...] = ()
     """Parameters and buffers whose values the ranks built differently (before wrapping), each with the ranks whose
     values differ from rank 0's."""
+    data_reads: str | None = None
+    """Where the forward reads the data into Python ('module (Class) (call)'): a tensor's value (`.item()`, `if t:`) or
+    a size its values decide (`nonzero`, `x[mask]`); where it branches on the data, if anywhere; None when it never
+    reads it. Only there can which parameters take part change with the batch."""
+    branches_on_data: bool = False
+    """The forward sizes tensors by their values (`nonzero`, `x[mask]`: routing samples to experts) or the model's own
+    code reads a tensor's value into Python (`if t.any():`): the parameters it uses can change with the data."""
+    left_out_by_parts: tuple[str, ...] = ()
+    """Trainable parameters the whole first batch uses but some part of it (a rank's shard, say) leaves out."""
+
+    def varying_use(self) -> str | None:
+        """Why the parameters one rank's forward uses can differ from another's at a step, as the probe saw it (parts of
+        the first batch leave some out), in words; None when it saw no such part."""
+        if not self.left_out_by_parts:
+            return None
+        names, more = ", ".join(self.left_out_by_parts[:4]), len(self.left_out_by_parts) - 4
+        return (f"parts of the first batch leave {names}{f' and {more} more' if more > 0 else ''} out (the forward "
+                f"reads the data at {self.data_reads})")
 
 
 @dataclass(slots=True)
@@ -341,7 +359,13 @@ class Adapter:
         self.wrapped.optimizer.zero_grad()  # set_to_none is the default; Horovod takes no argument
 
     def teardown(self) -> None:
-        """Stop the backend's runtime; must not raise when setup failed half-way."""
+        """Stop the backend's runtime; must not raise when setup failed half-way. Called where the process goes on (one
+        process); a rank of a launch of several calls `before_exit` instead."""
+
+    def before_exit(self) -> None:
+        """A rank of a launch of several processes is about to leave with os._exit (dpcompare.run.leave), its process
+        group and wrapper left alive, since destroying them can deadlock: do what must still happen before a process
+        leaves (MPI_Finalize, a shared file removed); must not raise when setup failed half-way. Default: nothing."""
 
     # -- what verification reads (where the backend keeps it) ------------------------------------
     # The full-value reads below are called on every rank at the same point of a step: where a backend shards
@@ -440,7 +464,7 @@ class Adapter:
 
     def ablation_bytes(self) -> int:
         """Device memory that the ablation's unsynced arm holds for the whole measured window and a training step
-        would not (DDP's no-op twin keeps buckets of its own): left out of peak_mem_mib. Asked after comm_off() was
+        would not (a second wrapper's buckets, say): left out of peak_mem_mib. Asked after comm_off() was
         entered once, empty, before the warm-up. Default 0."""
         return 0
 

@@ -27,6 +27,17 @@ class CommandLineError(ValueError):
     rank 0 says it and the other ranks leave without a word (however late rank 0 gets there)."""
 
 
+class SaidByAnotherRank(Exception):
+    """This rank leaves without a word: another rank of the launch says why the run ends (its model raised, a setting
+    the run refused), and what failed here (a collective that lost that rank) follows from it. wait_for_launcher: that
+    rank has yet to say it, so this one waits, silent, for the launcher to end it rather than leave first (a launcher
+    ends every rank once one has left)."""
+
+    def __init__(self, wait_for_launcher: bool = False) -> None:
+        super().__init__("another rank says why the run ends")
+        self.wait_for_launcher = wait_for_launcher
+
+
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
     backend: str = "reference"

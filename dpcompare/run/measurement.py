@@ -53,7 +53,7 @@ class MeasurementPhase:
         if self.cfg.measure_steps == 0:
             return None
         pairs, ablation_reason = self._pairs()
-        if pairs:  # what the unsynced arm builds (DDP's twin) exists before the memory window opens
+        if pairs:  # what an adapter's unsynced arm builds (Adapter.ablation_bytes) exists before the memory window opens
             with self.adapter.comm_off():
                 pass
         for i in range(self.cfg.warmup_steps):  # the loop's pattern, untimed: the unsynced path is warm too

@@ -3,8 +3,9 @@
 Owns: this rank's shard of a step's global batch, the forward and backward over `grad_accum` equal
 micro-batches (synchronising only the last when the backend can switch sync off; forward and loss inside the
 adapter's autocast), the reduce, the loss scale undone, the gradient clipped (--clip-grad-norm), the optimizer step,
-the injected faults of the failure tests, the watchdog's heartbeat at every stage, and under --compile what the
-checks compile kept apart from what the step compiles (dpcompare.run.compilation).
+the injected faults of the failure tests, the watchdog's heartbeat at every stage, under --compile what the
+checks compile kept apart from what the step compiles (dpcompare.run.compilation), and an exception the model's own
+code raised in the forward, the loss or the backward told from the backend's (dpcompare.run.raised: ModelRaised).
 The verification phase hangs its checks on the hooks; measurement and the ablation time whole steps.
 """
 
@@ -19,6 +20,7 @@ from typing import Callable
 import torch
 
 from dpcompare.contract import Adapter
+from dpcompare.run import raised
 from dpcompare.run.compilation import CompileLog
 from dpcompare.run.watchdog import Watchdog
 from dpcompare.contract.workload import Workload, shard
@@ -52,6 +54,9 @@ class StepRunner:
         self.input_dtype = weights[0].dtype if weights else dtype
         # --inject-fault dupdata: every rank reads rank 0's shard (a data-sharding bug the check must catch).
         self.sample_rank = 0 if inject_fault == "dupdata" else rank
+        self._part = "forward"
+        """The part of the step running: forward (the forward and the loss) or backward (for ModelRaised)."""
+        self._code: tuple[frozenset[str], frozenset[str]] | None = None
 
     # -- data --------------------------------------------------------------------------------------
     def batch(self, step: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -78,8 +83,14 @@ class StepRunner:
         self._inject(step)
         self.beat(f"{phase}: forward", step)
         self.forward_s = 0.0
-        with recording() if recording is not None else contextlib.nullcontext():
-            self.forward_backward(x, y, comm=sync)
+        try:
+            with recording() if recording is not None else contextlib.nullcontext():
+                self.forward_backward(x, y, comm=sync)
+        except Exception as exc:
+            if self._raised_by_model(exc):
+                raise raised.ModelRaised(exc, step=step, phase=phase, part=self._part, rank=self.rank,
+                                         world_size=self.world_size) from exc
+            raise
         if self.inject_slowdown:
             # Compute = forward + backward ~ 3 x forward (the backward's wall time also holds the all-reduce).
             _spin(self.inject_slowdown * BACKWARD_FLOPS_FACTOR * self.forward_s)
@@ -107,6 +118,13 @@ class StepRunner:
             with self._aside():
                 after_update()
             self.beat(f"{phase}: done", step)
+
+    def _raised_by_model(self, exc: Exception) -> bool:
+        """Whether the model's own code raised `exc` (dpcompare.run.raised), not the backend's communication."""
+        if self._code is None:
+            self._code = (raised.model_files(self.adapter.wrapped.module, self.workload.loss_fn),
+                          raised.communication_files(self.adapter))
+        return raised.model_raised(exc, *self._code)
 
     def _aside(self):
         """Around the hooks: what they compile (rank 0's compiled reference copy) is not the run's."""
@@ -142,9 +160,11 @@ class StepRunner:
         for j, (xj, yj) in enumerate(zip(x.chunk(k), y.chunk(k))):
             with context(j == k - 1):
                 started = self._host_time()
+                self._part = "forward"
                 with self.adapter.autocast():
                     loss = self.workload.loss_fn(wrapped.model(xj), yj)
                 self.forward_s += self._host_time() - started
+                self._part = "backward"
                 self.adapter.backward(loss / k if k > 1 else loss)
 
     def _inject(self, step: int) -> None:

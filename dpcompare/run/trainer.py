@@ -23,8 +23,8 @@ from dpcompare.contract import Adapter, Note
 from dpcompare.contract import checkpointing
 from dpcompare.contract import launch_env as launch
 from dpcompare.contract.workload import block_modules
-from dpcompare.run import backend, compilation, hf_models, registry
-from dpcompare.run.config import CommandLineError, RunConfig
+from dpcompare.run import backend, compilation, hf_models, leave, raised, registry
+from dpcompare.run.config import CommandLineError, RunConfig, SaidByAnotherRank
 from dpcompare.run.measurement import MeasurementPhase
 from dpcompare.run.optim import make_optimizer
 from dpcompare.run.step import StepRunner
@@ -126,9 +126,18 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         if watchdog is not None:
             watchdog.quiet_on_sigterm()
         raise
+    except raised.ModelRaised as exc:  # the model's own code raised in a step: the build-time line, exit 2
+        error = registry.UserCodeError(exc.line(cfg.model, yours=cfg.model not in registry.MODELS))
+        _said_by_this_rank(watchdog, env, error)
+        raise error from exc.original
+    except ValueError as exc:  # a setting the run refused on its way (e.g. DDP's find_unused_parameters=false)
+        _said_by_this_rank(watchdog, env, exc)
+        raise
     except RuntimeError as exc:
         # A collective that timed out or lost a peer: say which rank fell behind, not only what broke.
         if watchdog is not None and env.world_size > 1:
+            if watchdog.peer_said() is not None:  # lost the peer that has said why the run ends: nothing to add
+                raise SaidByAnotherRank() from exc
             first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             culprit = watchdog.culprits_after_failure()
             watchdog.end_stopped_peers()  # the launcher could not end a suspended rank; the run is over
@@ -137,7 +146,38 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     finally:
         if watchdog is not None:
             watchdog.stop(clean=clean)
+        _release(adapter, env)
+
+
+RANK0_SAYS_WITHIN_S = 3.0
+"""How long a rank other than 0 that fails on an error it would say waits for rank 0 to say it (every rank meets
+the same model and the same settings): then it leaves the line to rank 0."""
+
+
+def _said_by_this_rank(watchdog: Watchdog | None, env: launch.LaunchEnv, error: Exception) -> None:
+    """This rank leaves on `error`, which it says itself: its heartbeat says so first (its peers, whose collectives fail
+    once it is gone or whom the launcher stops, leave without a line of their own). A rank other than 0 whose rank 0
+    says it too leaves the line to rank 0 (SaidByAnotherRank: it waits, silent, for the launcher to end it); one whose
+    rank 0 stays silent says it at once (`rank0_silent`: the command line need not wait for rank 0 again)."""
+    if watchdog is None or env.world_size == 1:
+        return
+    watchdog.quiet_on_sigterm()
+    watchdog.say_leaving()
+    if env.rank != 0:
+        if watchdog.wait_for_said(0, RANK0_SAYS_WITHIN_S):
+            raise SaidByAnotherRank(wait_for_launcher=True) from error
+        error.rank0_silent = True  # type: ignore[attr-defined]
+
+
+def _release(adapter: Adapter, env: launch.LaunchEnv) -> None:
+    """One process: the backend's full teardown. A rank of a launch of several: only what must happen before a process
+    leaves (Adapter.before_exit); its process group and the wrapper holding it stay alive until the command line
+    leaves with os._exit (dpcompare.run.leave: destroying them can deadlock)."""
+    if env.world_size == 1:
         adapter.teardown()
+        return
+    leave.hold(adapter)
+    adapter.before_exit()
 
 
 def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Workload, device, global_batch: int,

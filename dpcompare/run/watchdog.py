@@ -6,6 +6,11 @@ ranks that fell silent or stopped advancing. Launchers already kill the survivor
 with an error (torchrun, horovodrun, mpirun, deepspeed); the watchdog covers the case they cannot see: a
 rank that hangs, or a collective that waits forever for a dead peer.
 
+A rank that leaves on an error it says itself (its model raised, a setting the run refused) marks its heartbeat
+first (`say_leaving`): a peer whose collective then fails on the lost connection, or that the launcher stops, leaves
+without a line of its own (`peer_said`), and a rank other than 0 that failed the same way leaves the line to rank 0
+(`wait_for_said`).
+
 Multi-host: set DPCOMPARE_HEARTBEAT_DIR to a directory every host sees; without it, ranks on other hosts
 show as "not visible" (the timeout still fires, it just cannot name them). Imports no adapter.
 """
@@ -47,6 +52,8 @@ class Watchdog:
         self._last_progress = time.monotonic()
         self._started_wall = time.time()
         self._phase, self._step, self._seq = "start", -1, 0
+        self._said = False
+        self._writing = threading.Lock()  # the watchdog thread and say_leaving() both write the heartbeat
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dpcompare-watchdog", daemon=True)
 
@@ -66,9 +73,30 @@ class Watchdog:
         self._last_progress = time.monotonic()
 
     def _write(self) -> None:
-        with atomic_file(self.dir / f"rank{self.rank}.json", durable=False) as f:
+        with self._writing, atomic_file(self.dir / f"rank{self.rank}.json", durable=False) as f:
             f.write(json.dumps({"rank": self.rank, "seq": self._seq, "step": self._step, "phase": self._phase,
-                                "wall": time.time(), "pid": os.getpid(), "host": socket.gethostname()}))
+                                "wall": time.time(), "pid": os.getpid(), "host": socket.gethostname(),
+                                "said": self._said}))
+
+    def say_leaving(self) -> None:
+        """This rank is about to say why the run ends and leave: written now, before its peers can see it gone."""
+        self._said = True
+        self._write()
+
+    def peer_said(self) -> int | None:
+        """A peer that said why the run ends (`say_leaving`), or None."""
+        return next((r for r, p in self.peers().items() if r != self.rank and p is not None and p.get("said")), None)
+
+    def wait_for_said(self, rank: int, within_s: float, poll_s: float = 0.05) -> bool:
+        """Whether `rank` says why the run ends within `within_s` seconds."""
+        deadline = time.monotonic() + within_s
+        while True:
+            beat = self.peers().get(rank)
+            if beat is not None and beat.get("said"):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
 
     def peers(self) -> dict[int, dict | None]:
         out: dict[int, dict | None] = {}
@@ -170,6 +198,8 @@ class Watchdog:
             return
 
         def stopped(signum: int, _frame) -> None:
+            if self.peer_said() is not None:  # the launcher ends the run a peer has said why it ends
+                os._exit(128 + signum)
             self.give_up(f"dpcompare: error: [rank {self.rank}] stopped by the launcher "
                          f"({signal.Signals(signum).name}); culprit: {self.culprits_or_why_not()}", 128 + signum)
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dpcompare.contract import ModelFacts
+from dpcompare.verify import data_dependence
 from dpcompare.verify import masks as mk
 from dpcompare.verify import stochastic
 from dpcompare.verify.equivalence import verification_copy
@@ -29,7 +30,8 @@ def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, tor
     """One float64 forward/backward of the first global batch (which parameters get no gradient), its random ops
     recorded at the dispatcher (which module draws with which op), a second forward of the same input (does the
     forward draw random numbers?) and, when it does, whether replaying the recorded draws accounts for all of it
-    (which module draws where no replay reaches, and with what)."""
+    (which module draws where no replay reaches, and with what); where the forward reads the data into Python
+    (data_dependence), the parameters that parts of the batch leave out."""
     model = verification_copy(template, device, torch.float64).train()
     x, y = batch
     x = x.to(device)
@@ -37,7 +39,8 @@ def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, tor
     recorder = mk.MaskRecorder(model)
     with stochastic.isolated(device):
         with recorder.recording():
-            first = model(x)
+            with data_dependence.watch(model) as reads:
+                first = model(x)
             with torch.no_grad():
                 second = model(x)  # its own draws (only the list of what draws is read from the record)
             # backward inside: a recomputing copy runs its forward again there, on the same attention path
@@ -51,13 +54,20 @@ def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, tor
     if drawn:
         with stochastic.isolated(device):
             uncaptured = mk.uncaptured(verification_copy(template, device, torch.float64), x)
+    unused = tuple(n for n, p in named if p.requires_grad and p.grad is None)
+    left_out = ()
+    if reads.first is not None:  # only a forward that reads the data can leave out a part of itself by the data
+        with stochastic.isolated(device):
+            left_out = tuple(n for n in data_dependence.left_out_by_parts(model, loss_fn, x, y.to(device))
+                             if n not in unused)
     return ModelFacts(
-        unused=tuple(n for n, p in named if p.requires_grad and p.grad is None),
+        unused=unused,
         frozen=tuple(n for n, p in named if not p.requires_grad),
         random_modules=tuple(stochastic.drawing_modules(template, [*record.masks, *record.problems])),
         random_ops=tuple(stochastic.draws_described(template, record)),
         stochastic=drawn,
         uncaptured=uncaptured,
+        data_reads=reads.first, branches_on_data=reads.branch is not None, left_out_by_parts=left_out,
     )
 
 

@@ -1,0 +1,46 @@
+"""How a rank of a launch leaves: always, and without destructors.
+
+Owns: keeping alive what holds a launch's process group (`hold`) and leaving the process with `os._exit` once its
+lines are printed and flushed (`exit_if_held`). Destroying a gloo process group joins its worker threads on the
+thread that drops the last reference, which holds the GIL: when a worker is still freeing a finished collective whose
+tensors Python made (all_gather_object's), it waits for the GIL and the process never exits (seen here in
+`ProcessGroupGloo::~ProcessGroupGloo` while DDP's Reducer was released, after the result was written; FIELD_NOTES).
+Nothing a rank still has to do needs those destructors: every rank has passed the run's last collective, the result
+is written, and the launcher only waits for the exit status. What must happen before a process leaves is the
+adapter's `before_exit()` (MPI_Finalize under Horovod, DeepSpeed's shared-memory file); mpi4py's MPI is finalized
+here after a run that succeeded (mpirun counts a rank that skips MPI_Finalize as failed). Imports nothing heavy: the
+command line imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+_held: list[Any] = []
+
+
+def hold(obj: Any) -> None:
+    """Keep `obj` (an adapter, with the wrapper and process group it holds) alive until `exit_if_held` ends the
+    process: no destructor of it runs in this process."""
+    _held.append(obj)
+
+
+def holding() -> bool:
+    """Whether this process holds a launch's process group (and so must leave with `exit_if_held`)."""
+    return bool(_held)
+
+
+def exit_if_held(status: int) -> None:
+    """Leave now with `status` when this process holds a launch's process group (`hold`): flush, finalize mpi4py's MPI
+    after a run that succeeded, then `os._exit`. Returns where nothing is held (one process, or a run refused before
+    its backend started: the interpreter may finish normally)."""
+    if not _held:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if status == 0 and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+    os._exit(status)

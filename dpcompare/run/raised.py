@@ -1,0 +1,87 @@
+"""The model raised, or the backend failed: which, for an exception that left a step's forward, loss or backward.
+
+Owns: `model_raised(exc, ...)` and `ModelRaised`, the line the run says for it. The model's code is the files of its
+modules' classes, its loss function's file and torch's layers (torch.nn's modules and functional); communication is
+torch.distributed, torch.nn.parallel, DeepSpeed, Horovod and the adapter's own classes. An exception is the model's
+when a frame of the model's code is deeper in its traceback than any frame of communication: a shape error in a user's
+branch raises under DDP's forward (shallower), while an all-gather that lost its peer under FSDP's or ZeRO-3's hooks
+raises under the model's forward (deeper). torch.distributed's own errors and running out of memory are never the
+model's. Imports no adapter.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+_TORCH = Path(torch.__file__).resolve().parent
+_TORCH_LAYERS = (str(_TORCH / "nn" / "modules") + os.sep, str(_TORCH / "nn" / "functional.py"),
+                 str(_TORCH / "functional.py"))
+_COMMUNICATION = (str(_TORCH / "distributed") + os.sep, str(_TORCH / "nn" / "parallel") + os.sep,
+                  f"{os.sep}deepspeed{os.sep}", f"{os.sep}horovod{os.sep}")
+_NEVER_THE_MODELS = (torch.OutOfMemoryError, MemoryError)
+
+
+def _file_of(obj: Any) -> str | None:
+    try:
+        name = inspect.getsourcefile(obj)
+    except (TypeError, OSError):
+        return None
+    return str(Path(name).resolve()) if name else None
+
+
+def model_files(model: nn.Module, loss_fn: Callable) -> frozenset[str]:
+    """The files holding the model's code: its modules' classes and their bases (FSDP2 swaps a module's class for a
+    subclass of its own; torch's own layers aside, see _TORCH_LAYERS) and its loss function."""
+    files = {_file_of(cls) for m in model.modules() for cls in type(m).__mro__
+             if cls is not object and not cls.__module__.startswith("torch.")}
+    files.add(_file_of(getattr(loss_fn, "func", loss_fn)))  # a functools.partial's function
+    return frozenset(f for f in files if f)
+
+
+def communication_files(adapter: Any) -> frozenset[str]:
+    """The files of the adapter's classes (a user's own backend included), the contract's base class left out: its
+    backward() calls the model's backward."""
+    return frozenset(f for cls in type(adapter).__mro__ if cls.__module__ not in ("builtins", "dpcompare.contract.adapter")
+                     if (f := _file_of(cls)))
+
+
+def model_raised(exc: BaseException, model_code: frozenset[str], communication: frozenset[str]) -> bool:
+    """Whether `exc` was raised by the model's code rather than by communication (see the module's docstring)."""
+    if not isinstance(exc, Exception) or isinstance(exc, _NEVER_THE_MODELS):
+        return False
+    if isinstance(exc, getattr(torch.distributed, "DistError", ())):
+        return False
+    deepest_model = deepest_comm = -1
+    for depth, frame in enumerate(traceback.extract_tb(exc.__traceback__)):
+        name = str(Path(frame.filename).resolve()) if frame.filename and not frame.filename.startswith("<") else ""
+        if name in communication or name.startswith(_COMMUNICATION):
+            deepest_comm = depth
+        elif name in model_code or name.startswith(_TORCH_LAYERS):
+            deepest_model = depth
+    return deepest_model > deepest_comm
+
+
+class ModelRaised(Exception):
+    """The model's code raised inside a step: the original exception (its traceback is the user's), and where."""
+
+    def __init__(self, original: Exception, *, step: int, phase: str, part: str, rank: int, world_size: int) -> None:
+        super().__init__(str(original))
+        self.original, self.step, self.phase, self.part = original, step, phase, part
+        self.rank, self.world_size = rank, world_size
+
+    def line(self, spec: str, yours: bool) -> str:
+        """The run's line: the build-time line's shape (registry.UserCodeError), the traceback follows it."""
+        message = (str(self.original).strip().splitlines() or [""])[0]
+        where = f"in its {self.part} at step {self.step} ({self.phase})"
+        if self.world_size > 1 and self.rank == 0:  # another rank's line carries its rank already ("[rank 1] ...")
+            where += f" on rank {self.rank}"
+        return (f"--model {spec}: {'your' if yours else 'the'} model raised {type(self.original).__name__} {where}"
+                + (f": {message}" if message else "") + " (its traceback follows)")
+
