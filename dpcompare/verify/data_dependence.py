@@ -71,11 +71,13 @@ class DataReads:
 
 
 def _caller_file() -> str:
-    """The file of the innermost frame outside torch and this module: the code that made the call."""
+    """The file of the innermost frame outside torch, this module and any other mode's handler (the float64 copies'
+    own TorchFunctionMode sits between a model's call and this one): the code that made the call."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if name != __file__ and not name.startswith(_TORCH_DIR):
+        if (name != __file__ and not name.startswith(_TORCH_DIR)
+                and frame.f_code.co_name not in ("__torch_function__", "__torch_dispatch__")):
             return name
         frame = frame.f_back
     return ""
