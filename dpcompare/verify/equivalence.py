@@ -195,16 +195,17 @@ def _through(g: torch.Tensor, dtype: torch.dtype, loss_scale: float) -> torch.Te
     return (g * loss_scale).to(dtype).double() / loss_scale if loss_scale != 1.0 else g.to(dtype).double()
 
 
-def verification_copy(template: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def verification_copy(template: nn.Module, device: torch.device, dtype: torch.dtype,
+                      alternatives: bool = True) -> nn.Module:
     """A plain copy of the workload's model for checking, its floating parameters and buffers in `dtype` (integer and
     bool ones as the model built them) on `device`, recomputing activations in backward where the model offers it
     (`RECOMPUTE_ATTRIBUTE`). A float64 copy computes an op with no float64 kernel on the model's own alternative path,
-    or else in float32 (dpcompare.verify.float64_paths)."""
+    or else in float32 (dpcompare.verify.float64_paths); `alternatives` False: always the latter."""
     model = copy.deepcopy(template).to(device=device, dtype=dtype)
     for m in model.modules():
         if isinstance(getattr(m, RECOMPUTE_ATTRIBUTE, None), bool):
             setattr(m, RECOMPUTE_ATTRIBUTE, True)
-    return float64_paths.prepare(model) if dtype == torch.float64 else model
+    return float64_paths.prepare(model, alternatives) if dtype == torch.float64 else model
 
 
 class Oracle:

@@ -188,10 +188,12 @@ def _settings(module: nn.Module, getter: str) -> dict:
     return dict(got) if isinstance(got, dict) else {"": got}
 
 
-def prepare(model: nn.Module) -> nn.Module:
-    """Make a float64 copy compute where its kernels have no float64 implementation (see the module docstring)."""
+def prepare(model: nn.Module, alternatives: bool = True) -> nn.Module:
+    """Make a float64 copy compute where its kernels have no float64 implementation (see the module docstring);
+    `alternatives` False: no switch to the model's own alternative path, every such op falls back per call (the
+    probe's copy, which must take the run's own path: an eager expert loop skips the experts no token reaches)."""
     paths = _Paths()
-    paths.switched = switch_alternative_paths(model)
+    paths.switched = switch_alternative_paths(model) if alternatives else []
     for name, module in model.named_modules():
         module.register_forward_pre_hook(_enter(paths, f"{name or '(the model)'} ({type(module).__name__})"))
         module.register_forward_hook(_leave(paths), always_call=True)

@@ -32,7 +32,9 @@ def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, tor
     forward draw random numbers?) and, when it does, whether replaying the recorded draws accounts for all of it
     (which module draws where no replay reaches, and with what); where the forward reads the data into Python
     (data_dependence), the parameters that parts of the batch leave out."""
-    model = verification_copy(template, device, torch.float64).train()
+    # the run's own path (no switch to an alternative with float64 kernels): which parameters a part of the batch uses
+    # is the run's question (an eager expert loop skips experts that a grouped matmul computes with no token)
+    model = verification_copy(template, device, torch.float64, alternatives=False).train()
     x, y = batch
     x = x.to(device)
     x = x.double() if x.is_floating_point() else x
