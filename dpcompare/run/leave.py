@@ -38,9 +38,11 @@ def exit_if_held(status: int) -> None:
     its backend started: the interpreter may finish normally)."""
     if not _held:
         return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if status == 0 and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
-    os._exit(status)
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        mpi = sys.modules.get("mpi4py.MPI")
+        if status == 0 and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    finally:  # a closed pipe or a failing MPI_Finalize must not send the process through its destructors
+        os._exit(status)
