@@ -256,6 +256,20 @@ def test_a_model_raising_at_step_2_gets_the_build_time_line_at_one_rank(in_proce
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_model_raising_at_step_2_gets_the_build_time_line_at_one_rank_under_torchrun(launch, tmp_path):
+    """ddp at one rank under torchrun: a backend of one process per replica, which leaves through dpcompare.run.leave."""
+    log_dir = tmp_path / "logs"
+    proc, result = launch("ddp", 1, "tests.robust_models:torch_raises_at_step2", [], "torchrun",
+                          launcher_args=["--log-dir", str(log_dir), "--redirects", "3"])
+    assert result is None and re.search(r"exitcode\s*:\s*2\b", proc.stderr), proc.output[-3000:]
+    lines = _said_once(torchrun_rank_logs(log_dir), 0, "your model raised RuntimeError in its forward at step 2 (verify): "
+                                                        "mat1 and mat2 shapes cannot be multiplied")
+    assert lines[1].startswith("Traceback") and "on rank" not in lines[0]
+
+
+@pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_a_model_raising_on_one_rank_gets_the_build_time_line_and_the_other_rank_leaves_silent(launch, tmp_path):
     """Rank 1's shard holds step 2's planted sample: rank 1 says the line with its traceback and exits 2; rank 0,
