@@ -53,9 +53,9 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
         Option("broadcast_buffers", bool, True, "broadcast rank 0's module buffers (BatchNorm statistics) every forward"),
         Option("find_unused_parameters", str, "auto",
                "DDP's find_unused_parameters: true (DDP walks the autograd graph every step for parameters the loss "
-               "left out), false (every parameter must get a gradient on every rank at every step), or auto (true where "
-               "the probe before wrapping finds a parameter the loss leaves out, a part of the batch that leaves one "
-               "out, or a forward that branches on the data)", choices=("auto", "true", "false")),
+               "left out), false (every parameter must get a gradient on every rank at every step), or auto (true "
+               "where the probe before wrapping finds a parameter the loss leaves out, a part of the batch that leaves "
+               "one out, or a forward that branches on the data)", choices=("auto", "true", "false")),
     )
     NATIVE_NAMES = {"bucket_cap_mb": "bucket_mb", "comm_hook": "compression", "device_ids": "device"}
 
@@ -100,9 +100,9 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
     def _find_unused(self) -> tuple[bool, str]:
         """find_unused_parameters, and why (empty: nothing worth a note). It costs a graph traversal every step, so auto
         turns it on only where the probe (rank 0's float64 forward/backward of the first batch, before wrapping) saw a
-        reason: a parameter the loss leaves out, a part of the batch that leaves one out, or a forward that branches on the
-        data (dpcompare's probe: a tensor sized by its values, or a value read in the model's own code). false where the probe saw a parameter left out is refused: DDP would wait for its
-        gradient forever."""
+        reason: a parameter the loss leaves out, a part of the batch that leaves one out, or a forward that branches on
+        the data (a tensor sized by its values, or a value read in the model's own code). false where the probe saw a
+        parameter left out is refused: DDP would wait for its gradient forever."""
         choice, facts = self.settings.options["find_unused_parameters"], self.model_facts
         seen = [*facts.unused, *facts.left_out_by_parts]
         if choice == "false" and seen:
@@ -130,9 +130,9 @@ class DDPAdapter(ProcessGroupMixin, Adapter):
         # on the rank that left it out, in one line.
         missing = [n for n, p in self._trainable if p.grad is None]
         if missing and self.wrapped.model.require_backward_grad_sync:
-            raise ValueError(f"--backend ddp: this step's forward on rank {self.env.rank} left {_names(missing)} out of "
-                             "the loss (no gradient), and DDP was built with find_unused_parameters=False, so it would "
-                             "wait for their gradients forever: use --opt find_unused_parameters=true")
+            raise ValueError(f"--backend ddp: this step's forward on rank {self.env.rank} left {_names(missing)} out "
+                             "of the loss (no gradient), and DDP was built with find_unused_parameters=False, so it "
+                             "would wait for their gradients forever: use --opt find_unused_parameters=true")
 
     def compile(self) -> None:
         # The module DDP wraps has its forward compiled in place: DDP's forward stays eager and calls it inside

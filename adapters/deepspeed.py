@@ -162,8 +162,9 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
 
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
         if self.stage and self.env.world_size > 1 and (varying := self.model_facts.varying_use()):  # ranks differ
-            raise ValueError(f"--backend deepspeed --opt zero_stage={self.stage} cannot run this model: {varying}, and ZeRO "
-                             "reduces in buckets every rank fills alike: use --opt zero_stage=0, --backend ddp or horovod")
+            raise ValueError(f"--backend deepspeed --opt zero_stage={self.stage} cannot run this model: {varying}, "
+                             "and ZeRO reduces in buckets every rank fills alike: use --opt zero_stage=0, --backend "
+                             "ddp or horovod")
         config = {
             "train_batch_size": global_batch,
             "train_micro_batch_size_per_gpu": local_batch,

@@ -143,9 +143,9 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
             raise ValueError("--backend fsdp: the optimizer already holds state before wrapping; FSDP replaces the "
                              "parameters with sharded ones, so it must be a fresh optimizer")
         if self.env.world_size > 1 and (varying := self.model_facts.varying_use()) is not None:
-            raise ValueError(f"--backend fsdp cannot run this model: {varying}, so ranks would run different blocks at a "
-                             "step, and FSDP gathers and reduces each block's parameters on every rank together: use "
-                             "--backend ddp (it finds the parameters a rank left out) or horovod")
+            raise ValueError(f"--backend fsdp cannot run this model: {varying}, so ranks would use different "
+                             "parameters at a step, and FSDP gathers and reduces each block's parameters on every rank "
+                             "together: use --backend ddp (it finds the parameters a rank left out) or horovod")
         reshard = self.settings.options["reshard_after_forward"]
         ws, shard_ranks = self.env.world_size, self.shard_ranks
         names = {id(p): n for n, p in module.named_parameters()}

@@ -21,8 +21,8 @@ from dpcompare import __version__
 from dpcompare.run import leave, registry
 from dpcompare.contract.launch_env import tell_launcher
 from dpcompare.run.registry import UserCodeError
-from dpcompare.run.config import (DEFAULT_GLOBAL_BATCH, Amp, CommandLineError, Compression, DeviceChoice, Dtype, Optimizer,
-                                  RunConfig, SaidByAnotherRank, Scaling)
+from dpcompare.run.config import (DEFAULT_GLOBAL_BATCH, Amp, CommandLineError, Compression, DeviceChoice, Dtype,
+                                  Optimizer, RunConfig, SaidByAnotherRank, Scaling)
 
 # Exit status of `run` (docs/failures.md): 0 done; 2 bad input (nothing ran); 3 a rank made no progress for
 # --timeout-s (the watchdog stopped it); 4 the run failed while running (a collective failed or timed out, a

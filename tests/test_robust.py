@@ -144,7 +144,8 @@ def test_data_dependent_unused_parameters_are_equivalent_under_ddp_through_measu
 
 def _launch_logs(launch, tmp_path: Path, backend: str, model: str, extra: list[str]) -> tuple[int, dict, str]:
     log_dir = tmp_path / f"logs-{len(list(tmp_path.glob('logs-*')))}"
-    proc, result = launch(backend, 2, model, extra, "torchrun", launcher_args=["--log-dir", str(log_dir), "--redirects", "3"])
+    proc, result = launch(backend, 2, model, extra, "torchrun",
+                          launcher_args=["--log-dir", str(log_dir), "--redirects", "3"])
     assert result is None, "a run that stopped wrote a result"
     codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)]
     return proc.returncode, torchrun_rank_logs(log_dir), str(codes)
@@ -161,7 +162,8 @@ def _said_once(logs: dict, by: int, *expected: str) -> list[str]:
     assert "culprit" not in ours[0]
     for rank, streams in logs.items():  # torch's own warnings aside (DDP's on find_unused_parameters)
         if rank != by:
-            assert ERROR not in streams["stderr"] and "Traceback" not in streams["stderr"], (rank, streams["stderr"][-3000:])
+            text = streams["stderr"]
+            assert ERROR not in text and "Traceback" not in text, (rank, text[-3000:])
     return lines[lines.index(ours[0]):]
 
 
@@ -174,8 +176,8 @@ def test_find_unused_parameters_false_stops_in_one_line(launch, tmp_path):
     which parameters and what to set, before DDP's reducer waits for them."""
     status, logs, codes = _launch_logs(launch, tmp_path, "ddp", "tests.robust_models:routed",
                                        ["--opt", "find_unused_parameters=false"])
-    _said_once(logs, 0, "--opt find_unused_parameters=false is invalid for this model", "parts of the first batch leave",
-               "use --opt find_unused_parameters=true")
+    _said_once(logs, 0, "--opt find_unused_parameters=false is invalid for this model",
+               "parts of the first batch leave", "use --opt find_unused_parameters=true")
     assert "2" in codes, codes
     status, logs, codes = _launch_logs(launch, tmp_path, "ddp", "tests.robust_models:extra_head_until_planted",
                                        ["--opt", "find_unused_parameters=false"])
@@ -256,6 +258,20 @@ def test_a_model_raising_at_step_2_gets_the_build_time_line_at_one_rank(in_proce
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_model_raising_at_step_2_gets_the_build_time_line_at_one_rank_under_torchrun(launch, tmp_path):
+    """ddp at one rank under torchrun: a backend of one process per replica, leaving through dpcompare.run.leave."""
+    log_dir = tmp_path / "logs"
+    proc, result = launch("ddp", 1, "tests.robust_models:torch_raises_at_step2", [], "torchrun",
+                          launcher_args=["--log-dir", str(log_dir), "--redirects", "3"])
+    assert result is None and re.search(r"exitcode\s*:\s*2\b", proc.stderr), proc.output[-3000:]
+    lines = _said_once(torchrun_rank_logs(log_dir), 0,
+                       "your model raised RuntimeError in its forward at step 2 (verify): mat1 and mat2 shapes")
+    assert lines[1].startswith("Traceback") and "on rank" not in lines[0]
+
+
+@pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_a_model_raising_on_one_rank_gets_the_build_time_line_and_the_other_rank_leaves_silent(launch, tmp_path):
     """Rank 1's shard holds step 2's planted sample: rank 1 says the line with its traceback and exits 2; rank 0,
@@ -330,15 +346,16 @@ def test_a_rank_holding_a_destructor_that_never_returns_leaves_at_once(tmp_path)
     held = subprocess.run([sys.executable, str(script), "hold"], capture_output=True, text=True, timeout=60)
     assert (held.returncode, held.stdout) == (0, "written\n"), held.stderr
     with pytest.raises(subprocess.TimeoutExpired):  # the twin: the interpreter's own exit runs the destructor
-        subprocess.run([sys.executable, str(script), "free"], capture_output=True, text=True, timeout=5)
+        subprocess.run([sys.executable, str(script), "free"], capture_output=True, text=True, timeout=3)
     leave.exit_if_held(0)  # nothing held in this process: it returns
 
 
-REPEAT_ARGS = ["--steps", "1", "--measure-steps", "0", "--timeout-s", "60"]
+REPEAT_ARGS = ["--steps", "1", "--check-every", "0", "--measure-steps", "0", "--timeout-s", "60"]
 REPEAT_MODEL = "tests.robust_models:routed"
 """A small model whose unused experts change with the data (the launches that hung were ddp runs of such models and
-of transformers configs), one checked step, no measurement: the shortest run that builds DDP's reducer with
-find_unused_parameters, gathers, writes its result and leaves."""
+of transformers configs), one step, no check, no measurement: the shortest run that builds DDP's reducer with
+find_unused_parameters, gathers objects (the all-gathers whose tensors a gloo worker freed in the hang), writes its
+result and leaves."""
 
 
 def _repeat(tmp_path: Path, backend: str, launcher: str, runs: int, per_run_s: float = 180.0) -> None:

@@ -359,13 +359,15 @@ class Adapter:
         self.wrapped.optimizer.zero_grad()  # set_to_none is the default; Horovod takes no argument
 
     def teardown(self) -> None:
-        """Stop the backend's runtime; must not raise when setup failed half-way. Called where the process goes on (one
-        process); a rank of a launch of several calls `before_exit` instead."""
+        """Stop the backend's runtime; must not raise when setup failed half-way. Called for a backend of one process
+        for all replicas (`capabilities.multi_process` False); one of a process per replica gets `before_exit`
+        instead."""
 
     def before_exit(self) -> None:
-        """A rank of a launch of several processes is about to leave with os._exit (dpcompare.run.leave), its process
-        group and wrapper left alive, since destroying them can deadlock: do what must still happen before a process
-        leaves (MPI_Finalize, a shared file removed); must not raise when setup failed half-way. Default: nothing."""
+        """A rank of a backend of one process per replica (`capabilities.multi_process`) is about to leave with
+        os._exit (dpcompare.run.leave), its process group and wrapper left alive, since destroying them can deadlock:
+        do what must still happen before a process leaves (MPI_Finalize, a shared file removed); must not raise when
+        setup failed half-way. Default: nothing."""
 
     # -- what verification reads (where the backend keeps it) ------------------------------------
     # The full-value reads below are called on every rank at the same point of a step: where a backend shards

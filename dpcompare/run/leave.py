@@ -6,7 +6,9 @@ thread that drops the last reference, which holds the GIL: when a worker is stil
 tensors Python made (all_gather_object's), it waits for the GIL and the process never exits (seen here in
 `ProcessGroupGloo::~ProcessGroupGloo` while DDP's Reducer was released, after the result was written; FIELD_NOTES).
 Nothing a rank still has to do needs those destructors: every rank has passed the run's last collective, the result
-is written, and the launcher only waits for the exit status. What must happen before a process leaves is the
+is written, and the launcher only waits for the exit status. So `dpcompare.cli.main` does not return after a run of a
+backend of one process per replica (one rank or several): call it in-process only for runs refused before their
+backend starts, or for the reference and dp backends. What must happen before a process leaves is the
 adapter's `before_exit()` (MPI_Finalize under Horovod, DeepSpeed's shared-memory file); mpi4py's MPI is finalized
 here after a run that succeeded (mpirun counts a rank that skips MPI_Finalize as failed). Imports nothing heavy: the
 command line imports it.
@@ -38,9 +40,11 @@ def exit_if_held(status: int) -> None:
     its backend started: the interpreter may finish normally)."""
     if not _held:
         return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if status == 0 and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
-    os._exit(status)
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        mpi = sys.modules.get("mpi4py.MPI")
+        if status == 0 and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    finally:  # a closed pipe or a failing MPI_Finalize must not send the process through its destructors
+        os._exit(status)

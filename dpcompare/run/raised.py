@@ -48,8 +48,8 @@ def model_files(model: nn.Module, loss_fn: Callable) -> frozenset[str]:
 def communication_files(adapter: Any) -> frozenset[str]:
     """The files of the adapter's classes (a user's own backend included), the contract's base class left out: its
     backward() calls the model's backward."""
-    return frozenset(f for cls in type(adapter).__mro__ if cls.__module__ not in ("builtins", "dpcompare.contract.adapter")
-                     if (f := _file_of(cls)))
+    skipped = ("builtins", "dpcompare.contract.adapter")
+    return frozenset(f for cls in type(adapter).__mro__ if cls.__module__ not in skipped if (f := _file_of(cls)))
 
 
 def model_raised(exc: BaseException, model_code: frozenset[str], communication: frozenset[str]) -> bool:

@@ -146,7 +146,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     finally:
         if watchdog is not None:
             watchdog.stop(clean=clean)
-        _release(adapter, env)
+        _release(adapter)
 
 
 RANK0_SAYS_WITHIN_S = 3.0
@@ -169,11 +169,12 @@ def _said_by_this_rank(watchdog: Watchdog | None, env: launch.LaunchEnv, error: 
         error.rank0_silent = True  # type: ignore[attr-defined]
 
 
-def _release(adapter: Adapter, env: launch.LaunchEnv) -> None:
-    """One process: the backend's full teardown. A rank of a launch of several: only what must happen before a process
-    leaves (Adapter.before_exit); its process group and the wrapper holding it stay alive until the command line
-    leaves with os._exit (dpcompare.run.leave: destroying them can deadlock)."""
-    if env.world_size == 1:
+def _release(adapter: Adapter) -> None:
+    """A backend of one process for all replicas (reference, dp): its full teardown. A backend of one process per
+    replica (a process group, Horovod's runtime), one rank or several: only what must happen before a process leaves
+    (Adapter.before_exit); its process group and the wrapper holding it stay alive until the command line leaves with
+    os._exit (dpcompare.run.leave: destroying a gloo process group can deadlock, one rank's as well)."""
+    if not adapter.capabilities.multi_process:
         adapter.teardown()
         return
     leave.hold(adapter)
