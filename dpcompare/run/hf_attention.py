@@ -54,6 +54,11 @@ def _dropout_module(module: nn.Module, p: float) -> nn.Dropout | None:
     return None
 
 
+def _softcapped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Gemma 2's attention logit soft-capping (transformers' eager attention for it)."""
+    return torch.tanh(scores / softcap) * softcap
+
+
 def eager_module_dropout(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                          softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +73,7 @@ def eager_module_dropout(module: nn.Module, query: torch.Tensor, key: torch.Tens
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scores = (query @ key.transpose(-1, -2)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
     if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+        scores = _softcapped(scores, softcap)
     if attention_mask is not None:
         scores = scores + attention_mask[..., : key.shape[-2]]
     # in float32 at least, as transformers' eager attention does, and in float64 in the float64 oracle

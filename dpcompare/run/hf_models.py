@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import json
 from pathlib import Path
 from typing import Any, Iterator
@@ -63,6 +64,12 @@ def _quiet_transformers() -> Iterator[None]:
         logging.set_verbosity(level)
 
 
+def _validation_errors() -> tuple[type[Exception], ...]:
+    """What transformers' config classes raise on a field of the wrong type (huggingface_hub's strict dataclasses)."""
+    errors = getattr(importlib.import_module("huggingface_hub.errors"), "StrictDataclassError", None)
+    return (errors,) if isinstance(errors, type) else ()
+
+
 def load_config(spec: str) -> Any:
     """The config named by `hf:NAME_OR_PATH`: a folder (or a config.json file) on disk, or a hub name whose config is
     in the local cache. Raises CommandLineError with one line saying what to do."""
@@ -92,7 +99,7 @@ def load_config(spec: str) -> Any:
             f"--model {spec}: no config for {name!r} on disk or in the local Hugging Face cache (nothing is downloaded "
             f"during a run); fetch it once with `hf download {name} config.json`, or give a folder holding its "
             f"config.json") from exc
-    except (ValueError, KeyError, json.JSONDecodeError) as exc:
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError, *_validation_errors()) as exc:
         raise CommandLineError(f"--model {spec}: transformers cannot read that config ({type(exc).__name__}: "
                                f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
 
@@ -107,16 +114,14 @@ def _build_model(spec: str, cls: type, config: Any, attention: str | None, **kwa
                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
 
 
-def _router_aux(spec: str, config: Any) -> float:
-    """The weight of the routers' load-balancing loss where the config asks for it (`output_router_logits`), else 0."""
+def _router_aux(cls: type, config: Any) -> float:
+    """The weight of the routers' load-balancing loss where the config asks for it (`output_router_logits`, a mixture
+    of experts whose forward takes it: Mixtral, Qwen2-MoE, OLMoE, ...), else 0."""
     if not getattr(config, "output_router_logits", False):
         return 0.0
-    coefficient = getattr(config, "router_aux_loss_coef", None)
-    if not isinstance(coefficient, (int, float)):
-        raise CommandLineError(f"--model {spec}: its config asks for router logits (output_router_logits) but names no "
-                               "router_aux_loss_coef, the weight of the load-balancing loss; set it, or set "
-                               "output_router_logits to false")
-    return float(coefficient)
+    if "output_router_logits" not in inspect.signature(cls.forward).parameters:
+        return 0.0  # no router: the flag asks for nothing
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
 def build(spec: str, seed: int, seq_len: int | None = None) -> Workload:
@@ -127,7 +132,7 @@ def build(spec: str, seed: int, seq_len: int | None = None) -> Workload:
 
     if task == "image_classification" and seq_len is not None:
         raise CommandLineError(f"--seq-len is for language models; {spec} is an image classifier: drop it")
-    aux = _router_aux(spec, config) if task != "image_classification" else 0.0
+    aux = _router_aux(cls, config) if task != "image_classification" else 0.0
     attention = hf_attention.choose(cls, config)
     torch.manual_seed(seed)
     model = _build_model(spec, cls, config, attention)
