@@ -56,9 +56,11 @@ def run_cell(folder: Path, family: str, backend: str, precision: str, out: Path,
             f"step {first.get('step')} ({first.get('check')}), {first.get('parameter')}: {first.get('reason')}"
             if first else "")
         return {**cell, "verdict": e["verdict"], "detail": detail}
-    lines = [line for line in (cell_out / "log.txt").read_text().splitlines() if line.strip()]
+    lines = [line.strip() for line in (cell_out / "log.txt").read_text().splitlines() if line.strip()]
+    said = [line.split("traceback : ")[-1] for line in lines if "dpcompare: error:" in line or
+            line.startswith("dpcompare:")]  # the run's own line (torchrun repeats each rank's in its summary)
     kind = "refused" if done.returncode == 2 else f"exit {done.returncode}"
-    return {**cell, "verdict": kind, "detail": lines[-1] if lines else ""}
+    return {**cell, "verdict": kind, "detail": (said or lines or [""])[-1]}
 
 
 def table(cells: list[dict[str, Any]], backends: list[str], precisions: list[str]) -> str:
