@@ -277,6 +277,18 @@ def test_router_settings_are_read_where_the_model_has_routers(tmp_path: Path) ->
     assert isinstance(w.model(w.make_batch(0, 2)[0]), torch.Tensor) and "load-balancing" not in w.source
 
 
+@pytest.mark.parametrize(("family", "fields", "says"), [
+    ("llama", {"hidden_size": 66}, "cannot read that config (ValueError: The hidden size (66) is not a multiple"),
+    ("gpt2", {"n_embd": 66}, "cannot build GPT2LMHeadModel from its config (ValueError: `embed_dim` must be divisible"),
+])
+def test_a_config_transformers_rejects_is_one_line_with_its_reason(tmp_path: Path, family: str, fields: dict,
+                                                                   says: str) -> None:
+    folder = hf_families.write_family(tmp_path, family, fields)
+    with pytest.raises(CommandLineError) as caught:
+        hf_models.build(f"hf:{folder}", 0, 16)
+    assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
 @pytest.mark.parametrize(("spec", "seq_len", "says"), [
     ("hf:/nonexistent/tiny", None, "does not exist"),
     ("hf:nobody-here/no-such-model-xyz", None, "hf download nobody-here/no-such-model-xyz config.json"),

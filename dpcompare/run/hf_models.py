@@ -64,6 +64,15 @@ def _quiet_transformers() -> Iterator[None]:
         logging.set_verbosity(level)
 
 
+def _why(exc: BaseException) -> str:
+    """The first line of what went wrong at the bottom of `exc`'s causes (a validator's ValueError, not its
+    wrapper's)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 def _validation_errors() -> tuple[type[Exception], ...]:
     """What transformers' config classes raise on a field of the wrong type (huggingface_hub's strict dataclasses)."""
     errors = getattr(importlib.import_module("huggingface_hub.errors"), "StrictDataclassError", None)
@@ -100,8 +109,7 @@ def load_config(spec: str) -> Any:
             f"during a run); fetch it once with `hf download {name} config.json`, or give a folder holding its "
             f"config.json") from exc
     except (ValueError, KeyError, TypeError, json.JSONDecodeError, *_validation_errors()) as exc:
-        raise CommandLineError(f"--model {spec}: transformers cannot read that config ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+        raise CommandLineError(f"--model {spec}: transformers cannot read that config ({_why(exc)})") from exc
 
 
 def _build_model(spec: str, cls: type, config: Any, attention: str | None, **kwargs: Any) -> nn.Module:
@@ -109,9 +117,9 @@ def _build_model(spec: str, cls: type, config: Any, attention: str | None, **kwa
         with _quiet_transformers():
             return cls._from_config(config, dtype=torch.float32,
                                     **({"attn_implementation": attention} if attention else {}), **kwargs)
-    except (ValueError, ImportError, NotImplementedError) as exc:
+    except Exception as exc:  # noqa: BLE001 - the class's own __init__ on the config's fields: any error is the config's
         raise CommandLineError(f"--model {spec}: transformers cannot build {cls.__name__} from its config "
-                               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+                               f"({_why(exc)})") from exc
 
 
 def _router_aux(cls: type, config: Any) -> float:
