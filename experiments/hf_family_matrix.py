@@ -77,9 +77,11 @@ def table(cells: list[dict[str, Any]], backends: list[str], precisions: list[str
             if cell is None:
                 marks.append("")
                 continue
-            marks.append(cell["verdict"] if cell["verdict"] == "equivalent" else f"**{cell['verdict']}** [{len(notes) + 1}]")
-            if cell["verdict"] != "equivalent":
-                notes.append(f"{len(notes) + 1}. {family} {b} {p}: {cell['detail']}")
+            if cell["verdict"] == "equivalent":
+                marks.append("equivalent")
+                continue
+            notes.append(f"{len(notes) + 1}. {family} {b} {p}: {cell['detail']}")
+            marks.append(f"**{cell['verdict']}** [{len(notes)}]")
         rows.append(f"| {family} | " + " | ".join(marks) + " |")
     return "\n".join(rows + ([""] + notes if notes else [])) + "\n"
 

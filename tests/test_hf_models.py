@@ -181,7 +181,7 @@ def test_a_masked_lm_masks_positions_drawn_from_seed_and_step_and_its_loss_is_a_
         whole = w.loss_fn(model(x), y)
         shards = [w.loss_fn(model(x[r::2]), y[r::2]) for r in range(2)]
         assert float(abs(whole - sum(shards) / 2)) < 1e-12 * float(whole)  # the workload contract
-        # the negative: were one sample to mask fewer positions, the mean over masked tokens would not be one over samples
+        # the negative: were one sample to mask fewer positions, the mean over masked tokens would not be over samples
         y_short = y.clone()
         y_short[0, masked[0].nonzero()[0]] = hf_tasks.IGNORED
         whole = w.loss_fn(model(x), y_short)
@@ -208,7 +208,8 @@ def test_verification_copies_recompute_where_the_model_can_and_give_the_very_gra
     assert getattr(model, "_dpcompare_recomputes") == how
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     if how == "dpcompare":  # ConvNeXt names its stages and their layers: only the stages recompute, once each
-        assert list(checkpointing.checkpointed_blocks(model)) == ["convnext.encoder.stages.0", "convnext.encoder.stages.1"]
+        stages = ["convnext.encoder.stages.0", "convnext.encoder.stages.1"]
+        assert list(checkpointing.checkpointed_blocks(model)) == stages
     if how == "none":  # the negative: recomputing a block that holds BatchNorm counts its batch twice
         model = verification_copy(w.model, torch.device("cpu"), torch.float64)
         checkpointing.checkpoint_blocks(model)
@@ -244,7 +245,8 @@ def test_dpcompare_eager_attention_computes_what_transformers_eager_attention_do
 def test_mixtral_adds_its_load_balancing_loss_of_each_forwards_own_tokens(tmp_path: Path) -> None:
     eager = {"experts_implementation": "eager"}  # transformers' grouped-matmul experts have no float64 kernel
     with_aux = hf_models.build(f"hf:{hf_families.write_family(tmp_path / 'a', 'mixtral', eager)}", 0, 16)
-    without = hf_models.build(f"hf:{hf_families.write_family(tmp_path / 'b', 'mixtral', eager, output_router_logits=False)}", 0, 16)
+    plain_folder = hf_families.write_family(tmp_path / "b", "mixtral", eager, output_router_logits=False)
+    without = hf_models.build(f"hf:{plain_folder}", 0, 16)
     coefficient = with_aux.model.config.router_aux_loss_coef
     assert "load-balancing loss 0.02" in with_aux.source and "per rank" in with_aux.source
     x, y = with_aux.make_batch(0, 4)
@@ -256,7 +258,8 @@ def test_mixtral_adds_its_load_balancing_loss_of_each_forwards_own_tokens(tmp_pa
     plain = without.model.double()
     assert isinstance(plain(x), torch.Tensor)  # the negative: a config that does not ask for it returns the logits
     without.loss_fn(plain(x), y).backward()
-    assert not torch.allclose(gate, plain.model.layers[0].mlp.gate.weight.grad, rtol=1e-6, atol=0)  # it reaches the router
+    # it reaches the router's gradient
+    assert not torch.allclose(gate, plain.model.layers[0].mlp.gate.weight.grad, rtol=1e-6, atol=0)
     with torch.no_grad():  # its value depends on how the batch is split: each rank's is its own tokens'
         halves = [model(x[r::2])[1] for r in range(2)]
         assert float(abs(aux - sum(halves) / 2)) > 1e-9

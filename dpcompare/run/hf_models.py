@@ -3,8 +3,8 @@
 Owns: the workload of a transformers model built from its config alone with random weights from the seed: reading
 the config (a folder or config.json on disk, or a hub name whose config is in the local Hugging Face cache; nothing
 is downloaded: `hf download NAME config.json` fetches one), building the class it names
-(dpcompare.run.hf_classes: a causal LM, a masked LM or an image classifier) with the attention dpcompare.run.hf_attention
-chooses, and the workload of its task (dpcompare.run.hf_tasks: its forward, data and loss). `transformers` is an
+(dpcompare.run.hf_classes: a causal LM, a masked LM or an image classifier) with the attention
+dpcompare.run.hf_attention chooses, and the workload of its task (dpcompare.run.hf_tasks: its forward, data and loss). `transformers` is an
 optional extra (`pip install "dpcompare[hf]"`).
 
 The model keeps its own class and parameter names (`model.layers.0.self_attn.q_proj.weight`): its class is swapped
@@ -117,7 +117,7 @@ def _build_model(spec: str, cls: type, config: Any, attention: str | None, **kwa
         with _quiet_transformers():
             return cls._from_config(config, dtype=torch.float32,
                                     **({"attn_implementation": attention} if attention else {}), **kwargs)
-    except Exception as exc:  # noqa: BLE001 - the class's own __init__ on the config's fields: any error is the config's
+    except Exception as exc:  # noqa: BLE001 - the class's own __init__ on the config's fields: the config's error
         raise CommandLineError(f"--model {spec}: transformers cannot build {cls.__name__} from its config "
                                f"({_why(exc)})") from exc
 
