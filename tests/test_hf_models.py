@@ -85,6 +85,24 @@ def test_gpt2_attention_dropout_is_drawn_by_its_module_so_its_masks_are_captured
     assert masks.uncaptured(stock.train().double(), x) is not None
 
 
+def test_an_attention_that_drops_out_functionally_is_given_a_dropout_module_of_its_own(tmp_path: Path) -> None:
+    from dpcompare.verify import masks
+
+    folder = hf_families.write_family(tmp_path, "llama", attention_dropout=0.1)  # LlamaAttention keeps a float
+    w = hf_models.build(f"hf:{folder}", 0, 16)
+    added = [n for n, m in w.model.named_modules() if n.endswith(hf_attention.ADDED_DROPOUT)]
+    assert added == [f"model.layers.{i}.self_attn.{hf_attention.ADDED_DROPOUT}" for i in range(2)]
+    assert "drawn by each attention module's nn.Dropout" in w.source
+    x, _ = w.make_batch(0, 2)
+    assert masks.uncaptured(w.model.train().double(), x) is None
+    assert all(hf_attention.ADDED_DROPOUT not in key for key in w.model.state_dict())  # the state dict unchanged
+    # the negative: the same attention without that module drops out in a functional call no capture sees
+    for name in added:
+        parent = w.model.get_submodule(name.rsplit(".", 1)[0])
+        delattr(parent, hf_attention.ADDED_DROPOUT)
+    assert masks.uncaptured(w.model, x) is not None
+
+
 # -- every family: the class its config names, the attention its class supports -----------------------------------
 @pytest.fixture(scope="module")
 def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

@@ -2,7 +2,8 @@
 
 Owns: the attention implementation asked of transformers for a model class and its config (`choose`), dpcompare's
 own eager attention `dpcompare_eager` (registered with transformers, whose dropout is the attention module's own
-`nn.Dropout` module, so its masks are drawn by a module like every other dropout of the model), and the phrase
+`nn.Dropout` module, or one `give_dropout_modules` adds to a module that drops out functionally, so its masks are
+drawn by a module like every other dropout of the model), and the phrase
 `model_info.source` gives the attention and the dropout (`describe`): what runs, never whether it was checked (that is
 the verdict's). Imports transformers lazily and nothing of dpcompare.
 
@@ -16,6 +17,7 @@ eager), and a model without attention (ResNet, ConvNeXt) is given no attention a
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -24,7 +26,10 @@ from torch import nn
 ATTENTION = "dpcompare_eager"
 """The attention implementation registered for configs whose attention drops out: eager, dropout by module."""
 ATTENTION_DROPOUT_KEYS = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
-_DROPOUT_MODULE_NAMES = ("attn_dropout", "attention_dropout", "dropout")
+ADDED_DROPOUT = "dpcompare_attention_dropout"
+"""The `nn.Dropout` given to an attention module that drops out functionally (Llama's, GPT-BigCode's), so that
+`dpcompare_eager` draws its mask by a module too."""
+_DROPOUT_MODULE_NAMES = (ADDED_DROPOUT, "attn_dropout", "attention_dropout", "dropout")
 """Where transformers' attention modules keep the `nn.Dropout` of their probabilities (GPT-2, Bloom, BERT and Swin)."""
 
 
@@ -52,6 +57,31 @@ def _dropout_module(module: nn.Module, p: float) -> nn.Dropout | None:
         if isinstance(drop, nn.Dropout) and drop.p == p:
             return drop
     return None
+
+
+@functools.cache
+def _dispatches(cls: type) -> bool:
+    """Does `cls.forward` call transformers' attention interface (the modules `dpcompare_eager` runs in)?"""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if _dispatches(type(m))]
+
+
+def give_dropout_modules(model: nn.Module, config: Any) -> int:
+    """Give each attention module of `model` that keeps no `nn.Dropout` of the config's attention dropout one of its
+    own (`ADDED_DROPOUT`: no parameter, no buffer, so the state dict is unchanged); returns how many got one."""
+    p = attention_dropout(config)
+    given = 0
+    for module in attention_modules(model):
+        if p > 0 and _dropout_module(module, p) is None:
+            module.add_module(ADDED_DROPOUT, nn.Dropout(p))
+            given += 1
+    return given
 
 
 def _softcapped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
@@ -118,10 +148,10 @@ def describe(model: nn.Module, config: Any) -> str:
         p = attention_dropout(config)
         if p == 0:
             phrase = f"attention {used}"
-        elif used == ATTENTION:
+        elif used == ATTENTION and all(_dropout_module(m, p) for m in attention_modules(model)):
             phrase = f"attention {ATTENTION} (eager; its dropout {p:g} drawn by each attention module's nn.Dropout)"
         else:
-            phrase = f"attention {used} (its dropout {p:g} drawn inside the attention function)"
+            phrase = f"attention {used} (with its dropout {p:g})"
     others = _dropout_fields(config)
     if others:
         return f"{phrase}; dropout in the config: {', '.join(others)}"

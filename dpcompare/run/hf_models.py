@@ -144,6 +144,8 @@ def build(spec: str, seed: int, seq_len: int | None = None) -> Workload:
     attention = hf_attention.choose(cls, config)
     torch.manual_seed(seed)
     model = _build_model(spec, cls, config, attention)
+    if attention == hf_attention.ATTENTION:
+        hf_attention.give_dropout_modules(model, config)
     model.__class__ = hf_tasks.task_class(cls, task, aux != 0.0)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False  # training keeps no key/value cache (and recomputation refuses one)
