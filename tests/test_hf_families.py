@@ -5,8 +5,9 @@ SGD with momentum) and each family's own dropout. Default tier: one run per new 
 (no attention, verification copies that recompute on dpcompare's terms) and the BERT masked LM (masked positions from
 (seed, step), attention dropout by its nn.Dropout). Slow tier: a handful at world size 2 (the masked LM under ddp,
 ResNet (no image_size in its config, BatchNorm, copies that keep their activations) under FSDP, Gemma 2's eager
-attention under ZeRO-3, Bloom under bf16), and the negative: a backend that sums the gradients instead of averaging
-them is `different` on the masked LM. Deep tier: the family matrix of issue 39, every family under ddp, FSDP and
+attention under ZeRO-3, Bloom under bf16, Llama's attention dropout through the module dpcompare gives it under
+FSDP), and the negative: a backend that sums the gradients instead of averaging them is `different` on the masked
+LM. Deep tier: the family matrix of issue 39, every family under ddp, FSDP and
 ZeRO-3 at world size 2 in float32 and under --amp bf16, each `equivalent` (experiments/hf_family_matrix.py writes
 the same matrix as a table).
 """
@@ -89,3 +90,17 @@ def test_a_backend_that_sums_instead_of_averaging_is_different_on_the_masked_lm(
     e = result["equivalence"]
     assert e["verdict"] == "different" and e["first_divergence"]["step"] == 0, e["first_divergence"]
     assert e["first_divergence"]["check"] == "gradient"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_llama_with_attention_dropout_is_equivalent_under_fsdp_its_masks_drawn_by_the_module_dpcompare_gave_it(
+        launch, tmp_path: Path) -> None:
+    folder = hf_families.write_family(tmp_path, "llama", attention_dropout=0.1)
+    done, result = launch("fsdp", 2, f"hf:{folder}", [*_model_args("llama"), "--measure-steps", "0"],
+                          launcher="torchrun")
+    assert done.returncode == 0, done.output[-3000:]
+    e = result["equivalence"]
+    assert e["verdict"] == "equivalent", (e["first_divergence"], e["unverifiable_reason"])
+    assert e["stochastic"]["captured"]
+    assert all(m.endswith("self_attn.dpcompare_attention_dropout") for m in e["stochastic"]["modules"])
