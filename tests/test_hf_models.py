@@ -153,6 +153,17 @@ def test_models_without_attention_ask_for_none_and_a_config_without_image_size_g
             getattr(transformers, config.architectures[0])._from_config(config, attn_implementation="sdpa")
 
 
+def test_a_declared_block_whose_weight_a_module_outside_it_shares_is_no_block(families: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    w = _build(families["bert"], "bert")
+    assert "BertEmbeddings" in w.model._no_split_modules  # declared, but its word embedding is the head's decoder's
+    assert w.model.cls.predictions.decoder.weight is w.model.bert.embeddings.word_embeddings.weight
+    assert [n for n, _ in block_modules(w.model)] == ["bert.encoder.layer.0", "bert.encoder.layer.1"]
+    # the negative: untied, the embeddings are a block of their own (FSDP sharding them alone would untie a tie)
+    untied = hf_models.build(f"hf:{hf_families.write_family(tmp_path, 'bert', tie_word_embeddings=False)}", 0, 16)
+    assert [n for n, _ in block_modules(untied.model)][0] == "bert.embeddings"
+
+
 # -- the class: what architectures names, or the model type's; refusals in one line ---------------------------
 @pytest.mark.parametrize(("model_type", "fields", "built", "task"), [
     ("llama", {}, "LlamaForCausalLM", "causal_lm"),  # no architectures: the model type's causal LM
