@@ -127,6 +127,7 @@ def test_every_family_builds_the_class_its_config_names_with_an_attention_its_cl
     else:
         assert (used == "sdpa") == cls._supports_sdpa
     assert "captured" not in w.source and "checked" not in w.source  # the verdict's to say
+    assert hf_models.parameter_count(f"hf:{families[family]}") == sum(p.numel() for p in w.model.parameters())
     x, y = w.make_batch(0, 2)
     loss = w.loss_fn(w.model(x), y)
     assert loss.ndim == 0 and bool(loss.isfinite())
