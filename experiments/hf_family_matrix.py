@@ -9,7 +9,7 @@ Each cell is one `torchrun --nproc_per_node=2 -m dpcompare --model hf:tiny-FAMIL
 checked steps, SGD with momentum), `--seq-len 16` for language models and `--measure-steps 0` (the verdict is the
 point here, not the timing). A cell holds the verdict with its first divergence's cause or the reason it is
 unverifiable, the one-line refusal of a run that exits 2, or how a run failed otherwise (its exit status and last
-line, or the timeout). Writes matrix.json and matrix.md (the table docs/results quotes) under --out; exit status 1
+line, or the timeout; a run that wrote its result and then never exited is marked as such). Writes matrix.json and matrix.md (the table docs/results quotes) under --out; exit status 1
 when a cell is not `equivalent`. `--eager-experts` builds Mixtral with transformers' eager expert loop
 (`experts_implementation: "eager"` in its config.json) instead of its grouped-matmul default.
 """
@@ -47,15 +47,17 @@ def run_cell(folder: Path, family: str, backend: str, precision: str, out: Path,
     cell: dict[str, Any] = {"family": family, "backend": backend, "precision": precision,
                             "wall_s": round(done.wall_s, 1)}
     results = sorted(cell_out.glob("*.json"))
-    if done.timed_out:
-        return {**cell, "verdict": "timeout", "detail": f"no result in {timeout_s:.0f} s"}
-    if results and done.returncode == 0:
+    if results and (done.returncode == 0 or done.timed_out):
         e = json.loads(results[-1].read_text())["equivalence"]
         first = e.get("first_divergence") or {}
         detail = e.get("unverifiable_reason") or (
             f"step {first.get('step')} ({first.get('check')}), {first.get('parameter')}: {first.get('reason')}"
             if first else "")
-        return {**cell, "verdict": e["verdict"], "detail": detail}
+        if done.timed_out:  # issue 39 item 7: a finished run whose launch never exits
+            detail = f"{detail}; the launch did not exit after writing its result (killed at {timeout_s:.0f} s)"
+        return {**cell, "verdict": e["verdict"], "detail": detail.lstrip("; "), "hung": done.timed_out}
+    if done.timed_out:
+        return {**cell, "verdict": "timeout", "detail": f"no result in {timeout_s:.0f} s"}
     lines = [line.strip() for line in (cell_out / "log.txt").read_text().splitlines() if line.strip()]
     said = [line.split("traceback : ")[-1] for line in lines if "dpcompare: error:" in line or
             line.startswith("dpcompare:")]  # the run's own line (torchrun repeats each rank's in its summary)
@@ -77,7 +79,7 @@ def table(cells: list[dict[str, Any]], backends: list[str], precisions: list[str
             if cell is None:
                 marks.append("")
                 continue
-            if cell["verdict"] == "equivalent":
+            if cell["verdict"] == "equivalent" and not cell.get("hung"):
                 marks.append("equivalent")
                 continue
             notes.append(f"{len(notes) + 1}. {family} {b} {p}: {cell['detail']}")
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "matrix.json").write_text(json.dumps(cells, indent=1))
     (args.out / "matrix.md").write_text(table(cells, backends, precisions))
     print(f"{len(cells)} runs in {time.monotonic() - start:.0f} s -> {args.out / 'matrix.md'}")
-    return 0 if all(c["verdict"] == "equivalent" for c in cells) else 1
+    return 0 if all(c["verdict"] == "equivalent" and not c.get("hung") for c in cells) else 1
 
 
 if __name__ == "__main__":
