@@ -1,12 +1,20 @@
-"""Hugging Face transformers models by name (`--model hf:NAME_OR_PATH`), checked against the float64 oracle.
+"""Hugging Face transformers models by name (`--model hf:NAME_OR_PATH`), checked against transformers itself and the
+float64 oracle.
 
-Checked against: transformers itself (the model's class, parameter names and `_no_split_modules` kept; the same seed
-builds the same weights), the config's shapes (tokens of --seq-len below the vocabulary, logits of the vocabulary's
-width), the mask capture (GPT-2's attention dropout, a functional call in transformers' own attention, is drawn by
-its nn.Dropout module and captured), and real runs: a Llama-style and a GPT-2-style config of width 64, written by the
-test, `equivalent` under the reference (default tier) and under ddp, DeepSpeed ZeRO-3 and FSDP at world size 2 (slow
-tier; FSDP is the issue's own command). Negatives: a missing folder, an uncached hub name, a --seq-len past the
-context or on a built-in model and transformers missing are each one line, exit 2, no traceback.
+Checked against: transformers itself (the class the config's `architectures` names, its parameter names and
+`_no_split_modules` kept; the same seed builds the same weights; sdpa asked for only where the class declares it, so
+Gemma 2, Bloom, ResNet and ConvNeXt build, where asking for sdpa is refused), the config's shapes (tokens of
+--seq-len below the vocabulary, logits of the vocabulary's width, pixels of its image size or the stated default
+where it gives none), the workload contract (a masked LM's loss is a mean over samples because every sample masks
+as many positions; unequal counts would break it), the verification copies (their recomputation gives the very
+gradient, and is left off where BatchNorm would count a recomputed forward twice), dpcompare's eager attention
+(transformers' eager attention's numbers, Gemma 2's soft-capping included), Mixtral's load-balancing loss (it
+reaches the router's gradient, and its value depends on how the batch is split), the mask capture (GPT-2's and
+BERT's attention dropout drawn by their nn.Dropout modules) and real runs (tiny configs of tests/hf_families.py):
+ResNet and the BERT masked LM on the reference (default tier), a handful under ddp, ZeRO-3 and FSDP (slow tier), the
+family matrix (deep tier). Negatives: a missing folder, an uncached hub name, a --seq-len past the context,
+an encoder-decoder, a class of another task or one transformers lacks, an encoder's LM head on a config that is
+no decoder and transformers missing are each one line, exit 2, no traceback.
 """
 
 from __future__ import annotations
@@ -18,9 +26,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import hf_families
 from conftest import child_env
 from dpcompare import block_modules
-from dpcompare.run import hf_models
+from dpcompare.run import hf_attention, hf_classes, hf_models, hf_tasks
 from dpcompare.run.config import CommandLineError, RunConfig
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'dpcompare[hf]')")
@@ -64,15 +73,248 @@ def test_gpt2_attention_dropout_is_drawn_by_its_module_so_its_masks_are_captured
     from dpcompare.verify import masks
 
     w = hf_models.build(f"hf:{configs['gpt2']}", seed=0)
-    assert w.model.config._attn_implementation == hf_models.ATTENTION and "dropout 0.1 captured" in w.source
+    assert w.model.config._attn_implementation == hf_models.ATTENTION
+    assert "dropout 0.1 drawn by each attention module's nn.Dropout" in w.source and "captured" not in w.source
     assert w.model.lm_head.weight is w.model.transformer.wte.weight  # the tied head stays tied
     x, _ = w.make_batch(0, 2)
     assert masks.uncaptured(w.model.train().double(), x) is None  # every random number is a captured module's
     # transformers' stock attention drops out in a functional call: recorded at the dispatcher, captured as well
     stock = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(configs["gpt2"]),
                                                           attn_implementation="eager")
-    stock.__class__ = hf_models._returning_logits(type(stock), "causal_lm")
+    stock.__class__ = hf_tasks.task_class(type(stock), "causal_lm", False)
     assert masks.uncaptured(stock.train().double(), x) is None
+
+
+def test_an_attention_that_drops_out_functionally_is_given_a_dropout_module_of_its_own(tmp_path: Path) -> None:
+    from dpcompare.verify import masks
+
+    folder = hf_families.write_family(tmp_path, "llama", attention_dropout=0.1)  # LlamaAttention keeps a float
+    w = hf_models.build(f"hf:{folder}", 0, 16)
+    added = [n for n, m in w.model.named_modules() if n.endswith(hf_attention.ADDED_DROPOUT)]
+    assert added == [f"model.layers.{i}.self_attn.{hf_attention.ADDED_DROPOUT}" for i in range(2)]
+    assert "drawn by each attention module's nn.Dropout" in w.source
+    x, _ = w.make_batch(0, 2)
+    assert masks.uncaptured(w.model.train().double(), x) is None
+    assert all(hf_attention.ADDED_DROPOUT not in key for key in w.model.state_dict())  # the state dict unchanged
+
+
+# -- every family: the class its config names, the attention its class supports -----------------------------------
+@pytest.fixture(scope="module")
+def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return hf_families.write_families(tmp_path_factory.mktemp("families"))
+
+
+def _build(folder: Path, family: str, seed: int = 0) -> hf_models.Workload:
+    return hf_models.build(f"hf:{folder}", seed, None if family in hf_families.IMAGE_FAMILIES else 16)
+
+
+@pytest.mark.parametrize("family", list(hf_families.FAMILIES))
+def test_every_family_builds_the_class_its_config_names_with_an_attention_its_class_supports(
+        families: dict[str, Path], family: str) -> None:
+    w = _build(families[family], family)
+    architecture = hf_families.FAMILIES[family][0]
+    cls = getattr(transformers, architecture)
+    assert type(w.model).__name__ == architecture and type(w.model).__mro__[1] is cls
+    used = w.model.config._attn_implementation
+    p = hf_attention.attention_dropout(w.model.config)
+    if p > 0:  # dropout drawn by a module where transformers dispatches to dpcompare's attention
+        assert used == (hf_attention.ATTENTION if cls._supports_attention_backend else "eager")
+    else:
+        assert (used == "sdpa") == cls._supports_sdpa
+    assert "captured" not in w.source and "checked" not in w.source  # the verdict's to say
+    assert hf_models.parameter_count(f"hf:{families[family]}") == sum(p.numel() for p in w.model.parameters())
+    x, y = w.make_batch(0, 2)
+    loss = w.loss_fn(w.model(x), y)
+    assert loss.ndim == 0 and bool(loss.isfinite())
+    loss.backward()
+    assert sum(p.grad is not None for p in w.model.parameters()) > 0
+
+
+def test_models_without_attention_ask_for_none_and_a_config_without_image_size_gets_a_stated_one(
+        families: dict[str, Path]) -> None:
+    for family in ("resnet", "convnext"):
+        w = _build(families[family], family)
+        assert "no attention" in w.source
+    resnet = _build(families["resnet"], "resnet")
+    assert not hasattr(resnet.model.config, "image_size")
+    x, y = resnet.make_batch(0, 2)
+    side = hf_tasks.DEFAULT_IMAGE_SIZE
+    assert x.shape == (2, 3, side, side) and f"3x{side}x{side} pixels (the config gives no image_size" in resnet.source
+    vit = _build(families["vit"], "vit")
+    assert vit.make_batch(0, 2)[0].shape[-1] == vit.model.config.image_size and "the config's image_size" in vit.source
+    # the negative: asking every class for sdpa, as the runs did, is refused by transformers for these
+    for family in ("resnet", "gemma2", "bloom"):
+        config = hf_families.family_config(family)
+        with pytest.raises(ValueError, match="scaled_dot_product_attention"):
+            getattr(transformers, config.architectures[0])._from_config(config, attn_implementation="sdpa")
+
+
+def test_a_declared_block_whose_weight_a_module_outside_it_shares_is_no_block(families: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    w = _build(families["bert"], "bert")
+    assert "BertEmbeddings" in w.model._no_split_modules  # declared, but its word embedding is the head's decoder's
+    assert w.model.cls.predictions.decoder.weight is w.model.bert.embeddings.word_embeddings.weight
+    assert [n for n, _ in block_modules(w.model)] == ["bert.encoder.layer.0", "bert.encoder.layer.1"]
+    # the negative: untied, the embeddings are a block of their own (FSDP sharding them alone would untie a tie)
+    untied = hf_models.build(f"hf:{hf_families.write_family(tmp_path, 'bert', tie_word_embeddings=False)}", 0, 16)
+    assert [n for n, _ in block_modules(untied.model)][0] == "bert.embeddings"
+
+
+# -- the class: what architectures names, or the model type's; refusals in one line ---------------------------
+@pytest.mark.parametrize(("model_type", "fields", "built", "task"), [
+    ("llama", {}, "LlamaForCausalLM", "causal_lm"),  # no architectures: the model type's causal LM
+    ("bert", {}, "BertForMaskedLM", "masked_lm"),  # an encoder: its masked LM, never its LM head
+    ("bert", {"is_decoder": True}, "BertLMHeadModel", "causal_lm"),  # a decoder config: the LM head is causal
+    ("bert", {"architectures": ["BertForMaskedLM"]}, "BertForMaskedLM", "masked_lm"),
+    ("roberta", {"architectures": ["RobertaForMaskedLM"]}, "RobertaForMaskedLM", "masked_lm"),
+    ("vit", {}, "ViTForImageClassification", "image_classification"),
+])
+def test_the_class_built_is_the_one_the_config_names(model_type: str, fields: dict, built: str, task: str) -> None:
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    assert hf_classes.resolve("hf:x", config) == (getattr(transformers, built), task)
+
+
+@pytest.mark.parametrize(("model_type", "fields", "says"), [
+    ("t5", {}, "encoder-decoder"),
+    ("bart", {"architectures": ["BartForConditionalGeneration"]}, "BartForConditionalGeneration is an encoder-decoder"),
+    ("llama", {"architectures": ["LlamaForSequenceClassification"]}, "neither a causal LM, a masked LM nor an image"),
+    ("llama", {"architectures": ["MyOwnForCausalLM"]}, "does not have"),
+    ("bert", {"architectures": ["BertLMHeadModel"]}, "is_decoder"),  # it would see its own next-token targets
+    ("wav2vec2", {}, "has no causal LM, masked LM or image classifier"),
+])
+def test_a_class_dpcompare_cannot_train_is_refused_in_one_line(model_type: str, fields: dict, says: str) -> None:
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    with pytest.raises(CommandLineError, match=says) as caught:
+        hf_classes.resolve("hf:x", config)
+    assert "\n" not in str(caught.value)
+
+
+# -- the masked LM ---------------------------------------------------------------------------------------------
+def test_a_masked_lm_masks_positions_drawn_from_seed_and_step_and_its_loss_is_a_mean_over_samples(
+        families: dict[str, Path]) -> None:
+    w = _build(families["bert"], "bert")
+    mask_id, per_sample = hf_tasks.mask_token(w.model.config), hf_tasks.masked_per_sample(16)
+    x, y = w.make_batch(3, 8)
+    again_x, again_y = w.make_batch(3, 8)
+    assert torch.equal(x, again_x) and torch.equal(y, again_y)  # every rank rebuilds the same global batch
+    assert not torch.equal(y, w.make_batch(4, 8)[1])  # another step masks elsewhere
+    masked = y != hf_tasks.IGNORED
+    assert masked.sum(dim=1).tolist() == [per_sample] * 8 and torch.equal(masked, x == mask_id)
+    assert int(y[masked].max()) < w.model.config.vocab_size and int(y[masked].min()) >= 0
+    model = w.model.double().eval()  # no dropout: the loss as a function of the batch
+    with torch.no_grad():
+        whole = w.loss_fn(model(x), y)
+        shards = [w.loss_fn(model(x[r::2]), y[r::2]) for r in range(2)]
+        assert float(abs(whole - sum(shards) / 2)) < 1e-12 * float(whole)  # the workload contract
+        # the negative: were one sample to mask fewer positions, the mean over masked tokens would not be over samples
+        y_short = y.clone()
+        y_short[0, masked[0].nonzero()[0]] = hf_tasks.IGNORED
+        whole = w.loss_fn(model(x), y_short)
+        shards = [w.loss_fn(model(x[r::2]), y_short[r::2]) for r in range(2)]
+        assert float(abs(whole - sum(shards) / 2)) > 1e-6 * float(whole)
+
+
+# -- the verification copies -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("family", "how"), [("llama", "transformers"), ("convnext", "dpcompare"), ("resnet", "none")])
+def test_verification_copies_recompute_where_the_model_can_and_give_the_very_gradient(
+        families: dict[str, Path], family: str, how: str) -> None:
+    from dpcompare.contract import checkpointing
+    from dpcompare.verify.equivalence import verification_copy
+
+    w = _build(families[family], family)
+    x, y = w.make_batch(0, 2)
+    x = x.double() if x.is_floating_point() else x
+    grads = []
+    for recompute in (False, True):
+        model = verification_copy(w.model, torch.device("cpu"), torch.float64)
+        model.recompute_activations = recompute
+        w.loss_fn(model(x), y).backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert getattr(model, "_dpcompare_recomputes") == how
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    if how == "dpcompare":  # ConvNeXt names its stages and their layers: only the stages recompute, once each
+        stages = ["convnext.encoder.stages.0", "convnext.encoder.stages.1"]
+        assert list(checkpointing.checkpointed_blocks(model)) == stages
+    if how == "none":  # the negative: recomputing a block that holds BatchNorm counts its batch twice
+        model = verification_copy(w.model, torch.device("cpu"), torch.float64)
+        checkpointing.checkpoint_blocks(model)
+        w.loss_fn(model(x), y).backward()
+        counts = {int(b) for n, b in model.named_buffers() if n.endswith("num_batches_tracked")}
+        assert counts == {2}
+
+
+# -- dpcompare's eager attention -----------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["gpt2", "gemma2", "bert"])
+def test_dpcompare_eager_attention_computes_what_transformers_eager_attention_does(family: str, monkeypatch) -> None:
+    # a soft-cap near the tiny model's attention logits (~1e-3), so that leaving it out shows
+    config = hf_families.family_config(family, attention_dropout=0.1, attn_pdrop=0.1, attention_probs_dropout_prob=0.1,
+                                       **({"attn_logit_softcapping": 1e-3} if family == "gemma2" else {}))
+    cls = getattr(transformers, config.architectures[0])
+    assert hf_attention.choose(cls, config) == hf_attention.ATTENTION
+    x = torch.randint(0, config.vocab_size - 1, (2, 16))
+
+    def logits(attention: str) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = cls._from_config(config, attn_implementation=attention).eval()  # eval: no dropout
+        with torch.no_grad():
+            return model(input_ids=x).logits
+
+    ours = logits(hf_attention.ATTENTION)
+    assert torch.equal(ours, logits("eager"))  # float32: both take the softmax in float32, so to the bit
+    if family == "gemma2":  # the negative: without Gemma 2's logit soft-capping the numbers differ
+        monkeypatch.setattr(hf_attention, "_softcapped", lambda scores, softcap: scores)
+        assert not torch.allclose(logits(hf_attention.ATTENTION), ours, rtol=0, atol=1e-4)
+
+
+# -- Mixtral's load-balancing loss -------------------------------------------------------------------------------
+def test_mixtral_adds_its_load_balancing_loss_of_each_forwards_own_tokens(tmp_path: Path) -> None:
+    eager = {"experts_implementation": "eager"}  # transformers' grouped-matmul experts have no float64 kernel
+    with_aux = hf_models.build(f"hf:{hf_families.write_family(tmp_path / 'a', 'mixtral', eager)}", 0, 16)
+    plain_folder = hf_families.write_family(tmp_path / "b", "mixtral", eager, output_router_logits=False)
+    without = hf_models.build(f"hf:{plain_folder}", 0, 16)
+    coefficient = with_aux.model.config.router_aux_loss_coef
+    assert "load-balancing loss 0.02" in with_aux.source and "per rank" in with_aux.source
+    x, y = with_aux.make_batch(0, 4)
+    model = with_aux.model.double()
+    logits, aux = model(x)
+    assert torch.equal(with_aux.loss_fn((logits, aux), y), hf_tasks.cross_entropy(logits, y) + coefficient * aux)
+    with_aux.loss_fn((logits, aux), y).backward()
+    gate = model.model.layers[0].mlp.gate.weight.grad.clone()
+    plain = without.model.double()
+    assert isinstance(plain(x), torch.Tensor)  # the negative: a config that does not ask for it returns the logits
+    without.loss_fn(plain(x), y).backward()
+    # it reaches the router's gradient
+    assert not torch.allclose(gate, plain.model.layers[0].mlp.gate.weight.grad, rtol=1e-6, atol=0)
+    with torch.no_grad():  # its value depends on how the batch is split: each rank's is its own tokens'
+        halves = [model(x[r::2])[1] for r in range(2)]
+        assert float(abs(aux - sum(halves) / 2)) > 1e-9
+    # the float64 probe reads a forward that returns logits and the loss term
+    from dpcompare.verify import probe
+
+    facts = probe.probe(with_aux.model, with_aux.loss_fn, (x, y), torch.device("cpu"))
+    assert not facts.stochastic and not facts.unused
+
+
+def test_router_settings_are_read_where_the_model_has_routers(tmp_path: Path) -> None:
+    folder = hf_families.write_family(tmp_path / "null", "mixtral", {"router_aux_loss_coef": None})
+    with pytest.raises(CommandLineError, match="router_aux_loss_coef") as caught:  # transformers' own check, one line
+        hf_models.build(f"hf:{folder}", 0, 16)
+    assert "\n" not in str(caught.value)
+    folder = hf_families.write_family(tmp_path / "llama", "llama", {"output_router_logits": True})
+    w = hf_models.build(f"hf:{folder}", 0, 16)  # no router: the flag asks for nothing
+    assert isinstance(w.model(w.make_batch(0, 2)[0]), torch.Tensor) and "load-balancing" not in w.source
+
+
+@pytest.mark.parametrize(("family", "fields", "says"), [
+    ("llama", {"hidden_size": 66}, "cannot read that config (ValueError: The hidden size (66) is not a multiple"),
+    ("gpt2", {"n_embd": 66}, "cannot build GPT2LMHeadModel from its config (ValueError: `embed_dim` must be divisible"),
+])
+def test_a_config_transformers_rejects_is_one_line_with_its_reason(tmp_path: Path, family: str, fields: dict,
+                                                                   says: str) -> None:
+    folder = hf_families.write_family(tmp_path, family, fields)
+    with pytest.raises(CommandLineError) as caught:
+        hf_models.build(f"hf:{folder}", 0, 16)
+    assert says in str(caught.value) and "\n" not in str(caught.value)
 
 
 @pytest.mark.parametrize(("spec", "seq_len", "says"), [

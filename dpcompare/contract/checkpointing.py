@@ -48,12 +48,14 @@ def _checkpointed_class(cls: type, preserve_rng_state: bool) -> type:
     return _CLASSES[key]
 
 
-def checkpoint_blocks(model: nn.Module, *, preserve_rng_state: bool = True) -> list[str]:
+def checkpoint_blocks(model: nn.Module, *, preserve_rng_state: bool = True,
+                      blocks: list[tuple[str, nn.Module]] | None = None) -> list[str]:
     """Make every block of `model` recompute its forward in backward (non-reentrant torch.utils.checkpoint), in place;
     returns the blocks' names in module order (empty when the model names no block: nothing is checkpointed). A block
     already checkpointed is left as it is. `preserve_rng_state=False` lets the recomputation draw new random numbers:
-    its dropout masks differ from the forward's (a fault; the run never asks for it)."""
-    blocks = block_modules(model)
+    its dropout masks differ from the forward's (a fault; the run never asks for it). `blocks`: these (name, module)
+    pairs instead of `block_modules(model)`."""
+    blocks = block_modules(model) if blocks is None else blocks
     for _, block in blocks:
         if not hasattr(type(block), _MARK):
             block.__class__ = _checkpointed_class(type(block), preserve_rng_state)

@@ -39,6 +39,22 @@ def _holds_parameters(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
+def _shared_outside(root: nn.Module) -> Callable[[str], bool]:
+    """A test of a module's name: does it hold a parameter that a module outside it holds too (a tied weight:
+    BERT's word embedding, which its masked-LM head's decoder shares)?"""
+    owners: dict[int, list[str]] = {}
+    for name, module in root.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    shared = [names for names in owners.values() if len(set(names)) > 1]
+
+    def test(block: str) -> bool:
+        inside = lambda n: n == block or n.startswith(f"{block}.")  # noqa: E731
+        return any(any(map(inside, names)) and not all(map(inside, names)) for names in shared)
+
+    return test
+
+
 def block_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's blocks, by name, in module order:
       1. the modules whose class the model names in `_no_split_modules` (the Hugging Face convention), if it has one;
@@ -47,7 +63,14 @@ def block_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
          root's own layers: mlp, cnn; the transformer blocks of `gpt-*`'s `h` and `lm`'s `blocks`; ResNet's residual
          blocks),
     each only if it holds parameters. A container's element runs its parameters inside its own forward, which is what
-    lets FSDP unshard them around that forward alone and a checkpoint recompute that forward alone."""
+    lets FSDP unshard them around that forward alone and a checkpoint recompute that forward alone; a module holding a
+    parameter that a module outside it shares (BERT's embeddings, whose word embedding its head ties) is no block:
+    FSDP would shard the block's copy and leave the other module the original, untying them."""
+    shared = _shared_outside(root)
+    return [(n, m) for n, m in _candidate_blocks(root) if not shared(n)]
+
+
+def _candidate_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
     declared = getattr(root, "_no_split_modules", None)
     if declared:
         names = set(declared)

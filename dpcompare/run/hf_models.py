@@ -1,25 +1,24 @@
 """Hugging Face transformers models by name: `--model hf:NAME_OR_PATH`.
 
-Owns: the workload of a transformers model built from its config alone (`AutoConfig`, then the Auto class its
-config names: a causal LM or an image classifier) with random weights from the seed, on synthetic batches of the
-config's shapes (token streams of `--seq-len` for a causal LM, pixels of the config's image size for a vision
-model). Nothing is downloaded: a hub name needs its config.json in the local Hugging Face cache
-(`hf download NAME config.json`), a folder holding a config.json works offline. `transformers` is an optional
-extra (`pip install "dpcompare[hf]"`).
+Owns: the workload of a transformers model built from its config alone with random weights from the seed: reading
+the config (a folder or config.json on disk, or a hub name whose config is in the local Hugging Face cache; nothing
+is downloaded: `hf download NAME config.json` fetches one), building the class it names
+(dpcompare.run.hf_classes: a causal LM, a masked LM or an image classifier) with the attention
+dpcompare.run.hf_attention chooses, and the workload of its task (dpcompare.run.hf_tasks: its forward, data and loss). `transformers` is an
+optional extra (`pip install "dpcompare[hf]"`).
 
 The model keeps its own class and parameter names (`model.layers.0.self_attn.q_proj.weight`): its class is swapped
 for a subclass whose forward takes the batch's tensor and returns the logits, as the trainer's loss expects. Its
 `_no_split_modules` name the blocks FSDP shards and `--activation-checkpointing` recomputes
-(dpcompare.contract.workload.block_modules). Attention that drops out (GPT-2's attn_pdrop) runs through an eager
-attention that applies the model's own `nn.Dropout` module, so its masks are captured and replayed in the oracle
-like every other dropout; attention without dropout keeps the config's implementation (sdpa by default).
+(dpcompare.contract.workload.block_modules). `model_info.source` says what was built and what runs (the attention,
+where its dropout is drawn, the data), never whether it was checked: that is the verdict's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
+import inspect
 import json
 from pathlib import Path
 from typing import Any, Iterator
@@ -27,16 +26,15 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from dpcompare.run import hf_attention, hf_classes, hf_tasks
 from dpcompare.run.config import CommandLineError
-from dpcompare.run.workloads import Workload, _cross_entropy, _generator, token_stream
+from dpcompare.run.workloads import Workload
 
 PREFIX = "hf:"
 INSTALL = 'pip install "dpcompare[hf]"  (or: pip install transformers)'
 DEFAULT_SEQ_LEN = 128
 """Tokens per sample of a causal LM when --seq-len is not given (at most the config's context)."""
-ATTENTION = "dpcompare_eager"
-"""The attention implementation registered for configs whose attention drops out: eager, dropout by module."""
-_ATTENTION_DROPOUT_KEYS = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
+ATTENTION = hf_attention.ATTENTION
 
 
 def is_hf(spec: str) -> bool:
@@ -64,6 +62,21 @@ def _quiet_transformers() -> Iterator[None]:
         yield
     finally:
         logging.set_verbosity(level)
+
+
+def _why(exc: BaseException) -> str:
+    """The first line of what went wrong at the bottom of `exc`'s causes (a validator's ValueError, not its
+    wrapper's)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _validation_errors() -> tuple[type[Exception], ...]:
+    """What transformers' config classes raise on a field of the wrong type (huggingface_hub's strict dataclasses)."""
+    errors = getattr(importlib.import_module("huggingface_hub.errors"), "StrictDataclassError", None)
+    return (errors,) if isinstance(errors, type) else ()
 
 
 def load_config(spec: str) -> Any:
@@ -95,147 +108,78 @@ def load_config(spec: str) -> Any:
             f"--model {spec}: no config for {name!r} on disk or in the local Hugging Face cache (nothing is downloaded "
             f"during a run); fetch it once with `hf download {name} config.json`, or give a folder holding its "
             f"config.json") from exc
-    except (ValueError, KeyError, json.JSONDecodeError) as exc:
-        raise CommandLineError(f"--model {spec}: transformers cannot read that config ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError, *_validation_errors()) as exc:
+        raise CommandLineError(f"--model {spec}: transformers cannot read that config ({_why(exc)})") from exc
 
 
-def _kind(config: Any) -> str:
-    """'causal_lm' or 'image_classification': the task the config's architectures name, else the first Auto mapping
-    that holds its config class."""
-    from transformers.models.auto import modeling_auto as auto
-
-    for arch in getattr(config, "architectures", None) or []:
-        if arch.endswith(("ForCausalLM", "LMHeadModel")):
-            return "causal_lm"
-        if arch.endswith("ForImageClassification"):
-            return "image_classification"
-    if type(config) in auto.MODEL_FOR_CAUSAL_LM_MAPPING:
-        return "causal_lm"
-    if type(config) in auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING:
-        return "image_classification"
-    raise CommandLineError(f"--model hf:...: a {type(config).__name__} ({config.model_type}) is neither a causal "
-                           "language model nor an image classifier; dpcompare builds those two kinds (write a "
-                           "--model package.module:function for another)")
+def _build_model(spec: str, cls: type, config: Any, attention: str | None, **kwargs: Any) -> nn.Module:
+    try:
+        with _quiet_transformers():
+            return cls._from_config(config, dtype=torch.float32,
+                                    **({"attn_implementation": attention} if attention else {}), **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the class's own __init__ on the config's fields: the config's error
+        raise CommandLineError(f"--model {spec}: transformers cannot build {cls.__name__} from its config "
+                               f"({_why(exc)})") from exc
 
 
-def attention_dropout(config: Any) -> float:
-    return max((float(getattr(config, k, 0.0) or 0.0) for k in _ATTENTION_DROPOUT_KEYS), default=0.0)
-
-
-def _eager_module_dropout(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                          **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager attention (grouped key/value heads repeated, additive mask) whose dropout is the module's own
-    `nn.Dropout` (`attn_dropout`), so the mask it draws is captured; a module without one drops out functionally
-    (the probe then names it uncapturable)."""
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scores = (query @ key.transpose(-1, -2)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-    if attention_mask is not None:
-        scores = scores + attention_mask[..., : key.shape[-2]]
-    weights = scores.softmax(dim=-1).to(value.dtype)
-    drop = getattr(module, "attn_dropout", None)
-    if isinstance(drop, nn.Dropout):
-        weights = drop(weights)
-    elif dropout > 0:
-        weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-    return (weights @ value).transpose(1, 2).contiguous(), weights
-
-
-@functools.cache
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-    AttentionInterface.register(ATTENTION, _eager_module_dropout)
-    AttentionMaskInterface.register(ATTENTION, eager_mask)
-
-
-@functools.cache
-def _returning_logits(cls: type, kind: str) -> type:
-    """`cls` with a forward that takes the batch tensor alone and returns the logits tensor (module and parameter
-    names unchanged). `recompute_activations`: set by dpcompare's float64 verification copies, which recompute each
-    block in backward (transformers' gradient checkpointing) to hold one block's activations at a time."""
-
-    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if getattr(self, "recompute_activations", False) and not _recomputing(self):
-            _recompute(self)
-        if kind == "causal_lm":
-            return cls.forward(self, input_ids=x, use_cache=False).logits
-        return cls.forward(self, pixel_values=x).logits
-
-    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                       "__doc__": f"{cls.__name__}: forward(batch) -> logits (dpcompare --model hf:)"})
-
-
-def _recomputing(model: nn.Module) -> bool:
-    if hasattr(type(model), "is_activation_checkpointing"):  # transformers >= 5.x renamed gradient checkpointing
-        return bool(model.is_activation_checkpointing)
-    return bool(model.is_gradient_checkpointing)
-
-
-def _recompute(model: nn.Module) -> None:
-    """transformers' per-layer recomputation, non-reentrant."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+def _router_aux(cls: type, config: Any) -> float:
+    """The weight of the routers' load-balancing loss where the config asks for it (`output_router_logits`, a mixture
+    of experts whose forward takes it: Mixtral, Qwen2-MoE, OLMoE, ...), else 0."""
+    if not getattr(config, "output_router_logits", False):
+        return 0.0
+    if "output_router_logits" not in inspect.signature(cls.forward).parameters:
+        return 0.0  # no router: the flag asks for nothing
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
 def build(spec: str, seed: int, seq_len: int | None = None) -> Workload:
     """The workload of `hf:NAME_OR_PATH`: the config's model with random weights from `seed` and synthetic data."""
     config = load_config(spec)
-    kind = _kind(config)
+    cls, task = hf_classes.resolve(spec, config)
     import transformers
-    from transformers import AutoModelForCausalLM, AutoModelForImageClassification
 
-    p_attn = attention_dropout(config)
-    attention = getattr(config, "_attn_implementation", None) or "sdpa"
-    if p_attn > 0:
-        _register_attention()
-        attention = ATTENTION
-    auto = AutoModelForCausalLM if kind == "causal_lm" else AutoModelForImageClassification
+    if task == "image_classification" and seq_len is not None:
+        raise CommandLineError(f"--seq-len is for language models; {spec} is an image classifier: drop it")
+    aux = _router_aux(cls, config) if task != "image_classification" else 0.0
+    attention = hf_attention.choose(cls, config)
     torch.manual_seed(seed)
-    try:
-        with _quiet_transformers():
-            model = auto.from_config(config, dtype=torch.float32, attn_implementation=attention)
-    except (ValueError, ImportError) as exc:
-        raise CommandLineError(f"--model {spec}: transformers cannot build {type(config).__name__} from its config "
-                               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
-    model.__class__ = _returning_logits(type(model), kind)
+    model = _build_model(spec, cls, config, attention)
+    if attention == hf_attention.ATTENTION:
+        hf_attention.give_dropout_modules(model, config)
+    model.__class__ = hf_tasks.task_class(cls, task, aux != 0.0)
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False  # training keeps no key/value cache (and recomputation refuses one)
     model.recompute_activations = False
     params = sum(p.numel() for p in model.parameters())
-    source = (f"transformers {transformers.__version__} {type(model).__name__} from {spec[len(PREFIX):]} "
-              f"({_size(params)} parameters, random init from the seed, attention {attention}"
-              f"{f' with dropout {p_attn:g} captured' if p_attn > 0 else ''})")
-    name = spec
-    if kind == "causal_lm":
-        vocab = int(config.vocab_size)
-        context = int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 0)
-        seq = seq_len or (min(DEFAULT_SEQ_LEN, context) if context else DEFAULT_SEQ_LEN)
-        if context and seq > context:
-            raise CommandLineError(f"--seq-len {seq} is longer than {spec}'s context ({context} positions): give "
-                                   f"--seq-len {context} or less")
+    source = (f"transformers {transformers.__version__} {cls.__name__} from {spec[len(PREFIX):]} ({_size(params)} "
+              f"parameters, random init from the seed, {hf_attention.describe(model, config)})")
+    if task == "image_classification":
+        channels, height, width, origin = hf_tasks.pixel_shape(config)
+        classes = int(config.num_labels)
+        return Workload(spec, model, hf_tasks.pixels(seed, (channels, height, width), classes), hf_tasks.cross_entropy,
+                        source=f"{source}, {channels}x{height}x{width} pixels ({origin}), {classes} classes")
+    vocab = int(config.vocab_size)
+    seq = _sequence_length(spec, config, seq_len)
+    if task == "masked_lm":
+        mask_id = hf_tasks.mask_token(config)
+        return Workload(spec, model, hf_tasks.masked_tokens(seed, vocab, seq, mask_id), hf_tasks.cross_entropy,
+                        tokens_per_sample=seq,
+                        source=f"{source}, masked LM: {hf_tasks.masked_per_sample(seq)} of {seq} tokens per sample "
+                               f"masked (token {mask_id}), positions drawn from (seed, step)")
+    loss_fn = hf_tasks.with_router_aux(aux) if aux else hf_tasks.cross_entropy
+    aux_note = (f"; load-balancing loss {aux:g} x the routers' auxiliary loss of each forward's own tokens (per rank: "
+                "its value depends on how the batch is split)" if aux else "")
+    return Workload(spec, model, hf_tasks.causal_tokens(seed, vocab, seq), loss_fn, tokens_per_sample=seq,
+                    source=f"{source}, {seq} tokens per sample{aux_note}")
 
-        def make_tokens(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return token_stream(seed, step, global_batch, vocab, seq, 8)
 
-        return Workload(name, model, make_tokens, _cross_entropy, tokens_per_sample=seq,
-                        source=f"{source}, {seq} tokens per sample")
-    if seq_len is not None:
-        raise CommandLineError(f"--seq-len is for causal language models; {spec} is an image classifier: drop it")
-    side, channels = int(config.image_size), int(getattr(config, "num_channels", 3))
-    classes = int(config.num_labels)
-
-    def make_pixels(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = _generator(seed, step)
-        x = torch.randn(global_batch, channels, side, side, generator=g)
-        return x, torch.randint(0, classes, (global_batch,), generator=g)
-
-    return Workload(name, model, make_pixels, _cross_entropy,
-                    source=f"{source}, {channels}x{side}x{side} pixels, {classes} classes")
+def _sequence_length(spec: str, config: Any, seq_len: int | None) -> int:
+    context = int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 0)
+    seq = seq_len or (min(DEFAULT_SEQ_LEN, context) if context else DEFAULT_SEQ_LEN)
+    if context and seq > context:
+        raise CommandLineError(f"--seq-len {seq} is longer than {spec}'s context ({context} positions): give "
+                               f"--seq-len {context} or less")
+    return seq
 
 
 def _size(n: int) -> str:
@@ -248,11 +192,9 @@ def _size(n: int) -> str:
 def parameter_count(spec: str) -> int:
     """The parameters of `hf:NAME_OR_PATH` without building it (the meta device holds no storage)."""
     config = load_config(spec)
-    from transformers import AutoModelForCausalLM, AutoModelForImageClassification
-
-    auto = AutoModelForCausalLM if _kind(config) == "causal_lm" else AutoModelForImageClassification
-    with torch.device("meta"), _quiet_transformers():
-        model = auto.from_config(config, dtype=torch.float32)
+    cls, _ = hf_classes.resolve(spec, config)
+    with torch.device("meta"):
+        model = _build_model(spec, cls, config, hf_attention.choose(cls, config))
     return sum(p.numel() for p in model.parameters())
 
 

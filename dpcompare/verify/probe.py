@@ -26,6 +26,12 @@ STOCHASTIC_REL_DIFF = 2.0**-30
 some 10^6 float64 roundings, far below what one changed dropout mask element does (~1e-3)."""
 
 
+def _flat(output: torch.Tensor | tuple) -> torch.Tensor:
+    """A forward's output as one float64 vector (a forward may return a tuple: logits and an auxiliary loss)."""
+    parts = output if isinstance(output, (tuple, list)) else (output,)
+    return torch.cat([t.detach().double().reshape(-1) for t in parts if isinstance(t, torch.Tensor)])
+
+
 def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> ModelFacts:
     """One float64 forward/backward of the first global batch (which parameters get no gradient), its random ops
     recorded at the dispatcher (which module draws with which op), a second forward of the same input (does the
@@ -48,8 +54,8 @@ def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, tor
             # backward inside: a recomputing copy runs its forward again there, on the same attention path
             loss_fn(first, y.to(device)).backward()
     record = recorder.take()
-    diff = float(torch.linalg.vector_norm((first.detach() - second).double()))
-    norm = float(torch.linalg.vector_norm(first.detach().double()))
+    diff = float(torch.linalg.vector_norm(_flat(first) - _flat(second)))
+    norm = float(torch.linalg.vector_norm(_flat(first)))
     named = list(model.named_parameters())
     drawn = diff > STOCHASTIC_REL_DIFF * max(norm, 1e-300) or bool(record.masks) or bool(record.problems)
     uncaptured = None
