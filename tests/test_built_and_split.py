@@ -265,9 +265,11 @@ SHAPES = ["the ranks built different models before wrapping",
 @pytest.mark.multiproc
 @pytest.mark.timeout(450)
 @pytest.mark.parametrize(("backend", "extra"), [
-    pytest.param("ddp", [], id="ddp"),
+    # the refusal itself is decided in-process (the unit tests above); one launch under ddp and fsdp in the slow
+    # tier, ZeRO-3's (a minute of DeepSpeed's start) in the deep tier
+    pytest.param("ddp", [], id="ddp", marks=pytest.mark.slow),
     pytest.param("fsdp", [], id="fsdp", marks=pytest.mark.slow),
-    pytest.param("deepspeed", ["--opt", "zero_stage=3"], id="zero3", marks=pytest.mark.slow),
+    pytest.param("deepspeed", ["--opt", "zero_stage=3"], id="zero3", marks=pytest.mark.deep),
 ])
 def test_ranks_that_built_different_shapes_are_refused_before_wrapping(launch, tmp_path, backend, extra):
     _refused(launch, tmp_path, backend, extra, SHAPES)
@@ -311,6 +313,7 @@ def test_rank_seeded_weights_under_a_ddp_that_does_not_broadcast_are_different(l
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # the default tier keeps the in-process split tests above
 @pytest.mark.timeout(240)
 def test_a_forward_that_depends_on_the_split_is_named_and_judged_as_the_ranks_ran_it(launch):
     proc, result = launch("ddp", WS, f"{M}:split_by_content_mlp", QUICK)

@@ -188,12 +188,11 @@ def test_find_unused_parameters_false_stops_in_one_line(launch, tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("backend", "extra", "said"), [
-    pytest.param("fsdp", [], "--backend fsdp cannot run this model", id="fsdp"),
+@pytest.mark.parametrize(("backend", "extra", "said"), [  # ZeRO-3's launch (DeepSpeed's start) in the deep tier
+    pytest.param("fsdp", [], "--backend fsdp cannot run this model", id="fsdp", marks=pytest.mark.slow),
     pytest.param("deepspeed", ["--opt", "zero_stage=3"], "--backend deepspeed --opt zero_stage=3 cannot run this model",
-                 id="zero3"),
+                 id="zero3", marks=pytest.mark.deep),
 ], indirect=["backend"])
 def test_sharding_backends_refuse_data_dependent_unused_parameters_in_one_line(launch, tmp_path, backend, extra, said):
     _, logs, codes = _launch_logs(launch, tmp_path, backend, "tests.robust_models:routed", extra)
@@ -284,10 +283,10 @@ def test_a_model_raising_on_one_rank_gets_the_build_time_line_and_the_other_rank
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("backend", "extra"), [pytest.param("fsdp", [], id="fsdp"),
-                                                pytest.param("deepspeed", ["--opt", "zero_stage=3"], id="zero3")],
+@pytest.mark.parametrize(("backend", "extra"), [  # ZeRO-3's launch (DeepSpeed's start) in the deep tier
+    pytest.param("fsdp", [], id="fsdp", marks=pytest.mark.slow),
+    pytest.param("deepspeed", ["--opt", "zero_stage=3"], id="zero3", marks=pytest.mark.deep)],
                          indirect=["backend"])
 def test_a_model_raising_on_one_rank_under_a_sharding_backend(launch, tmp_path, backend, extra):
     """The same under FSDP2 and ZeRO-3, whose hooks gather parameters inside the model's forward: the model's frame is
@@ -376,8 +375,8 @@ def _repeat(tmp_path: Path, backend: str, launcher: str, runs: int, per_run_s: f
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
-def test_five_consecutive_runs_all_exit(tmp_path):
-    _repeat(tmp_path, "ddp", "torchrun", 5)
+def test_three_consecutive_runs_all_exit(tmp_path):
+    _repeat(tmp_path, "ddp", "torchrun", 3)
 
 
 @pytest.mark.multiproc
@@ -389,15 +388,17 @@ def test_fifty_consecutive_runs_all_exit_under_torchrun(tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize(("backend", "launcher", "runs"), [
     # Fewer: each launch costs the launcher's own start (the deepspeed launcher ~10 s, horovodrun and mpirun ~5 s
     # more than torchrun) and they share the exit path torchrun's fifty exercise; what differs is how each launcher
     # waits for its ranks and what a rank must do before it leaves (Horovod's MPI_Finalize, DeepSpeed's shm file).
-    pytest.param("deepspeed", "deepspeed", 10, id="deepspeed-launcher"),
-    pytest.param("horovod", "horovodrun", 10, id="horovodrun"),
-    pytest.param("ddp", "mpirun", 10, id="mpirun"),
+    # CI's slow tier keeps three of each launcher that is not torchrun's; ten of each run in the deep tier.
+    pytest.param("deepspeed", "deepspeed", 3, id="deepspeed-launcher-3", marks=pytest.mark.slow),
+    pytest.param("horovod", "horovodrun", 3, id="horovodrun-3", marks=pytest.mark.slow),
+    pytest.param("deepspeed", "deepspeed", 10, id="deepspeed-launcher-10", marks=pytest.mark.deep),
+    pytest.param("horovod", "horovodrun", 10, id="horovodrun-10", marks=pytest.mark.deep),
+    pytest.param("ddp", "mpirun", 10, id="mpirun-10", marks=pytest.mark.deep),
 ], indirect=["backend"])
 def test_consecutive_runs_all_exit_under_the_other_launchers(tmp_path, backend, launcher, runs):
     _repeat(tmp_path, backend, launcher, runs)
