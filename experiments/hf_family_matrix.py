@@ -66,12 +66,13 @@ def run_cell(folder: Path, family: str, backend: str, precision: str, out: Path,
 
 
 def table(cells: list[dict[str, Any]], backends: list[str], precisions: list[str]) -> str:
-    """Family rows, backend x precision columns; details of what is not `equivalent` below."""
+    """Family rows, backend x precision columns; below, numbered, what the cells that are not `equivalent` said."""
     columns = [(b, p) for p in precisions for b in backends]
     by = {(c["family"], c["backend"], c["precision"]): c for c in cells}
     rows = ["| family | " + " | ".join(f"{b} {p}" for b, p in columns) + " |",
             "| --- | " + " | ".join("---" for _ in columns) + " |"]
-    notes = []
+    notes: list[str] = []
+    numbers: dict[str, int] = {}  # one note per distinct detail, however many cells share it
     for family in dict.fromkeys(c["family"] for c in cells):
         marks = []
         for b, p in columns:
@@ -82,8 +83,10 @@ def table(cells: list[dict[str, Any]], backends: list[str], precisions: list[str
             if cell["verdict"] == "equivalent" and not cell.get("hung"):
                 marks.append("equivalent")
                 continue
-            notes.append(f"{len(notes) + 1}. {family} {b} {p}: {cell['detail']}")
-            marks.append(f"**{cell['verdict']}** [{len(notes)}]")
+            if cell["detail"] not in numbers:
+                numbers[cell["detail"]] = len(notes) + 1
+                notes.append(f"{len(notes) + 1}. {cell['detail']}")
+            marks.append(f"**{cell['verdict']}** [{numbers[cell['detail']]}]")
         rows.append(f"| {family} | " + " | ".join(marks) + " |")
     return "\n".join(rows + ([""] + notes if notes else [])) + "\n"
 

@@ -4,12 +4,11 @@ Checked against: the float64 oracle, through real runs of tiny configs with the 
 SGD with momentum) and each family's own dropout. Default tier: one run per new code path, on the reference: ConvNeXt
 (no attention, verification copies that recompute on dpcompare's terms) and the BERT masked LM (masked positions from
 (seed, step), attention dropout by its nn.Dropout). Slow tier: a handful at world size 2 (the masked LM and its tied
-embedding under FSDP, ResNet (no image_size in its config, BatchNorm, copies that keep their activations) under FSDP,
-Gemma 2's eager attention under ZeRO-3, Bloom under bf16, Llama's attention dropout through the module dpcompare
-gives it under FSDP), and the negative: a backend that sums the gradients instead of averaging them is `different`
-on the masked LM. Deep tier: the family matrix of issue 39, every family under ddp, FSDP and ZeRO-3 at world size 2
-in float32 and under --amp bf16, each `equivalent` (experiments/hf_family_matrix.py writes the same matrix as a
-table).
+embedding under FSDP, Gemma 2's eager attention under ZeRO-3, Bloom under bf16, Llama's attention dropout through
+the module dpcompare gives it under FSDP), and the negative: a backend that sums the gradients instead of averaging
+them is `different` on the masked LM. Deep tier: the family matrix of issue 39, every family under ddp, FSDP and
+ZeRO-3 at world size 2 in float32 and under --amp bf16, each `equivalent` (experiments/hf_family_matrix.py writes
+the same matrix as a table).
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 
 BACKENDS = {"ddp": ("ddp", []), "fsdp": ("fsdp", []), "zero3": ("deepspeed", ["--opt", "zero_stage=3"])}
 PRECISIONS = {"float32": [], "bf16": ["--amp", "bf16"]}
-SLOW = {("bert", "fsdp", "float32"), ("resnet", "fsdp", "float32"), ("gemma2", "zero3", "float32"),
-        ("bloom", "ddp", "bf16")}
+SLOW = {("bert", "fsdp", "float32"), ("gemma2", "zero3", "float32"), ("bloom", "ddp", "bf16")}
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ no decoder and transformers missing are each one line, exit 2, no traceback.
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -86,7 +87,7 @@ def test_gpt2_attention_dropout_is_drawn_by_its_module_so_its_masks_are_captured
 
 
 def test_an_attention_that_drops_out_functionally_is_given_a_dropout_module_of_its_own(tmp_path: Path) -> None:
-    from dpcompare.verify import masks
+    from dpcompare.verify import masks, stochastic
 
     folder = hf_families.write_family(tmp_path, "llama", attention_dropout=0.1)  # LlamaAttention keeps a float
     w = hf_models.build(f"hf:{folder}", 0, 16)
@@ -96,6 +97,13 @@ def test_an_attention_that_drops_out_functionally_is_given_a_dropout_module_of_i
     x, _ = w.make_batch(0, 2)
     assert masks.uncaptured(w.model.train().double(), x) is None
     assert all(hf_attention.ADDED_DROPOUT not in key for key in w.model.state_dict())  # the state dict unchanged
+    switched = copy.deepcopy(w.model)
+    stochastic.switch_off_dropout(switched)  # --no-dropout: the module it was given is switched off with the others
+    with torch.no_grad():
+        assert torch.equal(switched(x), switched(x))
+    # the negative: with dropout on, two forwards differ (the module draws)
+    with torch.no_grad():
+        assert not torch.equal(w.model.train()(x), w.model(x))
 
 
 # -- every family: the class its config names, the attention its class supports -----------------------------------

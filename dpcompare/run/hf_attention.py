@@ -29,7 +29,7 @@ ATTENTION_DROPOUT_KEYS = ("attn_pdrop", "attention_dropout", "attention_probs_dr
 ADDED_DROPOUT = "dpcompare_attention_dropout"
 """The `nn.Dropout` given to an attention module that drops out functionally (Llama's, GPT-BigCode's), so that
 `dpcompare_eager` draws its mask by a module too."""
-_DROPOUT_MODULE_NAMES = (ADDED_DROPOUT, "attn_dropout", "attention_dropout", "dropout")
+_DROPOUT_MODULE_NAMES = ("attn_dropout", "attention_dropout", "dropout")
 """Where transformers' attention modules keep the `nn.Dropout` of their probabilities (GPT-2, Bloom, BERT and Swin)."""
 
 
@@ -51,7 +51,11 @@ def choose(cls: type, config: Any) -> str | None:
 
 
 def _dropout_module(module: nn.Module, p: float) -> nn.Dropout | None:
-    """The attention module's own dropout of probability `p` (None where it keeps no such module)."""
+    """The attention module's own dropout of probability `p` (None where it keeps no such module); the one dpcompare
+    gave it whatever its probability (--no-dropout sets it to 0 while the module still passes the config's)."""
+    given = getattr(module, ADDED_DROPOUT, None)
+    if isinstance(given, nn.Dropout):
+        return given
     for name in _DROPOUT_MODULE_NAMES:
         drop = getattr(module, name, None)
         if isinstance(drop, nn.Dropout) and drop.p == p:

@@ -11,7 +11,8 @@ The model keeps its own class and parameter names (`model.layers.0.self_attn.q_p
 for a subclass whose forward takes the batch's tensor and returns the logits, as the trainer's loss expects. Its
 `_no_split_modules` name the blocks FSDP shards and `--activation-checkpointing` recomputes
 (dpcompare.contract.workload.block_modules). `model_info.source` says what was built and what runs (the attention,
-where its dropout is drawn, the data), never whether it was checked: that is the verdict's.
+where its dropout is drawn, the data), never whether it was checked: that is the verdict's. Imports transformers
+only inside its functions (a run of another model never loads it) and nothing of dpcompare above the run.
 """
 
 from __future__ import annotations
