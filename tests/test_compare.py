@@ -93,7 +93,7 @@ def test_compare_produces_verdicts_matrix_costs_and_report(tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
+@pytest.mark.deep  # ~100 s end to end; the sweep's plan, batch and notes are tested in-process in the default tier
 @pytest.mark.timeout(600)
 def test_sweep_stays_equivalent_and_names_what_does_not_apply(tmp_path):
     # What does not apply is decided by the plan, before anything runs: a backend with no buckets skips that knob.

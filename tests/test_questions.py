@@ -166,7 +166,7 @@ def test_the_answers_table_and_the_report_show_each_question_with_its_rows(tmp_p
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
+@pytest.mark.deep  # ~240 s end to end; its rows (clipping, HSDP, checkpointing, compile) run in the slow tier alone
 @pytest.mark.timeout(600)
 def test_the_questions_suite_answers_each_question_equivalent_with_its_figure(tmp_path):
     """`compare --suite questions` as a user types it: every row is the same computation as the oracle's, every clip
