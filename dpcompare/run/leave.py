@@ -7,8 +7,8 @@ tensors Python made (all_gather_object's), it waits for the GIL and the process 
 `ProcessGroupGloo::~ProcessGroupGloo` while DDP's Reducer was released, after the result was written; FIELD_NOTES).
 Nothing a rank still has to do needs those destructors: every rank has passed the run's last collective, the result
 is written, and the launcher only waits for the exit status. So `dpcompare.cli.main` does not return after a run of a
-backend of one process per replica (one rank or several): call it in-process only for runs refused before their
-backend starts, or for the reference and dp backends. What must happen before a process leaves is the
+backend of one process per replica (one rank or several) when it is the process's program (`leaves_by_exit`); called
+in-process (a test) it returns, and the backend is torn down as before. What must happen before a process leaves is the
 adapter's `before_exit()` (MPI_Finalize under Horovod, DeepSpeed's shared-memory file); mpi4py's MPI is finalized
 here after a run that succeeded (mpirun counts a rank that skips MPI_Finalize as failed). Imports nothing heavy: the
 command line imports it.
@@ -21,6 +21,16 @@ import sys
 from typing import Any
 
 _held: list[Any] = []
+
+
+def leaves_by_exit() -> bool:
+    """Whether this process runs dpcompare's command line as its program (`python -m dpcompare` under any launcher, or
+    the `dpcompare` script), so that it may leave with os._exit; a caller that imported dpcompare and calls
+    `dpcompare.cli.main` in-process (a test, a notebook) is never ended from inside: there the backend is torn down."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and (spec.name or "").split(".")[0] == "dpcompare":
+        return True
+    return os.path.basename(sys.argv[0] or "") == "dpcompare"
 
 
 def hold(obj: Any) -> None:
