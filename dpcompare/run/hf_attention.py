@@ -16,6 +16,8 @@ eager), and a model without attention (ResNet, ConvNeXt) is given no attention a
 
 from __future__ import annotations
 
+import sys
+
 import functools
 import inspect
 from typing import Any
@@ -100,8 +102,13 @@ def eager_module_dropout(module: nn.Module, query: torch.Tensor, key: torch.Tens
     the module's own `nn.Dropout`, so the mask it draws is a module's; a module without one drops out functionally, as
     transformers' eager attention does."""
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise NotImplementedError(f"{ATTENTION} has no attention sinks ({type(module).__name__}); set the config's "
-                                  "attention dropout to 0 to run the model's own attention")
+        # attention sinks (GPT-OSS): the model's own eager attention, whose functional dropout the dispatcher records
+        own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if own is None:
+            raise ValueError(f"--model hf:...: {type(module).__name__} uses attention sinks and its module defines no "
+                             f"eager_attention_forward for {ATTENTION} to hand them to; set the config's attention "
+                             "dropout to 0 to run the model's own attention")
+        return own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
