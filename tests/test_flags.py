@@ -27,7 +27,7 @@ from dpcompare.commands.compare import plan, questions
 from dpcompare.commands.compare import spec as compare_spec
 from dpcompare.run import flags, registry
 from dpcompare.run.config import RunConfig
-from dpcompare.run.flags import Forwarded, run_flag
+from dpcompare.run.flags import run_flag
 
 LAUNCHER_NOISE = {"-h", "--version", "--local_rank"}
 """The run parser's options that are no run setting: help, version, and what the deepspeed launcher appends."""
@@ -95,7 +95,8 @@ def test_the_declared_once_check_fails_on_a_planted_second_declaration():
     # A flag an adapter is said to see that Settings does not have.
     extra = dataclasses.make_dataclass("Extra", [("sync_bn", bool, run_flag(False, help="bn", settings=True))],
                                        bases=(RunConfig,), kw_only=True)
-    assert "sync_bn: marked settings=True, not a Settings field" in declaration_problems(extra, argparse.ArgumentParser())
+    planted = declaration_problems(extra, argparse.ArgumentParser())
+    assert "sync_bn: marked settings=True, not a Settings field" in planted
 
 
 # -- compare offers every forwardable flag --------------------------------------------------------------------

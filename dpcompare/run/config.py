@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 from dpcompare.run import flags, registry
-from dpcompare.run.flags import CommandLineError, Forwarded, Rule, above, at_least, run_flag
+# CommandLineError is the flags' own; the rest of the run imports it from here, beside RunConfig.
+from dpcompare.run.flags import CommandLineError, Forwarded, Rule, above, at_least, run_flag  # noqa: F401
 
 Optimizer = Literal["sgd", "adamw"]
 Dtype = Literal["float32", "float64", "bfloat16"]
@@ -169,7 +170,8 @@ class RunConfig:
         "sgd", help="optimizer",
         compare=Forwarded("every run's optimizer (adamw keeps two moments per parameter: the state ZeRO and FSDP "
                           "shard)"))
-    momentum: float = run_flag(0.9, help="SGD momentum", checks=(Rule(lambda v, _: 0 <= v < 1, "use a value in [0, 1)"),))
+    momentum: float = run_flag(0.9, help="SGD momentum",
+                               checks=(Rule(lambda v, _: 0 <= v < 1, "use a value in [0, 1)"),))
     """SGD momentum (ignored by AdamW)."""
     weight_decay: float = run_flag(0.0, help="weight decay", checks=(at_least(0, "use a value >= 0"),))
     clip_grad_norm: float | None = run_flag(
