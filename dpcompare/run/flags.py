@@ -65,9 +65,12 @@ class Forwarded:
 
 @dataclass(frozen=True, slots=True)
 class Flag:
+    """A run flag's declaration, beside what its field already says (the name, the type, the default)."""
+
     help: str | Callable[[], str]
     """The run's --help line (a callable where it lists what is registered when the parser is built)."""
     checks: tuple[Rule, ...] = ()
+    """RunConfig.validate refuses the first value a rule refuses, in field order."""
     compare: Forwarded | None = None
     """compare offers it and forwards it to every run (None: compare does not)."""
     settings: bool = False
