@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import signal
 import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, get_args
+from typing import Callable
 
 from dpcompare import __version__
-from dpcompare.run import leave, registry
+from dpcompare.run import flags, leave
 from dpcompare.contract.launch_env import tell_launcher
 from dpcompare.run.registry import UserCodeError
-from dpcompare.run.config import (DEFAULT_GLOBAL_BATCH, Amp, CommandLineError, Compression, DeviceChoice, Dtype,
-                                  Optimizer, RunConfig, SaidByAnotherRank, Scaling)
+from dpcompare.run.config import CommandLineError, RunConfig, SaidByAnotherRank
 
 # Exit status of `run` (docs/failures.md): 0 done; 2 bad input (nothing ran); 3 a rank made no progress for
 # --timeout-s (the watchdog stopped it); 4 the run failed while running (a collective failed or timed out, a
@@ -139,114 +137,13 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
-def _whole(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-
-
-def _env_number(name: str, default: float) -> float:
-    text = os.environ.get(name)
-    if not text:
-        return default
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r} is invalid: use a number, e.g. {name}=0.2") from None
-
-
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    d = RunConfig()
+    """The run's flags: every RunConfig field's, as its metadata declares it (dpcompare.run.flags), and the
+    launchers' own noise."""
     p.add_argument("--version", action="version", version=f"dpcompare {__version__}")
-    p.add_argument("--backend", default=d.backend, help=f"{', '.join(registry.BACKENDS)}, or package.module:Class")
-    p.add_argument("--model", default=d.model,
-                   help=f"{', '.join(registry.MODELS)}, package.module:function, or hf:NAME_OR_PATH (a Hugging Face "
-                        "transformers config: a folder holding config.json, or a hub name whose config is cached)")
-    p.add_argument("--seq-len", type=_whole, default=None,
-                   help="hf: causal language models: tokens per sample (default: 128, at most the config's context)")
-    p.add_argument("--device", default=d.device, choices=get_args(DeviceChoice),
-                   help="auto: CUDA when present (NCCL process group), else CPU (gloo)")
-    p.add_argument("--global-batch", type=_whole, default=d.global_batch,
-                   help=f"samples per step over all ranks (default: the smallest multiple of the world size x "
-                        f"--grad-accum that is at least {DEFAULT_GLOBAL_BATCH}, said in the run's line)")
-    p.add_argument("--local-batch", type=_whole, default=None, help="per-rank batch (weak scaling)")
-    p.add_argument("--scaling", default=d.scaling, choices=get_args(Scaling),
-                   help="strong: fixed global batch; weak: fixed --local-batch per rank")
-    p.add_argument("--steps", type=_whole, default=d.steps, help="verification steps, each checked against the oracle")
-    p.add_argument("--lr", type=_number, default=d.lr, help="learning rate")
-    p.add_argument("--optimizer", default=d.optimizer, choices=get_args(Optimizer), help="optimizer")
-    p.add_argument("--momentum", type=_number, default=d.momentum, help="SGD momentum")
-    p.add_argument("--weight-decay", type=_number, default=d.weight_decay, help="weight decay")
-    p.add_argument("--clip-grad-norm", type=_number, default=None, metavar="MAX_NORM",
-                   help="clip the reduced gradient's global norm to MAX_NORM before each step (default: no clipping)")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="each block of the model (those FSDP shards) recomputes its forward in backward instead of "
-                        "keeping its activations (non-reentrant torch.utils.checkpoint, dropout masks preserved)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model (reference, ddp, fsdp, deepspeed, horovod); needs a C++ compiler "
-                        "(g++, or the one $CXX names); compile time is reported apart from the step time")
-    p.add_argument("--dtype", default=d.dtype, choices=get_args(Dtype), help="parameter and compute dtype")
-    p.add_argument("--amp", default=d.amp, choices=get_args(Amp),
-                   help="mixed precision: forward and loss under torch.autocast in bf16 or fp16, parameters and optimizer "
-                        "float32; fp16 scales the loss dynamically (deepspeed: --opt amp_recipe=engine for its own "
-                        "bf16/fp16 engine with fp32 master weights)")
-    p.add_argument("--loss-scale", type=_number, default=None,
-                   help="--amp fp16: initial dynamic loss scale, a power of two (default: 65536 = 2^16; 16777216 = 2^24 "
-                        "makes the first steps overflow, which every backend must skip)")
-    p.add_argument("--seed", type=_whole, default=d.seed, help="seed of the weights and the data")
-    p.add_argument("--warmup-steps", type=_whole, default=d.warmup_steps, help="measurement: steps not timed")
-    p.add_argument("--measure-steps", type=_whole, default=d.measure_steps,
-                   help="measurement: timed steps after the verification (0: no costs, verdict only)")
-    p.add_argument("--ablation-steps", type=_whole, default=None,
-                   help="measurement: synced/unsynced step pairs for exposed communication (default: --measure-steps)")
-    p.add_argument("--no-instrument", dest="instrument", action="store_false", help="measurement: only the loop wall clock")
-    p.add_argument("--collectives", default=None, help="bench-collectives JSON to quote the microbenchmark busbw from")
-    p.add_argument("--check-every", type=_whole, default=d.check_every, help="check every Nth step (0: no checks)")
-    p.add_argument("--check-coverage", default=d.check_coverage, metavar="auto|full|SHARE",
-                   help="what the float64 oracle checks: auto (every parameter where its memory fits on rank 0, else as "
-                        "many whole blocks as fit, stated), full (all or a one-line refusal), or a share in (0, 1]")
-    p.add_argument("--grad-accum", type=_whole, default=d.grad_accum, help="micro-batches per step")
-    p.add_argument("--compression", default=d.compression, choices=get_args(Compression), help="gradient compression on the wire")
-    p.add_argument("--bucket-mb", type=_number, default=None,
-                   help="all-reduce bucket / fusion size in MiB (default: the backend's own)")
-    p.add_argument("--sync-bn", action="store_true", help="global-batch BatchNorm statistics")
-    p.add_argument("--no-dropout", action="store_true",
-                   help="switch dropout off (p=0) so the forward is deterministic and the verdict can check it")
-    p.add_argument("--timeout-s", type=_number, default=d.timeout_s, help="exit when a rank makes no progress this long")
-    p.add_argument("--out", default=d.out, help="directory for the JSON result")
-    p.add_argument("--dump-grads", default=None, help="write checked-step gradients to this .npz")
-    p.add_argument("--tag", default=None, help="free text copied into the result (compare groups runs by it)")
-    p.add_argument("--closed-if", default=None, metavar="FILE", help=argparse.SUPPRESS)
-    p.add_argument("--dp-devices", type=_whole, default=None, help="dp: CUDA devices to replicate over (default: all)")
-    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
-                   help="an option the backend declares (repeatable); an unknown key lists the accepted ones")
-    p.add_argument("--inject-fault", default=None, metavar="KIND[:RANK:STEP]",
-                   help="testing aid: crash|kill|stop|hang:RANK:STEP makes that rank fail at that step, dupdata gives "
-                        "every rank rank 0's shard (a planted fault the run must catch)")
-    p.add_argument("--inject-slowdown", type=_number, default=_env_number("DPCOMPARE_INJECT_SLOWDOWN", 0.0),
-                   help="testing aid: each step spins this fraction of its compute time longer (a planted regression; "
-                        "env DPCOMPARE_INJECT_SLOWDOWN)")
+    flags.add_arguments(p, RunConfig)
     # The deepspeed launcher appends --local_rank=N unless told --no_local_rank; LOCAL_RANK is read instead.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-
-
-def config_from_args(ns: argparse.Namespace) -> RunConfig:
-    options = {}
-    for item in ns.opt:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise CommandLineError(f"--opt {item!r} is invalid: use KEY=VALUE, e.g. --opt gradient_as_bucket_view=true")
-        options[key] = value
-    fields = {k: v for k, v in vars(ns).items() if k not in ("opt", "command", "local_rank")}
-    return RunConfig(**fields, options=options)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,7 +209,7 @@ def _main(argv: list[str] | None) -> int:
 
 def _run(ns: argparse.Namespace) -> int:
     """The run command: train, check and measure in this process (one rank of a launch), print its line."""
-    cfg = config_from_args(ns)
+    cfg = RunConfig.from_namespace(ns)
     from dpcompare.run import trainer
 
     payload = trainer.run(cfg)

@@ -1,4 +1,5 @@
-"""Named experiments: functions that return a RunConfig, printed as command-line arguments.
+"""Named experiments: functions that return a RunConfig, printed as command-line arguments (RunConfig.to_args: the
+backend left to the command line).
 
 Use them under any launcher (the launcher decides rank and world size, the experiment the rest):
 
@@ -9,7 +10,6 @@ Use them under any launcher (the launcher decides rank and world size, the exper
 from __future__ import annotations
 
 import sys
-from dataclasses import fields
 
 from dpcompare.run.config import RunConfig
 
@@ -51,27 +51,6 @@ def measure_mlp() -> RunConfig:
 
 EXPERIMENTS = {f.__name__: f for f in (quick_check, cnn_syncbn, lm_adamw, lm_accumulate_fp16, gpt_bf16, fp16_overflow,
                                         measure_mlp)}
-_NOT_FLAGS = {"backend", "options", "tag", "out", "dump_grads", "inject_fault", "inject_slowdown"}
-
-
-def to_args(cfg: RunConfig) -> list[str]:
-    """The dpcompare run flags that reproduce `cfg` (backend, output and testing aids left to the caller)."""
-    default = RunConfig()
-    args: list[str] = []
-    for f in fields(RunConfig):
-        value = getattr(cfg, f.name)
-        if f.name in _NOT_FLAGS or value == getattr(default, f.name):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            args.append(flag if value else "--no-" + f.name.replace("_", "-"))
-        else:
-            args += [flag, str(value)]
-    for key, value in cfg.options.items():
-        args += ["--opt", f"{key}={value}"]
-    return args
-
-
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help", "--list"):
         print("usage: python experiments/configs.py NAME\n" +
@@ -81,4 +60,4 @@ if __name__ == "__main__":
         print(f"experiments/configs.py: unknown experiment {sys.argv[1]!r}: choose one of {', '.join(EXPERIMENTS)}",
               file=sys.stderr)
         raise SystemExit(2)
-    print(" ".join(to_args(EXPERIMENTS[sys.argv[1]]())))
+    print(" ".join(EXPERIMENTS[sys.argv[1]]().to_args(leave_out=("backend",))))

@@ -21,7 +21,7 @@ import pytest
 
 import dpcompare
 from dpcompare import cli
-from dpcompare.run.config import DEFAULT_GLOBAL_BATCH, RunConfig, default_global_batch
+from dpcompare.run.config import RUN_GLOBAL_BATCH_TARGET, RunConfig, default_global_batch
 from dpcompare.run.trainer import summary_line
 
 PUBLIC = {"Workload", "shard", "block_modules", "checkpoint_blocks", "Adapter", "Capabilities", "Option", "Settings", "Note", "Wrapped", "ModelFacts",
@@ -84,12 +84,12 @@ def test_every_option_shows_its_default(command):
 @pytest.mark.parametrize(("world_size", "grad_accum", "expected"), [
     (1, 1, 24), (2, 1, 24), (3, 1, 24), (5, 1, 25), (8, 1, 24), (16, 1, 32), (16, 4, 64), (64, 1, 64), (2, 5, 30)])
 def test_without_a_global_batch_the_run_picks_one_its_world_size_divides(world_size, grad_accum, expected):
-    assert default_global_batch(world_size, grad_accum) == expected
+    assert default_global_batch(world_size * grad_accum) == expected
     cfg = RunConfig(grad_accum=grad_accum)
     cfg.validate()
     global_batch, local_batch = cfg.batch_sizes(world_size)
     assert (global_batch, local_batch) == (expected, expected // world_size)
-    assert local_batch % grad_accum == 0 and global_batch >= DEFAULT_GLOBAL_BATCH
+    assert local_batch % grad_accum == 0 and global_batch >= RUN_GLOBAL_BATCH_TARGET
 
 
 def test_a_global_batch_given_is_taken_as_given_or_refused():

@@ -33,6 +33,7 @@ import argparse
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,9 @@ from rich.console import Console
 
 from conftest import SYNTHETIC_TOLERANCE, UNVERIFIABLE_REASON, checked_equivalence, validate_result
 from dpcompare.commands import compare
-from dpcompare.commands.compare import matrix, plan, render
+from dpcompare.commands.compare import entries, matrix, plan, render
+from dpcompare.commands.compare import spec as compare_spec
+from dpcompare.commands.compare.spec import CompareSpec
 from dpcompare.commands.compare.summary import run_entry
 from dpcompare.run import launchers, registry
 from dpcompare.run.config import RunConfig
@@ -152,13 +155,14 @@ def test_the_sharding_suite_checks_every_zero_stage_and_shows_what_each_shards(t
     assert "| deepspeed | 2 | deepspeed |" in md and "| deepspeed | 2 | zero_stage=0 |" not in md
 
 
-def _ns(**kw) -> argparse.Namespace:
+def _ns(**kw) -> CompareSpec:
+    """compare's spec with compare's defaults but for `kw` (by dest, as its parser stores them)."""
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
     ns = parser.parse_args([])
     for k, v in kw.items():
         setattr(ns, k, v)
-    return ns
+    return compare_spec.parse(ns)
 
 
 def test_uninstalled_backend_is_unavailable_with_install_command(tmp_path, monkeypatch):
@@ -203,10 +207,10 @@ def test_bad_compare_input_is_one_clear_error(tmp_path, kw, match):
     ("1,2", False, 2048), ("1,2,4,8", False, 2048), ("1,6", False, 2052), ("1,3", False, 2049), ("1,16", False, 2048),
     ("2", True, 2048), ("1,3", True, 2052)])
 def test_without_a_global_batch_compare_picks_one_every_world_size_divides(tmp_path, world_sizes, sweep, expected):
-    ns = _ns(collectives="none", backends="reference,ddp", world_sizes=world_sizes, sweep=sweep)
-    assert ns.global_batch is None
-    planned = plan.plan(ns, tmp_path)
-    assert ns.global_batch == expected  # what compare.json records and compare prints
+    spec = _ns(collectives="none", backends="reference,ddp", world_sizes=world_sizes, sweep=sweep)
+    # Picked once, when compare reads its command line: what compare.json records and compare prints.
+    assert (spec.global_batch, spec.picked_global_batch, spec.run.global_batch) == (expected, True, expected)
+    planned = plan.plan(spec, tmp_path)
     for job in planned.jobs:
         assert job.command[job.command.index("--global-batch") + 1] == str(expected)
         accum = job.command[job.command.index("--grad-accum") + 1] if "--grad-accum" in job.command else "1"
@@ -577,7 +581,7 @@ def _opts(job: plan.Job) -> list[str]:
 
 def test_a_backend_variant_runs_with_the_options_its_adapter_declares_under_its_own_name(tmp_path, monkeypatch):
     _every_backend_available(monkeypatch)
-    assert plan.backend_variants("deepspeed")["zero2"] == {"zero_stage": 2}  # the adapter's VARIANTS: data, not a name
+    assert entries.backend_variants("deepspeed")["zero2"] == {"zero_stage": 2}  # the adapter's VARIANTS: data, not a name
     planned = plan.plan(_ns(backends="ddp,deepspeed,deepspeed:zero2,deepspeed:zero3", world_sizes="1,2",
                             collectives="none"), tmp_path)
     by_label = {j.label: j for j in planned.jobs}
@@ -659,7 +663,7 @@ def test_an_unknown_variant_on_the_command_line_exits_2_before_anything_starts(t
 def test_a_users_package_module_class_is_a_backend_not_a_variant(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))  # tests.faulty_adapters imports as a user's module
     spec = "tests.faulty_adapters:SummingDDP"
-    assert plan.split_entry(spec) == (spec, None) and plan.split_entry("deepspeed:zero2") == ("deepspeed", "zero2")
+    assert entries.split_entry(spec) == (spec, None) and entries.split_entry("deepspeed:zero2") == ("deepspeed", "zero2")
     planned = plan.plan(_ns(backends=f"ddp,{spec}", world_sizes="2", collectives="none"), tmp_path)
     user = planned.jobs[1]
     assert (user.backend, user.backend_variant, user.label) == (spec, "", f"{spec}/2")
@@ -685,17 +689,37 @@ def test_a_run_arg_opt_must_not_undo_what_a_variant_sets(tmp_path, monkeypatch):
     for run_arg in (["--opt=zero_stage=3"], ["--opt", "zero_stage=1"]):
         with pytest.raises(ValueError, match=r"--run-arg --opt zero_stage=\d contradicts --backends deepspeed:zero2"):
             plan.plan(_ns(run_arg=run_arg, **kw), tmp_path)
-    # Twins: the same value, or another option, pass through to every run after the variant's own.
-    for run_arg in (["--opt=zero_stage=2"], ["--opt=gradient_clipping=1.0"]):
-        jobs = plan.plan(_ns(run_arg=run_arg, **kw), tmp_path).jobs
-        assert _args(jobs[1])[-1] == run_arg[0] and _opts(jobs[1])[0] == "zero_stage=2"
+    # Twins: the same value, or another option, reach every run beside the variant's own.
+    for run_arg, given in ((["--opt=zero_stage=2"], {"zero_stage": "2"}),
+                           (["--opt=gradient_clipping=1.0"], {"gradient_clipping": "1.0"})):
+        ddp, zero2 = plan.plan(_ns(run_arg=run_arg, **kw), tmp_path).jobs
+        assert RunConfig.from_args(_args(ddp)).options == given
+        assert RunConfig.from_args(_args(zero2)).options == {"zero_stage": "2", **given}
+        assert _opts(zero2)[0] == "zero_stage=2"
 
 
-def _parsed(*argv: str) -> argparse.Namespace:
-    """compare's namespace as its command line parses `argv` (what records the flags given beside --suite)."""
+@pytest.mark.parametrize(("run_arg", "says"), [
+    (["--no-such-flag"], "--run-arg '--no-such-flag': unrecognized arguments: --no-such-flag"),
+    (["--steps", "x"], "argument --steps: expected a whole number, got 'x'"),
+    (["--tag=mine"], "--run-arg --tag: compare sets it for each run itself; drop it"),
+    (["--out", "elsewhere"], "--run-arg --out: compare sets it for each run itself"),
+])
+def test_a_run_arg_is_read_as_the_runs_own_flags_before_anything_starts(tmp_path, run_arg, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        _ns(backends="reference", run_arg=run_arg)
+    # Twin: a run flag compare does not forward reaches every run, after compare's own settings.
+    jobs = plan.plan(_ns(backends="reference,ddp", world_sizes="2", collectives="none",
+                         run_arg=["--sync-bn", "--steps=3"]), tmp_path).jobs
+    for job in jobs:
+        run = RunConfig.from_args(_args(job))
+        assert (run.sync_bn, run.steps, run.model) == (True, 3, "mlp-wide"), job.label
+
+
+def _parsed(*argv: str) -> CompareSpec:
+    """compare's spec as its command line parses `argv` (what records the flags given beside --suite)."""
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
-    return parser.parse_args(list(argv))
+    return compare_spec.parse(parser.parse_args(list(argv)))
 
 
 SHARDING_JOBS = ["ddp/1", "ddp/2", *(f"deepspeed:zero{n}/{ws}" for n in range(4) for ws in (1, 2)), "fsdp/1", "fsdp/2"]
@@ -713,7 +737,7 @@ def test_the_sharding_suite_runs_ddp_every_zero_stage_and_fsdp_under_adamw(tmp_p
         for flag, value in (("--optimizer", "adamw"), ("--model", "mlp-wide"), ("--global-batch", "256"),
                             ("--steps", "2"), ("--warmup-steps", "1"), ("--measure-steps", "5")):
             assert args[args.index(flag) + 1] == value, (job.label, flag)
-    assert (ns.model, ns.optimizer, ns.global_batch, ns.world_sizes) == ("mlp-wide", "adamw", 256, "1,2")
+    assert (ns.run.model, ns.run.optimizer, ns.global_batch, ns.world_sizes) == ("mlp-wide", "adamw", 256, (1, 2))
     # Twin: without --suite, compare's own defaults, and no --optimizer on any command (the run's sgd).
     plain = plan.plan(_parsed("--backends", "ddp", "--collectives", "none"), tmp_path)
     assert all("--optimizer" not in _args(j) for j in plain.jobs)
@@ -806,7 +830,8 @@ def test_every_quickstart_compare_line_plans_every_run_it_names(tmp_path, monkey
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
     for words in lines:
-        planned = plan.plan(parser.parse_args([*words, "--collectives", "none", "--out", str(tmp_path)]), tmp_path)
+        planned = plan.plan(compare_spec.parse(parser.parse_args([*words, "--collectives", "none", "--out",
+                                                                  str(tmp_path)])), tmp_path)
         assert planned.jobs, words
         if "--backends" in words:
             named = set(words[words.index("--backends") + 1].split(","))
@@ -818,7 +843,8 @@ def test_the_quickstart_check_can_fail_on_a_line_that_names_no_backend(tmp_path,
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
     with pytest.raises((SystemExit, ValueError)):
-        plan.plan(parser.parse_args(["--backends", "ddp,deepspeed:zero9", "--out", str(tmp_path)]), tmp_path)
+        plan.plan(compare_spec.parse(parser.parse_args(["--backends", "ddp,deepspeed:zero9", "--out", str(tmp_path)])),
+                  tmp_path)
 
 
 @pytest.mark.multiproc

@@ -164,15 +164,15 @@ def test_ddp_buckets_below_the_first_one_refuse_compile_in_one_line(in_process):
 
 def test_compare_passes_compile_and_lists_what_cannot_compile(tmp_path):
     from dpcompare import cli
-    from dpcompare.commands.compare import plan
+    from dpcompare.commands.compare import plan, spec
 
     ns = cli.parser_for("compare").parse_args(["--backends", "reference,dp,ddp", "--world-sizes", "1,2", "--compile",
                                                "--measure-steps", "0"])
-    planned = plan.plan(ns, tmp_path)
+    assert isinstance(ns, argparse.Namespace)
+    planned = plan.plan(spec.parse(ns), tmp_path)
     assert planned.jobs and all("--compile" in job.command for job in planned.jobs)
     assert {u["backend"] for u in planned.unavailable} == {"dp"}
     assert "--compile" in planned.unavailable[0]["reason"]
-    assert isinstance(ns, argparse.Namespace)
 
 
 # -- launches -----------------------------------------------------------------------------------------------------

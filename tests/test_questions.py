@@ -20,8 +20,10 @@ from rich.console import Console
 from dpcompare import cli
 from dpcompare.commands.compare import questions, render
 from dpcompare.commands.compare import command as compare
+from dpcompare.commands.compare.spec import CompareSpec, parse
 from dpcompare.commands.report.build import write_report
 from dpcompare.run import registry
+from dpcompare.run.config import RunConfig
 
 ROWS = ["clipping: reference/1 --clip-grad-norm 0.05", "clipping: ddp/2 --clip-grad-norm 0.05",
         "clipping: fsdp/2 --clip-grad-norm 0.05", "clipping: deepspeed:zero2/2 --clip-grad-norm 0.05",
@@ -32,14 +34,10 @@ ROWS = ["clipping: reference/1 --clip-grad-norm 0.05", "clipping: ddp/2 --clip-g
         "compile: ddp/2 control"]
 
 
-def _parsed(*argv: str) -> argparse.Namespace:
+def _parsed(*argv: str) -> CompareSpec:
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
-    ns = parser.parse_args(list(argv))
-    from dpcompare.commands.compare import suites
-
-    suites.apply(ns)
-    return ns
+    return parse(parser.parse_args(list(argv)))
 
 
 def _args(job) -> list[str]:
@@ -56,14 +54,12 @@ def test_the_questions_suite_poses_each_question_with_its_rows(tmp_path, monkeyp
     asked = [j.label for j in planned.jobs]
     assert asked[:len(ROWS)] == ROWS and planned.unavailable == []
     for job in planned.jobs:
-        args = _args(job)
-        for flag, value in (("--steps", "4"), ("--warmup-steps", "1"), ("--measure-steps", "5"), ("--tag", job.label)):
-            assert _value(args, flag) == value, (job.label, flag)
-        assert "--collectives" not in args  # the suite runs no microbenchmark
+        run = RunConfig.from_args(_args(job))  # what the run will read
+        assert (run.steps, run.warmup_steps, run.measure_steps, run.tag) == (4, 1, 5, job.label), job.label
+        assert run.collectives is None  # the suite runs no microbenchmark
     by_label = {j.label: j for j in planned.jobs}
-    clip = _args(by_label["clipping: ddp/2 --clip-grad-norm 0.05"])
-    assert (_value(clip, "--model"), _value(clip, "--global-batch"), _value(clip, "--clip-grad-norm")) == (
-        "mlp", "24", "0.05")
+    clip = RunConfig.from_args(_args(by_label["clipping: ddp/2 --clip-grad-norm 0.05"]))
+    assert (clip.model, clip.global_batch, clip.clip_grad_norm, clip.optimizer) == ("mlp", 24, 0.05, "sgd")
     hsdp = by_label["hsdp: fsdp:hsdp/4"]
     assert "--nproc_per_node=4" in hsdp.command and _value(_args(hsdp), "--opt") == "replicas=2"
     control = by_label["hsdp: fsdp/4 control"]
@@ -89,7 +85,7 @@ def test_a_question_the_run_cannot_pose_and_a_backend_it_lacks_are_listed_not_ru
 
 
 @pytest.mark.parametrize("flag", [["--model", "mlp"], ["--backends", "ddp"], ["--world-sizes", "2"],
-                                  ["--clip-grad-norm", "1"]])
+                                  ["--clip-grad-norm", "1"], ["--compile"], ["--activation-checkpointing"]])
 def test_flags_each_question_sets_itself_are_refused_beside_the_suite(flag, tmp_path, capsys):
     status = cli.main(["compare", "--suite", "questions", *flag, "--out", str(tmp_path)])
     err = capsys.readouterr().err

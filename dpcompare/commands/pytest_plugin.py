@@ -26,7 +26,9 @@ import pytest
 DEFAULT_BACKENDS = "reference,ddp,horovod,deepspeed"
 DEFAULT_WORLD_SIZES = "1,2"
 DEFAULT_MODEL = "mlp-wide"
-DEFAULT_GLOBAL_BATCH = 512
+REGRESSION_GLOBAL_BATCH = 512
+"""The global batch every run of the regression suite is given (--dpcompare-global-batch): a fixed value passed as
+--global-batch, not the default-global-batch rule (dpcompare.run.config.default_global_batch)."""
 DEFAULT_STEPS = 30
 DEFAULT_WARMUP = 5
 HARDWARE_KEYS = ("device_names", "cpu_count", "platform_machine")
@@ -66,8 +68,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--dpcompare-world-sizes", default=DEFAULT_WORLD_SIZES,
                     help=f"comma-separated world sizes for multi-process backends (default {DEFAULT_WORLD_SIZES})")
     group.addoption("--dpcompare-model", default=DEFAULT_MODEL, help=f"workload (default {DEFAULT_MODEL}, compute-bound)")
-    group.addoption("--dpcompare-global-batch", type=int, default=DEFAULT_GLOBAL_BATCH,
-                    help=f"samples per step over all ranks (default {DEFAULT_GLOBAL_BATCH})")
+    group.addoption("--dpcompare-global-batch", type=int, default=REGRESSION_GLOBAL_BATCH,
+                    help=f"samples per step over all ranks (default {REGRESSION_GLOBAL_BATCH})")
     group.addoption("--dpcompare-steps", type=int, default=DEFAULT_STEPS,
                     help=f"measured steps per run = benchmark rounds (default {DEFAULT_STEPS})")
     group.addoption("--dpcompare-warmup", type=int, default=DEFAULT_WARMUP,

@@ -78,9 +78,10 @@ def settings_for(cls: type[Adapter], cfg: RunConfig) -> Settings:
         raise ValueError(f"--compile is not available for --backend {cfg.backend}: its adapter declares no compiled path "
                          f"(Capabilities.compiles){': ' + caps.compile_refusal if caps.compile_refusal else ''}; leave "
                          "--compile out")
-    return Settings(compression=cfg.compression, bucket_mb=cfg.bucket_mb, dp_devices=cfg.dp_devices,
-                    instrument=cfg.instrument, amp=cfg.amp, loss_scale=initial_loss_scale(cfg),
-                    clip_grad_norm=cfg.clip_grad_norm, compile=cfg.compile, options=parse_options(cls, cfg))
+    # The fields declared settings=True, as the config holds them; the loss scale the run starts from and the
+    # options typed as the adapter declares them.
+    return Settings(**{**cfg.settings_values(), "loss_scale": initial_loss_scale(cfg),
+                       "options": parse_options(cls, cfg)})
 
 
 def variant_name(cls: type[Adapter], options: dict[str, object]) -> str:

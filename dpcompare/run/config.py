@@ -1,7 +1,8 @@
 """Run configuration: one validated dataclass, built from the command line or from an experiment.
 
-Owns: the fields of a run and their validation. Errors name the field, the value received and the fix.
-Imports no backend and no torch.
+Owns: the fields of a run, each with its flag declared once as field metadata (dpcompare.run.flags: help, checks,
+whether compare forwards it, whether an adapter sees it), their validation, and the default-global-batch rule.
+Errors name the field, the value received and the fix. Imports no backend and no torch.
 """
 
 from __future__ import annotations
@@ -10,9 +11,13 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Callable, Literal, Sequence
+
+from dpcompare.run import flags, registry
+# CommandLineError is the flags' own; the rest of the run imports it from here, beside RunConfig.
+from dpcompare.run.flags import CommandLineError, Forwarded, Rule, above, at_least, run_flag  # noqa: F401
 
 Optimizer = Literal["sgd", "adamw"]
 Dtype = Literal["float32", "float64", "bfloat16"]
@@ -20,11 +25,6 @@ Compression = Literal["none", "fp16", "bf16"]
 Amp = Literal["none", "bf16", "fp16"]
 Scaling = Literal["strong", "weak"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
-
-
-class CommandLineError(ValueError):
-    """A setting refused for what the command line says alone: every rank of a launch refuses it the same way, so
-    rank 0 says it and the other ranks leave without a word (however late rank 0 gets there)."""
 
 
 class SaidByAnotherRank(Exception):
@@ -38,196 +38,289 @@ class SaidByAnotherRank(Exception):
         self.wait_for_launcher = wait_for_launcher
 
 
+RUN_GLOBAL_BATCH_TARGET = 24
+"""The global batch a run aims at when --global-batch is not given (default_global_batch rounds it up to what its
+world size x --grad-accum divides)."""
+COMPARE_GLOBAL_BATCH_TARGET = 2048
+"""The global batch compare aims at when --global-batch is not given (default_global_batch rounds it up to what
+every world size divides): at 2048, compute dominates a step of mlp-wide at world size 2 on a CPU core."""
+
+
+def default_global_batch(*units: int, target: int = RUN_GLOBAL_BATCH_TARGET) -> int:
+    """The default-global-batch rule: the smallest multiple of every unit (ranks x micro-batches per step) that is at
+    least `target`, so every shard and micro-batch is equal. A run: one unit, world_size x grad_accum (1-3 ranks: 24;
+    16 ranks: 32; 5 ranks: 25); compare: each world size, at COMPARE_GLOBAL_BATCH_TARGET."""
+    unit = math.lcm(*units)
+    return unit * -(-target // unit)
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""--timeout-s above this is refused: watchdogs and socket timeouts take it as a C integer of milliseconds."""
+
+
+def _env_number(name: str, default: float) -> Callable[[], float]:
+    def read() -> float:
+        text = os.environ.get(name)
+        if not text:
+            return default
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{name}={text!r} is invalid: use a number, e.g. {name}=0.2") from None
+
+    return read
+
+
+def _coverage_ok(text: str, _: Any) -> bool:
+    if text in ("auto", "full"):
+        return True
+    try:
+        return 0 < float(text) <= 1
+    except ValueError:
+        return False
+
+
+def _fault_ok(text: str, _: Any) -> bool:
+    parts = text.split(":")
+    return parts == ["dupdata"] or (len(parts) == 3 and parts[0] in ("crash", "kill", "stop", "hang")
+                                    and parts[1].isdigit() and parts[2].isdigit())
+
+
+def _power_of_two(scale: float, _: Any) -> bool:
+    return math.isfinite(scale) and scale >= 1 and math.frexp(scale)[0] == 0.5
+
+
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
-    backend: str = "reference"
+    """A run's settings, one field per run flag. Adding a flag is adding a field here (plus a `Settings` field where
+    an adapter sees it): the run's parser, compare's, the argv of every launch and validation follow from it."""
+
+    backend: str = run_flag(
+        "reference", always=True, help=lambda: f"{', '.join(registry.BACKENDS)}, or package.module:Class",
+        checks=(Rule(lambda v, _: bool(v), "name a backend (reference, dp, ddp, horovod, deepspeed, fsdp) or "
+                     "package.module:Class"),))
     """Registered backend name (reference, dp, ddp, horovod, deepspeed, fsdp: dpcompare.run.registry.BACKENDS) or
     `package.module:Class`."""
-    model: str = "mlp"
+    model: str = run_flag(
+        "mlp", help=lambda: f"{', '.join(registry.MODELS)}, package.module:function, or hf:NAME_OR_PATH (a Hugging "
+                            "Face transformers config: a folder holding config.json, or a hub name whose config is "
+                            "cached)",
+        compare=Forwarded("workload, a name, package.module:function or hf:NAME_OR_PATH (a transformers config); "
+                          "mlp-wide (0.8 M parameters) is compute-bound on a CPU core at the default global batch, so "
+                          "the costs compare backends rather than Python overhead", default="mlp-wide"))
     """Built-in workload (dpcompare.run.registry.MODELS: the toys mlp, mlp-wide, mlp-dropout, mlp-unused, cnn, lm; the
     real models resnet18, resnet50, resnet18-cifar, resnet50-cifar, gpt-tiny, gpt-mini, gpt2-small, gpt2-medium) or
     `package.module:function` returning a Workload, or `hf:NAME_OR_PATH`: a Hugging Face transformers model built from
     its config with random weights (dpcompare.run.hf_models; needs the `hf` extra)."""
-    seq_len: int | None = None
+    seq_len: int | None = run_flag(
+        None, help="hf: causal language models: tokens per sample (default: 128, at most the config's context)",
+        checks=(above(0, "use a positive number of tokens per sample"),
+                Rule(lambda v, c: c.model.startswith("hf:"), lambda c: "it sets the sample length of an hf: causal "
+                     f"language model; --model {c.model} fixes its own: drop --seq-len")),
+        compare=Forwarded("hf: causal language models: tokens per sample of every run (default: 128, at most the "
+                          "config's context)"))
     """Tokens per sample of an `hf:` causal language model (default: 128, at most the config's context)."""
-    device: DeviceChoice = "auto"
+    device: DeviceChoice = run_flag("auto", help="auto: CUDA when present (NCCL process group), else CPU (gloo)")
     """auto: CUDA when available (process group NCCL), else CPU (gloo)."""
-    global_batch: int | None = None
+    global_batch: int | None = run_flag(
+        None, help="samples per step over all ranks (default: the smallest multiple of the world size x --grad-accum "
+                   f"that is at least {RUN_GLOBAL_BATCH_TARGET}, said in the run's line)",
+        checks=(above(0, "use a positive whole number of samples"),),
+        compare=Forwarded(f"samples per step over all ranks (default: {COMPARE_GLOBAL_BATCH_TARGET}, or the smallest "
+                          "multiple of every world size above it; at 2048, compute dominates a step of mlp-wide at "
+                          "world size 2 on a CPU core)"))
     """Strong scaling: samples per step over all ranks; each rank gets global_batch / world_size. None: the smallest
-    multiple of world_size x grad_accum that is at least DEFAULT_GLOBAL_BATCH, so a run starts at any world size
+    multiple of world_size x grad_accum that is at least RUN_GLOBAL_BATCH_TARGET, so a run starts at any world size
     (16 ranks: 32); the run's line says what it chose."""
-    local_batch: int | None = None
+    local_batch: int | None = run_flag(None, help="per-rank batch (weak scaling)",
+                                       checks=(above(0, "use a positive whole number of samples per rank"),))
     """Weak scaling: samples per step per rank; the global batch is local_batch * world_size."""
-    scaling: Scaling = "strong"
-    steps: int = 4
+    scaling: Scaling = run_flag(
+        "strong", help="strong: fixed global batch; weak: fixed --local-batch per rank",
+        checks=(Rule(lambda v, c: v != "weak" or c.local_batch is not None,
+                     "weak scaling fixes the per-rank batch: also pass --local-batch N"),),
+        compare=Forwarded("strong: fixed global batch; weak: fixed per-rank batch (global batch / largest world "
+                          "size)"))
+    steps: int = run_flag(
+        4, help="verification steps, each checked against the oracle", checks=(at_least(1, "run at least one step"),),
+        compare=Forwarded("verification steps, each checked against the oracle; 2 check a fresh optimizer, then the "
+                          "state the first step left", default=2))
     """Verification phase: optimizer steps with the equivalence check (see check_every)."""
-    warmup_steps: int = 2
+    warmup_steps: int = run_flag(2, help="measurement: steps not timed", checks=(at_least(0, "use 0 or more steps"),),
+                                 compare=Forwarded("untimed steps per run before the timed ones", default=3))
     """Measurement phase: unmeasured steps first (allocator, bucket rebuild, caches)."""
-    measure_steps: int = 10
+    measure_steps: int = run_flag(
+        10, help="measurement: timed steps after the verification (0: no costs, verdict only)",
+        checks=(at_least(0, "use 0 (no measurement) or more steps"),),
+        compare=Forwarded("timed steps per run (0: verdicts only)", default=20))
     """Measurement phase: timed steps after the warm-up, with no check running (0: no measurement). A few by default,
     so a launcher run reports its costs; compare and the regression suite set their own."""
-    ablation_steps: int | None = None
+    ablation_steps: int | None = run_flag(
+        None, help="measurement: synced/unsynced step pairs for exposed communication (default: --measure-steps)",
+        checks=(at_least(0, "use 0 or more pairs"),))
     """Pairs of synced/unsynced steps for exposed communication (default: measure_steps)."""
-    instrument: bool = True
+    instrument: bool = run_flag(True, help="measurement: only the loop wall clock", settings=True)
     """Per-step clocks, memory window and native comm counters in the measurement phase (off: only the
     loop's wall clock, to measure the instrumentation's own cost)."""
-    collectives: str | None = None
+    collectives: str | None = run_flag(None, help="bench-collectives JSON to quote the microbenchmark busbw from")
     """A bench-collectives JSON: its busbw at this run's message size is reported beside the run's."""
-    lr: float = 0.05
-    optimizer: Optimizer = "sgd"
-    momentum: float = 0.9
+    lr: float = run_flag(0.05, help="learning rate",
+                         checks=(Rule(lambda v, _: 0 < v < 1e3, "use a positive learning rate below 1000"),))
+    optimizer: Optimizer = run_flag(
+        "sgd", help="optimizer",
+        compare=Forwarded("every run's optimizer (adamw keeps two moments per parameter: the state ZeRO and FSDP "
+                          "shard)"))
+    momentum: float = run_flag(0.9, help="SGD momentum",
+                               checks=(Rule(lambda v, _: 0 <= v < 1, "use a value in [0, 1)"),))
     """SGD momentum (ignored by AdamW)."""
-    weight_decay: float = 0.0
-    clip_grad_norm: float | None = None
+    weight_decay: float = run_flag(0.0, help="weight decay", checks=(at_least(0, "use a value >= 0"),))
+    clip_grad_norm: float | None = run_flag(
+        None, metavar="MAX_NORM", settings=True,
+        help="clip the reduced gradient's global norm to MAX_NORM before each step (default: no clipping)",
+        checks=(above(0, "use a positive total norm, e.g. 1.0 (leave the flag out for no clipping)"),),
+        compare=Forwarded("every run clips the reduced gradient's global norm to MAX_NORM before each step, each "
+                          "backend by its own mechanism (default: no clipping)"))
     """Clip the reduced gradient by its global norm to at most this value before every optimizer step, each backend
     its own way (None: no clipping). The oracle's reference step clips the same way, and the total norm each backend
     reports is checked against the oracle's (the grad_norm check)."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = run_flag(
+        False, help="each block of the model (those FSDP shards) recomputes its forward in backward instead of keeping "
+                    "its activations (non-reentrant torch.utils.checkpoint, dropout masks preserved)",
+        compare=Forwarded("every run recomputes each block of the model in backward instead of keeping its "
+                          "activations (the runs' peak memory then shows what it saves)"))
     """Each block of the model (dpcompare.block_modules, the units FSDP shards) keeps no activations for backward and
     recomputes its forward there (non-reentrant torch.utils.checkpoint, the generator state of the forward restored,
     so dropout draws the same masks). Refused for a backend whose capabilities say it cannot."""
-    compile: bool = False
+    compile: bool = run_flag(
+        False, settings=True,
+        help="torch.compile the model (reference, ddp, fsdp, deepspeed, horovod); needs a C++ compiler (g++, or the "
+             "one $CXX names); compile time is reported apart from the step time",
+        compare=Forwarded("every run compiles its model with torch.compile (backends that declare no compiled path "
+                          "are listed as unavailable); needs a C++ compiler"))
     """torch.compile the model as the backend supports it (Adapter.compile; refused where its capabilities say it
     cannot). The float64 oracle stays uncompiled; the run-precision reference's floor then includes a compiled copy's
     rounding, and compile time, graphs, graph breaks and recompilations are reported apart from the step time."""
-    dtype: Dtype = "float32"
+    dtype: Dtype = run_flag(
+        "float32", help="parameter and compute dtype",
+        checks=(Rule(lambda v, c: c.amp == "none" or v == "float32", lambda c: f"--amp {c.amp} keeps parameters and "
+                     "optimizer in float32 and runs the forward in lower precision itself; drop --dtype (or drop "
+                     "--amp for a whole-model dtype)"),))
     """Parameter and compute dtype of the run; the oracle is always float64."""
-    amp: Amp = "none"
+    amp: Amp = run_flag(
+        "none", settings=True,
+        help="mixed precision: forward and loss under torch.autocast in bf16 or fp16, parameters and optimizer "
+             "float32; fp16 scales the loss dynamically (deepspeed: --opt amp_recipe=engine for its own bf16/fp16 "
+             "engine with fp32 master weights)",
+        compare=Forwarded("mixed precision: run every backend under torch.autocast in this dtype (fp16 with each "
+                          "backend's own dynamic loss scaling); deepspeed additionally runs its engine recipe (--opt "
+                          "amp_recipe=engine: bf16/fp16 weights, fp32 master weights)"))
     """Mixed precision: the forward and the loss run under torch.autocast in bf16 or fp16 while parameters and optimizer
     stay float32 (DeepSpeed: `--opt amp_recipe=engine` selects its bf16/fp16 engine with fp32 master weights instead).
     fp16 scales the loss dynamically, each backend its own documented way; bf16 needs no scaling."""
-    loss_scale: float | None = None
+    loss_scale: float | None = run_flag(
+        None, settings=True,
+        help="--amp fp16: initial dynamic loss scale, a power of two (default: 65536 = 2^16; 16777216 = 2^24 makes "
+             "the first steps overflow, which every backend must skip)",
+        checks=(Rule(lambda v, c: c.amp == "fp16", "a loss scale applies to --amp fp16 only (bf16 has float32's range "
+                     "and is not scaled); add --amp fp16 or drop --loss-scale"),
+                Rule(_power_of_two, "use a power of two of at least 1, e.g. 65536 (2^16) or 16777216 (2^24)")))
     """--amp fp16: the initial dynamic loss scale, a power of two (None: 2^16, the default of torch.amp.GradScaler and
-    of DeepSpeed). 2^24 makes the first steps overflow: every backend must skip them alike."""
-    seed: int = 1234
-    check_every: int = 1
+    of DeepSpeed). 2^24 makes the first steps overflow: every backend must skip them alike. Settings carries the
+    scale the run starts from (initial_loss_scale)."""
+    seed: int = run_flag(1234, help="seed of the weights and the data",
+                         checks=(Rule(lambda v, _: 0 <= v < 2**32, "use a whole number from 0 to 4294967295"),))
+    check_every: int = run_flag(1, help="check every Nth step (0: no checks)",
+                                checks=(at_least(0, "use 0 (no checks) or a positive step interval"),))
     """Run the equivalence check every N steps (step 0 always); 0 disables gradient checks."""
-    grad_accum: int = 1
+    grad_accum: int = run_flag(1, help="micro-batches per step",
+                               checks=(at_least(1, "use 1 (no accumulation) or more micro-batches per step"),))
     """Micro-batches per optimizer step; gradient synchronisation is switched off for all but the last
     and each micro-batch's loss is scaled by 1/grad_accum, so the step's gradient is the global mean."""
-    compression: Compression = "none"
+    compression: Compression = run_flag("none", help="gradient compression on the wire", settings=True)
     """Gradient compression on the wire (DDP fp16/bf16 comm hook, Horovod Compression.fp16, DeepSpeed
     communication_data_type); the tolerance widens by the compressed dtype's unit roundoff."""
-    bucket_mb: float | None = None
+    bucket_mb: float | None = run_flag(None, help="all-reduce bucket / fusion size in MiB (default: the backend's own)",
+                                       checks=(above(0, "use a positive size in MiB"),), settings=True)
     """All-reduce message size: DDP bucket_cap_mb, HOROVOD_FUSION_THRESHOLD; DeepSpeed ZeRO-0 has no bucket."""
-    sync_bn: bool = False
+    sync_bn: bool = run_flag(False, help="global-batch BatchNorm statistics")
     """Convert BatchNorm layers to a global-batch (synchronised) BatchNorm."""
-    no_dropout: bool = False
+    no_dropout: bool = run_flag(False, help="switch dropout off (p=0) so the forward is deterministic and the verdict "
+                                            "can check it")
     """Set every dropout probability to 0: a forward that draws no random numbers can always be checked
     (with dropout on, the check applies the masks each rank drew where they can be captured, else says
     `unverifiable` and names the module)."""
-    check_coverage: str = "auto"
+    check_coverage: str = run_flag(
+        "auto", metavar="auto|full|SHARE",
+        help="what the float64 oracle checks: auto (every parameter where its memory fits on rank 0, else as many "
+             "whole blocks as fit, stated), full (all or a one-line refusal), or a share in (0, 1]",
+        checks=(Rule(_coverage_ok, "use auto, full or a share of the parameters in (0, 1], e.g. 0.25"),),
+        compare=Forwarded("what each run's float64 oracle checks: auto (every parameter where its memory fits, else "
+                          "the whole blocks that fit, stated), full, or a share of the parameters in (0, 1]"))
     """What the float64 oracle checks (dpcompare.verify.coverage): `auto`, every parameter where its memory fits on
     rank 0, else as many whole blocks as fit, the coverage stated; `full`, every parameter or a one-line refusal;
     a fraction in (0, 1], whole blocks up to that share of the parameters."""
-    timeout_s: float = 120.0
+    timeout_s: float = run_flag(
+        120.0, help="exit when a rank makes no progress this long",
+        checks=(Rule(lambda v, _: v <= MAX_TIMEOUT_S, f"use at most {MAX_TIMEOUT_S:g} seconds (a week)"),
+                above(0, "use a positive number of seconds")))
     """A rank that makes no progress for this long makes every rank exit with an error naming it."""
-    out: str = "results"
+    out: str = run_flag("results", help="directory for the JSON result")
     """Directory for the run's JSON result."""
-    dump_grads: str | None = None
+    dump_grads: str | None = run_flag(None, help="write checked-step gradients to this .npz")
     """Write the reduced and oracle gradients of every checked step to this .npz file (for `compare`)."""
-    tag: str | None = None
+    tag: str | None = run_flag(None, help="free text copied into the result (compare groups runs by it)")
     """Free text copied into the result (compare uses it to group runs)."""
-    closed_if: str | None = None
+    closed_if: str | None = run_flag(None, metavar="FILE", hidden=True, help="")
     """A fence file: when it exists, the run writes neither its result nor its gradient dump and fails. compare
     creates it for a launch it has stopped waiting for, so a rank that outlived its launcher (on another host,
     say) never adds a late result to a finished run folder."""
-    dp_devices: int | None = None
+    dp_devices: int | None = run_flag(None, help="dp: CUDA devices to replicate over (default: all)", settings=True,
+                                      checks=(above(0, "use a positive device count"),))
     """Backends that replicate over devices in one process (dp): how many CUDA devices (default: all visible)."""
-    inject_slowdown: float = 0.0
+    inject_slowdown: float = run_flag(
+        default_factory=_env_number("DPCOMPARE_INJECT_SLOWDOWN", 0.0),
+        help="testing aid: each step spins this fraction of its compute time longer (a planted regression; env "
+             "DPCOMPARE_INJECT_SLOWDOWN)",
+        checks=(Rule(lambda v, _: 0.0 <= v <= 10.0, "use a fraction of the compute time between 0 and 10"),))
     """Testing aid for regression gates: every step spins for this fraction of its compute time on every rank
     (0.2: compute 20 % slower), a planted slowdown. Compute is taken as 3x the measured forward time, since the
     backward's wall time also holds communication. Default from DPCOMPARE_INJECT_SLOWDOWN."""
-    inject_fault: str | None = None
+    inject_fault: str | None = run_flag(
+        None, metavar="KIND[:RANK:STEP]",
+        help="testing aid: crash|kill|stop|hang:RANK:STEP makes that rank fail at that step, dupdata gives every rank "
+             "rank 0's shard (a planted fault the run must catch)",
+        checks=(Rule(_fault_ok, "use crash:RANK:STEP, kill:RANK:STEP, stop:RANK:STEP, hang:RANK:STEP or dupdata"),))
     """Testing aid: `crash:RANK:STEP` (exit 17), `kill:RANK:STEP` (SIGKILL), `stop:RANK:STEP` (SIGSTOP),
     `hang:RANK:STEP` or `dupdata` (every rank reads rank 0's shard)."""
-    options: dict = field(default_factory=dict)
+    options: dict = run_flag(
+        default_factory=dict, name="opt", metavar="KEY=VALUE", settings=True,
+        help="an option the backend declares (repeatable); an unknown key lists the accepted ones")
     """The backend's own options, `--opt KEY=VALUE`: checked against what its adapter declares (an unknown key
     or a bad value stops the run before it starts), typed, and handed to the adapter in its Settings."""
 
     def validate(self) -> None:
-        def bad(name: str, value: object, fix: str) -> ValueError:
-            return ValueError(f"--{name.replace('_', '-')}={value!r} is invalid: {fix}")
+        """Refuse the first value a flag's checks refuse (dpcompare.run.flags.check): one line naming it."""
+        flags.check(self)
 
-        for name in ("lr", "momentum", "weight_decay", "timeout_s", "inject_slowdown", "bucket_mb", "loss_scale",
-                     "clip_grad_norm"):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                raise bad(name, value, "use a finite number")
-        if not 0 <= self.seed < 2**32:
-            raise bad("seed", self.seed, "use a whole number from 0 to 4294967295")
-        if self.timeout_s > MAX_TIMEOUT_S:
-            raise bad("timeout_s", self.timeout_s, f"use at most {MAX_TIMEOUT_S:g} seconds (a week)")
-        if not self.backend:
-            raise bad("backend", self.backend, "name a backend (reference, dp, ddp, horovod, deepspeed, fsdp) or package.module:Class")
-        if self.global_batch is not None and self.global_batch < 1:
-            raise bad("global_batch", self.global_batch, "use a positive whole number of samples")
-        if self.local_batch is not None and self.local_batch < 1:
-            raise bad("local_batch", self.local_batch, "use a positive whole number of samples per rank")
-        if self.scaling == "weak" and self.local_batch is None:
-            raise bad("scaling", self.scaling, "weak scaling fixes the per-rank batch: also pass --local-batch N")
-        if self.seq_len is not None and self.seq_len < 1:
-            raise bad("seq_len", self.seq_len, "use a positive number of tokens per sample")
-        if self.seq_len is not None and not self.model.startswith("hf:"):
-            raise bad("seq_len", self.seq_len, f"it sets the sample length of an hf: causal language model; "
-                      f"--model {self.model} fixes its own: drop --seq-len")
-        if self.check_coverage not in ("auto", "full"):
-            try:
-                share = float(self.check_coverage)
-            except ValueError:
-                share = float("nan")
-            if not 0 < share <= 1:
-                raise bad("check_coverage", self.check_coverage, "use auto, full or a share of the parameters in "
-                          "(0, 1], e.g. 0.25")
-        if self.steps < 1:
-            raise bad("steps", self.steps, "run at least one step")
-        if self.warmup_steps < 0:
-            raise bad("warmup_steps", self.warmup_steps, "use 0 or more steps")
-        if self.measure_steps < 0:
-            raise bad("measure_steps", self.measure_steps, "use 0 (no measurement) or more steps")
-        if self.ablation_steps is not None and self.ablation_steps < 0:
-            raise bad("ablation_steps", self.ablation_steps, "use 0 or more pairs")
-        if not (self.lr > 0 and self.lr < 1e3):
-            raise bad("lr", self.lr, "use a positive learning rate below 1000")
-        if not 0 <= self.momentum < 1:
-            raise bad("momentum", self.momentum, "use a value in [0, 1)")
-        if self.weight_decay < 0:
-            raise bad("weight_decay", self.weight_decay, "use a value >= 0")
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise bad("clip_grad_norm", self.clip_grad_norm, "use a positive total norm, e.g. 1.0 (leave the flag out "
-                      "for no clipping)")
-        if self.grad_accum < 1:
-            raise bad("grad_accum", self.grad_accum, "use 1 (no accumulation) or more micro-batches per step")
-        if self.bucket_mb is not None and not self.bucket_mb > 0:
-            raise bad("bucket_mb", self.bucket_mb, "use a positive size in MiB")
-        if self.check_every < 0:
-            raise bad("check_every", self.check_every, "use 0 (no checks) or a positive step interval")
-        if not self.timeout_s > 0:
-            raise bad("timeout_s", self.timeout_s, "use a positive number of seconds")
-        if self.amp != "none" and self.dtype != "float32":
-            raise bad("dtype", self.dtype, f"--amp {self.amp} keeps parameters and optimizer in float32 and runs the "
-                      "forward in lower precision itself; drop --dtype (or drop --amp for a whole-model dtype)")
-        if self.loss_scale is not None:
-            if self.amp != "fp16":
-                raise bad("loss_scale", self.loss_scale, "a loss scale applies to --amp fp16 only (bf16 has float32's "
-                          "range and is not scaled); add --amp fp16 or drop --loss-scale")
-            if not (math.isfinite(self.loss_scale) and self.loss_scale >= 1
-                    and math.frexp(self.loss_scale)[0] == 0.5):
-                raise bad("loss_scale", self.loss_scale, "use a power of two of at least 1, e.g. 65536 (2^16) or "
-                          "16777216 (2^24)")
-        if self.dp_devices is not None and self.dp_devices < 1:
-            raise bad("dp_devices", self.dp_devices, "use a positive device count")
-        if not 0.0 <= self.inject_slowdown <= 10.0:
-            raise bad("inject_slowdown", self.inject_slowdown, "use a fraction of the compute time between 0 and 10")
-        if self.inject_fault is not None:
-            parts = self.inject_fault.split(":")
-            ok = parts == ["dupdata"] or (
-                len(parts) == 3 and parts[0] in ("crash", "kill", "stop", "hang") and parts[1].isdigit()
-                and parts[2].isdigit()
-            )
-            if not ok:
-                raise bad("inject_fault", self.inject_fault,
-                          "use crash:RANK:STEP, kill:RANK:STEP, stop:RANK:STEP, hang:RANK:STEP or dupdata")
+    def to_args(self, *, leave_out: Sequence[str] = ()) -> list[str]:
+        """The run flags that launch this config (`from_args` reads them back to an equal config); `leave_out`
+        names fields left to the caller."""
+        return flags.to_args(self, leave_out=leave_out)
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str]) -> RunConfig:
+        """The config that run flags `argv` say (ValueError naming a flag it cannot read)."""
+        return cls(**flags.parse(cls, argv))
+
+    @classmethod
+    def from_namespace(cls, ns: Any) -> RunConfig:
+        """The config in a namespace that a parser holding the run flags (flags.add_arguments) filled."""
+        return cls(**flags.values(cls, ns))
+
+    def settings_values(self) -> dict[str, Any]:
+        """The fields an adapter sees, by name, as this config holds them (run.backend.settings_for types the
+        options and starts the loss scale)."""
+        return {name: getattr(self, name) for name in flags.settings_fields(type(self))}
 
     def check_inputs(self) -> None:
         """Refuse, before any work, an input file that the run would read only after it: --collectives must be
@@ -262,7 +355,7 @@ class RunConfig:
             assert self.local_batch is not None
             global_batch, local_batch = self.local_batch * world_size, self.local_batch
         elif self.global_batch is None:
-            global_batch = default_global_batch(world_size, self.grad_accum)
+            global_batch = default_global_batch(world_size * self.grad_accum)
             local_batch = global_batch // world_size
         elif self.global_batch % world_size:
             lower = self.global_batch - self.global_batch % world_size
@@ -294,25 +387,6 @@ def initial_loss_scale(cfg: RunConfig) -> float | None:
     if cfg.amp != "fp16":
         return None
     return cfg.loss_scale if cfg.loss_scale is not None else DEFAULT_LOSS_SCALE
-
-
-DEFAULT_GLOBAL_BATCH = 24
-"""The global batch a run aims at when --global-batch is not given (rounded up to what its world size divides)."""
-
-
-def smallest_multiple(unit: int, at_least: int) -> int:
-    """The smallest multiple of `unit` that is at least `at_least`."""
-    return unit * -(-at_least // unit)
-
-
-def default_global_batch(world_size: int, grad_accum: int = 1) -> int:
-    """The smallest multiple of world_size x grad_accum that is at least DEFAULT_GLOBAL_BATCH: equal shards of equal
-    micro-batches at any world size (1-3 ranks: 24; 16 ranks: 32; 5 ranks: 25)."""
-    return smallest_multiple(world_size * grad_accum, DEFAULT_GLOBAL_BATCH)
-
-
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
-"""--timeout-s above this is refused: watchdogs and socket timeouts take it as a C integer of milliseconds."""
 
 
 def check_writable_dir(flag: str, directory: Path, shown: str | None = None) -> None:

@@ -1,21 +1,22 @@
-"""The `compare` command: its flags (a --suite preset fills those not given), and one compare from the plan to the
-printed tables: every job run under one progress bar after the microbenchmark, the cross-run figures, compare.json,
-and report.md with its plots unless --no-report."""
+"""The `compare` command: its flags (the run flags it forwards come from RunConfig's declarations; a --suite preset
+fills those not given), parsed once into a CompareSpec, and one compare from the plan to the printed tables: every
+job run under one progress bar after the microbenchmark, the cross-run figures, compare.json, and report.md with its
+plots unless --no-report."""
 
 from __future__ import annotations
 
 import argparse
 import time
 from pathlib import Path
-from typing import get_args
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dpcompare import results
 from dpcompare.commands.compare import execute, matrix, plan, questions, render, suites, summary
-from dpcompare.run import registry
-from dpcompare.run.config import Amp, Optimizer, RunConfig
+from dpcompare.commands.compare.spec import CompareSpec, parse
+from dpcompare.run import flags, registry
+from dpcompare.run.config import COMPARE_GLOBAL_BATCH_TARGET, RunConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,41 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. deepspeed:zero2 for --opt zero_stage=2) as a backend of its own; package.module:Class a "
                         "backend of your own")
     p.add_argument("--world-sizes", default="1,2", help="comma-separated world sizes for multi-process backends")
-    p.add_argument("--model", default="mlp-wide",
-                   help="workload, a name, package.module:function or hf:NAME_OR_PATH (a transformers config); mlp-wide (0.8 M parameters) is compute-bound on "
-                        "a CPU core at the default global batch, so the costs compare backends rather than Python "
-                        "overhead")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="hf: causal language models: tokens per sample of every run (default: 128, at most the "
-                        "config's context)")
-    p.add_argument("--check-coverage", default="auto", metavar="auto|full|SHARE",
-                   help="what each run's float64 oracle checks: auto (every parameter where its memory fits, else the "
-                        "whole blocks that fit, stated), full, or a share of the parameters in (0, 1]")
-    p.add_argument("--steps", type=int, default=2,
-                   help="verification steps, each checked against the oracle; 2 check a fresh optimizer, then the "
-                        "state the first step left")
-    p.add_argument("--measure-steps", type=int, default=20, help="timed steps per run (0: verdicts only)")
-    p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps per run before the timed ones")
-    p.add_argument("--global-batch", type=int, default=None,
-                   help="samples per step over all ranks (default: 2048, or the smallest multiple of every world size "
-                        "above it; at 2048, compute dominates a step of mlp-wide at world size 2 on a CPU core)")
-    p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
-                   help="strong: fixed global batch; weak: fixed per-rank batch (global batch / largest world size)")
-    p.add_argument("--optimizer", choices=get_args(Optimizer), default=RunConfig().optimizer,
-                   help="every run's optimizer (adamw keeps two moments per parameter: the state ZeRO and FSDP shard)")
-    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX_NORM",
-                   help="every run clips the reduced gradient's global norm to MAX_NORM before each step, each backend "
-                        "by its own mechanism (default: no clipping)")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="every run recomputes each block of the model in backward instead of keeping its activations "
-                        "(the runs' peak memory then shows what it saves)")
-    p.add_argument("--compile", action="store_true",
-                   help="every run compiles its model with torch.compile (backends that declare no compiled path are "
-                        "listed as unavailable); needs a C++ compiler")
-    p.add_argument("--amp", choices=get_args(Amp), default="none",
-                   help="mixed precision: run every backend under torch.autocast in this dtype (fp16 with each "
-                        "backend's own dynamic loss scaling); deepspeed additionally runs its engine recipe "
-                        "(--opt amp_recipe=engine: bf16/fp16 weights, fp32 master weights)")
+    flags.add_arguments(p, RunConfig, for_compare=True)  # the run flags compare forwards to every run
+    # compare's own flags; --collectives, --out and --timeout-s say what they say for compare, not for one run.
     p.add_argument("--collectives", default="auto",
                    help="bench-collectives JSON to quote busbw from; 'auto' runs a short one first; 'none' skips")
     p.add_argument("--sweep", action="store_true",
@@ -77,34 +45,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
+    spec = parse(ns)
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)  # logs and CI: wide enough for the matrix, no wrapped numbers
-    run_dir = Path(ns.out) / time.strftime("%Y%m%d-%H%M%S")
-    suites.apply(ns)
-    if suites.poses_questions(ns):
-        return _answer_questions(console, ns, run_dir)
-    given = ns.global_batch
-    planned = plan.plan(ns, run_dir)
+    run_dir = Path(spec.out) / time.strftime("%Y%m%d-%H%M%S")
+    if spec.questions:
+        return _answer_questions(console, spec, run_dir)
+    planned = plan.plan(spec, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if given is None and ns.global_batch != plan.DEFAULT_GLOBAL_BATCH:
-        console.print(f"global batch {ns.global_batch}: the smallest multiple of every world size at least "
-                      f"{plan.DEFAULT_GLOBAL_BATCH} (--global-batch sets it)")
-    if ns.suite:
-        console.print(f"suite {ns.suite}: {', '.join(j.label for j in planned.jobs)} (--model {ns.model} "
-                      f"--optimizer {ns.optimizer} --global-batch {ns.global_batch})", highlight=False)
+    if spec.picked_global_batch and spec.global_batch != COMPARE_GLOBAL_BATCH_TARGET:
+        console.print(f"global batch {spec.global_batch}: the smallest multiple of every world size at least "
+                      f"{COMPARE_GLOBAL_BATCH_TARGET} (--global-batch sets it)")
+    if spec.suite:
+        console.print(f"suite {spec.suite}: {', '.join(j.label for j in planned.jobs)} (--model {spec.run.model} "
+                      f"--optimizer {spec.run.optimizer} --global-batch {spec.global_batch})", highlight=False)
     for u in planned.unavailable:
         console.print(f"[yellow]{u['backend']} unavailable:[/] {u['reason']}")
-    _run_all(console, ns, run_dir, planned.jobs)
+    _run_all(console, spec, run_dir, planned.jobs)
 
     baseline = [j for j in planned.jobs if j.variant == "baseline"]
     # The same config: the baseline runs and other precision recipes (deepspeed's engine), not the sweep's knobs.
     same_config = [j.result for j in planned.jobs
                    if j.result and (j.variant == "baseline" or plan.is_amp_recipe(j.variant))]
     figures = {"matrix": matrix.build_matrix(baseline), "unused_parameter_grads": matrix.unused_parameter_grads(baseline),
-               "scaling": matrix.scaling_rows(planned.jobs, ns.scaling),
+               "scaling": matrix.scaling_rows(planned.jobs, spec.run.scaling),
                "skipped_steps": matrix.skipped_steps(same_config)}
-    results.write_atomic(run_dir / "compare.json", summary.payload(ns, run_dir, planned, figures))
+    results.write_atomic(run_dir / "compare.json", summary.payload(spec, run_dir, planned, figures))
     results.point_latest(run_dir)
     render.render(console, baseline, planned.unavailable, figures["matrix"], figures["unused_parameter_grads"],
                   figures["skipped_steps"])
@@ -112,59 +79,49 @@ def main(ns: argparse.Namespace) -> int:
     variants = [j for j in planned.jobs if j.variant != "baseline"]
     if variants or planned.sweep_skipped:
         render.render_sweep(console, variants, planned.sweep_skipped)
-    if ns.report:
-        from dpcompare.commands import report
-
-        console.print(f"report: {report.build_report(run_dir)}")
-    console.print(f"results: {run_dir}")
-    return 1 if any(j.status in ("failed", "timeout") for j in planned.jobs) else 0
+    return _finish(console, spec, run_dir, planned.jobs)
 
 
-QUESTIONS_OWN = ("backends", "world_sizes", "model", "global_batch", "scaling", "optimizer", "clip_grad_norm", "amp",
-                 "sweep")
-"""compare's flags that each question of --suite questions sets for itself."""
-
-
-def _answer_questions(console: Console, ns: argparse.Namespace, run_dir: Path) -> int:
+def _answer_questions(console: Console, spec: CompareSpec, run_dir: Path) -> int:
     """--suite questions: each question's rows run in turn, then one table per question and compare.json's
     `questions`, with report.md unless --no-report."""
-    clashing = sorted(f"--{dest.replace('_', '-')}" for dest in QUESTIONS_OWN if dest in suites.given(ns))
-    if clashing:
-        raise ValueError(f"{', '.join(clashing)} cannot be given with --suite questions: each question runs the "
-                         "backends, world sizes and workload that pose it; drop the flag (or run compare without the "
-                         "suite)")
-    planned = questions.plan(ns, run_dir)
+    planned = questions.plan(spec, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"suite questions: {len(planned.jobs)} runs", highlight=False)
     for u in planned.unavailable:
         console.print(f"[yellow]{u['backend']} unavailable:[/] {u['reason']}")
-    _run_all(console, ns, run_dir, planned.jobs)
+    _run_all(console, spec, run_dir, planned.jobs)
     answered = questions.answers(planned.jobs)
     figures = {"matrix": matrix.build_matrix([]), "unused_parameter_grads": [], "scaling": [], "skipped_steps": []}
-    results.write_atomic(run_dir / "compare.json", summary.payload(ns, run_dir, planned, figures, answered))
+    results.write_atomic(run_dir / "compare.json", summary.payload(spec, run_dir, planned, figures, answered))
     results.point_latest(run_dir)
     render.render_questions(console, answered, planned.unavailable)
-    if ns.report:
+    return _finish(console, spec, run_dir, planned.jobs)
+
+
+def _finish(console: Console, spec: CompareSpec, run_dir: Path, jobs: list[plan.Job]) -> int:
+    """report.md unless --no-report, where the results are, and the exit status: 1 when a launch failed."""
+    if spec.report:
         from dpcompare.commands import report
 
         console.print(f"report: {report.build_report(run_dir)}")
     console.print(f"results: {run_dir}")
-    return 1 if any(j.status in ("failed", "timeout") for j in planned.jobs) else 0
+    return 1 if any(j.status in ("failed", "timeout") for j in jobs) else 0
 
 
-def _run_all(console: Console, ns: argparse.Namespace, run_dir: Path, jobs: list[plan.Job]) -> None:
+def _run_all(console: Console, spec: CompareSpec, run_dir: Path, jobs: list[plan.Job]) -> None:
     """The microbenchmark, then every job in order, under one progress bar."""
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=False) as progress:
         task = progress.add_task("compare", total=len(jobs) + 1)
         progress.update(task, description="bench-collectives (microbenchmark)")
-        bench_error = execute.run_microbenchmark(ns, run_dir, jobs, ns.timeout_s)
+        bench_error = execute.run_microbenchmark(spec, run_dir, jobs, spec.timeout_s)
         if bench_error:
             console.print(f"[yellow]{bench_error}[/]")
             execute.drop_collectives(jobs)
         progress.advance(task)
         for job in jobs:
             progress.update(task, description=f"{job.label} ({job.launcher})")
-            execute.execute(job, ns.timeout_s)
+            execute.execute(job, spec.timeout_s)
             progress.advance(task)
 

@@ -5,21 +5,21 @@ tree killed on timeout), and each job's outcome: its result JSON, found by tag, 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from dpcompare.commands.compare.plan import Job, capabilities
+from dpcompare.commands.compare.spec import CompareSpec
 from dpcompare.run.launchers import run_process
 
 
-def run_microbenchmark(ns: argparse.Namespace, run_dir: Path, jobs: list[Job], timeout_s: float) -> str | None:
+def run_microbenchmark(spec: CompareSpec, run_dir: Path, jobs: list[Job], timeout_s: float) -> str | None:
     """`compare --collectives auto`: a short all-reduce sweep over the transports the runs use, at the
     world sizes above 1, so each run can quote the link's busbw at its own message size. Returns an
     error line, or None."""
     sizes = sorted({j.world_size for j in jobs if j.world_size > 1})
-    if ns.collectives != "auto" or not sizes or ns.measure_steps == 0:
+    if spec.collectives != "auto" or not sizes or spec.run.measure_steps == 0:
         return None
     transports = sorted({capabilities(j.backend).collective_transport for j in jobs if j.world_size > 1})
     log = run_dir / "logs" / "bench-collectives.log"

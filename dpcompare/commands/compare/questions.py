@@ -10,13 +10,14 @@ memory). A question whose flag this dpcompare does not have is left out, listed 
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
 from dpcompare.commands.compare import plan as planning
-from dpcompare.run import registry
+from dpcompare.commands.compare.entries import declared_launcher, parse_backends
+from dpcompare.commands.compare.spec import CompareSpec
+from dpcompare.run import flags, registry
 from dpcompare.run.config import RunConfig
 
 Figure = Callable[[dict[str, Any], dict[str, Any] | None], str]
@@ -196,19 +197,21 @@ def _has_flag(flag: str) -> bool:
     return flag.removeprefix("--").replace("-", "_") in {f.name for f in fields(RunConfig)}
 
 
-def plan(ns: argparse.Namespace, run_dir: Path) -> planning.Plan:
+def plan(spec: CompareSpec, run_dir: Path) -> planning.Plan:
     """A job for each row of each question this dpcompare can pose, each run as its users type it under the launcher
-    its adapter declares; a question whose flag the run lacks, and a row whose backend is not installed, are listed
-    as unavailable with why. Refuses (ValueError) a question's setting the run would refuse, before anything starts."""
+    its adapter declares: the spec's template with the question's flags, then the row's, then --run-arg's. A question
+    whose flag the run lacks, and a row whose backend is not installed, are listed as unavailable with why. Refuses
+    (ValueError) a question's setting the run would refuse, before anything starts."""
     result = planning.Plan()
     stems: set[str] = set()
+    files = {"out": str(run_dir / "runs"), "collectives": planning.collectives_path(spec, run_dir)}
     for q in QUESTIONS:
         if q.needs_flag and not _has_flag(q.needs_flag):
             result.unavailable.append({"backend": f"question {q.name}", "launcher": "-",
                                        "reason": f"this dpcompare's run has no {q.needs_flag}"})
             continue
         for row in q.rows:
-            entries, missing = planning.parse_backends(row.entry, lenient=True)
+            entries, missing = parse_backends(row.entry, lenient=True)
             if missing:
                 result.unavailable += [u for u in missing if u not in result.unavailable]
                 continue
@@ -217,14 +220,19 @@ def plan(ns: argparse.Namespace, run_dir: Path) -> planning.Plan:
             if not ok:
                 if all(u["backend"] != entry.backend for u in result.unavailable):
                     result.unavailable.append({"backend": entry.backend, "reason": reason,
-                                               "launcher": planning.declared_launcher(entry.backend)})
+                                               "launcher": declared_launcher(entry.backend)})
                 continue
             label = f"{q.name}: {entry.name}/{row.world_size}" + (f" {row.knob}" if row.knob else "")
-            before = ["--steps", str(ns.steps), "--measure-steps", str(ns.measure_steps), "--warmup-steps",
-                      str(ns.warmup_steps), "--out", str(run_dir / "runs"), *q.run_flags, *entry.opt_args()]
-            result.jobs.append(planning.make_job(entry, row.world_size, label, row.knob, run_dir, stems, before,
-                                                 [*row.args, *ns.run_arg], question=q.name))
+            run = spec.job_run(entry, {**files, **_said(q.run_flags), **_said(row.args)})
+            run.validate()
+            result.jobs.append(planning.make_job(entry, row.world_size, label, row.knob, run_dir, stems, run,
+                                                 question=q.name))
     return result
+
+
+def _said(words: tuple[str, ...]) -> dict[str, Any]:
+    """The run flags a question or a row gives, by field."""
+    return flags.parse(RunConfig, words, defaults=False)
 
 
 def answers(jobs: list[planning.Job]) -> list[dict[str, Any]]:

@@ -2,7 +2,8 @@
 
 A preset fills only the flags the command line did not give: `--suite sharding --world-sizes 2` runs the preset at
 world size 2. The parser records which flags were given (record_given) so a flag given with its default value still
-wins over the preset.
+wins over the preset; compare's spec (dpcompare.commands.compare.spec) reads the preset once, and nothing sets it
+on the namespace.
 """
 
 from __future__ import annotations
@@ -59,28 +60,24 @@ def given(ns: argparse.Namespace) -> frozenset[str]:
     return getattr(ns, GIVEN, frozenset())
 
 
-def apply(ns: argparse.Namespace) -> None:
-    """Set the preset's value of every flag the command line did not give (idempotent; no --suite: nothing)."""
-    name = getattr(ns, "suite", None)
+def preset(name: str | None, given: frozenset[str]) -> dict[str, Any]:
+    """The preset's value of every flag the command line did not give (no --suite: none)."""
     if not name:
-        return
+        return {}
     if name not in SUITES:
         raise ValueError(f"--suite {name!r} is unknown: choose one of {', '.join(SUITES)}")
-    for dest, value in SUITES[name].values.items():
-        if dest not in given(ns):
-            setattr(ns, dest, value)
+    return {dest: value for dest, value in SUITES[name].values.items() if dest not in given}
 
 
-def poses_questions(ns: argparse.Namespace) -> bool:
+def poses_questions(name: str | None) -> bool:
     """The runs are the questions' rows (--suite questions)."""
-    name = getattr(ns, "suite", None)
     return bool(name) and name in SUITES and SUITES[name].questions
 
 
-def lists_backends(ns: argparse.Namespace) -> bool:
+def lists_backends(name: str | None, given: frozenset[str]) -> bool:
     """The backends come from a --suite preset, not from --backends: one this dpcompare lacks is left out, not
     refused."""
-    return bool(getattr(ns, "suite", None)) and "backends" not in given(ns) and "backends" in SUITES[ns.suite].values
+    return bool(name) and "backends" not in given and "backends" in SUITES[name].values
 
 
 def _recording(base: type[argparse.Action]) -> type[argparse.Action]:

@@ -5,16 +5,16 @@ steps)."""
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from typing import Any
 
 from dpcompare import results
 from dpcompare.commands.compare import plan
+from dpcompare.commands.compare.spec import CompareSpec
 
 
-def payload(ns: argparse.Namespace, run_dir: Path, planned: plan.Plan, figures: dict[str, Any],
+def payload(spec: CompareSpec, run_dir: Path, planned: plan.Plan, figures: dict[str, Any],
             questions: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """compare.json: the invocation, every run and its outcome, the cross-run figures, and under --suite questions
     each question's answer (dpcompare.commands.compare.questions.answers)."""
@@ -22,11 +22,11 @@ def payload(ns: argparse.Namespace, run_dir: Path, planned: plan.Plan, figures: 
     return results.base_payload(
         kind="compare",
         created_unix=time.time(),
-        suite=ns.suite, backends=ns.backends,
-        model=ns.model, steps=ns.steps, measure_steps=ns.measure_steps, global_batch=ns.global_batch,
-        scaling_mode=ns.scaling, amp=ns.amp, optimizer=ns.optimizer, clip_grad_norm=ns.clip_grad_norm,
-        activation_checkpointing=ns.activation_checkpointing,
-        compile=ns.compile,
+        suite=spec.suite, backends=spec.backends,
+        model=spec.run.model, steps=spec.run.steps, measure_steps=spec.run.measure_steps,
+        global_batch=spec.global_batch, scaling_mode=spec.run.scaling, amp=spec.run.amp,
+        optimizer=spec.run.optimizer, clip_grad_norm=spec.run.clip_grad_norm,
+        activation_checkpointing=spec.run.activation_checkpointing, compile=spec.run.compile,
         runs=[run_entry(j) for j in planned.jobs],
         unavailable=planned.unavailable,
         sweep_skipped=planned.sweep_skipped,
