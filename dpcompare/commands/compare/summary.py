@@ -1,7 +1,7 @@
 """compare.json, the summary of one compare: the invocation, every run with its outcome (label, backend and named
-variant, world size, the knob it changes, status, wall time, error, command, result path, verdict), the backends unavailable, the sweep
-combinations skipped, and the cross-run figures (scaling, the gradient matrix, unused-parameter gradients, skipped
-steps)."""
+variant, world size, the knob it changes, status, wall time, error, command, result path, verdict), the backends
+unavailable, the sweep combinations skipped, and the cross-run figures (scaling, the gradient matrix,
+unused-parameter gradients, skipped steps)."""
 
 from __future__ import annotations
 

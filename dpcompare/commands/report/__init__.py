@@ -19,8 +19,8 @@ capabilities.scaling_baseline (the reference backend does).
 
 Owns: finding and classifying result JSON (load; each run read through dpcompare.result_view, whose recorded facts
 it takes as written: the knobs that make a run a row of its own, the floors, the power), the derived figures such as
-scaling efficiency and the unattributed rest of a step (derive), the plots (style, plots_cost, plots_verify), the Markdown sections
-(markdown) and putting them together (build). Imports no adapter and no torch: past results can be
+scaling efficiency and the unattributed rest of a step (derive), the plots (style, plots_cost, plots_verify), the
+Markdown sections (markdown) and putting them together (build). Imports no adapter and no torch: past results can be
 re-reported on a machine without the backends.
 """
 
