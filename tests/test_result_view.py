@@ -94,6 +94,29 @@ def test_every_key_of_a_view_is_declared_once() -> None:
     assert Equivalence.min_detectable_rel.path == "equivalence.min_detectable_rel"
 
 
+def written_keys(source: str) -> set[str]:
+    """The keys a writer's source names: `m.set("name", ...)` (the metrics), dict keys `"name": ...` and item
+    assignments `d["name"] = ...`."""
+    patterns = (r"""m\.set\(\s*["'](\w+)["']""", r"""["'](\w+)["']\s*:""", r"""\[\s*["'](\w+)["']\s*\]\s*=""")
+    return {key for pattern in patterns for key in re.findall(pattern, source)}
+
+
+def _fields(*views: type) -> set[str]:
+    return {f.name for view in views for f in vars(view).values() if isinstance(f, Field)}
+
+
+def test_every_key_the_reader_declares_is_one_its_writer_writes() -> None:
+    """A Field names a key its writer writes (measure.summary the metrics, verify.verdict the verdict's figures): a
+    misspelt declaration would read as missing in every result."""
+    metrics = written_keys((LIBRARY / "measure" / "summary.py").read_text())
+    verdict = written_keys((LIBRARY / "verify" / "verdict.py").read_text())
+    assert _fields(Metrics) - metrics == set()
+    assert _fields(Equivalence, Check) - verdict == set()
+    # The twin: a declaration misspelt.
+    planted = type("Planted", (), {"step_ms_p5O": Field()})
+    assert _fields(Metrics, planted) - metrics == {"step_ms_p5O"}
+
+
 # -- what a figure reads as ---------------------------------------------------------------------------------------
 def test_a_missing_figure_reads_with_its_reason_never_as_a_number() -> None:
     m = RunResult({"metrics": {"step_ms_p50": 3.0, "busbw_gbps": None, "samples_per_s": "fast", "stragglers": 1,
