@@ -67,10 +67,6 @@ class Config:
         return self.raw.get("measure_steps") != 0
 
     @property
-    def options(self) -> Mapping[str, Any]:
-        return mapping(self.raw.get("options"))
-
-    @property
     def inject_slowdown(self) -> float:
         return float(self.raw.get("inject_slowdown", 0.0) or 0.0)
 
