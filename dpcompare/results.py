@@ -2,8 +2,8 @@
 
 Owns: the environment fingerprint, the result file's name, atomic writes (temp file in the same
 directory + fsync + rename: a reader never sees half a file, and an earlier result is never clobbered
-by a partial one) and schema validation. Imports no adapter and no backend runtime (versions are read
-from package metadata).
+by a partial one) and schema validation. Reading a result back is dpcompare.result_view's. Imports no
+adapter and no backend runtime (versions are read from package metadata).
 """
 
 from __future__ import annotations
@@ -153,17 +153,6 @@ def point_latest(folder: Path, name: str = "latest") -> Path | None:
         tmp.unlink(missing_ok=True)
         return None
     return link
-
-
-def note_text(note: Any) -> str:
-    """The sentence of a verdict note: {'code', 'text'}, or a plain string in results written before notes
-    carried a code."""
-    return note.get("text", "") if isinstance(note, dict) else str(note)
-
-
-def note_code(note: Any) -> str | None:
-    """The code of a verdict note (None for a note written before notes carried one)."""
-    return note.get("code") if isinstance(note, dict) else None
 
 
 def validate(payload: dict[str, Any]) -> None:

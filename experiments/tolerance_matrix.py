@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dpcompare.result_view import RunResult
+
 MODELS = {  # model -> global batch: small enough for two CPU cores, deep enough to matter
     "resnet18-cifar": 8, "resnet50-cifar": 8, "cnn": 24, "gpt-tiny": 8, "gpt2-small": 4,
 }
@@ -70,7 +72,7 @@ def rows_of(folder: Path | None, model: str, optimizer: str, precision: str, bac
     if folder is not None:
         for path in sorted((folder / "runs").glob("*.json")):
             run = json.loads(path.read_text())
-            runs[run.get("variant_label") or run["backend"]] = run
+            runs[RunResult(run).name] = run  # `deepspeed:zero2`: its backend and named variant
     rows = []
     for backend in backends:
         run = runs.get(backend) or next((r for k, r in runs.items() if k.startswith(backend)), None)

@@ -48,6 +48,7 @@ from dpcompare.commands.compare import entries, matrix, plan, render
 from dpcompare.commands.compare import spec as compare_spec
 from dpcompare.commands.compare.spec import CompareSpec
 from dpcompare.commands.compare.summary import run_entry
+from dpcompare.result_view import RunResult
 from dpcompare.run import launchers, registry
 from dpcompare.run.config import RunConfig
 
@@ -110,12 +111,12 @@ def test_sweep_stays_equivalent_and_names_what_does_not_apply(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink() and p.name != "plan"]
     summary = json.loads((run_dir / "compare.json").read_text())
-    variants = {(r["backend"], r["variant"]): r["verdict"] for r in summary["runs"]}
+    variants = {(r["backend"], r["knob"]): r["verdict"] for r in summary["runs"]}
     assert variants[("ddp", "bucket_mb=0.01")] == "equivalent"
     assert variants[("ddp", "grad_accum=2")] == "equivalent"
     assert variants[("ddp", "compression=fp16")] == "equivalent"
     # The fp16 run's error is reported, larger than float32 noise but inside the widened tolerance.
-    fp16 = next(r for r in summary["runs"] if r["variant"] == "compression=fp16")
+    fp16 = next(r for r in summary["runs"] if r["knob"] == "compression=fp16")
     result = json.loads(Path(fp16["result_path"]).read_text())
     assert result["equivalence"]["max_rel_fro_err"] > 1e-5
     assert result["equivalence"]["tolerance"]["compression"] == "fp16"
@@ -272,7 +273,7 @@ def _job(tmp_path: Path, backend: str, world_size: int, equivalence: dict, reduc
     if reduced is not None:
         np.savez(dump, **{"0/reduced/w": reduced, "0/oracle/w": ORACLE, "0/floor/w": FLOOR})
     return plan.Job(backend, world_size, [], label, dump, tmp_path / f"{label}.log", status=equivalence["verdict"],
-                    result=result, wall_s=3.0)
+                    result=RunResult(result), wall_s=3.0)
 
 
 def _rendered(jobs: list[plan.Job], *, width: int = 160, unavailable: list[dict] | None = None) -> tuple[str, str]:
@@ -305,7 +306,7 @@ def test_note_prefers_the_divergence_then_the_unverifiable_reason_then_the_error
                   "check": "update", "cause": "lr_scaled", "parameters": ["fc1.weight"]}
     different = _job(tmp_path, "ddp", 2, _equivalence("different", first_divergence=divergence,
                                                       unverifiable_reason=UNVERIFIABLE_REASON))
-    assert render._note(different) == "step 1 (update check) fc1.weight: the update is twice the reference's"
+    assert render._note(different) == "step 1 (update check), fc1.weight: the update is twice the reference's"
     unverifiable = _job(tmp_path, "ddp", 2, _equivalence("unverifiable", unverifiable_reason=UNVERIFIABLE_REASON))
     unverifiable.error = "exit status 1"
     assert render._note(unverifiable) == UNVERIFIABLE_REASON
@@ -385,7 +386,7 @@ def test_unused_parameters_get_one_line_per_way_the_backends_left_them(tmp_path)
     text, _ = _rendered(jobs, width=400)
     assert entries[1]["line"] in text
     # Alike everywhere: one line for both parameters; none listed: no line.
-    jobs[2].result["equivalence"]["parameters"] = unused("zero", "zero")
+    jobs[2].result.raw["equivalence"]["parameters"] = unused("zero", "zero")
     assert [e["parameters"] for e in matrix.unused_parameter_grads(jobs)] == [["aux_head.weight", "aux_head.bias"]]
     assert matrix.unused_parameter_grads([_job(tmp_path, "ddp", 2, _equivalence())]) == []
 
@@ -402,7 +403,7 @@ def test_a_result_written_before_the_new_checks_still_renders(tmp_path):
     cells = [c.strip() for c in ddp_row.split("│")[1:-1]]
     assert cells[3] == "different" and cells[6] == "1.25"
     assert cells[7:10] == ["-", "-", "-"]  # no update or trajectory figures recorded
-    assert cells[-1] == "step 0 (gradient check) fc1.weight: summed, not averaged"
+    assert cells[-1] == "step 0 (gradient check), fc1.weight: summed, not averaged"
     # An old result says nothing about randomness; its partner's random forward still makes the cell n/a.
     assert matrix.build_matrix(jobs)["per_step"]["0"]["ddp/2"]["in_noise_floors"]["reference/1"] is None
     assert matrix.unused_parameter_grads(jobs) == []
@@ -432,7 +433,7 @@ def test_a_reference_run_that_declares_nothing_is_not_the_scaling_baseline(tmp_p
     assert [row["efficiency"] for row in rows] == [None, None]
     assert all("scaling_baseline" in row["reason"] for row in rows)
     # The same run as a run writes it now: the reference declares itself the baseline.
-    jobs[0].result["capabilities"] = _declared("reference")
+    jobs[0].result.raw["capabilities"] = _declared("reference")
     assert [row["efficiency"] for row in matrix.scaling_rows(jobs, "strong")] == [pytest.approx(1.0), pytest.approx(0.75)]
 
 
@@ -455,7 +456,7 @@ def test_sweep_note_shows_the_text_of_knob_not_applicable_notes(tmp_path):
     notes = [{"code": "deepspeed.gradient_clipping", "text": "deepspeed: gradient_clipping set to 0.0 (does not apply)"},
              {"code": "knob_not_applicable", "text": text}]
     job = _job(tmp_path, "deepspeed", 2, _equivalence(notes=notes))
-    job.variant = "bucket_mb=0.01"
+    job.knob = "bucket_mb=0.01"
     console = Console(file=io.StringIO(), width=400, record=True)
     render.render_sweep(console, [job], [{"backend": "ddp", "knob": "compression=bf16", "reason": "ddp offers fp16"}])
     out = console.export_text()
@@ -480,7 +481,7 @@ def test_amp_reaches_every_run_and_deepspeed_also_runs_its_engine_recipe(tmp_pat
         assert job.command[job.command.index("--amp") + 1] == "bf16", job.label
     for ws in (1, 2):
         engine = by_label[f"deepspeed/{ws} amp_recipe=engine"]
-        assert engine.variant == "amp_recipe=engine" and engine.world_size == ws
+        assert engine.knob == "amp_recipe=engine" and engine.world_size == ws
         assert engine.command[engine.command.index("--opt") + 1] == "amp_recipe=engine"
         assert "--opt" not in by_label[f"deepspeed/{ws}"].command  # the baseline runs the autocast recipe
     assert planned.sweep_skipped == []
@@ -533,7 +534,7 @@ def test_every_backend_at_a_world_size_skips_the_same_steps(tmp_path):
             _job(tmp_path, "ddp", 2, _equivalence(precision=_fp16([0, 1]))),
             _job(tmp_path, "horovod", 2, _equivalence(precision=_fp16([0, 1]))),
             _job(tmp_path, "deepspeed", 2, _equivalence(precision=_fp16([0, 1])))]
-    runs[-1].result["tag"] = "deepspeed/2 amp_recipe=engine"
+    runs[-1].result.raw["tag"] = "deepspeed/2 amp_recipe=engine"
     entries = matrix.skipped_steps([j.result for j in runs])
     assert [(e["world_size"], e["agree"]) for e in entries] == [(1, True), (2, True)]
     assert entries[1]["runs"] == {"ddp/2": [0, 1], "horovod/2": [0, 1], "deepspeed/2 amp_recipe=engine": [0, 1]}
@@ -590,7 +591,7 @@ def test_a_backend_variant_runs_with_the_options_its_adapter_declares_under_its_
     zero2 = by_label["deepspeed:zero2/2"]
     assert (zero2.backend, zero2.backend_variant, zero2.entry, zero2.options) == (
         "deepspeed", "zero2", "deepspeed:zero2", {"zero_stage": 2})
-    assert zero2.variant == "baseline"  # a backend of its own in the matrix and the tables, not a sweep knob
+    assert zero2.knob == "baseline"  # a backend of its own in the matrix and the tables, not a sweep knob
     assert zero2.launcher == "deepspeed" and zero2.world_size == 2
     # The command the user would type: the plain backend, its variant's --opt, the job's label as the tag.
     args = _args(zero2)

@@ -316,13 +316,14 @@ def test_compare_and_report_flag_the_contradiction(tmp_path) -> None:
     from dpcompare.commands.compare.render import render_cost
     from dpcompare.commands.report.markdown import Footnotes
     from dpcompare.commands.report.markdown_cost import _exposed_cell
+    from dpcompare.result_view import Metrics, RunResult
 
     metrics = {"comm_exposed_ms": 2.14, "comm_total_ms": 1.04, "step_ms_p50": 5.0}
     calm = {"comm_exposed_ms": 0.5, "comm_total_ms": 1.04, "step_ms_p50": 5.0}
     noisy = {"comm_exposed_ms": 1.6, "comm_total_ms": 1.04, "step_ms_p50": 5.0, "comm_exposed_ci_ms": [0.8, 2.5]}
-    jobs = [Job("horovod", 2, [], "horovod/2", tmp_path / "a.npz", tmp_path / "a.log", result={"metrics": metrics}),
-            Job("ddp", 2, [], "ddp/2", tmp_path / "b.npz", tmp_path / "b.log", result={"metrics": calm}),
-            Job("deepspeed", 2, [], "deepspeed/2", tmp_path / "c.npz", tmp_path / "c.log", result={"metrics": noisy})]
+    jobs = [Job("horovod", 2, [], "horovod/2", tmp_path / "a.npz", tmp_path / "a.log", result=RunResult({"metrics": metrics})),
+            Job("ddp", 2, [], "ddp/2", tmp_path / "b.npz", tmp_path / "b.log", result=RunResult({"metrics": calm})),
+            Job("deepspeed", 2, [], "deepspeed/2", tmp_path / "c.npz", tmp_path / "c.log", result=RunResult({"metrics": noisy}))]
     console = Console(record=True, width=200)
     render_cost(console, jobs, [])
     text = console.export_text()
@@ -331,9 +332,9 @@ def test_compare_and_report_flag_the_contradiction(tmp_path) -> None:
     assert "(!2)" not in text and "0.50 (" not in text
 
     notes = Footnotes()
-    assert _exposed_cell({"metrics": metrics}, notes) == "**2.14 (!)**[^1]"
-    assert _exposed_cell({"metrics": calm}, notes) == "0.5"
-    assert _exposed_cell({"metrics": noisy}, notes) == "1.60 (~)[^2]"
+    assert _exposed_cell(Metrics(metrics), notes) == "**2.14 (!)**[^1]"
+    assert _exposed_cell(Metrics(calm), notes) == "0.5"
+    assert _exposed_cell(Metrics(noisy), notes) == "1.60 (~)[^2]"
     assert "exposed is an upper bound" in notes.lines()[0] and "not a contradiction" in notes.lines()[1]
 
 
@@ -360,11 +361,12 @@ def test_compare_and_report_flag_a_breakdown_that_does_not_add_up(tmp_path) -> N
     from dpcompare.commands.report.derive import Baseline, derive
     from dpcompare.commands.report.markdown import Footnotes
     from dpcompare.commands.report.markdown_cost import _compute_cell
+    from dpcompare.result_view import Metrics, RunResult
 
     slow = {"step_ms_p50": 77.65, "compute_ms_p50": 108.75, "comm_exposed_ms": 6.85, "comm_total_ms": 13.02}
     fits = {"step_ms_p50": 64.0, "compute_ms_p50": 56.9, "comm_exposed_ms": 3.4, "comm_total_ms": 7.1}
-    jobs = [Job("ddp", 2, [], "ddp/2", tmp_path / "a.npz", tmp_path / "a.log", result={"metrics": slow}),
-            Job("deepspeed", 2, [], "deepspeed/2", tmp_path / "b.npz", tmp_path / "b.log", result={"metrics": fits})]
+    jobs = [Job("ddp", 2, [], "ddp/2", tmp_path / "a.npz", tmp_path / "a.log", result=RunResult({"metrics": slow})),
+            Job("deepspeed", 2, [], "deepspeed/2", tmp_path / "b.npz", tmp_path / "b.log", result=RunResult({"metrics": fits}))]
     console = Console(record=True, width=400)
     render_cost(console, jobs, [])
     text = console.export_text()
@@ -372,13 +374,13 @@ def test_compare_and_report_flag_a_breakdown_that_does_not_add_up(tmp_path) -> N
     assert "56.90 (" not in text and "(!2)" not in text
 
     notes = Footnotes()
-    assert _compute_cell({"metrics": slow}, notes) == "**109 (!)**[^1]"
-    assert _compute_cell({"metrics": fits}, notes) == "56.9"
+    assert _compute_cell(Metrics(slow), notes) == "**109 (!)**[^1]"
+    assert _compute_cell(Metrics(fits), notes) == "56.9"
     baseline = Baseline(None, 1.0, None)
-    run = {"world_size": 2, "metrics": slow}
+    run = RunResult({"world_size": 2, "metrics": slow})
     d = derive(run, baseline)
     assert d.other_ms is None and "ran slower than the measured steps" in d.other_reason
-    assert derive({"world_size": 2, "metrics": fits}, baseline).other_ms == pytest.approx(3.7)
+    assert derive(RunResult({"world_size": 2, "metrics": fits}), baseline).other_ms == pytest.approx(3.7)
 
 
 # -- the interleaved ablation's loop ---------------------------------------------------------------------------
@@ -482,14 +484,15 @@ def test_compare_marks_the_interference_not_exposed_above_the_total() -> None:
     from rich.console import Console
 
     from dpcompare.commands.compare import render
+    from dpcompare.result_view import RunResult
 
     new = {"step_ms_p50": 30.0, "compute_ms_p50": 20.0, "comm_exposed_ms": 6.0, "comm_total_ms": 6.0,
            "comm_ablation_ms": 9.0, "comm_interference_ms": 3.0, "comm_exposed_ci_ms": [5.0, 6.0]}
     old = {"step_ms_p50": 30.0, "compute_ms_p50": 20.0, "comm_exposed_ms": 9.0, "comm_total_ms": 6.0,
            "comm_exposed_ci_ms": [8.0, 10.0]}  # a result of the unbounded ablation
     console = Console(file=io.StringIO(), width=160, record=True)
-    render.render_cost(console, [SimpleNamespace(label="new/2", result={"metrics": new}),
-                                 SimpleNamespace(label="old/2", result={"metrics": old})], [])
+    render.render_cost(console, [SimpleNamespace(label="new/2", result=RunResult({"metrics": new})),
+                                 SimpleNamespace(label="old/2", result=RunResult({"metrics": old}))], [])
     text = console.export_text()
     assert "6.00 (+1)" in text and "(+1) new/2: the synced step took 9.00 ms longer" in text
     assert "9.00 (!2)" in text and "(~" not in text

@@ -434,7 +434,8 @@ def test_deepspeed_zero0_all_reduce_measured_in_python_is_the_gradient(launch) -
 
 
 # -- the report --------------------------------------------------------------------------------------------------
-def _reported_run(backend: str, options: dict, *, census: bool = True, kinds: bool = True) -> dict:
+def _reported_run(backend: str, options: dict, *, census: bool = True, kinds: bool = True) -> RunResult:
+    from dpcompare.result_view import RunResult
     from tests.test_report import metrics, run_result
 
     formula = memory.zero_formula_mib(psi=1 << 20, trainable=1 << 20, world_size=2, shards="optimizer" if options
@@ -450,17 +451,17 @@ def _reported_run(backend: str, options: dict, *, census: bool = True, kinds: bo
                             "all_reduce": {"bytes": [4 * 2**20] * 2, "calls": [1, 1], "ms": [8.0, 8.0]}})] * 2
         extra["comm_by_kind"] = volume.comm_by_kind(records if options else [None, None], analytic, 2,
                                                      None if options else "instrumentation off", "analytic (test)")
-    return run_result(backend, 2, metrics_=metrics(**extra), config={"options": options})
+    return RunResult(run_result(backend, 2, metrics_=metrics(**extra), config={"options": options}, knobs=options))
 
 
-def _cost_markdown(runs, variants) -> str:
+def _cost_markdown(runs, knob_runs) -> str:
     from dpcompare.commands.report.markdown import Footnotes
     from dpcompare.commands.report.markdown_cost import cost_sections
     from dpcompare.commands.report.derive import derive, scaling_baseline
 
     notes = Footnotes()
     base = scaling_baseline(runs)
-    lines = cost_sections(runs, [derive(r, base) for r in runs], notes, variants)
+    lines = cost_sections(runs, [derive(r, base) for r in runs], notes, knob_runs)
     return "\n".join(lines + notes.lines())
 
 
@@ -475,7 +476,7 @@ def test_report_tables_show_each_rank_against_the_formula_and_the_bus_traffic_ag
     assert "| deepspeed | 2 | - | all-reduce | n/a[^" in text  # instrumentation off: analytic only
     # the twin: a result written before the census and the kinds has neither table
     old = _reported_run("ddp", {}, census=False, kinds=False)
-    old["metrics"].pop("model_state_formula_mib")
+    old.raw["metrics"].pop("model_state_formula_mib")
     text = _cost_markdown([old], [])
     assert "Model state per rank" not in text and "Communication by kind" not in text
     assert "| ddp | 2 | 512 | 4.00 | 4.00 | 0.00 | 0.00 | 4.00 | 12.0 | n/a[^" in text
@@ -488,7 +489,7 @@ def test_model_state_plot_is_drawn_with_the_formula_and_skipped_without_any_stat
     assert plot_model_state([_reported_run("deepspeed", {}), _reported_run("deepspeed", {"zero_stage": 1})], path) is None
     assert path.stat().st_size > 1000
     bare = _reported_run("ddp", {}, census=False, kinds=False)
-    bare["metrics"]["model_state_mib"] = None
+    bare.raw["metrics"]["model_state_mib"] = None
     assert "no run recorded model_state_mib" in plot_model_state([bare], tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()
 

@@ -242,10 +242,11 @@ def test_checked_steps_on_the_cpu_leave_the_settings_alone(tf32_on):
 
 
 def test_the_runs_line_says_when_the_checks_ran_without_tf32():
-    from dpcompare.run.trainer import _precision_facts
+    from dpcompare.result_view import Equivalence
+    from dpcompare.run.line import _precision_facts
 
     tf32 = {"matmul_allow_tf32": False, "cudnn_allow_tf32": True, "checked_with": "TF32 off and deterministic cuDNN ..."}
-    facts = _precision_facts({"precision": {"amp": "none", "tf32": tf32}})
+    facts = _precision_facts(Equivalence({"precision": {"amp": "none", "tf32": tf32}}))
     assert facts == ["checked with TF32 off and deterministic cuDNN, measured with the settings as set (cudnn_allow_tf32)"]
-    assert _precision_facts({"precision": {"amp": "none", "tf32": dict(tf32, checked_with="as set (TF32 is a CUDA "
-                                                                                      "setting)")}}) == []
+    assert _precision_facts(Equivalence({"precision": {"amp": "none", "tf32": dict(
+        tf32, checked_with="as set (TF32 is a CUDA setting)")}})) == []

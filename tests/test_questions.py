@@ -22,6 +22,7 @@ from dpcompare.commands.compare import questions, render
 from dpcompare.commands.compare import command as compare
 from dpcompare.commands.compare.spec import CompareSpec, parse
 from dpcompare.commands.report.build import write_report
+from dpcompare.result_view import RunResult
 from dpcompare.run import registry
 from dpcompare.run.config import RunConfig
 
@@ -64,7 +65,7 @@ def test_the_questions_suite_poses_each_question_with_its_rows(tmp_path, monkeyp
     assert "--nproc_per_node=4" in hsdp.command and _value(_args(hsdp), "--opt") == "replicas=2"
     control = by_label["hsdp: fsdp/4 control"]
     assert "--opt" not in _args(control) and "--clip-grad-norm" not in _args(control)
-    assert (control.question, control.variant) == ("hsdp", "control")
+    assert (control.question, control.knob) == ("hsdp", "control")
     assert by_label["clipping: horovod/2 --clip-grad-norm 0.05"].command[0].endswith("horovodrun")
 
 
@@ -94,33 +95,34 @@ def test_flags_each_question_sets_itself_are_refused_beside_the_suite(flag, tmp_
     assert list(tmp_path.iterdir()) == []  # nothing started, nothing written
 
 
-CLIPPED = {"equivalence": {"verdict": "equivalent", "first_divergence": None, "checks": {"grad_norm": {
+CLIPPED = RunResult({"equivalence": {"verdict": "equivalent", "first_divergence": None, "checks": {"grad_norm": {
     "status": "pass", "clip": 0.05, "clipped_steps": [0, 1], "max_rel_err": 5.5e-8, "noise_ratio": 0.05}},
-    "per_step": [{"grad_norm": {"reported": 0.348, "oracle": 0.3480001}}, {"grad_norm": {"reported": 0.3, "oracle": 0.3}}]}}
+    "per_step": [{"grad_norm": {"reported": 0.348, "oracle": 0.3480001}}, {"grad_norm": {"reported": 0.3, "oracle": 0.3}}]}})
 
 
 def test_each_figure_reads_what_its_question_asks_and_says_when_there_is_nothing():
     assert questions.clipping_figure(CLIPPED) == ("clip 0.05 took effect at steps 0, 1; norm reported 0.348 vs the "
                                                   "oracle's 0.348 (worst rel err 5.50e-08, 0.05x its floor)")
-    unclipped = {"equivalence": {"checks": {"grad_norm": {"status": "off"}}}}
+    unclipped = RunResult({"equivalence": {"checks": {"grad_norm": {"status": "off"}}}})
     assert questions.clipping_figure(unclipped) == "no clipping"
-    kinds = {"metrics": {"comm_by_kind": {"all_reduce": {"bytes_per_step": 13844.0, "analytic_bytes_per_step": 13844,
+    kinds = RunResult({"metrics": {"comm_by_kind": {"all_reduce": {"bytes_per_step": 13844.0, "analytic_bytes_per_step": 13844,
                                                          "group_ranks": 2}},
-                         "model_state_mib": {"total": 0.0794}}}
+                         "model_state_mib": {"total": 0.0794}}})
     assert questions.comm_figure(kinds) == "all_reduce 13844 B (predicted 13844) over 2 ranks; model state 0.0794 MiB/rank"
-    assert questions.comm_figure({"metrics": {}}) == "no communication measured"
-    assert questions.peak_figure({"metrics": {"peak_mem_mib": 320.4, "step_ms_p50": 9.4}}) == \
+    assert questions.comm_figure(RunResult({"metrics": {}})) == "no communication measured"
+    assert questions.peak_figure(RunResult({"metrics": {"peak_mem_mib": 320.4, "step_ms_p50": 9.4}})) == \
         "peak 320 MiB/rank, step p50 9.4 ms"
-    control = {"metrics": {"peak_mem_mib": 400.0, "step_ms_p50": 8.0}}
-    assert questions.peak_figure({"metrics": {"peak_mem_mib": 320.0, "step_ms_p50": 10.0}}, control) == (
+    control = RunResult({"metrics": {"peak_mem_mib": 400.0, "step_ms_p50": 8.0}})
+    assert questions.peak_figure(RunResult({"metrics": {"peak_mem_mib": 320.0, "step_ms_p50": 10.0}}), control) == (
         "peak 320 MiB/rank (-20% against 400 without), step p50 10 ms (+25% against 8 without)")
     assert questions.peak_figure(control, control) == "peak 400 MiB/rank, step p50 8 ms"  # the control itself
-    checkpointed = {"activation_checkpointing": {"blocks": 2}, "metrics": {"peak_mem_mib": 380.0, "step_ms_p50": 12.0}}
+    checkpointed = RunResult({"activation_checkpointing": {"blocks": 2},
+                              "metrics": {"peak_mem_mib": 380.0, "step_ms_p50": 12.0}})
     assert questions.checkpointing_figure(checkpointed, control) == (
         "2 block(s) recomputed; peak 380 MiB/rank (-5% against 400 without), step p50 12 ms (+50% against 8 without)")
     assert questions.checkpointing_figure(control, control) == "peak 400 MiB/rank, step p50 8 ms"
-    compiled = {"compile": {"compile_s": 10.24, "graphs": 1, "compiled_graphs": 2, "graph_breaks": 0, "recompiles": 0,
-                            "measured_steps_excluded": 1}, "metrics": {"step_ms_p50": 6.0}}
+    compiled = RunResult({"compile": {"compile_s": 10.24, "graphs": 1, "compiled_graphs": 2, "graph_breaks": 0, "recompiles": 0,
+                            "measured_steps_excluded": 1}, "metrics": {"step_ms_p50": 6.0}})
     assert questions.compile_figure(compiled, control) == (
         "compile 10.2 s apart from the steps, 1 graph(s) (2 compiled piece(s)), 0 graph break(s), 0 recompilation(s), "
         "1 measured step(s) left out for compiling; step p50 6 ms (-25% against 8 without)")

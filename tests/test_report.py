@@ -10,8 +10,10 @@ The verdict table shows the update and trajectory figures beside the gradient's,
 with its reason; a result written before those checks shows them as n/a with why. The scaling baseline is the
 world-size-1 run that declares capabilities.scaling_baseline, whatever its backend is called; a result without
 capabilities is never one. Runs are ordered as dpcompare.run.registry.BACKENDS lists the backends, and verdict
-notes load whether written as {code, text} objects or as plain strings. The options that make a run a variant, and
-their baseline values, are those the adapters declare (a changed declaration changes them), read without torch.
+notes load whether written as {code, text} objects or as plain strings. A run that changes a knob from its backend's
+baseline is a row of its own, named by the knobs it recorded when it was written (the report reads them back, never
+derives them from the tag or the options); a result written before knobs were recorded is named by its sweep flags and
+its recorded variant.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import pytest
 from conftest import UNVERIFIABLE_REASON, checked_equivalence, validate_result
 from dpcompare.commands import report
 from dpcompare.measure.scaling import other_ms, scaling_efficiency
-from dpcompare.results import note_code, note_text
+from dpcompare.result_view import RunResult
 from dpcompare.run.registry import BACKENDS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -175,15 +177,15 @@ def test_newest_run_per_backend_and_world_size_wins() -> None:
     del undated["created_unix"]
     dated = run_result("ddp", 4, 1.0, tag="dated")
     ref = run_result("reference", 1, 50.0)
-    chosen = report.newest_per_backend_world_size([new, old, undated, dated, ref])
-    assert [(r["backend"], r["world_size"], r["tag"]) for r in chosen] == [
+    chosen = report.newest_per_backend_world_size(map(RunResult, [new, old, undated, dated, ref]))
+    assert [(r.backend, r.world_size, r.tag) for r in chosen] == [
         ("reference", 1, "reference/1"), ("ddp", 2, "new"), ("ddp", 4, "dated")]
 
 
 def test_runs_are_ordered_as_the_registry_lists_backends_unknown_ones_after() -> None:
     names = ["zeta", *reversed(BACKENDS), "alpha"]
-    chosen = report.newest_per_backend_world_size([run_result(b, 1) for b in names])
-    assert [r["backend"] for r in chosen] == [*BACKENDS, "alpha", "zeta"]
+    chosen = report.newest_per_backend_world_size([RunResult(run_result(b, 1)) for b in names])
+    assert [r.backend for r in chosen] == [*BACKENDS, "alpha", "zeta"]
 
 
 def test_other_time_is_step_minus_compute_minus_exposed_floored_at_zero() -> None:
@@ -456,7 +458,7 @@ def test_a_world_size_1_run_that_declares_itself_the_scaling_baseline_is_the_bas
                                                 metrics_=metrics(samples_per_s=150.0)))
     inputs = report.load_inputs(tmp_path)
     baseline = report.scaling_baseline(report.newest_per_backend_world_size(inputs.runs))
-    assert (baseline.run["backend"], baseline.run["world_size"], baseline.throughput) == ("mine", 1, 50.0)
+    assert (baseline.run.backend, baseline.run.world_size, baseline.throughput) == ("mine", 1, 50.0)
     md = report.build_report(tmp_path).read_text()
     assert _row(md, "| ddp | 2 | 150 |")[3] == "1.50"  # 150 / (2 x 50)
     assert _row(md, "| reference | 1 | 100 |")[3] == "2.00"
@@ -507,9 +509,9 @@ def test_verdict_notes_load_as_objects_and_as_plain_strings(tmp_path: Path) -> N
                                                    capabilities=BASELINE))
     inputs = report.load_inputs(tmp_path)
     assert not inputs.skipped and inputs.ignored == 0
-    notes = {r["backend"]: r["equivalence"]["notes"] for r in inputs.runs}
-    assert [(note_code(n), note_text(n)) for n in notes["ddp"]] == [("ddp.bucket_order", coded[0]["text"])]
-    assert [(note_code(n), note_text(n)) for n in notes["reference"]] == [(None, plain[0])]
+    notes = {r.backend: r.equivalence.notes for r in inputs.runs}
+    assert [(n.code, n.text) for n in notes["ddp"]] == [("ddp.bucket_order", coded[0]["text"])]
+    assert [(n.code, n.text) for n in notes["reference"]] == [(None, plain[0])]
     md = report.build_report(tmp_path).read_text()
     assert _row(md, "| ddp | 2 | torchrun |")[4] == "equivalent"
     assert _row(md, "| reference | 1 | python |")[4] == "equivalent"
@@ -609,22 +611,24 @@ def test_heatmap_colours_are_calm_within_tolerance_and_alarming_outside(floors: 
 def test_heatmap_tolerance_comes_from_the_runs() -> None:
     from dpcompare.commands.report.plots_verify import tolerance_floors
 
-    assert tolerance_floors([{"equivalence": {"tolerance": {"factor": 25.0}}}, {}]) == 25.0
-    assert tolerance_floors([{}]) == 10.0
+    assert tolerance_floors([RunResult({"equivalence": {"tolerance": {"factor": 25.0}}}), RunResult({})]) == 25.0
+    assert tolerance_floors([RunResult({})]) == 10.0
 
 
-def test_deepspeeds_engine_recipe_is_a_variant_and_shows_its_master_copies() -> None:
-    """compare --amp runs deepspeed's engine recipe beside its autocast run: the engine run is a variant (its own row,
-    with its fp32 master copies), never the baseline the cost tables report; the autocast run is the baseline."""
-    from dpcompare.commands.report.derive import variant_of
+def test_deepspeeds_engine_recipe_changes_a_knob_and_shows_its_master_copies() -> None:
+    """compare --amp runs deepspeed's engine recipe beside its autocast run: the engine run records the knob it
+    changes (its own row, with its fp32 master copies), never the baseline the cost tables report; the autocast run
+    records none and is the baseline."""
     from dpcompare.commands.report.markdown_sweep import sweep_section
 
-    engine = {"backend": "deepspeed", "world_size": 2, "config": {"amp": "bf16", "options": {"amp_recipe": "engine"}},
-              "equivalence": {"verdict": "equivalent", "max_rel_fro_err": 4.6e-3},
-              "metrics": {"model_state_mib": {"total": 10.6, "master_params": 3.03}}}
-    autocast = {"backend": "deepspeed", "world_size": 2, "config": {"amp": "bf16", "options": {"amp_recipe": "autocast"}}}
-    assert variant_of(engine) == "amp_recipe=engine"
-    assert variant_of(autocast) == "" and variant_of({"config": {}}) == ""
+    engine = RunResult({"backend": "deepspeed", "world_size": 2, "knobs": {"amp_recipe": "engine"},
+                        "config": {"amp": "bf16", "options": {"amp_recipe": "engine"}},
+                        "equivalence": {"verdict": "equivalent", "max_rel_fro_err": 4.6e-3},
+                        "metrics": {"model_state_mib": {"total": 10.6, "master_params": 3.03}}})
+    autocast = RunResult({"backend": "deepspeed", "world_size": 2, "knobs": {},
+                          "config": {"amp": "bf16", "options": {"amp_recipe": "autocast"}}})
+    assert engine.knob_label == "amp_recipe=engine"
+    assert autocast.knob_label == "" and RunResult({"config": {}}).knob_label == ""
     text = "\n".join(sweep_section([engine]))
     assert "amp_recipe=engine" in text and "10.6 (3.03 fp32 master)" in text, text
 
@@ -634,8 +638,8 @@ def test_the_verdicts_say_which_runs_ran_under_which_precision_recipe() -> None:
     without --amp add no line (the twin)."""
     from dpcompare.commands.report.markdown_verdict import _precision_lines
 
-    def run(backend: str, ws: int, precision: dict | None) -> dict:
-        return {"backend": backend, "world_size": ws, "equivalence": {"precision": precision}}
+    def run(backend: str, ws: int, precision: dict | None) -> RunResult:
+        return RunResult({"backend": backend, "world_size": ws, "equivalence": {"precision": precision}})
 
     bf16 = {"amp": "bf16", "recipe": "autocast", "description": "torch.autocast(bfloat16), float32 weights and optimizer",
             "loss_scaler": None, "skipped_steps": []}
@@ -649,10 +653,14 @@ def test_the_verdicts_say_which_runs_ran_under_which_precision_recipe() -> None:
     assert _precision_lines([run("ddp", 2, None), run("ddp", 1, {"amp": "none"})]) == []
 
 
-# -- backend variants (compare --backends deepspeed:zero2) ------------------------------------------------------
-def _deepspeed(options: dict[str, Any], created_unix: float, samples: float, state_total: float, **fields: Any):
-    tag = f"deepspeed:zero{options['zero_stage']}/2" if "zero_stage" in options else "deepspeed/2"
+# -- runs that change a knob (compare --backends deepspeed:zero2, --sweep, --amp's engine recipe) ------------------
+def _deepspeed(stage: int | None, created_unix: float, samples: float, state_total: float, **fields: Any):
+    """A deepspeed result as a run writes it: its named variant and the knobs it changes (zero_stage away from its
+    default 0) recorded."""
+    tag = f"deepspeed:zero{stage}/2" if stage is not None else "deepspeed/2"
+    options = {} if stage is None else {"zero_stage": stage}
     return run_result("deepspeed", 2, created_unix, capabilities=capabilities(multi_process=True), tag=tag,
+                      variant=f"zero{stage}" if stage else "", knobs={"zero_stage": stage} if stage else {},
                       config={"optimizer": "adamw", "options": options},
                       metrics_=metrics(samples_per_s=samples, model_state_mib={
                           "params": 3.0, "grads": 1.5, "optimizer": 3.0, "comm_buffers": 3.0, "total": state_total}),
@@ -660,127 +668,45 @@ def _deepspeed(options: dict[str, Any], created_unix: float, samples: float, sta
 
 
 def test_a_zero_stage_run_is_its_own_row_never_the_deepspeed_baseline(tmp_path: Path) -> None:
-    """compare --backends deepspeed:zero0,deepspeed:zero2 (--opt zero_stage=N): stage 2 is a variant row named
-    `deepspeed ... zero_stage=2`, even when it is the newest deepspeed run at world size 2; stage 0, deepspeed's default,
-    is the deepspeed row of the cost tables."""
+    """compare --backends deepspeed:zero0,deepspeed:zero2 (--opt zero_stage=N): stage 2 records the knob it changes and
+    is a row of its own named `deepspeed ... zero_stage=2`, even when it is the newest deepspeed run at world size 2;
+    stage 0, deepspeed's default, records none and is the deepspeed row of the cost tables."""
     write(tmp_path / "reference-ws1.json", run_result("reference", 1, capabilities=BASELINE, metrics_=metrics()))
-    write(tmp_path / "zero0.json", _deepspeed({"zero_stage": "0"}, 1_700_000_000.0, 120.0, 15.0))
-    write(tmp_path / "zero2.json", _deepspeed({"zero_stage": "2"}, 1_700_000_100.0, 90.0, 12.1))  # the newer one
+    write(tmp_path / "zero0.json", _deepspeed(0, 1_700_000_000.0, 120.0, 15.0))
+    write(tmp_path / "zero2.json", _deepspeed(2, 1_700_000_100.0, 90.0, 12.1))  # the newer one
     sel = report.build.select(report.load_inputs(tmp_path))
-    assert [(r["backend"], r["world_size"], r["tag"]) for r in sel.runs] == [
+    assert [(r.backend, r.world_size, r.tag) for r in sel.runs] == [
         ("reference", 1, "reference/1"), ("deepspeed", 2, "deepspeed:zero0/2")]
-    assert [(r["tag"], report.variant_of(r)) for r in sel.variants] == [("deepspeed:zero2/2", "zero_stage=2")]
+    assert [(r.tag, r.knob_label) for r in sel.knob_runs] == [("deepspeed:zero2/2", "zero_stage=2")]
     md = report.build_report(tmp_path).read_text()
     assert "| deepspeed | 2 | 120 | 0.60 |" in md and "| deepspeed | 2 | 90.0 |" not in md  # costs: stage 0
     costs, sweep = md.split("## Sweep", 1)
-    assert _row(sweep, "| deepspeed | 2 | zero_stage=2 |")[-1] == "12.1"  # the variant's row, with its model state
+    assert _row(sweep, "| deepspeed | 2 | zero_stage=2 |")[-1] == "12.1"  # its own row, with its model state
     memory = costs[costs.index("### Memory (MiB)"):]
-    assert _row(memory, "| deepspeed | 2 | zero_stage=2 |"), "the variant has a row of its own in the memory table"
-    assert "1 variant(s)" in md and "0 older result(s)" in md
-    # Twin: no zero_stage at all (a plain deepspeed run, or one written before the option) is the baseline too.
-    write(tmp_path / "zero2.json", _deepspeed({}, 1_700_000_100.0, 90.0, 12.1))
+    assert _row(memory, "| deepspeed | 2 | zero_stage=2 |"), "the knob's run has a row of its own in the memory table"
+    assert "| backend | ws | knob | peak |" in memory
+    assert "1 run(s) with a knob changed" in md and "0 older result(s)" in md
+    # Twin: a run that recorded no knob is the baseline, whatever its tag says (the report reads, never derives).
+    write(tmp_path / "zero2.json", {**_deepspeed(2, 1_700_000_100.0, 90.0, 12.1), "knobs": {}})
     sel = report.build.select(report.load_inputs(tmp_path))
-    assert [r["tag"] for r in sel.runs] == ["reference/1", "deepspeed/2"] and sel.variants == []
+    assert [r.tag for r in sel.runs] == ["reference/1", "deepspeed:zero2/2"] and sel.knob_runs == []
 
 
-@pytest.mark.parametrize(("backend", "tag", "config", "expected"), [
-    ("deepspeed", "deepspeed:zero2/2", {"options": {"zero_stage": "2"}}, "zero_stage=2"),
-    ("deepspeed", None, {"options": {"zero_stage": 3}}, "zero_stage=3"),  # a run of its own: the option names it
-    ("deepspeed", "deepspeed:zero0/2", {"options": {"zero_stage": "0"}}, ""),  # stage 0 is the default
-    ("deepspeed", None, {"options": {"zero_stage": 0}}, ""),
-    ("deepspeed", "deepspeed:zero3/2 amp_recipe=engine", {"options": {"zero_stage": "3", "amp_recipe": "engine"}},
-     "amp_recipe=engine zero_stage=3"),  # the amp_recipe variant is kept, beside the stage
-    ("deepspeed", None, {"options": {"amp_recipe": "engine"}}, "amp_recipe=engine"),
-    ("fsdp", "fsdp:noreshard/2", {"options": {"reshard_after_forward": "false"}}, "reshard_after_forward=false"),
-    ("fsdp", "fsdp/2", {"options": {"reshard_after_forward": "true"}}, ""),
-    # A named variant whose option this report does not know is named by its compare tag, never the baseline ...
-    ("fsdp", "fsdp:hybrid/2", {"options": {"mesh": "2x1"}}, "hybrid"),
-    ("fsdp", "fsdp:hybrid/2 grad_accum=2", {"grad_accum": 2, "options": {"mesh": "2x1"}}, "hybrid grad_accum=2"),
-    # ... and a tag that names none, or a user's package.module:Class, names nothing.
-    ("fsdp", "fsdp/2", {"options": {"mesh": "2x1"}}, ""),
-    ("mypkg.mod:Mine", "mypkg.mod:Mine/2", {}, ""),
-    ("mypkg.mod:Mine", "mypkg.mod:Mine:fast/2", {}, "fast"),
-    ("ddp", "my own free text: ddp:x/2", {}, ""),
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"knobs": {"zero_stage": 2}}, "zero_stage=2"),
+    ({"knobs": {"amp_recipe": "engine", "zero_stage": 3}}, "amp_recipe=engine zero_stage=3"),  # in the order recorded
+    ({"knobs": {"reshard_after_forward": False}}, "reshard_after_forward=false"),  # as --opt takes it
+    ({"knobs": {"bucket_mb": 0.01}}, "bucket_mb=0.01"), ({"knobs": {"bucket_mb": 25.0}}, "bucket_mb=25"),
+    ({"knobs": {"grad_accum": 4, "compression": "fp16"}}, "grad_accum=4 compression=fp16"),
+    # The record is what counts: a tag, a variant and options that say otherwise are not read.
+    ({"knobs": {}, "tag": "deepspeed:zero2/2", "variant": "zero2", "config": {"options": {"zero_stage": 2}}}, ""),
+    # Written before knobs were recorded: the sweep flags (their defaults of then) and the named variant.
+    ({"variant": "hybrid", "config": {"grad_accum": 2}}, "variant=hybrid grad_accum=2"),
+    ({"config": {"bucket_mb": 25.0, "compression": "none"}}, "bucket_mb=25"),
+    ({"tag": "fsdp:hybrid/2", "config": {"options": {"mesh": "2x1"}}}, ""),
 ])
-def test_variant_rows_are_named_by_their_options_else_by_their_compare_tag(backend, tag, config, expected) -> None:
-    assert report.variant_of({"backend": backend, "world_size": 2, "tag": tag, "config": config}) == expected
-
-
-def _declared_by_the_classes() -> dict[str, Any]:
-    """The variant options and their baseline values as the adapter classes themselves hold them (importing them
-    imports torch, never a backend's runtime): what a variant sets, and amp_recipe."""
-    from dpcompare.run import registry
-
-    expected: dict[str, Any] = {}
-    for name in BACKENDS:
-        cls = registry.load(name, BACKENDS, "backend")
-        keys = {k for options in cls.VARIANTS.values() for k in options} | {"amp_recipe"}
-        for option in cls.OPTIONS:
-            if option.name in keys:
-                expected.setdefault(option.name, option.default)
-    return expected
-
-
-def test_the_variant_options_are_the_defaults_each_adapter_declares() -> None:
-    """The report's baseline value of every variant option is the default the adapter's OPTIONS declares for it, in
-    the registry's order (deepspeed's amp_recipe and zero_stage, fsdp's reshard_after_forward and replicas), read from
-    the sources."""
-    from dpcompare.commands.report.declarations import variant_options
-
-    derived = variant_options()
-    assert list(derived.items()) == list(_declared_by_the_classes().items())
-    assert {"amp_recipe", "zero_stage", "reshard_after_forward", "replicas"} <= derived.keys()
-
-
-TWINS = {
-    # a changed default: stage 1 is then deepspeed's baseline and stage 0 a variant
-    "default": ("deepspeed", 'Option("zero_stage", int, 0,', 'Option("zero_stage", int, 1,'),
-    # a variant no longer declared: its option no longer makes a variant
-    "variants": ("fsdp", 'VARIANTS = {"noreshard": {"reshard_after_forward": False}, "hsdp": {"replicas": 2}}',
-                 "VARIANTS = {}"),
-}
-
-
-@pytest.mark.parametrize("twin", list(TWINS))
-def test_a_changed_declaration_changes_the_variant_options(twin: str, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The negative twin: the same adapter with one declaration changed, registered in its place, changes what the
-    report takes for the baseline."""
-    from dpcompare.commands.report.declarations import source_of, variant_options
-    from dpcompare.run import registry
-
-    backend, old, new = TWINS[twin]
-    module, _, cls = BACKENDS[backend].partition(":")
-    source = source_of(module).read_text()
-    assert source.count(old) == 1, f"the {backend} adapter no longer declares {old!r}: update this twin"
-    (tmp_path / "twin_adapters").mkdir()
-    (tmp_path / "twin_adapters" / "__init__.py").write_text("")
-    (tmp_path / "twin_adapters" / f"{backend}.py").write_text(source.replace(old, new))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(registry, "BACKENDS", {**BACKENDS, backend: f"twin_adapters.{backend}:{cls}"})
-    stage = lambda n: {"backend": "deepspeed", "tag": f"deepspeed:zero{n}/2", "config": {"options": {"zero_stage": n}}}
-    noreshard = {"backend": "fsdp", "tag": "fsdp:noreshard/2", "config": {"options": {"reshard_after_forward": "false"}}}
-    if twin == "default":
-        assert variant_options()["zero_stage"] == 1 and variant_options(BACKENDS)["zero_stage"] == 0
-        assert (report.variant_of(stage(1)), report.variant_of(stage(0))) == ("", "zero_stage=0")
-    else:
-        assert "reshard_after_forward" not in variant_options() and "reshard_after_forward" in variant_options(BACKENDS)
-        assert report.variant_of(noreshard) == "noreshard"  # named by its compare tag alone
-    monkeypatch.setattr(registry, "BACKENDS", BACKENDS)
-    assert (report.variant_of(stage(1)), report.variant_of(stage(0)), report.variant_of(noreshard)) == (
-        "zero_stage=1", "", "reshard_after_forward=false")
-
-
-def test_the_variant_options_are_read_without_torch_or_a_backend() -> None:
-    """Where neither torch nor deepspeed can be imported, a deepspeed:zero2 result is still a variant: the declarations
-    are read from the adapters' sources, and no adapter module is imported."""
-    code = ("import sys; sys.modules['torch'] = None; sys.modules['deepspeed'] = None\n"
-            "from dpcompare.commands.report.derive import variant_of\n"
-            "print(variant_of({'backend': 'deepspeed', 'tag': 'deepspeed:zero2/2', "
-            "'config': {'options': {'zero_stage': '2'}}}))\n"
-            "print(sorted(m for m in sys.modules if m.startswith('dpcompare.adapters')))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.split("\n")[:2] == ["zero_stage=2", "[]"], proc.stdout + proc.stderr
+def test_a_runs_knobs_are_read_as_it_recorded_them(fields, expected) -> None:
+    assert RunResult({"backend": "deepspeed", "world_size": 2, **fields}).knob_label == expected
 
 
 def test_a_failed_variant_job_is_listed_though_its_backend_succeeded(tmp_path: Path) -> None:

@@ -17,11 +17,13 @@ devices and library versions, and a baseline saved on other hardware is refused.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+
+from dpcompare import verdict_words as words
+from dpcompare.result_view import Metrics, ResultError, RunResult
 
 DEFAULT_BACKENDS = "reference,ddp,horovod,deepspeed"
 DEFAULT_WORLD_SIZES = "1,2"
@@ -33,8 +35,10 @@ DEFAULT_STEPS = 30
 DEFAULT_WARMUP = 5
 HARDWARE_KEYS = ("device_names", "cpu_count", "platform_machine")
 """Machine-info keys that name the hardware: a baseline that differs in one of them is refused."""
-EXTRA_INFO = ("samples_per_s", "tokens_per_s", "step_ms_p50", "peak_mem_mib", "comm_exposed_ms", "comm_exposed_ci_ms",
-              "comm_total_ms", "overlap_fraction", "busbw_gbps", "measured_steps")
+EXTRA_INFO = (Metrics.samples_per_s, Metrics.tokens_per_s, Metrics.step_ms_p50, Metrics.peak_mem_mib,
+              Metrics.comm_exposed_ms, Metrics.comm_exposed_ci_ms, Metrics.comm_total_ms, Metrics.overlap_fraction,
+              Metrics.busbw_gbps, Metrics.measured_steps)
+"""The run's figures each benchmark keeps in its extra_info, under their names in the result."""
 
 
 class ReplayClock:
@@ -114,7 +118,10 @@ def start_run(backend: str, world_size: int, args: list[str], out: Path, timeout
     if done.returncode != 0 or len(files) != 1:
         pytest.fail(f"{backend}/{world_size} failed (exit {done.returncode}): {_last_error(done.stdout + done.stderr)}",
                     pytrace=False)
-    return json.loads(files[0].read_text())
+    try:
+        return dict(RunResult.read(files[0]).raw)
+    except ResultError as exc:
+        pytest.fail(f"{backend}/{world_size}: {exc}", pytrace=False)
 
 
 @pytest.fixture
@@ -133,19 +140,18 @@ def dpcompare_run(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..
 def record(benchmark: Any, result: dict[str, Any]) -> None:
     """Hand a run's measured steps (slowest rank, warm-up excluded) to pytest-benchmark as its rounds, and its
     costs and verdict to extra_info. A `different` verdict fails the test: a wrong run's speed is no figure."""
-    e, metrics = result["equivalence"], result.get("metrics") or {}
-    label = f"{result['backend']}/{result['world_size']}"
-    if e["verdict"] == "different":
-        d = e.get("first_divergence") or {}
-        pytest.fail(f"{label}: verdict different (step {d.get('step')}, {d.get('parameter')}: {d.get('reason')})",
-                    pytrace=False)
-    steps_ms = metrics.get("step_ms") or []
+    run = RunResult(result)
+    e, metrics = run.equivalence, run.metrics
+    if e.verdict == "different":
+        said = words.note(e) or "no first divergence recorded"
+        pytest.fail(f"{run.label}: verdict different ({said})", pytrace=False)
+    steps_ms = metrics.step_ms.value or []
     if not steps_ms:
-        pytest.fail(f"{label}: the run measured no steps (pass --measure-steps N)", pytrace=False)
-    benchmark.extra_info.update({name: metrics.get(name) for name in EXTRA_INFO})
-    benchmark.extra_info.update(verdict=e["verdict"], backend=result["backend"], world_size=result["world_size"],
-                                launcher=result["launcher"], model=result["model"], device=result["device"],
-                                inject_slowdown=(result.get("config") or {}).get("inject_slowdown", 0.0))
+        pytest.fail(f"{run.label}: the run measured no steps (pass --measure-steps N)", pytrace=False)
+    benchmark.extra_info.update({field.name: metrics.figure(field).value for field in EXTRA_INFO})
+    benchmark.extra_info.update(verdict=e.verdict, backend=run.backend, world_size=run.world_size,
+                                launcher=run.launcher, model=run.model, device=run.device,
+                                inject_slowdown=run.config.inject_slowdown)
     REPLAY_CLOCK.load([ms / 1e3 for ms in steps_ms])
     benchmark.pedantic(REPLAY_CLOCK.advance, rounds=len(steps_ms), iterations=1, warmup_rounds=0)
 

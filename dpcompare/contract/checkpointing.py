@@ -19,7 +19,7 @@ with their own parameters. Imports nothing above the contract.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -88,14 +88,13 @@ def describe(model: nn.Module) -> str:
             f"forward in backward (non-reentrant torch.utils.checkpoint){rng}")
 
 
-def summary_phrase(recorded: dict[str, Any] | None, metrics: dict[str, Any] | None) -> str:
-    """The run line's phrase on its checkpointed blocks (`record`'s) and the memory the measured steps took ('' when
-    no block was checkpointed)."""
+def summary_phrase(recorded: Mapping[str, Any] | None, peak: float | None, above: float | None) -> str:
+    """The run line's phrase on its checkpointed blocks (`record`'s) and the memory the measured steps took (peak and
+    above the step's start, MiB; '' when no block was checkpointed)."""
     if not recorded:
         return ""
     phrase = f"; {recorded['blocks']} block(s) recomputed in backward (--activation-checkpointing"
     phrase += ")" if recorded["preserve_rng_state"] else ", WITHOUT the forward's generator state)"
-    peak, above = (metrics or {}).get("peak_mem_mib"), (metrics or {}).get("peak_above_start_mib")
     if peak is not None:
         phrase += f", peak memory {peak:.1f} MiB" + (f" ({above:.1f} MiB above the step's start)" if above is not None else "")
     return phrase

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from dpcompare.commands.pytest_plugin import run_args, selected
+from dpcompare.result_view import RunResult
 from dpcompare.run import registry
 
 
@@ -36,5 +37,5 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def test_step_time(backend, world_size, dpcompare_benchmark, benchmark, pytestconfig):
     benchmark.group = f"model={pytestconfig.getoption('--dpcompare-model')}"
-    result = dpcompare_benchmark(backend, world_size, *run_args(pytestconfig))
-    assert len(benchmark.stats.stats.data) == result["metrics"]["measured_steps"]
+    result = RunResult(dpcompare_benchmark(backend, world_size, *run_args(pytestconfig)))
+    assert len(benchmark.stats.stats.data) == result.metrics.measured_steps.value

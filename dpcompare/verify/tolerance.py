@@ -205,6 +205,12 @@ def coverage(params: list[ParamError]) -> Coverage:
                     [p.parameter for p in params if not p.judged])
 
 
+def allowed_floor(floor: float, *, depth: int, unit_roundoff: float, world_size: int, u_sum: float) -> float:
+    """The floor a judged error is divided by (its noise ratio's denominator, the tolerance / FACTOR): the measured
+    floor, at least depth * u, plus the reduction's allowance world_size * u_sum."""
+    return max(floor, depth * unit_roundoff) + world_size * u_sum
+
+
 def wire_roundoff(dtype: str, compression: str = "none") -> float:
     """Unit roundoff of the reduction: the run dtype's, or the compressed wire dtype's when it is coarser."""
     wire = WIRE_DTYPE[compression]

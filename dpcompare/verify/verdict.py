@@ -15,8 +15,8 @@ from typing import Literal
 
 from dpcompare.contract import Note
 from dpcompare.verify.precision import PrecisionReport
-from dpcompare.verify.tolerance import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, ParamError, coverage,
-                                        min_detectable)
+from dpcompare.verify.tolerance import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, ParamError, allowed_floor,
+                                        coverage, min_detectable)
 from dpcompare.verify.tolerance import describe as describe_tolerance
 
 Check = Literal["initial", "gradient", "grad_norm", "update", "trajectory", "replicas", "rng", "buffers", "loss_scale"]
@@ -283,13 +283,22 @@ class Verdict:
         worst = _worst(per_step)
         return _finite(worst) if worst is not None else None
 
+    def _recorded_floor(self, checks: dict, policy: dict) -> dict:
+        """The gradient check's floor as its noise ratio divides by it (recorded: readers never recompute it)."""
+        gradient = checks["gradient"]
+        u_sum = policy["unit_roundoff"] if self.wire_rounding == "measured" else policy["unit_roundoff_wire"]
+        gradient["floor_rel_fro"] = None if gradient["dp_floor_rel_fro"] is None else allowed_floor(
+            gradient["dp_floor_rel_fro"], depth=policy["depth"], unit_roundoff=policy["unit_roundoff"],
+            world_size=policy["world_size"], u_sum=u_sum)
+        return checks
+
     def to_dict(self, tolerance_policy: dict) -> dict:
         worst = max(self.checks, key=lambda c: c.noise_ratio, default=None)
         verdict = self.status()
         return {
             "verdict": verdict,
             "unverifiable_reason": "; ".join(self.unverifiable) if verdict == "unverifiable" else None,
-            "checks": self._summaries(),
+            "checks": self._recorded_floor(self._summaries(), tolerance_policy),
             "checked_steps": [c.step for c in self.checks],
             "max_rel_err": _defined_max([c.max_rel_err for c in self.checks]) if self.checks else None,
             "max_rel_err_reason": (next((c.max_rel_err_reason for c in self.checks if c.max_rel_err_reason), None)

@@ -64,10 +64,10 @@ def main(ns: argparse.Namespace) -> int:
         console.print(f"[yellow]{u['backend']} unavailable:[/] {u['reason']}")
     _run_all(console, spec, run_dir, planned.jobs)
 
-    baseline = [j for j in planned.jobs if j.variant == "baseline"]
+    baseline = [j for j in planned.jobs if j.knob == "baseline"]
     # The same config: the baseline runs and other precision recipes (deepspeed's engine), not the sweep's knobs.
     same_config = [j.result for j in planned.jobs
-                   if j.result and (j.variant == "baseline" or plan.is_amp_recipe(j.variant))]
+                   if j.result and (j.knob == "baseline" or plan.is_amp_recipe(j.knob))]
     figures = {"matrix": matrix.build_matrix(baseline), "unused_parameter_grads": matrix.unused_parameter_grads(baseline),
                "scaling": matrix.scaling_rows(planned.jobs, spec.run.scaling),
                "skipped_steps": matrix.skipped_steps(same_config)}
@@ -76,9 +76,9 @@ def main(ns: argparse.Namespace) -> int:
     render.render(console, baseline, planned.unavailable, figures["matrix"], figures["unused_parameter_grads"],
                   figures["skipped_steps"])
     render.render_cost(console, baseline, figures["scaling"])
-    variants = [j for j in planned.jobs if j.variant != "baseline"]
-    if variants or planned.sweep_skipped:
-        render.render_sweep(console, variants, planned.sweep_skipped)
+    knobs = [j for j in planned.jobs if j.knob != "baseline"]
+    if knobs or planned.sweep_skipped:
+        render.render_sweep(console, knobs, planned.sweep_skipped)
     return _finish(console, spec, run_dir, planned.jobs)
 
 

@@ -5,12 +5,12 @@ tree killed on timeout), and each job's outcome: its result JSON, found by tag, 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from dpcompare.commands.compare.plan import Job, capabilities
 from dpcompare.commands.compare.spec import CompareSpec
+from dpcompare.result_view import ResultError, RunResult
 from dpcompare.run.launchers import run_process
 
 
@@ -58,14 +58,17 @@ def execute(job: Job, timeout_s: float) -> None:
         job.status = "failed"
         job.error = (lines[-1].strip() if lines else f"exit status {finished.returncode}") + f" (log: {job.log})"
     else:
-        job.status = job.result["equivalence"]["verdict"]
+        job.status = job.result.equivalence.verdict or "failed"
 
 
-def _find_result(job: Job) -> tuple[dict | None, Path | None]:
-    """The result JSON the job's run wrote (tagged with the job's label; the last one if several), or None."""
-    found: tuple[dict | None, Path | None] = (None, None)
+def _find_result(job: Job) -> tuple[RunResult | None, Path | None]:
+    """The result the job's run wrote (tagged with the job's label; the last one if several), or None."""
+    found: tuple[RunResult | None, Path | None] = (None, None)
     for path in sorted((job.log.parent.parent / "runs").glob("*.json")):
-        candidate = json.loads(path.read_text())
-        if candidate.get("tag") == job.label:
+        try:
+            candidate = RunResult.read(path)
+        except ResultError:
+            continue  # not a result of this dpcompare: not this job's
+        if candidate.tag == job.label:
             found = (candidate, path)
     return found

@@ -13,6 +13,7 @@ import numpy as np
 
 from dpcompare.commands.compare.plan import Job
 from dpcompare.measure.scaling import scaling_efficiency
+from dpcompare.result_view import RunResult
 
 
 def _load(dump: Path) -> dict[int, dict[str, np.ndarray]]:
@@ -34,8 +35,7 @@ RANDOM_ACROSS_WORLD_SIZES = (
 
 def _stochastic(job: Job) -> bool:
     """Whether the run's forward draws random numbers (False for a result written before this was probed)."""
-    probe = ((job.result or {}).get("equivalence") or {}).get("stochastic") or {}
-    return bool(probe.get("stochastic"))
+    return job.result is not None and job.result.equivalence.stochastic
 
 
 PER_REPLICA_ACROSS_SPLITS = (
@@ -48,11 +48,7 @@ PER_REPLICA_ACROSS_SPLITS = (
 def _per_replica_split(job: Job) -> int | None:
     """The number of forwards a run computed separately (BatchNorm per replica, or a forward that depends on the
     split), or None when it did not."""
-    e = (job.result or {}).get("equivalence") or {}
-    for section in (e.get("batchnorm") or {}, e.get("split") or {}):
-        if section.get("semantics") == "per_replica":
-            return section.get("forwards")
-    return None
+    return job.result.equivalence.per_replica_forwards if job.result is not None else None
 
 
 def _not_comparable(a: Job, b: Job) -> str | None:
@@ -111,7 +107,7 @@ def unused_parameter_grads(jobs: list[Job]) -> list[dict[str, Any]]:
     form being none, zero, nonzero, mixed (across ranks) or 'not recorded'."""
     forms_by_name: dict[str, dict[str, str]] = {}  # parameter -> run label -> form
     for j in jobs:
-        parameters = ((j.result or {}).get("equivalence") or {}).get("parameters") or {}
+        parameters = j.result.equivalence.section("parameters") if j.result is not None else {}
         recorded = parameters.get("unused_grad") or {}
         for name in parameters.get("unused") or []:
             forms_by_name.setdefault(name, {})[j.label] = recorded.get(name, "not recorded")
@@ -131,17 +127,16 @@ def unused_parameter_grads(jobs: list[Job]) -> list[dict[str, Any]]:
     return entries
 
 
-def skipped_steps(payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def skipped_steps(payloads: list[RunResult]) -> list[dict[str, Any]]:
     """Every backend must skip the same steps: for each world size with an fp16 run (a result whose
     equivalence.precision records loss-scaler steps), {'world_size', 'runs': {run label: skipped steps}, 'agree',
     'line'}, by world size. Results without precision (written before --amp, or --amp none/bf16) are left out."""
     by_ws: dict[int, dict[str, list[int]]] = {}
     for r in payloads:
-        precision = (r.get("equivalence") or {}).get("precision") or {}
+        precision = r.equivalence.section("precision")
         if not precision.get("steps"):
             continue
-        label = r.get("tag") or f"{r['backend']}/{r['world_size']}"
-        by_ws.setdefault(r["world_size"], {})[label] = list(precision.get("skipped_steps") or [])
+        by_ws.setdefault(r.world_size, {})[r.tag or r.label] = list(precision.get("skipped_steps") or [])
     entries = []
     for ws, runs in sorted(by_ws.items()):
         agree = len({tuple(steps) for steps in runs.values()}) == 1
@@ -158,20 +153,19 @@ def skipped_steps(payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _is_scaling_baseline(job: Job) -> bool:
     """A world-size-1 run whose result says its backend declares itself the scaling baseline."""
-    declared = (job.result or {}).get("capabilities") or {}
-    return job.world_size == 1 and declared.get("scaling_baseline") is True
+    return job.world_size == 1 and job.result is not None and job.result.scaling_baseline
 
 
 def scaling_rows(jobs: list[Job], scaling: str) -> list[dict[str, Any]]:
     """Scaling efficiency per baseline run (seed formula): throughput_N / (N * throughput_1), with
     throughput_1 that of the world-size-1 run whose backend declares capabilities.scaling_baseline (the
     reference), measured in the same invocation."""
-    base = [j for j in jobs if j.variant == "baseline" and j.result and j.result.get("metrics")]
+    base = [j for j in jobs if j.knob == "baseline" and j.result is not None and j.result.metrics.raw]
     ref = next((j for j in base if _is_scaling_baseline(j)), None)
-    thr1 = ref.result["metrics"].get("samples_per_s") if ref else None
+    thr1 = ref.result.metrics.samples_per_s.value if ref else None
     rows = []
     for j in base:
-        thr = j.result["metrics"].get("samples_per_s")
+        thr = j.result.metrics.samples_per_s.value
         rows.append({"label": j.label, "backend": j.backend, "entry": j.entry, "world_size": j.world_size,
                      "samples_per_s": thr, "scaling": scaling, "efficiency": scaling_efficiency(thr, j.world_size, thr1),
                      "reason": None if thr1 else

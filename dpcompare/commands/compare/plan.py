@@ -15,6 +15,7 @@ from typing import Any, Callable
 from dpcompare.commands.compare.entries import (Entry, adapter_class, amp_recipe_choices, capabilities,
                                                 declared_launcher)
 from dpcompare.commands.compare.spec import CompareSpec
+from dpcompare.result_view import RunResult
 from dpcompare.run import registry
 from dpcompare.run.config import RunConfig
 from dpcompare.run.launchers import native_command
@@ -28,10 +29,11 @@ class Job:
     label: str
     dump: Path
     log: Path
-    variant: str = "baseline"
-    """'baseline', or 'knob=value' for a --sweep run (or another precision recipe under --amp)."""
+    knob: str = "baseline"
+    """What the job changes from its entry's run: 'baseline', 'knob=value' for a --sweep run (or another precision
+    recipe under --amp), a question's flags or 'control'."""
     status: str = "pending"
-    result: dict[str, Any] | None = None
+    result: RunResult | None = None
     wall_s: float | None = None
     error: str | None = None
     result_path: Path | None = None
@@ -96,9 +98,9 @@ def plan(spec: CompareSpec, run_dir: Path) -> Plan:
     files = {"out": str(run_dir / "runs"), "collectives": collectives_path(spec, run_dir)}
     stems: set[str] = set()
 
-    def add(entry: Entry, ws: int, variant: str, changes: dict[str, Any]) -> None:
-        label = f"{entry.name}/{ws}" + ("" if variant == "baseline" else f" {variant}")
-        result.jobs.append(make_job(entry, ws, label, variant, run_dir, stems,
+    def add(entry: Entry, ws: int, knob: str, changes: dict[str, Any]) -> None:
+        label = f"{entry.name}/{ws}" + ("" if knob == "baseline" else f" {knob}")
+        result.jobs.append(make_job(entry, ws, label, knob, run_dir, stems,
                                     spec.job_run(entry, {**files, **changes})))
 
     for entry, ws in baseline:
@@ -109,7 +111,7 @@ def plan(spec: CompareSpec, run_dir: Path) -> Plan:
     return result
 
 
-def make_job(entry: Entry, ws: int, label: str, variant: str, run_dir: Path, stems: set[str], run: RunConfig,
+def make_job(entry: Entry, ws: int, label: str, knob: str, run_dir: Path, stems: set[str], run: RunConfig,
              question: str = "") -> Job:
     """A job as its users would type it under the launcher its adapter declares: `run` with its dump, tag and fence
     (named after the label, unique in `stems`)."""
@@ -118,7 +120,7 @@ def make_job(entry: Entry, ws: int, label: str, variant: str, run_dir: Path, ste
     log = run_dir / "logs" / f"{stem}.log"
     run = replace(run, dump_grads=str(dump), tag=label, closed_if=str(log.with_suffix(".closed")))
     command = native_command(capabilities(entry.backend).native_launcher, ws, run.to_args())
-    return Job(entry.backend, ws, command, label, dump, log, variant, backend_variant=entry.variant,
+    return Job(entry.backend, ws, command, label, dump, log, knob, backend_variant=entry.variant,
                options=dict(entry.options), question=question)
 
 
@@ -140,9 +142,9 @@ FP16_ENGINE_NEEDS_A_DEVICE = ("DeepSpeed's fp16 engine needs a device with fp16 
 """Why an fp16 engine recipe (16-bit weights: deepspeed's, the one backend that declares one) is not planned here."""
 
 
-def is_amp_recipe(variant: str) -> bool:
+def is_amp_recipe(knob: str) -> bool:
     """A job that runs another precision recipe of its backend: the same computation as the baseline, judged alike."""
-    return variant.startswith("amp_recipe=")
+    return knob.startswith("amp_recipe=")
 
 
 def amp_recipes(amp: str, baseline: list[tuple[Entry, int]], add: Callable) -> list[dict[str, str]]:

@@ -14,13 +14,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
+from dpcompare import verdict_words as words
 from dpcompare.commands.compare import plan as planning
 from dpcompare.commands.compare.entries import declared_launcher, parse_backends
 from dpcompare.commands.compare.spec import CompareSpec
+from dpcompare.result_view import Equivalence, Field, Metrics, RunResult
 from dpcompare.run import flags, registry
 from dpcompare.run.config import RunConfig
 
-Figure = Callable[[dict[str, Any], dict[str, Any] | None], str]
+Figure = Callable[[RunResult, RunResult | None], str]
 """(a row's result, its question's control run of the same backend at the same world size, or None) -> the row's
 figure."""
 
@@ -59,36 +61,27 @@ class Question:
     """Result paths (dotted) the figure reads, kept in compare.json beside the text."""
 
 
-def _get(result: dict[str, Any], path: str) -> Any:
-    value: Any = result
-    for key in path.split("."):
-        if not isinstance(value, dict):
-            return None
-        value = value.get(key)
-    return value
-
-
 def _num(x: Any, spec: str = ".3g") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def clipping_figure(result: dict[str, Any], control: dict[str, Any] | None = None) -> str:
+def clipping_figure(result: RunResult, control: RunResult | None = None) -> str:
     """The clip, the steps where it took effect, and the backend's reported norm against the oracle's."""
-    g = _get(result, "equivalence.checks.grad_norm") or {}
-    if g.get("status") in (None, "off"):
+    g = result.equivalence.grad_norm
+    if g.status in (None, "off"):
         return "no clipping"
-    steps = g.get("clipped_steps") or []
-    norms = [s["grad_norm"] for s in _get(result, "equivalence.per_step") or [] if s.get("grad_norm")]
+    steps = g.clipped_steps
+    norms = [s["grad_norm"] for s in result.equivalence.per_step if s.get("grad_norm")]
     first = norms[0] if norms else {}
     took = f"took effect at steps {', '.join(map(str, steps))}" if steps else "never took effect"
-    return (f"clip {_num(g.get('clip'))} {took}; norm reported {_num(first.get('reported'))} vs the oracle's "
-            f"{_num(first.get('oracle'))} (worst rel err {_num(g.get('max_rel_err'), '.2e')}, "
-            f"{_num(g.get('noise_ratio'), '.2f')}x its floor)")
+    return (f"clip {_num(g.clip.value)} {took}; norm reported {_num(first.get('reported'))} vs the oracle's "
+            f"{_num(first.get('oracle'))} (worst rel err {_num(g.max_rel_err.value, words.REL_ERR)}, "
+            f"{_num(g.noise_ratio.value, words.X_FLOOR)}x its floor)")
 
 
-def comm_figure(result: dict[str, Any], control: dict[str, Any] | None = None) -> str:
+def comm_figure(result: RunResult, control: RunResult | None = None) -> str:
     """Communication per step by kind: measured bytes, against the prediction, and the ranks each kind spans."""
-    kinds = _get(result, "metrics.comm_by_kind") or {}
+    kinds = result.metrics.comm_by_kind.value or {}
     if not kinds:
         return "no communication measured"
     parts = []
@@ -97,20 +90,20 @@ def comm_figure(result: dict[str, Any], control: dict[str, Any] | None = None) -
         ranks = row.get("group_ranks")
         parts.append(f"{kind} {_num(measured, '.0f')} B (predicted {_num(predicted, '.0f')})"
                      + (f" over {ranks} ranks" if ranks else ""))
-    state = _get(result, "metrics.model_state_mib.total")
+    state = result.metrics.state_total()
     return "; ".join(parts) + (f"; model state {_num(state)} MiB/rank" if state is not None else "")
 
 
-def checkpointing_figure(result: dict[str, Any], control: dict[str, Any] | None = None) -> str:
+def checkpointing_figure(result: RunResult, control: RunResult | None = None) -> str:
     """The blocks recomputed in backward, then peak memory and step time against the run without it."""
-    blocks = (result.get("activation_checkpointing") or {}).get("blocks")
+    blocks = (result.activation_checkpointing or {}).get("blocks")
     return (f"{blocks} block(s) recomputed; " if blocks else "") + peak_figure(result, control)
 
 
-def compile_figure(result: dict[str, Any], control: dict[str, Any] | None = None) -> str:
+def compile_figure(result: RunResult, control: RunResult | None = None) -> str:
     """What torch.compile did (its time apart from the steps, graphs, breaks, recompilations, steps left out), then
     the step time against the run without it."""
-    c = result.get("compile")
+    c = result.compile
     if not c:
         return _step_against(result, control)
     pieces = c.get("compiled_graphs")
@@ -123,20 +116,20 @@ def compile_figure(result: dict[str, Any], control: dict[str, Any] | None = None
             + _step_against(result, control))
 
 
-def _step_against(result: dict[str, Any], control: dict[str, Any] | None) -> str:
-    return _against(result, control, "metrics.step_ms_p50", "ms", "step p50")
+def _step_against(result: RunResult, control: RunResult | None) -> str:
+    return _against(result, control, Metrics.step_ms_p50, "ms", "step p50")
 
 
-def _against(result: dict[str, Any], control: dict[str, Any] | None, path: str, unit: str, what: str) -> str:
-    value = _get(result, path)
-    base = _get(control, path) if control is not None and control is not result else None
+def _against(result: RunResult, control: RunResult | None, field: Field, unit: str, what: str) -> str:
+    value = result.metrics.figure(field).value
+    base = control.metrics.figure(field).value if control is not None and control is not result else None
     vs = f" ({value / base - 1:+.0%} against {_num(base)} without)" if value is not None and base else ""
     return f"{what} {_num(value)} {unit}{vs}"
 
 
-def peak_figure(result: dict[str, Any], control: dict[str, Any] | None = None) -> str:
+def peak_figure(result: RunResult, control: RunResult | None = None) -> str:
     """Peak memory per rank and step time, each set against the control's (the same run without the feature)."""
-    return ", ".join((_against(result, control, "metrics.peak_mem_mib", "MiB/rank", "peak"),
+    return ", ".join((_against(result, control, Metrics.peak_mem_mib, "MiB/rank", "peak"),
                       _step_against(result, control)))
 
 
@@ -160,7 +153,7 @@ QUESTIONS: tuple[Question, ...] = (
         run_flags=("--model", "mlp", "--global-batch", "24", "--optimizer", "sgd"),
         rows=(Row("fsdp:hsdp", 4), Row("fsdp", 4, control=True)),
         figure=comm_figure,
-        figures=("metrics.comm_by_kind", "metrics.model_state_mib.total"),
+        figures=(Metrics.comm_by_kind.path, Metrics.model_state_mib.path + ".total"),
     ),
     Question(
         name="checkpointing",
@@ -172,8 +165,8 @@ QUESTIONS: tuple[Question, ...] = (
               Row("ddp", 2, ("--activation-checkpointing",)), Row("ddp", 2, control=True),
               Row("fsdp", 2, ("--activation-checkpointing",)), Row("fsdp", 2, control=True)),
         figure=checkpointing_figure, needs_flag="--activation-checkpointing",
-        figures=("activation_checkpointing", "metrics.peak_mem_mib", "metrics.peak_above_start_mib",
-                 "metrics.step_ms_p50"),
+        figures=("activation_checkpointing", Metrics.peak_mem_mib.path, Metrics.peak_above_start_mib.path,
+                 Metrics.step_ms_p50.path),
     ),
     Question(
         name="compile",
@@ -183,7 +176,7 @@ QUESTIONS: tuple[Question, ...] = (
         run_flags=("--model", "cnn", "--global-batch", "24", "--optimizer", "sgd"),
         rows=(Row("reference", 1, ("--compile",)), Row("ddp", 2, ("--compile",)), Row("ddp", 2, control=True)),
         figure=compile_figure, needs_flag="--compile",
-        figures=("compile", "equivalence.noise_ratio", "metrics.step_ms_p50"),
+        figures=("compile", Equivalence.noise_ratio.path, Metrics.step_ms_p50.path),
     ),
 )
 
@@ -249,18 +242,16 @@ def answers(jobs: list[planning.Job]) -> list[dict[str, Any]]:
 
 def _control(rows: list[planning.Job], job: planning.Job) -> planning.Job | None:
     """The question's control run of the job's backend (or variant) at its world size, or None."""
-    return next((j for j in rows if j.variant == "control" and (j.entry, j.world_size) == (job.entry, job.world_size)),
+    return next((j for j in rows if j.knob == "control" and (j.entry, j.world_size) == (job.entry, job.world_size)),
                 None)
 
 
 def _answer(q: Question, job: planning.Job, control: planning.Job | None) -> dict[str, Any]:
-    result = job.result or {}
-    e = result.get("equivalence") or {}
-    d = e.get("first_divergence")
-    return {"label": job.label, "entry": job.entry, "world_size": job.world_size, "knob": job.variant,
-            "control": job.variant == "control", "status": job.status, "error": job.error,
-            "first_divergence": (f"step {d['step']} ({d.get('check', 'gradient')}) {d['parameter']}: {d['reason']}"
-                                 if d else None),
-            "figure": q.figure(result, control.result if control is not None else None) if job.result else None,
-            "figures": {path: _get(result, path) for path in q.figures} if job.result else {},
+    result = job.result
+    d = result.equivalence.first_divergence if result is not None else None
+    return {"label": job.label, "entry": job.entry, "world_size": job.world_size, "knob": job.knob,
+            "control": job.knob == "control", "status": job.status, "error": job.error,
+            "first_divergence": words.divergence(d) if d is not None else None,
+            "figure": q.figure(result, control.result if control is not None else None) if result else None,
+            "figures": {path: result.at(path) for path in q.figures} if result else {},
             "result_path": None if job.result_path is None else str(job.result_path)}

@@ -10,30 +10,32 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from dpcompare import verdict_words as words
 from dpcompare.commands.compare.plan import Job, declared_launcher
 from dpcompare.measure import consistency
-from dpcompare.results import note_code, note_text
+from dpcompare.result_view import Figure, RunResult
 
-STATUS_STYLE = {"equivalent": "green", "different": "red", "failed": "red", "timeout": "red", "unverifiable": "yellow"}
+STATUS_STYLE = words.STYLE
+"""A job's status (its verdict, or failed / timeout) in colour."""
+EMPTY = RunResult({})
+"""What a job that wrote no result reads as: every figure missing."""
 
 
-def _fmt(x: float | None, spec: str = ".2e") -> str:
-    return "-" if x is None else format(x, spec)
+def _fmt(x: Figure | float | None, spec: str = words.REL_ERR) -> str:
+    value = x.value if isinstance(x, Figure) else x
+    return "-" if value is None else format(value, spec)
 
 
 def _note(job: Job) -> str:
     """The last column of the verdict table: the first divergence, else why the run could not be checked,
     else the job's error, else a pass-through note."""
-    e = (job.result or {}).get("equivalence") or {}
-    d = e.get("first_divergence")
-    if d:
-        # Results written before the update and trajectory checks name no check: theirs was the gradient's.
-        return f"step {d['step']} ({d.get('check', 'gradient')} check) {d['parameter']}: {d['reason']}"
-    if e.get("unverifiable_reason"):
-        return e["unverifiable_reason"]
+    e = (job.result or EMPTY).equivalence
+    said = words.note(e)
+    if said:
+        return said
     if job.error:
         return job.error
-    if any(note_code(n) == "no_parallelism" for n in e.get("notes", [])):
+    if e.has_note("no_parallelism"):
         return "no parallelism on CPU (pass-through)"
     return ""
 
@@ -64,16 +66,14 @@ def _verdict_table(jobs: list[Job], unavailable: list[dict]) -> Table:
         table.add_column(col, no_wrap=True)
     table.add_column("first divergence / note", overflow="fold", min_width=24)
     for j in jobs:
-        r = j.result or {}
-        e = r.get("equivalence", {})
-        checks = e.get("checks") or {}
-        update, trajectory = checks.get("update") or {}, checks.get("trajectory") or {}
-        table.add_row(j.entry, str(j.world_size), r.get("launcher", j.launcher),
-                      f"[{STATUS_STYLE.get(j.status, 'white')}]{j.status}[/]", _fmt(e.get("max_rel_fro_err")),
-                      _fmt(e.get("noise_floor_rel_fro")), _fmt(e.get("noise_ratio"), ".2f"),
-                      _fmt(update.get("noise_ratio"), ".2f"), _fmt(update.get("norm_ratio"), ".4f"),
-                      _fmt(trajectory.get("noise_ratio"), ".2f"), _fmt(e.get("min_detectable_rel"), ".1g"),
-                      {True: "identical", False: "DIFFER"}.get(e.get("replicas_identical"), "-"),
+        r = j.result or EMPTY
+        e = r.equivalence
+        table.add_row(j.entry, str(j.world_size), r.launcher or j.launcher,
+                      f"[{STATUS_STYLE.get(j.status, 'white')}]{j.status}[/]", _fmt(e.max_rel_fro_err),
+                      _fmt(e.noise_floor_rel_fro), _fmt(e.noise_ratio, words.X_FLOOR),
+                      _fmt(e.update.noise_ratio, words.X_FLOOR), _fmt(e.update.norm_ratio, words.NORM_RATIO),
+                      _fmt(e.trajectory.noise_ratio, words.X_FLOOR), _fmt(e.min_detectable_rel, words.CATCHES),
+                      words.replicas(e.replicas_identical),
                       _fmt(j.wall_s, ".0f"), Text(_note(j)))  # Text: a log line's [brackets] are not markup
     for u in unavailable:
         launcher = u.get("launcher") or declared_launcher(u["backend"])
@@ -134,35 +134,26 @@ def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None
         table.add_column(col, justify="right", no_wrap=True)
     flagged: list[tuple[str, str]] = []
     for j in jobs:
-        m = (j.result or {}).get("metrics") or {}
+        m = (j.result or EMPTY).metrics
         breakdown = consistency.breakdown_flag(m)
-        compute = _marked(_fmt(m.get("compute_ms_p50"), ".2f"), ("!", breakdown) if breakdown else None, j.label, flagged)
+        compute = _marked(_fmt(m.compute_ms_p50, ".2f"), ("!", breakdown) if breakdown else None, j.label, flagged)
         interference = consistency.interference_flag(m)
-        exposed = _marked(_fmt(m.get("comm_exposed_ms"), ".2f"),
+        exposed = _marked(_fmt(m.comm_exposed_ms, ".2f"),
                           consistency.exposed_flag(m) or (("+", interference) if interference else None), j.label, flagged)
-        table.add_row(j.label, _fmt(m.get("samples_per_s"), ".0f"), _fmt(eff.get(j.label), ".2f"),
-                      _fmt(m.get("step_ms_p50"), ".2f"), compute, exposed, _fmt(m.get("comm_total_ms"), ".2f"),
-                      _fmt(m.get("overlap_fraction"), ".2f"), _fmt(m.get("busbw_gbps"), ".3f"),
-                      _fmt(m.get("busbw_vs_microbench"), ".2f"), _fmt(m.get("peak_mem_mib"), ".0f"),
-                      _fmt(_state_total(m), ".1f"))
+        table.add_row(j.label, _fmt(m.samples_per_s, ".0f"), _fmt(eff.get(j.label), ".2f"),
+                      _fmt(m.step_ms_p50, ".2f"), compute, exposed, _fmt(m.comm_total_ms, ".2f"),
+                      _fmt(m.overlap_fraction, ".2f"), _fmt(m.busbw_gbps, ".3f"),
+                      _fmt(m.busbw_vs_microbench, ".2f"), _fmt(m.peak_mem_mib, ".0f"),
+                      _fmt(m.state_total(), ".1f"))  # what sharding shrinks
     console.print(table)
     for mark, line in flagged:
         console.print(Text(f"({mark}) {line}", style=_FLAG_STYLE[mark[0]]))
 
 
-
-def _state_total(metrics: dict[str, Any]) -> float | None:
-    """The model state this run's rank holds (model_state_mib.total: parameters, gradients, optimizer state, fp32
-    masters, communication buffers), what sharding shrinks; None when not measured."""
-    state = metrics.get("model_state_mib")
-    total = state.get("total") if isinstance(state, dict) else None
-    return total if isinstance(total, (int, float)) else None
-
-
 def _sweep_note(job: Job) -> str:
     """The job's error, else the run's own notes that the knob does not apply to its backend."""
-    notes = ((job.result or {}).get("equivalence") or {}).get("notes", [])
-    return job.error or "; ".join(note_text(n) for n in notes if note_code(n) == "knob_not_applicable")
+    notes = (job.result or EMPTY).equivalence.notes
+    return job.error or "; ".join(n.text for n in notes if n.code == "knob_not_applicable")
 
 
 def render_sweep(console, jobs: list[Job], skipped: list[dict]) -> None:
@@ -170,11 +161,11 @@ def render_sweep(console, jobs: list[Job], skipped: list[dict]) -> None:
     for col in ("backend", "ws", "knob", "verdict", "rel err", "step p50 ms", "exposed comm ms", "busbw GB/s", "note"):
         table.add_column(col, no_wrap=col != "note", overflow="fold")
     for j in jobs:
-        r = j.result or {}
-        e, m = r.get("equivalence", {}), r.get("metrics") or {}
-        table.add_row(j.entry, str(j.world_size), j.variant, j.status, _fmt(e.get("max_rel_fro_err")),
-                      _fmt(m.get("step_ms_p50"), ".2f"), _fmt(m.get("comm_exposed_ms"), ".2f"),
-                      _fmt(m.get("busbw_gbps"), ".3f"), _sweep_note(j))
+        r = j.result or EMPTY
+        e, m = r.equivalence, r.metrics
+        table.add_row(j.entry, str(j.world_size), j.knob, j.status, _fmt(e.max_rel_fro_err),
+                      _fmt(m.step_ms_p50, ".2f"), _fmt(m.comm_exposed_ms, ".2f"),
+                      _fmt(m.busbw_gbps, ".3f"), _sweep_note(j))
     for k in skipped:
         table.add_row(k["backend"], "-", k["knob"], "n/a", "-", "-", "-", "-", k["reason"])
     console.print(table)

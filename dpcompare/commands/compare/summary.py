@@ -1,7 +1,7 @@
 """compare.json, the summary of one compare: the invocation, every run with its outcome (label, backend and named
-variant, world size, status, wall time, error, command, result path, verdict), the backends unavailable, the sweep
-combinations skipped, and the cross-run figures (scaling, the gradient matrix, unused-parameter gradients, skipped
-steps)."""
+variant, world size, the knob it changes, status, wall time, error, command, result path, verdict), the backends
+unavailable, the sweep combinations skipped, and the cross-run figures (scaling, the gradient matrix,
+unused-parameter gradients, skipped steps)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def payload(spec: CompareSpec, run_dir: Path, planned: plan.Plan, figures: dict[
 def run_entry(job: plan.Job) -> dict[str, Any]:
     return {"label": job.label, "backend": job.backend, "entry": job.entry,
             "backend_variant": job.backend_variant or None, "options": job.options,
-            "world_size": job.world_size, "variant": job.variant, "question": job.question or None,
+            "world_size": job.world_size, "knob": job.knob, "question": job.question or None,
             "status": job.status, "wall_s": job.wall_s, "error": job.error, "command": job.command,
             "result_path": None if job.result_path is None else str(job.result_path),
-            "verdict": (job.result or {}).get("equivalence", {}).get("verdict")}
+            "verdict": job.result.equivalence.verdict if job.result is not None else None}

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dpcompare.commands.project.model import Link, collective_s
-from dpcompare.commands.report.load import metric
+from dpcompare.result_view import Figure, Metrics, RunResult
 
 BACKWARD_SHARE = 2 / 3
 """Share of a step's compute during which gradient buckets can be in flight (backward ~ 2x forward)."""
@@ -59,26 +59,23 @@ def oversubscription(n: int, slots: int | None) -> float:
 TRANSPORT_OF_LAUNCHER = {"torchrun": "torch", "horovodrun": "horovod", "deepspeed": "deepspeed", "mpirun": "mpi"}
 
 
-def _num(run: dict[str, Any], name: str) -> float | None:
-    value = metric(run, name)[0]
-    return float(value) if isinstance(value, (int, float)) else None
+def num(figure: Figure) -> float | None:
+    """A recorded figure as a float, None where missing."""
+    return None if figure.value is None else float(figure.value)
 
 
-def local_batch(run: dict[str, Any]) -> float | None:
-    lb = run.get("local_batch")
-    if isinstance(lb, (int, float)) and lb > 0:
-        return float(lb)
-    gb = run.get("global_batch")
-    return float(gb) / run["world_size"] if isinstance(gb, (int, float)) and gb > 0 else None
+def local_batch(run: RunResult) -> float | None:
+    lb = run.local_batch
+    return None if lb is None else float(lb)
 
 
-def messages(run: dict[str, Any]) -> list[tuple[str, float, int]]:
+def messages(run: RunResult) -> list[tuple[str, float, int]]:
     """(collective kind, bytes per call, calls per step) of one run's gradient synchronisation: per kind from
     metrics.comm_by_kind (its measured calls per step, else the bucket count), else one all-reduce of
     grad_bytes_per_step cut into bucket_bytes."""
-    grad = _num(run, "grad_bytes_per_step")
-    bucket = _num(run, "bucket_bytes")
-    by_kind = metric(run, "comm_by_kind")[0]
+    grad = num(run.metrics.grad_bytes_per_step)
+    bucket = num(run.metrics.bucket_bytes)
+    by_kind = run.metrics.comm_by_kind.value
     out = []
     if isinstance(by_kind, dict) and by_kind:
         for kind, info in sorted(by_kind.items()):
@@ -168,29 +165,29 @@ class BackendFit:
                 "samples_per_s": (self.batch_at(n) * n / step * 1e3) if step > 0 else None, "link_fit": which}
 
 
-def _compute_points(runs: list[dict[str, Any]], slots: int | None) -> list[tuple[float, float]]:
+def _compute_points(runs: list[RunResult], slots: int | None) -> list[tuple[float, float]]:
     """(per-rank batch, compute ms) of the runs that ran without oversubscription."""
     pts = []
     for run in runs:
-        n = run["world_size"]
+        n = run.world_size
         if slots and n > slots:
             continue
-        c = _num(run, "step_ms_p50") if n == 1 else _num(run, "compute_ms_p50")
+        c = num(run.metrics.step_ms_p50) if n == 1 else num(run.metrics.compute_ms_p50)
         b = local_batch(run)
         if c is not None and b is not None:
             pts.append((b, c))
     return pts
 
 
-def fit_backend(backend: str, runs: list[dict[str, Any]], cpu_slots: int | None) -> BackendFit:
+def fit_backend(backend: str, runs: list[RunResult], cpu_slots: int | None) -> BackendFit:
     """Fit one backend to its runs at the fit world sizes (newest per world size). Raises ValueError when they
     cannot give a compute model and a communication volume."""
-    runs = sorted(runs, key=lambda r: r["world_size"])
-    sizes = [r["world_size"] for r in runs]
+    runs = sorted(runs, key=lambda r: r.world_size)
+    sizes = [r.world_size for r in runs]
     pts = _compute_points(runs, cpu_slots)
     if not pts:
-        raise ValueError(f"{backend}: no compute time at the fit world sizes {sizes} (step_ms_p50 at 1, "
-                         "compute_ms_p50 above; run with --measure-steps N)")
+        raise ValueError(f"{backend}: no compute time at the fit world sizes {sizes} ({Metrics.step_ms_p50.name} "
+                         f"at 1, {Metrics.compute_ms_p50.name} above; run with --measure-steps N)")
     notes = []
     bs = {b for b, _ in pts}
     if len(bs) >= 2:
@@ -205,7 +202,7 @@ def fit_backend(backend: str, runs: list[dict[str, Any]], cpu_slots: int | None)
         b, c = pts[0]
         c0, c1 = 0.0, c / b
         notes.append("compute measured at one per-rank batch only: taken proportional to it (no fixed part)")
-    multi = [r for r in runs if r["world_size"] > 1]
+    multi = [r for r in runs if r.world_size > 1]
     if not multi:
         raise ValueError(f"{backend}: no run above world size 1 among the fit sizes {sizes}: nothing to measure "
                          "its communication on")
@@ -213,7 +210,7 @@ def fit_backend(backend: str, runs: list[dict[str, Any]], cpu_slots: int | None)
     msgs = messages(ref)
     if not msgs:
         raise ValueError(f"{backend}: its runs record neither grad_bytes_per_step nor comm_by_kind")
-    overlaps = [(r["world_size"], _num(r, "overlap_fraction")) for r in multi]
+    overlaps = [(r.world_size, num(r.metrics.overlap_fraction)) for r in multi]
     overlaps = [(n, f) for n, f in overlaps if f is not None]
     if overlaps:
         overlap = min(1.0, max(0.0, sum(f for _, f in overlaps) / len(overlaps)))
@@ -222,16 +219,16 @@ def fit_backend(backend: str, runs: list[dict[str, Any]], cpu_slots: int | None)
         overlap, overlap_source = 0.0, "no overlap_fraction measured: assumed 0 (all communication exposed)"
     comm = {}
     for r in multi:
-        total = _num(r, "comm_total_ms")
+        total = num(r.metrics.comm_total_ms)
         if total is None:
-            exposed = _num(r, "comm_exposed_ms")
+            exposed = num(r.metrics.comm_exposed_ms)
             total = exposed / (1 - overlap) if exposed is not None and overlap < 1 else None
         if total is not None and total > 0:
-            comm[r["world_size"]] = total
-    step1 = next((_num(r, "step_ms_p50") for r in runs if r["world_size"] == 1), None)
-    transport = TRANSPORT_OF_LAUNCHER.get(str((ref.get("capabilities") or {}).get("native_launcher")))
-    scaling = ref.get("scaling") or (ref.get("metrics") or {}).get("scaling") or "strong"
-    gb = ref.get("global_batch")
+            comm[r.world_size] = total
+    step1 = next((num(r.metrics.step_ms_p50) for r in runs if r.world_size == 1), None)
+    transport = TRANSPORT_OF_LAUNCHER.get(str(ref.native_launcher))
+    scaling = ref.scaling or "strong"
+    gb = ref.global_batch
     return BackendFit(backend, transport, str(scaling), float(gb) if isinstance(gb, (int, float)) else None,
                       local_batch(ref), c0, c1, step1 if step1 is not None else c0 + c1 * pts[0][0], msgs, overlap,
                       overlap_source, comm, cpu_slots, sizes, notes)

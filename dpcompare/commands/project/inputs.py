@@ -1,4 +1,5 @@
-"""What a projection reads: a compare folder's runs per backend (the newest per world size, variants left out), the
+"""What a projection reads: a compare folder's runs per backend (the newest per world size, runs that change a knob
+from their backend's baseline left out), the
 link (a preset, the folder's microbenchmark or a bench-collectives JSON) with the world sizes its fit may use, and
 how many ranks run at once (slots) and which all-reduce algorithm the link's collectives take."""
 
@@ -9,18 +10,19 @@ from pathlib import Path
 from typing import Any
 
 from dpcompare.commands.project.model import PRESETS, Link, link_from_collectives
+from dpcompare.result_view import RunResult
 
 
-def runs_by_backend(in_dir: Path) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, Any]]]:
-    from dpcompare.commands.report.derive import newest_per_backend_world_size, variant_of
+def runs_by_backend(in_dir: Path) -> tuple[dict[str, list[RunResult]], list[dict[str, Any]]]:
+    from dpcompare.commands.report.derive import newest_per_backend_world_size
     from dpcompare.commands.report.load import load_inputs
 
     inputs = load_inputs(in_dir)  # raises ValueError for a missing folder
-    runs = newest_per_backend_world_size(r for r in inputs.runs if not variant_of(r))
-    by: dict[str, list[dict[str, Any]]] = {}
+    runs = newest_per_backend_world_size(r for r in inputs.runs if not r.knobs)
+    by: dict[str, list[RunResult]] = {}
     for r in runs:
-        by.setdefault(r["backend"], []).append(r)
-    multi = {b: rs for b, rs in by.items() if any(r["world_size"] > 1 for r in rs)}
+        by.setdefault(r.backend, []).append(r)
+    multi = {b: rs for b, rs in by.items() if any(r.world_size > 1 for r in rs)}
     if not multi:
         raise ValueError(f"{str(in_dir)!r} holds no run result above world size 1 (found {len(inputs.runs)} run "
                          "result(s)): nothing to project; run python -m dpcompare compare --world-sizes 1,2 first")
@@ -55,7 +57,7 @@ def resolve_link(spec: str, folder_entries: list[dict[str, Any]], keep: set[int]
                      "JSON file")
 
 
-def slots_for(runs: list[dict[str, Any]], link: Link, given: int | None) -> int | None:
+def slots_for(runs: list[RunResult], link: Link, given: int | None) -> int | None:
     if given is not None:
         if given < 1:
             raise ValueError(f"--slots must be at least 1, got {given}")
@@ -63,11 +65,11 @@ def slots_for(runs: list[dict[str, Any]], link: Link, given: int | None) -> int 
     return box_slots(runs) if link.measured else None
 
 
-def box_slots(runs: list[dict[str, Any]]) -> int | None:
+def box_slots(runs: list[RunResult]) -> int | None:
     """The CPU count of the box CPU runs ran on (runs above it were oversubscribed), None for device runs."""
-    if any(r.get("device") not in (None, "cpu") for r in runs):
+    if any(r.device not in (None, "cpu") for r in runs):
         return None
-    counts = [(r.get("env") or {}).get("cpu_count") for r in runs]
+    counts = [r.env.get("cpu_count") for r in runs]
     counts = [c for c in counts if isinstance(c, int) and c > 0]
     return min(counts) if counts else None
 

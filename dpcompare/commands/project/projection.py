@@ -9,25 +9,24 @@ from pathlib import Path
 from typing import Any
 
 from dpcompare import SCHEMA_VERSION
-from dpcompare.commands.project.fit import BACKWARD_SHARE, BackendFit, fit_backend, sched_slice_s
+from dpcompare.commands.project.fit import BACKWARD_SHARE, BackendFit, fit_backend, num, sched_slice_s
 from dpcompare.commands.project.inputs import algorithm_for, box_slots, resolve_link, runs_by_backend, slots_for
 from dpcompare.commands.project.model import Link
+from dpcompare.result_view import RunResult
 
 TARGET = 0.15
 """The validation goal: |predicted - measured| / measured step time."""
 
 
-def measured_point(fit_step1: float | None, run: dict[str, Any]) -> dict[str, Any]:
-    from dpcompare.commands.project.fit import _num
-
-    step = _num(run, "step_ms_p50")
-    n = run["world_size"]
-    scaling = run.get("scaling") or "strong"
+def measured_point(fit_step1: float | None, run: RunResult) -> dict[str, Any]:
+    step = num(run.metrics.step_ms_p50)
+    n = run.world_size
+    scaling = run.scaling or "strong"
     eff = None
     if step and fit_step1:
         eff = fit_step1 / step if scaling == "weak" else fit_step1 / (n * step)
-    return {"backend": run["backend"], "world_size": n, "step_ms": step, "efficiency": eff,
-            "comm_exposed_ms": _num(run, "comm_exposed_ms"), "compute_ms": _num(run, "compute_ms_p50")}
+    return {"backend": run.backend, "world_size": n, "step_ms": step, "efficiency": eff,
+            "comm_exposed_ms": num(run.metrics.comm_exposed_ms), "compute_ms": num(run.metrics.compute_ms_p50)}
 
 
 def assumptions(link: Link, algorithm: str, slots: int | None, fits: dict[str, BackendFit]) -> list[str]:
@@ -65,7 +64,7 @@ def assumptions(link: Link, algorithm: str, slots: int | None, fits: dict[str, B
 def project(in_dir: Path, world_sizes: list[int], link_spec: str, fit_sizes: list[int] | None, validate: bool,
             algorithm: str, slots_given: int | None) -> dict[str, Any]:
     by_backend, folder_entries = runs_by_backend(in_dir)
-    measured_sizes = sorted({r["world_size"] for rs in by_backend.values() for r in rs})
+    measured_sizes = sorted({r.world_size for rs in by_backend.values() for r in rs})
     if validate:
         fit_sizes = measured_sizes[:2]
     fit_set = set(fit_sizes) if fit_sizes else set(measured_sizes)
@@ -79,7 +78,7 @@ def project(in_dir: Path, world_sizes: list[int], link_spec: str, fit_sizes: lis
     fits: dict[str, BackendFit] = {}
     skipped: dict[str, str] = {}
     for backend, runs in by_backend.items():
-        fit_runs = [r for r in runs if r["world_size"] in fit_set]
+        fit_runs = [r for r in runs if r.world_size in fit_set]
         try:
             fits[backend] = fit_backend(backend, fit_runs, box)
         except ValueError as exc:
@@ -105,7 +104,7 @@ def project(in_dir: Path, world_sizes: list[int], link_spec: str, fit_sizes: lis
             "skipped": skipped, "predictions": predictions, "measured": measured, "validation": validation}
 
 
-def _validation(by_backend: dict[str, list[dict[str, Any]]], fits: dict[str, BackendFit], held_out: list[int],
+def _validation(by_backend: dict[str, list[RunResult]], fits: dict[str, BackendFit], held_out: list[int],
                 link: Link, folder_entries: list[dict[str, Any]], keep: set[int] | None, algorithm: str,
                 slots_given: int | None) -> dict[str, Any] | None:
     """Each held-out run predicted on the measured link (the one given, else the folder's microbenchmark)."""
@@ -125,12 +124,12 @@ def _validation(by_backend: dict[str, list[dict[str, Any]]], fits: dict[str, Bac
     for backend, fit in fits.items():
         k, _ = fit.calibration(vlink, algo)
         for run in by_backend[backend]:
-            if run["world_size"] not in held_out:
+            if run.world_size not in held_out:
                 continue
             m = measured_point(fit.step1_ms, run)
-            p = fit.predict(run["world_size"], vlink, algo, slots, k)
+            p = fit.predict(run.world_size, vlink, algo, slots, k)
             err = (p["step_ms"] - m["step_ms"]) / m["step_ms"] if m["step_ms"] else None
-            rows.append({"backend": backend, "world_size": run["world_size"], "measured_step_ms": m["step_ms"],
+            rows.append({"backend": backend, "world_size": run.world_size, "measured_step_ms": m["step_ms"],
                          "predicted_step_ms": p["step_ms"], "error": err,
                          "measured_compute_ms": m["compute_ms"], "predicted_compute_ms": p["compute_ms"],
                          "measured_exposed_ms": m["comm_exposed_ms"], "predicted_exposed_ms": p["comm_exposed_ms"],

@@ -17,9 +17,10 @@ A plot whose inputs are absent is skipped, and report.md says why.
 The scaling baseline is the newest run at world size 1 whose result declares
 capabilities.scaling_baseline (the reference backend does).
 
-Owns: reading and classifying result JSON (load), the derived figures such as scaling efficiency and the
-unattributed rest of a step (derive), the plots (style, plots_cost, plots_verify), the Markdown sections
-(markdown) and putting them together (build). Imports no adapter and no torch: past results can be
+Owns: finding and classifying result JSON (load; each run read through dpcompare.result_view, whose recorded facts
+it takes as written: the knobs that make a run a row of its own, the floors, the power), the derived figures such as
+scaling efficiency and the unattributed rest of a step (derive), the plots (style, plots_cost, plots_verify), the
+Markdown sections (markdown) and putting them together (build). Imports no adapter and no torch: past results can be
 re-reported on a machine without the backends.
 """
 
@@ -28,8 +29,8 @@ from __future__ import annotations
 from dpcompare.commands.report.build import Report
 from dpcompare.commands.report.command import add_arguments, build_report, main
 from dpcompare.commands.report.derive import (Baseline, Derived, derive, format_bytes, newest_per_backend_world_size,
-                                              scaling_baseline, variant_of)
-from dpcompare.commands.report.load import Inputs, load_inputs, metric
+                                              scaling_baseline)
+from dpcompare.commands.report.load import Inputs, load_inputs
 from dpcompare.commands.report.markdown import Footnotes
 from dpcompare.commands.report.plots_cost import plot_busbw, plot_step_breakdown, plot_throughput
 from dpcompare.commands.report.plots_verify import Panel, matrix_panels, plot_heatmap, plot_trajectory_drift
@@ -38,6 +39,5 @@ from dpcompare.commands.report.style import (PLOT_BREAKDOWN, PLOT_BUSBW, PLOT_HE
 
 __all__ = ["PLOT_BREAKDOWN", "PLOT_BUSBW", "PLOT_HEATMAP", "PLOT_THROUGHPUT", "PLOT_TRAJECTORY", "Baseline", "Derived",
            "Footnotes", "Inputs", "Panel", "Report", "add_arguments", "build_report", "derive", "format_bytes",
-           "load_inputs", "main", "matrix_panels", "metric", "newest_per_backend_world_size", "plot_busbw",
-           "plot_heatmap", "plot_step_breakdown", "plot_throughput", "plot_trajectory_drift", "scaling_baseline",
-           "variant_of"]
+           "load_inputs", "main", "matrix_panels", "newest_per_backend_world_size", "plot_busbw",
+           "plot_heatmap", "plot_step_breakdown", "plot_throughput", "plot_trajectory_drift", "scaling_baseline"]

@@ -3,15 +3,16 @@ plots, assemble report.md from its sections in reading order and write it atomic
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from dpcompare.commands.report.derive import (Baseline, Derived, derive, newest_per_backend_world_size,
-                                              scaling_baseline, scaling_mode, variant_of)
-from dpcompare.commands.report.load import Inputs, label, load_inputs, metric
+                                              scaling_baseline, scaling_mode)
+from dpcompare.commands.report.load import Inputs, load_inputs
 from dpcompare.commands.report.markdown import Footnotes, footnotes_section, plot_md
 from dpcompare.commands.report.markdown_cost import cost_sections, microbench_section
 from dpcompare.commands.report.markdown_sources import environment_section, inputs_not_used_section, unavailable_section
@@ -24,6 +25,7 @@ from dpcompare.commands.report.plots_project import PLOT_PROJECTION, find_projec
 from dpcompare.commands.report.plots_verify import plot_heatmap, plot_trajectory_drift, tolerance_floors
 from dpcompare.commands.report.style import (ALL_PLOTS, PLOT_BREAKDOWN, PLOT_BUSBW, PLOT_HEATMAP, PLOT_THROUGHPUT,
                                              PLOT_TRAJECTORY)
+from dpcompare.result_view import RunResult
 from dpcompare.results import write_text_atomic
 
 BREAKDOWN_CAPTION = "Compute = the step with gradient sync switched off; exposed communication = synced - unsynced step."
@@ -41,7 +43,7 @@ TRAJECTORY_CAPTION = (
 @dataclass(slots=True)
 class Report:
     path: Path
-    runs: list[dict[str, Any]]
+    runs: list[RunResult]
     derived: list[Derived]
     skipped: list[str]
 
@@ -56,12 +58,12 @@ class Plot(NamedTuple):
 
 @dataclass(slots=True)
 class Selection:
-    """What the report is about: the newest run per backend and world size among those that vary no knob, the
-    variants (sweep knobs, other precision recipes, backend variants such as `deepspeed zero_stage=2`: each its own
-    row, never a backend's baseline), the scaling baseline, the scaling mode and each reported run's derived
-    figures."""
-    runs: list[dict[str, Any]]
-    variants: list[dict[str, Any]]
+    """What the report is about: the newest run per backend and world size among those that change no knob, the runs
+    that change one from their backend's baseline as they recorded it (sweep knobs, other precision recipes, a named
+    variant such as `deepspeed:zero2`: each its own row, never a backend's baseline), the scaling baseline, the
+    scaling mode and each reported run's derived figures."""
+    runs: list[RunResult]
+    knob_runs: list[RunResult]
     baseline: Baseline
     scaling: str
     derived: list[Derived]
@@ -80,23 +82,23 @@ def _load(in_dir: Path) -> Inputs:
 
 
 def select(inputs: Inputs) -> Selection:
-    # Runs that vary no knob make the tables and plots; variants (derive.variant_of) get their own table.
-    runs = newest_per_backend_world_size(r for r in inputs.runs if not variant_of(r))
+    # Runs that change no knob make the tables and plots; those that do (RunResult.knobs) get their own rows.
+    runs = newest_per_backend_world_size(r for r in inputs.runs if not r.knobs)
     baseline = scaling_baseline(runs)
-    return Selection(runs, [r for r in inputs.runs if variant_of(r)], baseline, scaling_mode(runs, inputs.compare),
+    return Selection(runs, [r for r in inputs.runs if r.knobs], baseline, scaling_mode(runs, inputs.compare),
                      [derive(r, baseline) for r in runs])
 
 
 def _throughput_caption(baseline: Baseline) -> str:
     if baseline.throughput is None:
         return f"No ideal line: {baseline.reason}."
-    return (f"Dashed: the scaling baseline's ({label(baseline.run)}) samples/s at world size 1 times N; "
+    return (f"Dashed: the scaling baseline's ({baseline.run.label}) samples/s at world size 1 times N; "
             "right: scaling efficiency.")
 
 
-def _busbw_plot(inputs: Inputs, runs: list[dict[str, Any]], link_peak_gbps: float | None, out_dir: Path) -> Plot:
+def _busbw_plot(inputs: Inputs, runs: list[RunResult], link_peak_gbps: float | None, out_dir: Path) -> Plot:
     why, sentence = plot_busbw(inputs.collectives, runs, link_peak_gbps, out_dir / PLOT_BUSBW)
-    unplaced = [label(r) for r in runs if metric(r, "busbw_gbps")[0] and not metric(r, "bucket_bytes")[0]]
+    unplaced = [r.label for r in runs if r.metrics.busbw_gbps.value and not r.metrics.bucket_bytes.value]
     if unplaced:
         sentence += f" Not placed (busbw without bucket_bytes): {', '.join(unplaced)}."
     return Plot(PLOT_BUSBW, "Bus bandwidth vs message size", why, sentence)
@@ -118,7 +120,7 @@ def draw_plots(inputs: Inputs, sel: Selection, link_peak_gbps: float | None, out
                                                                      tolerance_floors(runs)),
              HEATMAP_CAPTION),
         Plot(PLOT_MODEL_STATE, "Model state per component",
-             plot_model_state([*runs, *sel.variants], out_dir / PLOT_MODEL_STATE), MODEL_STATE_CAPTION),
+             plot_model_state([*runs, *sel.knob_runs], out_dir / PLOT_MODEL_STATE), MODEL_STATE_CAPTION),
     ]
     drift = Plot(PLOT_TRAJECTORY, "Trajectory drift", plot_trajectory_drift(runs, out_dir / PLOT_TRAJECTORY),
                  TRAJECTORY_CAPTION)
@@ -126,20 +128,22 @@ def draw_plots(inputs: Inputs, sel: Selection, link_peak_gbps: float | None, out
 
 
 def _header(in_dir: Path, inputs: Inputs, sel: Selection) -> list[str]:
-    stamps = [r["created_unix"] for r in inputs.runs if isinstance(r.get("created_unix"), (int, float))]
+    stamps = [r.created_unix for r in inputs.runs if r.created_unix > -math.inf]
     span = (f"; runs from {time.strftime('%Y-%m-%d %H:%M', time.localtime(min(stamps)))} to "
             f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(max(stamps)))}" if stamps else "")
-    superseded = len(inputs.runs) - len(sel.runs) - len(sel.variants)
+    superseded = len(inputs.runs) - len(sel.runs) - len(sel.knob_runs)
     lines = ["# dpcompare report", "",
              f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} from `{in_dir}`" + span + ".", "",
              f"{len(sel.runs)} run(s) reported ({superseded} older result(s) for the same "
-             f"backend and world size superseded by newer ones, {len(sel.variants)} variant(s): sweep knobs, other "
-             f"precision recipes, backend variants such as ZeRO stages), scaling: "
+             f"backend and world size superseded by newer ones, {len(sel.knob_runs)} run(s) with a knob changed: sweep "
+             f"knobs, other precision recipes, backend variants such as ZeRO stages), scaling: "
              f"{sel.scaling}, {len(inputs.collectives)} microbenchmark curve(s), "
              f"{'a' if inputs.compare else 'no'} compare summary.", ""]
-    batch = ("local_batch", "per-rank batches") if sel.scaling == "weak" else ("global_batch", "global batches")
-    for key, what in (("model", "models"), batch):
-        seen = sorted({str(r.get(key)) for r in sel.runs})
+    batch: tuple[Callable[[RunResult], Any], str] = (
+        ((lambda r: r.local_batch), "per-rank batches") if sel.scaling == "weak"
+        else ((lambda r: r.global_batch), "global batches"))
+    for read, what in (((lambda r: r.model), "models"), batch):
+        seen = sorted({str(read(r)) for r in sel.runs})
         if len(seen) > 1:
             lines += [f"**Note:** the runs mix {what} ({', '.join(seen)}): their costs are not directly comparable.", ""]
     return lines
@@ -163,8 +167,9 @@ def compose(in_dir: Path, inputs: Inputs, sel: Selection, plots: list[Plot], dri
         lines += plot_md(*drift)
     lines += unavailable_section(inputs.compare)
     lines += ["## What does it cost?", ""]
-    lines += cost_sections(sel.runs, sel.derived, notes, sel.variants) if sel.runs else ["No run results: nothing to cost.", ""]
-    lines += sweep_section(sel.variants)
+    lines += (cost_sections(sel.runs, sel.derived, notes, sel.knob_runs) if sel.runs
+              else ["No run results: nothing to cost.", ""])
+    lines += sweep_section(sel.knob_runs)
     lines += microbench_section(inputs.collectives, inputs.unavailable_transports)
     lines += ["## Plots", ""]
     for plot in plots:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dpcompare import verdict_words as words
 from dpcompare.commands.report.build import write_report
 from dpcompare.commands.report.derive import num
-from dpcompare.commands.report.load import metric
 
 
 def build_report(in_dir: Path, out_dir: Path | None = None, *, link_peak_gbps: float | None = None) -> Path:
@@ -35,11 +35,10 @@ def main(ns: argparse.Namespace) -> int:
         table = Table(title="dpcompare report")
         for col in ("backend", "ws", "verdict", "samples/s", "scaling eff.", "step p50 (ms)"):
             table.add_column(col, justify="left" if col in ("backend", "verdict") else "right", no_wrap=True)
-        style = {"equivalent": "green", "different": "red", "unverifiable": "yellow"}
         for run, d in zip(report.runs, report.derived):
-            verdict = (run.get("equivalence") or {}).get("verdict") or "n/a"
-            samples, step = metric(run, "samples_per_s")[0], metric(run, "step_ms_p50")[0]
-            table.add_row(run["backend"], str(run["world_size"]), f"[{style.get(verdict, 'yellow')}]{verdict}[/]",
+            verdict = run.equivalence.verdict or "n/a"
+            samples, step = run.metrics.samples_per_s.value, run.metrics.step_ms_p50.value
+            table.add_row(run.backend, str(run.world_size), f"[{words.STYLE.get(verdict, 'yellow')}]{verdict}[/]",
                           "n/a" if samples is None else num(samples),
                           "n/a" if d.efficiency is None else f"{d.efficiency:.2f}",
                           "n/a" if step is None else num(step))

@@ -1,5 +1,5 @@
-"""Figures the report derives from the runs: which runs are reported (the newest per backend and world size,
-variants apart: sweep knobs, other precision recipes, backend variants such as a ZeRO stage), the scaling
+"""Figures the report derives from the runs: which runs are reported (the newest per backend and world size; a run
+that changes a knob from its backend's baseline, as it recorded its knobs, is a row of its own), the scaling
 baseline, each run's scaling efficiency, the unattributed rest of a step and its bus bandwidth against the
 microbenchmark, and the number formats the tables and plots share."""
 
@@ -8,102 +8,59 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from dpcompare.commands.report.declarations import variant_options
-from dpcompare.commands.report.load import created, is_number, label, metric, run_order
+from dpcompare.commands.report.load import is_number, run_order
 from dpcompare.measure import consistency
 from dpcompare.measure.scaling import other_ms, scaling_efficiency
+from dpcompare.result_view import Field, Figure, Metrics, RunResult
 
-# Config knobs that make a run a variant of the baseline computation (compare --sweep varies them). Backend options
-# (--opt) do the same, with the value that is the baseline as the adapters declare it (declarations.variant_options):
-# compare --amp runs deepspeed's engine recipe beside its autocast one; compare --backends deepspeed:zero2 (--opt
-# zero_stage=2) a ZeRO stage beside stage 0, fsdp:noreshard (--opt reshard_after_forward=false) FSDP keeping its
-# gathered parameters through the backward.
-VARIANT_KNOBS = {"compression": "none", "grad_accum": 1, "bucket_mb": None}
 NO_BASELINE = ("no run at world size 1 declares itself the scaling baseline (capabilities.scaling_baseline): get "
                "one with python -m dpcompare --backend reference (a result written before capabilities were "
                "recorded declares nothing)")
-STEP_PARTS = ("step_ms_p50", "compute_ms_p50", "comm_exposed_ms")
+STEP_PARTS: tuple[Field, ...] = (Metrics.step_ms_p50, Metrics.compute_ms_p50, Metrics.comm_exposed_ms)
+"""A step, and the two parts of it the ablation measures: the rest is `other`."""
 
 
 # -- which runs are reported ------------------------------------------------------------------------
-def _same_option(value: Any, default: Any) -> bool:
-    """An --opt value as the result records it (the text given, or typed) against its baseline value: 2 == '2',
-    True == 'true'."""
-    return str(value).strip().lower() == str(default).lower()
-
-
-def backend_variant(run: dict[str, Any]) -> str:
-    """The named backend variant a compare job ran, from its tag (`zero2` of `deepspeed:zero2/2`), else ''."""
-    tag, backend = run.get("tag"), run.get("backend")
-    if not isinstance(tag, str) or not isinstance(backend, str) or not tag.startswith(f"{backend}:"):
-        return ""
-    name, slash, _ = tag[len(backend) + 1:].partition("/")
-    return name if slash and name and " " not in name else ""
-
-
-def variant_of(run: dict[str, Any]) -> str:
-    """'' for a baseline run, else 'knob=value ...' for the knobs and options it changes (`zero_stage=2`, whatever
-    named it). A compare job of a named backend variant whose options are none of the variant options (a variant
-    this report has no option for) is named by its variant (`fsdp:grad_op/2` -> 'grad_op'), never taken for the
-    baseline; a ZeRO stage 0 run (deepspeed:zero0) is deepspeed's baseline, stage 0 being its default."""
-    baselines = variant_options()
-    config = run.get("config") or {}
-    options = config.get("options") or {}
-    knobs = [f"{k}={config[k]:g}" if isinstance(config[k], float) else f"{k}={config[k]}"
-             for k, default in VARIANT_KNOBS.items() if config.get(k, default) != default]
-    named = backend_variant(run)
-    if named and not any(k in options for k in baselines):
-        knobs.insert(0, named)
-    return " ".join(knobs + [f"{k}={options[k]}" for k, default in baselines.items()
-                             if not _same_option(options.get(k, default), default)])
-
-
-def newest_per_backend_world_size(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+def newest_per_backend_world_size(runs: Iterable[RunResult]) -> list[RunResult]:
     """One run per (backend, world_size): the newest by created_unix (a result without it counts as
     oldest; on a tie the later one in the input wins). Sorted in dpcompare.run.registry.BACKENDS order,
     other backends after, then by world size."""
-    best: dict[tuple[str, int], dict[str, Any]] = {}
+    best: dict[tuple[str, int], RunResult] = {}
     for run in runs:
-        key = (run["backend"], run["world_size"])
-        if key not in best or created(run) >= created(best[key]):
+        key = (run.backend, run.world_size)
+        if key not in best or run.created_unix >= best[key].created_unix:
             best[key] = run
     return sorted(best.values(), key=run_order)
 
 
-def scaling_mode(runs: list[dict[str, Any]], compare: dict[str, Any] | None) -> str:
+def scaling_mode(runs: list[RunResult], compare: dict[str, Any] | None) -> str:
     if compare and compare.get("scaling_mode") in ("strong", "weak"):
         return compare["scaling_mode"]
-    modes = {run.get("scaling") or (run.get("metrics") or {}).get("scaling") for run in runs} - {None}
+    modes = {run.scaling for run in runs} - {None}
     return modes.pop() if len(modes) == 1 else "mixed"
 
 
 # -- the scaling baseline -----------------------------------------------------------------------------
 @dataclass(slots=True, frozen=True)
 class Baseline:
-    run: dict[str, Any] | None
+    run: RunResult | None
     """The run whose samples/s at world size 1 is the denominator of scaling efficiency, if any."""
     throughput: float | None
     reason: str | None
     """Why throughput is None."""
 
 
-def declares_scaling_baseline(run: dict[str, Any]) -> bool:
-    """The result says its backend is the scaling baseline (capabilities.scaling_baseline: true)."""
-    capabilities = run.get("capabilities")
-    return isinstance(capabilities, dict) and capabilities.get("scaling_baseline") is True
-
-
-def scaling_baseline(runs: Iterable[dict[str, Any]]) -> Baseline:
+def scaling_baseline(runs: Iterable[RunResult]) -> Baseline:
     """The newest run at world size 1 that declares itself the scaling baseline, with its samples/s."""
-    candidates = [r for r in runs if r["world_size"] == 1 and declares_scaling_baseline(r)]
+    candidates = [r for r in runs if r.world_size == 1 and r.scaling_baseline]
     if not candidates:
         return Baseline(None, None, NO_BASELINE)
-    run = max(candidates, key=created)
-    throughput, why = metric(run, "samples_per_s")
+    run = max(candidates, key=lambda r: r.created_unix)
+    throughput, why = run.metrics.samples_per_s.value, run.metrics.samples_per_s.reason
     if throughput is None:
-        return Baseline(run, None, f"the scaling baseline {label(run)} has no samples_per_s: {why}")
+        return Baseline(run, None, f"the scaling baseline {run.label} has no samples_per_s: {why}")
     if throughput <= 0:
-        return Baseline(run, None, f"the scaling baseline {label(run)} has samples_per_s {throughput:g}: "
+        return Baseline(run, None, f"the scaling baseline {run.label} has samples_per_s {throughput:g}: "
                                    "efficiency needs a positive throughput at world size 1")
     return Baseline(run, throughput, None)
 
@@ -119,39 +76,43 @@ class Derived:
     busbw_ratio_reason: str | None
 
 
-def _missing(run: dict[str, Any], names: Iterable[str]) -> list[str]:
-    return [n for n in names if metric(run, n)[0] is None]
+def step_parts(run: RunResult) -> tuple[Figure, ...]:
+    """The step, its compute and its exposed communication (STEP_PARTS)."""
+    return tuple(run.metrics.figure(part) for part in STEP_PARTS)
 
 
-def _efficiency(run: dict[str, Any], baseline: Baseline) -> tuple[float | None, str | None]:
-    samples, _ = metric(run, "samples_per_s")
-    eff = scaling_efficiency(samples, run["world_size"], baseline.throughput)
+def _missing(run: RunResult, fields: Iterable[Field]) -> list[str]:
+    return [f.name for f in fields if run.metrics.figure(f).value is None]
+
+
+def _efficiency(run: RunResult, baseline: Baseline) -> tuple[float | None, str | None]:
+    samples = run.metrics.samples_per_s.value
+    eff = scaling_efficiency(samples, run.world_size, baseline.throughput)
     if eff is not None:
         return eff, None
     return None, "samples_per_s is n/a for this run" if samples is None else baseline.reason
 
 
-def _other(run: dict[str, Any]) -> tuple[float | None, str | None]:
-    mismatch = consistency.breakdown_flag(run.get("metrics") or {})
+def _other(run: RunResult) -> tuple[float | None, str | None]:
+    mismatch = consistency.breakdown_flag(run.metrics)
     if mismatch is not None:
         return None, mismatch
-    other = other_ms(*(metric(run, n)[0] for n in STEP_PARTS))
+    other = other_ms(*(part.value for part in step_parts(run)))
     if other is not None:
         return other, None
-    return None, ("other = step_ms_p50 - compute_ms_p50 - comm_exposed_ms needs all three; n/a: "
+    return None, (f"other = {' - '.join(f.name for f in STEP_PARTS)} needs all three; n/a: "
                   + ", ".join(_missing(run, STEP_PARTS)))
 
 
-def _busbw_ratio(run: dict[str, Any]) -> tuple[float | None, str | None]:
-    busbw, _ = metric(run, "busbw_gbps")
-    micro, _ = metric(run, "microbench_busbw_gbps")
+def _busbw_ratio(run: RunResult) -> tuple[float | None, str | None]:
+    busbw, micro = run.metrics.busbw_gbps.value, run.metrics.microbench_busbw_gbps.value
     if busbw is not None and micro is not None and micro > 0:
         return busbw / micro, None
-    missing = _missing(run, ("busbw_gbps", "microbench_busbw_gbps")) or ["microbench_busbw_gbps is 0"]
+    missing = _missing(run, (Metrics.busbw_gbps, Metrics.microbench_busbw_gbps)) or ["microbench_busbw_gbps is 0"]
     return None, "busbw / microbenchmark busbw needs both; n/a: " + ", ".join(missing)
 
 
-def derive(run: dict[str, Any], baseline: Baseline) -> Derived:
+def derive(run: RunResult, baseline: Baseline) -> Derived:
     return Derived(*_efficiency(run, baseline), *_other(run), *_busbw_ratio(run))
 
 

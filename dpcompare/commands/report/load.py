@@ -1,6 +1,6 @@
-"""The report's inputs: finding dpcompare JSON under a directory, sorting it into run results, compare
-summaries and collective microbenchmarks (a malformed file is skipped with its reason, never raised), and
-reading one run: a metric or why it is missing, its place in the backend order and its label."""
+"""The report's inputs: finding dpcompare JSON under a directory and sorting it into run results (read through
+dpcompare.result_view), compare summaries and collective microbenchmarks (a malformed file is skipped with its
+reason, never raised), and a run's place in the backend order."""
 
 from __future__ import annotations
 
@@ -11,17 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dpcompare import SCHEMA_VERSION
+from dpcompare.result_view import RunResult, is_number
 from dpcompare.run.registry import BACKENDS
 
-NON_NUMERIC_METRICS: dict[str, type] = {"stragglers": list, "step_ms": list, "comm_total_method": str, "model_state_mib": dict,
-                                         "scaling": str, "reasons": dict}
+__all__ = ["Inputs", "backend_index", "created", "is_number", "label", "load_inputs", "run_order"]
 
 
 @dataclass(slots=True)
 class Inputs:
-    runs: list[dict[str, Any]] = field(default_factory=list)
-    """Every readable run result; '_source' holds its path."""
+    runs: list[RunResult] = field(default_factory=list)
+    """Every readable run result, with the path it was read from (`source`)."""
     compare: dict[str, Any] | None = None
     """The newest compare summary, if any."""
     collectives: list[dict[str, Any]] = field(default_factory=list)
@@ -35,12 +34,9 @@ class Inputs:
 
 
 # -- small readers shared by the whole report --------------------------------------------------------
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def created(run: dict[str, Any]) -> float:
-    value = run.get("created_unix")
+def created(obj: dict[str, Any]) -> float:
+    """When a compare summary was written (-inf without the time: the oldest)."""
+    value = obj.get("created_unix")
     return float(value) if is_number(value) else -math.inf
 
 
@@ -50,14 +46,14 @@ def backend_index(backend: str) -> int | None:
     return order.index(backend) if backend in order else None
 
 
-def run_order(run: dict[str, Any]) -> tuple[int, str, int]:
+def run_order(run: RunResult) -> tuple[int, str, int]:
     """Registered backends in registry order, then any others by name; within a backend by world size."""
-    index = backend_index(run["backend"])
-    return (len(BACKENDS) if index is None else index, run["backend"], run["world_size"])
+    index = backend_index(run.backend)
+    return (len(BACKENDS) if index is None else index, run.backend, run.world_size)
 
 
-def label(run: dict[str, Any]) -> str:
-    return f"{run['backend']}/{run['world_size']}"
+def label(run: RunResult) -> str:
+    return run.label
 
 
 # -- finding and classifying the files ----------------------------------------------------------------
@@ -66,19 +62,6 @@ def _json_files(root: Path) -> list[Path]:
     for dirpath, _dirs, files in os.walk(root):  # does not follow symlinked directories: no loops
         found += [Path(dirpath) / f for f in files if f.endswith(".json") and not f.startswith(".")]
     return sorted(found)
-
-
-def _run_problem(obj: dict[str, Any]) -> str | None:
-    if obj.get("schema_version") != SCHEMA_VERSION:
-        return f"schema_version {obj.get('schema_version')!r}; this dpcompare reads {SCHEMA_VERSION}"
-    if not isinstance(obj.get("backend"), str):
-        return f"backend {obj.get('backend')!r} is not a string"
-    ws = obj.get("world_size")
-    if not isinstance(ws, int) or isinstance(ws, bool) or ws < 1:
-        return f"world_size {ws!r} is not a positive whole number"
-    if obj.get("metrics") is not None and not isinstance(obj["metrics"], dict):
-        return "metrics is not an object"
-    return None
 
 
 def _entry_problem(entry: Any) -> str | None:
@@ -108,11 +91,11 @@ def _add_collectives(inputs: Inputs, path: Path, obj: dict[str, Any]) -> None:
 
 
 def _add_run(inputs: Inputs, path: Path, obj: dict[str, Any]) -> None:
-    problem = _run_problem(obj)
+    problem = RunResult.problem(obj)
     if problem:
         inputs.skipped.append(f"{path}: {problem}")
     else:
-        inputs.runs.append({**obj, "_source": str(path)})
+        inputs.runs.append(RunResult(obj, str(path)))
 
 
 def _keep_newest_compare(inputs: Inputs, compares: list[tuple[Path, dict[str, Any]]]) -> None:
@@ -149,42 +132,3 @@ def load_inputs(in_dir: Path) -> Inputs:
             inputs.ignored += 1
     _keep_newest_compare(inputs, compares)
     return inputs
-
-
-# -- metric access --------------------------------------------------------------------------------------
-def reasons(run: dict[str, Any]) -> dict[str, Any]:
-    """metrics.reasons: why each null metric is null ({} when the run recorded none)."""
-    metrics = run.get("metrics")
-    found = metrics.get("reasons") if isinstance(metrics, dict) else None
-    return found if isinstance(found, dict) else {}
-
-
-def metric(run: dict[str, Any], name: str) -> tuple[Any, str | None]:
-    """(value, None) or (None, why it is missing)."""
-    metrics = run.get("metrics")
-    if not isinstance(metrics, dict):
-        if "metrics" in run:  # the trainer writes metrics: null when the measurement phase was off
-            return None, ("the run measured nothing (metrics: null): pass --measure-steps N, "
-                          "e.g. compare --run-arg=--measure-steps=20")
-        return None, "this result has no metrics (written before dpcompare recorded them)"
-    value = metrics.get(name)
-    if value is not None:
-        expected = NON_NUMERIC_METRICS.get(name)
-        if expected is None and not is_number(value):
-            return None, f"metrics.{name} is {value!r}, not a number"
-        if expected is not None and not isinstance(value, expected):
-            return None, f"metrics.{name} is {value!r}, not a {expected.__name__}"
-        return value, None
-    why = reasons(run).get(name)
-    if why:
-        return None, str(why)
-    return None, f"metrics.{name} is {'null' if name in metrics else 'absent'} and no reason was recorded"
-
-
-def raw_metric(run: dict[str, Any], name: str) -> tuple[Any, str | None]:
-    """A structured metric as the run recorded it (a dict or a list), or (None, why it is missing)."""
-    metrics = run.get("metrics")
-    value = metrics.get(name) if isinstance(metrics, dict) else None
-    if value is not None:
-        return value, None
-    return None, metric(run, name)[1]

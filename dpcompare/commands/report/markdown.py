@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from dpcompare import verdict_words as words
 from dpcompare.commands.report.derive import num
-from dpcompare.commands.report.load import metric
+from dpcompare.result_view import Figure
 
 
 class Footnotes:
@@ -37,9 +38,9 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
-def cell(run: dict[str, Any], name: str, notes: Footnotes, fmt: Callable[[Any], str] = num) -> str:
-    value, reason = metric(run, name)
-    return notes.na(reason) if value is None else fmt(value)
+def cell(figure: Figure, notes: Footnotes, fmt: Callable[[Any], str] = num) -> str:
+    """A figure, or n/a with its reason as a footnote."""
+    return notes.na(figure.reason or "no reason was recorded") if figure.value is None else fmt(figure.value)
 
 
 def plot_md(name: str, title: str, why: str | None, caption: str) -> list[str]:
@@ -49,7 +50,7 @@ def plot_md(name: str, title: str, why: str | None, caption: str) -> list[str]:
 
 def verdict_cell(verdict: str) -> str:
     """Bold where the verdict is not a clean pass: the reader's eye goes there first."""
-    return f"**{verdict}**" if verdict in ("different", "unverifiable", "failed", "timeout") else verdict
+    return f"**{verdict}**" if verdict in words.NOT_A_PASS else verdict
 
 
 def footnotes_section(notes: Footnotes) -> list[str]:

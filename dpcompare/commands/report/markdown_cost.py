@@ -1,16 +1,17 @@
 """The cost sections of report.md (what does it cost?): throughput and step time, communication, communication
-by kind, memory and the model state per rank against the ZeRO formula, the variants as rows of their own in the
-last three; and the collective microbenchmarks."""
+by kind, memory and the model state per rank against the ZeRO formula, the runs that change a knob as rows of their
+own in the last three; and the collective microbenchmarks."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from dpcompare.commands.report.derive import Derived, format_bytes, num, variant_of
-from dpcompare.commands.report.load import is_number, metric, raw_metric, reasons, run_order
+from dpcompare.commands.report.derive import Derived, format_bytes, num
+from dpcompare.commands.report.load import is_number, run_order
 from dpcompare.commands.report.markdown import Footnotes, cell, table
 from dpcompare.measure import consistency
 from dpcompare.measure.bandwidth import bus_factor
+from dpcompare.result_view import Metrics, RunResult
 
 
 def _stragglers(value: list[Any]) -> str:
@@ -24,53 +25,53 @@ def _stragglers(value: list[Any]) -> str:
     return "; ".join(shown) or "none"
 
 
-def _time_rows(runs: list[dict[str, Any]], derived: list[Derived], tokens: bool, notes: Footnotes) -> list[list[str]]:
+def _time_rows(runs: list[RunResult], derived: list[Derived], tokens: bool, notes: Footnotes) -> list[list[str]]:
     rows = []
     for run, d in zip(runs, derived):
-        warm, (measured, measured_reason) = metric(run, "warmup_steps")[0], metric(run, "measured_steps")
-        strag, strag_reason = metric(run, "stragglers")
+        m = run.metrics
+        warm, measured, strag = m.warmup_steps.value, m.measured_steps, m.stragglers
         rows.append([
-            run["backend"], str(run["world_size"]), cell(run, "samples_per_s", notes),
-            *([cell(run, "tokens_per_s", notes)] if tokens else []),
+            run.backend, str(run.world_size), cell(m.samples_per_s, notes),
+            *([cell(m.tokens_per_s, notes)] if tokens else []),
             f"{d.efficiency:.2f}" if d.efficiency is not None else notes.na(d.efficiency_reason),
-            cell(run, "step_ms_p50", notes), cell(run, "step_ms_p90", notes), _compute_cell(run, notes),
-            _exposed_cell(run, notes),
+            cell(m.step_ms_p50, notes), cell(m.step_ms_p90, notes), _compute_cell(m, notes),
+            _exposed_cell(m, notes),
             num(d.other_ms) if d.other_ms is not None else notes.na(d.other_reason),
-            cell(run, "rank_spread_ms_p50", notes),
-            notes.na(strag_reason) if strag is None else _stragglers(strag),
-            notes.na(measured_reason) if measured is None else f"{measured}" + (f" (+{warm} warm-up)" if warm else "")])
+            cell(m.rank_spread_ms_p50, notes), cell(strag, notes, _stragglers),
+            cell(measured, notes, lambda v: f"{v}" + (f" (+{warm} warm-up)" if warm else ""))])
     return rows
 
 
-def _compute_cell(run: dict[str, Any], notes: Footnotes) -> str:
+def _compute_cell(m: Metrics, notes: Footnotes) -> str:
     """Compute, flagged in bold with its footnote when compute + exposed communication exceed the measured step."""
-    text = cell(run, "compute_ms_p50", notes)
-    why = consistency.breakdown_flag(run.get("metrics") or {})
+    text = cell(m.compute_ms_p50, notes)
+    why = consistency.breakdown_flag(m)
     return text if why is None else f"**{text} (!)**" + notes.ref(why)
 
 
-def _exposed_cell(run: dict[str, Any], notes: Footnotes) -> str:
+def _exposed_cell(m: Metrics, notes: Footnotes) -> str:
     """Exposed communication, flagged in bold with its footnote when it contradicts the total, marked (~) with
     its footnote when it is above the total only within its interval."""
-    text = cell(run, "comm_exposed_ms", notes)
-    flag = consistency.exposed_flag(run.get("metrics") or {})
+    text = cell(m.comm_exposed_ms, notes)
+    flag = consistency.exposed_flag(m)
     if flag is None:
         return text
     return (f"**{text} (!)**" if flag[0] == "!" else f"{text} (~)") + notes.ref(flag[1])
 
 
-def _comm_rows(runs: list[dict[str, Any]], derived: list[Derived], notes: Footnotes) -> list[list[str]]:
+def _comm_rows(runs: list[RunResult], derived: list[Derived], notes: Footnotes) -> list[list[str]]:
     rows = []
     for run, d in zip(runs, derived):
-        total, total_reason = metric(run, "comm_total_ms")
-        method = metric(run, "comm_total_method")[0]
+        m = run.metrics
+        method = m.comm_total_method.value
         rows.append([
-            run["backend"], str(run["world_size"]), cell(run, "grad_bytes_per_step", notes, format_bytes),
-            cell(run, "bucket_bytes", notes, format_bytes),
-            notes.na(total_reason) if total is None else num(total) + (f" ({method})" if method else ""),
-            cell(run, "comm_transfer_ms", notes), _exposed_cell(run, notes), cell(run, "overlap_fraction", notes, lambda v: f"{v:.0%}"),
-            cell(run, "tcomm_model_ms", notes), cell(run, "algbw_gbps", notes), cell(run, "busbw_gbps", notes),
-            cell(run, "microbench_busbw_gbps", notes),
+            run.backend, str(run.world_size), cell(m.grad_bytes_per_step, notes, format_bytes),
+            cell(m.bucket_bytes, notes, format_bytes),
+            cell(m.comm_total_ms, notes, lambda v: num(v) + (f" ({method})" if method else "")),
+            cell(m.comm_transfer_ms, notes), _exposed_cell(m, notes),
+            cell(m.overlap_fraction, notes, lambda v: f"{v:.0%}"),
+            cell(m.tcomm_model_ms, notes), cell(m.algbw_gbps, notes), cell(m.busbw_gbps, notes),
+            cell(m.microbench_busbw_gbps, notes),
             f"{d.busbw_ratio:.2f}" if d.busbw_ratio is not None else notes.na(d.busbw_ratio_reason)])
     return rows
 
@@ -79,18 +80,18 @@ PARTS = ("params", "grads", "optimizer", "master_params", "comm_buffers")
 STATE_HEADER = ["params", "grads", "optimizer", "fp32 master", "comm buffers"]
 
 
-def _who(run: dict[str, Any], with_variant: bool) -> list[str]:
-    return [run["backend"], str(run["world_size"]), *([variant_of(run) or "-"] if with_variant else [])]
+def _who(run: RunResult, with_knob: bool) -> list[str]:
+    return [run.backend, str(run.world_size), *([run.knob_label or "-"] if with_knob else [])]
 
 
-def _state_cells(run: dict[str, Any], state: dict[str, Any], state_reason: str | None, notes: Footnotes,
-                 name: str = "model_state_mib") -> list[str]:
+def _state_cells(run: RunResult, state: dict[str, Any] | None, state_reason: str | None, notes: Footnotes,
+                 name: str = Metrics.model_state_mib.name) -> list[str]:
     """params, grads, optimizer, fp32 master, comm buffers (marked (a) with its footnote where analytic), total."""
     cells = []
     for part in (*PARTS, "total"):
         value = state.get(part, 0.0 if part == "master_params" and state else None) if state is not None else None
         if not is_number(value):
-            cells.append(notes.na(state_reason or reasons(run).get(f"{name}.{part}")
+            cells.append(notes.na(state_reason or run.metrics.reasons.get(f"{name}.{part}")
                                   or f"{name}.{part} is {'null' if value is None else repr(value)} and no reason was recorded"))
             continue
         text = num(value)
@@ -101,90 +102,90 @@ def _state_cells(run: dict[str, Any], state: dict[str, Any], state_reason: str |
     return cells
 
 
-def _formula_cell(run: dict[str, Any], notes: Footnotes) -> str:
-    formula, why = raw_metric(run, "model_state_formula_mib")
-    if not isinstance(formula, dict) or not is_number(formula.get("total")):
+def _formula_cell(run: RunResult, notes: Footnotes) -> str:
+    formula, why = run.metrics.model_state_formula_mib.value, run.metrics.model_state_formula_mib.reason
+    if formula is None or not is_number(formula.get("total")):
         return notes.na(why or "no ZeRO formula recorded (results written before it was)")
     return f"{num(formula['total'])} (ZeRO-{formula.get('stage', '?')})" + notes.ref(str(formula.get("formula", "")))
 
 
-def _memory_rows(runs: list[dict[str, Any]], notes: Footnotes, with_variant: bool = False) -> list[list[str]]:
+def _memory_rows(runs: list[RunResult], notes: Footnotes, with_knob: bool = False) -> list[list[str]]:
     rows = []
     for run in runs:
-        state, state_reason = metric(run, "model_state_mib")
+        state, state_reason = run.metrics.model_state_mib.value, run.metrics.model_state_mib.reason
         method = state.get("method") if isinstance(state, dict) else None
         source = ("-" if state is None else f"census, rank {state['rank']}" if isinstance(state.get("rank"), int)
                   else "analytic" + (notes.ref(method) if method else ""))
-        rows.append([*_who(run, with_variant), cell(run, "peak_mem_mib", notes),
+        rows.append([*_who(run, with_knob), cell(run.metrics.peak_mem_mib, notes),
                      *_state_cells(run, state, state_reason, notes), _formula_cell(run, notes), source])
     return rows
 
 
-def _per_rank_rows(runs: list[dict[str, Any]], notes: Footnotes, with_variant: bool) -> list[list[str]]:
+def _per_rank_rows(runs: list[RunResult], notes: Footnotes, with_knob: bool) -> list[list[str]]:
     """Every rank's census, then the ZeRO formula's row (its text in a footnote) for each run that has either."""
     rows = []
     for run in runs:
-        ranks, ranks_reason = raw_metric(run, "model_state_mib_per_rank")
-        formula, _ = raw_metric(run, "model_state_formula_mib")
-        if not isinstance(ranks, list) and not isinstance(formula, dict):
+        ranks, ranks_reason = run.metrics.model_state_mib_per_rank.value, run.metrics.model_state_mib_per_rank.reason
+        formula = run.metrics.model_state_formula_mib.value
+        if ranks is None and formula is None:
             continue
-        if isinstance(ranks, list):
-            rows += [[*_who(run, with_variant), str(r), *_state_cells(run, c if isinstance(c, dict) else None,
-                                                                        None if isinstance(c, dict) else "no census",
-                                                                        notes, "model_state_mib_per_rank")]
+        if ranks is not None:
+            rows += [[*_who(run, with_knob), str(r), *_state_cells(run, c if isinstance(c, dict) else None,
+                                                                     None if isinstance(c, dict) else "no census",
+                                                                     notes, Metrics.model_state_mib_per_rank.name)]
                      for r, c in enumerate(ranks)]
         else:
-            rows.append([*_who(run, with_variant), "each", *[notes.na(ranks_reason or "no per-rank census")] * 6])
-        if isinstance(formula, dict):
+            rows.append([*_who(run, with_knob), "each", *[notes.na(ranks_reason or "no per-rank census")] * 6])
+        if formula is not None:
             parts = [num(formula[p]) if is_number(formula.get(p)) else "-" for p in PARTS[:-1]]
-            rows.append([*_who(run, with_variant), f"**ZeRO-{formula.get('stage', '?')} formula**"
+            rows.append([*_who(run, with_knob), f"**ZeRO-{formula.get('stage', '?')} formula**"
                          + notes.ref(str(formula.get("formula", ""))), *parts, "-",
                          num(formula["total"]) if is_number(formula.get("total")) else "-"])
     return rows
 
 
-def _comm_kind_rows(runs: list[dict[str, Any]], notes: Footnotes, with_variant: bool) -> list[list[str]]:
+def _comm_kind_rows(runs: list[RunResult], notes: Footnotes, with_knob: bool) -> list[list[str]]:
     """One row per collective kind a run predicted or measured, and a bus-traffic total against DDP's all-reduce."""
     def shown(value: Any, fmt: Callable[[Any], str] = num) -> str:
         return fmt(value) if is_number(value) else "-"
 
     rows = []
     for run in runs:
-        kinds, why = raw_metric(run, "comm_by_kind")
-        if not isinstance(kinds, dict):
+        kinds = run.metrics.comm_by_kind.value
+        if kinds is None:
             continue
         for kind, row in kinds.items():
             if not isinstance(row, dict):
                 continue
             method = str(row.get("method") or "no method recorded")
             measured, analytic = row.get("bytes_per_step"), row.get("analytic_bytes_per_step")
-            rows.append([*_who(run, with_variant), kind.replace("_", "-"),
+            rows.append([*_who(run, with_knob), kind.replace("_", "-"),
                          (format_bytes(measured) if is_number(measured) else "n/a") + notes.ref(method),
                          shown(analytic, format_bytes) + (notes.ref(str(row["analytic_method"]))
                                                           if row.get("analytic_method") and is_number(analytic) else ""),
                          shown(row.get("calls_per_step")),
                          shown(row.get("ms_per_step")), shown(row.get("ms_per_step_max")), shown(row.get("busbw_gbps"))])
-        grad, n = metric(run, "grad_bytes_per_step")[0], run["world_size"]
+        grad, n = run.metrics.grad_bytes_per_step.value, run.world_size
         ddp = grad * bus_factor("all_reduce", n) if is_number(grad) and n > 1 else None
         analytic = sum(r.get("analytic_bus_bytes_per_step") or 0 for r in kinds.values() if isinstance(r, dict))
         measured_all = [r.get("bus_bytes_per_step") for r in kinds.values() if isinstance(r, dict)]
         measured = sum(measured_all) if measured_all and all(is_number(v) for v in measured_all) else None
         ratio = lambda v: f" ({v / ddp:.2f}x DDP)" if ddp and is_number(v) else ""
-        rows.append([*_who(run, with_variant), "**bus total**",
+        rows.append([*_who(run, with_knob), "**bus total**",
                      (format_bytes(measured) + ratio(measured)) if measured is not None else "n/a",
                      format_bytes(analytic) + ratio(analytic), "", "", "", ""])
     return rows
 
 
-def cost_sections(runs: list[dict[str, Any]], derived: list[Derived], notes: Footnotes,
-                  variants: list[dict[str, Any]] | tuple = ()) -> list[str]:
-    """The cost tables; `variants` (ZeRO stages, FSDP without resharding, sweep knobs) join the memory and
-    communication-by-kind tables as rows of their own."""
+def cost_sections(runs: list[RunResult], derived: list[Derived], notes: Footnotes,
+                  knob_runs: list[RunResult] | tuple = ()) -> list[str]:
+    """The cost tables; `knob_runs` (ZeRO stages, FSDP without resharding, sweep knobs: runs that change a knob from
+    their backend's baseline) join the memory and communication-by-kind tables as rows of their own."""
     # One table after the other, so the footnote numbers run in reading order.
-    tokens = any(metric(r, "tokens_per_s")[0] is not None for r in runs)
-    both = [*runs, *sorted(variants, key=lambda r: (run_order(r), variant_of(r)))]
-    with_variant = bool(variants)
-    var = ["variant"] if with_variant else []
+    tokens = any(r.metrics.tokens_per_s.value is not None for r in runs)
+    both = [*runs, *sorted(knob_runs, key=lambda r: (run_order(r), r.knob_label))]
+    with_knob = bool(knob_runs)
+    var = ["knob"] if with_knob else []
     lines = [
         "### Throughput and step time", "",
         "Scaling efficiency = samples/s at N / (N x samples/s of the scaling baseline, the run at world size 1 "
@@ -211,7 +212,7 @@ def cost_sections(runs: list[dict[str, Any]], derived: list[Derived], notes: Foo
                 "exposed comm (ms)", "overlap",
                 "model t_comm (ms)", "algbw", "busbw", "microbench busbw", "busbw / microbench"],
                _comm_rows(runs, derived, notes)), ""]
-    kind_rows = _comm_kind_rows(both, notes, with_variant)
+    kind_rows = _comm_kind_rows(both, notes, with_knob)
     if kind_rows:
         lines += [
             "#### Communication by kind (per optimizer step)", "",
@@ -232,8 +233,8 @@ def cost_sections(runs: list[dict[str, Any]], derived: list[Derived], notes: Foo
         "largest total, beside the ZeRO paper's formula for the same model, precision, optimizer and stage "
         "(Rajbhandari et al. 2020; it leaves out comm buffers and the fp32 copies a backend keeps beyond it).", "",
         *table(["backend", "ws", *var, "peak", *STATE_HEADER, "model state total", "ZeRO formula total", "measured by"],
-               _memory_rows(both, notes, with_variant)), ""]
-    per_rank = _per_rank_rows(both, notes, with_variant)
+               _memory_rows(both, notes, with_knob)), ""]
+    per_rank = _per_rank_rows(both, notes, with_knob)
     if per_rank:
         lines += [
             "#### Model state per rank against the ZeRO formula (MiB)", "",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpcompare.commands.report.load import created, label
 from dpcompare.commands.report.markdown import escape, table
+from dpcompare.result_view import RunResult
 
 ENV_ORDER = ["dpcompare", "python", "torch", "cuda", "nccl", "gloo", "deepspeed", "horovod", "mpi", "mpi4py", "host",
              "platform", "cpu_count", "device_names"]
@@ -18,14 +18,14 @@ def _show_env(v: Any) -> str:
     return ", ".join(map(str, v)) if isinstance(v, list) else str(v)
 
 
-def environment_section(runs: list[dict[str, Any]]) -> list[str]:
-    newest = max(runs, key=created)
-    env = newest.get("env") or {}
+def environment_section(runs: list[RunResult]) -> list[str]:
+    newest = max(runs, key=lambda r: r.created_unix)
+    env = newest.env
     keys = [k for k in ENV_ORDER if k in env] + sorted(k for k in env if k not in ENV_ORDER)
-    lines = [f"From the newest run ({label(newest)}, {newest['_source']}).", "",
+    lines = [f"From the newest run ({newest.label}, {newest.source}).", "",
              *table(["component", "version / value"], [[k, _show_env(env[k])] for k in keys]), ""]
     for key in ("host", "torch"):
-        seen = sorted({str((r.get("env") or {}).get(key)) for r in runs})
+        seen = sorted({str(r.env.get(key)) for r in runs})
         if len(seen) > 1:
             lines += [f"Note: the reported runs come from more than one {key}: {', '.join(seen)}.", ""]
     return lines

@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dpcompare.commands.report.load import is_number
+from dpcompare import verdict_words as words
 from dpcompare.commands.report.markdown import Footnotes, table, verdict_cell
+from dpcompare.result_view import Check, Equivalence, Figure, RunResult
 
 NO_CHECKS = ("this result has no equivalence.checks (written before dpcompare checked the update and the "
              "trajectory): rerun to check them")
@@ -29,55 +30,54 @@ VERDICT_HEADER = ["backend", "ws", "launcher", "model", "verdict", "gradient (x 
 @dataclass(slots=True)
 class _VerdictFigures:
     """The cells of one run's verdict row, each a figure or n/a with its reason."""
-    e: dict[str, Any]
+    e: Equivalence
     notes: Footnotes
     unchecked: str | None
     unverifiable: str | None
 
-    def figure(self, name: str, spec: str) -> str:
-        v = self.e.get(name)
-        return format(v, spec) if is_number(v) else self.notes.na(
-            self.unchecked or self.unverifiable
-            or f"equivalence.{name} is {'null' if v is None else repr(v)} and no reason was recorded")
+    def figure(self, figure: Figure, spec: str) -> str:
+        if figure.value is not None:
+            return format(figure.value, spec)
+        return self.notes.na(self.unchecked or self.unverifiable or figure.reason or "no reason was recorded")
 
-    def check_figure(self, check: str, name: str, spec: str) -> str:
-        checks = self.e.get("checks")
-        if not isinstance(checks, dict):
+    def check_figure(self, check: Check, figure: Figure, spec: str) -> str:
+        if not self.e.checks_recorded:
             return self.notes.na(self.unchecked or NO_CHECKS)
-        c = checks.get(check) if isinstance(checks.get(check), dict) else {}
-        v, status = c.get(name), c.get("status")
-        if is_number(v):
-            return format(v, spec)
-        if status == "unverifiable":
-            return self.notes.na(self.unverifiable or f"the {check} check could not be made and no reason was recorded")
-        if status == "off":
-            return self.notes.na(self.unchecked or f"the {check} check did not run (checks.{check}.status: off)")
-        return self.notes.na(f"equivalence.checks.{check}.{name} is {'null' if v is None else repr(v)} and no reason "
-                             "was recorded")
+        if figure.value is not None:
+            return format(figure.value, spec)
+        if check.status == "unverifiable":
+            return self.notes.na(self.unverifiable or f"the {check.name} check could not be made and no reason was "
+                                                      "recorded")
+        if check.status == "off":
+            return self.notes.na(self.unchecked or f"the {check.name} check did not run (checks.{check.name}.status: "
+                                                   "off)")
+        return self.notes.na(figure.reason or "no reason was recorded")
 
     def divergence(self) -> str:
-        d = self.e.get("first_divergence")
-        if not d:
+        d = self.e.first_divergence
+        if d is None:
             return self.unverifiable or "none"
-        check = f" ({d['check']} check)" if d.get("check") else ""
-        return f"step {d.get('step')}{check}, `{d.get('parameter')}`: {d.get('reason', '')}"
+        return words.divergence(d, lambda parameter: f"`{parameter}`")
 
 
-def _verdict_row(run: dict[str, Any], notes: Footnotes) -> list[str]:
-    e = run.get("equivalence") or {}
-    verdict = e.get("verdict") or "n/a"
+def _verdict_row(run: RunResult, notes: Footnotes) -> list[str]:
+    e = run.equivalence
+    verdict = e.verdict or "n/a"
     f = _VerdictFigures(e, notes, "no gradient check ran (verdict unchecked)" if verdict == "unchecked" else None,
-                        e.get("unverifiable_reason") if verdict == "unverifiable" else None)
-    return [run["backend"], str(run["world_size"]), str(run.get("launcher", "?")), str(run.get("model", "?")),
-            verdict_cell(verdict), f.figure("noise_ratio", ".2f"), f.figure("max_rel_fro_err", ".2e"),
-            f.check_figure("update", "noise_ratio", ".2f"), f.check_figure("update", "norm_ratio", ".4f"),
-            f.check_figure("trajectory", "noise_ratio", ".2f"), f.figure("min_detectable_rel", ".2g"), f.divergence()]
+                        e.unverifiable_reason if verdict == "unverifiable" else None)
+    update, trajectory = e.update, e.trajectory
+    return [run.backend, str(run.world_size), str(run.launcher or "?"), str(run.model or "?"),
+            verdict_cell(verdict), f.figure(e.noise_ratio, words.X_FLOOR), f.figure(e.max_rel_fro_err, words.REL_ERR),
+            f.check_figure(update, update.noise_ratio, words.X_FLOOR),
+            f.check_figure(update, update.norm_ratio, words.NORM_RATIO),
+            f.check_figure(trajectory, trajectory.noise_ratio, words.X_FLOOR),
+            f.figure(e.min_detectable_rel, words.CATCHES), f.divergence()]
 
 
-def _failed_job_rows(runs: list[dict[str, Any]], compare: dict[str, Any] | None) -> list[list[str]]:
+def _failed_job_rows(runs: list[RunResult], compare: dict[str, Any] | None) -> list[list[str]]:
     """Jobs the compare summary lists as failed or timed out that left no result behind."""
     # A job is its label (`deepspeed:zero2/2`, which its run carries as its tag); older summaries: backend and world size.
-    have = {r.get("tag") for r in runs} | {(r["backend"], r["world_size"]) for r in runs}
+    have = {r.tag for r in runs} | {(r.backend, r.world_size) for r in runs}
     return [[str(job.get("entry") or job.get("backend")), str(job.get("world_size")), "-", "-",
              verdict_cell(job["status"]), "-", "-", "-", "-", "-", "-", job.get("error") or "no result written"]
             for job in (compare or {}).get("runs") or []
@@ -89,25 +89,24 @@ SEMANTIC_NOTES = ("per_replica_batchnorm", "split_dependent_forward", "buffers_p
 """Notes that say what a backend computes that a single process does not: listed under the verdicts."""
 
 
-def _semantic_lines(runs: list[dict[str, Any]]) -> list[str]:
+def _semantic_lines(runs: list[RunResult]) -> list[str]:
     lines = []
     for run in runs:
-        for note in (run.get("equivalence") or {}).get("notes") or []:
-            if isinstance(note, dict) and note.get("code") in SEMANTIC_NOTES:
-                lines.append(f"- {run['backend']} ws={run['world_size']} {run.get('model', '?')} "
-                             f"(`{note['code']}`): {note.get('text', '')}")
+        for note in run.equivalence.notes:
+            if note.code in SEMANTIC_NOTES:
+                lines.append(f"- {run.backend} ws={run.world_size} {run.model or '?'} (`{note.code}`): {note.text}")
     return ["What the backends compute beside the single process (equivalent, and stated):", "", *lines] if lines else []
 
 
-def _precision_lines(runs: list[dict[str, Any]]) -> list[str]:
+def _precision_lines(runs: list[RunResult]) -> list[str]:
     """Which runs ran under which mixed-precision recipe (their floors are that recipe's), and what fp16's loss
     scaler skipped."""
     groups: dict[tuple[str, str, str], list[str]] = {}
     for run in runs:
-        p = (run.get("equivalence") or {}).get("precision") or {}
+        p = run.equivalence.section("precision")
         if p.get("amp", "none") == "none":
             continue
-        shown = f"{run['backend']} ws={run['world_size']}"
+        shown = f"{run.backend} ws={run.world_size}"
         if p.get("loss_scaler"):
             skipped = p.get("skipped_steps") or []
             shown += f" (skipped {', '.join(map(str, skipped))})" if skipped else " (no step skipped)"
@@ -119,7 +118,7 @@ def _precision_lines(runs: list[dict[str, Any]]) -> list[str]:
     return ["Mixed precision (each run judged on its own recipe's floor, recomputed rank by rank):", "", *lines]
 
 
-def verdict_section(runs: list[dict[str, Any]], compare: dict[str, Any] | None, notes: Footnotes) -> list[str]:
+def verdict_section(runs: list[RunResult], compare: dict[str, Any] | None, notes: Footnotes) -> list[str]:
     rows = [_verdict_row(run, notes) for run in runs] + _failed_job_rows(runs, compare)
     extra = [block for block in (_precision_lines(runs), _semantic_lines(runs)) if block]
     return [VERDICT_INTRO, "", *table(VERDICT_HEADER, rows), *[line for block in extra for line in ["", *block]]]

@@ -13,20 +13,20 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-from dpcompare.commands.report.derive import STEP_PARTS, format_bytes, variant_of
-from dpcompare.commands.report.load import label, metric
+from dpcompare.commands.report.derive import STEP_PARTS, format_bytes, step_parts
 from dpcompare.commands.report.style import TRAINING_MARKERS, colour, marker, save
 from dpcompare.measure import consistency
 from dpcompare.measure.scaling import other_ms, scaling_efficiency
+from dpcompare.result_view import RunResult
 
 
 # -- throughput ------------------------------------------------------------------------------------------
-def _throughput_series(runs: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+def _throughput_series(runs: list[RunResult]) -> dict[str, list[tuple[int, float]]]:
     series: dict[str, list[tuple[int, float]]] = {}
     for run in runs:
-        samples, _ = metric(run, "samples_per_s")
+        samples = run.metrics.samples_per_s.value
         if samples is not None:
-            series.setdefault(run["backend"], []).append((run["world_size"], samples))
+            series.setdefault(run.backend, []).append((run.world_size, samples))
     for points in series.values():
         points.sort()
     return series
@@ -64,7 +64,7 @@ def world_size_axes(axes: list[Axes], sizes: list[int], legend: bool = True) -> 
             ax.legend(fontsize=8)
 
 
-def plot_throughput(runs: list[dict[str, Any]], baseline_throughput: float | None, scaling: str,
+def plot_throughput(runs: list[RunResult], baseline_throughput: float | None, scaling: str,
                     path: Path) -> str | None:
     """samples/s against world size per backend with the ideal line N x the scaling baseline's samples/s,
     and beside it the scaling efficiency when the baseline is known. Returns why it was skipped, or None
@@ -117,8 +117,8 @@ def _draw_step(ax: Axes, y: int, parts: tuple[float | None, ...], labelled: set[
         bar(left, other, "other", color="#A0A0A0")
     elif step is not None:
         bar(left, max(step - left, 0.0), "unknown", color="white", edgecolor="#555555", hatch="//")
-        notes.append("n/a: " + ", ".join(n.replace("_ms_p50", "").replace("comm_exposed_ms", "exposed comm")
-                                          for n, v in zip(STEP_PARTS[1:], (compute, exposed)) if v is None))
+        notes.append("n/a: " + ", ".join(f.name.replace("_ms_p50", "").replace("comm_exposed_ms", "exposed comm")
+                                          for f, v in zip(STEP_PARTS[1:], (compute, exposed)) if v is None))
     else:
         notes.append("step time n/a")
     return max(left, step or 0.0), notes
@@ -131,25 +131,25 @@ def _part_legend(fig: Figure, ax: Axes) -> None:
                ncol=len(order), fontsize=8, frameon=False)
 
 
-def plot_step_breakdown(runs: list[dict[str, Any]], path: Path) -> str | None:
+def plot_step_breakdown(runs: list[RunResult], path: Path) -> str | None:
     """Stacked horizontal bars: compute, exposed communication, other; the unattributed rest of a step
     whose parts are unknown is hatched and the missing parts are named."""
-    rows = [(run, tuple(metric(run, n)[0] for n in STEP_PARTS)) for run in runs]
+    rows = [(run, tuple(part.value for part in step_parts(run))) for run in runs]
     rows = [r for r in rows if any(v is not None for v in r[1])]
     if not rows:
-        return "no run recorded step_ms_p50, compute_ms_p50 or comm_exposed_ms"
+        return f"no run recorded {', '.join(f.name for f in STEP_PARTS[:-1])} or {STEP_PARTS[-1].name}"
     fig = Figure(figsize=(8.5, 1.6 + 0.55 * len(rows)), layout="constrained")
     ax = fig.add_subplot()
     labelled: set[str] = set()
     longest = max(max(v for v in parts if v is not None) for _, parts in rows)
     for y, (run, parts) in enumerate(reversed(rows)):
         end, notes = _draw_step(ax, y, parts, labelled)
-        if consistency.breakdown_flag(run.get("metrics") or {}):
+        if consistency.breakdown_flag(run.metrics):
             notes.append("(!) compute + exposed > step: the machine was slower during the ablation")
         step = parts[0]
         text = (f"{step:.3g} ms" if step is not None else "") + ("  " + "; ".join(notes) if notes else "")
         ax.text(end + longest * 0.01, y, text.strip(), va="center", fontsize=8)
-    ax.set_yticks(range(len(rows)), [label(r[0]) for r in reversed(rows)])
+    ax.set_yticks(range(len(rows)), [r[0].label for r in reversed(rows)])
     ax.set_xlim(0, longest * 1.45)
     ax.set_xlabel("time per step, p50 (ms)")
     ax.set_title("Where a step's time goes (p50 of each part)")
@@ -191,13 +191,12 @@ def _draw_microbench(ax: Axes, entries: list[dict[str, Any]], xs_all: list[float
     return best
 
 
-def _draw_training(ax: Axes, runs: list[dict[str, Any]], xs_all: list[float], ys_all: list[float]) -> None:
+def _draw_training(ax: Axes, runs: list[RunResult], xs_all: list[float], ys_all: list[float]) -> None:
     for i, run in enumerate(runs):
-        bucket, _ = metric(run, "bucket_bytes")
-        busbw, _ = metric(run, "busbw_gbps")
+        bucket, busbw = run.metrics.bucket_bytes.value, run.metrics.busbw_gbps.value
         if bucket and busbw:
             ax.scatter([bucket], [busbw], marker=TRAINING_MARKERS[i % len(TRAINING_MARKERS)], s=140,
-                       color=colour(run["backend"]), edgecolor="black", zorder=6, label=f"{label(run)} in training")
+                       color=colour(run.backend), edgecolor="black", zorder=6, label=f"{run.label} in training")
             xs_all.append(bucket)
             ys_all.append(busbw)
 
@@ -231,7 +230,7 @@ def _busbw_axes(ax: Axes, xs_all: list[float], ys_all: list[float]) -> None:
     ax.legend(fontsize=8, loc="best")
 
 
-def plot_busbw(entries: list[dict[str, Any]], runs: list[dict[str, Any]], link_peak_gbps: float | None,
+def plot_busbw(entries: list[dict[str, Any]], runs: list[RunResult], link_peak_gbps: float | None,
                path: Path) -> tuple[str | None, str]:
     """Microbenchmark busbw by message size, training points at their bucket size, and a peak line.
     Returns (why skipped or None, a sentence about the peak line)."""
@@ -260,27 +259,24 @@ PLOT_MODEL_STATE = "model_state.png"
 MODEL_STATE_CAPTION = (
     "Rank 0's model state per component, measured after the reduce of the last measured step (the tensors the backend "
     "lists, each storage byte once; hatched comm buffers are the backend's analytic figure), one bar per backend and "
-    "variant; the hollow black bar and its tick mark the ZeRO paper's formula total for the same model, precision, "
+    "knob; the hollow black bar and its tick mark the ZeRO paper's formula total for the same model, precision, "
     "optimizer and stage (it leaves out comm buffers and any fp32 copy a backend keeps beyond it).")
 _STATE_PARTS = (("params", "parameters", "#4C72B0"), ("grads", "gradients", "#DD8452"),
                 ("optimizer", "optimizer state", "#55A868"), ("master_params", "fp32 master copies", "#C44E52"),
                 ("comm_buffers", "comm buffers", "#8172B3"))
 
 
-def _rank0_state(run: dict[str, Any]) -> dict[str, Any] | None:
+def _rank0_state(run: RunResult) -> dict[str, Any] | None:
     """Rank 0's census (model_state_mib_per_rank[0]), else model_state_mib (older results: the analytic figure)."""
-    metrics = run.get("metrics") if isinstance(run.get("metrics"), dict) else {}
-    ranks = metrics.get("model_state_mib_per_rank")
-    if isinstance(ranks, list) and ranks and isinstance(ranks[0], dict):
+    ranks = run.metrics.model_state_mib_per_rank.value
+    if ranks and isinstance(ranks[0], dict):
         return ranks[0]
-    state = metrics.get("model_state_mib")
-    return state if isinstance(state, dict) else None
+    return run.metrics.model_state_mib.value
 
 
-def _formula_total_bytes(run: dict[str, Any]) -> float | None:
-    metrics = run.get("metrics") if isinstance(run.get("metrics"), dict) else {}
-    formula = metrics.get("model_state_formula_mib")
-    total = formula.get("total") if isinstance(formula, dict) else None
+def _formula_total_bytes(run: RunResult) -> float | None:
+    formula = run.metrics.model_state_formula_mib.value
+    total = formula.get("total") if formula is not None else None
     return total * 2**20 if isinstance(total, (int, float)) and not isinstance(total, bool) else None
 
 
@@ -312,8 +308,8 @@ def _state_bytes(state: dict[str, Any], without_comm: bool = False) -> float:
     return sum(v * 2**20 for k in parts if isinstance(v := state.get(k), (int, float)) and not isinstance(v, bool) and v > 0)
 
 
-def plot_model_state(runs: list[dict[str, Any]], path: Path) -> str | None:
-    """Stacked horizontal bars of rank 0's model state per component, one per run and variant, with the ZeRO
+def plot_model_state(runs: list[RunResult], path: Path) -> str | None:
+    """Stacked horizontal bars of rank 0's model state per component, one per run and knob, with the ZeRO
     formula's total marked beside each (a hollow bar and a tick). Returns why it was skipped, or None when drawn."""
     rows = [(run, _rank0_state(run)) for run in runs]
     rows = [(run, state) for run, state in rows if state is not None]
@@ -341,7 +337,7 @@ def plot_model_state(runs: list[dict[str, Any]], path: Path) -> str | None:
         x = limit * 1.02 if clipped else max(end, formula or 0.0) + limit * 0.01
         ax.text(x, y, text, va="center", fontsize=8,
                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0} if clipped else None)
-    names = [label(run) + (f" {variant_of(run)}" if variant_of(run) else "") for run, _ in reversed(rows)]
+    names = [run.label + (f" {run.knob_label}" if run.knob_label else "") for run, _ in reversed(rows)]
     ax.set_yticks(range(len(rows)), names)
     ax.set_xlim(0, limit * 1.5)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: format_bytes(x)))

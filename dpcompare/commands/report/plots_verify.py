@@ -14,8 +14,9 @@ from matplotlib.colors import BoundaryNorm, Colormap, ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
 
-from dpcompare.commands.report.load import is_number, label
+from dpcompare.commands.report.load import is_number
 from dpcompare.commands.report.style import colour, marker, save
+from dpcompare.result_view import RunResult
 
 
 # -- gradient matrix -------------------------------------------------------------------------------------
@@ -70,10 +71,10 @@ def heatmap_scale(tolerance: float) -> tuple[BoundaryNorm, ListedColormap]:
     return BoundaryNorm(bounds, len(colours), extend="max"), ListedColormap(colours).with_extremes(bad="#D0D0D0")
 
 
-def tolerance_floors(runs: list[dict[str, Any]]) -> float:
+def tolerance_floors(runs: list[RunResult]) -> float:
     """The tolerance factor (in noise floors) the runs were judged with: the largest any of them records."""
-    factors = [((r.get("equivalence") or {}).get("tolerance") or {}).get("factor") for r in runs]
-    return max((f for f in factors if is_number(f) and f > 0), default=DEFAULT_TOLERANCE_FLOORS)
+    factors = [r.equivalence.tolerance.factor for r in runs]
+    return max((f for f in factors if f is not None and f > 0), default=DEFAULT_TOLERANCE_FLOORS)
 
 
 def _draw_panel(ax: Axes, panel: Panel, cmap: Colormap, norm: BoundaryNorm) -> Any:
@@ -124,16 +125,15 @@ def plot_heatmap(compare: dict[str, Any] | None, path: Path, tolerance: float = 
 
 
 # -- trajectory drift --------------------------------------------------------------------------------------
-def _drift(run: dict[str, Any], key: str, failed_only: bool = False) -> list[tuple[float, float]]:
+def _drift(run: RunResult, key: str, failed_only: bool = False) -> list[tuple[float, float]]:
     """(step, value) of equivalence.drift where both are finite and value > 0 (a log axis has no 0); with
     failed_only, only the entries whose ok is false."""
-    drift = (run.get("equivalence") or {}).get("drift")
-    return [(d["step"], d[key]) for d in (drift if isinstance(drift, list) else []) if isinstance(d, dict)
-            and is_number(d.get("step")) and is_number(d.get(key)) and d[key] > 0
+    return [(d["step"], d[key]) for d in run.equivalence.drift
+            if is_number(d.get("step")) and is_number(d.get(key)) and d[key] > 0
             and (not failed_only or d.get("ok") is False)]
 
 
-def _draw_bounds(ax: Axes, drawn: list[dict[str, Any]]) -> None:
+def _draw_bounds(ax: Axes, drawn: list[RunResult]) -> None:
     """The floor and the tolerance: once in grey when every run shares them, else faint per run."""
     for key, name, style in (("floor_rel_param_distance", "single process in the run dtype (floor)", "-"),
                              ("tolerance", "tolerance", "--")):
@@ -141,10 +141,10 @@ def _draw_bounds(ax: Axes, drawn: list[dict[str, Any]]) -> None:
         shared = len({tuple(s) for _, s in series}) == 1  # floor and tolerance depend on model, world size, dtype
         for i, (run, s) in enumerate(series[:1] if shared else series):
             ax.plot(*zip(*s), style, linewidth=1.2, **(dict(color="grey", label=name) if shared else dict(
-                color=colour(run["backend"]), alpha=0.35, label=f"{name}, per run (faint)" if i == 0 else None)))
+                color=colour(run.backend), alpha=0.35, label=f"{name}, per run (faint)" if i == 0 else None)))
 
 
-def plot_trajectory_drift(runs: list[dict[str, Any]], path: Path) -> str | None:
+def plot_trajectory_drift(runs: list[RunResult], path: Path) -> str | None:
     """Each run's parameter distance to the float64 single-process trajectory by step (log y), the floor (a
     single process in the run dtype) in grey and the tolerance dashed, each once when all runs share it, else per
     run, faint in the run's colour; steps that failed ringed in red. Returns why it was skipped, or None when drawn."""
@@ -156,8 +156,8 @@ def plot_trajectory_drift(runs: list[dict[str, Any]], path: Path) -> str | None:
     ax = fig.add_subplot()
     _draw_bounds(ax, drawn)
     for run in drawn:
-        ax.plot(*zip(*_drift(run, "rel_param_distance")), "-", color=colour(run["backend"]),
-                marker=marker(run["backend"]), markersize=5, label=label(run))
+        ax.plot(*zip(*_drift(run, "rel_param_distance")), "-", color=colour(run.backend),
+                marker=marker(run.backend), markersize=5, label=run.label)
     failed = [p for r in drawn for p in _drift(r, "rel_param_distance", failed_only=True)]
     if failed:
         ax.plot(*zip(*failed), "o", markersize=11, markerfacecolor="none", markeredgecolor="red",
