@@ -44,7 +44,6 @@ from torch import nn
 from dpcompare import (AMP_NAMES, DIST_BACKEND, Adapter, Capabilities, CommCounter, CommCounts, Note, Option, ProcessGroupMixin,
                        ScalerState, Wrapped, ensure_rendezvous)
 
-from .deepspeed_autocast import GatherWatch, gathered_note, narrow_parameters
 from .deepspeed_host import remove_shm_segment, stale_build_lock
 from .deepspeed_state import ZeroStateReader
 
@@ -232,8 +231,6 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
                               "1-3 setting); all gradients go in one flattened all-reduce"))
         notes += self._precision_notes(engine, ds_optimizer)
         self.wrapped = Wrapped(engine, module, ds_optimizer, notes)
-        narrow = self._autocast_wire_params(engine.module) if self.stage == 3 else []
-        self._gather_watch = GatherWatch(engine.module, narrow, getattr(torch, AMP_NAMES[self.settings.amp])) if narrow else None
         return self.wrapped
 
     def compile(self) -> None:
@@ -315,7 +312,7 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
                     f"(Linear, Conv: {len(narrow)} of {sum(1 for _ in engine.module.parameters())}) in "
                     f"{AMP_NAMES[amp]}, judged with that wire's tolerance" if narrow else "")
             if narrow and self.stage == 3:
-                wire += gathered_note(engine.module, set(narrow), AMP_NAMES[amp])
+                wire += f"{_gathered_note(engine.module, set(narrow), AMP_NAMES[amp])}"
             return [Note("deepspeed.amp_recipe", f"deepspeed: autocast recipe (torch_autocast section, {AMP_NAMES[amp]}): "
                                                  f"float32 weights, the engine's forward under torch.autocast{scaled}"
                                                  f"{wire}")]
@@ -404,8 +401,9 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
         return frozenset(narrow) if narrow else None
 
     def gathered_parameters(self) -> frozenset[str]:
-        watch = getattr(self, "_gather_watch", None)
-        return watch.rounded() if watch is not None else frozenset()
+        # ZeRO-3 all-gathers these parameters in the autocast dtype (partition_parameters.get_allgather_dtype) and
+        # casts them back to float32: every op of the forward sees them rounded, not only those autocast narrows.
+        return frozenset(self._autocast_wire_params(self.wrapped.module)) if self.stage == 3 else frozenset()
 
     def _autocast_wire_params(self, module: nn.Module) -> list[str]:
         """Under its torch_autocast section, ZeRO stages 1-3 reduce the gradients of the parameters of its
@@ -413,7 +411,9 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
         when the gradients travel in their own dtype (stage 0, no autocast, or a --compression the user chose)."""
         if self.settings.amp == "none" or self._engine_recipe or not self.stage or self.settings.compression != "none":
             return []
-        return narrow_parameters(module)
+        from deepspeed.runtime.torch_autocast import get_comm_dtype
+
+        return [n for n, p in module.named_parameters() if get_comm_dtype(p) in WIRE_NAMES]
 
     def optimizer_prestep(self) -> str | None:
         if getattr(self, "_engine_recipe", False) and not self.stage:
@@ -465,3 +465,18 @@ class _TimerCounter(CommCounter):
         return CommCounts(method="DeepSpeed wall_clock_breakdown timer bwd_allreduce_microstep (no overlap in ZeRO-0)",
                           unit_s=1e-3, window_total=sum(self._ms))
 
+
+def _gathered_note(module: nn.Module, narrow: set[str], amp: str) -> str:
+    """ZeRO-3's all-gather of the same parameters in the autocast dtype, and where it reaches beyond autocast: the
+    narrow parameters that a module outside the lower-precision-safe list also uses (a weight tied to an Embedding),
+    whose ops then see the rounded values where plain autocast would keep float32."""
+    ids = {id(p) for n, p in module.named_parameters(remove_duplicate=False) if n in narrow}
+    from deepspeed.runtime.torch_autocast import LOWER_PRECISION_SAFE_MODULES
+
+    beyond = sorted({f"{m}.{n}".lstrip(".") for m, mod in module.named_modules()
+                     if type(mod) not in LOWER_PRECISION_SAFE_MODULES
+                     for n, p in mod.named_parameters(recurse=False) if id(p) in ids})
+    where = (f", also where a module outside that list uses them ({', '.join(beyond)}), which plain autocast would "
+             "compute in float32" if beyond else "")
+    return (f"; ZeRO-3 all-gathers the same parameters in {amp}, so every forward sees them rounded to {amp}{where}; "
+            "the run-precision reference rounds them the same way")

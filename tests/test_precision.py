@@ -78,7 +78,7 @@ def _tied_grads(gathered: frozenset[str], rounded_by_hand: bool = False) -> eq.G
     x, y = torch.randint(0, 11, (6, 5)), torch.randn(6, 11)
     pieces = eq.global_pieces((x, y))
     return eq.accumulate_gradient(model, nn.functional.mse_loss, pieces, CPU,
-                                  recipe=Recipe("autocast", "bf16", "cpu", lambda: gathered))[0]
+                                  recipe=Recipe("autocast", "bf16", "cpu", gathered))[0]
 
 
 def test_gathered_parameters_are_rounded_in_every_op_for_the_forward_only() -> None:
@@ -87,7 +87,7 @@ def test_gathered_parameters_are_rounded_in_every_op_for_the_forward_only() -> N
     torch.manual_seed(0)
     probe = _TiedEmbedding()
     kept = probe.embed.weight.detach().clone()
-    with Recipe("autocast", "bf16", "cpu", lambda: frozenset({"embed.weight"})).gathering(probe):
+    with Recipe("autocast", "bf16", "cpu", frozenset({"embed.weight"})).gathering(probe):
         assert torch.equal(probe.embed.weight, kept.bfloat16().float())
     assert torch.equal(probe.embed.weight, kept), "the parameter's own values were not restored"
     gathered = _tied_grads(frozenset({"embed.weight"}))

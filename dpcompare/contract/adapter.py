@@ -445,8 +445,8 @@ class Adapter:
         return None
 
     def gathered_parameters(self) -> frozenset[str]:
-        """The parameters the backend's latest forward saw gathered in the --amp dtype, so that every op of it saw them
-        rounded (DeepSpeed ZeRO-3 under its torch_autocast section); empty: it saw them as stored."""
+        """The parameters the backend gathers in the --amp dtype before each forward, so that every op sees them
+        rounded to it (DeepSpeed ZeRO-3 under its torch_autocast section); empty: each forward sees them as stored."""
         return frozenset()
 
     def optimizer_prestep(self) -> str | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import asdict, dataclass, field
-from typing import Callable, ContextManager, Iterator
+from typing import ContextManager, Iterator
 
 import torch
 
@@ -36,12 +36,11 @@ class Recipe:
     amp: str = "none"
     """bf16 or fp16 (none without mixed precision)."""
     device_type: str = "cpu"
-    gathered: Callable[[], frozenset[str]] | None = None
-    """The parameters the backend's latest forward saw gathered in the amp dtype, so that every op of it, not only
-    those autocast narrows, saw them rounded (DeepSpeed ZeRO-3 under its torch_autocast section all-gathers its
-    lower_precision_safe_modules' parameters in the autocast dtype): the recipe's forwards round them the same way,
-    and the gradient is still taken with respect to the float32 parameter. Asked at each forward: it changes from
-    step to step."""
+    gathered: frozenset[str] = frozenset()
+    """Parameters the backend gathers in the amp dtype before each forward, so every op of the forward, not only
+    those autocast narrows, sees them rounded to it (DeepSpeed ZeRO-3 under its torch_autocast section all-gathers
+    its lower_precision_safe_modules' parameters in the autocast dtype): the recipe's forwards round them the same
+    way, and the gradient is still taken with respect to the float32 parameter."""
 
     @property
     def active(self) -> bool:
@@ -62,8 +61,7 @@ class Recipe:
     def gathering(self, model: torch.nn.Module) -> Iterator[None]:
         """`model`'s `gathered` parameters rounded to the amp dtype for the duration (a forward and its backward),
         their own values restored after."""
-        names = self.gathered() if self.gathered is not None else frozenset()
-        named = [(n, p) for n, p in model.named_parameters() if n in names] if names else []
+        named = [(n, p) for n, p in model.named_parameters() if n in self.gathered] if self.gathered else []
         kept = [(p, p.data) for _, p in named]
         try:
             for p, data in kept:

@@ -77,7 +77,7 @@ class Verifier:
         per_replica = self.has_batchnorm and not cfg.sync_bn and layout.splits_the_batch
         self.depth = eq.depth_of(template)
         self.backend = backend
-        self.recipe = Recipe(backend.amp_recipe(), cfg.amp, device.type, backend.gathered_parameters)
+        self.recipe = Recipe(backend.amp_recipe(), cfg.amp, device.type, backend.gathered_parameters())
         self.wire = backend.gradient_wire()
         """The gradients' dtype on the wire: --compression, or what the backend's precision recipe sends."""
         self.oracle = eq.Oracle(template, loss_fn, cfg.dtype, device, self.recipe)
