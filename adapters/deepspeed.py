@@ -311,8 +311,6 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
             wire = (f"; ZeRO stage {self.stage} reduces the gradients of its lower_precision_safe_modules' parameters "
                     f"(Linear, Conv: {len(narrow)} of {sum(1 for _ in engine.module.parameters())}) in "
                     f"{AMP_NAMES[amp]}, judged with that wire's tolerance" if narrow else "")
-            if narrow and self.stage == 3:
-                wire += f"{_gathered_note(engine.module, set(narrow), AMP_NAMES[amp])}"
             return [Note("deepspeed.amp_recipe", f"deepspeed: autocast recipe (torch_autocast section, {AMP_NAMES[amp]}): "
                                                  f"float32 weights, the engine's forward under torch.autocast{scaled}"
                                                  f"{wire}")]
@@ -396,15 +394,6 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
             return self.settings.amp
         return self.settings.compression
 
-    def gradient_wire_parameters(self) -> frozenset[str] | None:
-        narrow = self._autocast_wire_params(self.wrapped.module)
-        return frozenset(narrow) if narrow else None
-
-    def gathered_parameters(self) -> frozenset[str]:
-        # ZeRO-3 all-gathers these parameters in the autocast dtype (partition_parameters.get_allgather_dtype) and
-        # casts them back to float32: every op of the forward sees them rounded, not only those autocast narrows.
-        return frozenset(self._autocast_wire_params(self.wrapped.module)) if self.stage == 3 else frozenset()
-
     def _autocast_wire_params(self, module: nn.Module) -> list[str]:
         """Under its torch_autocast section, ZeRO stages 1-3 reduce the gradients of the parameters of its
         lower_precision_safe_modules (Linear, Conv) in the autocast dtype (get_param_comm_dtype): their names, or []
@@ -464,19 +453,3 @@ class _TimerCounter(CommCounter):
     def end(self) -> CommCounts:
         return CommCounts(method="DeepSpeed wall_clock_breakdown timer bwd_allreduce_microstep (no overlap in ZeRO-0)",
                           unit_s=1e-3, window_total=sum(self._ms))
-
-
-def _gathered_note(module: nn.Module, narrow: set[str], amp: str) -> str:
-    """ZeRO-3's all-gather of the same parameters in the autocast dtype, and where it reaches beyond autocast: the
-    narrow parameters that a module outside the lower-precision-safe list also uses (a weight tied to an Embedding),
-    whose ops then see the rounded values where plain autocast would keep float32."""
-    ids = {id(p) for n, p in module.named_parameters(remove_duplicate=False) if n in narrow}
-    from deepspeed.runtime.torch_autocast import LOWER_PRECISION_SAFE_MODULES
-
-    beyond = sorted({f"{m}.{n}".lstrip(".") for m, mod in module.named_modules()
-                     if type(mod) not in LOWER_PRECISION_SAFE_MODULES
-                     for n, p in mod.named_parameters(recurse=False) if id(p) in ids})
-    where = (f", also where a module outside that list uses them ({', '.join(beyond)}), which plain autocast would "
-             "compute in float32" if beyond else "")
-    return (f"; ZeRO-3 all-gathers the same parameters in {amp}, so every forward sees them rounded to {amp}{where}; "
-            "the run-precision reference rounds them the same way")

@@ -55,69 +55,6 @@ def test_grad_scaling_counts_a_skip_only_when_the_scale_backs_off() -> None:
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "a skipped step moved the weights"
 
 
-# -- weights gathered in the amp dtype (DeepSpeed ZeRO-3 under torch_autocast) -----------------------------------
-class _TiedEmbedding(nn.Module):
-    """A head tied to an embedding: autocast narrows the head's matmul, never the embedding's lookup."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(11, 8)
-        self.head = nn.Linear(8, 11, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.embed(x))).float().mean(dim=1)
-
-
-def _tied_grads(gathered: frozenset[str], rounded_by_hand: bool = False) -> eq.Grads:
-    torch.manual_seed(0)
-    model = _TiedEmbedding()
-    if rounded_by_hand:
-        with torch.no_grad():
-            model.embed.weight.copy_(model.embed.weight.bfloat16().float())
-    x, y = torch.randint(0, 11, (6, 5)), torch.randn(6, 11)
-    pieces = eq.global_pieces((x, y))
-    return eq.accumulate_gradient(model, nn.functional.mse_loss, pieces, CPU,
-                                  recipe=Recipe("autocast", "bf16", "cpu", gathered))[0]
-
-
-def test_gathered_parameters_are_rounded_in_every_op_for_the_forward_only() -> None:
-    """The recipe's forward sees a gathered parameter rounded to bf16 in every op (the embedding lookup too), as if
-    it were stored rounded; after the forward and backward the parameter holds its own float32 values again."""
-    torch.manual_seed(0)
-    probe = _TiedEmbedding()
-    kept = probe.embed.weight.detach().clone()
-    with Recipe("autocast", "bf16", "cpu", frozenset({"embed.weight"})).gathering(probe):
-        assert torch.equal(probe.embed.weight, kept.bfloat16().float())
-    assert torch.equal(probe.embed.weight, kept), "the parameter's own values were not restored"
-    gathered = _tied_grads(frozenset({"embed.weight"}))
-    by_hand = _tied_grads(frozenset(), rounded_by_hand=True)
-    plain = _tied_grads(frozenset())
-    assert torch.equal(gathered["embed.weight"], by_hand["embed.weight"])
-    # the negative: without the rounding the lookup computes on float32 values, a different gradient
-    assert eq.rel_fro(gathered["embed.weight"], plain["embed.weight"], 0.0) > 1e-4
-
-
-def test_a_partial_wire_rounds_only_the_parameters_it_carries() -> None:
-    """DeepSpeed ZeRO under torch_autocast reduces Linear and Conv gradients in bf16 and the others in float32: the
-    reference sends only the declared ones through the wire; the others match the reference without a wire."""
-    w, (x, y) = _mlp_batch()
-    oracle = eq.Oracle(w.model, w.loss_fn, "float32", CPU, Recipe("autocast", "bf16"))
-    state = {k: v.double() if v.is_floating_point() else v for k, v in w.model.state_dict().items()}
-    pieces = [eq.Piece(x[r::2], y[r::2], 0.5, rank=r) for r in range(2)]
-    names = oracle.names
-    wired = frozenset(names[:1])
-    unsent: eq.Grads = {}
-    partial = oracle.wire_floor_of(state, pieces, torch.bfloat16, wired=wired, unsent=unsent)
-    full = oracle.wire_floor_of(state, pieces, torch.bfloat16)
-    for n in names:
-        holds_bf16 = torch.equal(partial[n], partial[n].bfloat16().double())
-        assert holds_bf16 == (n in wired), f"{n}: only a wired sum holds bf16 values"
-        if n not in wired:
-            assert eq.rel_fro(partial[n], unsent[n], 0.0) < 1e-6, n  # float32's rounding only
-            assert eq.rel_fro(full[n], unsent[n], 0.0) > 1e-4, n  # the negative: the full wire rounds it
-
-
 # -- the recipe's floor -------------------------------------------------------------------------------------
 def _mlp_batch():
     w = workloads.mlp(1234)

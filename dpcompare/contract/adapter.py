@@ -439,16 +439,6 @@ class Adapter:
         (the --compression given, or what the backend's precision recipe sends)."""
         return self.settings.compression
 
-    def gradient_wire_parameters(self) -> frozenset[str] | None:
-        """The parameters whose gradients travel in gradient_wire()'s dtype where only some do (DeepSpeed ZeRO under
-        its torch_autocast section: its lower_precision_safe_modules' parameters); None: all of them."""
-        return None
-
-    def gathered_parameters(self) -> frozenset[str]:
-        """The parameters the backend gathers in the --amp dtype before each forward, so that every op sees them
-        rounded to it (DeepSpeed ZeRO-3 under its torch_autocast section); empty: each forward sees them as stored."""
-        return frozenset()
-
     def optimizer_prestep(self) -> str | None:
         """A phrase naming the optimizer step(s) this backend takes on zero gradients before the first training step
         by design (DeepSpeed's fp16/bf16 optimizer wrappers do it when they are built), or None. The verifier then

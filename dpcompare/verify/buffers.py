@@ -102,10 +102,8 @@ class BufferCheck:
                 for _ in range(times):
                     x = as_input(piece.x, model, self.oracle.device)
                     # the run-dtype prediction computes as the run does: under its autocast, if it has one
-                    run = model is self.oracle.model_run
-                    recipe = self.oracle.recipe.autocast() if run else contextlib.nullcontext()
-                    gathered = self.oracle.recipe.gathering(model) if run else contextlib.nullcontext()
-                    with replayer.applying(piece.masks) if piece.masks else contextlib.nullcontext(), recipe, gathered:
+                    recipe = self.oracle.recipe.autocast() if model is self.oracle.model_run else contextlib.nullcontext()
+                    with replayer.applying(piece.masks) if piece.masks else contextlib.nullcontext(), recipe:
                         model(x)
             return snapshot(model)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import asdict, dataclass, field
-from typing import ContextManager, Iterator
+from typing import ContextManager
 
 import torch
 
@@ -36,11 +36,6 @@ class Recipe:
     amp: str = "none"
     """bf16 or fp16 (none without mixed precision)."""
     device_type: str = "cpu"
-    gathered: frozenset[str] = frozenset()
-    """Parameters the backend gathers in the amp dtype before each forward, so every op of the forward, not only
-    those autocast narrows, sees them rounded to it (DeepSpeed ZeRO-3 under its torch_autocast section all-gathers
-    its lower_precision_safe_modules' parameters in the autocast dtype): the recipe's forwards round them the same
-    way, and the gradient is still taken with respect to the float32 parameter."""
 
     @property
     def active(self) -> bool:
@@ -56,20 +51,6 @@ class Recipe:
         if self.kind != "autocast":
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=AMP_DTYPES[self.amp])
-
-    @contextlib.contextmanager
-    def gathering(self, model: torch.nn.Module) -> Iterator[None]:
-        """`model`'s `gathered` parameters rounded to the amp dtype for the duration (a forward and its backward),
-        their own values restored after."""
-        named = [(n, p) for n, p in model.named_parameters() if n in self.gathered] if self.gathered else []
-        kept = [(p, p.data) for _, p in named]
-        try:
-            for p, data in kept:
-                p.data = data.to(AMP_DTYPES[self.amp]).to(data.dtype)
-            yield
-        finally:
-            for p, data in kept:
-                p.data = data
 
     def describe(self) -> str:
         if not self.active:

@@ -77,7 +77,7 @@ class Verifier:
         per_replica = self.has_batchnorm and not cfg.sync_bn and layout.splits_the_batch
         self.depth = eq.depth_of(template)
         self.backend = backend
-        self.recipe = Recipe(backend.amp_recipe(), cfg.amp, device.type, backend.gathered_parameters())
+        self.recipe = Recipe(backend.amp_recipe(), cfg.amp, device.type)
         self.wire = backend.gradient_wire()
         """The gradients' dtype on the wire: --compression, or what the backend's precision recipe sends."""
         self.oracle = eq.Oracle(template, loss_fn, cfg.dtype, device, self.recipe)
@@ -99,7 +99,7 @@ class Verifier:
         self.split = SplitCheck(self.oracle, self.forwards, depth=self.depth, verdict=self.verdict,
                                 applies=layout.splits_the_batch and not self.has_batchnorm)
         self.reference = RunReference(self.oracle, layout, dtype=cfg.dtype, world_size=world_size, wire=self.wire,
-                                      wired=backend.gradient_wire_parameters(), has_batchnorm=self.has_batchnorm, sync_bn=cfg.sync_bn, verdict=self.verdict,
+                                      has_batchnorm=self.has_batchnorm, sync_bn=cfg.sync_bn, verdict=self.verdict,
                                       split=self.split, compiled=cfg.compile)
         self.loss_scale = LossScaleJudge(backend, self.verdict, cfg.amp, self.names)
         scaler = backend.scaler_state()
