@@ -286,8 +286,11 @@ class Verdict:
     def _recorded_floor(self, checks: dict, policy: dict) -> dict:
         """The gradient check's floor as its noise ratio divides by it (recorded: readers never recompute it)."""
         gradient = checks["gradient"]
+        if gradient["dp_floor_rel_fro"] is None or not policy:  # no floor measured, or no policy to scale it by
+            gradient["floor_rel_fro"] = None
+            return checks
         u_sum = policy["unit_roundoff"] if self.wire_rounding == "measured" else policy["unit_roundoff_wire"]
-        gradient["floor_rel_fro"] = None if gradient["dp_floor_rel_fro"] is None else allowed_floor(
+        gradient["floor_rel_fro"] = allowed_floor(
             gradient["dp_floor_rel_fro"], depth=policy["depth"], unit_roundoff=policy["unit_roundoff"],
             world_size=policy["world_size"], u_sum=u_sum)
         return checks
