@@ -117,7 +117,7 @@ class RunConfig:
     (with dropout on, the check applies the masks each rank drew where they can be captured, else says
     `unverifiable` and names the module)."""
     check_coverage: str = "auto"
-    """What the float64 oracle checks (dpcompare.verify.coverage): `auto`, every parameter where its memory fits on
+    """What the float64 oracle checks (dpcompare.verify.oracle_coverage): `auto`, every parameter where its memory fits on
     rank 0, else as many whole blocks as fit, the coverage stated; `full`, every parameter or a one-line refusal;
     a fraction in (0, 1], whole blocks up to that share of the parameters."""
     timeout_s: float = 120.0

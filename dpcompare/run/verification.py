@@ -46,7 +46,7 @@ class VerificationPhase:
         """Every parameter, in the order the ranks' digests list them (the wrapped module's names are the template's)."""
         self.rank0 = is_rank0
         self.check: verifier.Verifier | None = None
-        # Under --compile a random forward is unverifiable (verifier.py): recording would only keep Dynamo from compiling.
+        # Under --compile a random forward is unverifiable (verify/opening.py): recording would only keep Dynamo from compiling.
         self.recorder = mk.MaskRecorder(self.wrapped.module) if self.facts.stochastic and not cfg.compile else None
         self.cost = VerificationCost(self.runner.device) if is_rank0 else None
         """Rank 0's time and memory for checking (the oracle, the references, the trajectory), beside the step's."""
@@ -181,15 +181,15 @@ def check_context(cfg: RunConfig, adapter: Adapter, template: torch.nn.Module, d
                              weight_decay=cfg.weight_decay, check_every=cfg.check_every, dump_grads=cfg.dump_grads)
     unchecked = coverage.unchecked if coverage is not None else frozenset()
     named = list(template.named_parameters())
+    batchnorms = tuple(n for n, m in template.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm))
     return CheckContext(
         settings=settings, world_size=world_size, depth=eq.depth_of(template),
         names=tuple(n for n, p in named if p.requires_grad and n not in unchecked),
         all_names=tuple(n for n, _ in named), factory=optimizer_factory(cfg), device=device,
-        layout=eq.Layout(world_size, cfg.grad_accum, adapter.replicas_per_process()),
-        facts=adapter.model_facts,
-        batchnorms=tuple(n for n, m in template.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)),
-        oracle_coverage=coverage, recipe=Recipe(adapter.amp_recipe(), cfg.amp, device.type), wire=adapter.gradient_wire(),
-        prestep=adapter.optimizer_prestep(), shards=getattr(adapter.capabilities, "shards", "none"), replay_reason=adapter.rng_replay_reason())
+        layout=eq.Layout(world_size, cfg.grad_accum, adapter.replicas_per_process()), facts=adapter.model_facts,
+        batchnorms=batchnorms, oracle_coverage=coverage, recipe=Recipe(adapter.amp_recipe(), cfg.amp, device.type),
+        wire=adapter.gradient_wire(), prestep=adapter.optimizer_prestep(),
+        shards=getattr(adapter.capabilities, "shards", "none"), replay_reason=adapter.rng_replay_reason())
 
 
 class VerificationCost:

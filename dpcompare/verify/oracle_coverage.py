@@ -222,4 +222,5 @@ def unchecked_frozen(template: nn.Module, unchecked: frozenset[str]) -> None:
             p.requires_grad_(False)
 
 
-__all__ = ["OracleCoverage", "OracleCoverageRefused", "available_bytes", "need_bytes", "plan", "unchecked_frozen", "units"]
+__all__ = ["OracleCoverage", "OracleCoverageRefused", "available_bytes", "need_bytes", "plan", "unchecked_frozen",
+           "units"]

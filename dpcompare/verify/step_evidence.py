@@ -1,12 +1,13 @@
 """What a check is handed at a step, and what the oracle computes at a checked step, once, for every check of it.
 
 Owns: `StepEvidence` (what every rank sent and read at one point of a step, and the oracle's side of it), `OracleStep`
-and `compute`: the state the step's forward ran from (the values the optimizer holds, the buffers
-before the forward), the forwards the oracle runs with the draws the ranks recorded (dpcompare.verify.forwards, the
-split settled by dpcompare.verify.split), the float64 oracle's gradient, the run-precision reference and its regrouped
-twin (dpcompare.verify.run_reference), whether the loss scale overflows there, and the snapshot the step's update check
-starts from (`Pending`); after the step's checks, the notes on those forwards (`note_forwards`). Where the step cannot be computed it says why, as a `Finding`: draws that cannot be replayed,
-or a training that diverged numerically. Everything runs on generators forked from the run's. Imports no adapter.
+and `compute`: the state the step's forward ran from (the values the optimizer holds, the buffers before the forward),
+the forwards the oracle runs with the draws the ranks recorded (dpcompare.verify.forwards, the split settled by
+dpcompare.verify.split), the float64 oracle's gradient, the run-precision reference and its regrouped twin
+(dpcompare.verify.run_reference), whether the loss scale overflows there, and the snapshot the step's update check
+starts from (`Pending`); after the step's checks, the notes on those forwards (`note_forwards`). Where the step cannot
+be computed it says why, as a `Finding`: draws that cannot be replayed, or a training that diverged numerically.
+Everything runs on generators forked from the run's. Imports no adapter.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The verifier's checks, one module each, and the list they run in.
 
-Owns: the `Check` protocol (the one interface of a check) and `CHECKS`, every check of a run in the order it runs at
-its point of a step (dpcompare.verify.context.Point). At `reduced` (after the reduce): the ranks' generators, the loss scaler's overflow, the gradient, the
-buffers; at `updated` (after the optimizer step): the total norm clipped by, the loss scaler's skip, the update, the
-power of the step, the trajectory. The order is the verdict's: of two failed checks at one step, the one listed first
-is the run's first divergence. A new check is a module here with a class that follows `Check`, and one entry below
-(docs/extending.md#a-check-of-your-own). Imports no adapter.
+Owns: the `Check` protocol (the one interface of a check) and `CHECKS`, every check of a run in the order it runs at its
+point of a step (dpcompare.verify.context.Point). At `reduced` (after the reduce): the ranks' generators, the loss
+scaler's overflow, the gradient, the buffers; at `updated` (after the optimizer step): the total norm clipped by, the
+loss scaler's skip, the update, the power of the step, the trajectory. The order is the verdict's: of two failed checks
+at one step, the one listed first is the run's first divergence. A new check is a module here with a class that follows
+`Check`, and one entry below (docs/extending.md#a-check-of-your-own). Imports no adapter.
 """
 
 from __future__ import annotations
