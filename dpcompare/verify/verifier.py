@@ -70,7 +70,8 @@ class Verifier:
                                 scaler_before=self.backend.scaler_state(), reads=reads)
         self._reduced = evidence = self._run(evidence)
         if evidence.oracle is not None and not evidence.oracle.overflow and not self.stopped:
-            note_forwards(self.ctx, self.bench, evidence)
+            with stochastic.isolated(self.ctx.device):
+                note_forwards(self.ctx, self.bench, evidence)
             if self.ctx.settings.dump_grads:
                 for kind, grads in (("reduced", evidence.oracle.grads), ("oracle", evidence.oracle.oracle),
                                     ("floor", evidence.oracle.floor)):
