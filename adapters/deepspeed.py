@@ -27,6 +27,8 @@ DeepSpeed's own boundary (`set_gradient_accumulation_boundary`): stage 1 keeps t
 until the last, stages 2 and 3 reduce every micro-batch into their partitions, so they cannot switch their
 communication off for the ablation. ZeRO-3 partitions every parameter (its persistence threshold, 1e5 elements by
 default, is 0 here unless `--opt param_persistence_threshold=` says otherwise).
+
+The engine's config dict and the notes that state it are adapters/deepspeed_config.py's.
 """
 
 from __future__ import annotations
@@ -34,20 +36,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 import time
 from datetime import timedelta
 
 import torch
 from torch import nn
 
-from dpcompare import (AMP_NAMES, DIST_BACKEND, Adapter, Capabilities, CommCounter, CommCounts, Note, Option, ProcessGroupMixin,
+from dpcompare import (DIST_BACKEND, Adapter, Capabilities, CommCounter, CommCounts, Note, Option, ProcessGroupMixin,
                        ScalerState, Wrapped, ensure_rendezvous)
 
+from .deepspeed_config import WIRE_NAMES, check_precision, engine_config, precision_notes, setting_notes
 from .deepspeed_host import remove_shm_segment, stale_build_lock
 from .deepspeed_state import ZeroStateReader
-
-WIRE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 STAGE_SHARDS = {0: "none", 1: "optimizer", 2: "gradients", 3: "parameters"}
 
 
@@ -105,7 +105,7 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
             raise ValueError(f"deepspeed: {lock} is a build lock a killed build left "
                              f"({(time.time() - lock.stat().st_mtime) / 60:.0f} min old): DeepSpeed's CPU all-reduce "
                              f"op would wait on it forever; remove it (rm {lock}) and run again")
-        self._check_precision()
+        check_precision(self.settings)
         import logging
 
         import deepspeed
@@ -125,60 +125,12 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
             verbose=False,
         )
 
-    def _check_precision(self) -> None:
-        """Refuse, before any work, a recipe DeepSpeed cannot run here (one line, exit 2)."""
-        if self.settings.options["amp_recipe"] == "engine" and self.settings.amp == "none":
-            raise ValueError("--opt amp_recipe=engine selects DeepSpeed's bf16/fp16 engine: add --amp bf16 or --amp fp16")
-        if self.settings.options["amp_recipe"] == "engine" and self.settings.amp == "fp16":
-            from deepspeed.accelerator import get_accelerator
-
-            accelerator = get_accelerator()
-            if not accelerator.is_fp16_supported():
-                raise ValueError(f"--amp fp16 --opt amp_recipe=engine: DeepSpeed's {accelerator.device_name()} "
-                                 "accelerator does not support fp16 weights here (is_fp16_supported() is False); use "
-                                 "--amp bf16, or the autocast recipe (--opt amp_recipe=autocast), or a CUDA device")
-
-    def _precision_config(self, module: nn.Module) -> dict:
-        amp, recipe = self.settings.amp, self.settings.options["amp_recipe"]
-        if amp == "none":
-            return {}
-        if recipe == "autocast":
-            return {"torch_autocast": {"enabled": True, "dtype": AMP_NAMES[amp]}}
-        cast_buffers = self.settings.options["buffer_dtype"] == "amp"
-        batchnorms = [n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-        if batchnorms and not cast_buffers:
-            # DeepSpeed >= 0.19 casts the parameters only (buffers keep their dtype, for rotary inv_freq and the like),
-            # and torch's batch_norm refuses 16-bit weights with float32 running statistics.
-            raise ValueError(f"--opt amp_recipe=engine with BatchNorm ({', '.join(batchnorms[:3])}"
-                             f"{' ...' if len(batchnorms) > 3 else ''}): DeepSpeed casts the weights to {AMP_NAMES[amp]} "
-                             "and keeps the buffers in float32, which BatchNorm cannot mix; add --opt buffer_dtype=amp "
-                             "(its data_types.buffer_dtype) or use the autocast recipe")
-        types = {"data_types": {"buffer_dtype": amp}} if cast_buffers else {}
-        if amp == "bf16":
-            return {"bf16": {"enabled": True}, **types}
-        # loss_scale 0: dynamic; the initial scale is 2^initial_scale_power (a power of two, checked by the config)
-        return {"fp16": {"enabled": True, "loss_scale": 0,
-                         "initial_scale_power": int(math.log2(self.settings.loss_scale or 2.0**16))}, **types}
-
     def wrap(self, module: nn.Module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
         if self.stage and self.env.world_size > 1 and (varying := self.model_facts.varying_use()):  # ranks differ
             raise ValueError(f"--backend deepspeed --opt zero_stage={self.stage} cannot run this model: {varying}, "
                              "and ZeRO reduces in buckets every rank fills alike: use --opt zero_stage=0, --backend "
                              "ddp or horovod")
-        config = {
-            "train_batch_size": global_batch,
-            "train_micro_batch_size_per_gpu": local_batch,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": self.clip,
-            "zero_optimization": self._zero_config(),
-            "steps_per_print": 1 << 30,
-            # Its timers are the native communication counter ('bwd_allreduce'); on CUDA they synchronise,
-            # so they run only when the run is instrumented.
-            "wall_clock_breakdown": self.settings.instrument,
-            **self._precision_config(module),
-        }
-        if self.settings.compression != "none":
-            config["communication_data_type"] = self.settings.compression
+        config = engine_config(self.settings, self.stage, self.clip, module, local_batch, global_batch)
         self._untested = self.stage > 0 and not self._zero_tested(optimizer)
         if self._untested:
             # ZeRO refuses a client optimizer off its tested list (SGD) unless allowed; the verdict checks its numbers.
@@ -208,28 +160,10 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
             setattr(holder, attribute, torch.amp.GradScaler(self.device.type, init_scale=self.settings.loss_scale))
         if self.settings.clip_grad_norm is not None and not self.stage and not self._engine_recipe:
             self._keep_stage0_norm(engine)
-        notes = [Note("deepspeed.gradient_clipping", self._clipping_note())]
-        if self.stage:
-            notes.append(Note("deepspeed.zero_stage", self._stage_note()))
-        if self.stage and not self._engine_recipe and self.settings.amp == "fp16":
-            notes.append(Note("deepspeed.zero_autocast_fp16",
-                              f"deepspeed: ZeRO stage {self.stage} under the torch_autocast section (fp16) tests its "
-                              "partitions for overflow itself and returns before its GradScaler's update(), so the "
-                              "loss scale never comes down after an overflow and every later step is skipped (the "
-                              "verdict says `different`, cause scale_never_lowered, when it happens); the engine "
-                              "recipe (--opt amp_recipe=engine), bf16 or ZeRO stage 0 back off"
-                              + ("; with gradient_clipping its norm is the scaled gradients' (its own loss scale is 1 "
-                                 "there, the GradScaler's is not divided out): it reports and clips by the loss scale "
-                                 "times the norm (cause grad_norm_scaled)" if self.clip else "")))
-        if self._untested:
-            notes.append(Note("deepspeed.untested_optimizer",
-                              f"deepspeed: {type(optimizer).__name__} is not on ZeRO's list of tested optimizers: "
-                              "zero_allow_untested_optimizer is set, and the update check replays its step"))
-        if self.settings.bucket_mb and not self.stage:
-            notes.append(Note("knob_not_applicable",
-                              "deepspeed: --bucket-mb does not apply to ZeRO stage 0 (allreduce_bucket_size is a stage "
-                              "1-3 setting); all gradients go in one flattened all-reduce"))
-        notes += self._precision_notes(engine, ds_optimizer)
+        notes = setting_notes(self.settings, self.stage, self.clip, self._engine_recipe, self.env.world_size,
+                              type(optimizer).__name__ if self._untested else None)
+        notes += precision_notes(self.settings, self.stage, self._engine_recipe, engine, ds_optimizer,
+                                 self._autocast_wire_params(engine.module))
         self.wrapped = Wrapped(engine, module, ds_optimizer, notes)
         return self.wrapped
 
@@ -247,17 +181,6 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
                                            "(pytorch/pytorch#150915): the forward was compiled in place instead"))
         else:
             engine.compile()
-
-    def _clipping_note(self) -> str:
-        if self.settings.clip_grad_norm is not None:
-            return (f"deepspeed: gradient_clipping={self.clip:g} (--clip-grad-norm): the engine clips inside its step; "
-                    "the norm it clipped by is engine.get_global_grad_norm()" +
-                    (" (at stage 0 with the client optimizer the engine drops the norm its clip_grad_norm_ returns: "
-                     "the adapter keeps it)" if not self.stage and not self._engine_recipe else ""))
-        if not self.clip:
-            return ("deepspeed: gradient_clipping set to 0.0 (DeepSpeed >= 0.19.3 clips at 1.0 by default, which "
-                    "changes the update relative to DDP and Horovod)")
-        return f"deepspeed: gradient_clipping={self.clip:g} (--opt): the update is clipped, unlike DDP's and Horovod's"
 
     def _keep_stage0_norm(self, engine) -> None:
         """Stage 0 with the client optimizer clips in engine.clip_fp32_gradients(), which calls DeepSpeed's
@@ -277,52 +200,6 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
         from deepspeed.runtime.zero.utils import is_zero_supported_optimizer
 
         return is_zero_supported_optimizer(optimizer)
-
-    def _zero_config(self) -> dict:
-        config: dict = {"stage": self.stage}
-        if self.stage and self.settings.bucket_mb:
-            elements = int(self.settings.bucket_mb * 2**20 / 4)  # DeepSpeed sizes its buckets in elements
-            config.update(reduce_bucket_size=elements, allgather_bucket_size=elements)
-        if self.stage == 3:
-            config["stage3_param_persistence_threshold"] = self.settings.options["param_persistence_threshold"]
-        return config
-
-    def _stage_note(self) -> str:
-        held = {1: "the optimizer state and the fp32 parameters", 2: "the optimizer state, the fp32 parameters and the "
-                "reduced gradients", 3: "the optimizer state, the fp32 parameters, the reduced gradients and the "
-                "parameters"}[self.stage]
-        return (f"deepspeed: ZeRO stage {self.stage}: each of the {self.env.world_size} rank(s) holds a 1/"
-                f"{self.env.world_size} partition of {held}; the checks assemble the full gradients, fp32 parameters "
-                "and optimizer state with DeepSpeed's safe_get_full_* accessors"
-                + (" and gather the parameters (zero.GatheredParameters)" if self.stage == 3 else "")
-                + ("; stages 2 and 3 reduce every micro-batch (no communication-free step for the ablation)"
-                   if self.stage >= 2 else "")
-                + ("; ZeRO-3 allocates its gradient bucket at its full reduce_bucket_size (DeepSpeed's default 5e8 "
-                   "elements, 1.9 GiB in float32) whatever the model's size: the census counts it as a comm buffer; "
-                   "--bucket-mb sizes it" if self.stage == 3 and not self.settings.bucket_mb else ""))
-
-    def _precision_notes(self, engine, ds_optimizer) -> list[Note]:
-        amp = self.settings.amp
-        if amp == "none":
-            return []
-        if not self._engine_recipe:
-            scaled = " with the engine's own GradScaler (dynamic loss scale)" if amp == "fp16" else ""
-            narrow = self._autocast_wire_params(engine.module)
-            wire = (f"; ZeRO stage {self.stage} reduces the gradients of its lower_precision_safe_modules' parameters "
-                    f"(Linear, Conv: {len(narrow)} of {sum(1 for _ in engine.module.parameters())}) in "
-                    f"{AMP_NAMES[amp]}, judged with that wire's tolerance" if narrow else "")
-            return [Note("deepspeed.amp_recipe", f"deepspeed: autocast recipe (torch_autocast section, {AMP_NAMES[amp]}): "
-                                                 f"float32 weights, the engine's forward under torch.autocast{scaled}"
-                                                 f"{wire}")]
-        wire = WIRE_NAMES.get(engine.communication_data_type, "float32")
-        return [Note("deepspeed.amp_recipe",
-                     f"deepspeed: engine recipe ({amp} section): {AMP_NAMES[amp]} weights and gradients, all-reduced in "
-                     f"{wire}; fp32 master weights stepped by the client optimizer inside "
-                     f"{type(ds_optimizer).__name__}"
-                     + (", which takes one optimizer step on zero gradients when it is built "
-                        "(initialize_optimizer_states)" if not self.stage else
-                        f", partitioned across the ranks (ZeRO stage {self.stage})")
-                     + ("; dynamic loss scale" if amp == "fp16" else ""))]
 
     def sync(self, enabled: bool):
         if not self.stage:

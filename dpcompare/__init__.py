@@ -25,15 +25,15 @@ _EXPORTS = {
     "checkpoint_blocks": "dpcompare.contract.checkpointing",
     # a custom backend: the adapter contract
     "Adapter": "dpcompare.contract.adapter",
-    "Capabilities": "dpcompare.contract.adapter",
-    "Option": "dpcompare.contract.adapter",
-    "Settings": "dpcompare.contract.adapter",
-    "Note": "dpcompare.contract.adapter",
+    "Capabilities": "dpcompare.contract.capabilities",
+    "Option": "dpcompare.contract.capabilities",
+    "Settings": "dpcompare.contract.capabilities",
+    "Note": "dpcompare.contract.capabilities",
     "Wrapped": "dpcompare.contract.adapter",
     "ModelFacts": "dpcompare.contract.adapter",
-    "CommCounter": "dpcompare.contract.adapter",
-    "CommCounts": "dpcompare.contract.adapter",
-    "CounterWindow": "dpcompare.contract.adapter",
+    "CommCounter": "dpcompare.contract.comm_counter",
+    "CommCounts": "dpcompare.contract.comm_counter",
+    "CounterWindow": "dpcompare.contract.comm_counter",
     "LaunchEnv": "dpcompare.contract.launch_env",
     "ensure_rendezvous": "dpcompare.contract.launch_env",
     # mixed precision: the recipes' dtypes and the loss-scaler state an adapter reports
@@ -54,8 +54,9 @@ _EXPORTS = {
 __all__ = ["__version__", "SCHEMA_VERSION", *_EXPORTS]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from dpcompare.contract.adapter import (Adapter, Capabilities, CommCounter, CommCounts, CounterWindow, ModelFacts,
-                                            Note, Option, Settings, Wrapped)
+    from dpcompare.contract.adapter import Adapter, ModelFacts, Wrapped
+    from dpcompare.contract.capabilities import Capabilities, Note, Option, Settings
+    from dpcompare.contract.comm_counter import CommCounter, CommCounts, CounterWindow
     from dpcompare.contract.amp import AMP_DTYPES, AMP_NAMES, ScalerState
     from dpcompare.contract.launch_env import LaunchEnv, ensure_rendezvous
     from dpcompare.contract.process_group import DIST_BACKEND, ProcessGroupMixin

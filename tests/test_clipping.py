@@ -26,7 +26,9 @@ from conftest import child_env
 from dpcompare.contract import Settings
 from dpcompare.contract.launch_env import LaunchEnv
 from dpcompare.run.config import RunConfig
-from dpcompare.verify.clipping import GradNormJudge, clip_, clip_coefficient
+from dpcompare.verify.checks.grad_norm import expected, judge_norm
+from dpcompare.verify.clipping import clip_, clip_coefficient
+from dpcompare.verify.context import CheckContext, CheckSettings
 from dpcompare.verify.tolerance import ParamError
 from dpcompare.verify.update_check import reference_step
 from dpcompare.verify.verdict import StepCheck, Verdict
@@ -103,12 +105,14 @@ def _judged(reported_of, loss_scale: float | None = None) -> tuple[Verdict, floa
     oracle = _grads()
     local = [_grads(scale=1.5), {n: 2 * g - _grads(scale=1.5)[n] for n, g in oracle.items()}]  # their mean: oracle
     names = list(oracle)
-    judge = GradNormJudge(clip=CLIP, dtype="float32", depth=2, world_size=WORLD_SIZE, u_wire=2.0**-24, names=names,
-                          verdict=verdict)
+    ctx = CheckContext(settings=CheckSettings(dtype="float32", clip_grad_norm=CLIP), world_size=WORLD_SIZE, depth=2,
+                       names=tuple(names), all_names=tuple(names), factory=_sgd)
     model = ParamError("(all parameters)", 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, True)
-    judge.expect(0, oracle, oracle, model, lambda: local, loss_scale)
     norm = float(torch.linalg.vector_norm(torch.cat([oracle[n].reshape(-1) for n in names])))
-    judge.judge(0, reported_of(oracle, local, norm))
+    found = judge_norm(ctx, verdict.checks[0], expected(ctx, oracle, oracle, model, lambda: local, loss_scale),
+                       reported_of(oracle, local, norm))
+    if found is not None:
+        found.record_in(verdict)
     return verdict, norm
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dpcompare.verify import coverage as cv
+from dpcompare.verify import oracle_coverage as oc
 from dpcompare.verify import equivalence as eq
 from dpcompare.verify import float64_paths
 from dpcompare.verify.dtypes import as_input, float_dtype, non_float_change, non_float_divergence, state_distance
@@ -125,9 +125,9 @@ def test_the_memory_plan_counts_what_every_copy_holds() -> None:
     frozen.requires_grad_(False)
     model = nn.Sequential(nn.Linear(8, 8), frozen)
     trainable = sum(p.numel() for p in model[0].parameters())
-    plain = cv.need_bytes(trainable, trainable, "sgd")
-    counted = cv.need_bytes(trainable, trainable, "sgd", copied=sum(p.numel() for p in model.parameters()))
-    assert counted - plain == pytest.approx(cv.COPY_BYTES_PER_PARAM * sum(p.numel() for p in frozen.parameters()))
+    plain = oc.need_bytes(trainable, trainable, "sgd")
+    counted = oc.need_bytes(trainable, trainable, "sgd", copied=sum(p.numel() for p in model.parameters()))
+    assert counted - plain == pytest.approx(oc.COPY_BYTES_PER_PARAM * sum(p.numel() for p in frozen.parameters()))
 
 
 # -- ops with no float64 kernel --------------------------------------------------------------------------------------

@@ -365,7 +365,7 @@ def test_without_transformers_the_run_says_how_to_install_it(tmp_path: Path, con
     assert len(lines) == 1 and 'pip install "dpcompare[hf]"' in lines[0] and "Traceback" not in done.stderr
 
 
-@pytest.mark.deep  # the default tier runs this config on the reference under --check-coverage (tests/test_coverage.py)
+@pytest.mark.deep  # the default tier runs this config on the reference under --check-coverage (tests/test_oracle_coverage.py)
 def test_a_llama_config_is_equivalent_on_the_reference_with_its_verification_cost(
         launch, configs: dict[str, Path]) -> None:
     done, result = launch("reference", 1, f"hf:{configs['llama']}", ["--seq-len", "16", "--measure-steps", "2",

@@ -1,8 +1,9 @@
 """The contract: what a backend adapter and a workload are written against, and the vocabulary the library's
 layers above share (docs/ARCHITECTURE.md).
 
-  adapter        the `Adapter` base class and what it declares or returns (Capabilities, Option, Settings, Note,
-                 Wrapped, ModelFacts, CommCounter -> CommCounts)
+  adapter        the `Adapter` base class, what the trainer tells it (ModelFacts) and what `wrap` returns (Wrapped)
+  capabilities   what an adapter declares as data (Capabilities, Option, Note) and what reaches it (Settings)
+  comm_counter   a backend's own communication counter (CommCounter, CounterWindow -> CommCounts)
   workload       `Workload`, `shard` (how a global batch splits across ranks) and `block_modules` (a model's blocks)
   checkpointing  --activation-checkpointing: each block recomputes its forward in backward
   launch_env     `LaunchEnv`: who started this process and which rank it is; the rendezvous for launchers that
@@ -17,8 +18,9 @@ It imports nothing from the layers above it (run, verify, measure, commands): ch
 (pyproject.toml, tests/test_layers.py). The public API (`dpcompare.__all__`) re-exports from here.
 """
 
-from dpcompare.contract.adapter import (Adapter, Capabilities, CommCounter, CommCounts, CounterWindow, ModelFacts, Note,
-                                        Option, Settings, Wrapped)
+from dpcompare.contract.adapter import Adapter, ModelFacts, Wrapped
+from dpcompare.contract.capabilities import Capabilities, Note, Option, Settings
+from dpcompare.contract.comm_counter import CommCounter, CommCounts, CounterWindow
 
 __all__ = ["Adapter", "Capabilities", "CommCounter", "CommCounts", "CounterWindow", "ModelFacts", "Note", "Option",
            "Settings", "Wrapped"]

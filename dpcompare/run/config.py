@@ -256,9 +256,9 @@ class RunConfig:
         checks=(Rule(_coverage_ok, "use auto, full or a share of the parameters in (0, 1], e.g. 0.25"),),
         compare=Forwarded("what each run's float64 oracle checks: auto (every parameter where its memory fits, else "
                           "the whole blocks that fit, stated), full, or a share of the parameters in (0, 1]"))
-    """What the float64 oracle checks (dpcompare.verify.coverage): `auto`, every parameter where its memory fits on
-    rank 0, else as many whole blocks as fit, the coverage stated; `full`, every parameter or a one-line refusal;
-    a fraction in (0, 1], whole blocks up to that share of the parameters."""
+    """What the float64 oracle checks (dpcompare.verify.oracle_coverage): `auto`, every parameter where its memory
+    fits on rank 0, else as many whole blocks as fit, the coverage stated; `full`, every parameter or a one-line
+    refusal; a fraction in (0, 1], whole blocks up to that share of the parameters."""
     timeout_s: float = run_flag(
         120.0, help="exit when a rank makes no progress this long",
         checks=(Rule(lambda v, _: v <= MAX_TIMEOUT_S, f"use at most {MAX_TIMEOUT_S:g} seconds (a week)"),

@@ -28,10 +28,12 @@ from dpcompare.run.config import CommandLineError, RunConfig
 from dpcompare.run.optim import optimizer_factory
 from dpcompare.run.step import StepRunner
 from dpcompare.verify import buffers
-from dpcompare.verify import coverage as cv
 from dpcompare.verify import equivalence as eq
 from dpcompare.verify import masks as mk
+from dpcompare.verify import oracle_coverage as oc
 from dpcompare.verify import initial, stochastic, verifier
+from dpcompare.verify.context import CheckContext, CheckSettings
+from dpcompare.verify.precision import Recipe
 
 
 class VerificationPhase:
@@ -44,7 +46,7 @@ class VerificationPhase:
         """Every parameter, in the order the ranks' digests list them (the wrapped module's names are the template's)."""
         self.rank0 = is_rank0
         self.check: verifier.Verifier | None = None
-        # Under --compile a random forward is unverifiable (verifier.py): recording would only keep Dynamo from compiling.
+        # Under --compile a random forward is unverifiable (verify/opening.py): recording would only keep Dynamo from compiling.
         self.recorder = mk.MaskRecorder(self.wrapped.module) if self.facts.stochastic and not cfg.compile else None
         self.cost = VerificationCost(self.runner.device) if is_rank0 else None
         """Rank 0's time and memory for checking (the oracle, the references, the trajectory), beside the step's."""
@@ -53,7 +55,7 @@ class VerificationPhase:
         with checked_arithmetic(self.runner.device) as tf32:
             if self.cost is not None:
                 self.cost.open()
-            coverage = self._plan_coverage()
+            coverage = self._plan_oracle_coverage()
             with self._costed(setup=True):
                 self.verdict = self._start(coverage)
             if self.verdict.precision is not None:
@@ -68,16 +70,16 @@ class VerificationPhase:
             _save_npz_atomic(Path(self.cfg.dump_grads), self.check.dumps, self.cfg.closed_if)
         return self.verdict
 
-    def _plan_coverage(self) -> cv.Coverage | None:
-        """Rank 0 plans what the oracle checks within the memory free (dpcompare.verify.coverage); every rank learns
-        the plan, so a refusal ends every rank alike, in one line said by rank 0."""
-        plan: cv.Coverage | str | None = None
+    def _plan_oracle_coverage(self) -> oc.OracleCoverage | None:
+        """Rank 0 plans what the oracle checks within the memory free (dpcompare.verify.oracle_coverage); every rank
+        learns the plan, so a refusal ends every rank alike, in one line said by rank 0."""
+        plan: oc.OracleCoverage | str | None = None
         if self.rank0 and self.cfg.check_every:
             try:
-                plan = cv.plan(self.template, request=self.cfg.check_coverage, optimizer=self.cfg.optimizer,
+                plan = oc.plan(self.template, request=self.cfg.check_coverage, optimizer=self.cfg.optimizer,
                                dtype_bytes=eq.DTYPES[self.cfg.dtype].itemsize, device=self.runner.device,
                                refuse_partial=self._partial_refusal())
-            except cv.CoverageRefused as exc:
+            except oc.OracleCoverageRefused as exc:
                 plan = str(exc)
         plan = self.adapter.all_gather_object(plan)[0]
         if isinstance(plan, str):
@@ -91,15 +93,13 @@ class VerificationPhase:
             return "--amp fp16's loss scaler skips a step when any gradient overflows"
         return None
 
-    def _start(self, coverage: cv.Coverage | None) -> eq.Verdict:
+    def _start(self, coverage: oc.OracleCoverage | None) -> eq.Verdict:
         """Rank 0's verifier (initial weights against the workload's), then every rank's initial weights."""
         if self.rank0 and self.cfg.check_every:
-            self.check = verifier.Verifier(
-                cfg=self.cfg, world_size=self.runner.world_size, template=self.template,
-                loss_fn=self.runner.workload.loss_fn, facts=self.facts, wrapped=self.wrapped, device=self.runner.device,
-                factory=optimizer_factory(self.cfg),
-                layout=eq.Layout(self.runner.world_size, self.cfg.grad_accum, self.adapter.replicas_per_process()),
-                replay_reason=self.adapter.rng_replay_reason(), backend=self.adapter, coverage=coverage)
+            ctx = check_context(self.cfg, self.adapter, self.template, self.runner.device, self.runner.world_size,
+                                coverage)
+            self.check = verifier.Verifier(ctx, template=self.template, loss_fn=self.runner.workload.loss_fn,
+                                           wrapped=self.wrapped, backend=self.adapter)
         full = self.adapter.full_params()  # on every rank: a collective where the backend shards its parameters
         held = self.adapter.all_gather_object(initial.held(full, self.wrapped.module))
         verdict = self.check.verdict if self.check is not None else eq.Verdict(notes=list(self.wrapped.notes))
@@ -123,21 +123,13 @@ class VerificationPhase:
                 gathered.extend(self.adapter.all_gather_object(self._evidence(x, rng, reads, before)))
             if self.check is not None:
                 with self._costed():
-                    self.check.observe_scaler(step)
-                    if self.facts.stochastic:
-                        self.check.observe_generators(step, [i["rng"] for i in gathered])
-                    if checked:
-                        self.check.check_gradient(step, batch, gathered, reads)
+                    self.check.after_reduce(step, batch, gathered, reads)
 
         def after_update() -> None:
             masters = self.adapter.master_params() if self.cfg.check_every else None  # every rank, as above
             if self.check is not None:
-                with self._costed():
-                    self.check.check_grad_norm(step, self.runner.grad_norm)  # the norm the backend clipped by
-                    self.check.check_update(step, masters)
-                    self.check.trajectory_step(step, batch,
-                                               [i.get("masks") for i in gathered] if self.facts.stochastic else None,
-                                               masters)
+                with self._costed():  # with the norm the backend clipped by (--clip-grad-norm)
+                    self.check.after_update(step, masters, self.runner.grad_norm)
             if checked or step == self.cfg.steps - 1:
                 self._compare_replicas(step)
 
@@ -178,6 +170,26 @@ class VerificationPhase:
             step, mismatch[1], float("nan"), 0.0, float("nan"),
             f"after the optimizer step rank {mismatch[0]} holds different values of {mismatch[1]} "
             "than rank 0: the replicas diverged", check="replicas", cause="replicas"))
+
+
+def check_context(cfg: RunConfig, adapter: Adapter, template: torch.nn.Module, device: torch.device, world_size: int,
+                  coverage: oc.OracleCoverage | None) -> CheckContext:
+    """What every check of this run is judged with, built once on rank 0 after wrapping (the backend's precision recipe
+    and its wire are known then): the run's settings the checks read, typed, and the facts of the run."""
+    settings = CheckSettings(dtype=cfg.dtype, amp=cfg.amp, sync_bn=cfg.sync_bn, compile=cfg.compile,
+                             clip_grad_norm=cfg.clip_grad_norm, grad_accum=cfg.grad_accum, lr=cfg.lr,
+                             weight_decay=cfg.weight_decay, check_every=cfg.check_every, dump_grads=cfg.dump_grads)
+    unchecked = coverage.unchecked if coverage is not None else frozenset()
+    named = list(template.named_parameters())
+    batchnorms = tuple(n for n, m in template.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm))
+    return CheckContext(
+        settings=settings, world_size=world_size, depth=eq.depth_of(template),
+        names=tuple(n for n, p in named if p.requires_grad and n not in unchecked),
+        all_names=tuple(n for n, _ in named), factory=optimizer_factory(cfg), device=device,
+        layout=eq.Layout(world_size, cfg.grad_accum, adapter.replicas_per_process()), facts=adapter.model_facts,
+        batchnorms=batchnorms, oracle_coverage=coverage, recipe=Recipe(adapter.amp_recipe(), cfg.amp, device.type),
+        wire=adapter.gradient_wire(), prestep=adapter.optimizer_prestep(),
+        shards=getattr(adapter.capabilities, "shards", "none"), replay_reason=adapter.rng_replay_reason())
 
 
 class VerificationCost:

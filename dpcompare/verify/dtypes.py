@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dpcompare.verify.tolerance import rel_fro
-from dpcompare.verify.verdict import Check, Divergence
+from dpcompare.verify.verdict import CheckName, Divergence
 
 __all__ = ["ROUNDING_DTYPES", "as_input", "float_dtype", "is_float", "non_float_change", "non_float_divergence",
            "state_distance"]
@@ -81,7 +81,7 @@ def non_float_change(name: str, have: torch.Tensor, want: torch.Tensor) -> tuple
     return "non_float_changed", f"{what}: the backend changed a parameter that no gradient or optimizer step changes"
 
 
-def non_float_divergence(step: int, check: Check, have: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor],
+def non_float_divergence(step: int, check: CheckName, have: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor],
                          names: list[str], when: str) -> Divergence | None:
     """The first of `names` whose value in `have` is not bitwise its value in `want` (dtype included), as a
     divergence of `check` at `step` naming every one that differs; None where all agree. `when`: the phrase that

@@ -112,6 +112,10 @@ class ParamError:
 
 @dataclass(slots=True)
 class Coverage:
+    """A check's coverage: the parameters (and their elements) it judged one by one, and those too noisy to judge
+    alone (left out). Not the oracle coverage (dpcompare.verify.oracle_coverage: the parameters the float64 oracle
+    checks at all, --check-coverage)."""
+
     parameters: int
     parameters_judged: int
     elements: int
@@ -200,6 +204,7 @@ def min_detectable(params: list[ParamError], model: ParamError | None) -> float:
 
 
 def coverage(params: list[ParamError]) -> Coverage:
+    """The coverage of a check that compared `params`."""
     judged = [p for p in params if p.judged]
     return Coverage(len(params), len(judged), sum(p.elements for p in params), sum(p.elements for p in judged),
                     [p.parameter for p in params if not p.judged])

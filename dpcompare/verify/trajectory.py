@@ -114,8 +114,8 @@ class Trajectory:
         self.model_run.zero_grad(set_to_none=True)
 
     def follow(self, params: dict[str, torch.Tensor], names: frozenset[str]) -> None:
-        """Load the run's values of `names` (the parameters coverage leaves unchecked, which the copies do not train)
-        into both copies, so their next step's forward runs from the run's weights there."""
+        """Load the run's values of `names` (the parameters the oracle coverage leaves out, which the copies do not
+        train) into both copies, so their next step's forward runs from the run's weights there."""
         if not names:
             return
         with torch.no_grad():

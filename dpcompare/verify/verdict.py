@@ -4,7 +4,7 @@ Owns: what one checked step recorded (`StepCheck`: the gradient per parameter an
 `UpdateCheck`), the first failed check (`Divergence`), the `Verdict` that collects them with the notes, the
 unverifiable parts and the reports of the other checks (buffers, randomness, precision, trajectory), its status
 (`equivalent`, `different`, `unverifiable`, `unchecked`), its power, and its JSON form with the tolerance policy it
-was judged under. Judges nothing itself: the checks that fill it are dpcompare.verify.verifier's. Imports no adapter.
+was judged under. Judges nothing itself: the checks that fill it are dpcompare.verify.checks'. Imports no adapter.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dpcompare.verify.tolerance import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DT
                                         coverage, min_detectable)
 from dpcompare.verify.tolerance import describe as describe_tolerance
 
-Check = Literal["initial", "gradient", "grad_norm", "update", "trajectory", "replicas", "rng", "buffers", "loss_scale"]
+CheckName = Literal["initial", "gradient", "grad_norm", "update", "trajectory", "replicas", "rng", "buffers", "loss_scale"]
 
 
 @dataclass(slots=True)
@@ -30,7 +30,7 @@ class Divergence:
     tolerance_rel_fro: float
     noise_ratio: float
     reason: str
-    check: Check = "gradient"
+    check: CheckName = "gradient"
     """Which check broke: initial weights, gradient, the total norm clipped by (grad_norm), update, trajectory,
     replicas, the ranks' generators, the module buffers, or the loss scaler (a step skipped, or stepped, against the
     recipe's overflow)."""
@@ -92,7 +92,7 @@ class UpdateCheck:
 @dataclass(slots=True)
 class GradNormCheck:
     """One checked step's grad_norm check (--clip-grad-norm): the total norm the backend clipped by against the float64
-    oracle's global norm (judged by dpcompare.verify.clipping)."""
+    oracle's global norm (judged by dpcompare.verify.checks.grad_norm)."""
 
     step: int
     clip: float
@@ -108,7 +108,7 @@ class GradNormCheck:
     rel_err: float
     """|reported - oracle| / oracle (NaN: nothing reported)."""
     floor: float
-    """The effective floor of the tolerance (dpcompare.verify.clipping)."""
+    """The effective floor of the tolerance (dpcompare.verify.checks.grad_norm)."""
     tolerance: float
     noise_ratio: float
     """rel_err over the floor with the reduction's and the norm's allowances (it passes at or below the factor)."""
@@ -201,7 +201,8 @@ class Verdict:
     precision: "PrecisionReport | None" = None
     """The mixed-precision recipe that ran and what its loss scaler did at every checked step (None: not recorded)."""
     oracle_coverage: dict | None = None
-    """The parameters the oracle checked (--check-coverage, dpcompare.verify.coverage); None: every one."""
+    """The oracle coverage: the parameters the oracle checked (--check-coverage, dpcompare.verify.oracle_coverage);
+    None: every one."""
     oracle_precision: dict | None = None
     """Where the float64 copies left float64 or the model's own path (dpcompare.verify.float64_paths); None: nowhere."""
     wire_rounding: str = "bounded"

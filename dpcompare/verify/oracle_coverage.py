@@ -1,4 +1,6 @@
-"""How much of the model the float64 oracle checks, chosen so that its memory fits before anything is built.
+"""The oracle coverage: how much of the model the float64 oracle checks, chosen so that its memory fits before
+anything is built (--check-coverage). Not the coverage of a check (dpcompare.verify.tolerance: the parameters a
+check judges alone, the noisy ones left out).
 
 Owns: the verifier's memory model (`need_bytes`: the model copies every check needs, whatever it covers, plus what
 each checked parameter adds: its float64 gradients, the reference optimizer states, the update check's copies), the
@@ -7,7 +9,7 @@ where they fit; else, under `--check-coverage auto` or a fraction, whole blocks 
 `_no_split_modules`) in a stated order — the first block, the last, the parameters outside the blocks (embeddings,
 head, final norm), then the blocks halfway between those taken — as many as fit; else a refusal in one line with
 the figures. The parameters left out are still in every forward (at the run's own values), only their gradients
-and updates are not compared; the coverage is recorded in the verdict and said with it. Imports no adapter.
+and updates are not compared; the oracle coverage is recorded in the verdict and said with it. Imports no adapter.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ GIB = 1024.0**3
 
 COPY_BYTES_PER_PARAM = 40.0
 """The oracle's and the reference trajectory's model copies (float64 and run dtype, each twice), the state the checks
-load and the snapshot of the parameters, per parameter of the model, whatever the coverage (float32 run). Measured
+load and the snapshot of the parameters, per parameter of the model, whatever the oracle coverage (float32 run). Measured
 (verify_above_start_mib, a 11 M-parameter Llama-style model on CPU, 2026-11-26; docs/results/
 2026-11-26-verification-cost-cpu.md): 34 B/param with SGD, 42 with AdamW."""
 CHECKED_BYTES_PER_PARAM = {"sgd": 160.0, "adamw": 185.0}
@@ -38,13 +40,13 @@ MARGIN = 0.85
 """Of the memory free when the verifier is planned, the share it may plan to use (the run's steps keep allocating)."""
 
 
-class CoverageRefused(ValueError):
+class OracleCoverageRefused(ValueError):
     """The oracle cannot check even one block within the memory free: one line with the figures and what to do."""
 
 
 @dataclass(slots=True)
-class Coverage:
-    """The parameters the oracle checks; `unchecked` empty means all of them."""
+class OracleCoverage:
+    """The parameters the float64 oracle checks (--check-coverage); `unchecked` empty means all of them."""
 
     parameters: int
     checked_parameters: int
@@ -70,12 +72,6 @@ class Coverage:
                 "need_gib": self.need_bytes / GIB, "full_need_gib": self.full_need_bytes / GIB,
                 "available_gib": None if self.available_bytes is None else self.available_bytes / GIB,
                 "reason": self.reason}
-
-    def phrase(self) -> str:
-        if self.full:
-            return ""
-        return (f"coverage {self.fraction:.0%} of the parameters ({len(self.units_checked)} of "
-                f"{len(self.units_checked) + len(self.units_unchecked)} units)")
 
 
 def need_bytes(parameters: int, checked: int, optimizer: str, dtype_bytes: int = 4, copied: int | None = None) -> float:
@@ -123,8 +119,8 @@ def available_bytes(device: torch.device) -> tuple[float | None, str]:
 
 
 def units(template: nn.Module) -> list[tuple[str, list[str]]]:
-    """The units coverage takes whole, in the order it takes them: (name, trainable parameter names). The first
-    block, the last, what lies outside the blocks, then the blocks halfway between those taken."""
+    """The units the oracle coverage takes whole, in the order it takes them: (name, trainable parameter names).
+    The first block, the last, what lies outside the blocks, then the blocks halfway between those taken."""
     named = [(n, p) for n, p in template.named_parameters() if p.requires_grad]
     blocks = block_modules(template)
     owner: dict[str, str] = {}
@@ -155,7 +151,7 @@ def units(template: nn.Module) -> list[tuple[str, list[str]]]:
 
 
 def plan(template: nn.Module, *, request: str, optimizer: str, dtype_bytes: int, device: torch.device,
-         refuse_partial: str | None = None) -> Coverage:
+         refuse_partial: str | None = None) -> OracleCoverage:
     """The parameters the oracle checks. `request`: 'full' (all, refused in one line where they do not fit), 'auto'
     (all where they fit, else as many whole units as fit) or a fraction in (0, 1] (whole units up to that share of the
     parameters, each taken only while it fits). `refuse_partial`: why this run cannot be checked on a subset (the
@@ -180,16 +176,17 @@ def plan(template: nn.Module, *, request: str, optimizer: str, dtype_bytes: int,
     fraction = None if request in ("auto", "full") else float(request)
     if fraction is None or fraction >= 1.0:
         if budget is None or full_need <= budget:
-            return Coverage(total, total, need_bytes=full_need, full_need_bytes=full_need, available_bytes=free)
+            return OracleCoverage(total, total, need_bytes=full_need, full_need_bytes=full_need, available_bytes=free)
         if request == "full" or (fraction is not None and fraction >= 1.0):
-            raise CoverageRefused(f"the float64 oracle cannot check every parameter of this model: it {figures(full_need)}; "
-                                  "pass --check-coverage auto to check the blocks that fit (the coverage is stated), "
-                                  "--check-every 0 to measure without checking, or run where more memory is free")
+            raise OracleCoverageRefused(
+                f"the float64 oracle cannot check every parameter of this model: it {figures(full_need)}; pass "
+                "--check-coverage auto to check the blocks that fit (the coverage is stated), --check-every 0 to "
+                "measure without checking, or run where more memory is free")
         fraction = 1.0
     if refuse_partial:
-        raise CoverageRefused(f"the float64 oracle cannot check every parameter ({figures(full_need)}) and a subset "
-                              f"cannot be checked here: {refuse_partial}; run where more memory is free, or "
-                              "--check-every 0 to measure without checking")
+        raise OracleCoverageRefused(
+            f"the float64 oracle cannot check every parameter ({figures(full_need)}) and a subset cannot be checked "
+            f"here: {refuse_partial}; run where more memory is free, or --check-every 0 to measure without checking")
     taken: list[str] = []
     left: list[str] = []
     names: set[str] = set()
@@ -206,15 +203,15 @@ def plan(template: nn.Module, *, request: str, optimizer: str, dtype_bytes: int,
             left.append(unit)
     if not taken:
         floor_need = need(min(sum(sizes[n] for n in m) for _, m in units(template)))
-        raise CoverageRefused(f"the float64 oracle cannot check even one block of this model: with one block it "
-                              f"{figures(floor_need)} (its copies of the whole model alone take "
-                              f"{COPY_BYTES_PER_PARAM * max(total, copied) / GIB:.1f} GiB); --check-every 0 measures without "
-                              "checking, or run where more memory is free")
+        raise OracleCoverageRefused(
+            f"the float64 oracle cannot check even one block of this model: with one block it {figures(floor_need)} "
+            f"(its copies of the whole model alone take {COPY_BYTES_PER_PARAM * max(total, copied) / GIB:.1f} GiB); "
+            "--check-every 0 measures without checking, or run where more memory is free")
     unchecked = frozenset(n for n, _ in trainable if n not in names)
     why = ("requested" if fraction < 1.0 and (budget is None or full_need <= budget)
            else f"every parameter {figures(full_need)}")
-    return Coverage(total, checked, unchecked, taken, left, need(checked),
-                    full_need, free, f"--check-coverage {request}: {why}")
+    return OracleCoverage(total, checked, unchecked, taken, left, need(checked), full_need, free,
+                          f"--check-coverage {request}: {why}")
 
 
 def unchecked_frozen(template: nn.Module, unchecked: frozenset[str]) -> None:
@@ -225,4 +222,5 @@ def unchecked_frozen(template: nn.Module, unchecked: frozenset[str]) -> None:
             p.requires_grad_(False)
 
 
-__all__ = ["Coverage", "CoverageRefused", "available_bytes", "need_bytes", "plan", "unchecked_frozen", "units"]
+__all__ = ["OracleCoverage", "OracleCoverageRefused", "available_bytes", "need_bytes", "plan", "unchecked_frozen",
+           "units"]

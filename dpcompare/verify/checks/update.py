@@ -6,7 +6,8 @@ dpcompare.verify.update_check's `reference_step`); the optimizer state the step 
 previous step left (a fresh optimizer's before step 0, or the one after the pre-step the backend's recipe declares):
 a wrong step count or state is a fault whatever the update's noise; the notes on that declared pre-step and on unused
 parameters the backend steps with a zero gradient; the diagnosis of a failed update (dpcompare.verify.diagnosis); and
-the state the next checked step is expected to start from. Imports no adapter.
+the state the next checked step is expected to start from. A step whose loss scale overflowed is the loss_scale
+check's. Imports no adapter.
 """
 
 from __future__ import annotations
@@ -15,40 +16,63 @@ import math
 
 import torch
 
-from dpcompare.contract import Adapter
-from dpcompare.contract.optim_state import OptimizerFactory, OptState
+from dpcompare.contract.optim_state import OptState
+from dpcompare.verify.bench import Bench
+from dpcompare.verify.checks.loss_scale import skipped_since
+from dpcompare.verify.context import CheckContext, Finding
+from dpcompare.verify.step_evidence import StepEvidence
 from dpcompare.verify.diagnosis import (UpdateEvidence, diagnose_update, reason_of, state_difference,
                                         step_count_mismatch, FRESH_STEPPED_TRAP)
 from dpcompare.verify.equivalence import DTYPES, Grads
-from dpcompare.verify.loss_scale import skipped_since
 from dpcompare.verify.reads import Pending
 from dpcompare.verify.tolerance import compare, flat
 from dpcompare.verify.update_check import StepResult, reference_step
-from dpcompare.verify.verdict import Divergence, UpdateCheck, Verdict
+from dpcompare.verify.verdict import Divergence, UpdateCheck
 
 
-class UpdateJudge:
-    """Judges the update of every checked step of a run (its --dtype, --lr and --weight-decay in `cfg`) into
-    `verdict`, and carries the optimizer state expected from one step to the next. `unused`: the parameters that
-    take no part in the loss; `prestep`: what the backend's recipe does to its optimizer before the first step by
-    design (None: nothing)."""
+class Update:
+    """Judges the update of every checked step of a run into the verdict, and carries the optimizer state expected from
+    one step to the next (forgotten at an unchecked step: then it cannot be predicted)."""
 
-    def __init__(self, *, cfg, factory: OptimizerFactory, device: torch.device, depth: int, names: list[str],
-                 world_size: int, unused: tuple[str, ...], prestep: str | None, backend: Adapter,
-                 verdict: Verdict) -> None:
-        self.cfg, self.factory, self.device, self.depth, self.names = cfg, factory, device, depth, names
-        self.world_size, self.unused, self.prestep = world_size, unused, prestep
-        self.backend, self.verdict = backend, verdict
-        self.dtype = DTYPES[cfg.dtype]
-        self.clip: float | None = cfg.clip_grad_norm
+    name = "update"
+    at = "updated"
+    reads_oracle = False  # every step: an unchecked one forgets the expected state
+    after_stop = False
+
+    @classmethod
+    def applies(cls, ctx: CheckContext) -> bool:
+        return True
+
+    def __init__(self, ctx: CheckContext, bench: Bench) -> None:
+        self.factory, self.device, self.names, self.prestep = ctx.factory, ctx.device, list(ctx.names), ctx.prestep
+        self.backend, self.verdict = bench.backend, bench.verdict
+        self.dtype = DTYPES[ctx.dtype]
+        self.clip: float | None = ctx.settings.clip_grad_norm
         """--clip-grad-norm: every reference step clips the gradient it is handed by its global norm."""
         self.expected_state: OptState | None = {}  # a fresh optimizer's (after the declared pre-step, at step 0)
         self.expected_from = ("a fresh optimizer's" if self.prestep is None else
                               "a fresh optimizer's after one step on zero gradients")
 
-    def forget(self) -> None:
-        """An unchecked step: the next step's state cannot be predicted."""
-        self.expected_state = None
+    def judge(self, ctx: CheckContext, step: StepEvidence) -> Finding | None:
+        """After the optimizer step, with the values it stepped as every rank read them (`Adapter.master_params()`): the
+        update of a step whose gradient was checked (a step whose loss scale overflowed is the loss_scale check's)."""
+        pending = step.oracle.pending if step.oracle is not None else None
+        if pending is None:
+            self.expected_state = None  # an unchecked step: the next step's state cannot be predicted
+            return None
+        if pending.scale is not None and pending.scale.predicted_overflow:
+            return None
+        state = pending.backend_state
+        if state is None:
+            return Finding(unverifiable=f"the update check at step {step.step} cannot know the optimizer state: the "
+                                        "backend's optimizer_state() gave none (no torch optimizer holding the model's "
+                                        "parameters was found behind the backend's optimizer)", stop=True)
+        expected = self.expected_before(step.step, pending)
+        # A parameter a single process gives no gradient is not stepped there: the reference replays it with none.
+        single = {n: (None if n in pending.none else g) for n, g in pending.grads.items()}
+        ref, divergence = self._judged(ctx, step.step, pending, state, expected, single, step.masters)
+        self.advance(step.step, pending, state, single, ref)
+        return Finding(divergence) if divergence is not None else None
 
     def expected_before(self, step: int, pending: Pending) -> OptState | None:
         """The optimizer state the step is expected to start from: the one the previous step left, and before step 0,
@@ -60,17 +84,22 @@ class UpdateJudge:
                                       clip=self.clip).state
         return expected
 
-    def judge(self, step: int, pending: Pending, state: OptState, expected: OptState | None,
-              single: dict[str, torch.Tensor | None], masters: dict[str, torch.Tensor]) -> StepResult:
+    def _replay(self, pending: Pending, single: dict[str, torch.Tensor | None], state: OptState,
+                dtype: torch.dtype) -> StepResult:
+        return reference_step(self.factory, pending.params, single, state, dtype, self.device, clip=self.clip)
+
+    def _judged(self, ctx: CheckContext, step: int, pending: Pending, state: OptState, expected: OptState | None,
+                single: dict[str, torch.Tensor | None], masters: dict[str, torch.Tensor]
+                ) -> tuple[StepResult, Divergence | None]:
         """The update from `pending.params` to `masters` against the optimizer replayed from the backend's `state`
         with `single` (the reduced gradient, None where a single process gives none), recorded on the step's check;
-        then `state` against `expected`. Returns the float64 replay."""
+        then `state` against `expected`. Returns the float64 replay and the failure, if any."""
         after = {n: masters[n].detach().double().cpu() for n in self.names}
         delta = {n: after[n] - pending.params[n] for n in self.names}
-        ref = reference_step(self.factory, pending.params, single, state, torch.float64, self.device, clip=self.clip)
-        floor = reference_step(self.factory, pending.params, single, state, self.dtype, self.device, clip=self.clip)
-        params, model = compare(delta, ref.delta, floor.delta, dtype=self.cfg.dtype, world_size=1,
-                                depth=self.depth, names=self.names)
+        ref = self._replay(pending, single, state, torch.float64)
+        floor = self._replay(pending, single, state, self.dtype)
+        params, model = compare(delta, ref.delta, floor.delta, dtype=ctx.dtype, world_size=1,
+                                depth=ctx.depth, names=self.names)
         ratios = {n: _ratio(delta[n], ref.delta[n]) for n in self.names}
         whole = _ratio(flat(delta, self.names), flat(ref.delta, self.names))
         self.verdict.checks[-1].update = UpdateCheck(params, ratios, whole, model)
@@ -81,43 +110,49 @@ class UpdateJudge:
         # or the one the backend's recipe declares). A step count is a whole number: a wrong one is a fault
         # whatever the update's noise. An unused parameter the backend hands a zero gradient (ZeRO's flat
         # partitions step as a whole) counts steps a single process does not take.
-        zero_stepped = [n for n in self.unused if self.verdict.parameters["unused_grad"].get(n) == "zero"]
+        zero_stepped = [n for n in ctx.facts.unused if self.verdict.parameters["unused_grad"].get(n) == "zero"]
         self._note_unused_stepped(step, state, zero_stepped)
-        judged_names = [n for n in self.names if n not in zero_stepped]
+        divergence = None
         if expected is not None and self.verdict.first_divergence is None:
-            counted = step_count_mismatch(state, expected, judged_names)
-            differs = counted or state_difference(state, expected, judged_names)
-            if differs is not None:
-                wrong, text = differs
-                # What the state costs the update: the backend's update against the one the expected state gives.
-                had = compare(delta, reference_step(self.factory, pending.params, single, expected, torch.float64,
-                                                    self.device, clip=self.clip).delta,
-                              reference_step(self.factory, pending.params, single, expected, self.dtype,
-                                             self.device, clip=self.clip).delta,
-                              dtype=self.cfg.dtype, world_size=1, depth=self.depth, names=self.names)[0]
-                first = next(p for p in had if p.parameter == wrong[0])
-                self.verdict.diverge(Divergence(
-                    step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
-                    f"the gradient passed but the update did not: the optimizer state before step {step} is not "
-                    f"{self.expected_from}: {text}{FRESH_STEPPED_TRAP if step == 0 else ''}", check="update",
-                    cause="optimizer_state", parameters=wrong))
+            divergence = self._state_divergence(ctx, step, pending, state, expected, single, delta,
+                                                [n for n in self.names if n not in zero_stepped])
         if step == 0 and self.prestep is not None and expected is not None:
             self._note_prestep(pending, single, delta)
-        if failing and self.verdict.first_divergence is None:
+        if failing and divergence is None and self.verdict.first_divergence is None:
             evidence = UpdateEvidence(
                 step=step, names=self.names, delta=delta, reference=ref.delta,
                 tolerance={p.parameter: p.tolerance_rel_fro for p in params}, params=pending.params,
                 grads=single, expected_state=state, backend_state=state,
-                factory=self.factory, device=self.device, world_size=self.world_size, lr=self.cfg.lr,
-                weight_decay=self.cfg.weight_decay, backend_hparams=pending.backend_hparams,
+                factory=self.factory, device=self.device, world_size=ctx.world_size, lr=ctx.settings.lr,
+                weight_decay=ctx.settings.weight_decay, backend_hparams=pending.backend_hparams,
                 expected_from=self.expected_from, skipped=skipped_since(self.backend, pending), clip=self.clip)
             found = diagnose_update(evidence, [p.parameter for p in failing])
             first = next((p for p in failing if not p.ok), failing[0])
-            self.verdict.diverge(Divergence(
+            divergence = Divergence(
                 step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
                 f"the gradient passed but the update did not: {reason_of(found)}", check="update",
-                cause=found[0].cause, parameters=[p.parameter for p in failing]))
-        return ref
+                cause=found[0].cause, parameters=[p.parameter for p in failing])
+        return ref, divergence
+
+    def _state_divergence(self, ctx: CheckContext, step: int, pending: Pending, state: OptState, expected: OptState,
+                          single: dict[str, torch.Tensor | None], delta: Grads,
+                          judged_names: list[str]) -> Divergence | None:
+        """The optimizer state the step started from against `expected`: the first entry that differs, with what it
+        costs the update, or None."""
+        differs = step_count_mismatch(state, expected, judged_names) or state_difference(state, expected, judged_names)
+        if differs is None:
+            return None
+        wrong, text = differs
+        # What the state costs the update: the backend's update against the one the expected state gives.
+        had = compare(delta, self._replay(pending, single, expected, torch.float64).delta,
+                      self._replay(pending, single, expected, self.dtype).delta,
+                      dtype=ctx.dtype, world_size=1, depth=ctx.depth, names=self.names)[0]
+        first = next(p for p in had if p.parameter == wrong[0])
+        return Divergence(
+            step, first.parameter, first.rel_fro_err, first.tolerance_rel_fro, first.noise_ratio,
+            f"the gradient passed but the update did not: the optimizer state before step {step} is not "
+            f"{self.expected_from}: {text}{FRESH_STEPPED_TRAP if step == 0 else ''}", check="update",
+            cause="optimizer_state", parameters=wrong)
 
     def advance(self, step: int, pending: Pending, state: OptState, single: dict[str, torch.Tensor | None],
                 ref: StepResult) -> None:

@@ -1,4 +1,4 @@
-"""The oracle's coverage (`--check-coverage`): what the float64 oracle checks when its memory would not fit.
+"""The oracle coverage (`--check-coverage`): what the float64 oracle checks when its memory would not fit.
 
 Checked against: the memory model's own arithmetic (a budget that holds every parameter's checks gives full
 coverage; a smaller one gives whole blocks in the stated order — first block, last block, the parameters outside the
@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpcompare.verify import coverage as cv
+from dpcompare.verify import oracle_coverage as oc
 
 from test_hf_models import configs, write_configs  # noqa: F401  (the fixture)
 
@@ -32,15 +32,15 @@ class Stack(nn.Module):
 
 
 def test_units_are_taken_first_last_outside_then_the_middles() -> None:
-    order = [u for u, _ in cv.units(Stack())]
+    order = [u for u, _ in oc.units(Stack())]
     assert order == ["blocks.0", "blocks.5", "(outside the blocks)", "blocks.2", "blocks.1", "blocks.3", "blocks.4"]
-    members = dict(cv.units(Stack()))
+    members = dict(oc.units(Stack()))
     assert members["(outside the blocks)"] == ["embed.weight", "head.weight", "head.bias"]
 
 
 def test_a_budget_that_holds_everything_checks_everything(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DPCOMPARE_VERIFY_MEMORY_GIB", "100")
-    plan = cv.plan(Stack(), request="auto", optimizer="sgd", dtype_bytes=4, device=torch.device("cpu"))
+    plan = oc.plan(Stack(), request="auto", optimizer="sgd", dtype_bytes=4, device=torch.device("cpu"))
     assert plan.full and plan.fraction == 1.0 and plan.checked_parameters == plan.parameters
 
 
@@ -48,14 +48,14 @@ def test_a_smaller_budget_checks_the_whole_blocks_that_fit(monkeypatch: pytest.M
     model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8)))  # 8 blocks of 262 656 parameters
     total = sum(p.numel() for p in model.parameters())
     block = total // 8
-    budget = cv.need_bytes(total, 3 * block, "sgd") + 1  # three blocks' checks, not four
-    monkeypatch.setenv("DPCOMPARE_VERIFY_MEMORY_GIB", str(budget / cv.MARGIN / cv.GIB))
-    plan = cv.plan(model, request="auto", optimizer="sgd", dtype_bytes=4, device=torch.device("cpu"))
+    budget = oc.need_bytes(total, 3 * block, "sgd") + 1  # three blocks' checks, not four
+    monkeypatch.setenv("DPCOMPARE_VERIFY_MEMORY_GIB", str(budget / oc.MARGIN / oc.GIB))
+    plan = oc.plan(model, request="auto", optimizer="sgd", dtype_bytes=4, device=torch.device("cpu"))
     assert plan.units_checked == ["0", "7", "3"] and plan.checked_parameters == 3 * block
     assert plan.need_bytes <= budget and len(plan.unchecked) == 10 and "auto" in plan.reason
     # a share asked for: whole blocks up to it, in the same order
     monkeypatch.setenv("DPCOMPARE_VERIFY_MEMORY_GIB", "100")
-    quarter = cv.plan(model, request="0.25", optimizer="sgd", dtype_bytes=4, device=torch.device("cpu"))
+    quarter = oc.plan(model, request="0.25", optimizer="sgd", dtype_bytes=4, device=torch.device("cpu"))
     assert quarter.units_checked == ["0", "7"] and quarter.fraction == 0.25 and quarter.reason.endswith("requested")
 
 
@@ -68,15 +68,15 @@ def test_what_cannot_fit_is_refused_with_the_figures(monkeypatch: pytest.MonkeyP
                                                      partial: str | None, gib: float, says: str) -> None:
     model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8)))
     monkeypatch.setenv("DPCOMPARE_VERIFY_MEMORY_GIB", str(gib))
-    with pytest.raises(cv.CoverageRefused, match=says) as refused:
-        cv.plan(model, request=request_, optimizer="sgd", dtype_bytes=4, device=torch.device("cpu"),
+    with pytest.raises(oc.OracleCoverageRefused, match=says) as refused:
+        oc.plan(model, request=request_, optimizer="sgd", dtype_bytes=4, device=torch.device("cpu"),
                 refuse_partial=partial)
     assert "GiB" in str(refused.value) and "--check-every 0" in str(refused.value)
 
 
 def test_the_frozen_template_computes_no_gradient_for_what_is_left_out() -> None:
     model = Stack()
-    cv.unchecked_frozen(model, frozenset({"blocks.1.weight", "blocks.1.bias"}))
+    oc.unchecked_frozen(model, frozenset({"blocks.1.weight", "blocks.1.bias"}))
     assert [n for n, p in model.named_parameters() if not p.requires_grad] == ["blocks.1.weight", "blocks.1.bias"]
 
 

@@ -1,0 +1,165 @@
+"""The DeepSpeed engine's configuration as the run's settings make it, and the notes that state it.
+
+Owns: the config dict `deepspeed.initialize` is handed (batch sizes, gradient clipping, the ZeRO section, the
+precision section: `torch_autocast` or the engine's own `bf16`/`fp16`), the refusals of a recipe DeepSpeed cannot run
+here, and the verdict's notes on what the engine does differently from DDP (its clipping default, what a ZeRO stage
+shards, its precision recipe). The adapter that builds the engine is adapters/deepspeed.py. Imports nothing of
+dpcompare but its public API.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dpcompare import AMP_NAMES, Note, Settings
+
+WIRE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def check_precision(settings: Settings) -> None:
+    """Refuse, before any work, a recipe DeepSpeed cannot run here (one line, exit 2)."""
+    if settings.options["amp_recipe"] == "engine" and settings.amp == "none":
+        raise ValueError("--opt amp_recipe=engine selects DeepSpeed's bf16/fp16 engine: add --amp bf16 or --amp fp16")
+    if settings.options["amp_recipe"] == "engine" and settings.amp == "fp16":
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        if not accelerator.is_fp16_supported():
+            raise ValueError(f"--amp fp16 --opt amp_recipe=engine: DeepSpeed's {accelerator.device_name()} "
+                             "accelerator does not support fp16 weights here (is_fp16_supported() is False); use "
+                             "--amp bf16, or the autocast recipe (--opt amp_recipe=autocast), or a CUDA device")
+
+
+def engine_config(settings: Settings, stage: int, clip: float, module: nn.Module, local_batch: int,
+                  global_batch: int) -> dict:
+    """What `deepspeed.initialize` is handed for this run."""
+    config = {
+        "train_batch_size": global_batch,
+        "train_micro_batch_size_per_gpu": local_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": clip,
+        "zero_optimization": _zero_config(settings, stage),
+        "steps_per_print": 1 << 30,
+        # Its timers are the native communication counter ('bwd_allreduce'); on CUDA they synchronise,
+        # so they run only when the run is instrumented.
+        "wall_clock_breakdown": settings.instrument,
+        **_precision_config(settings, module),
+    }
+    if settings.compression != "none":
+        config["communication_data_type"] = settings.compression
+    return config
+
+
+def _precision_config(settings: Settings, module: nn.Module) -> dict:
+    amp, recipe = settings.amp, settings.options["amp_recipe"]
+    if amp == "none":
+        return {}
+    if recipe == "autocast":
+        return {"torch_autocast": {"enabled": True, "dtype": AMP_NAMES[amp]}}
+    cast_buffers = settings.options["buffer_dtype"] == "amp"
+    batchnorms = [n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if batchnorms and not cast_buffers:
+        # DeepSpeed >= 0.19 casts the parameters only (buffers keep their dtype, for rotary inv_freq and the like),
+        # and torch's batch_norm refuses 16-bit weights with float32 running statistics.
+        raise ValueError(f"--opt amp_recipe=engine with BatchNorm ({', '.join(batchnorms[:3])}"
+                         f"{' ...' if len(batchnorms) > 3 else ''}): DeepSpeed casts the weights to {AMP_NAMES[amp]} "
+                         "and keeps the buffers in float32, which BatchNorm cannot mix; add --opt buffer_dtype=amp "
+                         "(its data_types.buffer_dtype) or use the autocast recipe")
+    types = {"data_types": {"buffer_dtype": amp}} if cast_buffers else {}
+    if amp == "bf16":
+        return {"bf16": {"enabled": True}, **types}
+    # loss_scale 0: dynamic; the initial scale is 2^initial_scale_power (a power of two, checked by the config)
+    return {"fp16": {"enabled": True, "loss_scale": 0,
+                     "initial_scale_power": int(math.log2(settings.loss_scale or 2.0**16))}, **types}
+
+
+def _zero_config(settings: Settings, stage: int) -> dict:
+    config: dict = {"stage": stage}
+    if stage and settings.bucket_mb:
+        elements = int(settings.bucket_mb * 2**20 / 4)  # DeepSpeed sizes its buckets in elements
+        config.update(reduce_bucket_size=elements, allgather_bucket_size=elements)
+    if stage == 3:
+        config["stage3_param_persistence_threshold"] = settings.options["param_persistence_threshold"]
+    return config
+
+
+def clipping_note(settings: Settings, clip: float, stage: int, engine_recipe: bool) -> str:
+    if settings.clip_grad_norm is not None:
+        return (f"deepspeed: gradient_clipping={clip:g} (--clip-grad-norm): the engine clips inside its step; "
+                "the norm it clipped by is engine.get_global_grad_norm()" +
+                (" (at stage 0 with the client optimizer the engine drops the norm its clip_grad_norm_ returns: "
+                 "the adapter keeps it)" if not stage and not engine_recipe else ""))
+    if not clip:
+        return ("deepspeed: gradient_clipping set to 0.0 (DeepSpeed >= 0.19.3 clips at 1.0 by default, which "
+                "changes the update relative to DDP and Horovod)")
+    return f"deepspeed: gradient_clipping={clip:g} (--opt): the update is clipped, unlike DDP's and Horovod's"
+
+
+def stage_note(settings: Settings, stage: int, world_size: int) -> str:
+    held = {1: "the optimizer state and the fp32 parameters", 2: "the optimizer state, the fp32 parameters and the "
+            "reduced gradients", 3: "the optimizer state, the fp32 parameters, the reduced gradients and the "
+            "parameters"}[stage]
+    return (f"deepspeed: ZeRO stage {stage}: each of the {world_size} rank(s) holds a 1/{world_size} partition of "
+            f"{held}; the checks assemble the full gradients, fp32 parameters and optimizer state with DeepSpeed's "
+            "safe_get_full_* accessors"
+            + (" and gather the parameters (zero.GatheredParameters)" if stage == 3 else "")
+            + ("; stages 2 and 3 reduce every micro-batch (no communication-free step for the ablation)"
+               if stage >= 2 else "")
+            + ("; ZeRO-3 allocates its gradient bucket at its full reduce_bucket_size (DeepSpeed's default 5e8 "
+               "elements, 1.9 GiB in float32) whatever the model's size: the census counts it as a comm buffer; "
+               "--bucket-mb sizes it" if stage == 3 and not settings.bucket_mb else ""))
+
+
+def setting_notes(settings: Settings, stage: int, clip: float, engine_recipe: bool, world_size: int,
+                  optimizer_name: str | None) -> list[Note]:
+    """What the engine's settings change, stated for the verdict; `optimizer_name`: the client optimizer's class
+    when ZeRO runs it off its list of tested optimizers."""
+    notes = [Note("deepspeed.gradient_clipping", clipping_note(settings, clip, stage, engine_recipe))]
+    if stage:
+        notes.append(Note("deepspeed.zero_stage", stage_note(settings, stage, world_size)))
+    if stage and not engine_recipe and settings.amp == "fp16":
+        notes.append(Note("deepspeed.zero_autocast_fp16",
+                          f"deepspeed: ZeRO stage {stage} under the torch_autocast section (fp16) tests its "
+                          "partitions for overflow itself and returns before its GradScaler's update(), so the "
+                          "loss scale never comes down after an overflow and every later step is skipped (the "
+                          "verdict says `different`, cause scale_never_lowered, when it happens); the engine "
+                          "recipe (--opt amp_recipe=engine), bf16 or ZeRO stage 0 back off"
+                          + ("; with gradient_clipping its norm is the scaled gradients' (its own loss scale is 1 "
+                             "there, the GradScaler's is not divided out): it reports and clips by the loss scale "
+                             "times the norm (cause grad_norm_scaled)" if clip else "")))
+    if optimizer_name is not None:
+        notes.append(Note("deepspeed.untested_optimizer",
+                          f"deepspeed: {optimizer_name} is not on ZeRO's list of tested optimizers: "
+                          "zero_allow_untested_optimizer is set, and the update check replays its step"))
+    if settings.bucket_mb and not stage:
+        notes.append(Note("knob_not_applicable",
+                          "deepspeed: --bucket-mb does not apply to ZeRO stage 0 (allreduce_bucket_size is a stage "
+                          "1-3 setting); all gradients go in one flattened all-reduce"))
+    return notes
+
+
+def precision_notes(settings: Settings, stage: int, engine_recipe: bool, engine, ds_optimizer,
+                    narrow: list[str]) -> list[Note]:
+    """The precision recipe that runs; `narrow`: the parameters ZeRO reduces in the autocast dtype."""
+    amp = settings.amp
+    if amp == "none":
+        return []
+    if not engine_recipe:
+        scaled = " with the engine's own GradScaler (dynamic loss scale)" if amp == "fp16" else ""
+        wire = (f"; ZeRO stage {stage} reduces the gradients of its lower_precision_safe_modules' parameters "
+                f"(Linear, Conv: {len(narrow)} of {sum(1 for _ in engine.module.parameters())}) in "
+                f"{AMP_NAMES[amp]}, judged with that wire's tolerance" if narrow else "")
+        return [Note("deepspeed.amp_recipe", f"deepspeed: autocast recipe (torch_autocast section, {AMP_NAMES[amp]}): "
+                                             f"float32 weights, the engine's forward under torch.autocast{scaled}"
+                                             f"{wire}")]
+    wire = WIRE_NAMES.get(engine.communication_data_type, "float32")
+    return [Note("deepspeed.amp_recipe",
+                 f"deepspeed: engine recipe ({amp} section): {AMP_NAMES[amp]} weights and gradients, all-reduced in "
+                 f"{wire}; fp32 master weights stepped by the client optimizer inside {type(ds_optimizer).__name__}"
+                 + (", which takes one optimizer step on zero gradients when it is built "
+                    "(initialize_optimizer_states)" if not stage else
+                    f", partitioned across the ranks (ZeRO stage {stage})")
+                 + ("; dynamic loss scale" if amp == "fp16" else ""))]

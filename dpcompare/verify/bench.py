@@ -1,0 +1,73 @@
+"""The verifier's instruments for one run, built once from its context and shared by its checks.
+
+Owns: `Bench`: the float64 oracle and the run-precision copies (dpcompare.verify.equivalence), the forwards they run
+(dpcompare.verify.forwards, dpcompare.verify.split), the run-precision reference (dpcompare.verify.run_reference),
+the reference trajectory trained beside the run (dpcompare.verify.trajectory), the backend as the checks read it
+(its loss scaler, its optimizer's hyper-parameters), and the `Verdict` every check records into; the state a step's
+forward ran from, rebuilt from what the ranks read. Imports no adapter: the backend is read through the contract.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dpcompare.contract import Adapter, Wrapped
+from dpcompare.verify import equivalence as eq
+from dpcompare.verify import masks as mk
+from dpcompare.verify.context import CheckContext, Finding
+from dpcompare.verify.forwards import Forwards
+from dpcompare.verify.run_reference import RunReference
+from dpcompare.verify.split import SplitCheck
+from dpcompare.verify.trajectory import Trajectory
+
+
+class Bench:
+    """Rank 0's copies of the model and what computes with them, for the run `ctx` describes."""
+
+    def __init__(self, ctx: CheckContext, *, template: nn.Module, loss_fn: Callable, wrapped: Wrapped,
+                 backend: Adapter) -> None:
+        settings = ctx.settings
+        self.backend, self.module = backend, wrapped.module
+        self.oracle = eq.Oracle(template, loss_fn, settings.dtype, ctx.device, ctx.recipe)
+        self.trajectory = Trajectory(template, loss_fn, ctx.factory, settings.dtype, ctx.device, ctx.depth, ctx.u_wire,
+                                     ctx.recipe, prestep=ctx.prestep is not None, clip=settings.clip_grad_norm)
+        self.verdict = eq.Verdict(notes=list(wrapped.notes))
+        # BatchNorm without --sync-bn: the oracle runs each replica's forwards, as the backend does (as it does where
+        # the forward depends on the split, which dpcompare.verify.split finds at the first checked step).
+        per_replica = ctx.has_batchnorm and not settings.sync_bn and ctx.layout.splits_the_batch
+        self.forwards = Forwards(ctx.layout, self.oracle, batchnorms=list(ctx.batchnorms), per_replica=per_replica,
+                                 stochastic=ctx.facts.stochastic, dtype=settings.dtype, depth=ctx.depth,
+                                 verdict=self.verdict)
+        self.split = SplitCheck(self.oracle, self.forwards, depth=ctx.depth, verdict=self.verdict,
+                                applies=ctx.layout.splits_the_batch and not ctx.has_batchnorm)
+        self.reference = RunReference(self.oracle, ctx.layout, dtype=settings.dtype, world_size=ctx.world_size,
+                                      wire=ctx.wire, has_batchnorm=ctx.has_batchnorm, sync_bn=settings.sync_bn,
+                                      verdict=self.verdict, split=self.split, compiled=settings.compile)
+        self.optimizer = backend.optimizer_view()[0]
+        """The torch optimizer behind the backend's: its hyper-parameters (its state comes with each step's Reads)."""
+        named = {id(p): n for n, p in reversed(list(template.named_parameters()))}
+        self.state_keys = {k: named[id(t)] for k, t in template.state_dict(keep_vars=True).items() if id(t) in named}
+        """State-dict key -> the parameter it holds, by name: a tied weight (an LM head sharing the embedding) has
+        several keys and one name."""
+
+    def run_state(self, masters: dict[str, torch.Tensor], before: dict) -> dict:
+        """The state the step's forward ran from: the parameters the optimizer holds (`masters`: fp32 master values
+        where the backend keeps them apart) and the module buffers as they were before the forward (`before`)."""
+        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        for key, name in self.state_keys.items():  # a tied weight is in the state dict under each of its names
+            if name in masters:
+                state[key] = masters[name].detach().clone()
+        # The forward ran from the buffers before it (it has updated them since): the oracle starts there too.
+        state.update({k: v for k, v in before.items() if k in state})
+        return state
+
+    def mask_failure(self, step: int, exc: mk.MaskMismatch) -> Finding:
+        """The draws of `step` cannot be replayed: nothing random can be checked from here on."""
+        self.verdict.stochastic["captured"] = False
+        self.verdict.stochastic["reason"] = f"{exc.module}: {exc}"
+        return Finding(unverifiable=f"the random numbers drawn in {exc.module or 'the model itself'} could not be "
+                                    f"replayed at step {step} ({exc.reason}): the oracle would measure randomness, not "
+                                    "rounding; rerun with --no-dropout", stop=True)

@@ -1,0 +1,67 @@
+"""The verifier's checks, one module each, and the list they run in.
+
+Owns: the `Check` protocol (the one interface of a check) and `CHECKS`, every check of a run in the order it runs at its
+point of a step (dpcompare.verify.context.Point). At `reduced` (after the reduce): the ranks' generators, the loss
+scaler's overflow, the gradient, the buffers; at `updated` (after the optimizer step): the total norm clipped by, the
+loss scaler's skip, the update, the power of the step, the trajectory. The order is the verdict's: of two failed checks
+at one step, the one listed first is the run's first divergence. A new check is a module here with a class that follows
+`Check`, and one entry below (docs/extending.md#a-check-of-your-own). Imports no adapter.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Protocol
+
+from dpcompare.verify.bench import Bench
+from dpcompare.verify.checks.buffers import Buffers
+from dpcompare.verify.checks.generators import Generators
+from dpcompare.verify.checks.grad_norm import GradNorm
+from dpcompare.verify.checks.gradient import Gradient
+from dpcompare.verify.checks.loss_scale import OverflowSeen, SkipJudged
+from dpcompare.verify.checks.power import Power
+from dpcompare.verify.checks.trajectory import Trajectory
+from dpcompare.verify.checks.update import Update
+from dpcompare.verify.context import CheckContext, Finding, Point
+from dpcompare.verify.step_evidence import StepEvidence
+
+
+class Check(Protocol):
+    """One check of dpcompare.verify.checks.CHECKS: built once per run where it `applies`, handed the evidence of every
+    step at its point (`at`), in the list's order. It keeps its records in `bench.verdict` (what it measured, its notes)
+    and returns what it concluded; the verifier records the findings in the order the checks run, so of two failures at
+    one step the earlier check's is the run's first divergence."""
+
+    name: ClassVar[str]
+    """What it checks (a failure's Divergence.check)."""
+    at: ClassVar[Point]
+    reads_oracle: ClassVar[bool]
+    """It runs at checked steps only, after the oracle computed the step (StepEvidence.oracle is set)."""
+    after_stop: ClassVar[bool]
+    """It runs even after a finding stopped the checks that use rank 0's copies (it reads only what the ranks sent)."""
+
+    @classmethod
+    def applies(cls, ctx: CheckContext) -> bool:
+        """Whether this run has this check at all (the grad_norm check: only under --clip-grad-norm)."""
+        ...
+
+    def __init__(self, ctx: CheckContext, bench: Bench) -> None: ...
+
+    def judge(self, ctx: CheckContext, step: StepEvidence) -> Finding | None: ...
+
+
+
+CHECKS = (
+    # after the reduce, before the optimizer step
+    Generators,
+    OverflowSeen,
+    Gradient,
+    Buffers,
+    # after the optimizer step
+    GradNorm,
+    SkipJudged,
+    Update,
+    Power,
+    Trajectory,
+)
+
+__all__ = ["CHECKS", "Check"]

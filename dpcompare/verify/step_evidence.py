@@ -1,0 +1,174 @@
+"""What a check is handed at a step, and what the oracle computes at a checked step, once, for every check of it.
+
+Owns: `StepEvidence` (what every rank sent and read at one point of a step, and the oracle's side of it), `OracleStep`
+and `compute`: the state the step's forward ran from (the values the optimizer holds, the buffers before the forward),
+the forwards the oracle runs with the draws the ranks recorded (dpcompare.verify.forwards, the split settled by
+dpcompare.verify.split), the float64 oracle's gradient, the run-precision reference and its regrouped twin
+(dpcompare.verify.run_reference), whether the loss scale overflows there, and the snapshot the step's update check
+starts from (`Pending`); after the step's checks, the notes on those forwards (`note_forwards`). Where the step cannot
+be computed it says why, as a `Finding`: draws that cannot be replayed, or a training that diverged numerically.
+Everything runs on generators forked from the run's. Imports no adapter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from dpcompare.contract.amp import ScalerState
+from dpcompare.contract.optim_state import read_hparams
+from dpcompare.verify import masks as mk
+from dpcompare.verify import stochastic
+from dpcompare.verify.bench import Bench
+from dpcompare.verify.context import CheckContext, Finding, Point
+from dpcompare.verify.equivalence import Grads, Masks, Piece, replica_pieces
+from dpcompare.verify.masks import MaskRecord
+from dpcompare.verify.precision import ScaleStep
+from dpcompare.verify.reads import Pending, Reads
+from dpcompare.verify.tolerance import flat, rel_fro
+
+
+@dataclass(slots=True)
+class OracleStep:
+    """The oracle's side of one checked step."""
+
+    state: dict
+    """The run's state the forward ran from, loaded into every copy."""
+    pieces: list[Piece]
+    """The forwards the oracle ran, with the ranks' draws."""
+    forward_masks: list[Masks] | None
+    """Each forward of the layout's draws (None: the forward draws no random numbers)."""
+    grads: Grads
+    """The backend's reduced gradient, float64 on the CPU (zeros where it gave none)."""
+    oracle: Grads
+    """The float64 oracle's gradient."""
+    floor: Grads
+    """The run-precision reference's gradient: what the backend is judged against."""
+    spread: Grads
+    """Its regrouped twin: the floor is their distance."""
+    wire: torch.dtype | None
+    """The wire the reference sent the ranks' shares through (None: its rounding is bounded instead)."""
+    none: frozenset[str]
+    """The parameters a single process gives no gradient."""
+    scaler: ScalerState | None
+    """The loss scaler at the step's backward (None: the loss is not scaled)."""
+    scale_step: ScaleStep | None
+    """The loss scaler's record of this step (None: the loss is not scaled)."""
+    overflow: bool
+    """The recipe overflows at this step's loss scale: the backend must skip the step, nothing else is judged."""
+    pending: Pending
+    """What the step's update check starts from."""
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def local(self, bench: Bench, batch: Any, layout) -> Callable[[], list[Grads]]:
+        """Each rank's local (unreduced) gradient, on demand: for a diagnosis that holds a figure against it."""
+        return lambda: [bench.oracle.floor_of(self.state, replica_pieces(batch, layout, self.forward_masks, ranks=[r]),
+                                              self.loss_scale) for r in range(layout.world_size)]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepEvidence:
+    """What the checks are handed at one point of one step (`at`)."""
+
+    step: int
+    at: Point
+    checked: bool
+    """A checked step (--check-every): the ranks sent their reads, and the oracle ran."""
+    batch: Any
+    """The step's global batch (inputs, targets)."""
+    ranks: list[dict]
+    """What each rank sent, in rank order (dpcompare.run.verification): its generator's digest and draws at every step
+    of a random forward; at a checked step its shard's and reduced gradients' digests, norms and buffers too."""
+    records: list[MaskRecord] | None
+    """Each rank's recorded draws (None: the forward draws no random numbers)."""
+    masters: dict[str, torch.Tensor]
+    """The values the optimizer steps, full, as last read on every rank: before the step at `reduced`, after it at
+    `updated`."""
+    scaler_before: ScalerState | None
+    """The loss scaler as the step's backward used it (None: the loss is not scaled)."""
+    reads: Reads | None = None
+    """At a checked step: what every rank read after the reduce."""
+    oracle: OracleStep | None = None
+    """At a checked step: what the oracle computed (None: unchecked, or it could not be computed)."""
+    reported_norm: float | None = None
+    """At `updated` under --clip-grad-norm: the total norm the backend reports clipping by."""
+
+
+def compute(ctx: CheckContext, bench: Bench, step: StepEvidence) -> OracleStep | Finding:
+    """The oracle's side of the checked step `step`, or the finding that it cannot be computed."""
+    records = step.records
+    try:
+        pieces = bench.forwards.pieces(step.batch, records)
+        forward_masks = bench.forwards.masks(step.batch[0].shape[0], records) if records is not None else None
+    except mk.MaskMismatch as exc:
+        return bench.mask_failure(step.step, exc)
+    if records is not None:
+        bench.verdict.stochastic["capture_bytes_per_step"] = max(r.nbytes for r in records)
+    scaler = bench.backend.scaler_state()
+    loss_scale = scaler.scale if scaler is not None else 1.0
+    with stochastic.isolated(ctx.device):
+        state = bench.run_state(step.masters, step.ranks[0]["buffers"]["before"])
+        reduced = step.reads.grads
+        grads = {n: (reduced[n] if reduced.get(n) is not None else torch.zeros_like(step.masters[n])
+                     ).detach().double().cpu() for n in ctx.names}
+        try:
+            pieces, oracle, none, floor, spread, wire = _gradients(bench, step, state, records, forward_masks, pieces,
+                                                                   loss_scale)
+        except mk.MaskMismatch as exc:
+            return bench.mask_failure(step.step, exc)
+    # A run whose single process overflows too has diverged: that is no backend difference. Under a loss scale, the
+    # recipe's overflow is the scaler's to handle: the step must be skipped.
+    overflow = not _finite(floor)
+    for what, g, diverged in (("float64 oracle's gradient", oracle, True),
+                              (f"{ctx.floor_name} single-process gradient", floor, scaler is None)):
+        if diverged and not _finite(g):
+            return Finding(unverifiable=f"the training diverged numerically at step {step.step}: the {what} is not "
+                                        "finite at the run's parameters (the loss or the parameters overflowed), so "
+                                        "nothing from there on can be compared; lower --lr", stop=True)
+    scale_step = None
+    if scaler is not None:
+        scale_step = ScaleStep(step.step, loss_scale, overflow, not _finite(grads))
+        bench.verdict.precision.steps.append(scale_step)
+    if not _finite(spread):
+        spread = floor  # the regrouped sum overflows where the ranks' does not: no measured spread
+    pending = Pending(
+        step.step, {n: step.masters[n].detach().double().cpu().clone() for n in ctx.names},
+        {n: (None if reduced.get(n) is None else grads[n]) for n in ctx.names}, none,
+        step.reads.state, read_hparams(bench.optimizer) if bench.optimizer is not None else [],
+        scale_step, scaler.skipped_steps if scaler is not None else 0)
+    return OracleStep(state, pieces, forward_masks, grads, oracle, floor, spread, wire, none, scaler, scale_step,
+                      overflow, pending)
+
+
+def note_forwards(ctx: CheckContext, bench: Bench, step: StepEvidence) -> None:
+    """After the checks of a compared step (not one whose loss scale overflowed): the notes on the forwards the oracle
+    ran, measured at the first such step: per-replica BatchNorm's and a split-dependent forward's distance from the
+    global batch, in floors of the gradient check."""
+    o, names = step.oracle, list(ctx.names)
+    bench.forwards.note_per_replica(step.step, o.state, step.batch, o.oracle, o.floor, o.pieces)
+    bench.split.note(max(rel_fro(flat(o.floor, names), flat(o.oracle, names)), ctx.floor_min))
+
+
+def _gradients(bench: Bench, step: StepEvidence, state: dict, records, forward_masks, pieces: list[Piece],
+               loss_scale: float) -> tuple[list[Piece], Grads, frozenset[str], Grads, Grads, torch.dtype | None]:
+    """The oracle's and the reference's gradients of the step, the split settled (and reconsidered where the reference
+    moved away from the oracle since); raises MaskMismatch where the draws do not fit the forwards."""
+    split, batch = bench.split, step.batch
+    pieces, oracle = split.settle(step.step, state, batch, records, forward_masks, pieces,
+                                  bench.oracle.oracle_of(state, pieces))
+    none = bench.oracle.none
+    floor, spread, wire = bench.reference.measure(state, batch, pieces, forward_masks, loss_scale)
+    if (now := split.reconsider(step.step, state, batch, records, forward_masks, pieces, oracle, floor)):
+        pieces, oracle = now  # the split changes the gradient here, not at the first step: as the ranks ran
+        none = bench.oracle.none
+        floor, spread, wire = bench.reference.measure(state, batch, pieces, forward_masks, loss_scale)
+    return pieces, oracle, none, floor, spread, wire
+
+
+def _finite(grads: Grads) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in grads.values())
