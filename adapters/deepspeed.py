@@ -42,9 +42,10 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-from dpcompare import (DIST_BACKEND, Adapter, Capabilities, CommCounter, CommCounts, Note, Option, ProcessGroupMixin,
+from dpcompare import (AMP_NAMES, DIST_BACKEND, Adapter, Capabilities, CommCounter, CommCounts, Note, Option, ProcessGroupMixin,
                        ScalerState, Wrapped, ensure_rendezvous)
 
+from .deepspeed_autocast import GatherWatch, narrow_parameters
 from .deepspeed_config import WIRE_NAMES, check_precision, engine_config, precision_notes, setting_notes
 from .deepspeed_host import remove_shm_segment, stale_build_lock
 from .deepspeed_state import ZeroStateReader
@@ -165,6 +166,9 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
         notes += precision_notes(self.settings, self.stage, self._engine_recipe, engine, ds_optimizer,
                                  self._autocast_wire_params(engine.module))
         self.wrapped = Wrapped(engine, module, ds_optimizer, notes)
+        narrow = self._autocast_wire_params(engine.module) if self.stage == 3 else []
+        amp_dtype = getattr(torch, AMP_NAMES.get(self.settings.amp, "float32"))
+        self._gather_watch = GatherWatch(engine.module, narrow, amp_dtype) if narrow else None
         return self.wrapped
 
     def compile(self) -> None:
@@ -277,9 +281,18 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
         when the gradients travel in their own dtype (stage 0, no autocast, or a --compression the user chose)."""
         if self.settings.amp == "none" or self._engine_recipe or not self.stage or self.settings.compression != "none":
             return []
-        from deepspeed.runtime.torch_autocast import get_comm_dtype
+        return narrow_parameters(module)
 
-        return [n for n, p in module.named_parameters() if get_comm_dtype(p) in WIRE_NAMES]
+    def gradient_wire_parameters(self) -> frozenset[str] | None:
+        narrow = self._autocast_wire_params(self.wrapped.module)
+        return frozenset(narrow) if narrow else None
+
+    def wraps_module_boundaries(self) -> bool:
+        return self.stage == 3  # parameter_offload's PreBackwardFunctionForModule / PostBackwardFunctionModule
+
+    def gathered_parameters(self) -> frozenset[str]:
+        watch = getattr(self, "_gather_watch", None)
+        return watch.rounded() if watch is not None else frozenset()
 
     def optimizer_prestep(self) -> str | None:
         if getattr(self, "_engine_recipe", False) and not self.stage:

@@ -16,6 +16,8 @@ from torch import nn
 
 from dpcompare import AMP_NAMES, Note, Settings
 
+from .deepspeed_autocast import gathered_note
+
 WIRE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -152,6 +154,8 @@ def precision_notes(settings: Settings, stage: int, engine_recipe: bool, engine,
         wire = (f"; ZeRO stage {stage} reduces the gradients of its lower_precision_safe_modules' parameters "
                 f"(Linear, Conv: {len(narrow)} of {sum(1 for _ in engine.module.parameters())}) in "
                 f"{AMP_NAMES[amp]}, judged with that wire's tolerance" if narrow else "")
+        if narrow and stage == 3:
+            wire += gathered_note(engine.module, set(narrow), AMP_NAMES[amp])
         return [Note("deepspeed.amp_recipe", f"deepspeed: autocast recipe (torch_autocast section, {AMP_NAMES[amp]}): "
                                              f"float32 weights, the engine's forward under torch.autocast{scaled}"
                                              f"{wire}")]

@@ -382,6 +382,38 @@ class StaleGatherZeRO(DeepSpeedAdapter):
                     p.copy_(old)
 
 
+class NarrowNormsZeRO(DeepSpeedAdapter):
+    """DeepSpeed ZeRO-3 under its torch_autocast section (give --opt zero_stage=3 --amp bf16) configured to treat
+    LayerNorm as lower-precision safe too, while declaring the default list: its LayerNorm parameters are all-gathered
+    and their gradients reduced in bf16, where the run says they stay float32."""
+
+    name = "narrow-norms-zero"
+
+    def wrap(self, module, optimizer, local_batch, global_batch):
+        import dpcompare.adapters.deepspeed as ds
+
+        built = ds.engine_config
+
+        def with_norms(*args, **kwargs):
+            config = built(*args, **kwargs)
+            if "torch_autocast" in config:
+                from deepspeed.runtime.torch_autocast import get_default_autocast_lower_precision_modules
+
+                config["torch_autocast"]["lower_precision_safe_modules"] = [
+                    *get_default_autocast_lower_precision_modules(), "torch.nn.LayerNorm"]
+            return config
+
+        ds.engine_config = with_norms
+        try:
+            return super().wrap(module, optimizer, local_batch, global_batch)
+        finally:
+            ds.engine_config = built
+
+    def _autocast_wire_params(self, module):
+        return [n for n in super()._autocast_wire_params(module)
+                if not isinstance(module.get_submodule(n.rpartition(".")[0]), torch.nn.LayerNorm)]
+
+
 from dpcompare.adapters.fsdp import FSDPAdapter  # noqa: E402 - the FSDP twins below
 
 

@@ -23,7 +23,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 
 BACKENDS = {"ddp": ("ddp", []), "fsdp": ("fsdp", []), "zero3": ("deepspeed", ["--opt", "zero_stage=3"])}
 PRECISIONS = {"float32": [], "bf16": ["--amp", "bf16"]}
-SLOW = {("bert", "fsdp", "float32"), ("gemma2", "zero3", "float32"), ("bloom", "ddp", "bf16")}
+SLOW = {("bert", "fsdp", "float32"), ("gemma2", "zero3", "float32"), ("bloom", "ddp", "bf16"), ("opt", "zero3", "bf16")}
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,104 @@ def test_grad_scaling_counts_a_skip_only_when_the_scale_backs_off() -> None:
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "a skipped step moved the weights"
 
 
+# -- weights gathered in the amp dtype (DeepSpeed ZeRO-3 under torch_autocast) -----------------------------------
+class _TiedEmbedding(nn.Module):
+    """A head tied to an embedding: autocast narrows the head's matmul, never the embedding's lookup."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(x))).float().mean(dim=1)
+
+
+def _tied_grads(gathered: frozenset[str], rounded_by_hand: bool = False) -> eq.Grads:
+    torch.manual_seed(0)
+    model = _TiedEmbedding()
+    if rounded_by_hand:
+        with torch.no_grad():
+            model.embed.weight.copy_(model.embed.weight.bfloat16().float())
+    x, y = torch.randint(0, 11, (6, 5)), torch.randn(6, 11)
+    pieces = eq.global_pieces((x, y))
+    return eq.accumulate_gradient(model, nn.functional.mse_loss, pieces, CPU,
+                                  recipe=Recipe("autocast", "bf16", "cpu", lambda: gathered))[0]
+
+
+def test_gathered_parameters_are_rounded_in_every_op_for_the_forward_only() -> None:
+    """The recipe's forward sees a gathered parameter rounded to bf16 in every op (the embedding lookup too), as if
+    it were stored rounded; after the forward and backward the parameter holds its own float32 values again."""
+    torch.manual_seed(0)
+    probe = _TiedEmbedding()
+    kept = probe.embed.weight.detach().clone()
+    with Recipe("autocast", "bf16", "cpu", lambda: frozenset({"embed.weight"})).gathering(probe):
+        assert torch.equal(probe.embed.weight, kept.bfloat16().float())
+    assert torch.equal(probe.embed.weight, kept), "the parameter's own values were not restored"
+    gathered = _tied_grads(frozenset({"embed.weight"}))
+    by_hand = _tied_grads(frozenset(), rounded_by_hand=True)
+    plain = _tied_grads(frozenset())
+    assert torch.equal(gathered["embed.weight"], by_hand["embed.weight"])
+    # the negative: without the rounding the lookup computes on float32 values, a different gradient
+    assert eq.rel_fro(gathered["embed.weight"], plain["embed.weight"], 0.0) > 1e-4
+
+
+def test_a_partial_wire_rounds_only_the_parameters_it_carries() -> None:
+    """DeepSpeed ZeRO under torch_autocast reduces Linear and Conv gradients in bf16 and the others in float32: the
+    reference sends only the declared ones through the wire; the others match the reference without a wire."""
+    w, (x, y) = _mlp_batch()
+    oracle = eq.Oracle(w.model, w.loss_fn, "float32", CPU, Recipe("autocast", "bf16"))
+    state = {k: v.double() if v.is_floating_point() else v for k, v in w.model.state_dict().items()}
+    pieces = [eq.Piece(x[r::2], y[r::2], 0.5, rank=r) for r in range(2)]
+    names = oracle.names
+    wired = frozenset(names[:1])
+    unsent: eq.Grads = {}
+    partial = oracle.wire_floor_of(state, pieces, torch.bfloat16, wired=wired, unsent=unsent)
+    full = oracle.wire_floor_of(state, pieces, torch.bfloat16)
+    for n in names:
+        holds_bf16 = torch.equal(partial[n], partial[n].bfloat16().double())
+        assert holds_bf16 == (n in wired), f"{n}: only a wired sum holds bf16 values"
+        if n not in wired:
+            assert eq.rel_fro(partial[n], unsent[n], 0.0) < 1e-6, n  # float32's rounding only
+            assert eq.rel_fro(full[n], unsent[n], 0.0) > 1e-4, n  # the negative: the full wire rounds it
+
+
+def test_module_boundaries_change_the_graph_not_the_values() -> None:
+    """ZeRO-3's hooks pass every module's inputs and outputs through an identity autograd function; the reference's
+    boundaries do the same: the same loss, a boundary node in the graph at every module, every parameter's gradient a
+    gradient of the same function (float64: equal to rounding), and the hooks gone afterwards."""
+    from dpcompare.verify.boundaries import module_boundaries
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)  # so the first module's input is in the graph too
+    plain = model(x).square().sum()
+    grads = torch.autograd.grad(plain, list(model.parameters()))
+    with module_boundaries(model):
+        bounded = model(x).square().sum()
+        assert _graph_names(bounded).count("_BoundaryBackward") == 2 * len(list(model.modules()))
+        again = torch.autograd.grad(bounded, list(model.parameters()))
+    assert float(plain.detach()) == float(bounded.detach())
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(grads, again))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()), "hooks left behind"
+    # the negative: switched off, no boundary is drawn
+    with module_boundaries(model, enabled=False):
+        assert "_BoundaryBackward" not in _graph_names(model(x).sum())
+
+
+def _graph_names(t: torch.Tensor) -> str:
+    seen, names, stack = set(), [], [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack += [n for n, _ in node.next_functions]
+    return " ".join(names)
+
+
 # -- the recipe's floor -------------------------------------------------------------------------------------
 def _mlp_batch():
     w = workloads.mlp(1234)

@@ -15,7 +15,9 @@ Checks, against what each part must produce:
 
 Tiers: the default tier runs ZeRO-3 with gradient accumulation on the tied-head LM, both planted faults and the
 refusal; the `slow` tier runs every stage x {1, 2} micro-batches on the mlp, the unused-parameter cases, gpt-tiny
-(dropout masks captured) under ZeRO-3, and bf16 under ZeRO-2 (engine) and ZeRO-3 (autocast).
+(dropout masks captured) under ZeRO-3, bf16 under ZeRO-2 (engine) and ZeRO-3 (autocast: its Linear weights
+gathered and their gradients reduced in bf16, the reference rounding the same ones), and that ZeRO-3 with LayerNorm
+undeclared on its bf16 list (different).
 """
 
 from __future__ import annotations
@@ -209,11 +211,24 @@ def test_zero_with_weight_decay_moves_unused_parameters_and_is_different(launch,
     ("gpt-tiny", 3, []),
     ("mlp", 2, ["--amp", "bf16", "--opt", "amp_recipe=engine"]),
     ("mlp", 3, ["--amp", "bf16"]),
+    ("gpt-tiny", 3, ["--amp", "bf16"]),
 ])
 def test_zero_breadth(launch, backend, model, stage, extra) -> None:
     proc, result = launch(backend, 2, model, [*STEPS, *ZERO[stage], *extra])
     _equivalent(proc, result, stage)
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+def test_zero3_under_bf16_autocast_with_undeclared_narrow_norms_is_different(launch, backend) -> None:
+    """ZeRO-3 under torch_autocast gathers and reduces its lower_precision_safe_modules' parameters in bf16, which
+    the reference reproduces for the parameters the adapter declares: the same run treating LayerNorm as safe too,
+    undeclared, is `different` on the LayerNorm parameters (the declared run is equivalent: test_zero_breadth)."""
+    proc, result = launch("tests.faulty_adapters:NarrowNormsZeRO", 2, "gpt-tiny", [*STEPS, *ZERO[3], "--amp", "bf16"])
+    assert proc.returncode == 0, proc.output[-3000:]
+    d = result["equivalence"]["first_divergence"]
+    assert result["equivalence"]["verdict"] == "different" and d["step"] == 0 and d["check"] == "gradient", d
+    assert d["parameters"] and all(".ln_" in p or p.startswith("ln_f") for p in d["parameters"]), d
 
 
 def test_an_update_with_rows_that_did_not_move_is_an_unapplied_shard() -> None:

@@ -286,6 +286,22 @@ class Adapter:
         (the --compression given, or what the backend's precision recipe sends)."""
         return self.settings.compression
 
+    def gradient_wire_parameters(self) -> frozenset[str] | None:
+        """The parameters whose gradients travel in gradient_wire()'s dtype where only some do (DeepSpeed ZeRO under
+        its torch_autocast section: its lower_precision_safe_modules' parameters); None: all of them."""
+        return None
+
+    def gathered_parameters(self) -> frozenset[str]:
+        """The parameters the backend's latest forward saw gathered in the --amp dtype, so that every op of it saw them
+        rounded (DeepSpeed ZeRO-3 under its torch_autocast section); empty: it saw them as stored."""
+        return frozenset()
+
+    def wraps_module_boundaries(self) -> bool:
+        """Whether the backend's hooks pass every module's inputs and outputs through autograd functions (DeepSpeed
+        ZeRO-3's parameter fetch and release), which sums a rank's gradients in another order than a plain model: the
+        run-precision reference then draws the same boundaries (dpcompare.verify.boundaries)."""
+        return False
+
     def optimizer_prestep(self) -> str | None:
         """A phrase naming the optimizer step(s) this backend takes on zero gradients before the first training step
         by design (DeepSpeed's fp16/bf16 optimizer wrappers do it when they are built), or None. The verifier then

@@ -187,8 +187,9 @@ def check_context(cfg: RunConfig, adapter: Adapter, template: torch.nn.Module, d
         names=tuple(n for n, p in named if p.requires_grad and n not in unchecked),
         all_names=tuple(n for n, _ in named), factory=optimizer_factory(cfg), device=device,
         layout=eq.Layout(world_size, cfg.grad_accum, adapter.replicas_per_process()), facts=adapter.model_facts,
-        batchnorms=batchnorms, oracle_coverage=coverage, recipe=Recipe(adapter.amp_recipe(), cfg.amp, device.type),
-        wire=adapter.gradient_wire(), prestep=adapter.optimizer_prestep(),
+        batchnorms=batchnorms, oracle_coverage=coverage, recipe=Recipe(adapter.amp_recipe(), cfg.amp, device.type, adapter.gathered_parameters,
+                                                                 adapter.wraps_module_boundaries()),
+        wire=adapter.gradient_wire(), wired=adapter.gradient_wire_parameters(), prestep=adapter.optimizer_prestep(),
         shards=getattr(adapter.capabilities, "shards", "none"), replay_reason=adapter.rng_replay_reason())
 
 

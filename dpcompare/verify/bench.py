@@ -44,7 +44,7 @@ class Bench:
         self.split = SplitCheck(self.oracle, self.forwards, depth=ctx.depth, verdict=self.verdict,
                                 applies=ctx.layout.splits_the_batch and not ctx.has_batchnorm)
         self.reference = RunReference(self.oracle, ctx.layout, dtype=settings.dtype, world_size=ctx.world_size,
-                                      wire=ctx.wire, has_batchnorm=ctx.has_batchnorm, sync_bn=settings.sync_bn,
+                                      wire=ctx.wire, wired=ctx.wired, has_batchnorm=ctx.has_batchnorm, sync_bn=settings.sync_bn,
                                       verdict=self.verdict, split=self.split, compiled=settings.compile)
         self.optimizer = backend.optimizer_view()[0]
         """The torch optimizer behind the backend's: its hyper-parameters (its state comes with each step's Reads)."""

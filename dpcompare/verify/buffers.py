@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dpcompare.verify.boundaries import module_boundaries
 from dpcompare.verify.equivalence import TOLERANCE_FACTOR, UNIT_ROUNDOFF, Divergence, Layout, Masks, Oracle, Piece
 from dpcompare.verify.dtypes import as_input, is_float, state_distance
 from dpcompare.verify.masks import MaskReplayer, combine
@@ -102,8 +103,12 @@ class BufferCheck:
                 for _ in range(times):
                     x = as_input(piece.x, model, self.oracle.device)
                     # the run-dtype prediction computes as the run does: under its autocast, if it has one
-                    recipe = self.oracle.recipe.autocast() if model is self.oracle.model_run else contextlib.nullcontext()
-                    with replayer.applying(piece.masks) if piece.masks else contextlib.nullcontext(), recipe:
+                    run = model is self.oracle.model_run
+                    recipe = self.oracle.recipe.autocast() if run else contextlib.nullcontext()
+                    gathered = self.oracle.recipe.gathering(model) if run else contextlib.nullcontext()
+                    bounded = module_boundaries(model, run and self.oracle.recipe.module_boundaries)
+                    with replayer.applying(piece.masks) if piece.masks else contextlib.nullcontext(), recipe, gathered, \
+                            bounded:
                         model(x)
             return snapshot(model)
 

@@ -78,6 +78,8 @@ class CheckContext:
     """The mixed-precision recipe that runs, as the reference recomputes it."""
     wire: str = "none"
     """The gradients' dtype on the wire: --compression, or what the backend's precision recipe sends."""
+    wired: frozenset[str] | None = None
+    """The parameters whose gradients travel on that wire where only some do (None: all of them)."""
     prestep: str | None = None
     """The optimizer step the backend's recipe takes on zero gradients before step 0 by design (None: none)."""
     shards: str = "none"

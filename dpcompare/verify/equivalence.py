@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dpcompare.contract.compiling import compile_forward
+from dpcompare.verify.boundaries import module_boundaries
 from dpcompare.verify import float64_paths
 from dpcompare.verify.dtypes import as_input, float_dtype
 from dpcompare.verify.masks import MaskReplayer
@@ -164,22 +165,28 @@ def accumulate_gradient(model: nn.Module, loss_fn: Callable, pieces: list[Piece]
     ranks = (ranks or len({p.rank for p in pieces})) if recipe.active else 1
     model.train()
     model.zero_grad(set_to_none=True)
-    for piece in pieces:
-        x = as_input(piece.x, model, device)
-        in_graph = piece.weight * ranks * loss_scale
-        # backward inside: a model that recomputes activations draws again there, and takes the same numbers
-        with replayer.applying(piece.masks) if replayer is not None else contextlib.nullcontext():
-            with recipe.autocast():
-                loss = loss_fn(model(x), piece.y.to(device))
-            if in_graph != 1.0:
-                # the product in at least float32, as loss scalers take it (a 16-bit loss times 2^16 would overflow)
-                loss = loss.to(torch.promote_types(loss.dtype, torch.float32)) * in_graph
-            loss.backward()
+    with recipe.gathering(model), module_boundaries(model, recipe.module_boundaries):
+        for piece in pieces:
+            _accumulate_piece(model, loss_fn, piece, device, replayer, recipe, piece.weight * ranks * loss_scale)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     none = frozenset(n for n, p in named if p.grad is None)
     undo = 1.0 / (ranks * loss_scale)
     grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().cpu() for n, p in named}
     return ({n: g * undo for n, g in grads.items()} if undo != 1.0 else grads), none
+
+
+def _accumulate_piece(model: nn.Module, loss_fn: Callable, piece: Piece, device: torch.device,
+                      replayer: MaskReplayer | None, recipe: Recipe, in_graph: float) -> None:
+    """One piece's backward into the model's gradients, its loss multiplied in the graph by `in_graph`."""
+    x = as_input(piece.x, model, device)
+    # backward inside: a model that recomputes activations draws again there, and takes the same numbers
+    with replayer.applying(piece.masks) if replayer is not None else contextlib.nullcontext():
+        with recipe.autocast():
+            loss = loss_fn(model(x), piece.y.to(device))
+        if in_graph != 1.0:
+            # the product in at least float32, as loss scalers take it (a 16-bit loss times 2^16 would overflow)
+            loss = loss.to(torch.promote_types(loss.dtype, torch.float32)) * in_graph
+        loss.backward()
 
 
 RECOMPUTE_ATTRIBUTE = "recompute_activations"
@@ -259,7 +266,8 @@ class Oracle:
         return self._grad(self.model_run, self.replay_run, state, pieces, self.recipe, loss_scale)[0]
 
     def wire_floor_of(self, state: dict, pieces: list[Piece], wire: torch.dtype, loss_scale: float = 1.0, *,
-                      regrouped: bool = False, unsent: Grads | None = None) -> Grads:
+                      regrouped: bool = False, unsent: Grads | None = None,
+                      wired: frozenset[str] | None = None) -> Grads:
         """The run's own recipe on one process with the ranks' shares of the mean sent through a `wire` narrower than
         the gradients, as the backend sends them: cast to the wire dtype at the loss scale they travel at.
 
@@ -269,9 +277,14 @@ class Oracle:
         every micro-batch), the ranks in reverse order, summed exactly and rounded once (a reduction in wider
         arithmetic), the micro-batches then accumulated in the gradients' dtype. Every piece's gradient is
         recomputed, so a nondeterministic kernel shows in the floor too. `unsent`, when given, receives the same
-        shares summed without the wire (what the wire itself changed is the difference)."""
+        shares summed without the wire (what the wire itself changed is the difference). `wired`: the parameters whose
+        gradients travel on the wire where only some do (None: all); the others are sent in the gradients' dtype."""
         order = list(dict.fromkeys(p.rank for p in pieces))
         by_rank = {r: [p for p in pieces if p.rank == r] for r in order}
+        accumulate = float_dtype(self.model_run)
+
+        def on(name: str) -> torch.dtype:
+            return wire if wired is None or name in wired else accumulate
 
         def share(group: list[Piece]) -> Grads:
             return self._grad(self.model_run, self.replay_run, state, group, self.recipe, loss_scale, len(order))[0]
@@ -282,10 +295,9 @@ class Oracle:
                 for name, g in share(by_rank[rank]).items():
                     if unsent is not None:
                         unsent[name] = g if name not in unsent else unsent[name] + g
-                    sent = _through(g, wire, loss_scale)
-                    total[name] = sent if name not in total else _through(total[name] + sent, wire, loss_scale)
+                    sent = _through(g, on(name), loss_scale)
+                    total[name] = sent if name not in total else _through(total[name] + sent, on(name), loss_scale)
             return total
-        accumulate = float_dtype(self.model_run)
         for k in range(max(len(g) for g in by_rank.values())):
             micro: Grads = {}
             for rank in reversed(order):
@@ -293,7 +305,7 @@ class Oracle:
                     for name, g in share([by_rank[rank][k]]).items():
                         micro[name] = g if name not in micro else micro[name] + g
             for name, g in micro.items():
-                sent = _through(g, wire, loss_scale)
+                sent = _through(g, on(name), loss_scale)
                 total[name] = sent if name not in total else _through(total[name] + sent, accumulate, loss_scale)
         return total
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import asdict, dataclass, field
-from typing import ContextManager
+from typing import Callable, ContextManager, Iterator
 
 import torch
 
@@ -36,6 +36,17 @@ class Recipe:
     amp: str = "none"
     """bf16 or fp16 (none without mixed precision)."""
     device_type: str = "cpu"
+    gathered: Callable[[], frozenset[str]] | None = None
+    """The parameters the backend's latest forward saw gathered in the amp dtype, so that every op of it, not only
+    those autocast narrows, saw them rounded (DeepSpeed ZeRO-3 under its torch_autocast section all-gathers its
+    lower_precision_safe_modules' parameters in the autocast dtype): the recipe's forwards round them the same way,
+    and the gradient is still taken with respect to the float32 parameter. Asked at each forward: it changes from
+    step to step."""
+
+    module_boundaries: bool = False
+    """Whether the backend's hooks wrap every module's inputs and outputs in autograd functions (DeepSpeed ZeRO-3):
+    the recipe's forwards draw the same boundaries (dpcompare.verify.boundaries), so their gradients are summed in
+    the rank's order."""
 
     @property
     def active(self) -> bool:
@@ -51,6 +62,21 @@ class Recipe:
         if self.kind != "autocast":
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=AMP_DTYPES[self.amp])
+
+    @contextlib.contextmanager
+    def gathering(self, model: torch.nn.Module) -> Iterator[None]:
+        """`model`'s `gathered` parameters rounded to the amp dtype for the duration (a forward and its backward),
+        their own values restored after."""
+        names = self.gathered() if self.gathered is not None else frozenset()
+        named = [(n, p) for n, p in model.named_parameters() if n in names] if names else []
+        kept = [(p, p.data) for _, p in named]
+        try:
+            for p, data in kept:
+                p.data = data.to(AMP_DTYPES[self.amp]).to(data.dtype)
+            yield
+        finally:
+            for p, data in kept:
+                p.data = data
 
     def describe(self) -> str:
         if not self.active:

@@ -25,9 +25,12 @@ class RunReference:
     """The run-precision reference and its floor at each checked step, for a run of `world_size` ranks split as
     `layout` says, in `dtype`, sending its gradients through `wire` (none, fp16 or bf16)."""
 
-    def __init__(self, oracle: Oracle, layout: Layout, *, dtype: str, world_size: int, wire: str, has_batchnorm: bool,
+    def __init__(self, oracle: Oracle, layout: Layout, *, dtype: str, world_size: int, wire: str,
+                 wired: frozenset[str] | None = None, has_batchnorm: bool,
                  sync_bn: bool, verdict: Verdict, split: SplitCheck, compiled: bool = False) -> None:
         self.oracle, self.layout, self.dtype, self.world_size, self.wire = oracle, layout, dtype, world_size, wire
+        self.wired = wired
+        """The parameters whose gradients travel on the wire where only some do (None: all of them)."""
         self.compiled = compiled
         """--compile: the regrouped twin runs compiled, so the floor holds the compiler's rounding too."""
         self.has_batchnorm, self.sync_bn, self.verdict = has_batchnorm, sync_bn, verdict
@@ -48,7 +51,7 @@ class RunReference:
             spread = self.oracle.floor_of(state, self._spread_pieces(run_pieces), loss_scale, compiled=self.compiled)
         else:  # the wire's rounding is measured, not bounded: the reduction's allowance is the run dtype's
             unsent: Grads = {}
-            floor = self.oracle.wire_floor_of(state, run_pieces, wire, loss_scale, unsent=unsent)
+            floor = self.oracle.wire_floor_of(state, run_pieces, wire, loss_scale, unsent=unsent, wired=self.wired)
             if self._wire_loses(floor, unsent):
                 # Beyond rounding (gradients flushed to zero or overflowed on it): judged against the
                 # reference without the wire, with its rounding bounded, so what it lost shows.
@@ -58,7 +61,8 @@ class RunReference:
                                               compiled=self.compiled)
             else:
                 self.verdict.wire_rounding = "measured"
-                spread = self.oracle.wire_floor_of(state, run_pieces, wire, loss_scale, regrouped=True)
+                spread = self.oracle.wire_floor_of(state, run_pieces, wire, loss_scale, regrouped=True,
+                                                    wired=self.wired)
         return floor, spread, wire
 
     def _floor_pieces(self, batch, pieces: list[Piece], forward_masks: list[Masks] | None) -> list[Piece]:
