@@ -229,11 +229,12 @@ def test_fsdp_checkpointing_that_redraws_the_masks_is_different_and_named(launch
 def test_compare_with_the_flag_checkpoints_every_run(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dpcompare", "compare", "--backends", "reference,ddp,fsdp",
                            "--world-sizes", "2", "--model", "gpt-tiny", "--steps", "2", "--measure-steps", "0",
+                           "--global-batch", "24",  # compare's default 2048 costs minutes a job to check on CPU
                            "--collectives", "none", "--out", str(tmp_path), "--no-report", *FLAG],
                           capture_output=True, text=True, env=child_env(tmp_path), timeout=560,
                           cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir() and not p.is_symlink()]
+    (run_dir,) = [p for p in tmp_path.iterdir() if (p / "compare.json").exists() and not p.is_symlink()]
     summary = json.loads((run_dir / "compare.json").read_text())
     assert summary["activation_checkpointing"] is True
     assert [(r["label"], r["verdict"]) for r in summary["runs"] if r["verdict"] != "equivalent"] == []
