@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dpcompare.verify import masks as mk
 from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, global_pieces, replica_pieces
-from dpcompare.verify.tolerance import UNIT_ROUNDOFF, flat, rel_fro
+from dpcompare.verify.tolerance import UNIT_ROUNDOFF, rel_fro_of
 from dpcompare.verify.verdict import Verdict
 
 
@@ -89,8 +89,8 @@ class Forwards:
             pass  # masks that are not batch-first cannot be joined: the distance stays unmeasured, and says so
         self.oracle.none = none  # the judged oracle's
         names = self.oracle.names
-        floor_rel = max(rel_fro(flat(floor, names), flat(oracle, names)), self.depth * UNIT_ROUNDOFF[self.dtype])
-        distance = rel_fro(flat(whole, names), flat(oracle, names)) if whole is not None else None
+        floor_rel = max(rel_fro_of(floor, oracle, names), self.depth * UNIT_ROUNDOFF[self.dtype])
+        distance = rel_fro_of(whole, oracle, names) if whole is not None else None
         ws, k, r = self.layout.world_size, self.layout.grad_accum, self.layout.replicas
         forwards = ws * k * r
         local = n // forwards

@@ -17,7 +17,7 @@ import torch
 
 from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, replica_pieces
 from dpcompare.verify.split import SplitCheck, in_ranks_order
-from dpcompare.verify.tolerance import TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, flat, rel_fro
+from dpcompare.verify.tolerance import TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, norm_of, rel_fro
 from dpcompare.verify.verdict import Verdict
 
 
@@ -100,6 +100,6 @@ class RunReference:
         the factor) anywhere: gradients below its smallest subnormal flushed to zero, or above its range."""
         u = UNIT_ROUNDOFF[WIRE_DTYPE[self.wire]]
         names = [n for n in self.names if n in sent]
-        share = float(torch.linalg.vector_norm(flat(unsent, names))) / max(len(names), 1) ** 0.5
+        share = norm_of(unsent, names) / max(len(names), 1) ** 0.5
         return any(not bool(torch.isfinite(sent[n]).all())
                    or rel_fro(sent[n], unsent[n], share) > TOLERANCE_FACTOR * self.world_size * u for n in names)

@@ -33,7 +33,7 @@ import torch
 from dpcompare.verify import masks as mk
 from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, replica_pieces
 from dpcompare.verify.forwards import Forwards
-from dpcompare.verify.tolerance import TOLERANCE_FACTOR, UNIT_ROUNDOFF, flat, rel_fro
+from dpcompare.verify.tolerance import TOLERANCE_FACTOR, UNIT_ROUNDOFF, flat, rel_fro, rel_fro_of
 from dpcompare.verify.verdict import Verdict
 
 SPLIT_AGREEMENT = 1e-9
@@ -110,7 +110,7 @@ class SplitCheck:
         if not self.applies or f is None or f.semantics != "global" or len(pieces) != 1:
             return None
         names = self.oracle.names
-        moved = rel_fro(flat(floor, names), flat(oracle, names))
+        moved = rel_fro_of(floor, oracle, names)
         if f.step == step or self.baseline is None:
             self.baseline = max(moved, self.depth * UNIT_ROUNDOFF["float64"])
             return None

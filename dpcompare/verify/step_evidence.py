@@ -27,7 +27,7 @@ from dpcompare.verify.equivalence import Grads, Masks, Piece, replica_pieces
 from dpcompare.verify.masks import MaskRecord
 from dpcompare.verify.precision import ScaleStep
 from dpcompare.verify.reads import Pending, Reads
-from dpcompare.verify.tolerance import flat, rel_fro
+from dpcompare.verify.tolerance import rel_fro_of
 
 
 @dataclass(slots=True)
@@ -151,7 +151,7 @@ def note_forwards(ctx: CheckContext, bench: Bench, step: StepEvidence) -> None:
     global batch, in floors of the gradient check."""
     o, names = step.oracle, list(ctx.names)
     bench.forwards.note_per_replica(step.step, o.state, step.batch, o.oracle, o.floor, o.pieces)
-    bench.split.note(max(rel_fro(flat(o.floor, names), flat(o.oracle, names)), ctx.floor_min))
+    bench.split.note(max(rel_fro_of(o.floor, o.oracle, names), ctx.floor_min))
 
 
 def _gradients(bench: Bench, step: StepEvidence, state: dict, records, forward_masks, pieces: list[Piece],

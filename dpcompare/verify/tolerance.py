@@ -69,15 +69,32 @@ Grads = dict[str, torch.Tensor]
 
 
 def rel_fro(g: torch.Tensor, o: torch.Tensor, min_denom: float = 0.0) -> float:
-    denom = max(float(torch.linalg.vector_norm(o)), min_denom)
-    diff = float(torch.linalg.vector_norm(g - o))
+    return rel_ratio(_norm(g - o), _norm(o), min_denom)
+
+
+def rel_ratio(diff: float, norm: float, min_denom: float = 0.0) -> float:
+    """`diff` over max(`norm`, `min_denom`); 0 where both are 0, inf where only the denominator is."""
+    denom = max(norm, min_denom)
     if denom == 0.0:
         return 0.0 if diff == 0.0 else math.inf
     return diff / denom
 
 
 def flat(grads: Grads, names: Iterable[str]) -> torch.Tensor:
+    """`grads` as one vector: for a diagnosis that fits one figure over the parameters. A norm or a distance over the
+    whole model is `norm_of` / `rel_fro_of`, reduced parameter by parameter, never a concatenated copy."""
     return torch.cat([grads[n].reshape(-1) for n in names])
+
+
+def norm_of(grads: Grads, names: Iterable[str]) -> float:
+    """The 2-norm of `grads` over `names` as one vector, reduced parameter by parameter in float64."""
+    return math.sqrt(sum(_norm(grads[n]) ** 2 for n in names))
+
+
+def rel_fro_of(a: Grads, b: Grads, names: Iterable[str], min_denom: float = 0.0) -> float:
+    """rel_fro of `a` against `b` over `names` as one vector, reduced parameter by parameter (no concatenated copy)."""
+    names = list(names)
+    return rel_ratio(math.sqrt(sum(_norm(a[n] - b[n]) ** 2 for n in names)), norm_of(b, names), min_denom)
 
 
 @dataclass(slots=True)
@@ -127,7 +144,45 @@ class Coverage:
 
 
 def _norm(t: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(t))
+    """The 2-norm in float64, whatever `t` is stored in."""
+    return float(torch.linalg.vector_norm(t, dtype=torch.float64) if t.is_floating_point() and t.dtype != torch.float64
+                 else torch.linalg.vector_norm(t))
+
+
+@dataclass(slots=True)
+class _Sums:
+    """One parameter's figures for `compare`, each a full pass over it once: squared norms add up over parameters to
+    the whole model's, so no whole-model vector is ever built (nor held: a 1 B model's is 8 GB in float64)."""
+
+    o2: float  # ||o||^2 (float64 reference)
+    a2: float  # ||against||^2 (what the value is judged against)
+    go2: float  # ||g - o||^2
+    ga2: float  # ||g - against||^2
+    fo2: float  # ||floor - o||^2
+    oa2: float  # ||other - against||^2 (the floor's two computations)
+    max_abs: float  # max |g - o|
+    max_rel: float  # max |g - o| / (|o| + u max|o|) (NaN where o is zero throughout)
+    finite: bool  # g is finite
+
+
+def _sums(g: torch.Tensor, o: torch.Tensor, against: torch.Tensor, floor: torch.Tensor, other: torch.Tensor,
+          u: float) -> _Sums:
+    def sq(a: torch.Tensor, b: torch.Tensor) -> float:
+        return _norm(a - b) ** 2
+
+    diff = (g - o).abs()
+    go2 = _norm(diff) ** 2
+    o_abs = o.abs()
+    scale = float(o_abs.max()) if o.numel() else 0.0
+    max_rel = float((diff / (o_abs + u * scale)).max()) if scale > 0 else math.nan
+    max_abs = float(diff.max()) if o.numel() else 0.0
+    del diff, o_abs
+    o2 = _norm(o) ** 2
+    a2 = o2 if against is o else _norm(against) ** 2
+    ga2 = go2 if against is o else sq(g, against)
+    fo2 = 0.0 if floor is o else sq(floor, o)
+    oa2 = (fo2 if (other is floor and against is o) else sq(other, against))
+    return _Sums(o2, a2, go2, ga2, fo2, oa2, max_abs, max_rel, bool(torch.isfinite(g).all()))
 
 
 def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_size: int, depth: int,
@@ -136,62 +191,59 @@ def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_
     """Per-parameter errors of `values` and the whole model's (see the module docstring). `reference`: float64;
     `floor`: the run-precision computation of the same quantity; `spread`: a second run-precision computation,
     given when `values` is to be judged against `floor` (the gradient check). A non-finite value is an error of
-    +inf, never a pass."""
+    +inf, never a pass. Every figure is reduced parameter by parameter (the whole model's from the parameters' squared
+    norms): a check holds no copy of the model beyond its inputs."""
     u = UNIT_ROUNDOFF[dtype]
     u_sum = u if u_sum is None else u_sum
     names = list(reference) if names is None else list(names)
-    whole = _norm(flat(reference, names))
-    share = whole / math.sqrt(max(len(names), 1))
     against = floor if spread is not None else reference
     other = spread if spread is not None else floor
+    sums = {n: _sums(values[n], reference[n], against[n], floor[n], other[n], u) for n in names}
+    share = math.sqrt(sum(s.o2 for s in sums.values())) / math.sqrt(max(len(names), 1))
     minimum, reduction = depth * u, world_size * u_sum
-    own = {n: rel_fro(other[n], against[n], share) for n in names}
+    own = {n: rel_ratio(math.sqrt(s.oa2), math.sqrt(s.a2), share) for n, s in sums.items()}
     # A parameter too noisy to judge alone (its own floor would pass a change of its whole value) is left out, and out
     # of the model's floor and vector: one noisy parameter must not set the power of the rest.
     judged = [n for n in names if FACTOR * (max(own[n], minimum) + reduction) <= UNJUDGEABLE]
-    model_floor = rel_fro(flat(other, judged), flat(against, judged), _norm(flat(reference, judged))) if judged else 0.0
+    model_floor = rel_ratio(math.sqrt(sum(sums[n].oa2 for n in judged)), math.sqrt(sum(sums[n].a2 for n in judged)),
+                         math.sqrt(sum(sums[n].o2 for n in judged))) if judged else 0.0
     out = []
     for name in names:
-        g, o, r = values[name], reference[name], against[name]
-        finite = bool(torch.isfinite(g).all())
-        diff = (g - o).abs()
-        scale = float(o.abs().max()) if o.numel() else 0.0
-        # A relative error over a zero reference is no figure: NaN (null in the result) with its reason.
-        max_rel = float((diff / (o.abs() + u * scale)).max()) if scale > 0 else math.nan
-        why = None if scale > 0 else (f"the float64 reference of {name} is zero throughout: no relative error "
-                                      "(max_abs_err is its distance)" if o.numel() else f"{name} has no elements")
-        denom = max(_norm(o), share)
-        err = rel_fro(g, o, share) if finite else math.inf
-        judged_err = rel_fro(g, r, share) if finite else math.inf
+        s, numel = sums[name], reference[name].numel()
+        why = None if not math.isnan(s.max_rel) else (
+            f"the float64 reference of {name} is zero throughout: no relative error (max_abs_err is its distance)"
+            if numel else f"{name} has no elements")
+        denom = max(math.sqrt(s.o2), share)
+        err = rel_ratio(math.sqrt(s.go2), math.sqrt(s.o2), share) if s.finite else math.inf
+        judged_err = rel_ratio(math.sqrt(s.ga2), math.sqrt(s.a2), share) if s.finite else math.inf
         floor_p = max(own[name], model_floor, minimum)
         tol = FACTOR * (floor_p + reduction)
-        size = _norm(r)
+        size = math.sqrt(s.a2)
         detect = tol * denom / size if size > 0 else math.inf
         alone = name in judged
-        out.append(ParamError(name, float(diff.max()) if o.numel() else 0.0, max_rel if finite else math.inf, err,
-                              rel_fro(floor[name], o, share), judged_err / (floor_p + reduction), tol,
-                              judged_err <= tol or (not alone and finite), judged_err, own[name], detect, alone,
-                              o.numel(), why if finite else None))
-    return out, _model(values, reference, floor, against, judged or names, model_floor, minimum, reduction)
+        out.append(ParamError(name, s.max_abs, s.max_rel if s.finite else math.inf, err,
+                              rel_ratio(math.sqrt(s.fo2), math.sqrt(s.o2), share), judged_err / (floor_p + reduction), tol,
+                              judged_err <= tol or (not alone and s.finite), judged_err, own[name], detect, alone,
+                              numel, why if s.finite else None))
+    return out, _model([sums[n] for n in (judged or names)], sum(reference[n].numel() for n in (judged or names)),
+                       model_floor, minimum, reduction)
 
 
-def _model(values: Grads, reference: Grads, floor: Grads, against: Grads, names: list[str], model_floor: float,
-           minimum: float, reduction: float) -> ParamError:
-    """All judged parameters as one vector: a fault spread thin over many parameters adds up here."""
-    g, o, r = flat(values, names), flat(reference, names), flat(against, names)
-    finite = bool(torch.isfinite(g).all())
-    denom = _norm(o)
-    err = rel_fro(g, o) if finite else math.inf
-    judged_err = rel_fro(g, r, denom) if finite else math.inf
+def _model(sums: list[_Sums], elements: int, model_floor: float, minimum: float, reduction: float) -> ParamError:
+    """All judged parameters as one vector (from their squared norms): a fault spread thin over many parameters adds
+    up here."""
+    finite = all(s.finite for s in sums)
+    denom = math.sqrt(sum(s.o2 for s in sums))
+    err = rel_ratio(math.sqrt(sum(s.go2 for s in sums)), denom) if finite else math.inf
+    size = math.sqrt(sum(s.a2 for s in sums))
+    judged_err = rel_ratio(math.sqrt(sum(s.ga2 for s in sums)), size, denom) if finite else math.inf
     floor_eff = max(model_floor, minimum)
     tol = FACTOR * (floor_eff + reduction)
-    size = _norm(r)
     detect = tol * denom / size if size > 0 else math.inf
-    diff = (g - o).abs()
-    return ParamError(MODEL, float(diff.max()) if o.numel() else 0.0, math.nan, err, rel_fro(flat(floor, names), o),
+    return ParamError(MODEL, max((s.max_abs for s in sums), default=0.0) if elements else 0.0, math.nan, err,
+                      rel_ratio(math.sqrt(sum(s.fo2 for s in sums)), denom),
                       judged_err / (floor_eff + reduction) if floor_eff + reduction > 0 else math.inf, tol,
-                      judged_err <= tol, judged_err,
-                      model_floor, detect, True, o.numel())
+                      judged_err <= tol, judged_err, model_floor, detect, True, elements)
 
 
 def min_detectable(params: list[ParamError], model: ParamError | None) -> float:

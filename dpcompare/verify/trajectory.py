@@ -24,25 +24,22 @@ as a buffer does: it is left to the replica fingerprints.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 from torch import nn
 
-from dpcompare.verify.equivalence import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Piece, accumulate_gradient, rel_fro,
+from dpcompare.verify.equivalence import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Piece, accumulate_gradient,
                                           verification_copy)
 from dpcompare.verify.clipping import clip_
+from dpcompare.verify.tolerance import rel_ratio
 from dpcompare.verify.dtypes import is_float, non_float_divergence, state_distance
 from dpcompare.verify.verdict import Divergence
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
 from dpcompare.contract.optim_state import OptimizerFactory
-
-
-def _flat(module: nn.Module | dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
-    params = module if isinstance(module, dict) else dict(module.named_parameters())
-    return torch.cat([params[n].detach().double().reshape(-1).cpu() for n in names])
 
 
 class Trajectory:
@@ -137,27 +134,33 @@ class Trajectory:
 
     def judge(self, step: int, module: nn.Module | dict[str, torch.Tensor], world_size: int) -> dict:
         """The drift entry of `step` for the backend's parameters after the step (a module, or its master values by
-        name)."""
-        ref = _flat(self.model64, self.names)
-        if not bool(torch.isfinite(ref).all()):
-            return {"step": step, "rel_param_distance": None, "floor_rel_param_distance": None, "noise_ratio": None,
-                    "tolerance": None, "ok": None, "worst_parameter": None,
-                    "reason": "the float64 reference trajectory is not finite (the training diverged)"}
-        mine = _flat(module, self.names)
-        distance = rel_fro(mine, ref) if bool(torch.isfinite(mine).all()) else float("inf")
-        floor = rel_fro(_flat(self.model_run, self.names), ref)
+        name), reduced parameter by parameter (no whole-model vector is built)."""
+        ref = dict(self.model64.named_parameters())
+        run = dict(self.model_run.named_parameters())
+        params = module if isinstance(module, dict) else dict(module.named_parameters())
+        with torch.no_grad():
+            if not all(bool(torch.isfinite(ref[n]).all()) for n in self.names):
+                return {"step": step, "rel_param_distance": None, "floor_rel_param_distance": None,
+                        "noise_ratio": None, "tolerance": None, "ok": None, "worst_parameter": None,
+                        "reason": "the float64 reference trajectory is not finite (the training diverged)"}
+            norms = {n: _norm(ref[n]) for n in self.names}
+            apart = {n: _norm(params[n].detach().to(device=ref[n].device, dtype=torch.float64) - ref[n])
+                     for n in self.names}
+            finite = all(bool(torch.isfinite(params[n]).all()) for n in self.names)
+            floor2 = sum(_norm(run[n].to(torch.float64) - ref[n]) ** 2 for n in self.names)
+        whole = math.sqrt(sum(v ** 2 for v in norms.values()))
+        distance = rel_ratio(math.sqrt(sum(v ** 2 for v in apart.values())), whole) if finite else float("inf")
+        floor = rel_ratio(math.sqrt(floor2), whole)
         k = step + 1
         floor_eff = max(floor, k * self.depth * self.u)
         tolerance = TOLERANCE_FACTOR * (floor_eff + k * world_size * self.u_wire)
+        share = whole / max(len(self.names), 1) ** 0.5
+        worst = max(self.names, key=lambda n: rel_ratio(apart[n], norms[n], share))
         return {"step": step, "rel_param_distance": distance, "floor_rel_param_distance": floor,
                 # as the gradient's: over the floor with the reduction's allowance (it passes at or below the factor)
                 "noise_ratio": distance / (tolerance / TOLERANCE_FACTOR), "tolerance": tolerance,
-                "ok": distance <= tolerance,
-                "worst_parameter": self._worst(module)}
+                "ok": distance <= tolerance, "worst_parameter": worst}
 
-    def _worst(self, module: nn.Module | dict[str, torch.Tensor]) -> str:
-        params = module if isinstance(module, dict) else dict(module.named_parameters())
-        ref = dict(self.model64.named_parameters())
-        share = float(torch.linalg.vector_norm(_flat(self.model64, self.names))) / max(len(self.names), 1) ** 0.5
-        return max(self.names, key=lambda n: rel_fro(params[n].detach().double().cpu(), ref[n].detach().double().cpu(),
-                                                     share))
+
+def _norm(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t.detach()))

@@ -14,7 +14,7 @@ from dpcompare.verify.bench import Bench
 from dpcompare.verify.context import CheckContext, Finding
 from dpcompare.verify.step_evidence import StepEvidence
 from dpcompare.verify.diagnosis import GradientEvidence, diagnose_gradient, reason_of
-from dpcompare.verify.tolerance import ParamError, classic_tolerance
+from dpcompare.verify.tolerance import ParamError, classic_tolerance, rel_fro_of
 
 
 class Gradient:
@@ -58,7 +58,7 @@ class Gradient:
                    apart: list[str]) -> eq.Divergence:
         """The failed check's divergence, with the cause the diagnosis finds."""
         o, names, settings = step.oracle, list(ctx.names), ctx.settings
-        model_floor = eq.rel_fro(eq.flat(o.floor, names), eq.flat(o.oracle, names))
+        model_floor = rel_fro_of(o.floor, o.oracle, names)
         scaled = o.scaler is not None
         evidence = GradientEvidence(
             step=step.step, grads=o.grads, oracle_grads=o.floor, tolerance=classic_tolerance(

@@ -25,7 +25,7 @@ from dpcompare.verify.diagnosis import (UpdateEvidence, diagnose_update, reason_
                                         step_count_mismatch, FRESH_STEPPED_TRAP)
 from dpcompare.verify.equivalence import DTYPES, Grads
 from dpcompare.verify.reads import Pending
-from dpcompare.verify.tolerance import compare, flat
+from dpcompare.verify.tolerance import compare, norm_of
 from dpcompare.verify.update_check import StepResult, reference_step
 from dpcompare.verify.verdict import Divergence, UpdateCheck
 
@@ -101,7 +101,7 @@ class Update:
         params, model = compare(delta, ref.delta, floor.delta, dtype=ctx.dtype, world_size=1,
                                 depth=ctx.depth, names=self.names)
         ratios = {n: _ratio(delta[n], ref.delta[n]) for n in self.names}
-        whole = _ratio(flat(delta, self.names), flat(ref.delta, self.names))
+        whole = _norm_ratio(norm_of(delta, self.names), norm_of(ref.delta, self.names))
         self.verdict.checks[-1].update = UpdateCheck(params, ratios, whole, model)
         failing = [p for p in params if not p.ok]
         if not model.ok and not failing:
@@ -180,7 +180,7 @@ class Update:
         """The backend's recipe steps its optimizer on zero gradients before the first step, by design: its state
         before step 0 was held to that, and what it does to the first update is measured against a fresh optimizer's."""
         fresh = reference_step(self.factory, pending.params, single, {}, torch.float64, self.device, clip=self.clip).delta
-        ratio = _ratio(flat(delta, self.names), flat(fresh, self.names))
+        ratio = _norm_ratio(norm_of(delta, self.names), norm_of(fresh, self.names))
         self.verdict.note("optimizer_prestep",
                           f"{self.prestep}: its optimizer state before step 0 is that step's, as expected, not a fresh "
                           f"optimizer's; the first update is {ratio:.4g}x a fresh optimizer's (||update|| ratio; with "
@@ -188,8 +188,10 @@ class Update:
 
 
 def _ratio(a: torch.Tensor, b: torch.Tensor) -> float:
-    nb = float(torch.linalg.vector_norm(b))
-    na = float(torch.linalg.vector_norm(a))
+    return _norm_ratio(float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(b)))
+
+
+def _norm_ratio(na: float, nb: float) -> float:
     if nb == 0.0:
         return 1.0 if na == 0.0 else math.inf
     return na / nb
