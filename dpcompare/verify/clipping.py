@@ -29,13 +29,18 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (norm + CLIP_EPS))
 
 
+def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What clipping multiplies every gradient by, as a tensor in the norm's dtype (clip_grad_norm_'s arithmetic)."""
+    return torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
+
+
 def clip_(grads: list[torch.Tensor], max_norm: float) -> float:
     """Clip `grads` in place by their global norm (torch.nn.utils.clip_grad_norm_'s arithmetic, in their dtype);
     returns the norm before clipping."""
     if not grads:
         return 0.0
     norm = total_norm(grads)
-    coefficient = torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
+    coefficient = clip_scale(norm, max_norm)
     for g in grads:
         g.mul_(coefficient.to(g.dtype))
     return float(norm)

@@ -30,7 +30,7 @@ from dpcompare.verify.dtypes import as_input, float_dtype
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
-from dpcompare.verify.tolerance import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, ParamError, compare, coverage,
+from dpcompare.verify.tolerance import (Compact, TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, ParamError, compare, coverage,
                                         flat, min_detectable, rel_fro, wire_roundoff)
 from dpcompare.verify.verdict import Divergence, StepCheck, UpdateCheck, Verdict, tolerance_policy
 
@@ -156,7 +156,8 @@ def accumulate_gradient(model: nn.Module, loss_fn: Callable, pieces: list[Piece]
                         loss_scale: float = 1.0, ranks: int | None = None) -> tuple[Grads, frozenset[str]]:
     """Sum over pieces of weight * grad(loss(piece)) at the model's current parameters, each piece's forward
     replaying the random numbers its rank drew (`replayer`, a MaskReplayer of `model`). Returns the gradients
-    (float64, CPU; zeros where autograd left None) and the names whose gradient stayed None.
+    (read in float64 on the CPU, held in the model's dtype; zeros where autograd left None) and the names whose gradient
+    stayed None.
 
     Under a mixed-precision `recipe` each piece runs as its rank ran it (dpcompare.verify.precision): forward and
     loss under the recipe, the loss multiplied in the graph by `loss_scale` and by the rank's own share (the
@@ -171,8 +172,12 @@ def accumulate_gradient(model: nn.Module, loss_fn: Callable, pieces: list[Piece]
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     none = frozenset(n for n, p in named if p.grad is None)
     undo = 1.0 / (ranks * loss_scale)
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().cpu() for n, p in named}
-    return ({n: g * undo for n, g in grads.items()} if undo != 1.0 else grads), none
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in named}
+    if undo != 1.0:
+        return {n: g.detach().double().cpu() * undo for n, g in grads.items()}, none
+    # Held in the copy's own dtype (a float32 reference costs 4 bytes an element, not 8), read in float64: the
+    # caller drops the model's .grad, so these tensors are the gradients' only holders.
+    return Compact(grads, copy=False), none
 
 
 def _accumulate_piece(model: nn.Module, loss_fn: Callable, piece: Piece, device: torch.device,

@@ -27,7 +27,7 @@ from dpcompare.verify.equivalence import Grads, Masks, Piece, replica_pieces
 from dpcompare.verify.masks import MaskRecord
 from dpcompare.verify.precision import ScaleStep
 from dpcompare.verify.reads import Pending, Reads
-from dpcompare.verify.tolerance import rel_fro_of
+from dpcompare.verify.tolerance import Compact, rel_fro_of
 
 
 @dataclass(slots=True)
@@ -41,7 +41,7 @@ class OracleStep:
     forward_masks: list[Masks] | None
     """Each forward of the layout's draws (None: the forward draws no random numbers)."""
     grads: Grads
-    """The backend's reduced gradient, float64 on the CPU (zeros where it gave none)."""
+    """The backend's reduced gradient, read in float64 on the CPU (zeros where it gave none; held in its own dtype)."""
     oracle: Grads
     """The float64 oracle's gradient."""
     floor: Grads
@@ -114,8 +114,9 @@ def compute(ctx: CheckContext, bench: Bench, step: StepEvidence) -> OracleStep |
     with stochastic.isolated(ctx.device):
         state = bench.run_state(step.masters, step.ranks[0]["buffers"]["before"])
         reduced = step.reads.grads
-        grads = {n: (reduced[n] if reduced.get(n) is not None else torch.zeros_like(step.masters[n])
-                     ).detach().double().cpu() for n in ctx.names}
+        # Held as the backend computed them (float32: 4 bytes an element), read in float64 (exactly).
+        grads = Compact({n: (reduced[n] if reduced.get(n) is not None else torch.zeros_like(step.masters[n]))
+                         for n in ctx.names})
         try:
             pieces, oracle, none, floor, spread, wire = _gradients(bench, step, state, records, forward_masks, pieces,
                                                                    loss_scale)
@@ -137,8 +138,8 @@ def compute(ctx: CheckContext, bench: Bench, step: StepEvidence) -> OracleStep |
     if not _finite(spread):
         spread = floor  # the regrouped sum overflows where the ranks' does not: no measured spread
     pending = Pending(
-        step.step, {n: step.masters[n].detach().double().cpu().clone() for n in ctx.names},
-        {n: (None if reduced.get(n) is None else grads[n]) for n in ctx.names}, none,
+        step.step, Compact({n: step.masters[n] for n in ctx.names}),
+        Compact({n: (None if reduced.get(n) is None else grads.held(n)) for n in ctx.names}, copy=False), none,
         step.reads.state, read_hparams(bench.optimizer) if bench.optimizer is not None else [],
         scale_step, scaler.skipped_steps if scaler is not None else 0)
     return OracleStep(state, pieces, forward_masks, grads, oracle, floor, spread, wire, none, scaler, scale_step,

@@ -43,9 +43,10 @@ against its share of the model's.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
@@ -66,6 +67,77 @@ MODEL = "(all parameters)"
 """The name of the whole-model comparison."""
 
 Grads = dict[str, torch.Tensor]
+
+
+class Compact(Mapping[str, torch.Tensor]):
+    """Gradients (or parameters) by name, held on the CPU in the dtype they were computed in and read in float64: a
+    float32 gradient costs its 4 bytes per element while it is kept, and every reader still computes in float64 (the
+    cast is exact). Read-only: what is held is a snapshot, never the run's own tensors."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor | None], *, copy: bool = True) -> None:
+        """`copy`: snapshot each tensor (the run may change its own in place); False: `tensors` are already private.
+        A None (no gradient) is held and read as None."""
+        self._held = {n: None if t is None else _cpu(t, copy) for n, t in tensors.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._held[name]
+        return None if t is None else t.double()
+
+    def __iter__(self):
+        return iter(self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def held(self, name: str) -> torch.Tensor:
+        """The tensor as it is held (its own dtype), for a reader that needs no float64."""
+        return self._held[name]
+
+    def without(self, names: Iterable[str]) -> "Compact":
+        """The same tensors, with `names` held as None (sharing, not copying, the rest)."""
+        drop = set(names)
+        return Compact({n: None if n in drop else t for n, t in self._held.items()}, copy=False)
+
+    @property
+    def none(self) -> frozenset[str]:
+        """The names held as None."""
+        return frozenset(n for n, t in self._held.items() if t is None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._held.values() if t is not None)
+
+
+class Difference(Mapping[str, torch.Tensor]):
+    """`after` - `before` by name (`before`'s names), computed in float64 on the CPU when read and never held: an update is kept as the
+    values it led to (in their own dtype), not as a float64 copy of its own. `round_to`: `before` rounded to that
+    dtype first (a replay that started from the parameters in its own dtype)."""
+
+    __slots__ = ("_after", "_before", "_round_to")
+
+    def __init__(self, after: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor],
+                 round_to: torch.dtype | None = None) -> None:
+        self._after, self._before, self._round_to = after, before, round_to
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        before = self._before[name].detach()
+        if self._round_to is not None:
+            before = before.to(self._round_to)
+        return self._after[name].detach().to("cpu", torch.float64) - before.to("cpu", torch.float64)
+
+    def __iter__(self):
+        return iter(self._before)
+
+    def __len__(self) -> int:
+        return len(self._before)
+
+
+def _cpu(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    t = t.detach()
+    moved = t.to("cpu")
+    return moved.clone() if copy and moved.data_ptr() == t.data_ptr() else moved
 
 
 def rel_fro(g: torch.Tensor, o: torch.Tensor, min_denom: float = 0.0) -> float:
@@ -144,7 +216,8 @@ class Coverage:
 
 
 def _norm(t: torch.Tensor) -> float:
-    """The 2-norm in float64, whatever `t` is stored in."""
+    """The 2-norm in float64, whatever `t` is stored in (a norm of 1e4 float32 elements rounds by about 1e-4 in
+    float32: these figures are compared against floors of 1e-7)."""
     return float(torch.linalg.vector_norm(t, dtype=torch.float64) if t.is_floating_point() and t.dtype != torch.float64
                  else torch.linalg.vector_norm(t))
 
@@ -165,24 +238,67 @@ class _Sums:
     finite: bool  # g is finite
 
 
+CHUNK = 1 << 20
+"""Elements a comparison reads at a time: its temporaries stay a few float64 chunks, whatever the parameter's size."""
+
+
+def _raw(grads: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """`grads[name]` as held (a Compact's in its own dtype), flattened: read chunk by chunk in float64."""
+    t = grads.held(name) if isinstance(grads, Compact) else grads[name]
+    return t.detach().reshape(-1)
+
+
+def _fmax(a: float, b: float) -> float:
+    """max that keeps a NaN, as torch's max does."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
 def _sums(g: torch.Tensor, o: torch.Tensor, against: torch.Tensor, floor: torch.Tensor, other: torch.Tensor,
           u: float) -> _Sums:
-    def sq(a: torch.Tensor, b: torch.Tensor) -> float:
-        return _norm(a - b) ** 2
+    """One parameter's figures, read `CHUNK` elements at a time in float64 (two passes: the relative error's scale is
+    the whole parameter's max |o|)."""
+    same_against, same_other = against is o, other is floor and against is o
+    sq = [0.0] * 6  # o2, a2, go2, ga2, fo2, oa2
+    max_abs, scale, finite = 0.0, 0.0, True
+    n = o.numel()
+    for start in range(0, n, CHUNK):
+        part = slice(start, min(start + CHUNK, n))
+        gc, oc = g[part].double(), o[part].double()
+        finite = finite and bool(torch.isfinite(gc).all())
+        diff = (gc - oc).abs()
+        sq[0] += _norm(oc) ** 2
+        sq[2] += _norm(diff) ** 2
+        max_abs = _fmax(max_abs, float(diff.max()))
+        scale = _fmax(scale, float(oc.abs().max()))
+        if not same_against:
+            ac = against[part].double()
+            sq[1] += _norm(ac) ** 2
+            sq[3] += _norm(gc - ac) ** 2
+        fc = floor[part].double()
+        sq[4] += _norm(fc - oc) ** 2
+        if not same_other:
+            sq[5] += _norm(other[part].double() - (ac if not same_against else oc)) ** 2
+    if same_against:
+        sq[1], sq[3] = sq[0], sq[2]
+    if same_other:
+        sq[5] = sq[4]
+    max_rel = math.nan
+    if scale > 0:
+        max_rel = 0.0
+        for start in range(0, n, CHUNK):
+            part = slice(start, min(start + CHUNK, n))
+            gc, oc = g[part].double(), o[part].double()
+            max_rel = max(max_rel, float(((gc - oc).abs() / (oc.abs() + u * scale)).max()))
+    return _Sums(sq[0], sq[1], sq[2], sq[3], sq[4], sq[5], max_abs, max_rel, finite)
 
-    diff = (g - o).abs()
-    go2 = _norm(diff) ** 2
-    o_abs = o.abs()
-    scale = float(o_abs.max()) if o.numel() else 0.0
-    max_rel = float((diff / (o_abs + u * scale)).max()) if scale > 0 else math.nan
-    max_abs = float(diff.max()) if o.numel() else 0.0
-    del diff, o_abs
-    o2 = _norm(o) ** 2
-    a2 = o2 if against is o else _norm(against) ** 2
-    ga2 = go2 if against is o else sq(g, against)
-    fo2 = 0.0 if floor is o else sq(floor, o)
-    oa2 = (fo2 if (other is floor and against is o) else sq(other, against))
-    return _Sums(o2, a2, go2, ga2, fo2, oa2, max_abs, max_rel, bool(torch.isfinite(g).all()))
+
+def _param_sums(name: str, mappings: tuple[Mapping[str, torch.Tensor], ...], u: float) -> _Sums:
+    """`_sums` of one parameter, each mapping read once (one given twice is the same tensor: its figures are shared);
+    a lazy mapping (a `Difference`) computes just this parameter."""
+    read: dict[int, torch.Tensor] = {}
+    for m in mappings:
+        read.setdefault(id(m), _raw(m, name))
+    return _sums(*(read[id(m)] for m in mappings), u)
 
 
 def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_size: int, depth: int,
@@ -198,7 +314,7 @@ def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_
     names = list(reference) if names is None else list(names)
     against = floor if spread is not None else reference
     other = spread if spread is not None else floor
-    sums = {n: _sums(values[n], reference[n], against[n], floor[n], other[n], u) for n in names}
+    sums = {n: _param_sums(n, (values, reference, against, floor, other), u) for n in names}
     share = math.sqrt(sum(s.o2 for s in sums.values())) / math.sqrt(max(len(names), 1))
     minimum, reduction = depth * u, world_size * u_sum
     own = {n: rel_ratio(math.sqrt(s.oa2), math.sqrt(s.a2), share) for n, s in sums.items()}
@@ -240,7 +356,8 @@ def _model(sums: list[_Sums], elements: int, model_floor: float, minimum: float,
     floor_eff = max(model_floor, minimum)
     tol = FACTOR * (floor_eff + reduction)
     detect = tol * denom / size if size > 0 else math.inf
-    return ParamError(MODEL, max((s.max_abs for s in sums), default=0.0) if elements else 0.0, math.nan, err,
+    return ParamError(MODEL, functools.reduce(_fmax, (s.max_abs for s in sums), 0.0) if elements else 0.0, math.nan,
+                      err,
                       rel_ratio(math.sqrt(sum(s.fo2 for s in sums)), denom),
                       judged_err / (floor_eff + reduction) if floor_eff + reduction > 0 else math.inf, tol,
                       judged_err <= tol, judged_err, model_floor, detect, True, elements)

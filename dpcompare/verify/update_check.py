@@ -18,13 +18,14 @@ How the optimizer state is mirrored, so the check stays step-local and cannot dr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from dpcompare.contract.optim_state import OptimizerFactory, OptState, Tensors, read_state
-from dpcompare.verify.clipping import clip_
+from dpcompare.verify.clipping import clip_scale
+from dpcompare.verify.tolerance import Difference
 
 
 def state_summary(state: OptState) -> str:
@@ -44,47 +45,68 @@ def state_summary(state: OptState) -> str:
 
 @dataclass(slots=True)
 class StepResult:
-    delta: Tensors
-    """theta_after - theta_before per parameter, float64 on the CPU."""
+    delta: Mapping[str, torch.Tensor]
+    """theta_after - theta_before per parameter, read in float64 on the CPU (a `Difference`)."""
     state: OptState
     """The optimizer state after the step."""
 
 
 def reference_step(
     factory: OptimizerFactory,
-    params: Tensors,
-    grads: dict[str, torch.Tensor | None],
+    params: Mapping[str, torch.Tensor],
+    grads: Mapping[str, torch.Tensor | None],
     state: OptState,
     dtype: torch.dtype,
     device: torch.device,
     *,
     times: int = 1,
     clip: float | None = None,
+    keep_state: bool = True,
     **overrides: Any,
 ) -> StepResult:
     """Take `times` plain optimizer steps from `params` (in `dtype`) with `grads` (None: no gradient, the
     optimizer skips the parameter as it does in a single process) starting from `state`; with `clip`, the gradients
-    clipped by their global norm first (--clip-grad-norm, clip_grad_norm_'s arithmetic in `dtype`)."""
+    clipped by their global norm first (--clip-grad-norm, clip_grad_norm_'s arithmetic in `dtype`). `keep_state`
+    False: the state after the step is not read (a floor replay needs only the update).
+
+    The optimizers replayed (SGD, AdamW) step every parameter on its own: the replay steps one parameter at a time,
+    with one optimizer whose only parameter is swapped, so it holds one parameter's copy, gradient and state at a
+    time beside the updates it returns, never the whole model's. Clipping's global norm is taken first, as
+    clip_grad_norm_ takes it (the norm of the per-tensor norms, in `dtype`)."""
     names = list(params)
-    live = {n: nn.Parameter(params[n].detach().to(device=device, dtype=dtype).clone()) for n in names}
-    optimizer = factory(list(live.values()), **overrides)
-    for n, entries in state.items():
-        if n in live:
-            optimizer.state[live[n]] = {
+    scale = None
+    if clip is not None:
+        norms = [torch.linalg.vector_norm(g.detach().to(device=device, dtype=dtype))
+                 for n in names if (g := grads.get(n)) is not None]
+        if norms:
+            scale = clip_scale(torch.linalg.vector_norm(torch.stack(norms)), clip)
+    optimizer: torch.optim.Optimizer | None = None
+    reached: Tensors = {}
+    after: OptState = {}
+    for n in names:
+        live = nn.Parameter(params[n].detach().to(device=device, dtype=dtype).clone())
+        if optimizer is None:
+            optimizer = factory([live], **overrides)
+        else:
+            optimizer.param_groups[0]["params"] = [live]
+            optimizer.state.clear()
+        if n in state:
+            optimizer.state[live] = {
                 k: (v.to(device=device, dtype=dtype if v.is_floating_point() and v.dim() > 0 else v.dtype).clone()
                     if torch.is_tensor(v) else v)
-                for k, v in entries.items()
+                for k, v in state[n].items()
             }
-    for n in names:
         g = grads.get(n)
-        live[n].grad = None if g is None else g.detach().to(device=device, dtype=dtype).clone()
-    with torch.no_grad():
-        if clip is not None:
-            clip_([p.grad for p in live.values() if p.grad is not None], clip)
-        for _ in range(times):
-            optimizer.step()
-    # The step's start is `params` rounded to `dtype`, as `live` was: recomputed here rather than kept, so a
-    # large model's check holds one copy of its parameters less.
-    delta = {n: live[n].detach().double().cpu() - params[n].detach().to(dtype=dtype).double().cpu() for n in names}
-    return StepResult(delta, read_state(optimizer, live))
-
+        live.grad = None if g is None else g.detach().to(device=device, dtype=dtype).clone()
+        with torch.no_grad():
+            if scale is not None and live.grad is not None:
+                live.grad.mul_(scale.to(live.grad.dtype))
+            for _ in range(times):
+                optimizer.step()
+        reached[n] = live.detach().to("cpu")
+        if keep_state:
+            after.update(read_state(optimizer, {n: live}))
+        del live
+    # The update: what each parameter reached less its start, `params` rounded to `dtype` as `live` started; held as
+    # the values reached (in `dtype`), the float64 difference computed where it is read.
+    return StepResult(Difference(reached, params, round_to=dtype), after)

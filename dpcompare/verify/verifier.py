@@ -57,6 +57,8 @@ class Verifier:
         self.dumps: dict[str, np.ndarray] = {}
         """--dump-grads: every compared step's reduced, oracle and floor gradients, by "step/kind/parameter"."""
         self._reduced: StepEvidence | None = None
+        self._references_after_update = any(c.name == "grad_norm" for c in self.checks)
+        """Whether a check reads the step's oracle and references after the optimizer step (grad_norm does)."""
         if refusal is not None:
             self._record(Finding(unverifiable=refusal, stop=True))
 
@@ -69,6 +71,11 @@ class Verifier:
                                 records=records, masters=reads.masters if reads is not None else {},
                                 scaler_before=self.backend.scaler_state(), reads=reads)
         self._reduced = evidence = self._run(evidence)
+        if evidence.oracle is not None and not self._references_after_update:
+            # Nothing reads the step's float64 oracle and run-precision references after the optimizer step (but the
+            # grad_norm check under --clip-grad-norm): not held over the update check.
+            self._reduced = dataclasses.replace(evidence, oracle=dataclasses.replace(
+                evidence.oracle, oracle={}, floor={}, spread={}))
         if evidence.oracle is not None and not evidence.oracle.overflow and not self.stopped:
             with stochastic.isolated(self.ctx.device):
                 note_forwards(self.ctx, self.bench, evidence)
@@ -85,6 +92,7 @@ class Verifier:
         if reduced is None or reduced.step != step:
             raise RuntimeError(f"the verifier was handed step {step} after the optimizer step without its reduce")
         self._run(dataclasses.replace(reduced, at="updated", masters=masters, reported_norm=reported_norm))
+        self._reduced = None  # the step's gradients and references: not held into the next step
 
     def _run(self, evidence: StepEvidence) -> StepEvidence:
         """Every check of `evidence.at`, in the list's order; the oracle's side of a checked step is computed before

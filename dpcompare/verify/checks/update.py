@@ -13,6 +13,7 @@ check's. Imports no adapter.
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 import torch
 
@@ -25,7 +26,7 @@ from dpcompare.verify.diagnosis import (UpdateEvidence, diagnose_update, reason_
                                         step_count_mismatch, FRESH_STEPPED_TRAP)
 from dpcompare.verify.equivalence import DTYPES, Grads
 from dpcompare.verify.reads import Pending
-from dpcompare.verify.tolerance import compare, norm_of
+from dpcompare.verify.tolerance import Compact, Difference, compare, norm_of
 from dpcompare.verify.update_check import StepResult, reference_step
 from dpcompare.verify.verdict import Divergence, UpdateCheck
 
@@ -69,7 +70,7 @@ class Update:
                                         "parameters was found behind the backend's optimizer)", stop=True)
         expected = self.expected_before(step.step, pending)
         # A parameter a single process gives no gradient is not stepped there: the reference replays it with none.
-        single = {n: (None if n in pending.none else g) for n, g in pending.grads.items()}
+        single = _without(pending.grads, pending.none)
         ref, divergence = self._judged(ctx, step.step, pending, state, expected, single, step.masters)
         self.advance(step.step, pending, state, single, ref)
         return Finding(divergence) if divergence is not None else None
@@ -85,8 +86,9 @@ class Update:
         return expected
 
     def _replay(self, pending: Pending, single: dict[str, torch.Tensor | None], state: OptState,
-                dtype: torch.dtype) -> StepResult:
-        return reference_step(self.factory, pending.params, single, state, dtype, self.device, clip=self.clip)
+                dtype: torch.dtype, keep_state: bool = True) -> StepResult:
+        return reference_step(self.factory, pending.params, single, state, dtype, self.device, clip=self.clip,
+                              keep_state=keep_state)
 
     def _judged(self, ctx: CheckContext, step: int, pending: Pending, state: OptState, expected: OptState | None,
                 single: dict[str, torch.Tensor | None], masters: dict[str, torch.Tensor]
@@ -94,10 +96,9 @@ class Update:
         """The update from `pending.params` to `masters` against the optimizer replayed from the backend's `state`
         with `single` (the reduced gradient, None where a single process gives none), recorded on the step's check;
         then `state` against `expected`. Returns the float64 replay and the failure, if any."""
-        after = {n: masters[n].detach().double().cpu() for n in self.names}
-        delta = {n: after[n] - pending.params[n] for n in self.names}
+        delta = Difference(masters, pending.params)
         ref = self._replay(pending, single, state, torch.float64)
-        floor = self._replay(pending, single, state, self.dtype)
+        floor = self._replay(pending, single, state, self.dtype, keep_state=False)
         params, model = compare(delta, ref.delta, floor.delta, dtype=ctx.dtype, world_size=1,
                                 depth=ctx.depth, names=self.names)
         ratios = {n: _ratio(delta[n], ref.delta[n]) for n in self.names}
@@ -144,8 +145,8 @@ class Update:
             return None
         wrong, text = differs
         # What the state costs the update: the backend's update against the one the expected state gives.
-        had = compare(delta, self._replay(pending, single, expected, torch.float64).delta,
-                      self._replay(pending, single, expected, self.dtype).delta,
+        had = compare(delta, self._replay(pending, single, expected, torch.float64, keep_state=False).delta,
+                      self._replay(pending, single, expected, self.dtype, keep_state=False).delta,
                       dtype=ctx.dtype, world_size=1, depth=ctx.depth, names=self.names)[0]
         first = next(p for p in had if p.parameter == wrong[0])
         return Divergence(
@@ -158,9 +159,9 @@ class Update:
                 ref: StepResult) -> None:
         """The next step's expected state: the one this step leaves, the optimizer replayed from the backend's own
         state with the gradient it was handed (zeros included, where the backend gave zeros)."""
-        leaves = ref if all((g is None) == (pending.grads[n] is None) for n, g in single.items()) else \
+        leaves = ref if _none_of(single) == _none_of(pending.grads) else \
             reference_step(self.factory, pending.params, pending.grads, state, torch.float64, self.device, clip=self.clip)
-        self.expected_state = leaves.state
+        self.expected_state = held_as(leaves.state, state)
         self.expected_from = f"the state step {step} left"
 
     def _note_unused_stepped(self, step: int, state: OptState, zero_stepped: list[str]) -> None:
@@ -195,3 +196,27 @@ def _norm_ratio(na: float, nb: float) -> float:
     if nb == 0.0:
         return 1.0 if na == 0.0 else math.inf
     return na / nb
+
+
+def _without(grads: Mapping[str, torch.Tensor | None], names: frozenset[str]) -> Mapping[str, torch.Tensor | None]:
+    """`grads` with `names` given no gradient (held compactly where `grads` is)."""
+    if isinstance(grads, Compact):
+        return grads.without(names)
+    return {n: (None if n in names else g) for n, g in grads.items()}
+
+
+def _none_of(grads: Mapping[str, torch.Tensor | None]) -> frozenset[str]:
+    return grads.none if isinstance(grads, Compact) else frozenset(n for n, g in grads.items() if g is None)
+
+
+def held_as(expected: OptState, backend: OptState) -> OptState:
+    """The expected state in the dtype of the backend's own entries (float32 moments stay 4 bytes an element between
+    steps): it is compared to 1e-4 of its largest value (dpcompare.verify.state_comparison), which float32's rounding
+    of the float64 replay (6e-8) cannot move. An entry the backend does not hold keeps the replay's dtype."""
+    out: OptState = {}
+    for name, entries in expected.items():
+        have = backend.get(name, {})
+        out[name] = {k: (v.to(have[k].dtype) if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0
+                         and torch.is_tensor(have.get(k)) and have[k].is_floating_point() else v)
+                     for k, v in entries.items()}
+    return out
