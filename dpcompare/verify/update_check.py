@@ -62,12 +62,14 @@ def reference_step(
     times: int = 1,
     clip: float | None = None,
     keep_state: bool = True,
+    state_like: OptState | None = None,
     **overrides: Any,
 ) -> StepResult:
     """Take `times` plain optimizer steps from `params` (in `dtype`) with `grads` (None: no gradient, the
     optimizer skips the parameter as it does in a single process) starting from `state`; with `clip`, the gradients
     clipped by their global norm first (--clip-grad-norm, clip_grad_norm_'s arithmetic in `dtype`). `keep_state`
-    False: the state after the step is not read (a floor replay needs only the update).
+    False: the state after the step is not read (a floor replay needs only the update); `state_like`: the state read in
+    the dtype of that state's entries (the backend's), parameter by parameter as it is read.
 
     The optimizers replayed (SGD, AdamW) step every parameter on its own: the replay steps one parameter at a time,
     with one optimizer whose only parameter is swapped, so it holds one parameter's copy, gradient and state at a
@@ -105,8 +107,22 @@ def reference_step(
                 optimizer.step()
         reached[n] = live.detach().to("cpu")
         if keep_state:
-            after.update(read_state(optimizer, {n: live}))
+            read = read_state(optimizer, {n: live})
+            after.update(held_as(read, state_like) if state_like is not None else read)
         del live
     # The update: what each parameter reached less its start, `params` rounded to `dtype` as `live` started; held as
     # the values reached (in `dtype`), the float64 difference computed where it is read.
     return StepResult(Difference(reached, params, round_to=dtype), after)
+
+
+def held_as(expected: OptState, backend: OptState) -> OptState:
+    """`expected` in the dtype of the backend's own entries (float32 moments stay 4 bytes an element between steps): it
+    is compared to 1e-4 of its largest value (dpcompare.verify.state_comparison), which float32's rounding of a
+    float64 replay (6e-8) cannot move. An entry the backend does not hold keeps its dtype."""
+    out: OptState = {}
+    for name, entries in expected.items():
+        have = backend.get(name, {})
+        out[name] = {k: (v.to(have[k].dtype) if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0
+                         and torch.is_tensor(have.get(k)) and have[k].is_floating_point() else v)
+                     for k, v in entries.items()}
+    return out

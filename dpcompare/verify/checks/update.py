@@ -97,7 +97,9 @@ class Update:
         with `single` (the reduced gradient, None where a single process gives none), recorded on the step's check;
         then `state` against `expected`. Returns the float64 replay and the failure, if any."""
         delta = Difference(masters, pending.params)
-        ref = self._replay(pending, single, state, torch.float64)
+        # The float64 replay's state is the next step's expected state: read in the backend's dtype (held_as).
+        ref = reference_step(self.factory, pending.params, single, state, torch.float64, self.device, clip=self.clip,
+                             state_like=state)
         floor = self._replay(pending, single, state, self.dtype, keep_state=False)
         params, model = compare(delta, ref.delta, floor.delta, dtype=ctx.dtype, world_size=1,
                                 depth=ctx.depth, names=self.names)
@@ -160,8 +162,9 @@ class Update:
         """The next step's expected state: the one this step leaves, the optimizer replayed from the backend's own
         state with the gradient it was handed (zeros included, where the backend gave zeros)."""
         leaves = ref if _none_of(single) == _none_of(pending.grads) else \
-            reference_step(self.factory, pending.params, pending.grads, state, torch.float64, self.device, clip=self.clip)
-        self.expected_state = held_as(leaves.state, state)
+            reference_step(self.factory, pending.params, pending.grads, state, torch.float64, self.device, clip=self.clip,
+                           state_like=state)
+        self.expected_state = leaves.state
         self.expected_from = f"the state step {step} left"
 
     def _note_unused_stepped(self, step: int, state: OptState, zero_stepped: list[str]) -> None:
@@ -208,15 +211,3 @@ def _without(grads: Mapping[str, torch.Tensor | None], names: frozenset[str]) ->
 def _none_of(grads: Mapping[str, torch.Tensor | None]) -> frozenset[str]:
     return grads.none if isinstance(grads, Compact) else frozenset(n for n, g in grads.items() if g is None)
 
-
-def held_as(expected: OptState, backend: OptState) -> OptState:
-    """The expected state in the dtype of the backend's own entries (float32 moments stay 4 bytes an element between
-    steps): it is compared to 1e-4 of its largest value (dpcompare.verify.state_comparison), which float32's rounding
-    of the float64 replay (6e-8) cannot move. An entry the backend does not hold keeps the replay's dtype."""
-    out: OptState = {}
-    for name, entries in expected.items():
-        have = backend.get(name, {})
-        out[name] = {k: (v.to(have[k].dtype) if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0
-                         and torch.is_tensor(have.get(k)) and have[k].is_floating_point() else v)
-                     for k, v in entries.items()}
-    return out
