@@ -469,3 +469,41 @@ class FirstBlockScaledReference(_BlockScaledReference):
 class LastBlockScaledReference(_BlockScaledReference):
     name = "last-block-scaled-reference"
     BLOCK = -1
+
+
+def _rank1_range(module: torch.nn.Module, world_size: int) -> list[str]:
+    """The trainable parameters in the range rank 1 owns (dpcompare.verify.divided.partition)."""
+    from dpcompare.verify.divided import partition
+
+    sizes = [(n, p.numel()) for n, p in module.named_parameters() if p.requires_grad]
+    return partition(sizes, world_size)[1]
+
+
+class Rank1RangeGradientDDP(DDPAdapter):
+    """DDP whose reduced gradient reaches the optimizer 5 % too large on the parameters of rank 1's range alone (on
+    every rank, so the replicas stay identical): a fault no parameter of rank 0's range shows."""
+
+    name = "rank1-range-gradient-ddp"
+
+    def reduce(self) -> None:
+        super().reduce()
+        named = dict(self.wrapped.module.named_parameters())
+        for n in _rank1_range(self.wrapped.module, self.env.world_size):
+            if named[n].grad is not None:
+                named[n].grad.mul_(1.05)
+
+
+class Rank1RangeDoubleStepDDP(DDPAdapter):
+    """DDP whose optimizer step moves the parameters of rank 1's range twice as far as it should (the step's update
+    added a second time): the gradient is right everywhere, the update wrong in rank 1's range alone."""
+
+    name = "rank1-range-double-step-ddp"
+
+    def step(self) -> None:
+        named = dict(self.wrapped.module.named_parameters())
+        mine = [named[n] for n in _rank1_range(self.wrapped.module, self.env.world_size)]
+        before = [p.detach().clone() for p in mine]
+        super().step()
+        with torch.no_grad():
+            for p, b in zip(mine, before):
+                p.add_(p - b)

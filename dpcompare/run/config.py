@@ -24,6 +24,7 @@ Dtype = Literal["float32", "float64", "bfloat16"]
 Compression = Literal["none", "fp16", "bf16"]
 Amp = Literal["none", "bf16", "fp16"]
 Scaling = Literal["strong", "weak"]
+OracleRanks = Literal["all", "rank0"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 
 
@@ -249,6 +250,14 @@ class RunConfig:
     """Set every dropout probability to 0: a forward that draws no random numbers can always be checked
     (with dropout on, the check applies the masks each rank drew where they can be captured, else says
     `unverifiable` and names the module)."""
+    oracle_ranks: OracleRanks = run_flag(
+        "all",
+        help="where the oracle's forwards run: all (every rank its own forwards of the float64 oracle, the "
+             "run-precision references and the reference trajectory, added on rank 0 in a fixed order) or rank0 (rank "
+             "0 runs every forward alone: the single-process oracle)",
+        compare=Forwarded("where each run's oracle forwards run: all (every rank its own, added on rank 0) or rank0"))
+    """Where the oracle's forwards run (dpcompare.verify.divided): `all`, every rank its own on a process group of the
+    verifier's own; `rank0`, rank 0 alone (the same gradients to the bit with one forward per rank)."""
     check_coverage: str = run_flag(
         "auto", metavar="auto|full|SHARE",
         help="what the float64 oracle checks: auto (every parameter where its memory fits on rank 0, else as many "

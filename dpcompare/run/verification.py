@@ -31,7 +31,8 @@ from dpcompare.verify import buffers
 from dpcompare.verify import equivalence as eq
 from dpcompare.verify import masks as mk
 from dpcompare.verify import oracle_coverage as oc
-from dpcompare.verify import initial, stochastic, verifier
+from dpcompare.verify import divided, initial, stochastic, verifier
+from dpcompare.verify.forwards import split_masks
 from dpcompare.verify.context import CheckContext, CheckSettings
 from dpcompare.verify.precision import Recipe
 
@@ -48,7 +49,14 @@ class VerificationPhase:
         self.check: verifier.Verifier | None = None
         # Under --compile a random forward is unverifiable (verify/opening.py): recording would only keep Dynamo from compiling.
         self.recorder = mk.MaskRecorder(self.wrapped.module) if self.facts.stochastic and not cfg.compile else None
-        self.cost = VerificationCost(self.runner.device) if is_rank0 else None
+        self.cost = VerificationCost(self.runner.device) if cfg.check_every else None
+        """This rank's time and memory for checking (the oracle, the references, the trajectory; on a rank other than
+        0, its share of their forwards), beside the step's; rank 0 reports every rank's."""
+        self.peers = divided.Peers.make() if cfg.check_every and cfg.oracle_ranks == "all" else None
+        """The verifier's own process group, where there are ranks to share the oracle's forwards with (None: one
+        process, or no torch.distributed group: Horovod)."""
+        self.divider: divided.Divider | None = None
+        self.helper: divided.Helper | None = None
         """Rank 0's time and memory for checking (the oracle, the references, the trajectory), beside the step's."""
 
     def run(self) -> eq.Verdict:
@@ -66,6 +74,7 @@ class VerificationPhase:
                 self.check.finish()
             if self.cost is not None:
                 self.cost.close(self.cfg.steps, len(self.verdict.checks) if self.check is not None else 0)
+                self.cost.per_rank(self.adapter.all_gather_object(self.cost.figures))
         if self.check is not None and self.cfg.dump_grads:
             _save_npz_atomic(Path(self.cfg.dump_grads), self.check.dumps, self.cfg.closed_if)
         return self.verdict
@@ -95,11 +104,18 @@ class VerificationPhase:
 
     def _start(self, coverage: oc.OracleCoverage | None) -> eq.Verdict:
         """Rank 0's verifier (initial weights against the workload's), then every rank's initial weights."""
-        if self.rank0 and self.cfg.check_every:
+        if self.cfg.check_every:
             ctx = check_context(self.cfg, self.adapter, self.template, self.runner.device, self.runner.world_size,
                                 coverage)
-            self.check = verifier.Verifier(ctx, template=self.template, loss_fn=self.runner.workload.loss_fn,
-                                           wrapped=self.wrapped, backend=self.adapter)
+            if self.rank0:
+                self.divider = divided.Divider(self.peers, ctx.layout) if self.peers is not None else None
+                self.check = verifier.Verifier(ctx, template=self.template, loss_fn=self.runner.workload.loss_fn,
+                                               wrapped=self.wrapped, backend=self.adapter, divider=self.divider)
+            elif self.peers is not None:
+                oc.unchecked_frozen(self.template, ctx.unchecked)  # as rank 0's copies: the same gradients
+                self.helper = divided.Helper(self.peers, self.template, self.runner.workload.loss_fn,
+                                             layout=ctx.layout, dtype=eq.DTYPES[self.cfg.dtype],
+                                             device=self.runner.device, recipe=ctx.recipe)
         full = self.adapter.full_params()  # on every rank: a collective where the backend shards its parameters
         held = self.adapter.all_gather_object(initial.held(full, self.wrapped.module))
         verdict = self.check.verdict if self.check is not None else eq.Verdict(notes=list(self.wrapped.notes))
@@ -122,19 +138,43 @@ class VerificationPhase:
             if checked or self.facts.stochastic:
                 gathered.extend(self.adapter.all_gather_object(self._evidence(x, rng, reads, before)))
             if self.check is not None:
-                with self._costed():
+                with self._costed(), self._sharing():
                     self.check.after_reduce(step, batch, gathered, reads)
+            elif self.helper is not None:
+                with self._costed():
+                    self.helper.serve(batch, self._masks_of(batch, gathered))
 
         def after_update() -> None:
             masters = self.adapter.master_params() if self.cfg.check_every else None  # every rank, as above
             if self.check is not None:
-                with self._costed():  # with the norm the backend clipped by (--clip-grad-norm)
+                with self._costed(), self._sharing():  # with the norm the backend clipped by (--clip-grad-norm)
                     self.check.after_update(step, masters, self.runner.grad_norm)
+            elif self.helper is not None:
+                with self._costed():
+                    self.helper.serve(batch, self._masks_of(batch, gathered))
             if checked or step == self.cfg.steps - 1:
                 self._compare_replicas(step)
 
         self.runner.step(step, x, y, phase="verify", after_reduce=after_reduce, after_update=after_update,
                          recording=self.recorder.recording if self.recorder is not None else None)
+
+    @contextlib.contextmanager
+    def _sharing(self):
+        """Rank 0's checks of one point of the step; then (also where they raised) the helpers stop serving it."""
+        try:
+            yield
+        finally:
+            if self.divider is not None:
+                self.divider.done()
+
+    def _masks_of(self, batch, gathered: list[dict[str, Any]]):
+        """The draws of every forward of the step, unpacked on demand from what every rank recorded (None: the forward
+        draws nothing, or this step's draws were not gathered)."""
+        records = [i.get("masks") for i in gathered]
+        if not self.facts.stochastic or not records or any(r is None for r in records):
+            return lambda: None
+        return lambda: split_masks(eq.Layout(self.runner.world_size, self.cfg.grad_accum,
+                                             self.adapter.replicas_per_process()), batch[0].shape[0], records)
 
     def _costed(self, setup: bool = False) -> contextlib.AbstractContextManager:
         return self.cost.timing(setup) if self.cost is not None else contextlib.nullcontext()
@@ -227,6 +267,12 @@ class VerificationCost:
                 self.setup_s += elapsed
             else:
                 self.steps_s += elapsed
+
+    def per_rank(self, every: list[dict[str, Any]]) -> None:
+        """Every rank's figures (`every`, in rank order) beside this rank's: `verify_*_per_rank`."""
+        if len(every) > 1:
+            for key in ("verify_ms_per_step", "verify_peak_mib", "verify_above_start_mib"):
+                self.figures[f"{key}_per_rank"] = [f.get(key) for f in every]
 
     def close(self, steps: int, checked: int) -> None:
         peak = self.window.peak()

@@ -18,6 +18,8 @@ from dpcompare.contract import Adapter, Wrapped
 from dpcompare.verify import equivalence as eq
 from dpcompare.verify import masks as mk
 from dpcompare.verify.context import CheckContext, Finding
+from dpcompare.verify.divided import Divider
+from dpcompare.verify.equivalence import Piece
 from dpcompare.verify.forwards import Forwards
 from dpcompare.verify.run_reference import RunReference
 from dpcompare.verify.split import SplitCheck
@@ -28,7 +30,7 @@ class Bench:
     """Rank 0's copies of the model and what computes with them, for the run `ctx` describes."""
 
     def __init__(self, ctx: CheckContext, *, template: nn.Module, loss_fn: Callable, wrapped: Wrapped,
-                 backend: Adapter) -> None:
+                 backend: Adapter, divider: Divider | None = None) -> None:
         settings = ctx.settings
         self.backend, self.module = backend, wrapped.module
         self.oracle = eq.Oracle(template, loss_fn, settings.dtype, ctx.device, ctx.recipe)
@@ -46,7 +48,13 @@ class Bench:
         self.reference = RunReference(self.oracle, ctx.layout, dtype=settings.dtype, world_size=ctx.world_size,
                                       wire=ctx.wire, wired=ctx.wired, has_batchnorm=ctx.has_batchnorm, sync_bn=settings.sync_bn,
                                       verdict=self.verdict, split=self.split, compiled=settings.compile)
+        self.divider = divider
+        """Where the ranks share the forwards (dpcompare.verify.divided): the oracle's, the references' and the
+        trajectory's copies ask every rank for its own forwards."""
+        self.oracle.divider = self.trajectory.divider = divider
+        self.layout = ctx.layout
         self.optimizer = backend.optimizer_view()[0]
+
         """The torch optimizer behind the backend's: its hyper-parameters (its state comes with each step's Reads)."""
         named = {id(p): n for n, p in reversed(list(template.named_parameters()))}
         self.state_keys = {k: named[id(t)] for k, t in template.state_dict(keep_vars=True).items() if id(t) in named}
@@ -63,6 +71,17 @@ class Bench:
         # The forward ran from the buffers before it (it has updated them since): the oracle starts there too.
         state.update({k: v for k, v in before.items() if k in state})
         return state
+
+    def shared(self, pieces: list[Piece], batch, forward_masks: list[eq.Masks] | None) -> list[Piece]:
+        """The forwards to compute `pieces`' gradient by where the ranks share them: the ranks' own forwards in place
+        of one forward of the global batch, where that was measured to be the same function (the split's float64
+        gradient is the global batch's: dpcompare.verify.split) and nothing couples the ranks' samples; else
+        `pieces`."""
+        f = self.split.finding
+        if (self.divider is None or len(pieces) != 1 or pieces[0].position is not None or not self.split.applies
+                or self.forwards.joined or f is None or f.semantics != "global"):
+            return pieces
+        return eq.replica_pieces(batch, self.layout, forward_masks)
 
     def mask_failure(self, step: int, exc: mk.MaskMismatch) -> Finding:
         """The draws of `step` cannot be replayed: nothing random can be checked from here on."""

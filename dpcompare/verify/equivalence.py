@@ -35,8 +35,8 @@ from dpcompare.verify.tolerance import (Compact, TOLERANCE_FACTOR, UNIT_ROUNDOFF
 from dpcompare.verify.verdict import Divergence, StepCheck, UpdateCheck, Verdict, tolerance_policy
 
 __all__ = [
-    "DTYPES", "Grads", "Masks", "RECOMPUTE_ATTRIBUTE", "Layout", "Oracle", "Piece", "accumulate_gradient", "depth_of",
-    "first_mismatch", "global_pieces", "grad_digests", "param_digests", "replica_pieces", "tensor_digest",
+    "DTYPES", "Grads", "Masks", "RECOMPUTE_ATTRIBUTE", "Layout", "Oracle", "Piece", "accumulate_gradient", "accumulate_raw", "depth_of",
+    "finish_gradient", "first_mismatch", "global_pieces", "grad_digests", "param_digests", "replica_pieces", "tensor_digest",
     "verification_copy",
     # the tolerance policy's (dpcompare.verify.tolerance)
     "TOLERANCE_FACTOR", "UNIT_ROUNDOFF", "WIRE_DTYPE", "ParamError", "compare", "coverage", "flat", "min_detectable",
@@ -99,6 +99,9 @@ class Piece:
     weight: float
     masks: Masks | None = None
     rank: int = 0
+    position: int | None = None
+    """Which forward of the `Layout` it is (its index in `Layout.positions`); None: a forward the backend did not
+    run as such (the global batch in one forward), which one process computes whole."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +150,7 @@ def replica_pieces(batch: tuple[torch.Tensor, torch.Tensor], layout: Layout,
     chosen = None if ranks is None else set(ranks)
     positions = [(i, p) for i, p in enumerate(layout.positions(n)) if chosen is None or p[0] in chosen]
     total = sum(len(p[3]) for _, p in positions)
-    return [Piece(x[idx], y[idx], len(idx) / total, masks[i] if masks else None, rank)
+    return [Piece(x[idx], y[idx], len(idx) / total, masks[i] if masks else None, rank, i)
             for i, (rank, _, _, idx) in positions]
 
 
@@ -163,6 +166,16 @@ def accumulate_gradient(model: nn.Module, loss_fn: Callable, pieces: list[Piece]
     loss under the recipe, the loss multiplied in the graph by `loss_scale` and by the rank's own share (the
     piece's weight times the number of ranks in `pieces`, or `ranks` where the pieces are one rank's of several),
     and the summed gradients divided by both afterwards."""
+    raw, none, undo = accumulate_raw(model, loss_fn, pieces, device, replayer, recipe, loss_scale, ranks)
+    return finish_gradient(raw, undo), none
+
+
+def accumulate_raw(model: nn.Module, loss_fn: Callable, pieces: list[Piece], device: torch.device,
+                   replayer: MaskReplayer | None = None, recipe: Recipe = NO_RECIPE, loss_scale: float = 1.0,
+                   ranks: int | None = None) -> tuple[dict[str, torch.Tensor], frozenset[str], float]:
+    """accumulate_gradient's sum as autograd leaves it in the model's gradients (its dtype, its device; zeros where
+    None), the names left None, and what the sum is to be multiplied by (1 / (ranks x loss scale)): the shares
+    dpcompare.verify.divided adds across ranks."""
     ranks = (ranks or len({p.rank for p in pieces})) if recipe.active else 1
     model.train()
     model.zero_grad(set_to_none=True)
@@ -171,13 +184,16 @@ def accumulate_gradient(model: nn.Module, loss_fn: Callable, pieces: list[Piece]
             _accumulate_piece(model, loss_fn, piece, device, replayer, recipe, piece.weight * ranks * loss_scale)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     none = frozenset(n for n, p in named if p.grad is None)
-    undo = 1.0 / (ranks * loss_scale)
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in named}
+    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in named}, none, 1.0 / (ranks * loss_scale)
+
+
+def finish_gradient(raw: dict[str, torch.Tensor], undo: float) -> Grads:
+    """The gradients accumulate_gradient returns from the sum autograd left (`raw`, times `undo`)."""
     if undo != 1.0:
-        return {n: g.detach().double().cpu() * undo for n, g in grads.items()}, none
+        return {n: g.detach().double().cpu() * undo for n, g in raw.items()}
     # Held in the copy's own dtype (a float32 reference costs 4 bytes an element, not 8), read in float64: the
     # caller drops the model's .grad, so these tensors are the gradients' only holders.
-    return Compact(grads, copy=False), none
+    return Compact(raw, copy=False)
 
 
 def _accumulate_piece(model: nn.Module, loss_fn: Callable, piece: Piece, device: torch.device,
@@ -245,10 +261,18 @@ class Oracle:
         self.names = [n for n, p in template.named_parameters() if p.requires_grad]
         self.none: frozenset[str] = frozenset()
         """Parameters whose oracle gradient was None at the last `oracle_of` call (not in the loss)."""
+        self.divider = None
+        """Where the ranks share the arithmetic: rank 0's dpcompare.verify.divided.Divider (None: this process computes
+        every forward)."""
 
     def _grad(self, model: nn.Module, replayer: MaskReplayer, state: dict, pieces: list[Piece],
               recipe: Recipe = NO_RECIPE, loss_scale: float = 1.0, ranks: int | None = None
               ) -> tuple[Grads, frozenset[str]]:
+        slot = "64" if model is self.model64 else "run" if model is self.model_run else None
+        if self.divider is not None and slot is not None and self.divider.divides(pieces):
+            # every rank runs its own forwards at `state` (dpcompare.verify.divided)
+            return self.divider.gradient(slot, model, replayer, state, pieces, self.loss_fn, self.device, recipe,
+                                         loss_scale, ranks)
         model.load_state_dict(state)
         grads, none = accumulate_gradient(model, self.loss_fn, pieces, self.device, replayer, recipe, loss_scale, ranks)
         model.zero_grad(set_to_none=True)  # the float64 gradients live on in `grads`; a run-dtype copy is freed

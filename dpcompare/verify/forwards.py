@@ -61,17 +61,7 @@ class Forwards:
         return out
 
     def _split_masks(self, batch_size: int, records: list[mk.MaskRecord]) -> list[Masks]:
-        for record in records:
-            for name, why in record.problems.items():
-                raise mk.MaskMismatch(name, why)
-        k = self.layout.grad_accum
-        for rank, record in enumerate(records):
-            if record.forwards > k:
-                raise mk.MaskMismatch("", f"rank {rank} ran the model's forward {record.forwards} times in a step of "
-                                          f"{k} micro-batch(es): its draws fit no forwards the oracle runs")
-        # Each forward of a rank's step is one of its micro-batches (on each replica): its draws are that forward's.
-        return [records[rank].calls(replica if self.layout.replicas > 1 else None, forward=micro)
-                for rank, micro, replica, _ in self.layout.positions(batch_size)]
+        return split_masks(self.layout, batch_size, records)
 
     def note_per_replica(self, step: int, state: dict, batch, oracle: Grads, floor: Grads,
                          pieces: list[Piece]) -> None:
@@ -107,3 +97,20 @@ class Forwards:
                           f"BatchNorm without --sync-bn ({len(self.batchnorms)} module(s): {shown}): each of the {split} "
                           f"normalises its own {local} samples, so the run computes the mean of those forwards' losses, "
                           f"and the oracle computes exactly that; {measured}; --sync-bn makes it one computation")
+
+
+def split_masks(layout: Layout, batch_size: int, records: list[mk.MaskRecord]) -> list[Masks]:
+    """Each forward's masks, in the order of `layout.positions`, from every rank's record (raises MaskMismatch where
+    they fit no forwards)."""
+    for record in records:
+        for name, why in record.problems.items():
+            raise mk.MaskMismatch(name, why)
+    k = layout.grad_accum
+    for rank, record in enumerate(records):
+        if record.forwards > k:
+            raise mk.MaskMismatch("", f"rank {rank} ran the model's forward {record.forwards} times in a step of "
+                                      f"{k} micro-batch(es): its draws fit no forwards the oracle runs")
+    # Each forward of a rank's step is one of its micro-batches (on each replica): its draws are that forward's.
+    return [records[rank].calls(replica if layout.replicas > 1 else None, forward=micro)
+            for rank, micro, replica, _ in layout.positions(batch_size)]
+

@@ -161,7 +161,7 @@ def _gradients(bench: Bench, step: StepEvidence, state: dict, records, forward_m
     moved away from the oracle since); raises MaskMismatch where the draws do not fit the forwards."""
     split, batch = bench.split, step.batch
     pieces, oracle = split.settle(step.step, state, batch, records, forward_masks, pieces,
-                                  bench.oracle.oracle_of(state, pieces))
+                                  bench.oracle.oracle_of(state, bench.shared(pieces, batch, forward_masks)))
     none = bench.oracle.none
     floor, spread, wire = bench.reference.measure(state, batch, pieces, forward_masks, loss_scale)
     if (now := split.reconsider(step.step, state, batch, records, forward_masks, pieces, oracle, floor)):

@@ -76,26 +76,27 @@ class Trajectory:
                 for p, w in zip(self.model_run.parameters(), self.work.parameters()):
                     p.copy_(w)
         self.replayers = (MaskReplayer(self.model64), MaskReplayer(self.work if self.work is not None else self.model_run))
+        self.divider = None
+        """Rank 0's dpcompare.verify.divided.Divider where the ranks share the forwards (None: this process runs all)."""
 
     def step(self, pieces: list[Piece], loss_scale: float = 1.0, skip: bool = False) -> None:
         """One optimizer step of both copies on `pieces`; none when the run's loss scaler skipped this step."""
         if skip:
             return
         carried = {n: p.detach().clone() for n, p in self.model64.named_parameters() if n in self.carried}
-        accumulate_gradient(self.model64, self.loss_fn, pieces, self.device, self.replayers[0])
+        self._accumulate(self.model64, "64", pieces, self.replayers[0])
         self._clip(self.model64)
         self.opt64.step()
         self.model64.zero_grad(set_to_none=True)  # not needed until the next step: memory for the next check
         self.written.update(n for n, p in self.model64.named_parameters()
                             if n in carried and state_distance(p, carried[n]) != 0.0)
         if not self.recipe.active:
-            accumulate_gradient(self.model_run, self.loss_fn, pieces, self.device, self.replayers[1])
+            self._accumulate(self.model_run, "run", pieces, self.replayers[1])
         else:
             work = self.work if self.work is not None else self.model_run
             if self.work is not None:
                 self.work.load_state_dict(self.model_run.state_dict())
-            grads, none = accumulate_gradient(work, self.loss_fn, pieces, self.device, self.replayers[1], self.recipe,
-                                              loss_scale)
+            grads, none = self._accumulate(work, "run", pieces, self.replayers[1], self.recipe, loss_scale)
             finite = all(bool(torch.isfinite(g).all()) for g in grads.values())
             work.zero_grad(set_to_none=True)  # the scaled sums; the unscaled gradients are in `grads`
             for n, p in self.model_run.named_parameters():
@@ -109,6 +110,15 @@ class Trajectory:
         self._clip(self.model_run)
         self.opt_run.step()
         self.model_run.zero_grad(set_to_none=True)
+
+    def _accumulate(self, model: nn.Module, slot: str, pieces: list[Piece], replayer: MaskReplayer,
+                    recipe: Recipe = NO_RECIPE, loss_scale: float = 1.0) -> tuple[dict, frozenset[str]]:
+        """accumulate_gradient on `model` at its own weights, left in its gradients; every rank running its own
+        forwards where the pieces are several ranks' (dpcompare.verify.divided: the helpers load these weights)."""
+        if self.divider is not None and self.divider.divides(pieces):
+            return self.divider.gradient(slot, model, replayer, None, pieces, self.loss_fn, self.device, recipe,
+                                         loss_scale, into_model=True)
+        return accumulate_gradient(model, self.loss_fn, pieces, self.device, replayer, recipe, loss_scale)
 
     def follow(self, params: dict[str, torch.Tensor], names: frozenset[str]) -> None:
         """Load the run's values of `names` (the parameters the oracle coverage leaves out, which the copies do not

@@ -205,6 +205,9 @@ class Verdict:
     None: every one."""
     oracle_precision: dict | None = None
     """Where the float64 copies left float64 or the model's own path (dpcompare.verify.float64_paths); None: nowhere."""
+    oracle_division: dict | None = None
+    """How the ranks shared the oracle's forwards (dpcompare.verify.divided): `ranks`, and `divided`, the gradients
+    computed so (the oracle's, the references', the trajectory's); None: one process computed every forward."""
     wire_rounding: str = "bounded"
     """How a wire narrower than the gradients is judged: "measured" (the run-precision reference and its floor send
     the ranks' shares through it) or "bounded" (world_size x its unit roundoff added to the floor)."""
@@ -319,6 +322,7 @@ class Verdict:
             "parameters": self.parameters,
             "oracle_coverage": self.oracle_coverage,
             "oracle_precision": self.oracle_precision,
+            "oracle_division": self.oracle_division,
             "batchnorm": self.batchnorm,
             "split": self.split,
             "buffers": self.buffers,

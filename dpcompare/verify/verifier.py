@@ -30,6 +30,7 @@ from dpcompare.verify import float64_paths, stochastic
 from dpcompare.verify.bench import Bench
 from dpcompare.verify.checks import CHECKS, Check
 from dpcompare.verify.context import CheckContext, Finding
+from dpcompare.verify.divided import Divider
 from dpcompare.verify.opening import open_verdict
 from dpcompare.verify.oracle_coverage import unchecked_frozen
 from dpcompare.verify.step_evidence import StepEvidence, compute, note_forwards
@@ -44,10 +45,10 @@ class Verifier:
     the run's initial ones), `wrapped` the backend's wrapping of it."""
 
     def __init__(self, ctx: CheckContext, *, template: nn.Module, loss_fn: Callable, wrapped: Wrapped,
-                 backend: Adapter) -> None:
+                 backend: Adapter, divider: Divider | None = None) -> None:
         unchecked_frozen(template, ctx.unchecked)  # before any copy: no gradient, state or check for them
         self.ctx, self.backend = ctx, backend
-        self.bench = Bench(ctx, template=template, loss_fn=loss_fn, wrapped=wrapped, backend=backend)
+        self.bench = Bench(ctx, template=template, loss_fn=loss_fn, wrapped=wrapped, backend=backend, divider=divider)
         self.verdict = self.bench.verdict
         self.stopped = False
         """No check that uses rank 0's copies runs from here on: the run diverged, or its randomness cannot be
@@ -127,6 +128,9 @@ class Verifier:
         checked step overflowed its loss scale (and was rightly skipped) compared none: the trajectory alone, which
         saw no update, cannot stand for the verdict."""
         self.verdict.oracle_precision = float64_paths.report(self.bench.oracle.model64, self.bench.trajectory.model64)
+        divider = self.bench.divider
+        if divider is not None:
+            self.verdict.oracle_division = {"ranks": divider.peers.world_size, "divided": divider.requests}
         if self.verdict.checks or self.stopped or not self.ctx.settings.check_every:
             return
         skipped = self.verdict.precision.skipped_steps if self.verdict.precision is not None else []

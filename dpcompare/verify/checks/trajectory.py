@@ -36,6 +36,9 @@ class Trajectory:
             self.verdict.precision.skipped_total = after.skipped_steps
         try:
             pieces = self.bench.forwards.pieces(step.batch, step.records)
+            masks = (self.bench.forwards.masks(step.batch[0].shape[0], step.records) if step.records is not None
+                     else None)
+            pieces = self.bench.shared(pieces, step.batch, masks)
             self.trajectory.step(pieces, self._loss_scale(step), skip=self._skipped(step, after))
         except mk.MaskMismatch as exc:
             return self.bench.mask_failure(step.step, exc)

@@ -1,0 +1,256 @@
+"""The oracle's arithmetic divided over the ranks: every rank runs its own forwards of a checked step.
+
+Owns: `Peers` (the verifier's own process group: gloo, CPU tensors, made by the run layer on every rank beside the
+backend's, so nothing here passes through the backend's wrapper, buckets or hooks), `Divider` (rank 0: asks every rank
+for its share of a gradient and sums the shares in a fixed order) and `Helper` (every other rank: computes its share
+with copies of its own). Imports no adapter.
+
+A gradient the oracle, the run-precision reference or the reference trajectory computes is a sum over forwards (the
+ranks' shards, their micro-batches: `Piece`s with a `position` in the `Layout`). Where the forwards belong to more
+than one rank, rank 0 sends every rank the request (which copy: float64 or the run's precision; the state to load,
+sent only where it changed; the forwards, by position, in the order rank 0 would run them; the recipe's loss scale
+and rank count) and every rank runs its own forwards with the draws its ranks recorded, on its own device, into its
+copy's gradients, exactly as rank 0 would have run them. Rank 0 then adds the ranks' sums in the order the ranks first
+appear in the request (the reverse order for a regrouped floor), in the copy's own dtype, one parameter at a time, as
+autograd would have accumulated them on one process: with one forward per rank the sum is rank 0's old sequential
+accumulation to the bit. A rank with no forward in the request sends nothing.
+
+Trust: the collectives are trusted (gloo's own tests and nccl-tests verify them); what dpcompare judges is how each
+backend uses them. The state every rank loads is rank 0's (the values the backend's optimizer holds, as rank 0 read
+them), never the rank's own: a backend whose replicas drifted apart is judged on rank 0's values, as before.
+
+What stays on rank 0 alone: a forward of the whole global batch (a model whose split changes its gradient is found
+by comparing it with the split; global BatchNorm under --sync-bn; a loss that is not a mean), one rank's local
+gradient (a diagnosis), a wire emulated share by share, the compiled twin under --compile, and the module buffers'
+predictions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dpcompare.verify import masks as mk
+from dpcompare.verify import stochastic
+from dpcompare.verify.equivalence import Grads, Layout, Piece, accumulate_raw, finish_gradient, verification_copy
+from dpcompare.verify.masks import MaskReplayer
+from dpcompare.verify.precision import NONE as NO_RECIPE
+from dpcompare.verify.precision import Recipe
+
+SLOTS = ("64", "run")
+"""The copies a request names: the float64 one, and the one in the run's precision (its recipe's weights)."""
+
+
+def partition(sizes: list[tuple[str, int]], world_size: int) -> list[list[str]]:
+    """The parameters (name, elements), in the model's order, cut into `world_size` contiguous ranges of about as many
+    elements each (a parameter is never split): rank r's range is the r-th. The ranges the ranks' judging is to be
+    divided by; a fault confined to one of them (tests.faulty_adapters: Rank1Range*) must be caught wherever it lies."""
+    total = sum(n for _, n in sizes)
+    out: list[list[str]] = [[] for _ in range(world_size)]
+    seen = 0
+    for name, n in sizes:
+        # the range whose share of the elements this parameter's middle falls in
+        r = min(int((seen + n / 2) * world_size / total), world_size - 1) if total else 0
+        out[r].append(name)
+        seen += n
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Peers:
+    """This rank, the world, and the verifier's process group (gloo: CPU tensors)."""
+
+    rank: int
+    world_size: int
+    group: Any
+
+    @classmethod
+    def make(cls) -> "Peers | None":
+        """On every rank, at the same point: the verifier's group beside the backend's; None where there is no
+        torch.distributed process group (one process; Horovod) or one rank."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        return cls(dist.get_rank(), dist.get_world_size(), dist.new_group(backend="gloo"))
+
+    def broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One share every rank computes: `slot`'s copy, at `state` (its keys, shapes and dtypes; the tensors follow where
+    given), over the forwards at `positions` with `weights`, in that order."""
+
+    slot: str | None
+    """None: nothing more this time (the point of the step is over)."""
+    state: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
+    positions: tuple[int, ...] = ()
+    weights: tuple[float, ...] = ()
+    recipe: bool = False
+    loss_scale: float = 1.0
+    ranks: int = 1
+
+
+@dataclass(slots=True)
+class Status:
+    """What a rank answers a request with before its tensors: whether it computed a share, and what it left None."""
+
+    computed: bool
+    none: frozenset[str] = frozenset()
+    error: str | None = None
+    mismatch: tuple[str, str] | None = None
+    """A MaskMismatch on that rank: (module, reason)."""
+
+
+def _send_state(peers: Peers, state: dict[str, torch.Tensor]) -> None:
+    for t in state.values():
+        dist.broadcast(t.detach().to("cpu").contiguous(), src=0, group=peers.group)
+
+
+def _receive_state(peers: Peers, meta: list[tuple[str, tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, shape, dtype in meta:
+        t = torch.empty(shape, dtype=dtype)
+        dist.broadcast(t, src=0, group=peers.group)
+        out[key] = t
+    return out
+
+
+class Divider:
+    """Rank 0's side: `gradient` divides a sum over forwards of more than one rank among the ranks (see the module
+    docstring); `done` ends a point of the step for every helper."""
+
+    def __init__(self, peers: Peers, layout: Layout) -> None:
+        self.peers, self.layout = peers, layout
+        self._sent: dict[str, dict] = {}
+        """Per slot, the state the helpers last loaded (the same object is not sent twice)."""
+        self.requests = 0
+        """Requests divided so far (the verdict says the arithmetic was divided)."""
+
+    def divides(self, pieces: list[Piece]) -> bool:
+        """Whether `pieces` are forwards of the layout of more than one rank (a whole-batch forward is not)."""
+        return (len({p.rank for p in pieces}) > 1 and all(p.position is not None for p in pieces))
+
+    def gradient(self, slot: str, model: nn.Module, replayer: MaskReplayer | None, state: dict | None,
+                 pieces: list[Piece], loss_fn: Callable, device: torch.device, recipe: Recipe = NO_RECIPE,
+                 loss_scale: float = 1.0, ranks: int | None = None, *,
+                 into_model: bool = False) -> tuple[Grads, frozenset[str]]:
+        """accumulate_gradient's result over `pieces`, each rank running its own at `state` (rank 0's `model` loads it
+        here; None: `model` holds it already, and so must the helpers: it is sent from `model`). `into_model`: the
+        summed gradients are left in `model`'s .grad as a single process leaves them (a trajectory's optimizer steps
+        them), else dropped from it."""
+        ranks = (ranks or len({p.rank for p in pieces})) if recipe.active else 1
+        send = state if state is not None else model.state_dict()
+        fresh = self._sent.get(slot) is not send
+        meta = [(k, tuple(t.shape), t.dtype) for k, t in send.items()] if fresh else None
+        self.peers.broadcast(Request(slot, meta, tuple(p.position for p in pieces), tuple(p.weight for p in pieces),
+                                     recipe.active, loss_scale, ranks))
+        if fresh:
+            _send_state(self.peers, send)
+            self._sent[slot] = send
+        self.requests += 1
+        if state is not None:
+            model.load_state_dict(state)
+        own = [p for p in pieces if p.rank == 0]
+        status, raw = Status(False), None
+        try:
+            if own:
+                raw, none, _ = accumulate_raw(model, loss_fn, own, device, replayer, recipe, loss_scale, ranks)
+                status = Status(True, none)
+        except mk.MaskMismatch as exc:
+            status = Status(False, mismatch=(exc.module, exc.reason))
+        statuses = self.peers.gather(status)
+        failed = next((s for s in statuses if s.mismatch is not None or s.error is not None), None)
+        self.peers.broadcast(failed is None)  # the helpers send their shares only where every rank computed its own
+        if failed is not None:
+            model.zero_grad(set_to_none=True)
+            if failed.mismatch is not None:
+                raise mk.MaskMismatch(*failed.mismatch)
+            raise RuntimeError(f"a rank computing its share of the oracle failed: {failed.error}")
+        order = list(dict.fromkeys(p.rank for p in pieces))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        total: dict[str, torch.Tensor] = {}
+        for n, p in named:
+            acc = None
+            for r in order:
+                if r == 0:
+                    part = raw[n]
+                else:
+                    part = torch.empty(p.shape, dtype=p.dtype)
+                    dist.recv(part, src=r, group=self.peers.group)
+                    part = part.to(p.device)
+                acc = part if acc is None else acc + part
+            total[n] = acc
+        none = frozenset.intersection(*[s.none for s in statuses if s.computed])
+        model.zero_grad(set_to_none=True)
+        if into_model:
+            for n, p in named:
+                p.grad = None if n in none else total[n]
+        return finish_gradient(total, 1.0 / (ranks * loss_scale)), none
+
+    def done(self) -> None:
+        """The end of a point of the step: every helper stops serving, and the states sent are let go."""
+        self.peers.broadcast(Request(None))
+        self._sent.clear()
+
+
+class Helper:
+    """A rank other than 0: serves rank 0's requests at every point of every step with copies of its own (float64,
+    and the run's precision: its recipe's weights), computing its own forwards."""
+
+    def __init__(self, peers: Peers, template: nn.Module, loss_fn: Callable, *, layout: Layout, dtype: torch.dtype,
+                 device: torch.device, recipe: Recipe) -> None:
+        self.peers, self.layout, self.loss_fn, self.device, self.recipe = peers, layout, loss_fn, device, recipe
+        self.models = {"64": verification_copy(template, device, torch.float64),
+                       "run": verification_copy(template, device, recipe.weights_dtype or dtype)}
+        self.replayers = {k: MaskReplayer(m) for k, m in self.models.items()}
+        self._states: dict[str, dict[str, torch.Tensor]] = {}
+        """Per slot, the state rank 0 last sent this point of the step."""
+
+    def serve(self, batch: tuple[torch.Tensor, torch.Tensor], masks: Callable[[], list | None]) -> None:
+        """Until rank 0 says the point is over: each request's share, of this step's global `batch`, with the draws
+        `masks()` unpacks (each forward's, in the layout's order; None: the forward draws nothing)."""
+        with stochastic.isolated(self.device):
+            while (request := self.peers.broadcast(None)).slot is not None:
+                self._answer(request, batch, masks)
+        self._states.clear()
+
+    def _answer(self, request: Request, batch, masks: Callable[[], list | None]) -> None:
+        model, replayer = self.models[request.slot], self.replayers[request.slot]
+        if request.state is not None:
+            self._states[request.slot] = _receive_state(self.peers, request.state)
+        # reloaded at every request, as rank 0 reloads its copy: a forward in training mode moves buffers
+        model.load_state_dict(self._states[request.slot])
+        positions = self.layout.positions(batch[0].shape[0])
+        status, raw = Status(False), None
+        try:
+            drawn = masks()
+            own = [Piece(batch[0][positions[i][3]], batch[1][positions[i][3]], w, drawn[i] if drawn else None,
+                         self.peers.rank, i)
+                   for i, w in zip(request.positions, request.weights) if positions[i][0] == self.peers.rank]
+            if own:
+                raw, none, _ = accumulate_raw(model, self.loss_fn, own, self.device, replayer,
+                                              self.recipe if request.recipe else NO_RECIPE, request.loss_scale,
+                                              request.ranks)
+                status = Status(True, none)
+        except mk.MaskMismatch as exc:
+            status = Status(False, mismatch=(exc.module, exc.reason))
+        except Exception as exc:  # noqa: BLE001 - said by rank 0, in one line, with the others' ranks in step
+            status = Status(False, error=f"rank {self.peers.rank}: {type(exc).__name__}: {exc}")
+        self.peers.gather(status)
+        if self.peers.broadcast(None) and status.computed:
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    dist.send(raw[n].detach().to("cpu").contiguous(), dst=0, group=self.peers.group)
+        model.zero_grad(set_to_none=True)

@@ -1,0 +1,68 @@
+"""The oracle's arithmetic divided over the ranks (dpcompare.verify.divided): every rank runs its own forwards of the
+float64 oracle, the run-precision references and the reference trajectory, and rank 0 adds the ranks' gradients in a
+fixed order.
+
+- What the backend is judged against does not move: with one forward per rank, the run-precision reference and its
+  regrouped floor are rank 0's old sequential sums to the bit, so every judged figure is the same as `--oracle-ranks
+  rank0`'s (the single-process oracle), and the float64 oracle's figures agree to float64's rounding.
+- Faults confined to the parameters of rank 1's range (the range the ranks' judging is divided by) are caught, with
+  their cause: in the gradient (Rank1RangeGradientDDP) and in the update (Rank1RangeDoubleStepDDP).
+- The partition itself: contiguous ranges of about as many elements each.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dpcompare.verify.divided import partition
+from test_negative import different, update_failed
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+
+STEPS = ["--steps", "3", "--optimizer", "adamw"]
+MLP_RANK1 = ["2.weight", "2.bias", "4.weight", "4.bias"]
+"""Rank 1's range of the mlp at two ranks (6922 elements: 0.weight and 0.bias are 2112 of them, 2.weight 4096)."""
+
+
+def test_partition_cuts_contiguous_ranges_of_about_equal_elements():
+    mlp = [("0.weight", 2048), ("0.bias", 64), ("2.weight", 4096), ("2.bias", 64), ("4.weight", 640), ("4.bias", 10)]
+    assert partition(mlp, 2) == [["0.weight", "0.bias"], MLP_RANK1]
+    assert partition([(c, 10) for c in "abcd"], 4) == [["a"], ["b"], ["c"], ["d"]]
+    assert partition([("a", 10), ("b", 10)], 4) == [[], ["a"], [], ["b"]]  # more ranks than parameters: some own none
+    assert sum(partition(mlp, 3), []) == [n for n, _ in mlp]  # every parameter once, in order
+
+
+def test_a_gradient_fault_in_rank_1s_range_alone_is_caught_on_divided_arithmetic(launch):
+    proc, result = launch("tests.faulty_adapters:Rank1RangeGradientDDP", 2, "mlp", STEPS)
+    d = different(proc, result)
+    assert d["step"] == 0 and d["parameter"] in MLP_RANK1, d
+    assert d["parameters"] == MLP_RANK1, d
+    assert "1.05x the oracle" in d["reason"], d["reason"]
+    assert result["equivalence"]["oracle_division"]["ranks"] == 2, result["equivalence"]["oracle_division"]
+    assert result["equivalence"]["oracle_division"]["divided"] > 0
+
+
+@pytest.mark.slow
+def test_an_update_fault_in_rank_1s_range_alone_is_caught(launch):
+    proc, result = launch("tests.faulty_adapters:Rank1RangeDoubleStepDDP", 2, "mlp", STEPS)
+    d = update_failed(proc, result)
+    assert (d["step"], d["cause"], d["parameters"]) == (0, "double_step", MLP_RANK1), d
+
+
+@pytest.mark.slow
+def test_divided_arithmetic_judges_as_the_single_process_oracle(launch):
+    """The same run with --oracle-ranks all and rank0: every judged figure equal, the float64 oracle's within its
+    rounding (the ranks' float64 shards added, where one forward of the global batch ran before)."""
+    runs = {}
+    for where in ("all", "rank0"):
+        proc, result = launch("ddp", 2, "mlp", [*STEPS, "--oracle-ranks", where])
+        assert proc.returncode == 0 and result["equivalence"]["verdict"] == "equivalent", proc.output[-3000:]
+        runs[where] = result["equivalence"]
+    assert runs["all"]["oracle_division"]["ranks"] == 2 and runs["rank0"]["oracle_division"] is None
+    for a, b in zip(runs["all"]["per_step"], runs["rank0"]["per_step"]):
+        for pa, pb in zip(a["params"], b["params"]):
+            for key in ("judged_rel_fro_err", "judged_floor_rel_fro", "noise_ratio", "tolerance_rel_fro"):
+                assert pa[key] == pb[key], (a["step"], pa["parameter"], key, pa[key], pb[key])
+            assert math.isclose(pa["rel_fro_err"], pb["rel_fro_err"], rel_tol=1e-6), (pa, pb)
