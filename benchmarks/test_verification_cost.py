@@ -476,3 +476,183 @@ def test_verification_cost_grows_linearly_with_model_size(tmp_path: Path) -> Non
     assert f["above_start"]["bytes_per_param"] > STATE_BYTES_PER_PARAM["sgd"], f
     assert f["verify_ms_per_step"]["r2"] > 0.9, f
     assert 0.5 < f["verify_ms_per_step"]["k"] < 1.5, f
+
+
+# -- the same checks divided over ranks ---------------------------------------------------------------
+WORLD_SIZES = (1, 2, 4)
+WS_SIZES = ("11M", "22M", "39M")
+WS_OPTIMIZERS = ("sgd", "adamw")
+WS_PER_RANK_BATCH = 2
+"""Weak scaling: every rank runs 2 sequences of 16 tokens a step (global batch 2N), as the single process did."""
+WS_ARGS = ["--seq-len", "16", "--steps", "2", "--measure-steps", "2", "--warmup-steps", "1", "--timeout-s", "3600"]
+
+
+@dataclass
+class WsPoint:
+    size: Size
+    optimizer: str
+    world_size: int
+    error: str | None = None
+    skipped: str | None = None
+    wall_s: float | None = None
+    verdict: str | None = None
+    parameters: int | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    division: dict | None = None
+
+    @property
+    def measured(self) -> bool:
+        return self.error is None and self.skipped is None
+
+    def per_rank(self, key: str) -> list[float]:
+        m = self.metrics
+        return m.get(f"{key}_per_rank") or [m[key]]
+
+    def row(self) -> dict[str, Any]:
+        out = {"size": self.size.label, "optimizer": self.optimizer, "world_size": self.world_size,
+               "parameters": self.parameters or self.size.parameters, "verdict": self.verdict,
+               "error": self.error, "skipped": self.skipped, "wall_s": self.wall_s, "oracle_division": self.division}
+        if self.measured:
+            p = out["parameters"]
+            above = self.per_rank("verify_above_start_mib")
+            out.update({
+                "step_ms_p50": self.metrics["step_ms_p50"],
+                "verify_ms_per_step_per_rank": self.per_rank("verify_ms_per_step"),
+                "ratio_verify_to_step": self.metrics["verify_ms_per_step"] / self.metrics["step_ms_p50"],
+                "above_start_bytes_per_param_per_rank": [a * MIB / p for a in above],
+                "above_start_bytes_per_param_rank0": above[0] * MIB / p,
+                "above_start_bytes_per_param_max": max(above) * MIB / p,
+                "above_start_bytes_per_param_mean": float(np.mean(above)) * MIB / p,
+            })
+        return out
+
+
+def _run_ws(size: Size, optimizer: str, world_size: int, root: Path, folder: Path) -> WsPoint:
+    point = WsPoint(size, optimizer, world_size)
+    work = root / "ws-runs" / f"{size.label}-{optimizer}-ws{world_size}"
+    out = work / "out"
+    args = [*WS_ARGS, "--global-batch", str(WS_PER_RANK_BATCH * world_size), "--model", f"hf:{folder}",
+            "--optimizer", optimizer, "--out", str(out)]
+    if world_size == 1:
+        cmd = [sys.executable, "-m", "dpcompare", "--backend", "reference", *args]
+    else:
+        cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc_per_node={world_size}",
+               "-m", "dpcompare", "--backend", "ddp", *args]
+    w = _run_watched(cmd, work, RUN_TIMEOUT_S)
+    point.wall_s = w.wall_s
+    if w.killed or w.code != 0:
+        point.error = w.killed or f"exit status {w.code}"
+        print(f"  {size.label} {optimizer} ws={world_size}: {point.error}\n{(work / 'run.log').read_text()[-3000:]}",
+              flush=True)
+        return point
+    (path,) = out.glob("*.json")
+    result = json.loads(path.read_text())
+    point.verdict = result["equivalence"]["verdict"]
+    point.division = result["equivalence"].get("oracle_division")
+    point.parameters = result["model_info"]["parameters"]
+    point.metrics = result["metrics"]
+    return point
+
+
+def _ws_fits(points: list[WsPoint]) -> dict[str, Any]:
+    """Per optimizer and world size: bytes per parameter per rank (rank 0's, the largest rank's) against P, and the
+    checked step's cost in steps; per size, how rank 0's verify time and bytes move from 1 to 4 ranks."""
+    fits: dict[str, Any] = {}
+    for opt in WS_OPTIMIZERS:
+        for ws in WORLD_SIZES:
+            mine = sorted((p for p in points if p.measured and p.optimizer == opt and p.world_size == ws),
+                          key=lambda p: p.parameters)
+            if len(mine) < 2:
+                continue
+            xs = np.array([p.parameters for p in mine], dtype=float)
+            f = fits.setdefault(opt, {})[f"ws{ws}"] = {}
+            for key, pick in (("rank0", lambda p: p.per_rank("verify_above_start_mib")[0]),
+                              ("max_rank", lambda p: max(p.per_rank("verify_above_start_mib")))):
+                fit = stats.linregress(xs, np.array([pick(p) for p in mine]) * MIB)
+                f[f"above_start_{key}"] = {"bytes_per_param": float(fit.slope), "a_mib": float(fit.intercept / MIB),
+                                           "r2": float(fit.rvalue**2), "n": len(mine)}
+            f["ratio_verify_to_step"] = spread([p.row()["ratio_verify_to_step"] for p in mine])
+    growth: dict[str, Any] = {}
+    for opt in WS_OPTIMIZERS:
+        for label in WS_SIZES:
+            by_ws = {p.world_size: p for p in points
+                     if p.measured and p.optimizer == opt and p.size.label == label}
+            if 1 in by_ws and len(by_ws) > 1:
+                base = by_ws[1]
+                growth[f"{label}-{opt}"] = {
+                    f"ws{ws}": {"verify_ms_rank0_over_ws1": p.metrics["verify_ms_per_step"]
+                                / base.metrics["verify_ms_per_step"],
+                                "ratio_over_ws1": p.row()["ratio_verify_to_step"] / base.row()["ratio_verify_to_step"],
+                                "bytes_rank0_over_ws1": p.row()["above_start_bytes_per_param_rank0"]
+                                / base.row()["above_start_bytes_per_param_rank0"],
+                                "bytes_max_rank_over_ws1": p.row()["above_start_bytes_per_param_max"]
+                                / base.row()["above_start_bytes_per_param_rank0"]}
+                    for ws, p in sorted(by_ws.items()) if ws != 1}
+    fits["growth_from_ws1"] = growth
+    return fits
+
+
+def _print_ws(points: list[WsPoint]) -> None:
+    table = Table(title="checking divided over ranks (ws=1: the reference backend; ws>1: ddp under torchrun, each rank "
+                  "2 x 16 tokens a step): per-rank cost", title_justify="left")
+    for col in ("size", "opt", "ws", "step ms", "verify ms/step (per rank)", "ratio", "B/param above start (per rank)",
+                "divided", "verdict / why not"):
+        table.add_column(col, justify="left" if col in ("size", "opt", "verdict / why not") else "right")
+    for p in points:
+        if not p.measured:
+            table.add_row(p.size.label, p.optimizer, str(p.world_size), *[""] * 5, p.skipped or p.error)
+            continue
+        r = p.row()
+        table.add_row(p.size.label, p.optimizer, str(p.world_size), f"{r['step_ms_p50']:.0f}",
+                      " / ".join(f"{v:.0f}" for v in r["verify_ms_per_step_per_rank"]),
+                      f"{r['ratio_verify_to_step']:.1f}",
+                      " / ".join(f"{v:.0f}" for v in r["above_start_bytes_per_param_per_rank"]),
+                      str((p.division or {}).get("divided", "-")), p.verdict)
+    Console(width=200, force_terminal=False).print(table)
+
+
+def test_verification_cost_across_world_sizes(tmp_path: Path) -> None:
+    """The same Llama-style sizes at 1, 2 and 4 ranks: each rank's checking bytes per parameter and rank 0's checked
+    step in steps, with the oracle's forwards divided over the ranks (equivalence.oracle_division)."""
+    pytest.importorskip("transformers")
+    started = time.monotonic()
+    points: list[WsPoint] = []
+    measured_ws1: dict[tuple[str, str], float] = {}
+    for opt in WS_OPTIMIZERS:
+        for size in (s for s in SIZES if s.label in WS_SIZES):
+            folder = size.write(tmp_path)
+            for ws in WORLD_SIZES:
+                left = TIME_BUDGET_S - (time.monotonic() - started)
+                # a bound: every rank as large as one process (the run's own state and the copies each rank holds)
+                one = measured_ws1.get((size.label, opt))
+                need = ws * (one if one is not None else PRIOR_FIXED_BYTES + PRIOR_BYTES_PER_PARAM * size.parameters)
+                if need + MARGIN_BYTES > _mem_available():
+                    points.append(WsPoint(size, opt, ws, skipped=f"predicted {need / GIB:.1f} GiB > available"))
+                    continue
+                if left < 60:
+                    points.append(WsPoint(size, opt, ws, skipped=f"{left:.0f} s left of the time budget"))
+                    continue
+                print(f"  {size.label} {opt} ws={ws} ...", flush=True)
+                point = _run_ws(size, opt, ws, tmp_path, folder)
+                points.append(point)
+                if point.measured:
+                    if ws == 1:
+                        measured_ws1[(size.label, opt)] = MIB * point.metrics["verify_peak_mib"]
+                    r = point.row()
+                    print(f"    {point.verdict}; step {r['step_ms_p50']:.0f} ms, verify/step "
+                          f"{r['ratio_verify_to_step']:.1f}x, B/param per rank "
+                          f"{[round(v) for v in r['above_start_bytes_per_param_per_rank']]}", flush=True)
+    fits = _ws_fits(points)
+    _print_ws(points)
+    record = {"command_ws1": ["python", "-m", "dpcompare", "--backend", "reference", *WS_ARGS],
+              "command_wsN": ["torchrun", "--standalone", "--nproc_per_node=N", "-m", "dpcompare", "--backend", "ddp",
+                              *WS_ARGS, "--global-batch", "2N"],
+              "points": [p.row() for p in points], "fits": fits, "wall_s": time.monotonic() - started}
+    (tmp_path / "verification_cost_ws.json").write_text(json.dumps(record, indent=2))
+    print(json.dumps(record, indent=2), flush=True)
+    failed = [p for p in points if p.error]
+    assert not failed, [(p.size.label, p.optimizer, p.world_size, p.error) for p in failed]
+    measured = [p for p in points if p.measured]
+    assert all(p.verdict == "equivalent" for p in measured), [(p.size.label, p.world_size, p.verdict) for p in measured]
+    assert all((p.division or {}).get("ranks") == p.world_size for p in measured if p.world_size > 1)
+    assert any(p.world_size == 4 for p in measured), "no run at 4 ranks"

@@ -122,10 +122,11 @@ class Difference(Mapping[str, torch.Tensor]):
         self._after, self._before, self._round_to = after, before, round_to
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        before = self._before[name].detach()
-        if self._round_to is not None:
+        # one float64 copy and one subtraction: the other side is promoted inside it (exactly)
+        before = (self._before.held(name) if isinstance(self._before, Compact) else self._before[name]).detach()
+        if self._round_to is not None and before.dtype != self._round_to:
             before = before.to(self._round_to)
-        return self._after[name].detach().to("cpu", torch.float64) - before.to("cpu", torch.float64)
+        return self._after[name].detach().to("cpu", torch.float64) - before.to("cpu")
 
     def __iter__(self):
         return iter(self._before)

@@ -103,8 +103,10 @@ class Update:
         floor = self._replay(pending, single, state, self.dtype, keep_state=False)
         params, model = compare(delta, ref.delta, floor.delta, dtype=ctx.dtype, world_size=1,
                                 depth=ctx.depth, names=self.names)
-        ratios = {n: _ratio(delta[n], ref.delta[n]) for n in self.names}
-        whole = _norm_ratio(norm_of(delta, self.names), norm_of(ref.delta, self.names))
+        norms = {n: (_norm(delta[n]), _norm(ref.delta[n])) for n in self.names}  # each update read once more
+        ratios = {n: _norm_ratio(*norms[n]) for n in self.names}
+        whole = _norm_ratio(math.sqrt(sum(a * a for a, _ in norms.values())),
+                            math.sqrt(sum(b * b for _, b in norms.values())))
         self.verdict.checks[-1].update = UpdateCheck(params, ratios, whole, model)
         failing = [p for p in params if not p.ok]
         if not model.ok and not failing:
@@ -191,8 +193,8 @@ class Update:
                           "Adam the bias correction runs one step ahead, with SGD a zero momentum buffer steps like none)")
 
 
-def _ratio(a: torch.Tensor, b: torch.Tensor) -> float:
-    return _norm_ratio(float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(b)))
+def _norm(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t))
 
 
 def _norm_ratio(na: float, nb: float) -> float:
