@@ -59,6 +59,28 @@ def test_a_smaller_budget_checks_the_whole_blocks_that_fit(monkeypatch: pytest.M
     assert quarter.units_checked == ["0", "7"] and quarter.fraction == 0.25 and quarter.reason.endswith("requested")
 
 
+def test_ranks_sharing_the_forwards_are_planned_in_the_memory_they_share() -> None:
+    """With the oracle's forwards divided over the ranks, the other ranks' copies take room from rank 0's plan where
+    they share its memory (one host's CPU ranks), and a pool too small for its ranks' copies is refused, naming them."""
+    model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8)))
+    total = sum(p.numel() for p in model.parameters())
+    block = total // 8
+    copies = oc.helper_bytes(oc.copied_elements(model))
+    kw = dict(request="auto", optimizer="sgd", dtype_bytes=4, device=torch.device("cpu"))
+    free = (oc.need_bytes(total, total, "sgd") + copies / 2) / oc.MARGIN  # all of it on rank 0 alone, not beside one
+    alone = oc.plan_ranks(model, [("host", (free, "test"))], **kw)
+    assert alone.full
+    shared = oc.plan_ranks(model, [("host", (free, "test")), ("host", (free, "test"))], **kw)
+    assert not shared.full and shared.checked_parameters < total and "other ranks' copies" in shared.reason
+    apart = oc.plan_ranks(model, [("host", (free, "test")), ("other", (copies / oc.MARGIN * 1.01, "test"))], **kw)
+    assert apart.full  # a rank on a host of its own takes nothing from rank 0's
+    with pytest.raises(oc.OracleCoverageRefused, match=r"rank\(s\) 1, 2 hold copies") as refused:
+        oc.plan_ranks(model, [("host", (free, "test")), ("other", (copies, "test")), ("other", (copies, "test"))],
+                      **kw)
+    assert "--oracle-ranks rank0" in str(refused.value)
+    assert block > 0
+
+
 @pytest.mark.parametrize(("request_", "partial", "gib", "says"), [
     ("full", None, 0.05, "cannot check every parameter"),
     ("auto", "--clip-grad-norm clips by the global norm", 0.05, "a subset cannot be checked here"),

@@ -14,6 +14,7 @@ draws random numbers.
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -83,11 +84,17 @@ class VerificationPhase:
         """Rank 0 plans what the oracle checks within the memory free (dpcompare.verify.oracle_coverage); every rank
         learns the plan, so a refusal ends every rank alike, in one line said by rank 0."""
         plan: oc.OracleCoverage | str | None = None
+        device = self.runner.device
+        pools = None
+        if self.peers is not None:  # every rank's memory: the ranks that share the oracle's forwards hold copies too
+            pool = (socket.gethostname(), device.type, device.index if device.type == "cuda" else None)
+            pools = self.adapter.all_gather_object((pool, oc.available_bytes(device)))
         if self.rank0 and self.cfg.check_every:
+            kwargs = dict(request=self.cfg.check_coverage, optimizer=self.cfg.optimizer,
+                          dtype_bytes=eq.DTYPES[self.cfg.dtype].itemsize, device=device,
+                          refuse_partial=self._partial_refusal())
             try:
-                plan = oc.plan(self.template, request=self.cfg.check_coverage, optimizer=self.cfg.optimizer,
-                               dtype_bytes=eq.DTYPES[self.cfg.dtype].itemsize, device=self.runner.device,
-                               refuse_partial=self._partial_refusal())
+                plan = oc.plan_ranks(self.template, pools, **kwargs) if pools else oc.plan(self.template, **kwargs)
             except oc.OracleCoverageRefused as exc:
                 plan = str(exc)
         plan = self.adapter.all_gather_object(plan)[0]

@@ -34,6 +34,13 @@ CHECKED_BYTES_PER_PARAM = {"sgd": 160.0, "adamw": 185.0}
 """What each checked parameter adds: float64 gradients of the oracle and the references (reduced, oracle, floor,
 spread), the update check's float64 copies and the reference trajectories' optimizer states (AdamW's twice SGD's).
 Measured as above: 157 B/param with SGD, 180 with AdamW (every parameter checked: 191 and 222 B/param in all)."""
+HELPER_BYTES_PER_PARAM = 36.0
+"""A rank other than 0 where the ranks share the oracle's forwards (dpcompare.verify.divided), per parameter of the
+model: its float64 and run-precision copies (12), the state rank 0 sends it (4), its share of a gradient while it is
+sent (float64 and run dtype) and the copies' own gradients. Measured above start on the helper ranks of 11 M-parameter
+Llama-style runs at 2 and 4 ranks (benchmarks/test_verification_cost.py, 2026-11-27): 43-50 B/param, of which about 12
+are the rank's own training state (its gradients, momentum and DDP's buckets, first allocated in the verification
+phase)."""
 FIXED_BYTES = 256 * 1024**2
 """The checks' fixed part (the float64 activations of a small batch, allocator slack)."""
 MARGIN = 0.85
@@ -82,6 +89,17 @@ def need_bytes(parameters: int, checked: int, optimizer: str, dtype_bytes: int =
     per_checked = CHECKED_BYTES_PER_PARAM.get(optimizer, max(CHECKED_BYTES_PER_PARAM.values()))
     copies = max(parameters, copied or 0)
     return FIXED_BYTES + COPY_BYTES_PER_PARAM * scale * copies + per_checked * checked
+
+
+def helper_bytes(copied: int, dtype_bytes: int = 4) -> float:
+    """What a rank that shares the oracle's forwards holds for them: its copies of a model of `copied` elements."""
+    scale = dtype_bytes / 4 if dtype_bytes > 4 else 1.0
+    return FIXED_BYTES + HELPER_BYTES_PER_PARAM * scale * copied
+
+
+def copied_elements(template: nn.Module) -> int:
+    """The elements every copy of the model holds: parameters (trainable or not) and buffers."""
+    return sum(t.numel() for t in (*template.parameters(), *template.buffers()))
 
 
 def available_bytes(device: torch.device) -> tuple[float | None, str]:
@@ -151,7 +169,8 @@ def units(template: nn.Module) -> list[tuple[str, list[str]]]:
 
 
 def plan(template: nn.Module, *, request: str, optimizer: str, dtype_bytes: int, device: torch.device,
-         refuse_partial: str | None = None) -> OracleCoverage:
+         refuse_partial: str | None = None, reserved: float = 0.0, free: tuple[float | None, str] | None = None
+         ) -> OracleCoverage:
     """The parameters the oracle checks. `request`: 'full' (all, refused in one line where they do not fit), 'auto'
     (all where they fit, else as many whole units as fit) or a fraction in (0, 1] (whole units up to that share of the
     parameters, each taken only while it fits). `refuse_partial`: why this run cannot be checked on a subset (the
@@ -159,19 +178,22 @@ def plan(template: nn.Module, *, request: str, optimizer: str, dtype_bytes: int,
     trainable = [(n, p.numel()) for n, p in template.named_parameters() if p.requires_grad]
     total = sum(c for _, c in trainable)
     sizes = dict(trainable)
-    copied = sum(t.numel() for t in (*template.parameters(), *template.buffers()))
+    copied = copied_elements(template)
 
     def need(checked: int) -> float:
         return need_bytes(total, checked, optimizer, dtype_bytes, copied)
 
     full_need = need(total)
-    free, source = available_bytes(device)
-    budget = None if free is None else free * MARGIN
+    free, source = free if free is not None else available_bytes(device)
+    budget = None if free is None else free * MARGIN - reserved
     where = f"{'the GPU' if device.type == 'cuda' else 'this host'}"
 
+    beside = (f", beside {reserved / GIB:.1f} GiB for the other ranks' copies that share its forwards there"
+              if reserved else "")
+
     def figures(need: float) -> str:
-        return (f"needs about {need / GIB:.1f} GiB on rank 0 and {where} has {free / GIB:.1f} GiB free ({source}; "
-                f"{MARGIN:.0%} of it planned)" if free is not None else f"needs about {need / GIB:.1f} GiB")
+        return (f"needs about {need / GIB:.1f} GiB on rank 0{beside} and {where} has {free / GIB:.1f} GiB free "
+                f"({source}; {MARGIN:.0%} of it planned)" if free is not None else f"needs about {need / GIB:.1f} GiB")
 
     fraction = None if request in ("auto", "full") else float(request)
     if fraction is None or fraction >= 1.0:
@@ -222,5 +244,25 @@ def unchecked_frozen(template: nn.Module, unchecked: frozenset[str]) -> None:
             p.requires_grad_(False)
 
 
-__all__ = ["OracleCoverage", "OracleCoverageRefused", "available_bytes", "need_bytes", "plan", "unchecked_frozen",
-           "units"]
+__all__ = ["OracleCoverage", "OracleCoverageRefused", "available_bytes", "copied_elements", "helper_bytes", "need_bytes",
+           "plan", "plan_ranks", "unchecked_frozen", "units"]
+
+
+def plan_ranks(template: nn.Module, pools: list[tuple[Any, tuple[float | None, str]]], **kwargs: Any) -> OracleCoverage:
+    """`plan` where every rank shares the oracle's forwards: `pools`, each rank's memory (what it shares it with: its
+    host for CPU ranks, its device for CUDA ones; its bytes free and their source), in rank order. Rank 0's plan
+    leaves room for the other ranks' copies in its own pool; a pool too small for its ranks' copies is refused in one
+    line, naming the ranks."""
+    copies = helper_bytes(copied_elements(template), kwargs.get("dtype_bytes", 4))
+    mine = pools[0][0]
+    for pool in dict.fromkeys(p for p, _ in pools[1:] if p != mine):
+        ranks = [r for r, (p, _) in enumerate(pools) if p == pool and r]
+        free, source = next(f for p, f in pools if p == pool)
+        need = copies * len(ranks)
+        if free is not None and need > free * MARGIN:
+            raise OracleCoverageRefused(
+                f"rank(s) {', '.join(map(str, ranks))} hold copies of the model to run their share of the oracle's "
+                f"forwards: they need about {need / GIB:.1f} GiB and have {free / GIB:.1f} GiB free ({source}); "
+                "--oracle-ranks rank0 runs every forward on rank 0 alone")
+    helpers_here = copies * sum(1 for r, (p, _) in enumerate(pools) if r and p == mine)
+    return plan(template, reserved=helpers_here, free=pools[0][1], **kwargs)
