@@ -62,7 +62,7 @@ def test_a_smaller_budget_checks_the_whole_blocks_that_fit(monkeypatch: pytest.M
 def test_ranks_sharing_the_forwards_are_planned_in_the_memory_they_share() -> None:
     """With the oracle's forwards divided over the ranks, the other ranks' copies take room from rank 0's plan where
     they share its memory (one host's CPU ranks), and a pool too small for its ranks' copies is refused, naming them."""
-    model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8)))
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8)))  # planned, never run
     total = sum(p.numel() for p in model.parameters())
     block = total // 8
     copies = oc.helper_bytes(oc.copied_elements(model))

@@ -30,16 +30,18 @@ COPY_BYTES_PER_PARAM = 40.0
 load and the snapshot of the parameters, per parameter of the model, whatever the oracle coverage (float32 run). Measured
 (verify_above_start_mib, a 11 M-parameter Llama-style model on CPU, 2026-11-26; docs/results/
 2026-11-26-verification-cost-cpu.md): 34 B/param with SGD, 42 with AdamW."""
-CHECKED_BYTES_PER_PARAM = {"sgd": 160.0, "adamw": 185.0}
-"""What each checked parameter adds: float64 gradients of the oracle and the references (reduced, oracle, floor,
-spread), the update check's float64 copies and the reference trajectories' optimizer states (AdamW's twice SGD's).
-Measured as above: 157 B/param with SGD, 180 with AdamW (every parameter checked: 191 and 222 B/param in all)."""
+CHECKED_BYTES_PER_PARAM = {"sgd": 80.0, "adamw": 105.0}
+"""What each checked parameter adds: the oracle's float64 gradient, the reduced gradient and the references held in
+their own dtype (dpcompare.verify.tolerance.Compact), the update check's replay (one parameter at a time, kept as the
+values it reached) and the reference trajectories' optimizer states (AdamW's twice SGD's). Measured on the same
+11 M-parameter model at 6.3 % and full coverage (verify_above_start_mib, 2026-11-27): 36 -> 109 B/param with SGD,
+45 -> 140 with AdamW: 77 and 101 per checked parameter."""
 HELPER_BYTES_PER_PARAM = 36.0
 """A rank other than 0 where the ranks share the oracle's forwards (dpcompare.verify.divided), per parameter of the
 model: its float64 and run-precision copies (12), the state rank 0 sends it (4), its share of a gradient while it is
-sent (float64 and run dtype) and the copies' own gradients. Measured above start on the helper ranks of 11 M-parameter
-Llama-style runs at 2 and 4 ranks (benchmarks/test_verification_cost.py, 2026-11-27): 43-50 B/param, of which about 12
-are the rank's own training state (its gradients, momentum and DDP's buckets, first allocated in the verification
+sent (float64 and run dtype) and the copies' own gradients. Measured above start on the helper ranks of 11 and 22 M
+Llama-style runs at 2 and 4 ranks (benchmarks/test_verification_cost.py, 2026-11-27): 42-50 B/param, of which about
+12 are the rank's own training state (its gradients, momentum and DDP's buckets, first allocated in the verification
 phase)."""
 FIXED_BYTES = 256 * 1024**2
 """The checks' fixed part (the float64 activations of a small batch, allocator slack)."""
