@@ -52,7 +52,8 @@ Grads = dict[str, torch.Tensor]
 
 # -- fingerprints ----------------------------------------------------------------------------------
 def tensor_digest(t: torch.Tensor) -> str:
-    return hashlib.blake2b(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
+    # the array's own buffer, hashed in place (no copy of its bytes)
+    return hashlib.blake2b(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy(), digest_size=8).hexdigest()
 
 
 def param_digests(params: nn.Module | Mapping[str, torch.Tensor]) -> list[str]:

@@ -27,7 +27,7 @@ from dpcompare.verify.equivalence import Grads, Masks, Piece, replica_pieces
 from dpcompare.verify.masks import MaskRecord
 from dpcompare.verify.precision import ScaleStep
 from dpcompare.verify.reads import Pending, Reads
-from dpcompare.verify.tolerance import Compact, rel_fro_of
+from dpcompare.verify.tolerance import Compact, finite, rel_fro_of
 
 
 @dataclass(slots=True)
@@ -172,4 +172,4 @@ def _gradients(bench: Bench, step: StepEvidence, state: dict, records, forward_m
 
 
 def _finite(grads: Grads) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in grads.values())
+    return all(finite(grads.held(n) if isinstance(grads, Compact) else grads[n]) for n in grads)

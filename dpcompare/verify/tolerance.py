@@ -141,6 +141,12 @@ def _cpu(t: torch.Tensor, copy: bool) -> torch.Tensor:
     return moved.clone() if copy and moved.data_ptr() == t.data_ptr() else moved
 
 
+def finite(t: torch.Tensor) -> bool:
+    """Whether every element of `t` is finite: its sum is unless an element is inf or NaN (one pass, no mask), or
+    unless the sum of finite elements overflowed, which the elementwise test then settles."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def rel_fro(g: torch.Tensor, o: torch.Tensor, min_denom: float = 0.0) -> float:
     return rel_ratio(_norm(g - o), _norm(o), min_denom)
 
@@ -298,7 +304,8 @@ def _param_sums(name: str, mappings: tuple[Mapping[str, torch.Tensor], ...], u: 
     a lazy mapping (a `Difference`) computes just this parameter."""
     read: dict[int, torch.Tensor] = {}
     for m in mappings:
-        read.setdefault(id(m), _raw(m, name))
+        if id(m) not in read:
+            read[id(m)] = _raw(m, name)
     return _sums(*(read[id(m)] for m in mappings), u)
 
 

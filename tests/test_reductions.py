@@ -1,0 +1,92 @@
+"""The comparisons reduced parameter by parameter (dpcompare.verify.tolerance): every whole-model figure from the
+parameters' squared norms and chunked passes, never a concatenated float64 copy of the model, and checking state held
+in the dtype it was computed in (`Compact`, `Difference`). Held against the same figures computed the plain way, on
+one concatenated vector, in float64: agreement to float64's rounding, NaN and infinity included; and the negatives: a
+figure that does differ is seen."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dpcompare.verify import tolerance as tol
+
+
+def _plain(values, reference, floor, spread, names, u):
+    """The figures compare reports, computed on concatenated float64 vectors."""
+    cat = lambda d: torch.cat([d[n].double().reshape(-1) for n in names])  # noqa: E731
+    g, o, r = cat(values), cat(reference), cat(floor if spread is not None else reference)
+    return {"rel_fro_err": float(torch.linalg.vector_norm(g - o) / torch.linalg.vector_norm(o)),
+            "judged_rel_fro_err": float(torch.linalg.vector_norm(g - r) / max(torch.linalg.vector_norm(r),
+                                                                                torch.linalg.vector_norm(o))),
+            "max_abs_err": float((g - o).abs().max())}
+
+
+@pytest.fixture
+def grads():
+    torch.manual_seed(0)
+    o = {"a": torch.randn(3000, 700, dtype=torch.float64), "b": torch.randn(17, dtype=torch.float64),
+         "z": torch.zeros(5, dtype=torch.float64)}
+    floor = {k: (v + 1e-7 * torch.randn_like(v)).float() for k, v in o.items()}
+    spread = {k: (v.double() + 1e-7 * torch.randn_like(v.double())).float() for k, v in floor.items()}
+    g = {k: (v.double() + 3e-7 * torch.randn_like(v.double())).float() for k, v in floor.items()}
+    return g, o, floor, spread
+
+
+@pytest.mark.parametrize("judged_against_floor", [True, False])
+def test_the_whole_model_figures_are_the_concatenated_vectors(grads, judged_against_floor, monkeypatch):
+    monkeypatch.setattr(tol, "CHUNK", 1 << 16)  # several chunks per parameter
+    g, o, floor, spread = grads
+    spread = spread if judged_against_floor else None
+    names = list(o)
+    _, model = tol.compare(tol.Compact(g), o, tol.Compact(floor), dtype="float32", world_size=2, depth=3,
+                           spread=tol.Compact(spread) if spread is not None else None)
+    plain = _plain(g, o, floor, spread, names, tol.UNIT_ROUNDOFF["float32"])
+    for key, want in plain.items():
+        assert math.isclose(getattr(model, key), want, rel_tol=1e-12), (key, getattr(model, key), want)
+    # the negative: one element of the large parameter moved is seen in the whole model's figure
+    moved = dict(g)
+    moved["a"] = g["a"].clone()
+    moved["a"][5, 5] += 1.0
+    assert tol.compare(tol.Compact(moved), o, tol.Compact(floor), dtype="float32", world_size=2, depth=3,
+                       spread=tol.Compact(spread) if spread is not None else None)[1].max_abs_err > 0.5
+
+
+def test_a_non_finite_value_or_reference_is_kept_through_the_chunks(grads, monkeypatch):
+    monkeypatch.setattr(tol, "CHUNK", 1 << 16)
+    g, o, floor, spread = grads
+    bad = dict(g)
+    bad["a"] = g["a"].clone()
+    bad["a"][2999, 699] = float("nan")  # in the last chunk
+    params, model = tol.compare(tol.Compact(bad), o, tol.Compact(floor), dtype="float32", world_size=2, depth=3,
+                                spread=tol.Compact(spread))
+    a = next(p for p in params if p.parameter == "a")
+    assert not a.ok and math.isinf(a.rel_fro_err) and math.isnan(model.max_abs_err) and not model.ok
+    zero = next(p for p in params if p.parameter == "z")
+    assert math.isnan(zero.max_rel_err) and "zero throughout" in zero.max_rel_err_reason
+
+
+def test_finite_is_one_sum_and_falls_back_where_the_sum_overflows():
+    assert tol.finite(torch.ones(10))
+    assert not tol.finite(torch.tensor([1.0, float("inf")])) and not tol.finite(torch.tensor([float("nan"), 1.0]))
+    assert not tol.finite(torch.tensor([float("inf"), -float("inf")]))  # the sum is NaN
+    assert tol.finite(torch.full((4,), 3e38))  # finite elements whose float32 sum overflows
+
+
+def test_compact_holds_its_own_dtype_reads_float64_and_snapshots():
+    live = torch.ones(4)
+    held = tol.Compact({"w": live, "none": None})
+    live.mul_(3)  # the run changes its tensor in place afterwards
+    assert held["w"].dtype == torch.float64 and held["w"].tolist() == [1.0] * 4 and held["none"] is None
+    assert held.held("w").dtype == torch.float32 and held.nbytes == 16 and held.none == {"none"}
+    assert held.without(["w"])["w"] is None
+
+
+def test_difference_is_computed_where_it_is_read_and_rounds_its_start_as_asked():
+    before = tol.Compact({"w": torch.tensor([1.0 + 2**-30], dtype=torch.float64)})
+    after = {"w": torch.tensor([1.5], dtype=torch.float32)}
+    assert tol.Difference(after, before)["w"].item() == 0.5 - 2**-30
+    assert tol.Difference(after, before, round_to=torch.float32)["w"].item() == 0.5  # the start rounded first
+    assert list(tol.Difference(after, before)) == ["w"]
