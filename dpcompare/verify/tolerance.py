@@ -122,11 +122,16 @@ class Difference(Mapping[str, torch.Tensor]):
         self._after, self._before, self._round_to = after, before, round_to
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        # one float64 copy and one subtraction: the other side is promoted inside it (exactly)
+        after, before = self.sides(name)
+        return (after.double() - before).reshape(self._after[name].shape)
+
+    def sides(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(after, before) of `name`, flattened on the CPU as held (`before` rounded as asked): their float64
+        difference is the update (one float64 copy and one subtraction: the other side is promoted in it, exactly)."""
         before = (self._before.held(name) if isinstance(self._before, Compact) else self._before[name]).detach()
         if self._round_to is not None and before.dtype != self._round_to:
             before = before.to(self._round_to)
-        return self._after[name].detach().to("cpu", torch.float64) - before.to("cpu")
+        return self._after[name].detach().to("cpu").reshape(-1), before.to("cpu").reshape(-1)
 
     def __iter__(self):
         return iter(self._before)
@@ -145,6 +150,9 @@ def finite(t: torch.Tensor) -> bool:
     """Whether every element of `t` is finite: its sum is unless an element is inf or NaN (one pass, no mask), or
     unless the sum of finite elements overflowed, which the elementwise test then settles."""
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+_finite = finite
 
 
 def rel_fro(g: torch.Tensor, o: torch.Tensor, min_denom: float = 0.0) -> float:
@@ -249,10 +257,35 @@ CHUNK = 1 << 20
 """Elements a comparison reads at a time: its temporaries stay a few float64 chunks, whatever the parameter's size."""
 
 
-def _raw(grads: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
-    """`grads[name]` as held (a Compact's in its own dtype), flattened: read chunk by chunk in float64."""
+class _Chunked:
+    """A `Difference`'s parameter, flattened, computed a chunk at a time where it is read (never whole)."""
+
+    __slots__ = ("after", "before")
+
+    def __init__(self, after: torch.Tensor, before: torch.Tensor) -> None:
+        self.after, self.before = after, before
+
+    def __getitem__(self, part: slice) -> torch.Tensor:
+        return self.after[part].double() - self.before[part]
+
+    def numel(self) -> int:
+        return self.after.numel()
+
+
+def _raw(grads: Mapping[str, torch.Tensor], name: str) -> "torch.Tensor | _Chunked":
+    """`grads[name]` as held (a Compact's in its own dtype; a Difference's two sides), flattened: read chunk by chunk
+    in float64."""
+    if isinstance(grads, Difference):
+        return _Chunked(*grads.sides(name))
     t = grads.held(name) if isinstance(grads, Compact) else grads[name]
     return t.detach().reshape(-1)
+
+
+def chunked_norm(grads: Mapping[str, torch.Tensor], name: str) -> float:
+    """The 2-norm of `grads[name]` in float64, read `CHUNK` elements at a time."""
+    t = _raw(grads, name)
+    n = t.numel()
+    return math.sqrt(sum(_norm(t[slice(a, min(a + CHUNK, n))].double()) ** 2 for a in range(0, n, CHUNK)))
 
 
 def _fmax(a: float, b: float) -> float:
@@ -271,7 +304,7 @@ def _sums(g: torch.Tensor, o: torch.Tensor, against: torch.Tensor, floor: torch.
     for start in range(0, n, CHUNK):
         part = slice(start, min(start + CHUNK, n))
         gc, oc = g[part].double(), o[part].double()
-        finite = finite and bool(torch.isfinite(gc).all())
+        finite = finite and _finite(gc)
         diff = (gc - oc).abs()
         sq[0] += _norm(oc) ** 2
         sq[2] += _norm(diff) ** 2

@@ -26,7 +26,7 @@ from dpcompare.verify.diagnosis import (UpdateEvidence, diagnose_update, reason_
                                         step_count_mismatch, FRESH_STEPPED_TRAP)
 from dpcompare.verify.equivalence import DTYPES, Grads
 from dpcompare.verify.reads import Pending
-from dpcompare.verify.tolerance import Compact, Difference, compare, norm_of
+from dpcompare.verify.tolerance import Compact, Difference, chunked_norm, compare, norm_of
 from dpcompare.verify.update_check import StepResult, reference_step
 from dpcompare.verify.verdict import Divergence, UpdateCheck
 
@@ -103,7 +103,7 @@ class Update:
         floor = self._replay(pending, single, state, self.dtype, keep_state=False)
         params, model = compare(delta, ref.delta, floor.delta, dtype=ctx.dtype, world_size=1,
                                 depth=ctx.depth, names=self.names)
-        norms = {n: (_norm(delta[n]), _norm(ref.delta[n])) for n in self.names}  # each update read once more
+        norms = {n: (chunked_norm(delta, n), chunked_norm(ref.delta, n)) for n in self.names}
         ratios = {n: _norm_ratio(*norms[n]) for n in self.names}
         whole = _norm_ratio(math.sqrt(sum(a * a for a, _ in norms.values())),
                             math.sqrt(sum(b * b for _, b in norms.values())))
@@ -191,10 +191,6 @@ class Update:
                           f"{self.prestep}: its optimizer state before step 0 is that step's, as expected, not a fresh "
                           f"optimizer's; the first update is {ratio:.4g}x a fresh optimizer's (||update|| ratio; with "
                           "Adam the bias correction runs one step ahead, with SGD a zero momentum buffer steps like none)")
-
-
-def _norm(t: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(t))
 
 
 def _norm_ratio(na: float, nb: float) -> float:
