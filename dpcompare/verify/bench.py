@@ -20,6 +20,7 @@ from dpcompare.verify import masks as mk
 from dpcompare.verify.context import CheckContext, Finding
 from dpcompare.verify.divided import Divider
 from dpcompare.verify.equivalence import Piece
+from dpcompare.verify.tolerance import Compact
 from dpcompare.verify.forwards import Forwards
 from dpcompare.verify.run_reference import RunReference
 from dpcompare.verify.split import SplitCheck
@@ -61,12 +62,18 @@ class Bench:
         """State-dict key -> the parameter it holds, by name: a tied weight (an LM head sharing the embedding) has
         several keys and one name."""
 
-    def run_state(self, masters: dict[str, torch.Tensor], before: dict) -> dict:
+    def run_state(self, masters: dict[str, torch.Tensor], before: dict, held: Compact | None = None) -> dict:
         """The state the step's forward ran from: the parameters the optimizer holds (`masters`: fp32 master values
-        where the backend keeps them apart) and the module buffers as they were before the forward (`before`)."""
-        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        for key, name in self.state_keys.items():  # a tied weight is in the state dict under each of its names
-            if name in masters:
+        where the backend keeps them apart; snapshotted here, or the snapshot `held` already took) and the module
+        buffers as they were before the forward (`before`)."""
+        state = {}
+        for key, value in self.module.state_dict().items():
+            name = self.state_keys.get(key)  # a tied weight is in the state dict under each of its names
+            if name is None or name not in masters:
+                state[key] = value.detach().clone()
+            elif held is not None and name in held:
+                state[key] = held.held(name)
+            else:
                 state[key] = masters[name].detach().clone()
         # The forward ran from the buffers before it (it has updated them since): the oracle starts there too.
         state.update({k: v for k, v in before.items() if k in state})

@@ -112,7 +112,10 @@ def compute(ctx: CheckContext, bench: Bench, step: StepEvidence) -> OracleStep |
     scaler = bench.backend.scaler_state()
     loss_scale = scaler.scale if scaler is not None else 1.0
     with stochastic.isolated(ctx.device):
-        state = bench.run_state(step.masters, step.ranks[0]["buffers"]["before"])
+        # The step's parameters, snapshotted once: the update check starts from them, and the forwards' state holds
+        # the same tensors (not a second copy).
+        params = Compact({n: step.masters[n] for n in ctx.names})
+        state = bench.run_state(step.masters, step.ranks[0]["buffers"]["before"], params)
         reduced = step.reads.grads
         # Held as the backend computed them (float32: 4 bytes an element), read in float64 (exactly).
         grads = Compact({n: (reduced[n] if reduced.get(n) is not None else torch.zeros_like(step.masters[n]))
@@ -138,7 +141,7 @@ def compute(ctx: CheckContext, bench: Bench, step: StepEvidence) -> OracleStep |
     if not _finite(spread):
         spread = floor  # the regrouped sum overflows where the ranks' does not: no measured spread
     pending = Pending(
-        step.step, Compact({n: step.masters[n] for n in ctx.names}),
+        step.step, params,
         Compact({n: (None if reduced.get(n) is None else grads.held(n)) for n in ctx.names}, copy=False), none,
         step.reads.state, read_hparams(bench.optimizer) if bench.optimizer is not None else [],
         scale_step, scaler.skipped_steps if scaler is not None else 0)
