@@ -54,8 +54,8 @@ class Bench:
         trajectory's copies ask every rank for its own forwards."""
         self.oracle.divider = self.trajectory.divider = divider
         self.layout = ctx.layout
-        self.reads_data = ctx.facts.data_reads is not None
-        """The probe saw the forward read the data into Python: the oracle keeps the global batch's own forward."""
+        self.reads_data = ctx.facts.branches_on_data
+        """The probe saw the model's own code branch on the data: the oracle keeps the global batch's own forward."""
         self.optimizer = backend.optimizer_view()[0]
 
         """The torch optimizer behind the backend's: its hyper-parameters (its state comes with each step's Reads)."""
@@ -85,8 +85,8 @@ class Bench:
         """The forwards to compute `pieces`' gradient by where the ranks share them: the ranks' own forwards in place
         of one forward of the global batch, where that was measured to be the same function (the split's float64
         gradient is the global batch's: dpcompare.verify.split) and nothing couples the ranks' samples; else
-        `pieces`. Not where the forward reads the data into Python (the probe's `data_reads`): a branch on the local
-        batch can agree with the global batch's at the first step and not later, which only the global batch's own
+        `pieces`. Not where the model's own code branches on the data (the probe's `branches_on_data`): a branch on
+        the local batch can agree with the global batch's at the first step and not later, which only the global batch's own
         forward shows (dpcompare.verify.split reconsiders it at every checked step)."""
         f = self.split.finding
         if (self.divider is None or len(pieces) != 1 or pieces[0].position is not None or not self.split.applies
