@@ -86,8 +86,8 @@ class Bench:
         of one forward of the global batch, where that was measured to be the same function (the split's float64
         gradient is the global batch's: dpcompare.verify.split) and nothing couples the ranks' samples; else
         `pieces`. Not where the model's own code branches on the data (the probe's `branches_on_data`): a branch on
-        the local batch can agree with the global batch's at the first step and not later, which only the global batch's own
-        forward shows (dpcompare.verify.split reconsiders it at every checked step)."""
+        the local batch can agree with the global batch's at the first step and not later, which only the global
+        batch's own forward shows (dpcompare.verify.split reconsiders it at every checked step)."""
         f = self.split.finding
         if (self.divider is None or len(pieces) != 1 or pieces[0].position is not None or not self.split.applies
                 or self.forwards.joined or f is None or f.semantics != "global" or self.reads_data):
