@@ -33,6 +33,11 @@ Fits (scipy.stats.linregress): verify_above_start_mib and verify_peak_mib = a + 
 verify_ms_per_step = c*P^k (on logs), and the ratio verify_ms_per_step / step_ms_p50. Extrapolated: the verifier at
 1 B parameters, and the largest model a host of 16 GB and one 80 GB GPU could judge (the assumptions are printed).
 The points and fits go to tmp_path/verification_cost.json and are printed.
+
+`test_verification_cost_across_world_sizes` runs the 11-39 M sizes at 1 rank (the reference backend) and at 2 and 4
+(ddp under torchrun, each rank 2 x 16 tokens a step), SGD and AdamW, with the oracle's forwards divided over the ranks:
+every rank's bytes per parameter above start and rank 0's checked step in steps, fitted per world size, and how they
+move from 1 to 4 ranks (tmp_path/verification_cost_ws.json). Record: docs/results/2026-11-27-verification-cost-cpu.md.
 """
 
 from __future__ import annotations
