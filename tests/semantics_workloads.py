@@ -138,6 +138,22 @@ def split_later_mlp(seed: int) -> Workload:
     return Workload("split-later-mlp", model, base.make_batch, base.loss_fn)
 
 
+class _ByMagnitudeInTensors(_ByMagnitude):
+    """_ByMagnitude's choice made by tensor ops alone (`torch.where` on the batch's mean magnitude): no value is read
+    into Python, so the probe sees no branch on the data, and only the global batch's own forward shows that the ranks'
+    batches part from it at step 3."""
+
+    def forward(self, x):
+        return torch.where(x.detach().abs().mean() > self.LEVEL, torch.tanh(x), F.gelu(x))
+
+
+def split_later_in_tensors_mlp(seed: int) -> Workload:
+    base = mlp(seed)
+    layers = list(base.model.children())
+    model = nn.Sequential(layers[0], _ByMagnitudeInTensors(), *layers[2:])
+    return Workload("split-later-in-tensors-mlp", model, base.make_batch, base.loss_fn)
+
+
 def split_by_size_mlp(seed: int) -> Workload:
     base = mlp(seed)
     layers = list(base.model.children())

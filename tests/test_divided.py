@@ -66,3 +66,15 @@ def test_divided_arithmetic_judges_as_the_single_process_oracle(launch):
             for key in ("judged_rel_fro_err", "judged_floor_rel_fro", "noise_ratio", "tolerance_rel_fro"):
                 assert pa[key] == pb[key], (a["step"], pa["parameter"], key, pa[key], pb[key])
             assert math.isclose(pa["rel_fro_err"], pb["rel_fro_err"], rel_tol=1e-6), (pa, pb)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["split_later_mlp", "split_later_in_tensors_mlp"])
+def test_a_split_that_parts_from_the_global_batch_later_is_still_found(launch, model):
+    """The ranks' shards stand for the global batch from the second step only while they compute its loss: a model
+    whose samples interact through the batch's mean magnitude agrees at steps 0-2 and parts at step 3, in Python (the
+    probe sees the branch: the global batch's own forward stays) or in tensors alone (its loss shows it)."""
+    proc, result = launch("ddp", 2, f"tests.semantics_workloads:{model}", ["--steps", "4", "--measure-steps", "0"])
+    assert proc.returncode == 0 and result["equivalence"]["verdict"] == "equivalent", proc.output[-3000:]
+    split = result["equivalence"]["split"]
+    assert (split["semantics"], split["step"]) == ("per_replica", 3), split

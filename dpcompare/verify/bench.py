@@ -87,7 +87,9 @@ class Bench:
         gradient is the global batch's: dpcompare.verify.split) and nothing couples the ranks' samples; else
         `pieces`. Not where the model's own code branches on the data (the probe's `branches_on_data`): a branch on
         the local batch can agree with the global batch's at the first step and not later, which only the global
-        batch's own forward shows (dpcompare.verify.split reconsiders it at every checked step)."""
+        batch's own forward shows (dpcompare.verify.split reconsiders it at every checked step). Where the shards do
+        stand for it, the step's oracle holds their losses against the global batch's own (dpcompare.verify.
+        step_evidence): a split that parts later through tensor ops alone shows there."""
         f = self.split.finding
         if (self.divider is None or len(pieces) != 1 or pieces[0].position is not None or not self.split.applies
                 or self.forwards.joined or f is None or f.semantics != "global" or self.reads_data):

@@ -108,6 +108,8 @@ class Status:
 
     computed: bool
     none: frozenset[str] = frozenset()
+    loss: float = 0.0
+    """Its forwards' losses, weighted as their gradients are."""
     error: str | None = None
     mismatch: tuple[str, str] | None = None
     """A MaskMismatch on that rank: (module, reason)."""
@@ -137,6 +139,8 @@ class Divider:
         """Per slot, the state the helpers last loaded (the same object is not sent twice)."""
         self.requests = 0
         """Requests divided so far (the verdict says the arithmetic was divided)."""
+        self.last_loss = 0.0
+        """The last request's forwards' losses, weighted as their gradients and added in their order."""
 
     def divides(self, pieces: list[Piece]) -> bool:
         """Whether `pieces` are forwards of the layout of more than one rank (a whole-batch forward is not)."""
@@ -166,8 +170,8 @@ class Divider:
         status, raw = Status(False), None
         try:
             if own:
-                raw, none, _ = accumulate_raw(model, loss_fn, own, device, replayer, recipe, loss_scale, ranks)
-                status = Status(True, none)
+                raw, none, _, loss = accumulate_raw(model, loss_fn, own, device, replayer, recipe, loss_scale, ranks)
+                status = Status(True, none, loss)
         except mk.MaskMismatch as exc:
             status = Status(False, mismatch=(exc.module, exc.reason))
         statuses = self.peers.gather(status)
@@ -193,6 +197,9 @@ class Divider:
                 acc = part if acc is None else acc + part
             total[n] = acc
         none = frozenset.intersection(*[s.none for s in statuses if s.computed])
+        self.last_loss = 0.0
+        for r in order:  # the losses added in the gradients' order
+            self.last_loss += statuses[r].loss
         model.zero_grad(set_to_none=True)
         if into_model:
             for n, p in named:
@@ -240,10 +247,10 @@ class Helper:
                          self.peers.rank, i)
                    for i, w in zip(request.positions, request.weights) if positions[i][0] == self.peers.rank]
             if own:
-                raw, none, _ = accumulate_raw(model, self.loss_fn, own, self.device, replayer,
-                                              self.recipe if request.recipe else NO_RECIPE, request.loss_scale,
-                                              request.ranks)
-                status = Status(True, none)
+                raw, none, _, loss = accumulate_raw(model, self.loss_fn, own, self.device, replayer,
+                                                    self.recipe if request.recipe else NO_RECIPE, request.loss_scale,
+                                                    request.ranks)
+                status = Status(True, none, loss)
         except mk.MaskMismatch as exc:
             status = Status(False, mismatch=(exc.module, exc.reason))
         except Exception as exc:  # noqa: BLE001 - said by rank 0, in one line, with the others' ranks in step

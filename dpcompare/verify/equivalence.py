@@ -167,25 +167,28 @@ def accumulate_gradient(model: nn.Module, loss_fn: Callable, pieces: list[Piece]
     loss under the recipe, the loss multiplied in the graph by `loss_scale` and by the rank's own share (the
     piece's weight times the number of ranks in `pieces`, or `ranks` where the pieces are one rank's of several),
     and the summed gradients divided by both afterwards."""
-    raw, none, undo = accumulate_raw(model, loss_fn, pieces, device, replayer, recipe, loss_scale, ranks)
+    raw, none, undo, _ = accumulate_raw(model, loss_fn, pieces, device, replayer, recipe, loss_scale, ranks)
     return finish_gradient(raw, undo), none
 
 
 def accumulate_raw(model: nn.Module, loss_fn: Callable, pieces: list[Piece], device: torch.device,
                    replayer: MaskReplayer | None = None, recipe: Recipe = NO_RECIPE, loss_scale: float = 1.0,
-                   ranks: int | None = None) -> tuple[dict[str, torch.Tensor], frozenset[str], float]:
+                   ranks: int | None = None) -> tuple[dict[str, torch.Tensor], frozenset[str], float, float]:
     """accumulate_gradient's sum as autograd leaves it in the model's gradients (its dtype, its device; zeros where
-    None), the names left None, and what the sum is to be multiplied by (1 / (ranks x loss scale)): the shares
-    dpcompare.verify.divided adds across ranks."""
+    None), the names left None, what the sum is to be multiplied by (1 / (ranks x loss scale)) and the pieces' losses
+    weighted as their gradients are: the shares dpcompare.verify.divided adds across ranks."""
     ranks = (ranks or len({p.rank for p in pieces})) if recipe.active else 1
     model.train()
     model.zero_grad(set_to_none=True)
+    loss = 0.0
     with recipe.gathering(model), module_boundaries(model, recipe.module_boundaries):
         for piece in pieces:
-            _accumulate_piece(model, loss_fn, piece, device, replayer, recipe, piece.weight * ranks * loss_scale)
+            loss += piece.weight * _accumulate_piece(model, loss_fn, piece, device, replayer, recipe,
+                                                     piece.weight * ranks * loss_scale)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     none = frozenset(n for n, p in named if p.grad is None)
-    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in named}, none, 1.0 / (ranks * loss_scale)
+    return ({n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in named}, none,
+            1.0 / (ranks * loss_scale), loss)
 
 
 def finish_gradient(raw: dict[str, torch.Tensor], undo: float) -> Grads:
@@ -198,17 +201,20 @@ def finish_gradient(raw: dict[str, torch.Tensor], undo: float) -> Grads:
 
 
 def _accumulate_piece(model: nn.Module, loss_fn: Callable, piece: Piece, device: torch.device,
-                      replayer: MaskReplayer | None, recipe: Recipe, in_graph: float) -> None:
-    """One piece's backward into the model's gradients, its loss multiplied in the graph by `in_graph`."""
+                      replayer: MaskReplayer | None, recipe: Recipe, in_graph: float) -> float:
+    """One piece's backward into the model's gradients, its loss multiplied in the graph by `in_graph`; returns the
+    loss (not multiplied)."""
     x = as_input(piece.x, model, device)
     # backward inside: a model that recomputes activations draws again there, and takes the same numbers
     with replayer.applying(piece.masks) if replayer is not None else contextlib.nullcontext():
         with recipe.autocast():
             loss = loss_fn(model(x), piece.y.to(device))
+        value = float(loss.detach())
         if in_graph != 1.0:
             # the product in at least float32, as loss scalers take it (a 16-bit loss times 2^16 would overflow)
             loss = loss.to(torch.promote_types(loss.dtype, torch.float32)) * in_graph
         loss.backward()
+    return value
 
 
 RECOMPUTE_ATTRIBUTE = "recompute_activations"
@@ -282,6 +288,15 @@ class Oracle:
     def oracle_of(self, state: dict, pieces: list[Piece]) -> Grads:
         grads, self.none = self._grad(self.model64, self.replay64, state, pieces)
         return grads
+
+    def loss_of(self, state: dict, pieces: list[Piece]) -> float:
+        """The float64 copy's loss over `pieces` at `state`, weighted as their gradients are: forwards alone, no
+        backward (what tells whether the ranks' shards still compute the global batch's loss)."""
+        self.model64.load_state_dict(state)
+        self.model64.train()
+        with torch.no_grad():
+            return sum(p.weight * float(self.loss_fn(self.model64(as_input(p.x, self.model64, self.device)),
+                                                     p.y.to(self.device))) for p in pieces)
 
     def floor_of(self, state: dict, pieces: list[Piece], loss_scale: float = 1.0, compiled: bool = False) -> Grads:
         """The run's own recipe on one process (`pieces`: as the ranks split the batch, under a recipe); `compiled`:

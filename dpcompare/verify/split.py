@@ -119,6 +119,21 @@ class SplitCheck:
         now = self._decide(step, state, batch, records, masks, pieces, oracle)
         return now if self.finding.semantics != "global" else None
 
+    def agrees(self, whole_loss: float, split_loss: float) -> bool:
+        """Whether the ranks' shards still compute the global batch's loss (`whole_loss`, one float64 forward of it;
+        `split_loss`, the shards' float64 losses, weighted and added): within the agreement the first measurement asked
+        of the gradients, relative to the loss."""
+        f = self.finding
+        allowed = max(f.agreement if f is not None else SPLIT_AGREEMENT, SPLIT_AGREEMENT)
+        return abs(whole_loss - split_loss) <= allowed * max(abs(whole_loss), abs(split_loss), 1e-300)
+
+    def recheck(self, step: int, state: dict, batch, records, masks: list[Masks] | None, pieces: list[Piece],
+                oracle: Grads) -> tuple[list[Piece], Grads] | None:
+        """The split measured again at this step against the global batch's float64 gradient (`oracle`, from
+        `pieces`): the step's pieces and oracle where the forwards changed, else None (as `reconsider`)."""
+        now = self._decide(step, state, batch, records, masks, pieces, oracle)
+        return now if self.finding.semantics != "global" else None
+
     def _decide(self, step: int, state: dict, batch, records, masks: list[Masks] | None, pieces: list[Piece],
                 oracle: Grads) -> tuple[list[Piece], Grads]:
         try:

@@ -163,8 +163,16 @@ def _gradients(bench: Bench, step: StepEvidence, state: dict, records, forward_m
     """The oracle's and the reference's gradients of the step, the split settled (and reconsidered where the reference
     moved away from the oracle since); raises MaskMismatch where the draws do not fit the forwards."""
     split, batch = bench.split, step.batch
+    shared = bench.shared(pieces, batch, forward_masks)
+    substituted = shared is not pieces  # the ranks' shards stand for one forward of the global batch
     pieces, oracle = split.settle(step.step, state, batch, records, forward_masks, pieces,
-                                  bench.oracle.oracle_of(state, bench.shared(pieces, batch, forward_masks)))
+                                  bench.oracle.oracle_of(state, shared))
+    if substituted and not split.agrees(bench.oracle.loss_of(state, pieces), bench.divider.last_loss):
+        # The ranks' shards stood for the global batch; its own forward's loss says they no longer do (samples that
+        # interact through the batch, agreeing at the first step only): measured again on the global batch itself.
+        whole = bench.oracle.oracle_of(state, pieces)
+        pieces, oracle = split.recheck(step.step, state, batch, records, forward_masks, pieces, whole) or (pieces,
+                                                                                                           whole)
     none = bench.oracle.none
     floor, spread, wire = bench.reference.measure(state, batch, pieces, forward_masks, loss_scale)
     if (now := split.reconsider(step.step, state, batch, records, forward_masks, pieces, oracle, floor)):
