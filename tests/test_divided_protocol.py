@@ -1,0 +1,98 @@
+"""The divided oracle's protocol on two real processes (gloo over a file rendezvous), without a backend:
+
+- a gradient divided over the ranks is the single-process sum of the same forwards to the bit (run dtype, one forward
+  per rank), and the float64 one within float64's rounding;
+- a rank that cannot compute its share says so, and rank 0 raises it in one exception naming the rank, while neither
+  process waits for a share that will not come (both finish, and the next request is served).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from dpcompare.verify import divided
+from dpcompare.verify.equivalence import Layout, accumulate_gradient, replica_pieces, verification_copy
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(9, 6, generator=g), torch.randint(0, 3, (9,), generator=g)
+
+
+class _FailOnRank1:
+    """A loss that raises on rank 1 (its copy cannot compute its share)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __call__(self, out, y):
+        if self.rank == 1:  # rank 2 computes its share as usual
+            raise ValueError("planted failure")
+        return nn.functional.cross_entropy(out, y)
+
+
+def _worker(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    peers = divided.Peers.make()
+    layout = Layout(world)
+    template = _model()
+    batch = _batch()
+    pieces = replica_pieces(batch, layout)
+    loss = nn.functional.cross_entropy
+    if rank:
+        helper = divided.Helper(peers, template, loss, layout=layout, dtype=torch.float32, device=torch.device("cpu"),
+                                recipe=divided.NO_RECIPE)
+        helper.serve(batch, lambda: None)  # the two good requests
+        helper.loss_fn = _FailOnRank1(rank)  # rank 1 fails, rank 2 does not
+        helper.serve(batch, lambda: None)  # the failing one
+        helper.loss_fn = loss
+        helper.serve(batch, lambda: None)  # served again afterwards
+        dist.destroy_process_group()
+        return
+    divider = divided.Divider(peers, layout)
+    state = template.state_dict()
+    results = {}
+    for dtype, slot in ((torch.float32, "run"), (torch.float64, "64")):
+        model = verification_copy(template, torch.device("cpu"), dtype)
+        alone, _ = accumulate_gradient(model, loss, pieces, torch.device("cpu"))
+        shared, _ = divider.gradient(slot, model, None, state, pieces, loss, torch.device("cpu"))
+        results[slot] = max(float((alone[n] - shared[n]).abs().max()) for n in alone)
+    divider.done()
+    model = verification_copy(template, torch.device("cpu"), torch.float32)
+    try:
+        divider.gradient("run", model, None, state, pieces, loss, torch.device("cpu"))
+        results["failure"] = None
+    except RuntimeError as exc:
+        results["failure"] = str(exc)
+    divider.done()
+    again, _ = divider.gradient("run", model, None, state, pieces, loss, torch.device("cpu"))
+    results["again"] = float(sum(t.abs().sum() for t in again.values()))
+    divider.done()
+    torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def test_a_divided_gradient_is_the_single_process_sum_and_a_failing_rank_is_named():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.pt")
+        # three ranks: with two, a + b and b + a are the same number whatever the order; with three they are not
+        mp.spawn(_worker, args=(3, f"file://{os.path.join(tmp, 'rendezvous')}", out), nprocs=3, join=True)
+        results = torch.load(out)
+    assert results["run"] == 0.0, "the run-dtype sum of one forward per rank is rank 0's own sum, to the bit"
+    assert results["64"] < 1e-15
+    assert results["failure"] is not None and "rank 1" in results["failure"] and "planted failure" in results["failure"]
+    assert results["again"] > 0.0  # the ranks served the next request after the failure
