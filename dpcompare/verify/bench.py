@@ -20,7 +20,7 @@ from dpcompare.verify import masks as mk
 from dpcompare.verify.context import CheckContext, Finding
 from dpcompare.verify.divided import Divider
 from dpcompare.verify.equivalence import Piece
-from dpcompare.verify.tolerance import Compact
+from dpcompare.verify.held import Compact
 from dpcompare.verify.forwards import Forwards
 from dpcompare.verify.run_reference import RunReference
 from dpcompare.verify.split import SplitCheck

@@ -131,28 +131,8 @@ class BufferCheck:
             return [Piece(x[idx], y[idx], 1.0, masks[i] if masks else None)
                     for i, (r, j, d, idx) in enumerate(positions) if r == rank and j in micros and d == 0]
 
-        predicted: dict[str, list[Buffers | None]] = {}
-        first = self._f64(state, before[0], pieces_of(0, range(k)))
-        if masks is None and _unmoved(first, before[0]) and all(_unmoved(a, b) for a, b in zip(after, before)):
-            # The training forward writes no buffer (rank 0's float64 forward leaves every one as it was) and no rank's
-            # moved: every semantics predicts each rank's buffers as they were before (rank 0's where they are
-            # broadcast), with no forward more (a model's constant buffers, rotary frequencies, cost nothing).
-            own = list(before)
-            predicted["own_shard"] = own
-            predicted["rank0_broadcast"] = [before[0]] * ws
-            predicted["global_batch"] = [before[0]] * ws
-            again = run_dtype = first
-        else:
-            own = [first] + [self._f64(state, before[r], pieces_of(r, range(k))) for r in range(1, ws)]
-            predicted["own_shard"] = own
-            # DDP broadcasts before a forward that follows a synchronised one: the step's first micro-batch.
-            predicted["rank0_broadcast"] = [self._f64(state, before[0], pieces_of(r, range(k))) for r in range(ws)]
-            whole = self._global(state, before[0], x, y, positions, masks, k)
-            predicted["global_batch"] = [whole] * ws if whole is not None else [None] * ws
-
-            again = self._f64(state, before[0], pieces_of(0, range(k)))
-            run_dtype = self._run(self.oracle.model_run, self.oracle.replay_run, state, before[0],
-                                  pieces_of(0, range(k)))
+        predicted, own, again, run_dtype = self._predictions(state, before, after, x, y, positions, masks, k, ws,
+                                                             pieces_of)
         failure = None
         differing = []
         for name, mine in after[0].items():
@@ -197,6 +177,34 @@ class BufferCheck:
             self.noted = True
             self._differing = list(dict.fromkeys([*self._differing, *differing]))
         return failure
+
+    def _predictions(self, state: dict, before: list[Buffers], after: list[Buffers], x, y, positions,
+                     masks: list[Masks] | None, k: int, ws: int, pieces_of):
+        """Every semantics' prediction of every rank's buffers (`predicted`), each rank's own (`own`), rank 0's again
+        (`again`: whether the forward is a function of its inputs) and in the run dtype (`run_dtype`: the floor)."""
+        predicted: dict[str, list[Buffers | None]] = {}
+        first = self._f64(state, before[0], pieces_of(0, range(k)))
+        if masks is None and _unmoved(first, before[0]) and all(_unmoved(a, b) for a, b in zip(after, before)):
+            # The training forward writes no buffer (rank 0's float64 forward leaves every one as it was) and no rank's
+            # moved: every semantics predicts each rank's buffers as they were before (rank 0's where they are
+            # broadcast), with no forward more (a model's constant buffers, rotary frequencies, cost nothing).
+            own = list(before)
+            predicted["own_shard"] = own
+            predicted["rank0_broadcast"] = [before[0]] * ws
+            predicted["global_batch"] = [before[0]] * ws
+            again = run_dtype = first
+        else:
+            own = [first] + [self._f64(state, before[r], pieces_of(r, range(k))) for r in range(1, ws)]
+            predicted["own_shard"] = own
+            # DDP broadcasts before a forward that follows a synchronised one: the step's first micro-batch.
+            predicted["rank0_broadcast"] = [self._f64(state, before[0], pieces_of(r, range(k))) for r in range(ws)]
+            whole = self._global(state, before[0], x, y, positions, masks, k)
+            predicted["global_batch"] = [whole] * ws if whole is not None else [None] * ws
+
+            again = self._f64(state, before[0], pieces_of(0, range(k)))
+            run_dtype = self._run(self.oracle.model_run, self.oracle.replay_run, state, before[0],
+                                  pieces_of(0, range(k)))
+        return predicted, own, again, run_dtype
 
     def _global(self, state: dict, start: Buffers, x, y, positions, masks: list[Masks] | None, k: int) -> Buffers | None:
         """The buffers a single process (or synchronised BatchNorm) leaves: one forward per micro-batch, each

@@ -30,7 +30,8 @@ from dpcompare.verify.dtypes import as_input, float_dtype
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
-from dpcompare.verify.tolerance import (Compact, TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, ParamError, compare, coverage,
+from dpcompare.verify.held import Compact
+from dpcompare.verify.tolerance import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, ParamError, compare, coverage,
                                         flat, min_detectable, rel_fro, wire_roundoff)
 from dpcompare.verify.verdict import Divergence, StepCheck, UpdateCheck, Verdict, tolerance_policy
 

@@ -27,7 +27,8 @@ from dpcompare.verify.equivalence import Grads, Masks, Piece, replica_pieces
 from dpcompare.verify.masks import MaskRecord
 from dpcompare.verify.precision import ScaleStep
 from dpcompare.verify.reads import Pending, Reads
-from dpcompare.verify.tolerance import Compact, finite, rel_fro_of
+from dpcompare.verify.held import Compact
+from dpcompare.verify.tolerance import finite, rel_fro_of
 
 
 @dataclass(slots=True)

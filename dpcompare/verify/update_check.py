@@ -25,7 +25,7 @@ from torch import nn
 
 from dpcompare.contract.optim_state import OptimizerFactory, OptState, Tensors, read_state
 from dpcompare.verify.clipping import clip_scale
-from dpcompare.verify.tolerance import Difference
+from dpcompare.verify.held import Difference
 
 
 def state_summary(state: OptState) -> str:

@@ -26,7 +26,8 @@ from dpcompare.verify.diagnosis import (UpdateEvidence, diagnose_update, reason_
                                         step_count_mismatch, FRESH_STEPPED_TRAP)
 from dpcompare.verify.equivalence import DTYPES, Grads
 from dpcompare.verify.reads import Pending
-from dpcompare.verify.tolerance import Compact, Difference, chunked_norm, compare, norm_of
+from dpcompare.verify.held import Compact, Difference
+from dpcompare.verify.tolerance import chunked_norm, compare, norm_of
 from dpcompare.verify.update_check import StepResult, reference_step
 from dpcompare.verify.verdict import Divergence, UpdateCheck
 

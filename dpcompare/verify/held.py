@@ -1,0 +1,88 @@
+"""Checking state held as it was computed, read in float64: the reduced gradient, the run-precision references and the
+step's parameters in their own dtype (`Compact`: a float32 gradient costs its 4 bytes an element while it is kept), an
+update as the values it reached (`Difference`: the float64 difference computed where it is read, never held). Every
+reader still computes in float64: the casts are exact. Imports nothing of the run.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+
+
+class Compact(Mapping[str, torch.Tensor]):
+    """Gradients (or parameters) by name, held on the CPU in the dtype they were computed in and read in float64: a
+    float32 gradient costs its 4 bytes per element while it is kept, and every reader still computes in float64 (the
+    cast is exact). Read-only: what is held is a snapshot, never the run's own tensors."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor | None], *, copy: bool = True) -> None:
+        """`copy`: snapshot each tensor (the run may change its own in place); False: `tensors` are already private.
+        A None (no gradient) is held and read as None."""
+        self._held = {n: None if t is None else _cpu(t, copy) for n, t in tensors.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._held[name]
+        return None if t is None else t.double()
+
+    def __iter__(self):
+        return iter(self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def held(self, name: str) -> torch.Tensor:
+        """The tensor as it is held (its own dtype), for a reader that needs no float64."""
+        return self._held[name]
+
+    def without(self, names: Iterable[str]) -> "Compact":
+        """The same tensors, with `names` held as None (sharing, not copying, the rest)."""
+        drop = set(names)
+        return Compact({n: None if n in drop else t for n, t in self._held.items()}, copy=False)
+
+    @property
+    def none(self) -> frozenset[str]:
+        """The names held as None."""
+        return frozenset(n for n, t in self._held.items() if t is None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._held.values() if t is not None)
+
+
+class Difference(Mapping[str, torch.Tensor]):
+    """`after` - `before` by name (`before`'s names), computed in float64 on the CPU when read and never held: an update is kept as the
+    values it led to (in their own dtype), not as a float64 copy of its own. `round_to`: `before` rounded to that
+    dtype first (a replay that started from the parameters in its own dtype)."""
+
+    __slots__ = ("_after", "_before", "_round_to")
+
+    def __init__(self, after: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor],
+                 round_to: torch.dtype | None = None) -> None:
+        self._after, self._before, self._round_to = after, before, round_to
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        after, before = self.sides(name)
+        return (after.double() - before).reshape(self._after[name].shape)
+
+    def sides(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(after, before) of `name`, flattened on the CPU as held (`before` rounded as asked): their float64
+        difference is the update (one float64 copy and one subtraction: the other side is promoted in it, exactly)."""
+        before = (self._before.held(name) if isinstance(self._before, Compact) else self._before[name]).detach()
+        if self._round_to is not None and before.dtype != self._round_to:
+            before = before.to(self._round_to)
+        return self._after[name].detach().to("cpu").reshape(-1), before.to("cpu").reshape(-1)
+
+    def __iter__(self):
+        return iter(self._before)
+
+    def __len__(self) -> int:
+        return len(self._before)
+
+
+def _cpu(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    t = t.detach()
+    moved = t.to("cpu")
+    return moved.clone() if copy and moved.data_ptr() == t.data_ptr() else moved
