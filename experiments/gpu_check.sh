@@ -3,43 +3,47 @@
 #
 #   bash experiments/gpu_check.sh [OUT_DIR]        (default OUT_DIR: gpu-check/<date-time>)
 #
-# On one CUDA device it runs, each step logged and judged on its own (a failing step does not stop the rest): its
-# exit status, then, for a step that runs dpcompare (which exits 0 whatever its verdict), what its result must show,
-# judged by experiments/gpu_judge.py on the results in the step's own directory OUT_DIR/runs/<group>/<step> (the
-# group is the part, or a set of runs reported together):
-#   env            nvidia-smi, torch, CUDA, NCCL, cuDNN, and which backends are installed
-#   nccl-ws1       ddp over NCCL at world size 1 (torchrun), CUDA-event timing and torch.cuda peak memory
-#   dp-1dev        nn.DataParallel on one real device
-#   nccl-refused   two ranks on one GPU with NCCL: must be refused in one line, exit 2 (NCCL cannot do it)
-#   ddp/deepspeed/horovod-ws2   world size 2 on the one device over gloo (--opt dist_backend=gloo;
-#                  Horovod's gloo controller), CUDA tensors; with two or more GPUs, NCCL one rank per GPU
-#   gpt2-small-dropout   GPT-2 small with its dropout at world size 1: the CUDA masks captured, not replayed
-#                  (each of these runs `equivalent`; nccl-refused writes no result)
-#   amp-*          mixed precision on CUDA: bf16 and fp16 autocast under ddp, dp and horovod, a forced fp16
-#                  overflow (initial loss scale 2^24) every backend must skip, DeepSpeed's bf16 and fp16 engines
-#                  (fp32 master weights; fp16 weights exist on CUDA, refused on the CPU accelerator); every run
-#                  `equivalent`, each overflow run with at least one checked step skipped, where the oracle predicted
-#                  the overflow (the judge's --skips)
-#   sharding-*     ZeRO-2, ZeRO-3 and FSDP2 on NCCL at world size 1 (AdamW, gpt-tiny): each judged against the
-#                  float64 oracle, CUDA memory per component (metrics.model_state_mib_per_rank) beside the ZeRO
-#                  formula, and the same at world size 2 (gloo over one GPU, or NCCL with two GPUs); every run
-#                  `equivalent`, its measured parameters and optimizer state within 10 % of the formula (--memory)
-#   resnet50, gpt2-small        throughput of every installed backend (world size 1 and 2), dropout on;
-#                  ResNet-50 without --sync-bn is judged per replica (its distance from the global batch stated);
-#                  its one checked step `equivalent` in every run
-# then `python -m dpcompare report` per group of runs, and OUT_DIR/gpu_check.md: one table of every run (verdict,
-# step time, samples/s, peak memory, clock) and one of every step (exit status, seconds, the judge's line).
+# Each step is logged and judged on its own (a failing step does not stop the rest): its exit status, then, for a
+# step that runs dpcompare (which exits 0 whatever its verdict), what its result must show, judged by
+# experiments/gpu_judge.py on the results in the step's own directory OUT_DIR/runs/<part>/<step>. The parts, in the
+# order of what matters most:
+#   power-tf32, power-bf16   the verdict's power on ResNet-50 224x224 under PyTorch's default TF32 and under --amp
+#                  bf16: ddp, deepspeed and fsdp at world size 1 over NCCL and ddp at 2 ranks over gloo on the one GPU,
+#                  each `equivalent` and catching a 10 % change (--power 0.1), its checked steps with TF32 off
+#   twins-tf32, twins-bf16   the same network and precision with lr x N, an undeclared fp16 wire and local clipping:
+#                  each `different`, its cause named
+#   engine-ws1, engine-ws2   DeepSpeed's fp16 engine (--amp fp16 --opt amp_recipe=engine) at ZeRO 0-3 on gpt-tiny and
+#                  mlp: `equivalent`; at world size 2 also tests.faulty_adapters:ScaleLeftInDeepSpeed, `different`
+#   shared         two ranks on one GPU over gloo for ZeRO-3 and FSDP (`equivalent`); NCCL asked for two ranks on
+#                  one GPU is refused before the start in one line under ddp, deepspeed and fsdp; DataParallel
+#   branches       what runs only on CUDA: the dropout masks captured on CUDA (gpt-tiny with dropout, 2 ranks),
+#                  --compile under ddp and fsdp (Inductor's Triton kernels), --activation-checkpointing's peak from
+#                  max_memory_allocated (GPT-2 small with and without: the saving must show), a Llama-style
+#                  hf: config in bf16 with sdpa and with the eager dropout attention
+#   questions      `compare --suite questions` on the GPU, every run `equivalent`
+#   horovod        Horovod built from the sdist in GPU_CHECK_WHEELS (scripts/build_horovod.sh: NCCL from torch's
+#                  wheel, nvcc), `horovodrun --check-build`, and its world-size-1 run `equivalent`
+#   overhead       the harness's own cost: dpcompare ddp against experiments/plain_ddp.py on ResNet-50 at world
+#                  size 1, fp32 and bf16, side by side (experiments/gpu_overhead.py: step p50 ratio at most 1.10)
+#   cost           the verification's cost on a 336 M-parameter Llama-style config (verify ms per step against the
+#                  step, bytes per parameter)
+#   coverage       --check-coverage auto planned from torch.cuda.mem_get_info while experiments/gpu_fill.py holds
+#                  all but GPU_CHECK_COVERAGE_LEAVE_GIB of the device: part of the 336 M config checked, `equivalent`
+# then `python -m dpcompare report` per part, and OUT_DIR/gpu_check.md: one table of every run (verdict, step time,
+# samples/s, peak memory, clock) and one of every step (exit status, seconds, the judge's line).
 #
-# Budget: the whole check is sized for 8 minutes on one H100 at the default GPU_CHECK_STEPS=10; most of a step's
-# time is its start-up (torch, the process group, the float64 oracle), not its timed steps. Where a slot is
-# shorter, split the parts over invocations (GPU_CHECK_PARTS=functional, then GPU_CHECK_PARTS="amp sharding", ...):
-# each part computes what it needs on its own and takes its own rendezvous ports (functional 29600, amp 29700,
-# sharding 29800, resnet50 29900, gpt2-small 30000), so parts may also run side by side, each invocation with its
-# own OUT_DIR.
+# Side by side: the parts named in GPU_CHECK_LANES ('|' between lanes, a lane's parts in order) run at once, each lane
+# an invocation of this script with its own OUT_DIR/lanes/<n>; the parts of GPU_CHECK_PARTS left out of every lane
+# (overhead, whose timing wants the device alone, and coverage, which fills it) run after them. The cost part runs
+# in a lane: its bytes per parameter are its own, its time against the step shares the device with the other lanes. A step that would start after the
+# deadline (GPU_CHECK_LANE_DEADLINE_S from the start for a lane, GPU_CHECK_DEADLINE_S for the whole) is not run and
+# falls short, and each launch is cut at the deadline, so the report is written inside the time given.
 #
 # Knobs: DPCOMPARE_PY (python with dpcompare installed; default .venv/bin/python, else python3),
-# GPU_CHECK_STEPS (measured steps per run, default 10), GPU_CHECK_TIMEOUT_S (per run, 600),
-# GPU_CHECK_PARTS (default "functional amp sharding resnet50 gpt2-small": any subset, e.g. to split the work in two).
+# GPU_CHECK_PARTS (default: every part above), GPU_CHECK_LANES (default below; empty: one after another),
+# GPU_CHECK_DEADLINE_S (510), GPU_CHECK_LANE_DEADLINE_S (300), GPU_CHECK_TIMEOUT_S (per run, 300),
+# GPU_CHECK_WHEELS (where Horovod's sdist is; default .whl), GPU_CHECK_COVERAGE_LEAVE_GIB (18),
+# GPU_CHECK_DEVICE=cpu (the script's plumbing tried on a CPU box with cheap parts; no GPU figure comes of it).
 # Exit status: 0 when every step did what it should, 1 otherwise (each step that fell short listed at the end),
 # 2 when there is no CUDA device.
 set -uo pipefail
@@ -50,17 +54,27 @@ if [ -z "$py" ]; then
   if [ -x "$root/.venv/bin/python" ]; then py="$root/.venv/bin/python"; else py=python3; fi
 fi
 out=${1:-gpu-check/$(date +%Y%m%d-%H%M%S)}
-steps=${GPU_CHECK_STEPS:-10}
-parts=" ${GPU_CHECK_PARTS:-functional amp sharding resnet50 gpt2-small} "
-timeout_s=${GPU_CHECK_TIMEOUT_S:-600}
+all_parts="power-tf32 power-bf16 twins-tf32 twins-bf16 engine-ws1 engine-ws2 shared branches questions horovod overhead cost coverage"
+parts=" ${GPU_CHECK_PARTS:-$all_parts} "
+lanes=${GPU_CHECK_LANES-power-tf32|power-bf16|twins-tf32|twins-bf16|engine-ws1|engine-ws2|shared|branches|questions|cost|+horovod}
+timeout_s=${GPU_CHECK_TIMEOUT_S:-300}
+wheels=${GPU_CHECK_WHEELS:-$root/.whl}
 mkdir -p "$out/logs" || { echo "gpu_check: cannot create $out: choose a writable OUT_DIR" >&2; exit 2; }
 out=$(cd "$out" && pwd)
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTHONUNBUFFERED=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PYTHONUNBUFFERED=1
 bindir=$(dirname "$("$py" -c 'import sys; print(sys.executable)')")
 export PATH="$bindir:$PATH"
+# The deadlines, as seconds since the epoch: a lane inherits its parent's.
+now() { date +%s; }
+export GPU_CHECK_END=${GPU_CHECK_END:-$(( $(now) + ${GPU_CHECK_DEADLINE_S:-510} ))}
+lane_end=${GPU_CHECK_LANE_END:-$(( $(now) + ${GPU_CHECK_LANE_DEADLINE_S:-300} ))}
+end=$GPU_CHECK_END
 
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
-if [ "$gpus" = 0 ]; then
+device=cuda
+if [ "${GPU_CHECK_DEVICE:-cuda}" = cpu ]; then  # the script's own plumbing, tried on a CPU box: not a GPU check
+  device=cpu gpus=1
+elif [ "$gpus" = 0 ]; then
   echo "gpu_check: $py sees no CUDA device (torch.cuda.is_available() is False): run this on a GPU machine" >&2
   exit 2
 fi
@@ -74,8 +88,8 @@ group=none  # the runs' group: OUT_DIR/runs/<group>/<step> (set per part; `dpcom
 port=29600  # the part's base rendezvous port (set per part); torchrun_n takes the next one
 # step NAME EXPECTED_RC [JUDGE_FLAG... --] CMD...: run one step with its own log and its own results directory
 # ($run_dir, which the dpcompare launchers below pass as --out); record its exit status and duration. With judge
-# flags (experiments/gpu_judge.py's: --verdict, --skips, --memory, --count), a step that exited as expected is then
-# judged on the results in $run_dir, and the judge's line is its verdict.
+# flags (experiments/gpu_judge.py's), a step that exited as expected is then judged on the results in $run_dir, and
+# the judge's line is its verdict. A step that would start past the deadline ($end) is not run, and falls short.
 step() {
   local name=$1 want=$2; shift 2
   local judge=()
@@ -87,11 +101,19 @@ step() {
   local t0=$SECONDS rc verdict=ok short_of=""
   run_dir="$out/runs/$group/$name"
   [ ${#judge[@]} -gt 0 ] && mkdir -p "$run_dir"
-  echo "== $name: $*"
-  "$@" >"$out/logs/$name.log" 2>&1
-  rc=$?
-  if [ "$rc" != "$want" ]; then
+  if [ "$(now)" -ge "$end" ]; then
+    rc=-
+    short_of="not run: past the deadline"
+  else
+    echo "== $name: $*"
+    "$@" >"$out/logs/$name.log" 2>&1
+    rc=$?
+  fi
+  if [ -n "$short_of" ]; then
+    :
+  elif [ "$rc" != "$want" ]; then
     short_of="expected exit $want, got $rc"
+    [ "$rc" = 124 ] && short_of+=" (cut at the deadline or its timeout)"
   elif [ ${#judge[@]} -gt 0 ]; then
     local said line lines=()
     local judged
@@ -110,32 +132,42 @@ step() {
   fi
   printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$verdict" "$*" >>"$steps_tsv"
   echo "   exit $rc in $((SECONDS - t0)) s: $verdict"
-  tail -n 2 "$out/logs/$name.log" | sed 's/^/   | /'
+  [ -f "$out/logs/$name.log" ] && tail -n 2 "$out/logs/$name.log" | sed 's/^/   | /'
 }
-# Each launch is bounded by dpcompare's own watchdog (--timeout-s) and, should that fail, by timeout(1); each writes
+# Each launch is bounded by dpcompare's own watchdog (--timeout-s) and by timeout(1) at the deadline; each writes
 # into the step's own directory.
-bound() { timeout "$((timeout_s + 60))" "$@"; }
-run1() { bound "$py" -m dpcompare run --device cuda --timeout-s "$timeout_s" --out "$run_dir" "$@"; }
+bound() {
+  local left=$(( end - $(now) ))
+  [ "$left" -gt $((timeout_s + 60)) ] && left=$((timeout_s + 60))
+  [ "$left" -lt 1 ] && left=1
+  timeout -k 10 "$left" "$@"
+}
+run1() { bound "$py" -m dpcompare run --device "$device" --timeout-s "$timeout_s" --out "$run_dir" "$@"; }
 torchrun_n() {
   local n=$1; shift; port=$((port + 1))
-  bound torchrun --nproc_per_node="$n" --master-port "$port" -m dpcompare run --device cuda --timeout-s "$timeout_s" \
+  bound torchrun --nproc_per_node="$n" --master-port "$port" -m dpcompare run --device "$device" --timeout-s "$timeout_s" \
     --out "$run_dir" "$@"
 }
 horovod_n() {
   local n=$1; shift
-  bound horovodrun --gloo --network-interface lo -np "$n" -H "localhost:$n" "$py" -m dpcompare run --device cuda \
+  bound horovodrun --gloo --network-interface lo -np "$n" -H "localhost:$n" "$py" -m dpcompare run --device "$device" \
     --timeout-s "$timeout_s" --out "$run_dir" "$@"
 }
-# part NAME BASE_PORT: is part NAME asked for (GPU_CHECK_PARTS)? If so, its runs take ports from BASE_PORT on, so
-# parts started side by side in separate invocations do not meet at one rendezvous port.
-part() { [[ "$parts" == *" $1 "* ]] || return 1; group=$1 port=$2; }
+# Each part's base rendezvous port: its runs take the ports after it, so parts side by side never meet at one.
+declare -A base_port=([power-tf32]=29600 [twins-tf32]=29650 [power-bf16]=29700 [twins-bf16]=29750
+  [engine-ws1]=29800 [engine-ws2]=29850 [shared]=29900 [branches]=30000 [questions]=30100 [horovod]=30200
+  [overhead]=30300 [cost]=30400 [coverage]=30500)
+# part NAME: is part NAME asked for (GPU_CHECK_PARTS) and not already run in a lane? If so it opens: its group and
+# its ports.
+part() { [[ "$parts" == *" $1 "* && "$laned" != *" $1 "* ]] || return 1; group=$1 port=${base_port[$1]}; }
 
 # World size 2: with one GPU two ranks share it over gloo (NCCL refuses two ranks on one device); with two or more,
 # NCCL one rank per GPU. Set once, for every part.
 ws2_args=(--opt dist_backend=gloo)
 if [ "$gpus" -ge 2 ]; then ws2_args=(); fi
 
-# --- environment --------------------------------------------------------------------------------------------
+# --- environment (the top invocation only) ---------------------------------------------------------------------
+if [ -z "${GPU_CHECK_LANE:-}" ]; then
 {
   date -u +"date: %Y-%m-%dT%H:%M:%SZ"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | sed 's/^/gpu: /'
@@ -143,7 +175,7 @@ if [ "$gpus" -ge 2 ]; then ws2_args=(); fi
 import importlib.util, platform, torch
 print(f"python: {platform.python_version()}  torch: {torch.__version__}  cuda: {torch.version.cuda}  "
       f"cudnn: {torch.backends.cudnn.version()}  nccl: {'.'.join(map(str, torch.cuda.nccl.version()))}")
-for name in ("torchvision", "deepspeed", "horovod", "mpi4py"):
+for name in ("torchvision", "deepspeed", "horovod", "transformers", "triton", "mpi4py"):
     spec = importlib.util.find_spec(name)
     version = "not installed"
     if spec:
@@ -155,126 +187,222 @@ for name in ("torchvision", "deepspeed", "horovod", "mpi4py"):
 EOF
 } >"$out/env.txt" 2>&1
 cat "$out/env.txt"
-
-# --- the functional checks ----------------------------------------------------------------------------------
-eq=(--verdict equivalent)
-if part functional 29600; then
-step nccl-ws1 0 "${eq[@]}" -- torchrun_n 1 --backend ddp --model resnet18-cifar --sync-bn --steps 2 --measure-steps "$steps"
-step dp-1dev 0 "${eq[@]}" -- run1 --backend dp --model resnet18-cifar --steps 2 --measure-steps "$steps"
-if [ "$gpus" -lt 2 ]; then
-  # torchrun reports its ranks' exit 2 as its own exit 1; the ranks' one line is what must be there, and no result.
-  group=refused
-  step nccl-refused 1 --count 0 -- torchrun_n 2 --backend ddp --model mlp --steps 1 --measure-steps 0
-  step nccl-refused-says-why 0 grep -q "NCCL refuses two ranks on one device: use --opt dist_backend=gloo" \
-    "$out/logs/nccl-refused.log"
-  group=functional
-fi
-step ddp-ws2 0 "${eq[@]}" -- torchrun_n 2 --backend ddp "${ws2_args[@]}" --model resnet18-cifar --sync-bn --steps 2 \
-  --measure-steps "$steps"
-if has deepspeed; then
-  step deepspeed-ws2 0 "${eq[@]}" -- torchrun_n 2 --backend deepspeed "${ws2_args[@]}" --model gpt-tiny --steps 2 \
-    --measure-steps "$steps"
-fi
-if has horovod; then
-  step horovod-ws2 0 "${eq[@]}" -- horovod_n 2 --backend horovod --model gpt-tiny --steps 2 --measure-steps "$steps"
-fi
-# GPT-2 small trains with dropout: each rank's CUDA masks are captured during its forward and applied in the
-# float64 oracle, so the verdict must be `equivalent` (`unverifiable`, naming the module whose mask was not
-# captured, falls short: the capture is what the step shows). Without dropout the same network is checked
-# deterministically. Each is reported on its own (ddp at world size 1 and 2 would supersede the resnet18 runs).
-group=gpt2-small-dropout
-step gpt2-small-dropout-ws1 0 "${eq[@]}" -- torchrun_n 1 --backend ddp --model gpt2-small --global-batch 2 --steps 2 \
-  --measure-steps 0
-group=gpt2-small-no-dropout
-step gpt2-small-no-dropout-ws2 0 "${eq[@]}" -- torchrun_n 2 --backend ddp "${ws2_args[@]}" --model gpt2-small \
-  --no-dropout --global-batch 4 --steps 2 --measure-steps 0
 fi
 
-# --- mixed precision (--amp) -----------------------------------------------------------------------------------
-# Each recipe judged against the float64 oracle on the floor of its own precision; the forced overflow must be
-# skipped exactly where the oracle's rank-by-rank emulation of the recipe overflows (equivalence.precision).
-# The overflow runs (mlp, 8 checked steps) are judged with --skips: at least one checked step skipped, each where
-# the oracle predicted the overflow, and the verdict equivalent.
-if part amp 29700; then
-  amp_common=(--model gpt-tiny --steps 2 --measure-steps "$steps")
-  overflow=(--model mlp --amp fp16 --loss-scale 16777216 --steps 8 --measure-steps 0)
-  step amp-bf16-ddp-ws1 0 "${eq[@]}" -- torchrun_n 1 --backend ddp --amp bf16 "${amp_common[@]}"
-  step amp-fp16-ddp-ws2 0 "${eq[@]}" -- torchrun_n 2 --backend ddp "${ws2_args[@]}" --amp fp16 "${amp_common[@]}"
-  step amp-bf16-dp-1dev 0 "${eq[@]}" -- run1 --backend dp --amp bf16 "${amp_common[@]}"
-  group=amp-overflow
-  step amp-fp16-overflow-ddp-ws1 0 --skips -- torchrun_n 1 --backend ddp "${overflow[@]}"
-  group=amp
-  if has horovod; then
-    step amp-fp16-horovod-ws2 0 "${eq[@]}" -- horovod_n 2 --backend horovod --amp fp16 "${amp_common[@]}"
-  fi
-  if has deepspeed; then
-    step amp-bf16-deepspeed-ws2 0 "${eq[@]}" -- torchrun_n 2 --backend deepspeed "${ws2_args[@]}" --amp bf16 \
-      "${amp_common[@]}"
-    step amp-bf16-deepspeed-engine-ws2 0 "${eq[@]}" -- torchrun_n 2 --backend deepspeed "${ws2_args[@]}" --amp bf16 \
-      --opt amp_recipe=engine "${amp_common[@]}"
-    step amp-fp16-deepspeed-engine-ws1 0 "${eq[@]}" -- torchrun_n 1 --backend deepspeed --amp fp16 \
-      --opt amp_recipe=engine "${amp_common[@]}"
-    group=amp-overflow
-    step amp-fp16-overflow-deepspeed-engine-ws1 0 --skips -- torchrun_n 1 --backend deepspeed --opt amp_recipe=engine \
-      "${overflow[@]}"
-  fi
-fi
-
-# --- sharded data parallelism ------------------------------------------------------------------------------------
-# ZeRO-2, ZeRO-3 and FSDP2 over NCCL (world size 1: NCCL's collectives on one rank) and at world size 2; AdamW, so
-# the optimizer state is the largest component, measured on the device beside the ZeRO paper's formula: each run
-# is judged `equivalent` and (--memory) its measured parameters and optimizer state per rank within 10 % of the
-# formula (a component left unsharded at world size 2 is twice it).
-if part sharding 29800; then
-  shard_common=(--model gpt-tiny --optimizer adamw --steps 2 --measure-steps "$steps")
-  for ws in 1 2; do
-    extra=(); [ "$ws" = 2 ] && extra=("${ws2_args[@]}")
-    if has deepspeed; then
-      for stage in 2 3; do
-        step "sharding-zero$stage-ws$ws" 0 "${eq[@]}" --memory -- torchrun_n "$ws" --backend deepspeed "${extra[@]}" \
-          --opt zero_stage=$stage "${shard_common[@]}"
-      done
-    fi
-    step "sharding-fsdp-ws$ws" 0 "${eq[@]}" --memory -- torchrun_n "$ws" --backend fsdp "${extra[@]}" "${shard_common[@]}"
+# --- lanes: parts side by side ---------------------------------------------------------------------------------
+laned=" "
+pids=() late_pids=()
+if [ -z "${GPU_CHECK_LANE:-}" ] && [ -n "$lanes" ]; then
+  n=0
+  IFS='|' read -ra lane_list <<<"$lanes"
+  for lane in "${lane_list[@]}"; do
+    # A lane written +NAME runs on beside the parts that run after the lanes, until the whole deadline (a build
+    # that needs the CPUs, not the GPU); the others end at the lanes' deadline.
+    late=0; [[ "$lane" == +* ]] && late=1 lane=${lane#+}
+    mine=""
+    for name in $lane; do [[ "$parts" == *" $name "* ]] && mine+="$name "; done
+    [ -n "$mine" ] || continue
+    laned+="$mine"
+    n=$((n + 1))
+    lane_stop=$lane_end; [ "$late" = 1 ] && lane_stop=$((end - 30))
+    GPU_CHECK_LANE=$n GPU_CHECK_PARTS="$mine" GPU_CHECK_LANE_END=$lane_stop GPU_CHECK_END=$lane_stop \
+      bash "${BASH_SOURCE[0]}" "$out/lanes/$n" >"$out/logs/lane-$n.log" 2>&1 &
+    if [ "$late" = 1 ]; then late_pids+=($!); else pids+=($!); fi
+    echo "== lane $n: $mine(pid $!)"
   done
+fi
+# gather_lanes: wait for the lanes in "$@" (pids), then take their steps into this invocation's.
+gathered=" "
+gather_lanes() {
+  local pid tsv name rc secs verdict cmd
+  for pid in "$@"; do wait "$pid"; done
+  for tsv in "$out"/lanes/*/steps.tsv; do
+    [ -f "$tsv" ] && [[ "$gathered" != *" $tsv "* ]] || continue
+    if [ ! -f "$(dirname "$tsv")/done" ]; then continue; fi
+    gathered+="$tsv "
+    cat "$tsv" >>"$steps_tsv"
+    while IFS=$'\t' read -r name rc secs verdict cmd; do
+      echo "   [lane] $name: exit $rc in $secs s: $verdict"
+      if [[ "$verdict" == FELL\ SHORT* ]]; then failed=1; short+=("$name: ${verdict#FELL SHORT: }"); fi
+    done <"$tsv"
+  done
+}
+gather_lanes "${pids[@]}"
+
+eq=(--verdict equivalent)
+# --- 1. the verdict's power on ResNet-50 224x224 -----------------------------------------------------------------
+# Global batch 8 (4 images per rank at world size 2), the default four checked steps under SGD with momentum;
+# PyTorch's default TF32 (cuDNN convolutions in TF32), or bf16 autocast.
+resnet=(--model resnet50 --global-batch 8 --measure-steps 0)
+for prec in tf32 bf16; do
+  amp=(); [ "$prec" = bf16 ] && amp=(--amp bf16)
+  if part "power-$prec"; then
+    step "power-$prec-ddp-ws1" 0 "${eq[@]}" --power 0.1 --tf32-off -- torchrun_n 1 --backend ddp "${amp[@]}" "${resnet[@]}"
+    if has deepspeed; then
+      step "power-$prec-deepspeed-ws1" 0 "${eq[@]}" --power 0.1 --tf32-off -- torchrun_n 1 --backend deepspeed \
+        "${amp[@]}" "${resnet[@]}"
+    fi
+    step "power-$prec-fsdp-ws1" 0 "${eq[@]}" --power 0.1 --tf32-off -- torchrun_n 1 --backend fsdp "${amp[@]}" \
+      "${resnet[@]}"
+    step "power-$prec-ddp-ws2" 0 "${eq[@]}" --power 0.1 --tf32-off -- torchrun_n 2 --backend ddp "${ws2_args[@]}" \
+      "${amp[@]}" "${resnet[@]}"
+  fi
+  if part "twins-$prec"; then
+    twin=(--steps 2 "${amp[@]}" "${resnet[@]}")
+    step "twin-$prec-lr-times-n" 0 --verdict different --cause lr_scaled -- torchrun_n 2 \
+      --backend tests.faulty_adapters:LinearScaledLRDDP "${ws2_args[@]}" "${twin[@]}"
+    step "twin-$prec-fp16-wire" 0 --verdict different --cause wire_dtype -- torchrun_n 2 \
+      --backend tests.faulty_adapters:Fp16WireDDP "${ws2_args[@]}" "${twin[@]}"
+    step "twin-$prec-local-clip" 0 --verdict different --cause local_clip -- torchrun_n 2 \
+      --backend tests.faulty_adapters:LocalClipDDP "${ws2_args[@]}" "${twin[@]}"
+  fi
+done
+
+# --- 2. DeepSpeed's fp16 engine ------------------------------------------------------------------------------------
+engine=(--backend deepspeed --amp fp16 --opt amp_recipe=engine --measure-steps 0)
+for ws in 1 2; do
+  if part "engine-ws$ws" && has deepspeed; then
+    extra=(); [ "$ws" = 2 ] && extra=("${ws2_args[@]}")
+    for model in gpt-tiny mlp; do
+      for stage in 0 1 2 3; do
+        step "engine-$model-zero$stage-ws$ws" 0 "${eq[@]}" -- torchrun_n "$ws" "${engine[@]}" "${extra[@]}" \
+          --opt zero_stage=$stage --model "$model"
+      done
+    done
+    if [ "$ws" = 2 ]; then
+      step engine-twin-scale-left-in 0 --verdict different -- torchrun_n 2 \
+        --backend tests.faulty_adapters:ScaleLeftInDeepSpeed --amp fp16 --opt amp_recipe=engine --measure-steps 0 \
+        "${extra[@]}" --model mlp --steps 2
+    fi
+  fi
+done
+
+# --- 3. two ranks on one GPU ---------------------------------------------------------------------------------------
+if part "shared"; then
+  tiny=(--model gpt-tiny --optimizer adamw --measure-steps 3)
   if has deepspeed; then
-    step sharding-zero3-bf16-ws1 0 "${eq[@]}" --memory -- torchrun_n 1 --backend deepspeed --opt zero_stage=3 --amp bf16 \
-      "${shard_common[@]}"
+    step shared-zero3-ws2 0 "${eq[@]}" -- torchrun_n 2 --backend deepspeed --opt zero_stage=3 "${ws2_args[@]}" "${tiny[@]}"
+  fi
+  step shared-fsdp-ws2 0 "${eq[@]}" -- torchrun_n 2 --backend fsdp "${ws2_args[@]}" "${tiny[@]}"
+  step shared-dp 0 "${eq[@]}" -- run1 --backend dp "${tiny[@]}"
+  if [ "$gpus" -lt 2 ]; then
+    # torchrun reports its ranks' exit 2 as its own exit 1; the ranks' one line is what must be there, and no result.
+    for backend in ddp fsdp deepspeed; do
+      [ "$backend" = deepspeed ] && ! has deepspeed && continue
+      step "shared-nccl-refused-$backend" 1 --count 0 -- torchrun_n 2 --backend "$backend" --model mlp --steps 1 \
+        --measure-steps 0
+      step "shared-nccl-refused-$backend-says-why" 0 grep -q "NCCL refuses two ranks on one device: use --opt dist_backend=gloo" \
+        "$out/logs/shared-nccl-refused-$backend.log"
+    done
   fi
 fi
 
-# --- throughput on the real models --------------------------------------------------------------------------
-# (model, global batch): ResNet-50 at 64 images of 224x224 (32 per rank at world size 2), GPT-2 small at 8
-# sequences of 1024 tokens. One checked step each (the float64 oracle runs on the GPU), then the timed steps; the
-# checked step must be `equivalent` in every run (GPT-2's dropout masks captured; ResNet-50 without --sync-bn judged
-# per replica).
-for spec in resnet50:64:29900 gpt2-small:8:30000; do
-  IFS=: read -r model batch base <<<"$spec"
-  part "$model" "$base" || continue
-  common=(--model "$model" --global-batch "$batch" --steps 1 --warmup-steps 5 --measure-steps "$steps")
-  step "$model-reference" 0 "${eq[@]}" -- run1 --backend reference "${common[@]}"
-  step "$model-dp" 0 "${eq[@]}" -- run1 --backend dp "${common[@]}"
-  step "$model-ddp-ws1" 0 "${eq[@]}" -- torchrun_n 1 --backend ddp "${common[@]}"
-  step "$model-ddp-ws2" 0 "${eq[@]}" -- torchrun_n 2 --backend ddp "${ws2_args[@]}" "${common[@]}"
-  if has deepspeed; then
-    step "$model-deepspeed-ws2" 0 "${eq[@]}" -- torchrun_n 2 --backend deepspeed "${ws2_args[@]}" "${common[@]}"
+# --- 4. CUDA-only branches -----------------------------------------------------------------------------------------
+if part "branches"; then
+  step branch-dropout-masks-ws2 0 "${eq[@]}" -- torchrun_n 2 --backend ddp "${ws2_args[@]}" --model gpt-tiny \
+    --measure-steps 0
+  step branch-compile-ddp 0 "${eq[@]}" --compiled -- torchrun_n 1 --backend ddp --compile --model gpt-tiny --no-dropout \
+    --measure-steps 5
+  step branch-compile-fsdp 0 "${eq[@]}" --compiled -- torchrun_n 1 --backend fsdp --compile --model gpt-tiny \
+    --no-dropout --measure-steps 5
+  ckpt=(--model gpt2-small --global-batch 8 --steps 1 --warmup-steps 2 --measure-steps 3)
+  step branch-checkpointing-without 0 "${eq[@]}" -- torchrun_n 1 --backend ddp "${ckpt[@]}"
+  group=branches-checkpointing-pair
+  mkdir -p "$out/runs/$group/branch-checkpointing-saving"
+  cp "$out/runs/branches/branch-checkpointing-without/"*.json "$out/runs/$group/branch-checkpointing-saving/" 2>/dev/null
+  step branch-checkpointing-saving 0 "${eq[@]}" --saving -- torchrun_n 1 --backend ddp --activation-checkpointing \
+    "${ckpt[@]}"
+  group=branches
+  for attention in sdpa dropout; do
+    step "branch-hf-llama-bf16-$attention" 0 "${eq[@]}" -- torchrun_n 1 --backend ddp --amp bf16 \
+      --model "hf:$root/experiments/gpu_configs/llama-tiny-$attention" --measure-steps 3
+  done
+fi
+
+if part "questions"; then
+  compare_into() { bound "$py" -m dpcompare compare --suite questions --out "$run_dir/compare" "$@" \
+                   && cp "$run_dir"/compare/*/runs/*.json "$run_dir/"; }
+  step questions-suite 0 "${eq[@]}" -- compare_into --no-report
+fi
+
+# --- 6. Horovod with NCCL, built here ------------------------------------------------------------------------------
+if part "horovod"; then
+  sdist=$(ls "$wheels"/horovod-*.tar.gz 2>/dev/null | head -n 1)
+  if ! has horovod; then
+    if [ -z "$sdist" ]; then
+      step horovod-build 0 bash -c 'echo "$0"; exit 1' "no Horovod sdist in $wheels (GPU_CHECK_WHEELS)"
+    else
+      install_horovod() {
+        HOROVOD_MAKEFLAGS=-j6 bound nice -n 10 bash "$root/scripts/build_horovod.sh" "$py" "$sdist" "$out/horovod-wheel" \
+          || return 1
+        local target=()
+        [ -n "${PYTHONPATH:-}" ] && target=(--target "${PYTHONPATH%%:*}")
+        "$py" -m pip install -q --no-index --no-deps --no-compile "${target[@]}" "$out"/horovod-wheel/horovod-*.whl
+      }
+      step horovod-build 0 install_horovod
+      [ -n "${PYTHONPATH:-}" ] && export PATH="${PYTHONPATH%%:*}/bin:$PATH"
+    fi
   fi
   if has horovod; then
-    step "$model-horovod-ws2" 0 "${eq[@]}" -- horovod_n 2 --backend horovod "${common[@]}"
+    step horovod-check-build 0 bash -c 'horovodrun --check-build | tee /dev/stderr | grep -q "\[X\] NCCL"'
+    step horovod-ws1 0 "${eq[@]}" -- horovod_n 1 --backend horovod --model gpt-tiny --measure-steps 5
+    step horovod-ws2 0 "${eq[@]}" -- horovod_n 2 --backend horovod --model gpt-tiny --measure-steps 0
   fi
-done
-
-# --- reports --------------------------------------------------------------------------------------------------
-# One report per group of runs that wrote results (OUT_DIR/runs/<group>/report.md).
-group=reports
-for d in "$out"/runs/*/; do
-  d=${d%/}
-  compgen -G "$d/*/*.json" >/dev/null && step "report-$(basename "$d")" 0 bound "$py" -m dpcompare report "$d"
-done
-if ! "$py" "$root/experiments/gpu_summary.py" "$out" >"$out/gpu_check.md" 2>"$out/logs/summary.log"; then
-  failed=1; short+=("summary: experiments/gpu_summary.py failed (logs/summary.log)")
 fi
-cat "$out/gpu_check.md"
+
+# --- 5. the harness's own cost, alone on the device ---------------------------------------------------------------
+if part "overhead"; then
+  timed=(--global-batch 64 --warmup-steps 5 --measure-steps 30)
+  for prec in fp32 bf16; do
+    amp=(); [ "$prec" = bf16 ] && amp=(--amp bf16)
+    plain_run() {
+      mkdir -p "$run_dir"; port=$((port + 1))
+      bound torchrun --nproc_per_node=1 --master-port "$port" "$root/experiments/plain_ddp.py" \
+        --model dpcompare.run.real_models:resnet50 --first-step 1 "${timed[@]}" "${amp[@]}" --out "$run_dir/plain.json"
+    }
+    step "overhead-$prec-plain" 0 plain_run
+    plain_json="$run_dir/plain.json"
+    step "overhead-$prec-dpcompare" 0 "${eq[@]}" -- torchrun_n 1 --backend ddp --model resnet50 --steps 1 \
+      "${timed[@]}" "${amp[@]}"
+    step "overhead-$prec-ratio" 0 "$py" "$root/experiments/gpu_overhead.py" "$plain_json" "$run_dir"
+  done
+fi
+
+# --- 4 (timed). the verification's cost, and the coverage planned from the free memory -----------------------------
+if part "cost"; then
+  step cost-llama-340m 0 "${eq[@]}" --cost -- torchrun_n 1 --backend ddp \
+    --model "hf:$root/experiments/gpu_configs/llama-340m" --global-batch 8 --steps 2 --measure-steps 10
+fi
+if part "coverage"; then
+  filled() {
+    local ready="$out/logs/fill-ready" status
+    rm -f "$ready"
+    "$py" "$root/experiments/gpu_fill.py" --leave-gib "${GPU_CHECK_COVERAGE_LEAVE_GIB:-18}" --ready "$ready" &
+    local filler=$!
+    for _ in $(seq 120); do [ -f "$ready" ] || ! kill -0 "$filler" 2>/dev/null && break; sleep 0.5; done
+    cat "$ready" 2>/dev/null
+    "$@"; status=$?
+    kill "$filler" 2>/dev/null; wait "$filler" 2>/dev/null
+    return $status
+  }
+  step coverage-auto-partial 0 "${eq[@]}" --partial-coverage -- filled torchrun_n 1 --backend ddp \
+    --model "hf:$root/experiments/gpu_configs/llama-340m" --global-batch 4 --check-coverage auto --measure-steps 0
+fi
+
+# --- reports (the top invocation) ---------------------------------------------------------------------------------
+[ -n "${GPU_CHECK_LANE:-}" ] && touch "$out/done"
+if [ -z "${GPU_CHECK_LANE:-}" ]; then
+  gather_lanes "${late_pids[@]}"
+  group=reports end=$(( $(now) + 60 ))
+  for d in "$out"/runs/*/ "$out"/lanes/*/runs/*/; do
+    d=${d%/}
+    [ -d "$d" ] && compgen -G "$d/*/*.json" >/dev/null && step "report-$(basename "$d")" 0 bound "$py" -m dpcompare report "$d"
+  done
+  if ! "$py" "$root/experiments/gpu_summary.py" "$out" >"$out/gpu_check.md" 2>"$out/logs/summary.log"; then
+    failed=1; short+=("summary: experiments/gpu_summary.py failed (logs/summary.log)")
+  fi
+  cat "$out/gpu_check.md"
+fi
 if [ "$failed" != 0 ]; then
   echo
   echo "gpu_check: ${#short[@]} step(s) fell short:"

@@ -19,6 +19,17 @@ Expectations:
                    optimizer state within --memory-tolerance of the ZeRO paper's per-rank figure
                    (metrics.model_state_formula_mib); a result without either figure falls short, naming the field.
   --count N        exactly N results (default: at least one). A directory with no result falls short.
+  --power MAX      the verdict states its power and it resolves MAX: equivalence.min_detectable_rel <= MAX.
+  --cause NAME     the first divergence names the cause NAME (a planted fault's twin: with --verdict different).
+  --tf32-off       the checked steps ran with TF32 off on CUDA (equivalence.precision.tf32.checked_*_allow_tf32 false
+                   and checked there, not "as set" as on a CPU).
+  --compiled       torch.compile compiled something: the result's compile section counts at least one graph.
+  --partial-coverage  --check-coverage auto planned a part of the model from the CUDA free memory
+                   (equivalence.oracle_coverage: fraction < 1, planned from torch.cuda.mem_get_info).
+  --saving         two results, with and without --activation-checkpointing: the one that recomputes has the
+                   smaller metrics.peak_above_start_mib.
+  --cost           the verification's cost is recorded: metrics.verify_ms_per_step, step_ms_p50 and
+                   verify_above_start_mib, with the bytes per parameter and the ratio to the step in the line.
 """
 
 from __future__ import annotations
@@ -98,6 +109,16 @@ def parser() -> argparse.ArgumentParser:
                    help=f"relative tolerance of --memory (default: {MEMORY_REL_TOLERANCE:g})")
     p.add_argument("--count", type=_count, default=None, metavar="N",
                    help="exactly N results expected (default: at least one)")
+    p.add_argument("--power", type=_fraction, default=None, metavar="MAX",
+                   help="equivalence.min_detectable_rel at most MAX (e.g. 0.1)")
+    p.add_argument("--cause", default=None, metavar="NAME", help="the first divergence's cause is NAME")
+    p.add_argument("--tf32-off", action="store_true", help="the checked steps ran with TF32 off on CUDA")
+    p.add_argument("--compiled", action="store_true", help="torch.compile compiled at least one graph")
+    p.add_argument("--partial-coverage", action="store_true",
+                   help="the oracle checked part of the model, planned from CUDA's free memory")
+    p.add_argument("--saving", action="store_true",
+                   help="activation checkpointing lowered the peak above the start (two results)")
+    p.add_argument("--cost", action="store_true", help="the verification's cost is recorded (and stated)")
     return p
 
 
@@ -110,6 +131,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         raise UsageError("--skips judges an equivalent run: drop --verdict or give --verdict equivalent")
     if ns.step is None:
         ns.step = ns.dir.resolve().name
+    if ns.saving and ns.count not in (None, 2):
+        raise UsageError("--saving compares two results: drop --count or give --count 2")
+    if ns.saving:
+        ns.count = 2
     return ns
 
 
@@ -240,6 +265,79 @@ def check_memory(result: dict[str, Any], tolerance: float) -> list[str]:
     return problems
 
 
+def check_power(result: dict[str, Any], most: float) -> list[str]:
+    """The verdict resolves a relative change of `most`: equivalence.min_detectable_rel <= most."""
+    power = (result.get("equivalence") or {}).get("min_detectable_rel")
+    if not isinstance(power, (int, float)):
+        return [f"--power: equivalence.min_detectable_rel is {power!r}: the verdict states no power"]
+    return [] if power <= most else [f"--power: catches a change of {power:.3g}, more than {most:g}"]
+
+
+def check_cause(result: dict[str, Any], cause: str) -> list[str]:
+    divergence = (result.get("equivalence") or {}).get("first_divergence")
+    found = divergence.get("cause") if isinstance(divergence, dict) else None
+    return [] if found == cause else [f"--cause: the first divergence's cause is {found!r}, expected {cause!r}"]
+
+
+def check_tf32_off(result: dict[str, Any]) -> list[str]:
+    precision = (result.get("equivalence") or {}).get("precision") or {}
+    tf32 = precision.get("tf32") if isinstance(precision, dict) else None
+    if not isinstance(tf32, dict):
+        return ["--tf32-off: equivalence.precision.tf32 is missing"]
+    problems = [f"--tf32-off: {k} is {tf32.get(k)!r} in the checked steps"
+                for k in ("checked_matmul_allow_tf32", "checked_cudnn_allow_tf32") if tf32.get(k) is not False]
+    if "CUDA setting" in str(tf32.get("checked_with")):
+        problems.append(f"--tf32-off: the checked steps ran {tf32.get('checked_with')!r}: not on CUDA")
+    return problems
+
+
+def check_compiled(result: dict[str, Any]) -> list[str]:
+    compiled = result.get("compile")
+    graphs = compiled.get("graphs") if isinstance(compiled, dict) else None
+    if not isinstance(graphs, int) or graphs < 1:
+        return [f"--compiled: the compile section counts {graphs!r} graphs: nothing was compiled"]
+    return []
+
+
+def check_partial_coverage(result: dict[str, Any]) -> list[str]:
+    coverage = (result.get("equivalence") or {}).get("oracle_coverage")
+    if not isinstance(coverage, dict):
+        return ["--partial-coverage: equivalence.oracle_coverage is null: the oracle checked the whole model"]
+    problems = []
+    if not 0 < float(coverage.get("fraction") or 0) < 1:
+        problems.append(f"--partial-coverage: fraction {coverage.get('fraction')!r}, expected between 0 and 1")
+    if "mem_get_info" not in str(coverage.get("reason")):
+        problems.append(f"--partial-coverage: not planned from CUDA's free memory ({_clip(coverage.get('reason'))})")
+    return problems
+
+
+def cost_of(result: dict[str, Any]) -> tuple[list[str], str]:
+    """(what is missing, 'verify X ms/step = Rx the step, B B/param')."""
+    metrics = result.get("metrics") if isinstance(result.get("metrics"), dict) else {}
+    params = (result.get("model_info") or {}).get("parameters")
+    names = ("verify_ms_per_step", "step_ms_p50", "verify_above_start_mib")
+    missing = [f"--cost: metrics.{n} is missing" for n in names if not isinstance(metrics.get(n), (int, float))]
+    if not isinstance(params, int) or params <= 0:
+        missing.append(f"--cost: model_info.parameters is {params!r}")
+    if missing:
+        return missing, ""
+    verify, step, above = (float(metrics[n]) for n in names)
+    return [], (f"verify {verify:.0f} ms/step = {verify / step:.1f}x the step ({step:.1f} ms), "
+                f"{above * 2**20 / params:.0f} B/param above the start ({params / 1e6:.0f} M parameters)")
+
+
+def check_saving(results: list[tuple[Path, dict[str, Any]]]) -> tuple[list[str], str]:
+    """(shortfalls, 'peak above start X -> Y MiB') for a pair with and without activation checkpointing."""
+    by = {bool(r.get("activation_checkpointing")): r for _, r in results}
+    if set(by) != {True, False}:
+        return ["--saving: expected one result with --activation-checkpointing and one without"], ""
+    peaks = [((by[k].get("metrics") or {}).get("peak_above_start_mib")) for k in (False, True)]
+    if not all(isinstance(p, (int, float)) for p in peaks):
+        return [f"--saving: metrics.peak_above_start_mib is {peaks[0]!r} without, {peaks[1]!r} with"], ""
+    said = f"peak above the start {peaks[0]:.0f} MiB without, {peaks[1]:.0f} MiB recomputing"
+    return ([] if peaks[1] < peaks[0] else [f"--saving: no saving: {said}"]), said
+
+
 def judge(ns: argparse.Namespace) -> tuple[list[str], str]:
     """(every shortfall as a printed line, the one-line summary when there is none)."""
     results, unreadable, others = load_results(ns.dir)
@@ -250,18 +348,44 @@ def judge(ns: argparse.Namespace) -> tuple[list[str], str]:
         lines.append(f"{ns.step}: {found}")
     elif ns.count is not None and len(results) != ns.count:
         lines.append(f"{ns.step}: {found}, expected exactly {ns.count}")
+    figures: list[str] = []
+    powers: list[Any] = []
     for path, result in results:
         problems = check_verdict(result, ns.verdict)
         if ns.skips:
             problems += check_skips(result)
         if ns.memory:
             problems += check_memory(result, ns.memory_tolerance)
+        if ns.power is not None:
+            problems += check_power(result, ns.power)
+        if ns.cause:
+            problems += check_cause(result, ns.cause)
+        if ns.tf32_off:
+            problems += check_tf32_off(result)
+        if ns.compiled:
+            problems += check_compiled(result)
+        if ns.partial_coverage:
+            problems += check_partial_coverage(result)
+        if ns.cost:
+            missing, said = cost_of(result)
+            problems += missing
+            figures.append(said)
+        powers.append((result.get("equivalence") or {}).get("min_detectable_rel"))
         lines += [f"{ns.step}: {describe(path, result)}: {p}" for p in problems]
+    if ns.saving and len(results) == 2:
+        missing, said = check_saving(results)
+        lines += [f"{ns.step}: {m}" for m in missing]
+        figures.append(said)
     verdicts = sorted({str((r.get("equivalence") or {}).get("verdict")) for _, r in results
                        if isinstance(r.get("equivalence"), dict)})
-    checked = ["verdict"] + (["skips"] if ns.skips else []) + (["memory"] if ns.memory else [])
+    flags = ("skips", "memory", "power", "cause", "tf32_off", "compiled", "partial_coverage", "saving", "cost")
+    checked = ["verdict"] + [f.replace("_", "-") for f in flags if getattr(ns, f) not in (None, False)]
+    said = [f for f in figures if f]
+    if ns.power is not None:
+        said.append("catches " + ", ".join(f"{p:.3g}" for p in powers if isinstance(p, (int, float))))
     summary = (f"{ns.step}: ok: {len(results)} result(s)" + (f", {', '.join(verdicts)}" if verdicts else "")
-               + (f" ({', '.join(checked)} held)" if results else ", as expected"))
+               + (f" ({', '.join(checked)} held)" if results else ", as expected")
+               + (f"; {'; '.join(said)}" if said else ""))
     return lines, summary
 
 

@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--measure-steps", type=int, default=20)
     p.add_argument("--first-step", type=int, default=0,
                    help="data stream offset; dpcompare's measured phase starts at its --steps")
+    p.add_argument("--amp", choices=("none", "bf16"), default="none",
+                   help="bf16: forward and loss under torch.autocast(bfloat16), as dpcompare's --amp bf16")
     p.add_argument("--out", default=None, help="JSON file written by rank 0")
     return p.parse_args(argv)
 
@@ -85,8 +87,11 @@ def run(args: argparse.Namespace) -> dict | None:
         x, y = workload.make_batch(step, args.global_batch)
         return x[rank::world_size].to(device), y[rank::world_size].to(device)
 
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp == "bf16")
+
     def train_step(x: torch.Tensor, y: torch.Tensor) -> None:
-        loss = loss_fn(model(x), y)
+        with autocast:
+            loss = loss_fn(model(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -118,6 +123,7 @@ def run(args: argparse.Namespace) -> dict | None:
             "world_size": world_size,
             "device": str(device),
             "global_batch": args.global_batch,
+            "amp": args.amp,
             "warmup_steps": args.warmup_steps,
             "measured_steps": args.measure_steps,
             "step_ms_p50": percentile(slowest, 0.5),

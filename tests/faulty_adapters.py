@@ -364,6 +364,33 @@ class FivePercentGradientDeepSpeed(DeepSpeedAdapter):
                 p.grad.mul_(1.05)
 
 
+class ScaleLeftInDeepSpeed(DeepSpeedAdapter):
+    """DeepSpeed's fp16 engine (give --amp fp16 --opt amp_recipe=engine) whose master step finds the loss scale left
+    in: the gradients the wrapped torch optimizer steps on are multiplied back by the current loss scale after the
+    engine unscaled them (a hand-written loop that scales the loss itself and forgets to undo it). The reduced
+    gradient is right; the update is the scale times too large from step 0 (CUDA only: the fp16 engine is refused on
+    the CPU accelerator)."""
+
+    name = "scale-left-in-deepspeed"
+
+    def wrap(self, module, optimizer, local_batch: int, global_batch: int) -> Wrapped:
+        wrapped = super().wrap(module, optimizer, local_batch, global_batch)
+        inner = wrapped.model.optimizer.optimizer  # the torch optimizer DeepSpeed steps on its fp32 masters
+        step = inner.step
+
+        def scaled_step(*args, **kwargs):
+            scale = self._engine_scale()
+            with torch.no_grad():
+                for group in inner.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.mul_(scale)
+            return step(*args, **kwargs)
+
+        inner.step = scaled_step
+        return wrapped
+
+
 class StaleGatherZeRO(DeepSpeedAdapter):
     """DeepSpeed ZeRO-1 (give --opt zero_stage=1) whose all-gather of the updated partitions never reaches rank 0:
     after each step rank 0's model keeps the old values of the parameters another rank owns (their fp32 copy and

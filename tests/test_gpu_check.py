@@ -23,6 +23,7 @@ import os
 import re
 import shlex
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -39,7 +40,7 @@ from experiments import gpu_judge  # noqa: E402
 
 SCRIPT = REPO_ROOT / "experiments" / "gpu_check.sh"
 JUDGE = REPO_ROOT / "experiments" / "gpu_judge.py"
-DPCOMPARE_LAUNCHERS = ("run1", "torchrun_n", "horovod_n")
+DPCOMPARE_LAUNCHERS = ("run1", "torchrun_n", "horovod_n", "filled", "compare_into")
 """The script's helpers that launch `python -m dpcompare run`; every step running one of them must be judged."""
 
 ORDINARY_ARGS = ["--optimizer", "adamw", "--steps", "2", "--measure-steps", "2", "--warmup-steps", "1"]
@@ -220,6 +221,77 @@ def test_memory_falls_short_outside_its_tolerance(tmp_path, capsys, ordinary, co
 
 
 # -- what is in the directory --------------------------------------------------------------------------------------
+# -- the judge's GPU expectations: each passes on what it is there for and fails without it ----------------------
+def test_power_holds_what_the_run_resolves_and_fails_above_it(tmp_path, capsys, ordinary):
+    assert judge(capsys, step_dir(tmp_path, "p", ordinary), "--power", "0.1")[0] == 0
+    weak = copy.deepcopy(ordinary)
+    weak["equivalence"]["min_detectable_rel"] = 0.66
+    rc, lines = judge(capsys, step_dir(tmp_path, "w", weak), "--power", "0.1")
+    assert rc == 1 and "catches a change of 0.66, more than 0.1" in lines[0], lines
+
+
+def test_cause_names_the_twin_and_fails_on_another(tmp_path, capsys, ordinary):
+    twin = copy.deepcopy(ordinary)
+    twin["equivalence"].update(verdict="different", first_divergence={"step": 0, "cause": "lr_scaled", "reason": "x"})
+    d = step_dir(tmp_path, "t", twin)
+    assert judge(capsys, d, "--verdict", "different", "--cause", "lr_scaled")[0] == 0
+    rc, lines = judge(capsys, d, "--verdict", "different", "--cause", "local_clip")
+    assert rc == 1 and "cause is 'lr_scaled', expected 'local_clip'" in lines[0], lines
+
+
+def test_tf32_off_fails_on_a_cpu_run_and_holds_on_cuda_settings(tmp_path, capsys, ordinary):
+    rc, lines = judge(capsys, step_dir(tmp_path, "cpu", ordinary), "--tf32-off")
+    assert rc == 1 and "not on CUDA" in lines[0], lines
+    cuda = copy.deepcopy(ordinary)
+    cuda["equivalence"]["precision"]["tf32"].update(checked_with="TF32 off in the checked steps")
+    assert judge(capsys, step_dir(tmp_path, "cuda", cuda), "--tf32-off")[0] == 0
+    cuda["equivalence"]["precision"]["tf32"]["checked_cudnn_allow_tf32"] = True
+    rc, lines = judge(capsys, step_dir(tmp_path, "on", cuda), "--tf32-off")
+    assert rc == 1 and "checked_cudnn_allow_tf32 is True" in lines[0], lines
+
+
+def test_compiled_needs_a_graph(tmp_path, capsys, ordinary):
+    rc, lines = judge(capsys, step_dir(tmp_path, "eager", ordinary), "--compiled")
+    assert rc == 1 and "nothing was compiled" in lines[0], lines
+    compiled = copy.deepcopy(ordinary)
+    compiled["compile"] = {"graphs": 2}
+    assert judge(capsys, step_dir(tmp_path, "c", compiled), "--compiled")[0] == 0
+
+
+def test_partial_coverage_needs_a_part_planned_from_cuda_free_memory(tmp_path, capsys, ordinary):
+    rc, lines = judge(capsys, step_dir(tmp_path, "full", ordinary), "--partial-coverage")
+    assert rc == 1 and "checked the whole model" in lines[0], lines
+    part = copy.deepcopy(ordinary)
+    part["equivalence"]["oracle_coverage"] = {"fraction": 0.4, "reason": "13.9 GiB free (CUDA free memory "
+                                              "(torch.cuda.mem_get_info))"}
+    assert judge(capsys, step_dir(tmp_path, "part", part), "--partial-coverage")[0] == 0
+    part["equivalence"]["oracle_coverage"]["reason"] = "13.9 GiB free (MemAvailable)"
+    rc, lines = judge(capsys, step_dir(tmp_path, "host", part), "--partial-coverage")
+    assert rc == 1 and "not planned from CUDA's free memory" in lines[0], lines
+
+
+def test_saving_needs_the_recomputing_run_lower(tmp_path, capsys, ordinary):
+    without, recomputing = copy.deepcopy(ordinary), copy.deepcopy(ordinary)
+    without["activation_checkpointing"], recomputing["activation_checkpointing"] = None, {"blocks": 12}
+    without["metrics"]["peak_above_start_mib"], recomputing["metrics"]["peak_above_start_mib"] = 9000.0, 3000.0
+    rc, lines = judge(capsys, step_dir(tmp_path, "s", without, recomputing), "--saving")
+    assert rc == 0 and "9000 MiB without, 3000 MiB recomputing" in lines[0], lines
+    recomputing["metrics"]["peak_above_start_mib"] = 9500.0
+    rc, lines = judge(capsys, step_dir(tmp_path, "n", without, recomputing), "--saving")
+    assert rc == 1 and "no saving" in lines[0], lines
+    rc, lines = judge(capsys, step_dir(tmp_path, "one", without), "--saving")
+    assert rc == 1 and "expected exactly 2" in lines[0], lines
+
+
+def test_cost_states_the_figures_and_fails_without_them(tmp_path, capsys, ordinary):
+    rc, lines = judge(capsys, step_dir(tmp_path, "c", ordinary), "--cost")
+    assert rc == 0 and "x the step" in lines[0] and "B/param above the start" in lines[0], lines
+    bare = copy.deepcopy(ordinary)
+    del bare["metrics"]["verify_ms_per_step"]
+    rc, lines = judge(capsys, step_dir(tmp_path, "b", bare), "--cost")
+    assert rc == 1 and "metrics.verify_ms_per_step is missing" in lines[0], lines
+
+
 def test_an_empty_directory_falls_short(tmp_path, capsys):
     d = step_dir(tmp_path, "dp-1dev")
     rc, lines = judge(capsys, d)
@@ -313,21 +385,29 @@ def test_the_script_parses():
     assert done.returncode == 0, done.stderr
 
 
+def expected_judging(name: str, ns) -> bool:
+    """Is step NAME judged on what it is there to show?"""
+    if "twin" in name:
+        return ns.verdict == ("different",) and (ns.cause is not None or "scale-left-in" in name)
+    if name.startswith("power-"):
+        return ns.verdict == ("equivalent",) and ns.power == 0.1 and ns.tf32_off
+    if "nccl-refused" in name:
+        return ns.count == 0
+    extra = {"checkpointing-saving": "saving", "compile": "compiled", "cost-": "cost", "coverage-": "partial_coverage"}
+    wanted = next((flag for key, flag in extra.items() if key in name), None)
+    flags = ("skips", "memory", "power", "cause", "tf32_off", "compiled", "partial_coverage", "saving", "cost")
+    given = {f for f in flags if getattr(ns, f) not in (None, False)}
+    return ns.verdict == ("equivalent",) and given == ({wanted} if wanted else set())
+
+
 def test_every_step_that_runs_dpcompare_is_judged(tmp_path):
     text = SCRIPT.read_text()
     launched = launches(text)
-    assert len(launched) >= 26, launched  # the whole step list was read (26 calls in the text)
+    assert len(launched) >= 24, launched  # the whole step list was read (a loop's call counted once)
     assert not [name for name, flags in launched if not flags]
-    for name, flags in launched:  # the flags are the judge's own
+    for name, flags in launched:  # the flags are the judge's own, and the ones the step is there for
         ns = gpu_judge.parse_args([str(tmp_path), *flags])
-        if "overflow" in name:
-            assert ns.skips, name
-        elif name.startswith("sharding-"):
-            assert ns.memory and ns.verdict == ("equivalent",), name
-        elif name == "nccl-refused":
-            assert ns.count == 0, name
-        else:
-            assert ns.verdict == ("equivalent",) and not (ns.skips or ns.memory), name
+        assert expected_judging(name, ns), (name, flags)
     # `dpcompare run` is launched only by the helpers above, each into the step's own directory
     runs = [line for line in script_lines(text) if "dpcompare run" in line]
     assert len(runs) == 3 and all('--out "$run_dir"' in line for line in runs), runs
@@ -336,20 +416,29 @@ def test_every_step_that_runs_dpcompare_is_judged(tmp_path):
 def test_ws2_args_is_set_before_any_part_and_each_part_has_its_own_ports():
     text = SCRIPT.read_text()
     assert ws2_args_before_every_part(text)
-    ports = dict(re.findall(r"\bif part (\S+) (\d+); then", text))
-    ports.update({m: p for m, _, p in re.findall(r"\b(resnet50|gpt2-small):(\d+):(\d+)\b", text)})
-    assert set(ports) == {"functional", "amp", "sharding", "resnet50", "gpt2-small"}, ports
-    bases = sorted(int(p) for p in ports.values())
-    assert all(b - a >= 100 for a, b in zip(bases, bases[1:])), ports
-    assert re.search(r"^steps=\$\{GPU_CHECK_STEPS:-10\}$", text, re.M)
+    table = re.search(r"declare -A base_port=\((.*?)\)\n", text, re.S).group(1)
+    ports = {name: int(port) for name, port in re.findall(r"\[([\w-]+)\]=(\d+)", table)}
+    parts = re.search(r'^all_parts="([^"]+)"', text, re.M).group(1).split()
+    assert set(ports) == set(parts), (ports, parts)
+    bases = sorted(ports.values())
+    assert all(b - a >= 50 for a, b in zip(bases, bases[1:])), ports
+    opened = set(re.findall(r'\bif part "([\w$-]+)"', text))
+    assert opened == {"power-$prec", "twins-$prec", "engine-ws$ws", "shared", "branches", "questions", "horovod",
+                      "overhead", "cost", "coverage"}, opened
 
 
 def test_the_static_checks_catch_an_unjudged_step_and_a_late_ws2_args():
     text = SCRIPT.read_text()
-    unjudged = text.replace('step nccl-ws1 0 "${eq[@]}" -- torchrun_n', "step nccl-ws1 0 torchrun_n", 1)
+    unjudged = text.replace('step branch-compile-ddp 0 "${eq[@]}" --compiled -- torchrun_n',
+                            "step branch-compile-ddp 0 torchrun_n", 1)
     assert unjudged != text
-    assert [name for name, flags in launches(unjudged) if not flags] == ["nccl-ws1"]
-    late = text.replace("if part functional 29600; then\n", "if part functional 29600; then\nws2_args=()\n", 1)
+    assert [name for name, flags in launches(unjudged) if not flags] == ["branch-compile-ddp"]
+    misjudged = text.replace("--verdict different --cause lr_scaled", "--verdict equivalent", 1)
+    assert misjudged != text
+    tmp = Path(tempfile.mkdtemp())
+    assert [n for n, f in launches(misjudged) if not expected_judging(n, gpu_judge.parse_args([str(tmp), *f]))] \
+        == ["twin-$prec-lr-times-n"]
+    late = text.replace('  if part "power-$prec"; then\n', '  if part "power-$prec"; then\nws2_args=()\n', 1)
     assert late != text and not ws2_args_before_every_part(late)
 
 
@@ -367,6 +456,7 @@ def test_the_step_function_reports_a_shortfall_and_names_the_step(tmp_path, ordi
     harness = f"""set -uo pipefail
 out={shlex.quote(str(out))} root={shlex.quote(str(REPO_ROOT))} py={shlex.quote(sys.executable)}
 steps_tsv="$out/steps.tsv" failed=0 short=() group=g
+now() {{ date +%s; }}; end=$(( $(now) + 600 ))
 mkdir -p "$out/logs"; : >"$steps_tsv"
 {function.group(0)}
 plant() {{ cp "$1" "$run_dir/"; }}
@@ -375,6 +465,8 @@ step plain-check 0 true
 failed_before=$failed
 step different-run 0 --verdict equivalent -- plant {shlex.quote(str(planted['bad']))}
 step crashed-run 0 --verdict equivalent -- false
+end=$(now)
+step too-late 0 true
 echo "before=$failed_before failed=$failed"
 printf 'short: %s\\n' "${{short[@]}}"
 """
@@ -389,7 +481,8 @@ printf 'short: %s\\n' "${{short[@]}}"
     assert (rows["crashed-run"][1], rows["crashed-run"][3]) == ("1", "FELL SHORT: expected exit 0, got 1")
     assert (out / "runs" / "g" / "different-run" / "bad.json").exists()  # each step its own directory
     shorts = [line for line in done.stdout.splitlines() if line.startswith("short: ")]
-    assert [s.split(":")[1].strip() for s in shorts] == ["different-run", "crashed-run"], shorts
+    assert [s.split(":")[1].strip() for s in shorts] == ["different-run", "crashed-run", "too-late"], shorts
+    assert rows["too-late"][3] == "FELL SHORT: not run: past the deadline"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: the script would run the whole check")

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Build Horovod 0.28.1 from its sdist against the torch of PYTHON, with NCCL operations where torch is a CUDA build
+# and NCCL's headers and nvcc are found, and MPI where mpicxx is found; gloo always.
+#
+#   bash scripts/build_horovod.sh PYTHON SDIST WHEEL_DIR
+#
+# Horovod 0.28.1 (its last release) builds its torch extension with C++14, and torch >= 2.1 headers need C++17
+# (horovod/horovod#3996): both CMAKE_CXX_STANDARD lines are raised to 17. NCCL: HOROVOD_NCCL_HOME, else torch's
+# nvidia-nccl wheel (its libnccl.so.2 linked to the libnccl.so CMake looks for); CUDA: CUDA_HOME, else nvcc's.
+# HOROVOD_BUILD_CUDA_CC_LIST defaults to the compute capability of the visible GPU. Exit 0 with the wheel in
+# WHEEL_DIR; otherwise the build's own error and exit 1.
+set -euo pipefail
+py=$1 sdist=$2 wheel_dir=$3
+say() { printf '[build_horovod] %s\n' "$*"; }
+build=$(mktemp -d)
+trap 'rm -rf "$build"' EXIT
+tar -xzf "$sdist" -C "$build"
+src=$(echo "$build"/horovod-*)
+sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" \
+  || { say "Horovod's CMakeLists.txt no longer has the C++14 line this script raises to 17"; exit 1; }
+env_args=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITH_GLOO=1)
+if command -v mpicxx >/dev/null 2>&1; then env_args+=(HOROVOD_WITH_MPI=1); else env_args+=(HOROVOD_WITHOUT_MPI=1); say "no mpicxx: built without MPI"; fi
+torch_cuda=$("$py" -c 'import torch; print(torch.version.cuda or "")')
+if [ -n "$torch_cuda" ]; then
+  nccl_home="${HOROVOD_NCCL_HOME:-$("$py" -c 'import importlib.util as u; s = u.find_spec("nvidia.nccl"); print(list(s.submodule_search_locations)[0] if s else "")' 2>/dev/null)}"
+  nvcc_path=$(command -v nvcc 2>/dev/null || true)
+  cuda_home="${CUDA_HOME:-${nvcc_path:+$(dirname "$(dirname "$nvcc_path")")}}"
+  cuda_home="${cuda_home:-/usr/local/cuda}"
+  if [ -n "$nccl_home" ] && [ -f "$nccl_home/include/nccl.h" ] && [ -x "$cuda_home/bin/nvcc" ]; then
+    if [ ! -e "$nccl_home/lib/libnccl.so" ] && [ -e "$nccl_home/lib/libnccl.so.2" ]; then
+      ln -s libnccl.so.2 "$nccl_home/lib/libnccl.so"
+    fi
+    cc=$("$py" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability()) if torch.cuda.is_available() else print("")')
+    env_args+=(HOROVOD_GPU_OPERATIONS=NCCL "HOROVOD_NCCL_HOME=$nccl_home" "HOROVOD_CUDA_HOME=$cuda_home"
+               "HOROVOD_BUILD_CUDA_CC_LIST=${HOROVOD_BUILD_CUDA_CC_LIST:-$cc}")
+    say "CUDA $torch_cuda: NCCL operations (NCCL: $nccl_home, CUDA: $cuda_home, compute capability ${cc:-default})"
+  else
+    say "CUDA $torch_cuda, but NCCL's headers (HOROVOD_NCCL_HOME='$nccl_home') or nvcc ($cuda_home) are missing: built WITHOUT NCCL"
+  fi
+fi
+mkdir -p "$wheel_dir"
+env "${env_args[@]}" MAKEFLAGS="${HOROVOD_MAKEFLAGS:--j$(nproc)}" "$py" -m pip wheel -v --no-index --no-build-isolation --no-deps -w "$wheel_dir" "$src"
