@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import time
 from datetime import timedelta
 
@@ -118,6 +119,10 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
         # The group first, as ddp makes it: DeepSpeed's own init binds it to cuda:LOCAL_RANK, which does not
         # exist when gloo ranks share one GPU. init_distributed then adopts the existing group.
         backend = self.init_process_group(timeout_s)
+        if self.device.type == "cuda" and os.environ.get("LOCAL_RANK", str(self.device.index)) != str(self.device.index):
+            # ZeRO-3 puts its partitions on cuda:LOCAL_RANK (partition_parameters.Init, zero/utils): ranks sharing one
+            # GPU over gloo name the device they share, as they would with one GPU each.
+            os.environ["LOCAL_RANK"] = str(self.device.index)
         deepspeed.init_distributed(
             dist_backend=backend,
             timeout=timedelta(seconds=timeout_s),

@@ -112,6 +112,19 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
                 f"(HSDP puts world_size / replicas ranks in every shard group); use one of {divisors} (1: plain FSDP), "
                 f"or start a world size that {replicas} divides")
 
+    @classmethod
+    def shared_device_refusal(cls) -> str:
+        return ("FSDP cannot put two ranks on one GPU: NCCL refuses two ranks on one device, and FSDP2's collectives "
+                "over gloo on CUDA tensors crash every rank (SIGSEGV, torch 2.11 on an H200); run at most one rank per "
+                "GPU, or --device cpu")
+
+    def dist_backend(self) -> str:
+        """NCCL, one rank per GPU; gloo on the CPU. Ranks sharing a GPU, or gloo asked for on CUDA, are refused."""
+        shared = self.device.type == "cuda" and self.env.local_world_size > torch.cuda.device_count()
+        if self.device.type == "cuda" and (shared or self.settings.options.get("dist_backend") == "gloo"):
+            raise ValueError(self.shared_device_refusal())
+        return super().dist_backend()
+
     def __init__(self, env, device, settings=None) -> None:
         super().__init__(env, device, settings)
         self.replicas = int(self.settings.options.get("replicas", 1))

@@ -19,7 +19,9 @@ src=$(echo "$build"/horovod-*)
 sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
 grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" \
   || { say "Horovod's CMakeLists.txt no longer has the C++14 line this script raises to 17"; exit 1; }
-env_args=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITH_GLOO=1)
+# CMake 4 refuses the cmake_minimum_required(< 3.5) of Horovod's bundled gloo unless told the policy floor.
+env_args=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITH_GLOO=1
+          CMAKE_POLICY_VERSION_MINIMUM=3.5)
 if command -v mpicxx >/dev/null 2>&1; then env_args+=(HOROVOD_WITH_MPI=1); else env_args+=(HOROVOD_WITHOUT_MPI=1); say "no mpicxx: built without MPI"; fi
 torch_cuda=$("$py" -c 'import torch; print(torch.version.cuda or "")')
 if [ -n "$torch_cuda" ]; then
@@ -32,7 +34,8 @@ if [ -n "$torch_cuda" ]; then
       ln -s libnccl.so.2 "$nccl_home/lib/libnccl.so"
     fi
     cc=$("$py" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability()) if torch.cuda.is_available() else print("")')
-    env_args+=(HOROVOD_GPU_OPERATIONS=NCCL "HOROVOD_NCCL_HOME=$nccl_home" "HOROVOD_CUDA_HOME=$cuda_home"
+    # NCCL_LINK=SHARED: torch's libnccl, not a static libnccl_static.a found elsewhere on the system.
+    env_args+=(HOROVOD_GPU_OPERATIONS=NCCL "HOROVOD_NCCL_HOME=$nccl_home" "HOROVOD_CUDA_HOME=$cuda_home" HOROVOD_NCCL_LINK=SHARED
                "HOROVOD_BUILD_CUDA_CC_LIST=${HOROVOD_BUILD_CUDA_CC_LIST:-$cc}")
     say "CUDA $torch_cuda: NCCL operations (NCCL: $nccl_home, CUDA: $cuda_home, compute capability ${cc:-default})"
   else

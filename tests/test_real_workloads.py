@@ -153,6 +153,25 @@ def test_nccl_on_a_shared_gpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
     assert _group("auto", "cuda:0", local_world_size=1).dist_backend() == "nccl"
 
 
+def test_fsdp_refuses_ranks_sharing_a_gpu_and_gloo_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP2 over gloo on CUDA tensors crashed every rank on an H200 (SIGSEGV, no line): refused before the start."""
+    from dpcompare.adapters.fsdp import FSDPAdapter
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    def fsdp(choice: str, device: str, local_world_size: int):
+        adapter = FSDPAdapter.__new__(FSDPAdapter)  # the process-group choice alone: no group is made
+        adapter.device, adapter.env = torch.device(device), SimpleNamespace(local_world_size=local_world_size)
+        adapter.settings = SimpleNamespace(options={"dist_backend": choice})
+        return adapter
+
+    for choice, local in (("auto", 2), ("gloo", 2), ("gloo", 1)):
+        with pytest.raises(ValueError, match="FSDP cannot put two ranks on one GPU"):
+            fsdp(choice, "cuda:0", local).dist_backend()
+    assert fsdp("auto", "cuda:0", 1).dist_backend() == "nccl"
+    assert fsdp("auto", "cpu", 2).dist_backend() == "gloo"
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)

@@ -100,6 +100,12 @@ class Adapter:
         refuses it before it starts; compare leaves that job out and says why."""
         return None
 
+    @classmethod
+    def shared_device_refusal(cls) -> str | None:
+        """Why this backend cannot run with several ranks on one GPU (None: it can, where it declares --opt
+        dist_backend=gloo). compare leaves such jobs out on a node with fewer GPUs than ranks and says why."""
+        return None
+
     def __init__(self, env: LaunchEnv, device: torch.device, settings: Settings | None = None) -> None:
         self.env = env
         self.device = device

@@ -84,7 +84,8 @@ def plan(spec: CompareSpec, run_dir: Path) -> Plan:
         if ok:
             available.append(entry)
             for ws in (spec.world_sizes if capabilities(entry.backend).multi_process else [1]):
-                refusal = adapter_class(entry.backend).world_size_refusal(ws, dict(entry.options))
+                refusal = (adapter_class(entry.backend).world_size_refusal(ws, dict(entry.options))
+                           or shared_gpu(entry, ws, spec.job_run(entry))[1])
                 if refusal is None:
                     baseline.append((entry, ws))
                 else:  # e.g. fsdp:hsdp (2 replica groups) at world size 1: said, not run
@@ -100,6 +101,7 @@ def plan(spec: CompareSpec, run_dir: Path) -> Plan:
 
     def add(entry: Entry, ws: int, knob: str, changes: dict[str, Any]) -> None:
         label = f"{entry.name}/{ws}" + ("" if knob == "baseline" else f" {knob}")
+        changes = with_shared_gpu(entry, ws, spec.job_run(entry), changes)
         result.jobs.append(make_job(entry, ws, label, knob, run_dir, stems,
                                     spec.job_run(entry, {**files, **changes})))
 
@@ -166,6 +168,42 @@ def amp_recipes(amp: str, baseline: list[tuple[Entry, int]], add: Callable) -> l
                 continue
             add(entry, ws, knob, {"options": {"amp_recipe": recipe}})
     return skipped
+
+
+def shared_gpu(entry: Entry, ws: int, run: RunConfig) -> tuple[dict[str, str], str | None]:
+    """Where `ws` ranks on this node would outnumber its CUDA devices (the runs go to CUDA: --device auto or cuda), so
+    that ranks share a GPU: (the options that let the backend run so, why it cannot). NCCL refuses two ranks on one
+    device; a backend that declares --opt dist_backend runs over gloo there unless the user chose its process group.
+    ({}, None) where every rank has a device of its own, or on the CPU."""
+    if run.device == "cpu" or ws <= 1 or not capabilities(entry.backend).multi_process:
+        return {}, None
+    devices = _cuda_devices()
+    if devices == 0 or ws <= devices:
+        return {}, None
+    cls = adapter_class(entry.backend)
+    refusal = cls.shared_device_refusal()
+    if refusal:
+        return {}, refusal
+    if not any(o.name == "dist_backend" for o in cls.OPTIONS):
+        return {}, (f"{ws} ranks would share this node's {devices} CUDA device(s), and {entry.backend} declares no "
+                    "--opt dist_backend=gloo to share one: run it where every rank has a GPU of its own")
+    if "dist_backend" in entry.options:
+        return {}, None
+    return {"dist_backend": "gloo"}, None
+
+
+def with_shared_gpu(entry: Entry, ws: int, run: RunConfig, changes: dict[str, Any]) -> dict[str, Any]:
+    """A job's `changes` with shared_gpu's options added (its own options win)."""
+    extra, _ = shared_gpu(entry, ws, run)
+    if not extra:
+        return changes
+    return {**changes, "options": {**extra, **changes.get("options", {})}}
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _cuda() -> bool:

@@ -216,7 +216,13 @@ def plan(spec: CompareSpec, run_dir: Path) -> planning.Plan:
                                                "launcher": declared_launcher(entry.backend)})
                 continue
             label = f"{q.name}: {entry.name}/{row.world_size}" + (f" {row.knob}" if row.knob else "")
-            run = spec.job_run(entry, {**files, **_said(q.run_flags), **_said(row.args)})
+            _, shared = planning.shared_gpu(entry, row.world_size, spec.job_run(entry))
+            if shared:
+                result.unavailable.append({"backend": f"question {q.name}: {entry.name}/{row.world_size}",
+                                           "reason": shared, "launcher": declared_launcher(entry.backend)})
+                continue
+            changes = {**files, **_said(q.run_flags), **_said(row.args)}
+            run = spec.job_run(entry, planning.with_shared_gpu(entry, row.world_size, spec.job_run(entry), changes))
             run.validate()
             result.jobs.append(planning.make_job(entry, row.world_size, label, row.knob, run_dir, stems, run,
                                                  question=q.name))
