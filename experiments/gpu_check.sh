@@ -12,15 +12,19 @@
 #                  each `equivalent` and catching a 10 % change (--power 0.1), its checked steps with TF32 off
 #   twins-tf32, twins-bf16   the same network and precision with lr x N, an undeclared fp16 wire and local clipping:
 #                  each `different`, its cause named
-#   engine-ws1, engine-ws2   DeepSpeed's fp16 engine (--amp fp16 --opt amp_recipe=engine) at ZeRO 0-3 on gpt-tiny and
-#                  mlp: `equivalent`; at world size 2 also tests.faulty_adapters:ScaleLeftInDeepSpeed, `different`
-#   shared         two ranks on one GPU over gloo for ZeRO-3 and FSDP (`equivalent`); NCCL asked for two ranks on
-#                  one GPU is refused before the start in one line under ddp, deepspeed and fsdp; DataParallel
+#   engine-ws1, engine-ws2   DeepSpeed's fp16 engine (--amp fp16 --opt amp_recipe=engine) at ZeRO 1-3 on gpt-tiny and
+#                  mlp: `equivalent`; at ZeRO 0 `different`, naming DeepSpeed 0.19.8's unscaled loss
+#                  (deepspeedai/DeepSpeed#8393); at world size 2 also tests.faulty_adapters:ScaleLeftInDeepSpeed at
+#                  ZeRO 1, `different`
+#   shared         two ranks on one GPU over gloo: ZeRO-3 `equivalent`, FSDP refused in one line (its collectives
+#                  over gloo on CUDA crash); NCCL asked for two ranks on one GPU is refused before the start in one
+#                  line under ddp, deepspeed and fsdp; DataParallel
 #   branches       what runs only on CUDA: the dropout masks captured on CUDA (gpt-tiny with dropout, 2 ranks),
 #                  --compile under ddp and fsdp (Inductor's Triton kernels), --activation-checkpointing's peak from
 #                  max_memory_allocated (GPT-2 small with and without: the saving must show), a Llama-style
 #                  hf: config in bf16 with sdpa and with the eager dropout attention
-#   questions      `compare --suite questions` on the GPU, every run `equivalent`
+#   questions      `compare --suite questions` on the GPU, every run `equivalent`; compare at world sizes 1,2 where
+#                  ranks outnumber GPUs (ddp and deepspeed over gloo, fsdp listed)
 #   horovod        Horovod built from the sdist in GPU_CHECK_WHEELS (scripts/build_horovod.sh: NCCL from torch's
 #                  wheel, nvcc), `horovodrun --check-build`, and its world-size-1 run `equivalent`
 #   overhead       the harness's own cost: dpcompare ddp against experiments/plain_ddp.py on ResNet-50 at world
@@ -281,9 +285,10 @@ for ws in 1 2; do
     step "engine-mlp-zero0-scale1024-ws$ws" 0 --verdict different -- torchrun_n "$ws" "${engine[@]}" "${extra[@]}" \
       --opt zero_stage=0 --model mlp --loss-scale 1024
     if [ "$ws" = 2 ]; then
+      # At ZeRO 1: at ZeRO 0 DeepSpeed's own bug above would be what is named.
       step engine-twin-scale-left-in 0 --verdict different -- torchrun_n 2 \
-        --backend tests.faulty_adapters:ScaleLeftInDeepSpeed --amp fp16 --opt amp_recipe=engine --measure-steps 0 \
-        "${extra[@]}" --model mlp --steps 2
+        --backend tests.faulty_adapters:ScaleLeftInDeepSpeed --amp fp16 --opt amp_recipe=engine --opt zero_stage=1 \
+        --measure-steps 0 "${extra[@]}" --model mlp --steps 2
     fi
   fi
 done

@@ -4,11 +4,11 @@
 #
 #   bash scripts/build_horovod.sh PYTHON SDIST WHEEL_DIR
 #
-# Horovod 0.28.1 (its last release) builds its torch extension with C++14, and torch >= 2.1 headers need C++17
-# (horovod/horovod#3996): both CMAKE_CXX_STANDARD lines are raised to 17. NCCL: HOROVOD_NCCL_HOME, else torch's
+# The sdist is patched first (scripts/patch_horovod.sh: C++17, the headers GCC 13 wants). NCCL: HOROVOD_NCCL_HOME, else torch's
 # nvidia-nccl wheel (its libnccl.so.2 linked to the libnccl.so CMake looks for); CUDA: CUDA_HOME, else nvcc's.
 # HOROVOD_BUILD_CUDA_CC_LIST defaults to the compute capability of the visible GPU. Exit 0 with the wheel in
-# WHEEL_DIR; otherwise the build's own error and exit 1.
+# WHEEL_DIR; otherwise the build's own error and exit 1. HOROVOD_MAKEFLAGS (default -jNPROC) and HOROVOD_PIP_VERBOSITY
+# (default -v: the compiler's lines in the log; -q for a quiet build) are passed on.
 set -euo pipefail
 py=$1 sdist=$2 wheel_dir=$3
 say() { printf '[build_horovod] %s\n' "$*"; }
@@ -16,9 +16,7 @@ build=$(mktemp -d)
 trap 'rm -rf "$build"' EXIT
 tar -xzf "$sdist" -C "$build"
 src=$(echo "$build"/horovod-*)
-sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
-grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" \
-  || { say "Horovod's CMakeLists.txt no longer has the C++14 line this script raises to 17"; exit 1; }
+bash "$(dirname "${BASH_SOURCE[0]}")/patch_horovod.sh" "$src"
 # CMake 4 refuses the cmake_minimum_required(< 3.5) of Horovod's bundled gloo unless told the policy floor.
 env_args=(HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITH_GLOO=1
           CMAKE_POLICY_VERSION_MINIMUM=3.5)
@@ -43,4 +41,4 @@ if [ -n "$torch_cuda" ]; then
   fi
 fi
 mkdir -p "$wheel_dir"
-env "${env_args[@]}" MAKEFLAGS="${HOROVOD_MAKEFLAGS:--j$(nproc)}" "$py" -m pip wheel -v --no-index --no-build-isolation --no-deps -w "$wheel_dir" "$src"
+env "${env_args[@]}" MAKEFLAGS="${HOROVOD_MAKEFLAGS:--j$(nproc)}" "$py" -m pip wheel "${HOROVOD_PIP_VERBOSITY:--v}" --no-index --no-build-isolation --no-deps -w "$wheel_dir" "$src"

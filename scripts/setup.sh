@@ -7,10 +7,9 @@
 # Order matters: torch goes in first, alone and pinned. A bare `torch` requirement (ours or another
 # package's) with no torch installed pulls the newest CUDA build, several GB.
 #
-# Horovod 0.28.1 (its last release) builds its torch extension with C++14, and torch >= 2.1 headers need
-# C++17 (horovod/horovod#3996; fixed on master, never released). We build the sdist with the two
-# CMAKE_CXX_STANDARD lines raised to 17, cache the wheel per torch version (the extension is tied to
-# torch's ABI) and reuse it on the next run.
+# Horovod 0.28.1 (its last release) does not build as released against torch >= 2.1 (C++14) or with GCC 13 and
+# CMake 4: scripts/build_horovod.sh patches and builds the sdist (scripts/patch_horovod.sh says what and why). The
+# wheel is cached per torch version (the extension is tied to torch's ABI) and reused on the next run.
 #
 # Environment knobs:
 #   DPCOMPARE_PYTHON      interpreter to build the venv from (default: python3.11, else python3)
@@ -147,16 +146,11 @@ else
     build=$(mktemp -d)
     trap 'rm -rf "$build"' EXIT
     "${pip[@]}" download --no-deps --no-binary :all: -d "$build" "horovod==$horovod_version"
-    tar -xzf "$build"/horovod-"$horovod_version".tar.gz -C "$build"
-    src="$build/horovod-$horovod_version"
-    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
-    grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" || die "Horovod's CMakeLists.txt no longer has the C++14 line this script raises to 17"
     "${pip[@]}" install cloudpickle psutil pyyaml packaging cffi
-    mkdir -p "$wheel_dir"
-    env "${horovod_gpu_env[@]}" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
-    HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
-    MAKEFLAGS="-j$(nproc)" \
-      "$venv/bin/python" -m pip wheel -q --no-build-isolation --no-deps -w "$wheel_dir" "$src" \
+    # scripts/build_horovod.sh patches the sdist (C++17, GCC 13's headers) and builds it (CMake 4's policy floor,
+    # NCCL found as above, gloo, MPI where mpicxx is).
+    env "${horovod_gpu_env[@]}" HOROVOD_PIP_VERBOSITY=-q \
+      bash "$root/scripts/build_horovod.sh" "$venv/bin/python" "$build/horovod-$horovod_version.tar.gz" "$wheel_dir" \
       || die "building Horovod failed (log above); set DPCOMPARE_NO_HOROVOD=1 to go on without it"
   fi
   "${pip[@]}" install --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
