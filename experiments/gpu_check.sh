@@ -20,9 +20,10 @@
 #                  over gloo on CUDA crash); NCCL asked for two ranks on one GPU is refused before the start in one
 #                  line under ddp, deepspeed and fsdp; DataParallel
 #   branches       what runs only on CUDA: the dropout masks captured on CUDA (gpt-tiny with dropout, 2 ranks),
-#                  --compile under ddp and fsdp (Inductor's Triton kernels), --activation-checkpointing's peak from
-#                  max_memory_allocated (GPT-2 small with and without: the saving must show), a Llama-style
-#                  hf: config in bf16 with sdpa and with the eager dropout attention
+#                  --compile under ddp and fsdp (Inductor's Triton kernels), a Llama-style hf: config in bf16 with
+#                  sdpa and with the eager dropout attention
+#   checkpointing  --activation-checkpointing's peak from max_memory_allocated (GPT-2 small with and without: the
+#                  saving must show)
 #   questions      `compare --suite questions` on the GPU, every run `equivalent`; compare at world sizes 1,2 where
 #                  ranks outnumber GPUs (ddp and deepspeed over gloo, fsdp listed)
 #   horovod        Horovod built from the sdist in GPU_CHECK_WHEELS (scripts/build_horovod.sh: NCCL from torch's
@@ -38,14 +39,13 @@
 #
 # Side by side: the parts named in GPU_CHECK_LANES ('|' between lanes, a lane's parts in order) run at once, each lane
 # an invocation of this script with its own OUT_DIR/lanes/<n>; the parts of GPU_CHECK_PARTS left out of every lane
-# (overhead, whose timing wants the device alone, and coverage, which fills it) run after them. The cost part runs
-# in a lane: its bytes per parameter are its own, its time against the step shares the device with the other lanes. A step that would start after the
+# (overhead and cost, whose timings want the device alone, and coverage, which fills it) run after them. A step that would start after the
 # deadline (GPU_CHECK_LANE_DEADLINE_S from the start for a lane, GPU_CHECK_DEADLINE_S for the whole) is not run and
 # falls short, and each launch is cut at the deadline, so the report is written inside the time given.
 #
 # Knobs: DPCOMPARE_PY (python with dpcompare installed; default .venv/bin/python, else python3),
 # GPU_CHECK_PARTS (default: every part above), GPU_CHECK_LANES (default below; empty: one after another),
-# GPU_CHECK_DEADLINE_S (510), GPU_CHECK_LANE_DEADLINE_S (300), GPU_CHECK_TIMEOUT_S (per run, 300),
+# GPU_CHECK_DEADLINE_S (540), GPU_CHECK_LANE_DEADLINE_S (270), GPU_CHECK_TIMEOUT_S (per run, 300),
 # GPU_CHECK_WHEELS (where Horovod's sdist is; default .whl), GPU_CHECK_COVERAGE_LEAVE_GIB (40),
 # GPU_CHECK_DEVICE=cpu (the script's plumbing tried on a CPU box with cheap parts; no GPU figure comes of it),
 # GPU_CHECK_ONLY (a bash regex: only the steps whose names match run, the others are left out unrecorded: a rerun).
@@ -59,9 +59,9 @@ if [ -z "$py" ]; then
   if [ -x "$root/.venv/bin/python" ]; then py="$root/.venv/bin/python"; else py=python3; fi
 fi
 out=${1:-gpu-check/$(date +%Y%m%d-%H%M%S)}
-all_parts="power-tf32 power-bf16 twins-tf32 twins-bf16 engine-ws1 engine-ws2 shared branches questions horovod overhead cost coverage"
+all_parts="power-tf32 power-bf16 twins-tf32 twins-bf16 engine-ws1 engine-ws2 shared branches checkpointing questions horovod overhead cost coverage"
 parts=" ${GPU_CHECK_PARTS:-$all_parts} "
-lanes=${GPU_CHECK_LANES-power-tf32|power-bf16|twins-tf32|twins-bf16|engine-ws1|engine-ws2|shared|branches|questions|cost|+horovod}
+lanes=${GPU_CHECK_LANES-power-tf32|power-bf16|twins-tf32|twins-bf16|engine-ws1|engine-ws2|shared|branches|checkpointing|questions|+horovod}
 timeout_s=${GPU_CHECK_TIMEOUT_S:-300}
 wheels=${GPU_CHECK_WHEELS:-$root/.whl}
 mkdir -p "$out/logs" || { echo "gpu_check: cannot create $out: choose a writable OUT_DIR" >&2; exit 2; }
@@ -71,8 +71,8 @@ bindir=$(dirname "$("$py" -c 'import sys; print(sys.executable)')")
 export PATH="$bindir:$PATH"
 # The deadlines, as seconds since the epoch: a lane inherits its parent's.
 now() { date +%s; }
-export GPU_CHECK_END=${GPU_CHECK_END:-$(( $(now) + ${GPU_CHECK_DEADLINE_S:-510} ))}
-lane_end=${GPU_CHECK_LANE_END:-$(( $(now) + ${GPU_CHECK_LANE_DEADLINE_S:-300} ))}
+export GPU_CHECK_END=${GPU_CHECK_END:-$(( $(now) + ${GPU_CHECK_DEADLINE_S:-540} ))}
+lane_end=${GPU_CHECK_LANE_END:-$(( $(now) + ${GPU_CHECK_LANE_DEADLINE_S:-270} ))}
 end=$GPU_CHECK_END
 
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
@@ -161,7 +161,7 @@ horovod_n() {
 }
 # Each part's base rendezvous port: its runs take the ports after it, so parts side by side never meet at one.
 declare -A base_port=([power-tf32]=29600 [twins-tf32]=29650 [power-bf16]=29700 [twins-bf16]=29750
-  [engine-ws1]=29800 [engine-ws2]=29850 [shared]=29900 [branches]=30000 [questions]=30100 [horovod]=30200
+  [engine-ws1]=29800 [engine-ws2]=29850 [shared]=29900 [branches]=30000 [checkpointing]=30050 [questions]=30100 [horovod]=30200
   [overhead]=30300 [cost]=30400 [coverage]=30500)
 # part NAME: is part NAME asked for (GPU_CHECK_PARTS) and not already run in a lane? If so it opens: its group and
 # its ports.
@@ -328,18 +328,21 @@ if part "branches"; then
     --measure-steps 5
   step branch-compile-fsdp 0 "${eq[@]}" --compiled -- torchrun_n 1 --backend fsdp --compile --model gpt-tiny \
     --no-dropout --measure-steps 5
-  ckpt=(--model gpt2-small --global-batch 8 --steps 1 --warmup-steps 2 --measure-steps 3)
-  step branch-checkpointing-without 0 "${eq[@]}" -- torchrun_n 1 --backend ddp "${ckpt[@]}"
-  group=branches-checkpointing-pair
-  mkdir -p "$out/runs/$group/branch-checkpointing-saving"
-  cp "$out/runs/branches/branch-checkpointing-without/"*.json "$out/runs/$group/branch-checkpointing-saving/" 2>/dev/null
-  step branch-checkpointing-saving 0 "${eq[@]}" --saving -- torchrun_n 1 --backend ddp --activation-checkpointing \
-    "${ckpt[@]}"
-  group=branches
   for attention in sdpa dropout; do
     step "branch-hf-llama-bf16-$attention" 0 "${eq[@]}" -- torchrun_n 1 --backend ddp --amp bf16 \
       --model "hf:$root/experiments/gpu_configs/llama-tiny-$attention" --measure-steps 3
   done
+fi
+
+if part "checkpointing"; then
+  ckpt=(--model gpt2-small --global-batch 8 --steps 1 --warmup-steps 2 --measure-steps 3)
+  step branch-checkpointing-without 0 "${eq[@]}" -- torchrun_n 1 --backend ddp "${ckpt[@]}"
+  group=checkpointing-pair
+  mkdir -p "$out/runs/$group/branch-checkpointing-saving"
+  cp "$out/runs/checkpointing/branch-checkpointing-without/"*.json "$out/runs/$group/branch-checkpointing-saving/" \
+    2>/dev/null
+  step branch-checkpointing-saving 0 "${eq[@]}" --saving -- torchrun_n 1 --backend ddp --activation-checkpointing \
+    "${ckpt[@]}"
 fi
 
 if part "questions"; then

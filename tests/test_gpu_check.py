@@ -425,8 +425,8 @@ def test_ws2_args_is_set_before_any_part_and_each_part_has_its_own_ports():
     bases = sorted(ports.values())
     assert all(b - a >= 50 for a, b in zip(bases, bases[1:])), ports
     opened = set(re.findall(r'\bif part "([\w$-]+)"', text))
-    assert opened == {"power-$prec", "twins-$prec", "engine-ws$ws", "shared", "branches", "questions", "horovod",
-                      "overhead", "cost", "coverage"}, opened
+    assert opened == {"power-$prec", "twins-$prec", "engine-ws$ws", "shared", "branches", "checkpointing", "questions",
+                      "horovod", "overhead", "cost", "coverage"}, opened
 
 
 def test_the_static_checks_catch_an_unjudged_step_and_a_late_ws2_args():
