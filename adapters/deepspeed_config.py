@@ -9,6 +9,7 @@ dpcompare but its public API.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -160,10 +161,30 @@ def precision_notes(settings: Settings, stage: int, engine_recipe: bool, engine,
                                              f"float32 weights, the engine's forward under torch.autocast{scaled}"
                                              f"{wire}")]
     wire = WIRE_NAMES.get(engine.communication_data_type, "float32")
-    return [Note("deepspeed.amp_recipe",
+    known = []
+    if amp == "fp16" and not stage and stage0_fp16_loss_unscaled(type(engine)):
+        known.append(Note("deepspeed.fp16_stage0_loss_unscaled",
+                          "deepspeed: this DeepSpeed's engine.backward() scales the loss only for a ZeRO optimizer, "
+                          f"while {type(ds_optimizer).__name__}.step() divides the gradients by the loss scale "
+                          "(deepspeedai/DeepSpeed#8393): at ZeRO stage 0 every update is the loss scale times too "
+                          "small and no overflow is ever seen; the verdict shows what that does to this run"))
+    return known + [Note("deepspeed.amp_recipe",
                  f"deepspeed: engine recipe ({amp} section): {AMP_NAMES[amp]} weights and gradients, all-reduced in "
                  f"{wire}; fp32 master weights stepped by the client optimizer inside {type(ds_optimizer).__name__}"
                  + (", which takes one optimizer step on zero gradients when it is built "
                     "(initialize_optimizer_states)" if not stage else
                     f", partitioned across the ranks (ZeRO stage {stage})")
                  + ("; dynamic loss scale" if amp == "fp16" else ""))]
+
+
+def stage0_fp16_loss_unscaled(engine_class: type) -> bool:
+    """Does this DeepSpeed's engine.backward() leave the loss unscaled for the fp16 optimizers of ZeRO stage 0? True
+    where its source scales only for a ZeRO optimizer (or torch autocast's GradScaler) and has no fp16 branch, as
+    0.19.8 does (deepspeedai/DeepSpeed#8393 adds the branch); False where the source cannot be read."""
+    method = inspect.unwrap(getattr(engine_class, "backward", None))
+    try:  # DeepSpeed's instrument_w_nvtx wraps it without functools.wraps: the method is its closure's `func`
+        method = inspect.getclosurevars(method).nonlocals.get("func", method)
+        source = inspect.getsource(method)
+    except (OSError, TypeError, AttributeError):
+        return False
+    return "scale_if_loss" in source and "fp16_enabled" not in source

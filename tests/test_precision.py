@@ -118,6 +118,35 @@ def test_a_partial_wire_rounds_only_the_parameters_it_carries() -> None:
             assert eq.rel_fro(full[n], unsent[n], 0.0) > 1e-4, n  # the negative: the full wire rounds it
 
 
+def test_deepspeeds_unscaled_fp16_loss_at_stage_0_is_recognised_from_its_source() -> None:
+    """DeepSpeed 0.19.8's engine.backward() scales the loss only for a ZeRO optimizer (deepspeedai/DeepSpeed#8393, seen
+    on an H200: every ZeRO-0 fp16 update the loss scale times too small). The note says so where the source lacks the
+    fp16 branch, and not where it has one."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from dpcompare.adapters.deepspeed_config import stage0_fp16_loss_unscaled
+
+    class Fixed:
+        def backward(self, loss):
+            if isinstance(self.optimizer, object):
+                loss = self.optimizer.scale_if_loss(loss)
+            elif self.fp16_enabled() and not self.zero_optimization():
+                loss = self.optimizer.cur_scale * loss
+            return loss
+
+    class Unfixed:
+        def backward(self, loss):
+            return self.optimizer.scale_if_loss(loss)
+
+    import deepspeed
+    from packaging.version import Version
+
+    assert stage0_fp16_loss_unscaled(DeepSpeedEngine) == (Version(deepspeed.__version__) <= Version("0.19.8"))
+    assert stage0_fp16_loss_unscaled(Unfixed) and not stage0_fp16_loss_unscaled(Fixed)
+    assert not stage0_fp16_loss_unscaled(int)  # no readable backward: said nothing
+
+
 def test_module_boundaries_change_the_graph_not_the_values() -> None:
     """ZeRO-3's hooks pass every module's inputs and outputs through an identity autograd function; the reference's
     boundaries do the same: the same loss, a boundary node in the graph at every module, every parameter's gradient a
