@@ -196,7 +196,9 @@ class VerificationPhase:
         if self.recorder is not None:
             mine["masks"] = self.recorder.take()
         if reads is not None:
-            mine["grads"] = eq.grad_digests(reads.grads, self.names)
+            # Every rank's reduced gradient, by digest: compared across the ranks (one rank: nothing to compare it to)
+            mine["grads"] = (eq.grad_digests(reads.grads, self.names) if self.runner.world_size > 1
+                             else ["one rank"] * len(self.names))
             mine["grad_norms"] = {n: float(torch.linalg.vector_norm(g.detach().double())) for n, g in reads.grads.items()
                                   if g is not None}
             mine["unused"] = _unused_grad_forms(reads.grads, self.facts.unused)
@@ -205,7 +207,9 @@ class VerificationPhase:
 
     def _compare_replicas(self, step: int) -> None:
         """After rank 0's extra work (oracle, trajectory): this gather is also where the ranks line up again. The
-        parameters compared are the full ones (gathered where the backend shards them)."""
+        parameters compared are the full ones (gathered where the backend shards them). One rank: one replica."""
+        if self.runner.world_size == 1:
+            return
         mismatch = eq.first_mismatch(self.adapter.all_gather_object(eq.param_digests(self.adapter.full_params())),
                                      self.names)
         if not (self.rank0 and mismatch):

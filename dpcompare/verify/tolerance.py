@@ -220,21 +220,24 @@ def _fmax(a: float, b: float) -> float:
 
 def _sums(g: torch.Tensor, o: torch.Tensor, against: torch.Tensor, floor: torch.Tensor, other: torch.Tensor,
           u: float) -> _Sums:
-    """One parameter's figures, read `CHUNK` elements at a time in float64 (two passes: the relative error's scale is
-    the whole parameter's max |o|)."""
+    """One parameter's figures, read `CHUNK` elements at a time in float64, in one pass over the comparison: the
+    relative error's scale (the whole parameter's max |o|) is read first, from `o` alone."""
     same_against, same_other = against is o, other is floor and against is o
     sq = [0.0] * 6  # o2, a2, go2, ga2, fo2, oa2
-    max_abs, scale, finite = 0.0, 0.0, True
+    max_abs, scale, finite, max_rel = 0.0, 0.0, True, 0.0
     n = o.numel()
-    for start in range(0, n, CHUNK):
-        part = slice(start, min(start + CHUNK, n))
+    parts = [slice(start, min(start + CHUNK, n)) for start in range(0, n, CHUNK)]
+    for part in parts:
+        scale = _fmax(scale, float(o[part].abs().max()))
+    for part in parts:
         gc, oc = g[part].double(), o[part].double()
         finite = finite and _finite(gc)
         diff = (gc - oc).abs()
         sq[0] += _norm(oc) ** 2
         sq[2] += _norm(diff) ** 2
         max_abs = _fmax(max_abs, float(diff.max()))
-        scale = _fmax(scale, float(oc.abs().max()))
+        if scale > 0:
+            max_rel = max(max_rel, float((diff / (oc.abs() + u * scale)).max()))
         if not same_against:
             ac = against[part].double()
             sq[1] += _norm(ac) ** 2
@@ -247,13 +250,8 @@ def _sums(g: torch.Tensor, o: torch.Tensor, against: torch.Tensor, floor: torch.
         sq[1], sq[3] = sq[0], sq[2]
     if same_other:
         sq[5] = sq[4]
-    max_rel = math.nan
-    if scale > 0:
-        max_rel = 0.0
-        for start in range(0, n, CHUNK):
-            part = slice(start, min(start + CHUNK, n))
-            gc, oc = g[part].double(), o[part].double()
-            max_rel = max(max_rel, float(((gc - oc).abs() / (oc.abs() + u * scale)).max()))
+    if not scale > 0:
+        max_rel = math.nan
     return _Sums(sq[0], sq[1], sq[2], sq[3], sq[4], sq[5], max_abs, max_rel, finite)
 
 
