@@ -90,3 +90,25 @@ def test_difference_is_computed_where_it_is_read_and_rounds_its_start_as_asked()
     assert tol.Difference(after, before)["w"].item() == 0.5 - 2**-30
     assert tol.Difference(after, before, round_to=torch.float32)["w"].item() == 0.5  # the start rounded first
     assert list(tol.Difference(after, before)) == ["w"]
+
+
+def test_the_norms_compare_reads_are_the_chunked_norms_of_both_sides(grads, monkeypatch):
+    """The update check states ||update|| / ||reference|| from compare's own pass (no second pass over either): the
+    same figures, to the bit, as reading each side's norm alone; a moved element moves its side's norm."""
+    monkeypatch.setattr(tol, "CHUNK", 1 << 16)
+    g, o, floor, _ = grads
+    before = tol.Compact({n: t.float() for n, t in o.items()})
+    after = {n: (t.float() + 1e-3) for n, t in o.items()}  # an update held as the values it reached
+    delta = tol.Difference(after, before)
+    norms: dict[str, tuple[float, float]] = {}
+    tol.compare(delta, o, tol.Compact(floor), dtype="float32", world_size=1, depth=3, norms=norms)
+    assert set(norms) == set(o)
+    for n in o:
+        assert norms[n] == (tol.chunked_norm(delta, n), tol.chunked_norm(o, n)), n
+    moved = dict(after)
+    moved["a"] = after["a"].clone()
+    moved["a"][7, 7] += 10.0
+    again: dict[str, tuple[float, float]] = {}
+    tol.compare(tol.Difference(moved, before), o, tol.Compact(floor), dtype="float32", world_size=1, depth=3,
+                norms=again)
+    assert again["a"][0] > norms["a"][0] and again["a"][1] == norms["a"][1] and again["b"] == norms["b"]

@@ -176,6 +176,7 @@ class _Sums:
     max_abs: float  # max |g - o|
     max_rel: float  # max |g - o| / (|o| + u max|o|) (NaN where o is zero throughout)
     finite: bool  # g is finite
+    g2: float = 0.0  # ||g||^2 (the value's own norm, for a caller that states it: compare's `norms`)
 
 
 CHUNK = 1 << 20
@@ -224,7 +225,7 @@ def _sums(g: torch.Tensor, o: torch.Tensor, against: torch.Tensor, floor: torch.
     relative error's scale (the whole parameter's max |o|) is read first, from `o` alone."""
     same_against, same_other = against is o, other is floor and against is o
     sq = [0.0] * 6  # o2, a2, go2, ga2, fo2, oa2
-    max_abs, scale, finite, max_rel = 0.0, 0.0, True, 0.0
+    max_abs, scale, finite, max_rel, g2 = 0.0, 0.0, True, 0.0, 0.0
     n = o.numel()
     parts = [slice(start, min(start + CHUNK, n)) for start in range(0, n, CHUNK)]
     for part in parts:
@@ -232,6 +233,7 @@ def _sums(g: torch.Tensor, o: torch.Tensor, against: torch.Tensor, floor: torch.
     for part in parts:
         gc, oc = g[part].double(), o[part].double()
         finite = finite and _finite(gc)
+        g2 += _norm(gc) ** 2
         diff = (gc - oc).abs()
         sq[0] += _norm(oc) ** 2
         sq[2] += _norm(diff) ** 2
@@ -252,7 +254,7 @@ def _sums(g: torch.Tensor, o: torch.Tensor, against: torch.Tensor, floor: torch.
         sq[5] = sq[4]
     if not scale > 0:
         max_rel = math.nan
-    return _Sums(sq[0], sq[1], sq[2], sq[3], sq[4], sq[5], max_abs, max_rel, finite)
+    return _Sums(sq[0], sq[1], sq[2], sq[3], sq[4], sq[5], max_abs, max_rel, finite, g2)
 
 
 def _param_sums(name: str, mappings: tuple[Mapping[str, torch.Tensor], ...], u: float) -> _Sums:
@@ -267,18 +269,22 @@ def _param_sums(name: str, mappings: tuple[Mapping[str, torch.Tensor], ...], u: 
 
 def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_size: int, depth: int,
             u_sum: float | None = None, names: Iterable[str] | None = None,
-            spread: Grads | None = None) -> tuple[list[ParamError], ParamError]:
+            spread: Grads | None = None, norms: dict[str, tuple[float, float]] | None = None
+            ) -> tuple[list[ParamError], ParamError]:
     """Per-parameter errors of `values` and the whole model's (see the module docstring). `reference`: float64;
     `floor`: the run-precision computation of the same quantity; `spread`: a second run-precision computation,
     given when `values` is to be judged against `floor` (the gradient check). A non-finite value is an error of
     +inf, never a pass. Every figure is reduced parameter by parameter (the whole model's from the parameters' squared
-    norms): a check holds no copy of the model beyond its inputs."""
+    norms): a check holds no copy of the model beyond its inputs. `norms`, where given, receives each parameter's
+    (||values||, ||reference||) from the same pass."""
     u = UNIT_ROUNDOFF[dtype]
     u_sum = u if u_sum is None else u_sum
     names = list(reference) if names is None else list(names)
     against = floor if spread is not None else reference
     other = spread if spread is not None else floor
     sums = {n: _param_sums(n, (values, reference, against, floor, other), u) for n in names}
+    if norms is not None:  # (||values||, ||reference||) by name, from the same pass
+        norms.update({n: (math.sqrt(t.g2), math.sqrt(t.o2)) for n, t in sums.items()})
     share = math.sqrt(sum(s.o2 for s in sums.values())) / math.sqrt(max(len(names), 1))
     minimum, reduction = depth * u, world_size * u_sum
     own = {n: rel_ratio(math.sqrt(s.oa2), math.sqrt(s.a2), share) for n, s in sums.items()}

@@ -27,7 +27,7 @@ from dpcompare.verify.diagnosis import (UpdateEvidence, diagnose_update, reason_
 from dpcompare.verify.equivalence import DTYPES, Grads
 from dpcompare.verify.reads import Pending
 from dpcompare.verify.held import Compact, Difference
-from dpcompare.verify.tolerance import chunked_norm, compare, norm_of
+from dpcompare.verify.tolerance import compare, norm_of
 from dpcompare.verify.update_check import StepResult, reference_step
 from dpcompare.verify.verdict import Divergence, UpdateCheck
 
@@ -102,9 +102,9 @@ class Update:
         ref = reference_step(self.factory, pending.params, single, state, torch.float64, self.device, clip=self.clip,
                              state_like=state)
         floor = self._replay(pending, single, state, self.dtype, keep_state=False)
+        norms: dict[str, tuple[float, float]] = {}  # (||delta||, ||reference||), read in compare's own pass
         params, model = compare(delta, ref.delta, floor.delta, dtype=ctx.dtype, world_size=1,
-                                depth=ctx.depth, names=self.names)
-        norms = {n: (chunked_norm(delta, n), chunked_norm(ref.delta, n)) for n in self.names}
+                                depth=ctx.depth, names=self.names, norms=norms)
         ratios = {n: _norm_ratio(*norms[n]) for n in self.names}
         whole = _norm_ratio(math.sqrt(sum(a * a for a, _ in norms.values())),
                             math.sqrt(sum(b * b for _, b in norms.values())))
