@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a GPU machine without network needs to run experiments/gpu_check.sh, gathered here into one folder:
 #
-#   bash experiments/gpu_bundle.sh [DIR]        (default DIR: .whl at the repository root; add it to .git/info/exclude)
+#   bash experiments/gpu_bundle.sh [DIR]        (default DIR: .whl at the repository root, ignored by git)
 #
 # dpcompare's own wheel (built from this checkout), DeepSpeed and the pure-Python packages it and dpcompare need that a
 # CUDA image with torch usually lacks (hjson, pydantic and pydantic-core, jsonschema and its parts), cffi for
