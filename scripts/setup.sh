@@ -105,25 +105,12 @@ say "torch $torch_version"
 horovod_gpu_env=()
 horovod_nccl=0
 with_nccl=""
-torch_cuda=$("$venv/bin/python" -c 'import torch; print(torch.version.cuda or "")')
-if [ -n "$torch_cuda" ] && [ "${DPCOMPARE_NO_HOROVOD:-0}" != 1 ]; then
-  nccl_home="${HOROVOD_NCCL_HOME:-$("$venv/bin/python" -c 'import importlib.util as u; s = u.find_spec("nvidia.nccl"); print(list(s.submodule_search_locations)[0] if s else "")' 2>/dev/null)}"
-  nvcc_path=$(command -v nvcc 2>/dev/null || true)
-  cuda_home="${CUDA_HOME:-${nvcc_path:+$(dirname "$(dirname "$nvcc_path")")}}"
-  cuda_home="${cuda_home:-/usr/local/cuda}"
-  if [ -z "$nccl_home" ] || [ ! -f "$nccl_home/include/nccl.h" ]; then
-    say "torch has CUDA $torch_cuda, but NCCL's headers were not found (HOROVOD_NCCL_HOME='${nccl_home}'): Horovod is built WITHOUT NCCL operations; set HOROVOD_NCCL_HOME to a directory with include/nccl.h and lib/libnccl.so*, then rerun"
-  elif [ ! -x "$cuda_home/bin/nvcc" ]; then
-    say "torch has CUDA $torch_cuda, but no CUDA toolkit was found (no $cuda_home/bin/nvcc): Horovod is built WITHOUT NCCL operations; install the CUDA toolkit matching torch (nvcc) or set CUDA_HOME, then rerun"
-  else
-    # The nvidia-nccl wheel ships lib/libnccl.so.2 without the unversioned link Horovod's CMake looks for.
-    if [ ! -e "$nccl_home/lib/libnccl.so" ] && [ -e "$nccl_home/lib/libnccl.so.2" ]; then
-      ln -s libnccl.so.2 "$nccl_home/lib/libnccl.so"
-    fi
-    horovod_gpu_env=(HOROVOD_GPU_OPERATIONS=NCCL "HOROVOD_NCCL_HOME=$nccl_home" "HOROVOD_CUDA_HOME=$cuda_home")
+if [ "${DPCOMPARE_NO_HOROVOD:-0}" != 1 ]; then
+  # scripts/build_horovod.sh finds NCCL and the toolkit (and says why not); its environment is also what it builds with.
+  mapfile -t horovod_gpu_env < <(bash "$root/scripts/build_horovod.sh" --nccl-env "$venv/bin/python")
+  if [ ${#horovod_gpu_env[@]} -gt 0 ]; then
     horovod_nccl=1
     with_nccl=" and NCCL"
-    say "torch has CUDA $torch_cuda: Horovod is built with NCCL operations (NCCL: $nccl_home, CUDA: $cuda_home)"
   fi
 fi
 

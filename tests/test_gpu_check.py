@@ -494,3 +494,21 @@ def test_without_a_gpu_the_script_exits_2_at_once(tmp_path):
                           env=env)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "sees no CUDA device" in done.stderr and not (tmp_path / "out" / "steps.tsv").exists()
+
+
+def test_the_overhead_ratio_passes_within_its_bound_and_fails_beyond_it(tmp_path, capsys, ordinary):
+    """experiments/gpu_overhead.py: dpcompare's step p50 (or loop per step) against plain_ddp's, side by side."""
+    from experiments import gpu_overhead
+
+    step = ordinary["metrics"]["step_ms_p50"]
+    d = step_dir(tmp_path, "dpc", ordinary)
+    near, far = tmp_path / "near.json", tmp_path / "far.json"
+    near.write_text(json.dumps({"step_ms_p50": step / 1.05, "loop_ms_per_step": 1.0}))
+    far.write_text(json.dumps({"step_ms_p50": step / 1.5, "loop_ms_per_step": 1.0}))
+    assert gpu_overhead.main([str(near), str(d)]) == 0
+    assert "ratio 1.050" in capsys.readouterr().out
+    assert gpu_overhead.main([str(far), str(d)]) == 1
+    assert "ratio 1.500, more than 1.1" in capsys.readouterr().out
+    bare = step_dir(tmp_path, "bare", {**ordinary, "metrics": {"step_ms_p50": None}})
+    assert gpu_overhead.main([str(near), str(bare)]) == 1  # a figure missing: said, never a pass
+    assert "a figure is missing" in capsys.readouterr().out
