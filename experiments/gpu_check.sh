@@ -12,10 +12,10 @@
 #                  each `equivalent` and catching a 10 % change (--power 0.1), its checked steps with TF32 off
 #   twins-tf32, twins-bf16   the same network and precision with lr x N, an undeclared fp16 wire and local clipping:
 #                  each `different`, its cause named
-#   engine-ws1, engine-ws2   DeepSpeed's fp16 engine (--amp fp16 --opt amp_recipe=engine) at ZeRO 1-3 on gpt-tiny and
-#                  mlp: `equivalent`; at ZeRO 0 `different`, naming DeepSpeed 0.19.8's unscaled loss
-#                  (deepspeedai/DeepSpeed#8393); at world size 2 also tests.faulty_adapters:ScaleLeftInDeepSpeed at
-#                  ZeRO 1, `different`
+#   engine-MODEL-wsN   DeepSpeed's fp16 engine (--amp fp16 --opt amp_recipe=engine) at ZeRO 1-3 on gpt-tiny and mlp,
+#                  world size 1 and 2 (a part each): `equivalent`; at ZeRO 0 `different`, naming DeepSpeed 0.19.8's
+#                  unscaled loss (deepspeedai/DeepSpeed#8393); with mlp at world size 2 also
+#                  tests.faulty_adapters:ScaleLeftInDeepSpeed at ZeRO 1, `different`
 #   shared         two ranks on one GPU over gloo: ZeRO-3 `equivalent`, FSDP refused in one line (its collectives
 #                  over gloo on CUDA crash); NCCL asked for two ranks on one GPU is refused before the start in one
 #                  line under ddp, deepspeed and fsdp; DataParallel
@@ -24,17 +24,19 @@
 #                  sdpa and with the eager dropout attention
 #   checkpointing  --activation-checkpointing's peak from max_memory_allocated (GPT-2 small with and without: the
 #                  saving must show)
-#   questions      `compare --suite questions` on the GPU, every run `equivalent`; compare at world sizes 1,2 where
-#                  ranks outnumber GPUs (ddp and deepspeed over gloo, fsdp listed)
+#   questions      `compare --suite questions` on the GPU, every run `equivalent`
+#   questions-shared  compare at world sizes 1,2 where ranks outnumber GPUs (ddp and deepspeed over gloo, fsdp listed)
 #   horovod        Horovod built from the sdist in GPU_CHECK_WHEELS (scripts/build_horovod.sh: NCCL from torch's
 #                  wheel, nvcc), `horovodrun --check-build`, and its world-size-1 run `equivalent`
 #   overhead       the harness's own cost: dpcompare ddp against experiments/plain_ddp.py on ResNet-50 at world
-#                  size 1, fp32 and bf16, side by side (experiments/gpu_overhead.py: step p50 ratio at most 1.10)
+#                  size 1, fp32 and bf16, side by side, instrumented and --no-instrument (experiments/gpu_overhead.py
+#                  --loop: the loop's wall clock per step at most 1.10 times the plain loop's; the step p50 ratio is
+#                  stated beside it)
 #   cost           the verification's cost on a 336 M-parameter Llama-style config (verify ms per step against the
 #                  step, bytes per parameter)
 #   coverage       --check-coverage auto planned from torch.cuda.mem_get_info while experiments/gpu_fill.py holds
 #                  all but GPU_CHECK_COVERAGE_LEAVE_GIB of the device: part of the 336 M config checked, `equivalent`
-# then `python -m dpcompare report` per part, and OUT_DIR/gpu_check.md: one table of every run (verdict, step time,
+# then `python -m dpcompare report` per part (side by side, one step: reports), and OUT_DIR/gpu_check.md: one table of every run (verdict, step time,
 # samples/s, peak memory, clock) and one of every step (exit status, seconds, the judge's line).
 #
 # Side by side: the parts named in GPU_CHECK_LANES ('|' between lanes, a lane's parts in order) run at once, each lane
@@ -59,9 +61,10 @@ if [ -z "$py" ]; then
   if [ -x "$root/.venv/bin/python" ]; then py="$root/.venv/bin/python"; else py=python3; fi
 fi
 out=${1:-gpu-check/$(date +%Y%m%d-%H%M%S)}
-all_parts="power-tf32 power-bf16 twins-tf32 twins-bf16 engine-ws1 engine-ws2 shared branches checkpointing questions horovod overhead cost coverage"
+all_parts="power-tf32 power-bf16 twins-tf32 twins-bf16 engine-gpt-tiny-ws1 engine-mlp-ws1 engine-gpt-tiny-ws2 engine-mlp-ws2
+  shared branches checkpointing questions questions-shared horovod overhead cost coverage"
 parts=" ${GPU_CHECK_PARTS:-$all_parts} "
-lanes=${GPU_CHECK_LANES-power-tf32|power-bf16|twins-tf32|twins-bf16|engine-ws1|engine-ws2|shared|branches|checkpointing|questions|+horovod}
+lanes=${GPU_CHECK_LANES-power-tf32|power-bf16|twins-tf32|twins-bf16|engine-gpt-tiny-ws1|engine-mlp-ws1|engine-gpt-tiny-ws2|engine-mlp-ws2|shared|branches|checkpointing|questions|questions-shared|+horovod}
 timeout_s=${GPU_CHECK_TIMEOUT_S:-300}
 wheels=${GPU_CHECK_WHEELS:-$root/.whl}
 mkdir -p "$out/logs" || { echo "gpu_check: cannot create $out: choose a writable OUT_DIR" >&2; exit 2; }
@@ -161,8 +164,9 @@ horovod_n() {
 }
 # Each part's base rendezvous port: its runs take the ports after it, so parts side by side never meet at one.
 declare -A base_port=([power-tf32]=29600 [twins-tf32]=29650 [power-bf16]=29700 [twins-bf16]=29750
-  [engine-ws1]=29800 [engine-ws2]=29850 [shared]=29900 [branches]=30000 [checkpointing]=30050 [questions]=30100 [horovod]=30200
-  [overhead]=30300 [cost]=30400 [coverage]=30500)
+  [engine-gpt-tiny-ws1]=29800 [engine-mlp-ws1]=29850 [engine-gpt-tiny-ws2]=29900 [engine-mlp-ws2]=29950 [shared]=30000
+  [branches]=30050 [checkpointing]=30100 [questions]=30150 [questions-shared]=30200 [horovod]=30250 [overhead]=30300
+  [cost]=30400 [coverage]=30500)
 # part NAME: is part NAME asked for (GPU_CHECK_PARTS) and not already run in a lane? If so it opens: its group and
 # its ports.
 part() { [[ "$parts" == *" $1 "* && "$laned" != *" $1 "* ]] || return 1; group=$1 port=${base_port[$1]}; }
@@ -267,9 +271,9 @@ done
 # --- 2. DeepSpeed's fp16 engine ------------------------------------------------------------------------------------
 engine=(--backend deepspeed --amp fp16 --opt amp_recipe=engine --measure-steps 0)
 for ws in 1 2; do
-  if part "engine-ws$ws" && has deepspeed; then
-    extra=(); [ "$ws" = 2 ] && extra=("${ws2_args[@]}")
-    for model in gpt-tiny mlp; do
+  extra=(); [ "$ws" = 2 ] && extra=("${ws2_args[@]}")
+  for model in gpt-tiny mlp; do
+    if part "engine-$model-ws$ws" && has deepspeed; then
       # ZeRO 0: DeepSpeed 0.19.8's engine.backward scales the loss only for a ZeRO optimizer, while its stage-0
       # FP16_Optimizer.step still divides by the loss scale (deepspeedai/DeepSpeed#8393, open): every update is the
       # scale times too small, and no overflow is ever seen. The verdict must say so.
@@ -279,18 +283,21 @@ for ws in 1 2; do
         step "engine-$model-zero$stage-ws$ws" 0 "${eq[@]}" -- torchrun_n "$ws" "${engine[@]}" "${extra[@]}" \
           --opt zero_stage=$stage --model "$model"
       done
-    done
-    # The same bug where nothing overflows (a loss scale of 1024): the gradient reaches the master weights 1024
-    # times too small, and the update check names it.
-    step "engine-mlp-zero0-scale1024-ws$ws" 0 --verdict different -- torchrun_n "$ws" "${engine[@]}" "${extra[@]}" \
-      --opt zero_stage=0 --model mlp --loss-scale 1024
-    if [ "$ws" = 2 ]; then
-      # At ZeRO 1: at ZeRO 0 DeepSpeed's own bug above would be what is named.
-      step engine-twin-scale-left-in 0 --verdict different -- torchrun_n 2 \
-        --backend tests.faulty_adapters:ScaleLeftInDeepSpeed --amp fp16 --opt amp_recipe=engine --opt zero_stage=1 \
-        --measure-steps 0 "${extra[@]}" --model mlp --steps 2
+      if [ "$model" = mlp ]; then
+        # The same bug where nothing overflows (a loss scale of 1024): the gradient reaches the master weights 1024
+        # times too small, and the update check names it.
+        step "engine-mlp-zero0-scale1024-ws$ws" 0 --verdict different -- torchrun_n "$ws" "${engine[@]}" \
+          "${extra[@]}" --opt zero_stage=0 --model mlp --loss-scale 1024
+      fi
+      if [ "$model" = mlp ] && [ "$ws" = 2 ]; then
+        # At ZeRO 1 (at ZeRO 0 DeepSpeed's own bug above would be what is named), with a static loss scale of 1024
+        # so that no checked step is skipped for an overflow (a skipped step never reaches the faulty master step).
+        step engine-twin-scale-left-in 0 --verdict different -- torchrun_n 2 \
+          --backend tests.faulty_adapters:ScaleLeftInDeepSpeed --amp fp16 --opt amp_recipe=engine --opt zero_stage=1 \
+          --measure-steps 0 "${extra[@]}" --model mlp --steps 2 --loss-scale 1024
+      fi
     fi
-  fi
+  done
 done
 
 # --- 3. two ranks on one GPU ---------------------------------------------------------------------------------------
@@ -349,6 +356,8 @@ if part "questions"; then
   compare_into() { bound "$py" -m dpcompare compare --suite questions --out "$run_dir/compare" "$@" \
                    && cp "$run_dir"/compare/*/runs/*.json "$run_dir/"; }
   step questions-suite 0 "${eq[@]}" -- compare_into --no-report
+fi
+if part "questions-shared"; then
   # compare where ranks outnumber the GPUs: ddp and deepspeed over gloo on the shared device, fsdp left out (said)
   compare_mini() { bound "$py" -m dpcompare compare --backends ddp,deepspeed,fsdp --world-sizes 1,2 --model mlp \
                    --steps 2 --measure-steps 3 --collectives none --no-report --out "$run_dir/compare" \
@@ -395,7 +404,9 @@ if part "overhead"; then
     plain_json="$run_dir/plain.json"
     step "overhead-$prec-dpcompare" 0 "${eq[@]}" -- torchrun_n 1 --backend ddp --model resnet50 --steps 1 \
       "${timed[@]}" "${amp[@]}"
-    step "overhead-$prec-ratio" 0 "$py" "$root/experiments/gpu_overhead.py" "$plain_json" "$run_dir"
+    # Judged on the loop's wall clock per step, the one figure both take on the same clock (dpcompare's step p50 is
+    # CUDA events, plain_ddp's the host clock around each step): the p50 ratio is stated beside it.
+    step "overhead-$prec-ratio" 0 "$py" "$root/experiments/gpu_overhead.py" --loop "$plain_json" "$run_dir"
     # The same run with the harness's own timers and counters off (--no-instrument: the loop's wall clock only)
     step "overhead-$prec-dpcompare-bare" 0 "${eq[@]}" -- torchrun_n 1 --backend ddp --model resnet50 --steps 1 \
       --no-instrument "${timed[@]}" "${amp[@]}"
@@ -428,11 +439,22 @@ fi
 [ -n "${GPU_CHECK_LANE:-}" ] && touch "$out/done"
 if [ -z "${GPU_CHECK_LANE:-}" ]; then
   gather_lanes "${late_pids[@]}"
+  # `dpcompare report` on every group with results, side by side (a few seconds each): one step, naming the groups
+  # whose report failed (each one's own log: logs/report-GROUP.log).
+  reports() {
+    local d pid bad=() names=() pids=()
+    for d in "$out"/runs/*/ "$out"/lanes/*/runs/*/; do
+      d=${d%/}
+      [ -d "$d" ] && compgen -G "$d/*/*.json" >/dev/null || continue
+      bound "$py" -m dpcompare report "$d" >"$out/logs/report-$(basename "$d").log" 2>&1 &
+      pids+=($!) names+=("$(basename "$d")")
+    done
+    for i in "${!pids[@]}"; do wait "${pids[$i]}" || bad+=("${names[$i]}"); done
+    echo "reported ${#names[@]} group(s): ${names[*]}"
+    [ ${#bad[@]} -eq 0 ] || { echo "report failed for: ${bad[*]}"; return 1; }
+  }
   group=reports end=$(( $(now) + 60 ))
-  for d in "$out"/runs/*/ "$out"/lanes/*/runs/*/; do
-    d=${d%/}
-    [ -d "$d" ] && compgen -G "$d/*/*.json" >/dev/null && step "report-$(basename "$d")" 0 bound "$py" -m dpcompare report "$d"
-  done
+  step reports 0 reports
   if ! "$py" "$root/experiments/gpu_summary.py" "$out" >"$out/gpu_check.md" 2>"$out/logs/summary.log"; then
     failed=1; short+=("summary: experiments/gpu_summary.py failed (logs/summary.log)")
   fi

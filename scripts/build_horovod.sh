@@ -34,6 +34,11 @@ nccl_env() {
   if [ ! -e "$nccl_home/lib/libnccl.so" ] && [ -e "$nccl_home/lib/libnccl.so.2" ]; then
     ln -s libnccl.so.2 "$nccl_home/lib/libnccl.so"
   fi
+  # The pip CUDA toolkit (nvidia/cu13: nvidia-cuda-nvcc, -runtime) has lib/ only, but nvcc.profile links from lib64/
+  # (CMake's CUDA check: "cannot find -lcudadevrt", "-lcudart_static").
+  if [ ! -e "$cuda_home/lib64" ] && [ -e "$cuda_home/lib/libcudart_static.a" ]; then
+    ln -s lib "$cuda_home/lib64"
+  fi
   cc=$("$py" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability()) if torch.cuda.is_available() else print("")')
   say "torch has CUDA $torch_cuda: Horovod is built with NCCL operations (NCCL: $nccl_home, CUDA: $cuda_home, compute capability ${cc:-default})"
   # NCCL_LINK=SHARED: torch's libnccl, not a static libnccl_static.a found elsewhere on the system.

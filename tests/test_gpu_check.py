@@ -425,8 +425,8 @@ def test_ws2_args_is_set_before_any_part_and_each_part_has_its_own_ports():
     bases = sorted(ports.values())
     assert all(b - a >= 50 for a, b in zip(bases, bases[1:])), ports
     opened = set(re.findall(r'\bif part "([\w$-]+)"', text))
-    assert opened == {"power-$prec", "twins-$prec", "engine-ws$ws", "shared", "branches", "checkpointing", "questions",
-                      "horovod", "overhead", "cost", "coverage"}, opened
+    assert opened == {"power-$prec", "twins-$prec", "engine-$model-ws$ws", "shared", "branches", "checkpointing",
+                      "questions", "questions-shared", "horovod", "overhead", "cost", "coverage"}, opened
 
 
 def test_the_static_checks_catch_an_unjudged_step_and_a_late_ws2_args():
@@ -512,3 +512,14 @@ def test_the_overhead_ratio_passes_within_its_bound_and_fails_beyond_it(tmp_path
     bare = step_dir(tmp_path, "bare", {**ordinary, "metrics": {"step_ms_p50": None}})
     assert gpu_overhead.main([str(near), str(bare)]) == 1  # a figure missing: said, never a pass
     assert "a figure is missing" in capsys.readouterr().out
+    # --loop: judged on the loop's wall clock per step, the step p50's ratio stated beside, not judged
+    loop = ordinary["metrics"]["loop_ms_per_step"]
+    slow_p50 = tmp_path / "slow_p50.json"
+    slow_p50.write_text(json.dumps({"step_ms_p50": step / 1.5, "loop_ms_per_step": loop / 1.04}))
+    assert gpu_overhead.main(["--loop", str(slow_p50), str(d)]) == 0
+    said = capsys.readouterr().out
+    assert "loop per step" in said and "ratio 1.040" in said and "not judged: step p50" in said and "= 1.500" in said
+    slow_loop = tmp_path / "slow_loop.json"
+    slow_loop.write_text(json.dumps({"step_ms_p50": step, "loop_ms_per_step": loop / 1.3}))
+    assert gpu_overhead.main(["--loop", str(slow_loop), str(d)]) == 1
+    assert "ratio 1.300, more than 1.1" in capsys.readouterr().out
