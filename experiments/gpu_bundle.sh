@@ -21,6 +21,7 @@ py=${DPCOMPARE_PY:-$root/.venv/bin/python}
 ver=${PY_VERSION:-3.12}
 mkdir -p "$dir"
 rm -f "$dir"/dpcompare-*.whl
+rm -rf "$root/build"  # setuptools reuses build/lib: a module since removed would ride along in the wheel
 "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$dir" "$root"
 platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 binary=(--no-deps --only-binary=:all: --python-version "$ver" --implementation cp "${platforms[@]}" -d "$dir")

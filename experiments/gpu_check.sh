@@ -29,7 +29,7 @@
 #   horovod        Horovod built from the sdist in GPU_CHECK_WHEELS (scripts/build_horovod.sh: NCCL from torch's
 #                  wheel, nvcc), `horovodrun --check-build`, and its world-size-1 run `equivalent`
 #   overhead       the harness's own cost: dpcompare ddp against experiments/plain_ddp.py on ResNet-50 at world
-#                  size 1, fp32 and bf16, side by side, instrumented and --no-instrument (experiments/gpu_overhead.py
+#                  size 1, fp32 and bf16, side by side, and --no-instrument in fp32 (experiments/gpu_overhead.py
 #                  --loop: the loop's wall clock per step at most 1.10 times the plain loop's; the step p50 ratio is
 #                  stated beside it)
 #   cost           the verification's cost on a 336 M-parameter Llama-style config (verify ms per step against the
@@ -41,7 +41,7 @@
 #
 # Side by side: the parts named in GPU_CHECK_LANES ('|' between lanes, a lane's parts in order) run at once, each lane
 # an invocation of this script with its own OUT_DIR/lanes/<n>; the parts of GPU_CHECK_PARTS left out of every lane
-# (overhead and cost, whose timings want the device alone, and coverage, which fills it) run after them. A step that would start after the
+# (cost, coverage, then overhead: the timings want the device alone, and coverage fills it) run after them. A step that would start after the
 # deadline (GPU_CHECK_LANE_DEADLINE_S from the start for a lane, GPU_CHECK_DEADLINE_S for the whole) is not run and
 # falls short, and each launch is cut at the deadline, so the report is written inside the time given.
 #
@@ -390,30 +390,6 @@ if part "horovod"; then
   fi
 fi
 
-# --- 5. the harness's own cost, alone on the device ---------------------------------------------------------------
-if part "overhead"; then
-  timed=(--global-batch 64 --warmup-steps 5 --measure-steps 30)
-  for prec in fp32 bf16; do
-    amp=(); [ "$prec" = bf16 ] && amp=(--amp bf16)
-    plain_run() {
-      mkdir -p "$run_dir"; port=$((port + 1))
-      bound torchrun --nproc_per_node=1 --master-port "$port" "$root/experiments/plain_ddp.py" \
-        --model dpcompare.run.real_models:resnet50 --first-step 1 "${timed[@]}" "${amp[@]}" --out "$run_dir/plain.json"
-    }
-    step "overhead-$prec-plain" 0 plain_run
-    plain_json="$run_dir/plain.json"
-    step "overhead-$prec-dpcompare" 0 "${eq[@]}" -- torchrun_n 1 --backend ddp --model resnet50 --steps 1 \
-      "${timed[@]}" "${amp[@]}"
-    # Judged on the loop's wall clock per step, the one figure both take on the same clock (dpcompare's step p50 is
-    # CUDA events, plain_ddp's the host clock around each step): the p50 ratio is stated beside it.
-    step "overhead-$prec-ratio" 0 "$py" "$root/experiments/gpu_overhead.py" --loop "$plain_json" "$run_dir"
-    # The same run with the harness's own timers and counters off (--no-instrument: the loop's wall clock only)
-    step "overhead-$prec-dpcompare-bare" 0 "${eq[@]}" -- torchrun_n 1 --backend ddp --model resnet50 --steps 1 \
-      --no-instrument "${timed[@]}" "${amp[@]}"
-    step "overhead-$prec-ratio-bare" 0 "$py" "$root/experiments/gpu_overhead.py" --loop "$plain_json" "$run_dir"
-  done
-fi
-
 # --- 4 (timed). the verification's cost, and the coverage planned from the free memory -----------------------------
 if part "cost"; then
   step cost-llama-340m 0 "${eq[@]}" --cost -- torchrun_n 1 --backend ddp \
@@ -432,7 +408,33 @@ if part "coverage"; then
     return $status
   }
   step coverage-auto-partial 0 "${eq[@]}" --partial-coverage -- filled torchrun_n 1 --backend ddp \
-    --model "hf:$root/experiments/gpu_configs/llama-340m" --global-batch 4 --check-coverage auto --measure-steps 0
+    --model "hf:$root/experiments/gpu_configs/llama-340m" --global-batch 4 --steps 2 --check-coverage auto --measure-steps 0
+fi
+
+# --- 5. the harness's own cost, alone on the device ---------------------------------------------------------------
+if part "overhead"; then
+  timed=(--global-batch 64 --warmup-steps 5 --measure-steps 30)
+  for prec in fp32 bf16; do
+    amp=(); [ "$prec" = bf16 ] && amp=(--amp bf16)
+    plain_run() {
+      mkdir -p "$run_dir"; port=$((port + 1))
+      bound torchrun --nproc_per_node=1 --master-port "$port" "$root/experiments/plain_ddp.py" \
+        --model dpcompare.run.real_models:resnet50 --first-step 1 "${timed[@]}" "${amp[@]}" --out "$run_dir/plain.json"
+    }
+    step "overhead-$prec-plain" 0 plain_run
+    plain_json="$run_dir/plain.json"
+    step "overhead-$prec-dpcompare" 0 "${eq[@]}" -- torchrun_n 1 --backend ddp --model resnet50 --steps 1 \
+      "${timed[@]}" "${amp[@]}"
+    # Judged on the loop's wall clock per step, the one figure both take on the same clock (dpcompare's step p50 is
+    # CUDA events, plain_ddp's the host clock around each step): the p50 ratio is stated beside it.
+    step "overhead-$prec-ratio" 0 "$py" "$root/experiments/gpu_overhead.py" --loop "$plain_json" "$run_dir"
+    # The same run with the harness's own timers and counters off (--no-instrument: the loop's wall clock only), in
+    # fp32: what the instrumentation itself costs
+    [ "$prec" = fp32 ] || continue
+    step "overhead-$prec-dpcompare-bare" 0 "${eq[@]}" -- torchrun_n 1 --backend ddp --model resnet50 --steps 1 \
+      --no-instrument "${timed[@]}" "${amp[@]}"
+    step "overhead-$prec-ratio-bare" 0 "$py" "$root/experiments/gpu_overhead.py" --loop "$plain_json" "$run_dir"
+  done
 fi
 
 # --- reports (the top invocation) ---------------------------------------------------------------------------------
