@@ -35,9 +35,15 @@ nccl_env() {
     ln -s libnccl.so.2 "$nccl_home/lib/libnccl.so"
   fi
   # The pip CUDA toolkit (nvidia/cu13: nvidia-cuda-nvcc, -runtime) has lib/ only, but nvcc.profile links from lib64/
-  # (CMake's CUDA check: "cannot find -lcudadevrt", "-lcudart_static").
+  # (CMake's CUDA check: "cannot find -lcudadevrt", "-lcudart_static"), and libcudart.so.13 without the unversioned link
+  # Horovod's FindCUDAToolkit looks for ("Could NOT find CUDAToolkit (missing: CUDA_CUDART)").
   if [ ! -e "$cuda_home/lib64" ] && [ -e "$cuda_home/lib/libcudart_static.a" ]; then
     ln -s lib "$cuda_home/lib64"
+  fi
+  local cudart
+  cudart=$(cd "$cuda_home/lib64" 2>/dev/null && ls libcudart.so.[0-9]* 2>/dev/null | head -n 1 || true)
+  if [ ! -e "$cuda_home/lib64/libcudart.so" ] && [ -n "$cudart" ]; then
+    ln -s "$cudart" "$cuda_home/lib64/libcudart.so"
   fi
   cc=$("$py" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability()) if torch.cuda.is_available() else print("")')
   say "torch has CUDA $torch_cuda: Horovod is built with NCCL operations (NCCL: $nccl_home, CUDA: $cuda_home, compute capability ${cc:-default})"
