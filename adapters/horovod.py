@@ -43,9 +43,18 @@ class HorovodAdapter(Adapter):
     NATIVE_NAMES = {"fusion_threshold": "bucket_mb", "HOROVOD_FUSION_THRESHOLD": "bucket_mb",
                     "HOROVOD_TIMELINE": "instrument"}
 
+    @classmethod
+    def shared_device_refusal(cls) -> str:
+        return ("Horovod cannot put two ranks on one GPU: built with NCCL it reduces CUDA tensors over NCCL, which "
+                "refuses two ranks on one device (ncclCommInitRank: invalid usage; Horovod 0.28.1, NCCL 2.28.9, one "
+                "H200), and it has no other transport for them; run at most one rank per GPU, or --device cpu")
+
     def setup(self, timeout_s: float) -> None:
         import horovod.torch as hvd
 
+        # Before hvd.init: NCCL would fail in every rank at the first collective, with a line naming NCCL only.
+        if self.device.type == "cuda" and self.env.local_world_size > torch.cuda.device_count() and hvd.nccl_built():
+            raise ValueError(self.shared_device_refusal())
         # Horovod's own stall detector ends a job whose ranks stop submitting the same tensors. It checks every
         # HOROVOD_STALL_CHECK_TIME_SECONDS (60) and switches the shutdown off, with a warning on every run, when
         # the shutdown time is below that: check at half the timeout so a short --timeout-s keeps it on.

@@ -27,7 +27,8 @@
 #   questions      `compare --suite questions` on the GPU, every run `equivalent`
 #   questions-shared  compare at world sizes 1,2 where ranks outnumber GPUs (ddp and deepspeed over gloo, fsdp listed)
 #   horovod        Horovod built from the sdist in GPU_CHECK_WHEELS (scripts/build_horovod.sh: NCCL from torch's
-#                  wheel, nvcc), `horovodrun --check-build`, and its world-size-1 run `equivalent`
+#                  wheel, nvcc), `horovodrun --check-build`, and its world-size-1 run `equivalent`; two ranks on one
+#                  GPU refused in one line (NCCL refuses them), or, with two GPUs, `equivalent`
 #   overhead       the harness's own cost: dpcompare ddp against experiments/plain_ddp.py on ResNet-50 at world
 #                  size 1, fp32 and bf16, side by side, and --no-instrument in fp32 (experiments/gpu_overhead.py
 #                  --loop: the loop's wall clock per step at most 1.10 times the plain loop's; the step p50 ratio is
@@ -375,18 +376,25 @@ if part "horovod"; then
       install_horovod() {
         HOROVOD_MAKEFLAGS=-j${GPU_CHECK_HOROVOD_JOBS:-6} bound nice -n 10 bash "$root/scripts/build_horovod.sh" "$py" "$sdist" "$out/horovod-wheel" \
           || return 1
-        local target=()
-        [ -n "${PYTHONPATH:-}" ] && target=(--target "${PYTHONPATH%%:*}")
-        "$py" -m pip install -q --no-index --no-deps --no-compile "${target[@]}" "$out"/horovod-wheel/horovod-*.whl
+        # A target of its own: pip --target skips a bin/ that is already there (another wheel's), and horovodrun
+        # would be missing
+        "$py" -m pip install -q --no-index --no-deps --no-compile --target "$out/horovod-site" \
+          "$out"/horovod-wheel/horovod-*.whl
       }
       step horovod-build 0 install_horovod
-      [ -n "${PYTHONPATH:-}" ] && export PATH="${PYTHONPATH%%:*}/bin:$PATH"
+      export PYTHONPATH="$out/horovod-site${PYTHONPATH:+:$PYTHONPATH}" PATH="$out/horovod-site/bin:$PATH"
     fi
   fi
   if has horovod; then
     step horovod-check-build 0 bash -c 'horovodrun --check-build | tee /dev/stderr | grep -q "\[X\] NCCL"'
     step horovod-ws1 0 "${eq[@]}" -- horovod_n 1 --backend horovod --model gpt-tiny --measure-steps 5
-    step horovod-ws2 0 "${eq[@]}" -- horovod_n 2 --backend horovod --model gpt-tiny --measure-steps 0
+    if [ "$gpus" -ge 2 ]; then
+      step horovod-ws2 0 "${eq[@]}" -- horovod_n 2 --backend horovod --model gpt-tiny --measure-steps 0
+    else  # built with NCCL, Horovod reduces CUDA tensors over NCCL, which refuses two ranks on one GPU: one line
+      step horovod-ws2-refused 1 --count 0 -- horovod_n 2 --backend horovod --model gpt-tiny --measure-steps 0
+      step horovod-ws2-refused-says-why 0 grep -q "Horovod cannot put two ranks on one GPU" \
+        "$out/logs/horovod-ws2-refused.log"
+    fi
   fi
 fi
 

@@ -168,7 +168,7 @@ def _ns(**kw) -> CompareSpec:
 
 def test_ranks_sharing_a_gpu_run_over_gloo_or_are_left_out_saying_why(tmp_path, monkeypatch):
     """Where the ranks outnumber the node's GPUs, ddp and deepspeed get --opt dist_backend=gloo (NCCL refuses two
-    ranks on one device), fsdp (which cannot share one) and horovod (no such option) are listed, not launched."""
+    ranks on one device), fsdp and horovod (which cannot share one) are listed, not launched."""
     monkeypatch.setattr(plan, "_cuda_devices", lambda: 1)
     planned = plan.plan(_ns(backends="ddp,deepspeed,fsdp,horovod", collectives="none"), tmp_path)
     jobs = {j.label: j.command for j in planned.jobs}
@@ -177,7 +177,7 @@ def test_ranks_sharing_a_gpu_run_over_gloo_or_are_left_out_saying_why(tmp_path, 
     assert not any("dist_backend" in " ".join(jobs[k]) for k in ("ddp/1", "deepspeed/1", "fsdp/1"))
     reasons = {u["backend"]: u["reason"] for u in planned.unavailable}
     assert "FSDP cannot put two ranks on one GPU" in reasons["fsdp/2"], reasons
-    assert "declares no --opt dist_backend=gloo" in reasons["horovod/2"], reasons
+    assert "Horovod cannot put two ranks on one GPU" in reasons["horovod/2"], reasons
     # On the CPU nothing changes (every rank runs over gloo already): asked for, or on a host without CUDA.
     planned = plan.plan(_ns(backends="ddp,fsdp", collectives="none", run_arg=["--device=cpu"]), tmp_path)
     assert [j.label for j in planned.jobs] == ["ddp/1", "ddp/2", "fsdp/1", "fsdp/2"] and not planned.unavailable

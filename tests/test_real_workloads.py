@@ -172,6 +172,43 @@ def test_fsdp_refuses_ranks_sharing_a_gpu_and_gloo_on_cuda(monkeypatch: pytest.M
     assert fsdp("auto", "cpu", 2).dist_backend() == "gloo"
 
 
+def test_horovod_with_nccl_refuses_ranks_sharing_a_gpu_before_init(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Horovod built with NCCL reduces CUDA tensors over NCCL: two ranks on one GPU failed in every rank at NCCL's
+    init on an H200 (ncclCommInitRank: invalid usage). Refused before hvd.init; a Horovod without NCCL, a GPU each,
+    or the CPU are left alone."""
+    hvd = pytest.importorskip("horovod.torch")
+    from dpcompare.adapters.horovod import HorovodAdapter
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    inits: list[int] = []
+
+    class Reached(Exception):
+        pass
+
+    def init() -> None:
+        inits.append(1)
+        raise Reached
+
+    monkeypatch.setattr(hvd, "init", init)
+
+    def setup(device: str, local_world_size: int, nccl: int) -> None:
+        monkeypatch.setattr(hvd, "nccl_built", lambda: nccl)
+        adapter = HorovodAdapter.__new__(HorovodAdapter)  # the check before hvd.init alone
+        adapter.device = torch.device(device)
+        adapter.env = SimpleNamespace(local_world_size=local_world_size, world_size=local_world_size, rank=0,
+                                      launcher="horovodrun")
+        adapter.settings = SimpleNamespace(options={"timeline": "off"}, instrument=False, bucket_mb=None)
+        adapter.setup(60)
+
+    with pytest.raises(ValueError, match="Horovod cannot put two ranks on one GPU"):
+        setup("cuda:0", 2, nccl=22809)
+    assert not inits  # refused before Horovod started anything
+    for allowed in (("cuda:0", 1, 22809), ("cuda:0", 2, 0), ("cpu", 2, 22809)):
+        with pytest.raises(Reached):
+            setup(*allowed)
+    assert len(inits) == 3
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
