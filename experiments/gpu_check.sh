@@ -51,7 +51,8 @@
 # GPU_CHECK_DEADLINE_S (540), GPU_CHECK_LANE_DEADLINE_S (270), GPU_CHECK_TIMEOUT_S (per run, 300),
 # GPU_CHECK_WHEELS (where Horovod's sdist is; default .whl), GPU_CHECK_COVERAGE_LEAVE_GIB (40),
 # GPU_CHECK_DEVICE=cpu (the script's plumbing tried on a CPU box with cheap parts; no GPU figure comes of it),
-# GPU_CHECK_ONLY (a bash regex: only the steps whose names match run, the others are left out unrecorded: a rerun).
+# GPU_CHECK_ONLY (a bash regex: only the steps whose names match run, the others are left out unrecorded: a rerun),
+# GPU_CHECK_LIST=1 (print the parts each lane and the phase after the lanes would run, and stop).
 # Exit status: 0 when every step did what it should, 1 otherwise (each step that fell short listed at the end),
 # 2 when there is no CUDA device.
 set -uo pipefail
@@ -63,8 +64,12 @@ if [ -z "$py" ]; then
 fi
 out=${1:-gpu-check/$(date +%Y%m%d-%H%M%S)}
 all_parts="power-tf32 power-bf16 twins-tf32 twins-bf16 engine-gpt-tiny-ws1 engine-mlp-ws1 engine-gpt-tiny-ws2 engine-mlp-ws2
-  shared branches checkpointing questions questions-shared horovod overhead cost coverage"
-parts=" ${GPU_CHECK_PARTS:-$all_parts} "
+  shared branches checkpointing questions questions-shared horovod cost coverage overhead"
+# The parts asked for, one space around each name (a name is matched as " NAME "); a name that is no part is refused.
+parts=" $(echo ${GPU_CHECK_PARTS:-$all_parts}) "
+for name in $parts; do
+  [[ " $(echo $all_parts) " == *" $name "* ]] || { echo "gpu_check: GPU_CHECK_PARTS names '$name', which is no part: choose from $(echo $all_parts)" >&2; exit 2; }
+done
 lanes=${GPU_CHECK_LANES-power-tf32|power-bf16|twins-tf32|twins-bf16|engine-gpt-tiny-ws1|engine-mlp-ws1|engine-gpt-tiny-ws2|engine-mlp-ws2|shared|branches|checkpointing|questions|questions-shared|+horovod}
 timeout_s=${GPU_CHECK_TIMEOUT_S:-300}
 wheels=${GPU_CHECK_WHEELS:-$root/.whl}
@@ -83,7 +88,7 @@ gpus=$("$py" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_
 device=cuda
 if [ "${GPU_CHECK_DEVICE:-cuda}" = cpu ]; then  # the script's own plumbing, tried on a CPU box: not a GPU check
   device=cpu gpus=1
-elif [ "$gpus" = 0 ]; then
+elif [ "$gpus" = 0 ] && [ -z "${GPU_CHECK_LIST:-}" ]; then
   echo "gpu_check: $py sees no CUDA device (torch.cuda.is_available() is False): run this on a GPU machine" >&2
   exit 2
 fi
@@ -176,6 +181,19 @@ part() { [[ "$parts" == *" $1 "* && "$laned" != *" $1 "* ]] || return 1; group=$
 # NCCL one rank per GPU. Set once, for every part.
 ws2_args=(--opt dist_backend=gloo)
 if [ "$gpus" -ge 2 ]; then ws2_args=(); fi
+
+# GPU_CHECK_LIST=1: say which parts would run, in which lane or after the lanes, and stop (nothing is launched).
+if [ -n "${GPU_CHECK_LIST:-}" ]; then
+  listed=" "
+  IFS='|' read -ra lane_list <<<"$lanes"
+  for lane in "${lane_list[@]}"; do
+    mine=""
+    for name in ${lane#+}; do [[ "$parts" == *" $name "* ]] && mine+="$name "; done
+    [ -n "$mine" ] && echo "lane: $mine" && listed+="$mine"
+  done
+  for name in $parts; do [[ "$listed" == *" $name "* ]] || echo "after the lanes: $name"; done
+  exit 0
+fi
 
 # --- environment (the top invocation only) ---------------------------------------------------------------------
 if [ -z "${GPU_CHECK_LANE:-}" ]; then

@@ -429,6 +429,22 @@ def test_ws2_args_is_set_before_any_part_and_each_part_has_its_own_ports():
                       "questions", "questions-shared", "horovod", "overhead", "cost", "coverage"}, opened
 
 
+def test_every_part_runs_once_in_a_lane_or_after_them_and_an_unknown_part_is_refused(tmp_path):
+    """GPU_CHECK_LIST=1: the parts the script would run, read from the script itself (a part whose name the lanes or
+    part() fail to match would be left out without a word)."""
+    parts = re.search(r'^all_parts="([^"]+)"', SCRIPT.read_text(), re.M).group(1).split()
+    done = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], env={**os.environ, "GPU_CHECK_LIST": "1"},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    listed = [name for line in done.stdout.splitlines() for name in line.split(":", 1)[1].split()]
+    assert sorted(listed) == sorted(parts), done.stdout
+    assert [line.split(": ")[1] for line in done.stdout.splitlines() if line.startswith("after")] == \
+        ["cost", "coverage", "overhead"]
+    bad = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "GPU_CHECK_LIST": "1", "GPU_CHECK_PARTS": "shared engine-ws2"})
+    assert bad.returncode == 2 and "names 'engine-ws2', which is no part" in bad.stderr, bad.stderr
+
+
 def test_the_static_checks_catch_an_unjudged_step_and_a_late_ws2_args():
     text = SCRIPT.read_text()
     unjudged = text.replace('step branch-compile-ddp 0 "${eq[@]}" --compiled -- torchrun_n',
