@@ -246,6 +246,35 @@ def test_compare_grads_fails_a_gradient_twice_too_large():
     assert min(p.noise_ratio for p in params) > 1e4
 
 
+def test_compare_reads_a_non_finite_value_across_chunks_and_a_huge_float64_one_as_finite():
+    """`_sums` reads a value held below float64 as finite exactly where its squared norm is: an inf or a NaN anywhere
+    in a parameter larger than one chunk makes its error +inf; a float64 value whose square overflows (1e300) is read
+    element by element and stays finite. Its relative figures match their definitions, computed whole."""
+    from dpcompare.verify import tolerance
+
+    n = tolerance.CHUNK + 7
+    torch.manual_seed(3)
+    o = torch.randn(n, dtype=torch.float64)
+    g = (o * (1 + 1e-7)).float()
+    floor = (o * (1 - 1e-7)).float()
+    for poison in (math.inf, math.nan):
+        bad = g.clone()
+        bad[n - 3] = poison  # in the second chunk
+        s = tolerance._sums(bad, o, floor, floor, floor, 2.0**-24)
+        assert s.finite is False, poison
+    huge = o.clone()
+    huge[-1] = 1e300
+    s = tolerance._sums(huge, o, o, floor, floor, 2.0**-53)
+    assert s.finite is True and s.max_abs == pytest.approx(1e300 - float(o[-1]), rel=1e-12)
+    s = tolerance._sums(g, o, floor, floor, floor, 2.0**-24)
+    d = (g.double() - o).abs()
+    assert s.finite and s.go2 == pytest.approx(float(d.pow(2).sum()), rel=1e-10)
+    assert s.max_abs == float(d.max())
+    scale = float(o.abs().max())
+    assert s.max_rel == pytest.approx(float((d / (o.abs() + 2.0**-24 * scale)).max()), rel=1e-12)
+    assert s.fo2 == pytest.approx(float((floor.double() - o).pow(2).sum()), rel=1e-10)
+
+
 def test_compare_grads_arithmetic_by_hand():
     # One parameter, oracle (3, 4): ||o|| = 5. Floor off by 1e-6 in one element, run off by 3e-6 in another.
     oracle = {"w": torch.tensor([3.0, 4.0], dtype=torch.float64)}

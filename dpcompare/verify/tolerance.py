@@ -197,6 +197,11 @@ class _Chunked:
     def numel(self) -> int:
         return self.after.numel()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What its two sides are stored in, together (the difference itself is computed in float64)."""
+        return torch.promote_types(self.after.dtype, self.before.dtype)
+
 
 def _raw(grads: Mapping[str, torch.Tensor], name: str) -> "torch.Tensor | _Chunked":
     """`grads[name]` as held (a Compact's in its own dtype; a Difference's two sides), flattened: read chunk by chunk
@@ -222,32 +227,46 @@ def _fmax(a: float, b: float) -> float:
 def _sums(g: torch.Tensor, o: torch.Tensor, against: torch.Tensor, floor: torch.Tensor, other: torch.Tensor,
           u: float) -> _Sums:
     """One parameter's figures, read `CHUNK` elements at a time in float64, in one pass over the comparison: the
-    relative error's scale (the whole parameter's max |o|) is read first, from `o` alone."""
+    relative error's scale (the whole parameter's max |o|) is read first, from `o` alone. Each input's chunk is read
+    into float64 once, whichever figures use it (the floor is often what the value is judged against), and the
+    differences are worked on in place."""
     same_against, same_other = against is o, other is floor and against is o
     sq = [0.0] * 6  # o2, a2, go2, ga2, fo2, oa2
     max_abs, scale, finite, max_rel, g2 = 0.0, 0.0, True, 0.0, 0.0
+    # A value held below float64 is finite exactly where its squared norm is (a float32's square cannot overflow a
+    # float64): one pass fewer. A float64 value is tested element by element.
+    squares_tell = g.dtype != torch.float64
     n = o.numel()
     parts = [slice(start, min(start + CHUNK, n)) for start in range(0, n, CHUNK)]
     for part in parts:
-        scale = _fmax(scale, float(o[part].abs().max()))
+        low, high = torch.aminmax(o[part])  # max |o| in one pass
+        scale = _fmax(scale, _fmax(-float(low), float(high)))
     for part in parts:
-        gc, oc = g[part].double(), o[part].double()
-        finite = finite and _finite(gc)
-        g2 += _norm(gc) ** 2
-        diff = (gc - oc).abs()
+        read: dict[int, torch.Tensor] = {}
+
+        def chunk(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in read:
+                read[id(t)] = t[part].double()
+            return read[id(t)]
+
+        gc, oc = chunk(g), chunk(o)
+        g_norm = _norm(gc)
+        finite = finite and (math.isfinite(g_norm) if squares_tell else _finite(gc))
+        g2 += g_norm ** 2
+        diff = gc - oc
         sq[0] += _norm(oc) ** 2
         sq[2] += _norm(diff) ** 2
+        diff.abs_()
         max_abs = _fmax(max_abs, float(diff.max()))
         if scale > 0:
-            max_rel = max(max_rel, float((diff / (oc.abs() + u * scale)).max()))
+            max_rel = max(max_rel, float(diff.div_(oc.abs().add_(u * scale)).max()))
         if not same_against:
-            ac = against[part].double()
+            ac = chunk(against)
             sq[1] += _norm(ac) ** 2
             sq[3] += _norm(gc - ac) ** 2
-        fc = floor[part].double()
-        sq[4] += _norm(fc - oc) ** 2
+        sq[4] += _norm(chunk(floor) - oc) ** 2
         if not same_other:
-            sq[5] += _norm(other[part].double() - (ac if not same_against else oc)) ** 2
+            sq[5] += _norm(chunk(other) - (ac if not same_against else oc)) ** 2
     if same_against:
         sq[1], sq[3] = sq[0], sq[2]
     if same_other:
