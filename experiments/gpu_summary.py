@@ -23,17 +23,21 @@ def _cell(text: str) -> str:
 
 
 def run_rows(out: Path) -> list[str]:
-    rows = ["| model | backend | ws | device | verdict | step p50 ms | samples/s | tokens/s | peak MiB | "
-            "exposed / total comm ms | clock (by device type) | memory |", "|" + " --- |" * 12]
-    results = []
-    for path in sorted(out.rglob("*.json")):
+    """One row per result, named by the step that made it (its directory, OUT_DIR/[lanes/N/]runs/PART/STEP). A result
+    the script copied beside the run that wrote it (compare's, the checkpointing pair's) is one result: a row once."""
+    rows = ["| step | model | backend | ws | device | verdict | step p50 ms | samples/s | tokens/s | peak MiB | "
+            "exposed / total comm ms | clock (by device type) | memory |", "|" + " --- |" * 13]
+    results: dict[str, tuple[str, dict]] = {}
+    # The file the run wrote first: the script's copies are younger (cp sets their time).
+    for path in sorted(out.rglob("*.json"), key=lambda p: (p.stat().st_mtime_ns, len(p.parts), str(p))):
         try:
             payload = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
         if isinstance(payload, dict) and "backend" in payload and "equivalence" in payload:
-            results.append(payload)
-    for r in sorted(results, key=lambda r: (r["model"], r["world_size"], r["backend"])):
+            results.setdefault(path.name, (path.parent.name, payload))
+    for step, r in sorted(results.values(), key=lambda sr: (sr[1]["model"], sr[1]["world_size"], sr[1]["backend"],
+                                                            sr[0])):
         m = r.get("metrics") or {}
         e = r["equivalence"]
         verdict = e["verdict"]
@@ -41,7 +45,7 @@ def run_rows(out: Path) -> list[str]:
         if verdict != "equivalent" and why:
             verdict += f" ({why if isinstance(why, str) else json.dumps(why)})"[:200]
         rows.append(
-            f"| {r['model']} | {r['backend']} | {r['world_size']} | {r['device']} | {_cell(verdict)} | "
+            f"| {step} | {r['model']} | {r['backend']} | {r['world_size']} | {r['device']} | {_cell(verdict)} | "
             f"{_fmt(m.get('step_ms_p50'), '.1f')} | {_fmt(m.get('samples_per_s'), '.1f')} | "
             f"{_fmt(m.get('tokens_per_s'), '.0f')} | {_fmt(m.get('peak_mem_mib'), '.0f')} | "
             f"{_fmt(m.get('comm_exposed_ms'), '.2f')} / {_fmt(m.get('comm_total_ms'), '.2f')} | "

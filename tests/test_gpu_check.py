@@ -512,6 +512,29 @@ def test_without_a_gpu_the_script_exits_2_at_once(tmp_path):
     assert "sees no CUDA device" in done.stderr and not (tmp_path / "out" / "steps.tsv").exists()
 
 
+def test_the_summary_names_each_runs_step_and_lists_a_copied_result_once(tmp_path, ordinary):
+    """experiments/gpu_summary.py: one row per result, named by the step that wrote it; the copy the script puts beside
+    another step's run (the checkpointing pair's) is not a second row."""
+    import shutil
+    import time
+
+    from experiments import gpu_summary
+
+    wrote = step_dir(tmp_path / "runs" / "checkpointing", "branch-checkpointing-without", ordinary)
+    (original,) = wrote.glob("*.json")
+    time.sleep(0.01)
+    pair = tmp_path / "runs" / "checkpointing-pair" / "branch-checkpointing-saving"
+    pair.mkdir(parents=True)
+    shutil.copy(original, pair / original.name)
+    rows = [r for r in gpu_summary.run_rows(tmp_path)[2:]]
+    assert len(rows) == 1 and rows[0].startswith("| branch-checkpointing-without | mlp | reference | 1 |"), rows
+    other = {**ordinary, "backend": "ddp"}
+    (pair / "other.json").write_text(json.dumps(other))
+    rows = gpu_summary.run_rows(tmp_path)[2:]
+    assert [r.split(" | ")[0].lstrip("| ") for r in rows] == ["branch-checkpointing-saving",
+                                                                "branch-checkpointing-without"], rows
+
+
 def test_the_overhead_ratio_passes_within_its_bound_and_fails_beyond_it(tmp_path, capsys, ordinary):
     """experiments/gpu_overhead.py: dpcompare's step p50 (or loop per step) against plain_ddp's, side by side."""
     from experiments import gpu_overhead
