@@ -46,7 +46,7 @@ nccl_env() {
     ln -s "$cudart" "$cuda_home/lib64/libcudart.so"
   fi
   cc=$("$py" -c 'import torch; print("%d%d" % torch.cuda.get_device_capability()) if torch.cuda.is_available() else print("")')
-  say "torch has CUDA $torch_cuda: Horovod is built with NCCL operations (NCCL: $nccl_home, CUDA: $cuda_home, compute capability ${cc:-default})"
+  say "torch has CUDA $torch_cuda: Horovod is built with NCCL operations (NCCL: $nccl_home, CUDA: $cuda_home, compute capability ${HOROVOD_BUILD_CUDA_CC_LIST:-${cc:-default}})"
   # NCCL_LINK=SHARED: torch's libnccl, not a static libnccl_static.a found elsewhere on the system.
   printf '%s\n' HOROVOD_GPU_OPERATIONS=NCCL "HOROVOD_NCCL_HOME=$nccl_home" "HOROVOD_CUDA_HOME=$cuda_home" \
     HOROVOD_NCCL_LINK=SHARED "HOROVOD_BUILD_CUDA_CC_LIST=${HOROVOD_BUILD_CUDA_CC_LIST:-$cc}"
