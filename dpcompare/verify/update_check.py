@@ -86,7 +86,7 @@ def reference_step(
     reached: Tensors = {}
     after: OptState = {}
     for n in names:
-        live = nn.Parameter(params[n].detach().to(device=device, dtype=dtype).clone())
+        live = nn.Parameter(params[n].detach().to(device=device, dtype=dtype, copy=True))  # one copy, not two
         if optimizer is None:
             optimizer = factory([live], **overrides)
         else:
@@ -94,12 +94,12 @@ def reference_step(
             optimizer.state.clear()
         if n in state:
             optimizer.state[live] = {
-                k: (v.to(device=device, dtype=dtype if v.is_floating_point() and v.dim() > 0 else v.dtype).clone()
+                k: (v.to(device=device, dtype=dtype if v.is_floating_point() and v.dim() > 0 else v.dtype, copy=True)
                     if torch.is_tensor(v) else v)
                 for k, v in state[n].items()
             }
         g = grads.get(n)
-        live.grad = None if g is None else g.detach().to(device=device, dtype=dtype).clone()
+        live.grad = None if g is None else g.detach().to(device=device, dtype=dtype, copy=True)
         with torch.no_grad():
             if scale is not None and live.grad is not None:
                 live.grad.mul_(scale.to(live.grad.dtype))
