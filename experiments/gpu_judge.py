@@ -29,7 +29,8 @@ Expectations:
   --saving         two results, with and without --activation-checkpointing: the one that recomputes has the
                    smaller metrics.peak_above_start_mib.
   --cost           the verification's cost is recorded: metrics.verify_ms_per_step, step_ms_p50 and
-                   verify_above_start_mib, with the bytes per parameter and the ratio to the step in the line.
+                   verify_above_start_mib, with the bytes per parameter, the ratio to the step and the time by part
+                   of the checks (verify_ms_by_part, where recorded) in the line.
 """
 
 from __future__ import annotations
@@ -322,8 +323,11 @@ def cost_of(result: dict[str, Any]) -> tuple[list[str], str]:
     if missing:
         return missing, ""
     verify, step, above = (float(metrics[n]) for n in names)
+    parts = metrics.get("verify_ms_by_part") if isinstance(metrics.get("verify_ms_by_part"), dict) else {}
+    by_part = ", ".join(f"{name} {ms:.0f}" for name, ms in sorted(parts.items(), key=lambda kv: -kv[1]) if ms >= 0.5)
     return [], (f"verify {verify:.0f} ms/step = {verify / step:.1f}x the step ({step:.1f} ms), "
-                f"{above * 2**20 / params:.0f} B/param above the start ({params / 1e6:.0f} M parameters)")
+                f"{above * 2**20 / params:.0f} B/param above the start ({params / 1e6:.0f} M parameters)"
+                + (f"; by part (ms/step): {by_part}" if by_part else ""))
 
 
 def check_saving(results: list[tuple[Path, dict[str, Any]]]) -> tuple[list[str], str]:

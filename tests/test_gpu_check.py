@@ -286,6 +286,7 @@ def test_saving_needs_the_recomputing_run_lower(tmp_path, capsys, ordinary):
 def test_cost_states_the_figures_and_fails_without_them(tmp_path, capsys, ordinary):
     rc, lines = judge(capsys, step_dir(tmp_path, "c", ordinary), "--cost")
     assert rc == 0 and "x the step" in lines[0] and "B/param above the start" in lines[0], lines
+    assert "by part (ms/step): " in lines[0] and "oracle " in lines[0], lines  # the real run recorded its parts
     bare = copy.deepcopy(ordinary)
     del bare["metrics"]["verify_ms_per_step"]
     rc, lines = judge(capsys, step_dir(tmp_path, "b", bare), "--cost")

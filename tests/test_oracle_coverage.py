@@ -126,6 +126,10 @@ def test_a_share_of_the_blocks_is_checked_and_stated_and_a_fault_there_is_caught
     m = result["metrics"]  # what checking cost rank 0, recorded with no measured step too
     assert m["measured_steps"] == 0 and m["verify_steps"] == 4 and m["verify_checked_steps"] == 4
     assert m["verify_ms_per_step"] > 0 and m["verify_peak_mib"] > 0 and m["verify_above_start_mib"] > 0
+    # where that time went: the oracle's forwards and each check that ran, adding up to no more than the whole
+    parts = m["verify_ms_by_part"]
+    assert {"oracle", "gradient", "update", "trajectory"} <= set(parts) and all(v >= 0 for v in parts.values())
+    assert parts["oracle"] > 0 and parts["update"] > 0 and sum(parts.values()) <= m["verify_ms_per_step"], parts
     # the negative: the first block's gradient 5 % large, with that block checked
     done, result = _run(launch, "tests.faulty_adapters:FirstBlockScaledReference", spec, "--check-coverage", "0.4")
     assert done.returncode == 0, done.output[-3000:]

@@ -74,7 +74,8 @@ class VerificationPhase:
             if self.check is not None:
                 self.check.finish()
             if self.cost is not None:
-                self.cost.close(self.cfg.steps, len(self.verdict.checks) if self.check is not None else 0)
+                self.cost.close(self.cfg.steps, len(self.verdict.checks) if self.check is not None else 0,
+                                self.check.part_s if self.check is not None else None)
                 self.cost.per_rank(self.adapter.all_gather_object(self.cost.figures))
         if self.check is not None and self.cfg.dump_grads:
             _save_npz_atomic(Path(self.cfg.dump_grads), self.check.dumps, self.cfg.closed_if)
@@ -285,10 +286,13 @@ class VerificationCost:
             for key in ("verify_ms_per_step", "verify_peak_mib", "verify_above_start_mib"):
                 self.figures[f"{key}_per_rank"] = [f.get(key) for f in every]
 
-    def close(self, steps: int, checked: int) -> None:
+    def close(self, steps: int, checked: int, parts: dict[str, float] | None = None) -> None:
+        """`parts`: the verifier's seconds by part of the checks (Verifier.part_s), stated per step beside the whole as
+        `verify_ms_by_part`."""
         peak = self.window.peak()
         self.figures = {
             "verify_ms_per_step": 1e3 * self.steps_s / steps if steps else None,
+            "verify_ms_by_part": ({name: 1e3 * s / steps for name, s in parts.items()} if parts and steps else None),
             "verify_setup_ms": 1e3 * self.setup_s,
             "verify_steps": steps,
             "verify_checked_steps": checked,

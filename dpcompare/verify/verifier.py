@@ -18,7 +18,9 @@ generators forked from the run's, so checking never changes the random numbers t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -59,6 +61,11 @@ class Verifier:
         """--dump-grads: every compared step's reduced, oracle and floor gradients, by "step/kind/parameter"."""
         self._reduced: StepEvidence | None = None
         self._references_after_update = any(c.name == "grad_norm" for c in self.checks)
+        self.part_s: dict[str, float] = {}
+        """Seconds spent in each part of the checks, summed over the steps (CUDA synchronised at both ends of each):
+        'oracle' (the float64 oracle's and the run-precision references' forwards and backwards of a checked step) and
+        each check by its name (what it computes and compares itself: the update check's replay, the trajectory's
+        steps)."""
         """Whether a check reads the step's oracle and references after the optimizer step (grad_norm does)."""
         if refusal is not None:
             self._record(Finding(unverifiable=refusal, stop=True))
@@ -78,7 +85,7 @@ class Verifier:
             self._reduced = dataclasses.replace(evidence, oracle=dataclasses.replace(
                 evidence.oracle, oracle={}, floor={}, spread={}))
         if evidence.oracle is not None and not evidence.oracle.overflow and not self.stopped:
-            with stochastic.isolated(self.ctx.device):
+            with stochastic.isolated(self.ctx.device), self._part("oracle"):
                 note_forwards(self.ctx, self.bench, evidence)
             if self.ctx.settings.dump_grads:
                 for kind, grads in (("reduced", evidence.oracle.grads), ("oracle", evidence.oracle.oracle),
@@ -105,7 +112,7 @@ class Verifier:
                 if not evidence.checked:
                     continue
                 if evidence.oracle is None and evidence.at == "reduced":
-                    with stochastic.isolated(self.ctx.device):
+                    with stochastic.isolated(self.ctx.device), self._part("oracle"):
                         computed = compute(self.ctx, self.bench, evidence)
                     if isinstance(computed, Finding):
                         self._record(computed)
@@ -113,11 +120,25 @@ class Verifier:
                     evidence = dataclasses.replace(evidence, oracle=computed)
                 if evidence.oracle is None:
                     continue
-            with stochastic.isolated(self.ctx.device):
+            with stochastic.isolated(self.ctx.device), self._part(check.name):
                 finding = check.judge(self.ctx, evidence)
             if finding is not None:
                 self._record(finding)
         return evidence
+
+    @contextlib.contextmanager
+    def _part(self, name: str):
+        """Time the work inside as part `name` of the checks (`part_s`)."""
+        cuda = self.ctx.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.ctx.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if cuda:
+                torch.cuda.synchronize(self.ctx.device)
+            self.part_s[name] = self.part_s.get(name, 0.0) + time.perf_counter() - start
 
     def _record(self, finding: Finding) -> None:
         finding.record_in(self.verdict)
