@@ -302,6 +302,7 @@ def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_
     against = floor if spread is not None else reference
     other = spread if spread is not None else floor
     sums = {n: _param_sums(n, (values, reference, against, floor, other), u) for n in names}
+    sizes = {n: _raw(reference, n).numel() for n in names}  # as held: a Difference's is never computed whole for it
     if norms is not None:  # (||values||, ||reference||) by name, from the same pass
         norms.update({n: (math.sqrt(t.g2), math.sqrt(t.o2)) for n, t in sums.items()})
     share = math.sqrt(sum(s.o2 for s in sums.values())) / math.sqrt(max(len(names), 1))
@@ -314,7 +315,7 @@ def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_
                          math.sqrt(sum(sums[n].o2 for n in judged))) if judged else 0.0
     out = []
     for name in names:
-        s, numel = sums[name], reference[name].numel()
+        s, numel = sums[name], sizes[name]
         why = None if not math.isnan(s.max_rel) else (
             f"the float64 reference of {name} is zero throughout: no relative error (max_abs_err is its distance)"
             if numel else f"{name} has no elements")
@@ -330,7 +331,7 @@ def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_
                               rel_ratio(math.sqrt(s.fo2), math.sqrt(s.o2), share), judged_err / (floor_p + reduction), tol,
                               judged_err <= tol or (not alone and s.finite), judged_err, own[name], detect, alone,
                               numel, why if s.finite else None))
-    return out, _model([sums[n] for n in (judged or names)], sum(reference[n].numel() for n in (judged or names)),
+    return out, _model([sums[n] for n in (judged or names)], sum(sizes[n] for n in (judged or names)),
                        model_floor, minimum, reduction)
 
 
