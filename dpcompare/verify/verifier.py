@@ -61,12 +61,12 @@ class Verifier:
         """--dump-grads: every compared step's reduced, oracle and floor gradients, by "step/kind/parameter"."""
         self._reduced: StepEvidence | None = None
         self._references_after_update = any(c.name == "grad_norm" for c in self.checks)
+        """Whether a check reads the step's oracle and references after the optimizer step (grad_norm does)."""
         self.part_s: dict[str, float] = {}
         """Seconds spent in each part of the checks, summed over the steps (CUDA synchronised at both ends of each):
         'oracle' (the float64 oracle's and the run-precision references' forwards and backwards of a checked step) and
         each check by its name (what it computes and compares itself: the update check's replay, the trajectory's
         steps)."""
-        """Whether a check reads the step's oracle and references after the optimizer step (grad_norm does)."""
         if refusal is not None:
             self._record(Finding(unverifiable=refusal, stop=True))
 
