@@ -528,6 +528,9 @@ class WsPoint:
                 "above_start_bytes_per_param_rank0": above[0] * MIB / p,
                 "above_start_bytes_per_param_max": max(above) * MIB / p,
                 "above_start_bytes_per_param_mean": float(np.mean(above)) * MIB / p,
+                # less the run's own gradients and optimizer state first allocated in the phase (absent before them)
+                "checking_bytes_per_param_per_rank": ([c * MIB / p for c in self.per_rank("verify_checking_mib")]
+                                                      if self.metrics.get("verify_checking_mib") is not None else None),
             })
         return out
 
@@ -576,6 +579,12 @@ def _ws_fits(points: list[WsPoint]) -> dict[str, Any]:
                 fit = stats.linregress(xs, np.array([pick(p) for p in mine]) * MIB)
                 f[f"above_start_{key}"] = {"bytes_per_param": float(fit.slope), "a_mib": float(fit.intercept / MIB),
                                            "r2": float(fit.rvalue**2), "n": len(mine)}
+            if all(p.metrics.get("verify_checking_mib") is not None for p in mine):
+                for key, pick in (("rank0", lambda p: p.per_rank("verify_checking_mib")[0]),
+                                  ("max_rank", lambda p: max(p.per_rank("verify_checking_mib")))):
+                    fit = stats.linregress(xs, np.array([pick(p) for p in mine]) * MIB)
+                    f[f"checking_{key}"] = {"bytes_per_param": float(fit.slope), "a_mib": float(fit.intercept / MIB),
+                                            "r2": float(fit.rvalue**2), "n": len(mine)}
             f["ratio_verify_to_step"] = spread([p.row()["ratio_verify_to_step"] for p in mine])
     growth: dict[str, Any] = {}
     for opt in WS_OPTIMIZERS:
@@ -601,17 +610,18 @@ def _print_ws(points: list[WsPoint]) -> None:
     table = Table(title="checking divided over ranks (ws=1: the reference backend; ws>1: ddp under torchrun, each rank "
                   "2 x 16 tokens a step): per-rank cost", title_justify="left")
     for col in ("size", "opt", "ws", "step ms", "verify ms/step (per rank)", "ratio", "B/param above start (per rank)",
-                "divided", "verdict / why not"):
+                "B/param checking (per rank)", "divided", "verdict / why not"):
         table.add_column(col, justify="left" if col in ("size", "opt", "verdict / why not") else "right")
     for p in points:
         if not p.measured:
-            table.add_row(p.size.label, p.optimizer, str(p.world_size), *[""] * 5, p.skipped or p.error)
+            table.add_row(p.size.label, p.optimizer, str(p.world_size), *[""] * 6, p.skipped or p.error)
             continue
         r = p.row()
         table.add_row(p.size.label, p.optimizer, str(p.world_size), f"{r['step_ms_p50']:.0f}",
                       " / ".join(f"{v:.0f}" for v in r["verify_ms_per_step_per_rank"]),
                       f"{r['ratio_verify_to_step']:.1f}",
                       " / ".join(f"{v:.0f}" for v in r["above_start_bytes_per_param_per_rank"]),
+                      " / ".join(f"{v:.0f}" for v in r["checking_bytes_per_param_per_rank"] or []) or "-",
                       str((p.division or {}).get("divided", "-")), p.verdict)
     Console(width=200, force_terminal=False).print(table)
 

@@ -126,6 +126,11 @@ def test_a_share_of_the_blocks_is_checked_and_stated_and_a_fault_there_is_caught
     m = result["metrics"]  # what checking cost rank 0, recorded with no measured step too
     assert m["measured_steps"] == 0 and m["verify_steps"] == 4 and m["verify_checked_steps"] == 4
     assert m["verify_ms_per_step"] > 0 and m["verify_peak_mib"] > 0 and m["verify_above_start_mib"] > 0
+    # the run's own state first allocated in the phase (SGD with momentum: a float32 gradient and momentum buffer per
+    # parameter) is stated apart, and the rest is the checks'
+    own = 8 * result["model_info"]["parameters"] / 2**20
+    assert abs(m["verify_run_state_mib"] - own) <= 0.01 * own, (m["verify_run_state_mib"], own)
+    assert m["verify_checking_mib"] == pytest.approx(m["verify_above_start_mib"] - m["verify_run_state_mib"])
     # where that time went: the oracle's forwards and each check that ran, adding up to no more than the whole
     parts = m["verify_ms_by_part"]
     assert {"oracle", "gradient", "update", "trajectory"} <= set(parts) and all(v >= 0 for v in parts.values())

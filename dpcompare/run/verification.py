@@ -24,7 +24,7 @@ import torch
 
 from dpcompare import results
 from dpcompare.contract import Adapter
-from dpcompare.measure import clocks
+from dpcompare.measure import clocks, memory
 from dpcompare.run.config import CommandLineError, RunConfig
 from dpcompare.run.optim import optimizer_factory
 from dpcompare.run.step import StepRunner
@@ -63,7 +63,7 @@ class VerificationPhase:
     def run(self) -> eq.Verdict:
         with checked_arithmetic(self.runner.device) as tf32:
             if self.cost is not None:
-                self.cost.open()
+                self.cost.open(self.adapter)
             coverage = self._plan_oracle_coverage()
             with self._costed(setup=True):
                 self.verdict = self._start(coverage)
@@ -143,6 +143,8 @@ class VerificationPhase:
             # Gradients are global now and the parameters are those the gradients were taken at. Every rank reads
             # them (collectives where the backend shards them); rank 0 judges.
             reads = self._reads() if checked else None
+            if self.cost is not None:  # the run's own gradients and optimizer state, as they stand at the reduce
+                self.cost.note_run_state(self.adapter)
             if checked or self.facts.stochastic:
                 gathered.extend(self.adapter.all_gather_object(self._evidence(x, rng, reads, before)))
             if self.check is not None:
@@ -250,7 +252,11 @@ class VerificationCost:
     then each step's checks and reference trajectory; CUDA synchronised at both ends), and the peak memory of the
     verification phase with what it rose above the memory held before the verifier was built (CUDA:
     max_memory_allocated; CPU: the resident high-water mark). The figures go to the result's metrics beside the
-    measured step's own: `verify_ms_per_step`, `verify_setup_ms`, `verify_peak_mib`, `verify_above_start_mib`."""
+    measured step's own: `verify_ms_per_step`, `verify_setup_ms`, `verify_peak_mib`, `verify_above_start_mib`. The
+    run's own gradients and optimizer state are first allocated by its first step, inside the window: what they add
+    (`verify_run_state_mib`: the adapter's model_state_tensors() other than the parameters, counted once per storage,
+    at its largest over the phase's reduces, less what it was at the start) is stated, and the rest is the checks'
+    own (`verify_checking_mib`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -258,9 +264,27 @@ class VerificationCost:
         self.setup_s = 0.0
         self.steps_s = 0.0
         self.figures: dict[str, Any] = {}
+        self._run_state: list[int | None] = []
+        """The run's own state bytes (not its parameters) at the start, then at each reduce (None: unreadable)."""
 
-    def open(self) -> None:
+    def open(self, adapter: Any = None) -> None:
         self.window.reset()
+        if adapter is not None:
+            self.note_run_state(adapter)
+
+    def note_run_state(self, adapter: Any) -> None:
+        """The run's own gradients, optimizer state, master copies and communication buffers, now."""
+        try:
+            census = memory.census_bytes(adapter.model_state_tensors())
+        except Exception:  # noqa: BLE001 - an adapter that cannot list them: the figure is not stated
+            self._run_state.append(None)
+            return
+        self._run_state.append(sum(v for k, v in census.items() if k != "params"))
+
+    def _run_state_mib(self) -> float | None:
+        if len(self._run_state) < 2 or any(v is None for v in self._run_state):
+            return None
+        return max(0, max(self._run_state[1:]) - self._run_state[0]) / 2**20
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -283,7 +307,7 @@ class VerificationCost:
     def per_rank(self, every: list[dict[str, Any]]) -> None:
         """Every rank's figures (`every`, in rank order) beside this rank's: `verify_*_per_rank`."""
         if len(every) > 1:
-            for key in ("verify_ms_per_step", "verify_peak_mib", "verify_above_start_mib"):
+            for key in ("verify_ms_per_step", "verify_peak_mib", "verify_above_start_mib", "verify_checking_mib"):
                 self.figures[f"{key}_per_rank"] = [f.get(key) for f in every]
 
     def close(self, steps: int, checked: int, parts: dict[str, float] | None = None) -> None:
@@ -298,6 +322,9 @@ class VerificationCost:
             "verify_checked_steps": checked,
             "verify_peak_mib": peak.get("peak_mem_mib"),
             "verify_above_start_mib": self.window.above_start(peak),
+            "verify_run_state_mib": (run := self._run_state_mib()),
+            "verify_checking_mib": (None if run is None or self.window.above_start(peak) is None
+                                    else self.window.above_start(peak) - run),
             "verify_mem_method": ("cuda max_memory_allocated" if self.device.type == "cuda" else
                                   "resident high-water mark (VmHWM)") if peak.get("peak_mem_mib") is not None
             else self.window.reason,

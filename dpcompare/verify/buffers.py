@@ -36,6 +36,7 @@ from torch import nn
 from dpcompare.verify.boundaries import module_boundaries
 from dpcompare.verify.equivalence import TOLERANCE_FACTOR, UNIT_ROUNDOFF, Divergence, Layout, Masks, Oracle, Piece
 from dpcompare.verify.dtypes import as_input, is_float, state_distance
+from dpcompare.verify.held import release
 from dpcompare.verify.masks import MaskReplayer, combine
 
 SEMANTICS = {
@@ -110,7 +111,10 @@ class BufferCheck:
                     with replayer.applying(piece.masks) if piece.masks else contextlib.nullcontext(), recipe, gathered, \
                             bounded:
                         model(x)
-            return snapshot(model)
+            after = snapshot(model)
+        if model is self.oracle.model64 or model is self.oracle.model_run:
+            release(model)  # loaded again before its next use
+        return after
 
     def _f64(self, state: dict, start: Buffers, pieces: list[Piece], times: int = 1) -> Buffers:
         return self._run(self.oracle.model64, self.oracle.replay64, state, start, pieces, times)

@@ -37,6 +37,7 @@ from torch import nn
 from dpcompare.verify import masks as mk
 from dpcompare.verify import stochastic
 from dpcompare.verify.equivalence import Grads, Layout, Piece, accumulate_raw, finish_gradient, verification_copy
+from dpcompare.verify.held import releasable, release
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
@@ -219,8 +220,9 @@ class Helper:
     def __init__(self, peers: Peers, template: nn.Module, loss_fn: Callable, *, layout: Layout, dtype: torch.dtype,
                  device: torch.device, recipe: Recipe) -> None:
         self.peers, self.layout, self.loss_fn, self.device, self.recipe = peers, layout, loss_fn, device, recipe
-        self.models = {"64": verification_copy(template, device, torch.float64),
-                       "run": verification_copy(template, device, recipe.weights_dtype or dtype)}
+        # loaded at every request: they hold their parameters only while they compute
+        self.models = {"64": releasable(verification_copy(template, device, torch.float64)),
+                       "run": releasable(verification_copy(template, device, recipe.weights_dtype or dtype))}
         self.replayers = {k: MaskReplayer(m) for k, m in self.models.items()}
         self._states: dict[str, dict[str, torch.Tensor]] = {}
         """Per slot, the state rank 0 last sent this point of the step."""
@@ -261,3 +263,4 @@ class Helper:
                 if p.requires_grad:
                     dist.send(raw[n].detach().to("cpu").contiguous(), dst=0, group=self.peers.group)
         model.zero_grad(set_to_none=True)
+        release(model)

@@ -30,7 +30,7 @@ from dpcompare.verify.dtypes import as_input, float_dtype
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
-from dpcompare.verify.held import Compact
+from dpcompare.verify.held import Compact, releasable, release
 from dpcompare.verify.tolerance import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, ParamError, compare, coverage,
                                         flat, min_detectable, rel_fro, wire_roundoff)
 from dpcompare.verify.verdict import Divergence, StepCheck, UpdateCheck, Verdict, tolerance_policy
@@ -262,8 +262,9 @@ class Oracle:
         self.device = device
         self.recipe = recipe
         self.template, self.run_dtype = template, recipe.weights_dtype or DTYPES[dtype]
-        self.model64 = verification_copy(template, device, torch.float64)
-        self.model_run = verification_copy(template, device, self.run_dtype)
+        # Loaded from the run's state before every use, so they hold their parameters only while they compute.
+        self.model64 = releasable(verification_copy(template, device, torch.float64))
+        self.model_run = releasable(verification_copy(template, device, self.run_dtype))
         self.replay64, self.replay_run = MaskReplayer(self.model64), MaskReplayer(self.model_run)
         self._compiled: tuple[nn.Module, MaskReplayer] | None = None
         self.names = [n for n, p in template.named_parameters() if p.requires_grad]
@@ -279,12 +280,15 @@ class Oracle:
         slot = "64" if model is self.model64 else "run" if model is self.model_run else None
         if self.divider is not None and slot is not None and self.divider.divides(pieces):
             # every rank runs its own forwards at `state` (dpcompare.verify.divided)
-            return self.divider.gradient(slot, model, replayer, state, pieces, self.loss_fn, self.device, recipe,
-                                         loss_scale, ranks)
-        model.load_state_dict(state)
-        grads, none = accumulate_gradient(model, self.loss_fn, pieces, self.device, replayer, recipe, loss_scale, ranks)
-        model.zero_grad(set_to_none=True)  # the float64 gradients live on in `grads`; a run-dtype copy is freed
-        return grads, none
+            out = self.divider.gradient(slot, model, replayer, state, pieces, self.loss_fn, self.device, recipe,
+                                        loss_scale, ranks)
+        else:
+            model.load_state_dict(state)
+            out = accumulate_gradient(model, self.loss_fn, pieces, self.device, replayer, recipe, loss_scale, ranks)
+            model.zero_grad(set_to_none=True)  # the float64 gradients live on in `grads`; a run-dtype copy is freed
+        if slot is not None:
+            release(model)
+        return out
 
     def oracle_of(self, state: dict, pieces: list[Piece]) -> Grads:
         grads, self.none = self._grad(self.model64, self.replay64, state, pieces)
@@ -296,8 +300,10 @@ class Oracle:
         self.model64.load_state_dict(state)
         self.model64.train()
         with torch.no_grad():
-            return sum(p.weight * float(self.loss_fn(self.model64(as_input(p.x, self.model64, self.device)),
+            loss = sum(p.weight * float(self.loss_fn(self.model64(as_input(p.x, self.model64, self.device)),
                                                      p.y.to(self.device))) for p in pieces)
+        release(self.model64)
+        return loss
 
     def floor_of(self, state: dict, pieces: list[Piece], loss_scale: float = 1.0, compiled: bool = False) -> Grads:
         """The run's own recipe on one process (`pieces`: as the ranks split the batch, under a recipe); `compiled`:

@@ -276,14 +276,15 @@ def _sums(g: torch.Tensor, o: torch.Tensor, against: torch.Tensor, floor: torch.
     return _Sums(sq[0], sq[1], sq[2], sq[3], sq[4], sq[5], max_abs, max_rel, finite, g2)
 
 
-def _param_sums(name: str, mappings: tuple[Mapping[str, torch.Tensor], ...], u: float) -> _Sums:
-    """`_sums` of one parameter, each mapping read once (one given twice is the same tensor: its figures are shared);
-    a lazy mapping (a `Difference`) computes just this parameter."""
+def _param_sums(name: str, mappings: tuple[Mapping[str, torch.Tensor], ...], u: float) -> tuple[_Sums, int]:
+    """`_sums` of one parameter, each mapping read once (one given twice is the same tensor: its figures are shared),
+    and its number of elements (the second mapping's, as held); a lazy mapping (a `Difference`, a replay stepped as it
+    is read) computes just this parameter, once."""
     read: dict[int, torch.Tensor] = {}
     for m in mappings:
         if id(m) not in read:
             read[id(m)] = _raw(m, name)
-    return _sums(*(read[id(m)] for m in mappings), u)
+    return _sums(*(read[id(m)] for m in mappings), u), read[id(mappings[1])].numel()
 
 
 def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_size: int, depth: int,
@@ -301,8 +302,10 @@ def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_
     names = list(reference) if names is None else list(names)
     against = floor if spread is not None else reference
     other = spread if spread is not None else floor
-    sums = {n: _param_sums(n, (values, reference, against, floor, other), u) for n in names}
-    sizes = {n: _raw(reference, n).numel() for n in names}  # as held: a Difference's is never computed whole for it
+    sums: dict[str, _Sums] = {}
+    sizes: dict[str, int] = {}  # as held: a Difference's is never computed whole for it
+    for n in names:
+        sums[n], sizes[n] = _param_sums(n, (values, reference, against, floor, other), u)
     if norms is not None:  # (||values||, ||reference||) by name, from the same pass
         norms.update({n: (math.sqrt(t.g2), math.sqrt(t.o2)) for n, t in sums.items()})
     share = math.sqrt(sum(s.o2 for s in sums.values())) / math.sqrt(max(len(names), 1))

@@ -33,6 +33,7 @@ from torch import nn
 from dpcompare.verify.equivalence import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Piece, accumulate_gradient,
                                           verification_copy)
 from dpcompare.verify.clipping import clip_
+from dpcompare.verify.held import releasable, release
 from dpcompare.verify.tolerance import rel_ratio
 from dpcompare.verify.dtypes import is_float, non_float_divergence, state_distance
 from dpcompare.verify.verdict import Divergence
@@ -75,6 +76,7 @@ class Trajectory:
             with torch.no_grad():
                 for p, w in zip(self.model_run.parameters(), self.work.parameters()):
                     p.copy_(w)
+            releasable(self.work)  # loaded from the master copy at every step: held only while it computes
         self.replayers = (MaskReplayer(self.model64), MaskReplayer(self.work if self.work is not None else self.model_run))
         self.divider = None
         """Rank 0's dpcompare.verify.divided.Divider where the ranks share the forwards (None: this process runs all)."""
@@ -99,6 +101,8 @@ class Trajectory:
             grads, none = self._accumulate(work, "run", pieces, self.replayers[1], self.recipe, loss_scale)
             finite = all(bool(torch.isfinite(g).all()) for g in grads.values())
             work.zero_grad(set_to_none=True)  # the scaled sums; the unscaled gradients are in `grads`
+            if self.work is not None:
+                release(self.work)  # its buffers are read below; its weights are loaded again next step
             for n, p in self.model_run.named_parameters():
                 p.grad = None if (n in none or not finite) or not p.requires_grad else grads[n].to(p.dtype).to(p.device)
             if not finite:  # its own loss scaler would skip this step

@@ -17,7 +17,6 @@ How the optimizer state is mirrored, so the check stays step-local and cannot dr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -25,7 +24,7 @@ from torch import nn
 
 from dpcompare.contract.optim_state import OptimizerFactory, OptState, Tensors, read_state
 from dpcompare.verify.clipping import clip_scale
-from dpcompare.verify.held import Difference
+from dpcompare.verify.held import Difference, give_back_freed
 
 
 def state_summary(state: OptState) -> str:
@@ -43,12 +42,22 @@ def state_summary(state: OptState) -> str:
     return ", ".join(parts) or "entries " + ", ".join(first)
 
 
-@dataclass(slots=True)
 class StepResult:
-    delta: Mapping[str, torch.Tensor]
-    """theta_after - theta_before per parameter, read in float64 on the CPU (a `Difference`)."""
-    state: OptState
-    """The optimizer state after the step."""
+    """The optimizer step replayed from one start, one parameter at a time as it is read (`_Replay`): nothing of the
+    whole model is held but the state after the step, where it is kept."""
+
+    __slots__ = ("delta", "_replay")
+
+    def __init__(self, replay: "_Replay") -> None:
+        self._replay = replay
+        self.delta: Mapping[str, torch.Tensor] = Difference(_Reached(replay), replay.params, round_to=replay.dtype)
+        """theta_after - theta_before per parameter, read in float64 on the CPU (a `Difference`): each read steps that
+        parameter then (the values it reached are not held)."""
+
+    @property
+    def state(self) -> OptState:
+        """The optimizer state after the step (every parameter's; those not read yet are stepped now)."""
+        return self._replay.state()
 
 
 def reference_step(
@@ -72,57 +81,119 @@ def reference_step(
     the dtype of that state's entries (the backend's), parameter by parameter as it is read.
 
     The optimizers replayed (SGD, AdamW) step every parameter on its own: the replay steps one parameter at a time,
-    with one optimizer whose only parameter is swapped, so it holds one parameter's copy, gradient and state at a
-    time beside the updates it returns, never the whole model's. Clipping's global norm is taken first, as
-    clip_grad_norm_ takes it (the norm of the per-tensor norms, in `dtype`)."""
-    names = list(params)
+    with one optimizer whose only parameter is swapped, when that parameter's update is read (a comparison reads each
+    once, so the replay holds one parameter's copy, gradient and state at a time, never the whole model's updates).
+    Clipping's global norm is taken first, as clip_grad_norm_ takes it (the norm of the per-tensor norms, in `dtype`).
+    The inputs are read when each parameter is stepped: they must not change while the result is read (the checks
+    hand it snapshots)."""
     scale = None
     if clip is not None:
         norms = [torch.linalg.vector_norm(g.detach().to(device=device, dtype=dtype))
-                 for n in names if (g := grads.get(n)) is not None]
+                 for n in params if (g := grads.get(n)) is not None]
         if norms:
             scale = clip_scale(torch.linalg.vector_norm(torch.stack(norms)), clip)
-    optimizer: torch.optim.Optimizer | None = None
-    reached: Tensors = {}
-    after: OptState = {}
-    for n in names:
-        live = nn.Parameter(params[n].detach().to(device=device, dtype=dtype, copy=True))  # one copy, not two
-        if optimizer is None:
-            optimizer = factory([live], **overrides)
+    return StepResult(_Replay(factory, params, grads, state, dtype, device, scale, times, keep_state, state_like,
+                              overrides))
+
+
+class _Replay:
+    """`reference_step`'s optimizer, stepping a parameter when its update is read: the last one's values are kept for a
+    second read of the same parameter (a comparison reads each once), the state after each where it is kept."""
+
+    def __init__(self, factory: OptimizerFactory, params: Mapping[str, torch.Tensor],
+                 grads: Mapping[str, torch.Tensor | None], state: OptState, dtype: torch.dtype, device: torch.device,
+                 scale: torch.Tensor | None, times: int, keep_state: bool, state_like: OptState | None,
+                 overrides: dict[str, Any]) -> None:
+        self.factory, self.params, self.grads, self.start = factory, params, grads, state
+        self.dtype, self.device, self.scale, self.times = dtype, device, scale, times
+        self.keep_state, self.state_like, self.overrides = keep_state, state_like, overrides
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.after: OptState = {}
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def reached(self, n: str) -> torch.Tensor:
+        """The value parameter `n` reaches (in the replay's dtype, on the CPU)."""
+        if self._last is not None and self._last[0] == n:
+            return self._last[1]
+        dtype, device = self.dtype, self.device
+        live = nn.Parameter(self.params[n].detach().to(device=device, dtype=dtype, copy=True))  # one copy, not two
+        if self.optimizer is None:
+            self.optimizer = self.factory([live], **self.overrides)
         else:
-            optimizer.param_groups[0]["params"] = [live]
-            optimizer.state.clear()
-        if n in state:
+            self.optimizer.param_groups[0]["params"] = [live]
+            self.optimizer.state.clear()
+        optimizer = self.optimizer
+        if n in self.start:
             optimizer.state[live] = {
                 k: (v.to(device=device, dtype=dtype if v.is_floating_point() and v.dim() > 0 else v.dtype, copy=True)
                     if torch.is_tensor(v) else v)
-                for k, v in state[n].items()
+                for k, v in self.start[n].items()
             }
-        g = grads.get(n)
+        g = self.grads.get(n)
         live.grad = None if g is None else g.detach().to(device=device, dtype=dtype, copy=True)
         with torch.no_grad():
-            if scale is not None and live.grad is not None:
-                live.grad.mul_(scale.to(live.grad.dtype))
-            for _ in range(times):
+            if self.scale is not None and live.grad is not None:
+                live.grad.mul_(self.scale.to(live.grad.dtype))
+            for _ in range(self.times):
                 optimizer.step()
-        reached[n] = live.detach().to("cpu")
-        if keep_state:
+        reached = live.detach().to("cpu")
+        if self.keep_state:
             read = read_state(optimizer, {n: live})
-            after.update(held_as(read, state_like) if state_like is not None else read)
-        del live
-    # The update: what each parameter reached less its start, `params` rounded to `dtype` as `live` started; held as
-    # the values reached (in `dtype`), the float64 difference computed where it is read.
-    return StepResult(Difference(reached, params, round_to=dtype), after)
+            self.after.update(held_as(read, self.state_like, _held_dtype(self.params, n))
+                              if self.state_like is not None else read)
+        optimizer.state.clear()
+        self._last = (n, reached)
+        # the parameter's copy, gradient and state in the replay's dtype, freed as the next is stepped
+        give_back_freed(reached.numel() * reached.element_size() * (2 + len(self.start.get(n, {}))))
+        return reached
+
+    def state(self) -> OptState:
+        if self.keep_state:
+            for n in self.params:
+                if n not in self.after:
+                    self.reached(n)
+        return {n: self.after[n] for n in self.params if n in self.after}
 
 
-def held_as(expected: OptState, backend: OptState) -> OptState:
+class _Reached(Mapping[str, torch.Tensor]):
+    """The values each parameter reaches, by name, stepped as read."""
+
+    __slots__ = ("_replay",)
+
+    def __init__(self, replay: _Replay) -> None:
+        self._replay = replay
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._replay.reached(name)
+
+    def __iter__(self):
+        return iter(self._replay.params)
+
+    def __len__(self) -> int:
+        return len(self._replay.params)
+
+
+def held_as(expected: OptState, backend: OptState, otherwise: torch.dtype | None = None) -> OptState:
     """`expected` in the dtype of the backend's own entries (float32 moments stay 4 bytes an element between steps): it
     is compared to 1e-4 of its largest value (dpcompare.verify.state_comparison), which float32's rounding of a
-    float64 replay (6e-8) cannot move. An entry the backend does not hold keeps its dtype."""
+    float64 replay (6e-8) cannot move. An entry the backend does not hold yet (a fresh optimizer's, before step 0) is
+    held in `otherwise` (the dtype of the parameter the optimizer steps, which its state takes), else in its own."""
     out: OptState = {}
     for name, entries in expected.items():
         have = backend.get(name, {})
-        out[name] = {k: (v.to(have[k].dtype) if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0
-                         and torch.is_tensor(have.get(k)) and have[k].is_floating_point() else v)
-                     for k, v in entries.items()}
+        out[name] = {k: _as(v, have.get(k), otherwise) for k, v in entries.items()}
     return out
+
+
+def _as(value: Any, have: Any, otherwise: torch.dtype | None) -> Any:
+    if not (torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0):
+        return value
+    if torch.is_tensor(have) and have.is_floating_point():
+        return value.to(have.dtype)
+    return value.to(otherwise) if have is None and otherwise is not None and otherwise.is_floating_point else value
+
+
+def _held_dtype(params: Mapping[str, torch.Tensor], name: str) -> torch.dtype:
+    """The dtype `params[name]` is held in (a Compact's own, not the float64 it is read in)."""
+    held = getattr(params, "held", None)
+    return (held(name) if held is not None else params[name]).dtype

@@ -33,6 +33,7 @@ from dpcompare.verify.bench import Bench
 from dpcompare.verify.checks import CHECKS, Check
 from dpcompare.verify.context import CheckContext, Finding
 from dpcompare.verify.divided import Divider
+from dpcompare.verify.held import give_back_freed
 from dpcompare.verify.opening import open_verdict
 from dpcompare.verify.oracle_coverage import unchecked_frozen
 from dpcompare.verify.step_evidence import StepEvidence, compute, note_forwards
@@ -78,6 +79,11 @@ class Verifier:
         evidence = StepEvidence(step=step, at="reduced", checked=reads is not None, batch=batch, ranks=ranks,
                                 records=records, masters=reads.masters if reads is not None else {},
                                 scaler_before=self.backend.scaler_state(), reads=reads)
+        if evidence.checked and not self.stopped:
+            for check in self.checks:  # what a check takes from the reads before the oracle's peak (Check.on_reads)
+                if (on_reads := getattr(check, "on_reads", None)) is not None:
+                    with self._part(check.name):
+                        on_reads(self.ctx, evidence)
         self._reduced = evidence = self._run(evidence)
         if evidence.oracle is not None and not self._references_after_update:
             # Nothing reads the step's float64 oracle and run-precision references after the optimizer step (but the
@@ -96,11 +102,10 @@ class Verifier:
     def after_update(self, step: int, masters: dict[str, torch.Tensor], reported_norm: float | None) -> None:
         """After the optimizer step, with the values it stepped as every rank read them (`Adapter.master_params()`) and
         the total norm the backend reports clipping by (None: none, or no --clip-grad-norm)."""
-        reduced = self._reduced
+        reduced, self._reduced = self._reduced, None  # the step's gradients and references: not held into the next
         if reduced is None or reduced.step != step:
             raise RuntimeError(f"the verifier was handed step {step} after the optimizer step without its reduce")
         self._run(dataclasses.replace(reduced, at="updated", masters=masters, reported_norm=reported_norm))
-        self._reduced = None  # the step's gradients and references: not held into the next step
 
     def _run(self, evidence: StepEvidence) -> StepEvidence:
         """Every check of `evidence.at`, in the list's order; the oracle's side of a checked step is computed before
@@ -124,6 +129,8 @@ class Verifier:
                 finding = check.judge(self.ctx, evidence)
             if finding is not None:
                 self._record(finding)
+            if check.name == "update":
+                _let_go(evidence)
         return evidence
 
     @contextlib.contextmanager
@@ -138,6 +145,7 @@ class Verifier:
         finally:
             if cuda:
                 torch.cuda.synchronize(self.ctx.device)
+            give_back_freed()  # what the part freed, not kept resident through the next part's peak
             self.part_s[name] = self.part_s.get(name, 0.0) + time.perf_counter() - start
 
     def _record(self, finding: Finding) -> None:
@@ -160,3 +168,13 @@ class Verifier:
             f"{', '.join(map(str, skipped))}), so no gradient or update was compared: run more --steps (the loss "
             "scaler halves the scale at each overflow) or start from a smaller --loss-scale" if skipped else
             "no checked step compared a gradient: run more --steps")
+
+
+def _let_go(evidence: StepEvidence) -> None:
+    """After the update check, the last to read them: the step's reads (the reduced gradient, the optimizer state), its
+    snapshot of the parameters and the oracle's copy of the gradient are emptied in the step's records (the verifier's
+    own by then: the run layer has let go of its reads), so that they are not held through the trajectory's steps."""
+    if evidence.reads is not None:
+        evidence.reads.grads, evidence.reads.state = {}, None
+    if evidence.oracle is not None:
+        evidence.oracle.grads, evidence.oracle.state, evidence.oracle.pending = {}, {}, None

@@ -48,6 +48,10 @@ class Check(Protocol):
 
     def judge(self, ctx: CheckContext, step: StepEvidence) -> Finding | None: ...
 
+    # Optional: `on_reads(ctx, step)`, called at a checked step's reduce before the oracle computes, with the step's
+    # reads: what a check of a later point takes from them early, so as not to hold more at the oracle's peak (the
+    # update check compares the optimizer state the step starts from there, and lets the expected one go).
+
 
 
 CHECKS = (

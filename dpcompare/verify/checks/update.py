@@ -13,6 +13,7 @@ check's. Imports no adapter.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -52,6 +53,8 @@ class Update:
         self.clip: float | None = ctx.settings.clip_grad_norm
         """--clip-grad-norm: every reference step clips the gradient it is handed by its global norm."""
         self.expected_state: OptState | None = {}  # a fresh optimizer's (after the declared pre-step, at step 0)
+        self._compared: tuple[int, _StateCompared | None] | None = None
+        """The step on_reads compared last, and what it found (None: nothing was expected)."""
         self.expected_from = ("a fresh optimizer's" if self.prestep is None else
                               "a fresh optimizer's after one step on zero gradients")
 
@@ -63,27 +66,52 @@ class Update:
             self.expected_state = None  # an unchecked step: the next step's state cannot be predicted
             return None
         if pending.scale is not None and pending.scale.predicted_overflow:
+            # A skipped step leaves the state as it was: the next step starts from the expected one (the backend's
+            # own where it was found to be that one).
+            compared = self._taken(step.step)
+            self.expected_state = None if compared is None else (
+                compared.expected if compared.expected is not None else pending.backend_state)
             return None
         state = pending.backend_state
         if state is None:
             return Finding(unverifiable=f"the update check at step {step.step} cannot know the optimizer state: the "
                                         "backend's optimizer_state() gave none (no torch optimizer holding the model's "
                                         "parameters was found behind the backend's optimizer)", stop=True)
-        expected = self.expected_before(step.step, pending)
         # A parameter a single process gives no gradient is not stepped there: the reference replays it with none.
         single = _without(pending.grads, pending.none)
-        ref, divergence = self._judged(ctx, step.step, pending, state, expected, single, step.masters)
+        ref, divergence = self._judged(ctx, step.step, pending, state, single, step.masters)
         self.advance(step.step, pending, state, single, ref)
         return Finding(divergence) if divergence is not None else None
 
-    def expected_before(self, step: int, pending: Pending) -> OptState | None:
+    def on_reads(self, ctx: CheckContext, step: StepEvidence) -> None:
+        """At a checked step's reduce, before the oracle runs: the optimizer state the step starts from (as every rank
+        read it) against the one expected, parameter by parameter; the expected state is let go unless some parameter
+        differs (the replay after the step builds the next one), so the oracle's peak does not hold it too."""
+        self._compared = None
+        if step.reads is None or step.reads.state is None:
+            return
+        expected, self.expected_state = self.expected_before(step.step, step.masters), None
+        if expected is None:
+            self._compared = (step.step, None)
+            return
+        state = step.reads.state
+        counts = {n: c[1] for n in self.names if (c := step_count_mismatch(state, expected, [n])) is not None}
+        values = {n: d[1] for n in self.names if (d := state_difference(state, expected, [n])) is not None}
+        self._compared = (step.step, _StateCompared(counts, values, expected if counts or values else None))
+
+    def _taken(self, step: int) -> "_StateCompared | None":
+        """What on_reads found at this step's reduce (None: nothing was expected), taken once."""
+        taken, self._compared = self._compared, None
+        return taken[1] if taken is not None and taken[0] == step else None
+
+    def expected_before(self, step: int, params: Mapping[str, torch.Tensor]) -> OptState | None:
         """The optimizer state the step is expected to start from: the one the previous step left, and before step 0,
         where the backend's recipe declares a pre-step, a fresh optimizer's after one step on zero gradients."""
         expected = self.expected_state
         if step == 0 and self.prestep is not None and expected == {}:
-            zeros = {n: torch.zeros_like(t) for n, t in pending.params.items()}
-            expected = reference_step(self.factory, pending.params, zeros, {}, torch.float64, self.device,
-                                      clip=self.clip).state
+            params = {n: params[n] for n in self.names}
+            zeros = {n: torch.zeros_like(t) for n, t in params.items()}
+            expected = reference_step(self.factory, params, zeros, {}, torch.float64, self.device, clip=self.clip).state
         return expected
 
     def _replay(self, pending: Pending, single: dict[str, torch.Tensor | None], state: OptState,
@@ -91,12 +119,23 @@ class Update:
         return reference_step(self.factory, pending.params, single, state, dtype, self.device, clip=self.clip,
                               keep_state=keep_state)
 
-    def _judged(self, ctx: CheckContext, step: int, pending: Pending, state: OptState, expected: OptState | None,
+    def _judged(self, ctx: CheckContext, step: int, pending: Pending, state: OptState,
                 single: dict[str, torch.Tensor | None], masters: dict[str, torch.Tensor]
                 ) -> tuple[StepResult, Divergence | None]:
-        """The update from `pending.params` to `masters` against the optimizer replayed from the backend's `state`
-        with `single` (the reduced gradient, None where a single process gives none), recorded on the step's check;
-        then `state` against `expected`. Returns the float64 replay and the failure, if any."""
+        """`state` against the state expected before the step (compared first, and let go unless it differs: the
+        replay below builds the next); then the update from `pending.params` to `masters` against the optimizer
+        replayed from the backend's `state` with `single` (the reduced gradient, None where a single process gives
+        none), recorded on the step's check. Returns the float64 replay and the failure, if any."""
+        compared = self._taken(step)
+        # The state the step started from, against what the previous step left (a fresh optimizer's before step 0,
+        # or the one the backend's recipe declares), compared at the reduce (on_reads). A step count is a whole
+        # number: a wrong one is a fault whatever the update's noise. An unused parameter the backend hands a zero
+        # gradient (ZeRO's flat partitions step as a whole) counts steps a single process does not take.
+        zero_stepped = [n for n in ctx.facts.unused if self.verdict.parameters["unused_grad"].get(n) == "zero"]
+        judged_names = [n for n in self.names if n not in zero_stepped]
+        differs = compared.differs(judged_names) if compared is not None and self.verdict.first_divergence is None \
+            else None
+        expected = compared.expected if differs is not None else None
         delta = Difference(masters, pending.params)
         # The float64 replay's state is the next step's expected state: read in the backend's dtype (held_as).
         ref = reference_step(self.factory, pending.params, single, state, torch.float64, self.device, clip=self.clip,
@@ -112,17 +151,11 @@ class Update:
         failing = [p for p in params if not p.ok]
         if not model.ok and not failing:
             failing = list(params)
-        # The state the step started from, against what the previous step left (a fresh optimizer's before step 0,
-        # or the one the backend's recipe declares). A step count is a whole number: a wrong one is a fault
-        # whatever the update's noise. An unused parameter the backend hands a zero gradient (ZeRO's flat
-        # partitions step as a whole) counts steps a single process does not take.
-        zero_stepped = [n for n in ctx.facts.unused if self.verdict.parameters["unused_grad"].get(n) == "zero"]
         self._note_unused_stepped(step, state, zero_stepped)
         divergence = None
-        if expected is not None and self.verdict.first_divergence is None:
-            divergence = self._state_divergence(ctx, step, pending, state, expected, single, delta,
-                                                [n for n in self.names if n not in zero_stepped])
-        if step == 0 and self.prestep is not None and expected is not None:
+        if differs is not None:
+            divergence = self._state_divergence(ctx, step, pending, differs, expected, single, delta)
+        if step == 0 and self.prestep is not None and compared:
             self._note_prestep(pending, single, delta)
         if failing and divergence is None and self.verdict.first_divergence is None:
             evidence = UpdateEvidence(
@@ -140,14 +173,10 @@ class Update:
                 cause=found[0].cause, parameters=[p.parameter for p in failing])
         return ref, divergence
 
-    def _state_divergence(self, ctx: CheckContext, step: int, pending: Pending, state: OptState, expected: OptState,
-                          single: dict[str, torch.Tensor | None], delta: Grads,
-                          judged_names: list[str]) -> Divergence | None:
-        """The optimizer state the step started from against `expected`: the first entry that differs, with what it
-        costs the update, or None."""
-        differs = step_count_mismatch(state, expected, judged_names) or state_difference(state, expected, judged_names)
-        if differs is None:
-            return None
+    def _state_divergence(self, ctx: CheckContext, step: int, pending: Pending, differs: tuple[list[str], str],
+                          expected: OptState, single: dict[str, torch.Tensor | None], delta: Grads) -> Divergence:
+        """The optimizer state the step started from is not `expected` (`differs`: the parameters whose state differs
+        and a phrase on the first): the divergence, with what it costs the update."""
         wrong, text = differs
         # What the state costs the update: the backend's update against the one the expected state gives.
         had = compare(delta, self._replay(pending, single, expected, torch.float64, keep_state=False).delta,
@@ -192,6 +221,27 @@ class Update:
                           f"{self.prestep}: its optimizer state before step 0 is that step's, as expected, not a fresh "
                           f"optimizer's; the first update is {ratio:.4g}x a fresh optimizer's (||update|| ratio; with "
                           "Adam the bias correction runs one step ahead, with SGD a zero momentum buffer steps like none)")
+
+
+@dataclass(slots=True)
+class _StateCompared:
+    """The optimizer state a step started from against the expected one, per parameter (Update.on_reads)."""
+
+    counts: dict[str, str]
+    """Parameter -> the phrase on its step count, where it is not the expected one."""
+    values: dict[str, str]
+    """Parameter -> the phrase on its first entry that differs, where one does."""
+    expected: OptState | None
+    """The expected state, kept only where some parameter differs (what it costs the update is measured with it)."""
+
+    def differs(self, names: list[str]) -> tuple[list[str], str] | None:
+        """(the parameters of `names` whose state is not the expected one, the phrase on the first), step counts
+        first (a whole number: no rounding excuses one), or None."""
+        for found in (self.counts, self.values):
+            wrong = [n for n in names if n in found]
+            if wrong:
+                return wrong, found[wrong[0]]
+        return None
 
 
 def _norm_ratio(na: float, nb: float) -> float:

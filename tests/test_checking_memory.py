@@ -1,0 +1,153 @@
+"""What the checks hold between and within their steps: oracle copies that hold their parameters only while they
+compute, the update replayed one parameter at a time as it is read, the expected optimizer state in the dtype the
+optimizer keeps, state entries compared a chunk at a time, and freed host memory handed back."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dpcompare.verify import held, state_comparison
+from dpcompare.verify import tolerance as tol
+from dpcompare.verify.equivalence import Oracle, global_pieces
+from dpcompare.verify.update_check import held_as, reference_step
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+
+def test_a_released_copy_holds_no_parameter_bytes_and_computes_the_same_after_loading():
+    model = _model()
+    oracle = Oracle(model, nn.CrossEntropyLoss(), "float32", torch.device("cpu"))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    first = oracle.oracle_of(state, global_pieces(_batch()))
+    # between computes the float64 and run-precision copies hold no parameter memory
+    assert all(p.untyped_storage().nbytes() == 0 for m in (oracle.model64, oracle.model_run) for p in m.parameters())
+    again = oracle.oracle_of(state, global_pieces(_batch()))
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    fresh = Oracle(model, nn.CrossEntropyLoss(), "float32", torch.device("cpu")).oracle_of(state, global_pieces(_batch()))
+    assert all(torch.equal(first[n], fresh[n]) for n in first)
+    assert oracle.loss_of(state, global_pieces(_batch())) > 0
+    assert all(p.untyped_storage().nbytes() == 0 for p in oracle.model64.parameters())
+
+
+def test_only_a_releasable_copy_is_released_and_its_load_brings_its_values_back():
+    model = _model()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # the negative: a copy nothing would allocate again is refused (loading into freed storage writes past it)
+    with pytest.raises(ValueError, match="releasable"):
+        held.release(model)
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    held.release(held.releasable(model))
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    model.load_state_dict(state)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def _step_inputs():
+    g = torch.Generator().manual_seed(2)
+    params = {f"p{i}": torch.randn(3 + i, 4, generator=g) for i in range(4)}
+    grads = {n: torch.randn(t.shape, generator=g) for n, t in params.items()}
+    state = {n: {"exp_avg": torch.randn(t.shape, generator=g) * 0.1, "exp_avg_sq": torch.rand(t.shape, generator=g),
+                 "step": torch.tensor(3.0)} for n, t in params.items()}
+    return params, grads, state
+
+
+def _adamw(ps, **kw):
+    return torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw)
+
+
+def test_the_replay_steps_each_parameter_as_it_is_read_in_any_order_and_gives_the_eager_result():
+    params, grads, state = _step_inputs()
+    names = list(params)
+    eager = {}
+    for n in names:  # one optimizer over every parameter, stepped at once
+        live = nn.Parameter(params[n].double().clone())
+        opt = _adamw([live])
+        opt.state[live] = {k: v.double().clone() if v.dim() else v.clone() for k, v in state[n].items()}
+        live.grad = grads[n].double().clone()
+        opt.step()
+        eager[n] = (live.detach() - params[n].double(), opt.state[live])
+    ref = reference_step(_adamw, params, grads, state, torch.float64, torch.device("cpu"), state_like=state)
+    for n in reversed(names):
+        assert torch.equal(ref.delta[n], eager[n][0])
+        assert torch.equal(ref.delta[n], eager[n][0])  # a second read: the same values
+    got = ref.state
+    assert list(got) == names
+    for n in names:
+        assert got[n]["exp_avg"].dtype == torch.float32  # held as the backend holds it
+        assert torch.equal(got[n]["exp_avg"], eager[n][1]["exp_avg"].float())
+    # the state alone, read first: every parameter stepped for it
+    assert set(reference_step(_adamw, params, grads, state, torch.float64, torch.device("cpu")).state) == set(names)
+
+
+def test_the_expected_state_of_a_fresh_optimizer_is_held_in_the_parameters_dtype():
+    params, grads, _ = _step_inputs()
+    ref = reference_step(_adamw, params, grads, {}, torch.float64, torch.device("cpu"), state_like={})
+    entries = ref.state["p0"]
+    assert entries["exp_avg"].dtype == torch.float32 and entries["exp_avg_sq"].dtype == torch.float32
+    # where the backend holds an entry, its dtype wins; a scalar step count keeps its own
+    have = {"p0": {"exp_avg": torch.zeros(3, 4, dtype=torch.float64)}}
+    out = held_as({"p0": {"exp_avg": torch.ones(3, 4, dtype=torch.float64), "step": torch.tensor(1.0)}}, have,
+                  torch.float32)
+    assert out["p0"]["exp_avg"].dtype == torch.float64 and out["p0"]["step"].dtype == torch.float32
+    assert held_as({"p0": {"exp_avg": torch.ones(2, dtype=torch.float64)}}, {}, None)["p0"]["exp_avg"].dtype == \
+        torch.float64
+
+
+@pytest.mark.parametrize("chunk", [3, 7, 1 << 20])
+def test_a_state_entry_is_compared_a_chunk_at_a_time_with_the_whole_entrys_verdict(chunk, monkeypatch):
+    monkeypatch.setattr(state_comparison, "CHUNK", chunk)
+    g = torch.Generator().manual_seed(3)
+    want = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    have = want.float()
+    assert state_comparison.state_difference({"w": {"m": have}}, {"w": {"m": want}}, ["w"]) is None
+    wrong = have.clone()
+    wrong[3, 2] += 0.01 * float(want.abs().max())
+    found = state_comparison.state_difference({"w": {"m": wrong}}, {"w": {"m": want}}, ["w"])
+    assert found is not None and found[0] == ["w"] and "element (3, 2)" in found[1]
+    nan = have.clone()
+    nan[1, 1] = math.nan
+    found = state_comparison.state_difference({"w": {"m": nan}}, {"w": {"m": want}}, ["w"])
+    assert found is not None and "element (1, 1)" in found[1]
+
+
+def test_freed_memory_is_handed_back_once_enough_of_it_is_freed(monkeypatch):
+    calls = []
+    monkeypatch.setattr(held, "_TRIM", lambda pad: calls.append(pad))
+    monkeypatch.setattr(held, "_FREED", [0])
+    held.give_back_freed(held.TRIM_EVERY // 2)
+    assert calls == []
+    held.give_back_freed(held.TRIM_EVERY // 2)
+    assert calls == [0]
+    held.give_back_freed()
+    assert calls == [0, 0]
+    monkeypatch.setattr(held, "_TRIM", None)
+    held.give_back_freed()  # not glibc: nothing to call
+
+
+def test_compare_reads_a_lazy_replay_once_per_parameter(monkeypatch):
+    params, grads, state = _step_inputs()
+    ref = reference_step(_adamw, params, grads, state, torch.float64, torch.device("cpu"))
+    floor = reference_step(_adamw, params, grads, state, torch.float32, torch.device("cpu"), keep_state=False)
+    stepped = []
+    original = type(ref._replay).reached
+
+    def counted(self, n):
+        if self._last is None or self._last[0] != n:
+            stepped.append(n)
+        return original(self, n)
+
+    monkeypatch.setattr(type(ref._replay), "reached", counted)
+    tol.compare(floor.delta, ref.delta, floor.delta, dtype="float32", world_size=1, depth=2, names=list(params))
+    assert sorted(stepped) == sorted(list(params) * 2)  # each parameter once in each replay
