@@ -190,12 +190,13 @@ class Divider:
             acc = None
             for r in order:
                 if r == 0:
-                    part = raw[n]
+                    part = raw.pop(n)  # rank 0's own share: added into, not kept beside the sum
                 else:
                     part = torch.empty(p.shape, dtype=p.dtype)
                     dist.recv(part, src=r, group=self.peers.group)
                     part = part.to(p.device)
-                acc = part if acc is None else acc + part
+                # in place, the same rounding as acc + part: the sum is the only tensor held per parameter
+                acc = part if acc is None else acc.add_(part)
             total[n] = acc
         none = frozenset.intersection(*[s.none for s in statuses if s.computed])
         self.last_loss = 0.0

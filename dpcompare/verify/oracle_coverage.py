@@ -25,24 +25,23 @@ from dpcompare.contract.workload import block_modules
 
 GIB = 1024.0**3
 
-COPY_BYTES_PER_PARAM = 40.0
-"""The oracle's and the reference trajectory's model copies (float64 and run dtype, each twice), the state the checks
-load and the snapshot of the parameters, per parameter of the model, whatever the oracle coverage (float32 run). Measured
-(verify_above_start_mib, a 11 M-parameter Llama-style model on CPU, 2026-11-26; docs/results/
-2026-11-26-verification-cost-cpu.md): 34 B/param with SGD, 42 with AdamW."""
-CHECKED_BYTES_PER_PARAM = {"sgd": 80.0, "adamw": 105.0}
-"""What each checked parameter adds: the oracle's float64 gradient, the reduced gradient and the references held in
-their own dtype (dpcompare.verify.tolerance.Compact), the update check's replay (one parameter at a time, kept as the
-values it reached) and the reference trajectories' optimizer states (AdamW's twice SGD's). Measured on the same
-11 M-parameter model at 6.3 % and full coverage (verify_above_start_mib, 2026-11-27): 36 -> 109 B/param with SGD,
-45 -> 140 with AdamW: 77 and 101 per checked parameter."""
-HELPER_BYTES_PER_PARAM = 36.0
+COPY_BYTES_PER_PARAM = 34.0
+"""What rank 0 holds per parameter of the model whatever the oracle coverage (float32 run): the reference
+trajectory's float64 and run-dtype copies, the oracle's copies while they compute (they hold nothing between), and the
+run's own gradients and optimizer state first allocated in the verification phase. Measured (verify_above_start_mib,
+an 11 M-parameter Llama-style model on CPU at 6.3 % and full coverage, 2026-11-27; docs/results/
+2026-11-27-verification-memory-cpu.md): 25 B/param with SGD, 33 with AdamW."""
+CHECKED_BYTES_PER_PARAM = {"sgd": 40.0, "adamw": 58.0}
+"""What each checked parameter adds: the oracle's float64 gradient, the reduced gradient, the step's parameters and
+the references held in their own dtype (dpcompare.verify.held.Compact), the backend's optimizer state as read and the
+expected one, the reference trajectories' optimizer states (AdamW's twice SGD's). Measured on the same model at 6.3 %
+and full coverage: 27.6 -> 63.4 B/param with SGD, 36.5 -> 89.5 with AdamW: 38 and 57 per checked parameter."""
+HELPER_BYTES_PER_PARAM = {"sgd": 42.0, "adamw": 50.0}
 """A rank other than 0 where the ranks share the oracle's forwards (dpcompare.verify.divided), per parameter of the
-model: its float64 and run-precision copies (12), the state rank 0 sends it (4), its share of a gradient while it is
-sent (float64 and run dtype) and the copies' own gradients. Measured above start on the helper ranks of 11 and 22 M
-Llama-style runs at 2 and 4 ranks (benchmarks/test_verification_cost.py, 2026-11-27): 42-50 B/param, of which about
-12 are the rank's own training state (its gradients, momentum and DDP's buckets, first allocated in the verification
-phase)."""
+model: its float64 and run-precision copies while they compute (12), the state rank 0 sends it (4), its share of a
+gradient while it is sent, and its own training state (gradients, optimizer state, DDP's buckets). Measured above
+start on the other ranks of 11-39 M Llama-style runs at 2 and 4 ranks (benchmarks/test_verification_cost.py,
+2026-11-27): 38-41 B/param with SGD, 45-50 with AdamW."""
 FIXED_BYTES = 256 * 1024**2
 """The checks' fixed part (the float64 activations of a small batch, allocator slack)."""
 MARGIN = 0.85
@@ -93,10 +92,11 @@ def need_bytes(parameters: int, checked: int, optimizer: str, dtype_bytes: int =
     return FIXED_BYTES + COPY_BYTES_PER_PARAM * scale * copies + per_checked * checked
 
 
-def helper_bytes(copied: int, dtype_bytes: int = 4) -> float:
+def helper_bytes(copied: int, dtype_bytes: int = 4, optimizer: str = "adamw") -> float:
     """What a rank that shares the oracle's forwards holds for them: its copies of a model of `copied` elements."""
     scale = dtype_bytes / 4 if dtype_bytes > 4 else 1.0
-    return FIXED_BYTES + HELPER_BYTES_PER_PARAM * scale * copied
+    per = HELPER_BYTES_PER_PARAM.get(optimizer, max(HELPER_BYTES_PER_PARAM.values()))
+    return FIXED_BYTES + per * scale * copied
 
 
 def copied_elements(template: nn.Module) -> int:
@@ -255,7 +255,7 @@ def plan_ranks(template: nn.Module, pools: list[tuple[Any, tuple[float | None, s
     host for CPU ranks, its device for CUDA ones; its bytes free and their source), in rank order. Rank 0's plan
     leaves room for the other ranks' copies in its own pool; a pool too small for its ranks' copies is refused in one
     line, naming the ranks."""
-    copies = helper_bytes(copied_elements(template), kwargs.get("dtype_bytes", 4))
+    copies = helper_bytes(copied_elements(template), kwargs.get("dtype_bytes", 4), kwargs.get("optimizer", "adamw"))
     mine = pools[0][0]
     for pool in dict.fromkeys(p for p, _ in pools[1:] if p != mine):
         ranks = [r for r, (p, _) in enumerate(pools) if p == pool and r]

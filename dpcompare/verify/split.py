@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, Mapping
 
 import torch
 
 from dpcompare.verify import masks as mk
 from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, replica_pieces
 from dpcompare.verify.forwards import Forwards
-from dpcompare.verify.tolerance import TOLERANCE_FACTOR, UNIT_ROUNDOFF, flat, rel_fro, rel_fro_of
+from dpcompare.verify.tolerance import TOLERANCE_FACTOR, UNIT_ROUNDOFF, rel_fro_of
 from dpcompare.verify.verdict import Verdict
 
 SPLIT_AGREEMENT = 1e-9
@@ -157,22 +157,26 @@ class SplitCheck:
         computed. Records it (`finding`); the oracle's `none` is left as it was."""
         none = self.oracle.none
         names = self.oracle.names
-        s = flat(self.oracle.oracle_of(state, split), names) if known_is_whole else flat(known, names)
-        w = flat(known, names) if known_is_whole else flat(self.oracle.oracle_of(state, whole), names)
+        # Every figure reduced parameter by parameter: the two gradients are never concatenated, and the one computed
+        # here is let go before the reordered one is.
+        other = self.oracle.oracle_of(state, split if known_is_whole else whole)
+        s, w = (other, known) if known_is_whole else (known, other)
+        distance = rel_fro_of(s, w, names)
+        ww = sum(_dot(w[n], w[n]) for n in names)
+        scale = sum(_dot(s[n], w[n]) for n in names) / ww if ww > 0 else math.nan
+        # how far from a multiple of the global batch's gradient (a loss that is not a mean)
+        multiple = rel_fro_of(s, _Scaled(w, scale), names) if math.isfinite(scale) else math.inf
+        del s, other
         reordered = in_ranks_order(whole[0], self.layout)
-        rounding = rel_fro(flat(self.oracle.oracle_of(state, [reordered]), names), w) if reordered is not None else None
+        rounding = rel_fro_of(self.oracle.oracle_of(state, [reordered]), w, names) if reordered is not None else None
         self.oracle.none = none
-        distance = rel_fro(s, w)
         # Float32 inside the model rounds its float64 gradient by up to about depth x float32's unit roundoff; a
         # reordering that moves it further is no rounding (the samples interact through their order).
         credited = rounding if rounding is not None and rounding <= self.depth * UNIT_ROUNDOFF["float32"] else 0.0
         finding = SplitFinding("global", step, distance, rounding, max(SPLIT_AGREEMENT, TOLERANCE_FACTOR * credited),
                                forwards=self.layout.world_size * self.layout.grad_accum * self.layout.replicas)
         if distance > finding.agreement:
-            ww = float(w @ w)
-            scale = float(s @ w) / ww if ww > 0 else math.nan
-            if (math.isfinite(scale) and abs(scale - 1.0) > finding.agreement
-                    and rel_fro(s, scale * w) <= finding.agreement):
+            if math.isfinite(scale) and abs(scale - 1.0) > finding.agreement and multiple <= finding.agreement:
                 finding.semantics, finding.scale = "loss_not_mean", scale
             else:
                 finding.semantics = "per_replica"
@@ -209,3 +213,23 @@ class SplitCheck:
                           f"exactly those; at step {f.step} that gradient is {f.distance_rel_fro:.3g} (relative, in "
                           f"float64) from the single-process global-batch gradient{floors}{rounding}; not a scalar "
                           "multiple of it, so not a loss that is not a mean")
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.dot(a.reshape(-1).double(), b.reshape(-1).double()))
+
+
+class _Scaled(Mapping[str, torch.Tensor]):
+    """`grads` times `scale`, each parameter computed as it is read."""
+
+    def __init__(self, grads: Grads, scale: float) -> None:
+        self._grads, self._scale = grads, scale
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._grads[name] * self._scale
+
+    def __iter__(self):
+        return iter(self._grads)
+
+    def __len__(self) -> int:
+        return len(self._grads)

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from dpcompare.contract.optim_state import OptimizerFactory, OptState, Tensors, read_state
+from dpcompare.contract.optim_state import OptimizerFactory, OptState, read_state
 from dpcompare.verify.clipping import clip_scale
 from dpcompare.verify.held import Difference, give_back_freed
 
