@@ -101,6 +101,9 @@ class Request:
     recipe: bool = False
     loss_scale: float = 1.0
     ranks: int = 1
+    same_as: str | None = None
+    """The state is the one already sent for that slot this point (the oracle's float64 and run-precision copies
+    load the same state): not sent, nor held, twice."""
 
 
 @dataclass(slots=True)
@@ -158,11 +161,13 @@ class Divider:
         ranks = (ranks or len({p.rank for p in pieces})) if recipe.active else 1
         send = state if state is not None else model.state_dict()
         fresh = self._sent.get(slot) is not send
-        meta = [(k, tuple(t.shape), t.dtype) for k, t in send.items()] if fresh else None
+        same_as = next((k for k, v in self._sent.items() if v is send), None) if fresh else None
+        meta = [(k, tuple(t.shape), t.dtype) for k, t in send.items()] if fresh and same_as is None else None
         self.peers.broadcast(Request(slot, meta, tuple(p.position for p in pieces), tuple(p.weight for p in pieces),
-                                     recipe.active, loss_scale, ranks))
-        if fresh:
+                                     recipe.active, loss_scale, ranks, same_as))
+        if meta is not None:
             _send_state(self.peers, send)
+        if fresh:
             self._sent[slot] = send
         self.requests += 1
         if state is not None:
@@ -240,6 +245,8 @@ class Helper:
         model, replayer = self.models[request.slot], self.replayers[request.slot]
         if request.state is not None:
             self._states[request.slot] = _receive_state(self.peers, request.state)
+        elif request.same_as is not None:
+            self._states[request.slot] = self._states[request.same_as]
         # reloaded at every request, as rank 0 reloads its copy: a forward in training mode moves buffers
         model.load_state_dict(self._states[request.slot])
         positions = self.layout.positions(batch[0].shape[0])
