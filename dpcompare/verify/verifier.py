@@ -33,7 +33,6 @@ from dpcompare.verify.bench import Bench
 from dpcompare.verify.checks import CHECKS, Check
 from dpcompare.verify.context import CheckContext, Finding
 from dpcompare.verify.divided import Divider
-from dpcompare.verify.held import give_back_freed
 from dpcompare.verify.opening import open_verdict
 from dpcompare.verify.oracle_coverage import unchecked_frozen
 from dpcompare.verify.step_evidence import StepEvidence, compute, note_forwards
@@ -145,7 +144,6 @@ class Verifier:
         finally:
             if cuda:
                 torch.cuda.synchronize(self.ctx.device)
-            give_back_freed()  # what the part freed, not kept resident through the next part's peak
             self.part_s[name] = self.part_s.get(name, 0.0) + time.perf_counter() - start
 
     def _record(self, finding: Finding) -> None:
