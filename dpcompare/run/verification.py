@@ -151,6 +151,7 @@ class VerificationPhase:
                 with self._costed(), self._sharing():
                     self.check.after_reduce(step, batch, gathered, reads)
             elif self.helper is not None:
+                del reads  # sent in its evidence: not held while this rank serves its share of the forwards
                 with self._costed():
                     self.helper.serve(batch, self._masks_of(batch, gathered))
 

@@ -25,12 +25,13 @@ from dpcompare.contract.workload import block_modules
 
 GIB = 1024.0**3
 
-COPY_BYTES_PER_PARAM = 34.0
+COPY_BYTES_PER_PARAM = 38.0
 """What rank 0 holds per parameter of the model whatever the oracle coverage (float32 run): the reference
 trajectory's float64 and run-dtype copies, the oracle's copies while they compute (they hold nothing between), and the
 run's own gradients and optimizer state first allocated in the verification phase. Measured (verify_above_start_mib,
 an 11 M-parameter Llama-style model on CPU at 6.3 % and full coverage, 2026-11-27; docs/results/
-2026-11-27-verification-memory-cpu.md): 25 B/param with SGD, 33 with AdamW."""
+2026-11-27-verification-memory-cpu.md): 25 B/param with SGD, 33 with AdamW at one rank; rank 0 holds up to 10 more at
+2 and 4 ranks (the divided sums, the ranks' evidence), which this constant covers."""
 CHECKED_BYTES_PER_PARAM = {"sgd": 40.0, "adamw": 58.0}
 """What each checked parameter adds: the oracle's float64 gradient, the reduced gradient, the step's parameters and
 the references held in their own dtype (dpcompare.verify.held.Compact), the backend's optimizer state as read and the
