@@ -184,6 +184,17 @@ class ClippingDDP(DDPAdapter):
         super().step()
 
 
+class StateLostDDP(DDPAdapter):
+    """DDP whose optimizer loses its state after every step (a training loop that builds a new optimizer each step):
+    from step 1 on, every step starts with no momentum where the previous step left some."""
+
+    name = "state-lost-ddp"
+
+    def step(self) -> None:
+        super().step()
+        self.wrapped.optimizer.state.clear()
+
+
 class StaleGradDDP(DDPAdapter):
     """DDP that hands the optimizer the previous step's reduced gradient from step 1 on (a reducer that
     returns before this step's all-reduce lands and leaves last step's buffer in `.grad`)."""

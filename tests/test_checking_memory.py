@@ -151,3 +151,17 @@ def test_compare_reads_a_lazy_replay_once_per_parameter(monkeypatch):
     monkeypatch.setattr(type(ref._replay), "reached", counted)
     tol.compare(floor.delta, ref.delta, floor.delta, dtype="float32", world_size=1, depth=2, names=list(params))
     assert sorted(stepped) == sorted(list(params) * 2)  # each parameter once in each replay
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_a_state_lost_between_steps_is_named_at_the_step_it_starts(launch):
+    """The state a step starts from is compared at its reduce (the expected one let go there): a state the backend
+    lost after step 0 is still the update check's finding at step 1, with its cause."""
+    proc, result = launch("tests.faulty_adapters:StateLostDDP", 2, "mlp", ["--steps", "3"])
+    assert proc.returncode == 0, proc.output[-4000:]
+    e = result["equivalence"]
+    d = e["first_divergence"]
+    assert e["verdict"] == "different" and e["checks"]["gradient"]["status"] == "pass", e["checks"]
+    assert (d["step"], d["check"], d["cause"]) == (1, "update", "optimizer_state"), d
+    assert "the state step 0 left" in d["reason"] and "momentum_buffer" in d["reason"], d["reason"]
