@@ -315,6 +315,7 @@ class VerificationCost:
         """`parts`: the verifier's seconds by part of the checks (Verifier.part_s), stated per step beside the whole as
         `verify_ms_by_part`."""
         peak = self.window.peak()
+        above, run = self.window.above_start(peak), self._run_state_mib()
         self.figures = {
             "verify_ms_per_step": 1e3 * self.steps_s / steps if steps else None,
             "verify_ms_by_part": ({name: 1e3 * s / steps for name, s in parts.items()} if parts and steps else None),
@@ -322,10 +323,9 @@ class VerificationCost:
             "verify_steps": steps,
             "verify_checked_steps": checked,
             "verify_peak_mib": peak.get("peak_mem_mib"),
-            "verify_above_start_mib": self.window.above_start(peak),
-            "verify_run_state_mib": (run := self._run_state_mib()),
-            "verify_checking_mib": (None if run is None or self.window.above_start(peak) is None
-                                    else self.window.above_start(peak) - run),
+            "verify_above_start_mib": above,
+            "verify_run_state_mib": run,
+            "verify_checking_mib": None if run is None or above is None else above - run,
             "verify_mem_method": ("cuda max_memory_allocated" if self.device.type == "cuda" else
                                   "resident high-water mark (VmHWM)") if peak.get("peak_mem_mib") is not None
             else self.window.reason,
