@@ -36,6 +36,7 @@ from dpcompare.verify import divided, initial, stochastic, verifier
 from dpcompare.verify.forwards import split_masks
 from dpcompare.verify.context import CheckContext, CheckSettings
 from dpcompare.verify.precision import Recipe
+from dpcompare.verify.trajectory import Trajectory
 
 
 class VerificationPhase:
@@ -121,9 +122,14 @@ class VerificationPhase:
                                                wrapped=self.wrapped, backend=self.adapter, divider=self.divider)
             elif self.peers is not None:
                 oc.unchecked_frozen(self.template, ctx.unchecked)  # as rank 0's copies: the same gradients
-                self.helper = divided.Helper(self.peers, self.template, self.runner.workload.loss_fn,
-                                             layout=ctx.layout, dtype=eq.DTYPES[self.cfg.dtype],
-                                             device=self.runner.device, recipe=ctx.recipe)
+                loss_fn = self.runner.workload.loss_fn
+                # its range of the reference trajectory, built as rank 0's Bench builds its own
+                trajectory = Trajectory(self.template, loss_fn, ctx.factory, ctx.settings.dtype, self.runner.device,
+                                        ctx.depth, ctx.u_wire, ctx.recipe, prestep=ctx.prestep is not None,
+                                        clip=ctx.settings.clip_grad_norm, peers=self.peers)
+                self.helper = divided.Helper(self.peers, self.template, loss_fn, layout=ctx.layout,
+                                             dtype=eq.DTYPES[self.cfg.dtype], device=self.runner.device,
+                                             recipe=ctx.recipe, trajectory=trajectory)
         full = self.adapter.full_params()  # on every rank: a collective where the backend shards its parameters
         held = self.adapter.all_gather_object(initial.held(full, self.wrapped.module))
         verdict = self.check.verdict if self.check is not None else eq.Verdict(notes=list(self.wrapped.notes))
@@ -162,7 +168,7 @@ class VerificationPhase:
                     self.check.after_update(step, masters, self.runner.grad_norm)
             elif self.helper is not None:
                 with self._costed():
-                    self.helper.serve(batch, self._masks_of(batch, gathered))
+                    self.helper.serve(batch, self._masks_of(batch, gathered), masters)
             if checked or step == self.cfg.steps - 1:
                 self._compare_replicas(step)
 

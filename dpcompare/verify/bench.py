@@ -36,7 +36,8 @@ class Bench:
         self.backend, self.module = backend, wrapped.module
         self.oracle = eq.Oracle(template, loss_fn, settings.dtype, ctx.device, ctx.recipe)
         self.trajectory = Trajectory(template, loss_fn, ctx.factory, settings.dtype, ctx.device, ctx.depth, ctx.u_wire,
-                                     ctx.recipe, prestep=ctx.prestep is not None, clip=settings.clip_grad_norm)
+                                     ctx.recipe, prestep=ctx.prestep is not None, clip=settings.clip_grad_norm,
+                                     peers=divider.peers if divider is not None else None)
         self.verdict = eq.Verdict(notes=list(wrapped.notes))
         # BatchNorm without --sync-bn: the oracle runs each replica's forwards, as the backend does (as it does where
         # the forward depends on the split, which dpcompare.verify.split finds at the first checked step).
@@ -50,9 +51,10 @@ class Bench:
                                       wire=ctx.wire, wired=ctx.wired, has_batchnorm=ctx.has_batchnorm, sync_bn=settings.sync_bn,
                                       verdict=self.verdict, split=self.split, compiled=settings.compile)
         self.divider = divider
-        """Where the ranks share the forwards (dpcompare.verify.divided): the oracle's, the references' and the
-        trajectory's copies ask every rank for its own forwards."""
-        self.oracle.divider = self.trajectory.divider = divider
+        """Where the ranks share the forwards (dpcompare.verify.divided): the oracle's and the references' copies ask
+        every rank for its own forwards; the trajectory's copies are held in ranges over the ranks
+        (dpcompare.verify.ranges)."""
+        self.oracle.divider = divider
         self.layout = ctx.layout
         self.reads_data = ctx.facts.branches_on_data
         """The probe saw the model's own code branch on the data: the oracle keeps the global batch's own forward."""

@@ -224,8 +224,11 @@ class Helper:
     and the run's precision: its recipe's weights), computing its own forwards."""
 
     def __init__(self, peers: Peers, template: nn.Module, loss_fn: Callable, *, layout: Layout, dtype: torch.dtype,
-                 device: torch.device, recipe: Recipe) -> None:
+                 device: torch.device, recipe: Recipe, trajectory: Any = None) -> None:
+        """`trajectory`: this rank's dpcompare.verify.trajectory.Trajectory, built alike on every rank, whose range
+        of the parameters this rank holds and steps (None: rank 0 asks for none of its steps)."""
         self.peers, self.layout, self.loss_fn, self.device, self.recipe = peers, layout, loss_fn, device, recipe
+        self.trajectory = trajectory
         # loaded at every request: they hold their parameters only while they compute
         self.models = {"64": releasable(verification_copy(template, device, torch.float64)),
                        "run": releasable(verification_copy(template, device, recipe.weights_dtype or dtype))}
@@ -233,13 +236,25 @@ class Helper:
         self._states: dict[str, dict[str, torch.Tensor]] = {}
         """Per slot, the state rank 0 last sent this point of the step."""
 
-    def serve(self, batch: tuple[torch.Tensor, torch.Tensor], masks: Callable[[], list | None]) -> None:
+    def serve(self, batch: tuple[torch.Tensor, torch.Tensor], masks: Callable[[], list | None],
+              masters: dict[str, torch.Tensor] | None = None) -> None:
         """Until rank 0 says the point is over: each request's share, of this step's global `batch`, with the draws
-        `masks()` unpacks (each forward's, in the layout's order; None: the forward draws nothing)."""
+        `masks()` unpacks (each forward's, in the layout's order; None: the forward draws nothing); `masters`: the
+        run's parameters after the optimizer step, as this rank read them (the trajectory is judged against them)."""
         with stochastic.isolated(self.device):
             while (request := self.peers.broadcast(None)).slot is not None:
-                self._answer(request, batch, masks)
+                if request.slot == "trajectory":
+                    self.trajectory.serve(request, lambda r=request: self._own(r, batch, masks()), masters)
+                else:
+                    self._answer(request, batch, masks)
         self._states.clear()
+
+    def _own(self, request: Any, batch, drawn: list | None) -> list[Piece]:
+        """This rank's forwards among `request`'s positions, with their weights and draws."""
+        positions = self.layout.positions(batch[0].shape[0])
+        return [Piece(batch[0][positions[i][3]], batch[1][positions[i][3]], w, drawn[i] if drawn else None,
+                      self.peers.rank, i)
+                for i, w in zip(request.positions, request.weights) if positions[i][0] == self.peers.rank]
 
     def _answer(self, request: Request, batch, masks: Callable[[], list | None]) -> None:
         model, replayer = self.models[request.slot], self.replayers[request.slot]
@@ -249,13 +264,9 @@ class Helper:
             self._states[request.slot] = self._states[request.same_as]
         # reloaded at every request, as rank 0 reloads its copy: a forward in training mode moves buffers
         model.load_state_dict(self._states[request.slot])
-        positions = self.layout.positions(batch[0].shape[0])
         status, raw = Status(False), None
         try:
-            drawn = masks()
-            own = [Piece(batch[0][positions[i][3]], batch[1][positions[i][3]], w, drawn[i] if drawn else None,
-                         self.peers.rank, i)
-                   for i, w in zip(request.positions, request.weights) if positions[i][0] == self.peers.rank]
+            own = self._own(request, batch, masks())
             if own:
                 raw, none, _, loss = accumulate_raw(model, self.loss_fn, own, self.device, replayer,
                                                     self.recipe if request.recipe else NO_RECIPE, request.loss_scale,

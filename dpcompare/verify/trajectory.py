@@ -30,14 +30,17 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dpcompare.verify import masks as mk
+from dpcompare.verify.divided import Peers, Status
 from dpcompare.verify.equivalence import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Piece, accumulate_gradient,
-                                          verification_copy)
-from dpcompare.verify.clipping import clip_
+                                          accumulate_raw, finish_gradient, verification_copy)
+from dpcompare.verify.clipping import clip_, clip_scale
 from dpcompare.verify.held import releasable, release
 from dpcompare.verify.tolerance import rel_ratio
 from dpcompare.verify.dtypes import is_float, non_float_divergence, state_distance
 from dpcompare.verify.verdict import Divergence
 from dpcompare.verify.masks import MaskReplayer
+from dpcompare.verify.ranges import Ranges, TrajectoryRequest
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
 from dpcompare.contract.optim_state import OptimizerFactory
@@ -46,7 +49,10 @@ from dpcompare.contract.optim_state import OptimizerFactory
 class Trajectory:
     def __init__(self, template: nn.Module, loss_fn: Callable, factory: OptimizerFactory, dtype: str,
                  device: torch.device, depth: int, u_wire: float | None = None, recipe: Recipe = NO_RECIPE,
-                 prestep: bool = False, clip: float | None = None) -> None:
+                 prestep: bool = False, clip: float | None = None, peers: Peers | None = None) -> None:
+        """`peers`: the verifier's group where the ranks share the forwards; every rank then builds its Trajectory
+        alike and holds, steps and judges its own range of the parameters (dpcompare.verify.ranges), rank 0 asking
+        the others for each step and judgement (None: this process holds and runs all of it)."""
         self.loss_fn, self.device, self.depth = loss_fn, device, depth
         self.clip = clip
         self.u = UNIT_ROUNDOFF[dtype]
@@ -58,13 +64,14 @@ class Trajectory:
         """Non-float parameters, compared bitwise (see the module docstring)."""
         self.written: set[str] = set()
         """Of those, the ones the copies' forward writes: left to the replica fingerprints."""
-        self.opt64 = factory([p for p in self.model64.parameters() if p.requires_grad])
-        self.opt_run = factory([p for p in self.model_run.parameters() if p.requires_grad])
+        self.ranges = Ranges(peers, self.model64) if peers is not None else None
+        self.opt64 = factory(self._stepped(self.model64))
+        self.opt_run = factory(self._stepped(self.model_run))
         self.recipe = recipe
         if prestep:  # the backend's recipe steps its optimizer once on zero gradients before the first step
             for model, opt in ((self.model64, self.opt64), (self.model_run, self.opt_run)):
-                for p in model.parameters():
-                    p.grad = torch.zeros_like(p) if p.requires_grad else None
+                for p in self._stepped(model):
+                    p.grad = torch.zeros_like(p)
                 with torch.no_grad():
                     opt.step()
                 model.zero_grad(set_to_none=True)
@@ -78,33 +85,93 @@ class Trajectory:
                     p.copy_(w)
             releasable(self.work)  # loaded from the master copy at every step: held only while it computes
         self.replayers = (MaskReplayer(self.model64), MaskReplayer(self.work if self.work is not None else self.model_run))
-        self.divider = None
-        """Rank 0's dpcompare.verify.divided.Divider where the ranks share the forwards (None: this process runs all)."""
+        if self.ranges is not None:
+            self._release()
 
+    def _stepped(self, model: nn.Module) -> list[torch.nn.Parameter]:
+        """The parameters of `model` this process's optimizer steps: every trainable one, or its own range's."""
+        return [p for n, p in model.named_parameters()
+                if p.requires_grad and (self.ranges is None or self.ranges.mine(n))]
+
+    def _release(self) -> None:
+        for model in (self.model64, self.model_run):
+            self.ranges.release(model)
+
+    # -- a step ------------------------------------------------------------------------------------------------------
     def step(self, pieces: list[Piece], loss_scale: float = 1.0, skip: bool = False) -> None:
-        """One optimizer step of both copies on `pieces`; none when the run's loss scaler skipped this step."""
+        """One optimizer step of both copies on `pieces`; none when the run's loss scaler skipped this step. Where
+        the ranks share it, each runs its own forwards (the ranks' own pieces, where `pieces` are several ranks'
+        forwards of the layout; else rank 0 runs them all) and steps its own range."""
         if skip:
             return
+        if self.ranges is None:
+            self._step(lambda: pieces, None)
+            return
+        ranks = len({p.rank for p in pieces})
+        divided = ranks > 1 and all(p.position is not None for p in pieces)
+        request = TrajectoryRequest("step", tuple(p.position for p in pieces) if divided else None,
+                                    tuple(p.weight for p in pieces), tuple(dict.fromkeys(p.rank for p in pieces))
+                                    if divided else (0,), ranks, loss_scale)
+        self.ranges.ask(request)
+        own = [p for p in pieces if p.rank == 0] if divided else pieces
+        self._step(lambda: own, request)
+
+    def serve(self, request: TrajectoryRequest, own: Callable[[], list[Piece]],
+              masters: dict[str, torch.Tensor] | None) -> None:
+        """A rank other than 0: its part of rank 0's `request` (`own`: its own forwards of the step, unpacked when
+        called; `masters`: the run's parameters after the step, as this rank read them)."""
+        if request.op == "step":
+            try:
+                self._step(own if request.positions is not None else list, request)
+            except _Abandoned:  # a rank could not compute its share: none stepped, and rank 0 says why
+                pass
+        elif request.op == "judge":
+            self.ranges.at_rank0(self._figures(masters))
+        else:
+            raise ValueError(f"unknown trajectory request {request.op!r}")
+
+    def _step(self, own: Callable[[], list[Piece]], share: TrajectoryRequest | None) -> None:
+        """Both copies' step on this process's forwards `own()`, shared as `share` says (None: not shared)."""
+        loss_scale = share.loss_scale if share is not None else 1.0
+        if share is not None:
+            for model in (self.model64, self.model_run):
+                self.ranges.gather(model)
+        try:
+            pieces: list[Piece] | Exception = own()
+        except Exception as exc:  # noqa: BLE001 - said by every rank alike, in its share's status
+            if share is None:
+                raise
+            pieces = exc
+        try:
+            self._step_both(pieces, share, loss_scale)
+        finally:
+            if share is not None:
+                self._release()
+
+    def _step_both(self, pieces: list[Piece] | Exception, share: TrajectoryRequest | None, loss_scale: float) -> None:
         carried = {n: p.detach().clone() for n, p in self.model64.named_parameters() if n in self.carried}
-        self._accumulate(self.model64, "64", pieces, self.replayers[0])
+        self._accumulate(self.model64, pieces, share, self.replayers[0])
         self._clip(self.model64)
         self.opt64.step()
         self.model64.zero_grad(set_to_none=True)  # not needed until the next step: memory for the next check
         self.written.update(n for n, p in self.model64.named_parameters()
                             if n in carried and state_distance(p, carried[n]) != 0.0)
         if not self.recipe.active:
-            self._accumulate(self.model_run, "run", pieces, self.replayers[1])
+            self._accumulate(self.model_run, pieces, share, self.replayers[1])
         else:
             work = self.work if self.work is not None else self.model_run
             if self.work is not None:
                 self.work.load_state_dict(self.model_run.state_dict())
-            grads, none = self._accumulate(work, "run", pieces, self.replayers[1], self.recipe, loss_scale)
+            grads, none = self._accumulate(work, pieces, share, self.replayers[1], self.recipe, loss_scale)
             finite = all(bool(torch.isfinite(g).all()) for g in grads.values())
+            if share is not None:  # every range's
+                finite = all(self.ranges.everyone(finite))
             work.zero_grad(set_to_none=True)  # the scaled sums; the unscaled gradients are in `grads`
             if self.work is not None:
                 release(self.work)  # its buffers are read below; its weights are loaded again next step
             for n, p in self.model_run.named_parameters():
-                p.grad = None if (n in none or not finite) or not p.requires_grad else grads[n].to(p.dtype).to(p.device)
+                p.grad = (None if (n in none or not finite) or not p.requires_grad or n not in grads
+                          else grads[n].to(p.dtype).to(p.device))
             if not finite:  # its own loss scaler would skip this step
                 return
             if self.work is not None:  # buffers (BatchNorm statistics) follow the forward's
@@ -115,14 +182,41 @@ class Trajectory:
         self.opt_run.step()
         self.model_run.zero_grad(set_to_none=True)
 
-    def _accumulate(self, model: nn.Module, slot: str, pieces: list[Piece], replayer: MaskReplayer,
-                    recipe: Recipe = NO_RECIPE, loss_scale: float = 1.0) -> tuple[dict, frozenset[str]]:
-        """accumulate_gradient on `model` at its own weights, left in its gradients; every rank running its own
-        forwards where the pieces are several ranks' (dpcompare.verify.divided: the helpers load these weights)."""
-        if self.divider is not None and self.divider.divides(pieces):
-            return self.divider.gradient(slot, model, replayer, None, pieces, self.loss_fn, self.device, recipe,
-                                         loss_scale, into_model=True)
-        return accumulate_gradient(model, self.loss_fn, pieces, self.device, replayer, recipe, loss_scale)
+    def _accumulate(self, model: nn.Module, pieces: list[Piece] | Exception, share: TrajectoryRequest | None,
+                    replayer: MaskReplayer, recipe: Recipe = NO_RECIPE,
+                    loss_scale: float = 1.0) -> tuple[dict, frozenset[str]]:
+        """accumulate_gradient on `model` at its own weights, left in its gradients (where shared: this rank's
+        range's, summed over the ranks' forwards by dpcompare.verify.ranges)."""
+        if share is None:
+            return accumulate_gradient(model, self.loss_fn, pieces, self.device, replayer, recipe, loss_scale)
+        status, raw = Status(False), {}
+        try:
+            if isinstance(pieces, Exception):
+                raise pieces
+            if pieces:
+                raw, none, _, loss = accumulate_raw(model, self.loss_fn, pieces, self.device, replayer, recipe,
+                                                    loss_scale, share.ranks)
+                status = Status(True, none, loss)
+        except mk.MaskMismatch as exc:
+            status = Status(False, mismatch=(exc.module, exc.reason))
+        except Exception as exc:  # noqa: BLE001 - said by rank 0, in one line, with the others' ranks in step
+            status = Status(False, error=f"rank {self.ranges.rank}: {type(exc).__name__}: {exc}")
+        model.zero_grad(set_to_none=True)  # `raw` holds them: freed as they go to their owners
+        statuses = self.ranges.everyone(status)
+        failed = next((s for s in statuses if s.mismatch is not None or s.error is not None), None)
+        if failed is not None:  # every rank alike: none steps (rank 0 says why)
+            if self.ranges.rank != 0:
+                raise _Abandoned
+            if failed.mismatch is not None:
+                raise mk.MaskMismatch(*failed.mismatch)
+            raise RuntimeError(f"a rank computing its share of the reference trajectory failed: {failed.error}")
+        none = frozenset.intersection(*[s.none for s in statuses if s.computed])
+        sums = self.ranges.to_owners(model, raw, share.order)
+        for n, p in model.named_parameters():
+            if n in sums:
+                p.grad = None if n in none else sums[n]
+        undo = 1.0 / ((share.ranks if recipe.active else 1) * loss_scale)
+        return finish_gradient(sums, undo), none
 
     def follow(self, params: dict[str, torch.Tensor], names: frozenset[str]) -> None:
         """Load the run's values of `names` (the parameters the oracle coverage leaves out, which the copies do not
@@ -142,26 +236,42 @@ class Trajectory:
                                     [n for n in self.carried if n not in self.written], f"after step {step}")
 
     def _clip(self, model: nn.Module) -> None:
-        if self.clip is not None:
-            with torch.no_grad():
-                clip_([p.grad for p in model.parameters() if p.grad is not None], self.clip)
+        """Clip `model`'s gradients by their global norm (where shared: the norm of every range's per-tensor norms,
+        stacked in the parameters' order, as one process stacks them)."""
+        if self.clip is None:
+            return
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        with torch.no_grad():
+            if self.ranges is None:
+                clip_(list(grads.values()), self.clip)
+                return
+            own = {n: torch.linalg.vector_norm(g) for n, g in grads.items()}
+            norms = {n: t for part in self.ranges.everyone(own) for n, t in part.items()}
+            ordered = [norms[n] for n, _ in model.named_parameters() if n in norms]
+            if not ordered:
+                return
+            coefficient = clip_scale(torch.linalg.vector_norm(torch.stack(ordered)), self.clip)
+            for g in grads.values():
+                g.mul_(coefficient.to(g.dtype))
 
     def judge(self, step: int, module: nn.Module | dict[str, torch.Tensor], world_size: int) -> dict:
         """The drift entry of `step` for the backend's parameters after the step (a module, or its master values by
-        name), reduced parameter by parameter (no whole-model vector is built)."""
-        ref = dict(self.model64.named_parameters())
-        run = dict(self.model_run.named_parameters())
+        name), reduced parameter by parameter (no whole-model vector is built; where shared, each rank reduces its
+        range and rank 0 adds the figures in the parameters' order)."""
         params = module if isinstance(module, dict) else dict(module.named_parameters())
-        with torch.no_grad():
-            if not all(bool(torch.isfinite(ref[n]).all()) for n in self.names):
-                return {"step": step, "rel_param_distance": None, "floor_rel_param_distance": None,
-                        "noise_ratio": None, "tolerance": None, "ok": None, "worst_parameter": None,
-                        "reason": "the float64 reference trajectory is not finite (the training diverged)"}
-            norms = {n: _norm(ref[n]) for n in self.names}
-            apart = {n: _norm(params[n].detach().to(device=ref[n].device, dtype=torch.float64) - ref[n])
-                     for n in self.names}
-            finite = all(bool(torch.isfinite(params[n]).all()) for n in self.names)
-            floor2 = sum(_norm(run[n].to(torch.float64) - ref[n]) ** 2 for n in self.names)
+        if self.ranges is not None:
+            self.ranges.ask(TrajectoryRequest("judge"))
+            figures = {n: f for part in self.ranges.at_rank0(self._figures(params)) for n, f in part.items()}
+        else:
+            figures = self._figures(params)
+        if not all(figures[n][0] for n in self.names):
+            return {"step": step, "rel_param_distance": None, "floor_rel_param_distance": None,
+                    "noise_ratio": None, "tolerance": None, "ok": None, "worst_parameter": None,
+                    "reason": "the float64 reference trajectory is not finite (the training diverged)"}
+        norms = {n: figures[n][1] for n in self.names}
+        apart = {n: figures[n][2] for n in self.names}
+        finite = all(figures[n][3] for n in self.names)
+        floor2 = sum(figures[n][4] ** 2 for n in self.names)
         whole = math.sqrt(sum(v ** 2 for v in norms.values()))
         distance = rel_ratio(math.sqrt(sum(v ** 2 for v in apart.values())), whole) if finite else float("inf")
         floor = rel_ratio(math.sqrt(floor2), whole)
@@ -174,6 +284,25 @@ class Trajectory:
                 # as the gradient's: over the floor with the reduction's allowance (it passes at or below the factor)
                 "noise_ratio": distance / (tolerance / TOLERANCE_FACTOR), "tolerance": tolerance,
                 "ok": distance <= tolerance, "worst_parameter": worst}
+
+    def _figures(self, params: dict[str, torch.Tensor]) -> dict[str, tuple[bool, float, float, bool, float]]:
+        """Per trainable parameter this process holds: (the float64 copy's finite, its norm, the run's distance from
+        it, the run's finite, the run-precision copy's distance from it)."""
+        ref = dict(self.model64.named_parameters())
+        run = dict(self.model_run.named_parameters())
+        out = {}
+        with torch.no_grad():
+            for n in self.names:
+                if self.ranges is not None and not self.ranges.mine(n):
+                    continue
+                mine = params[n].detach().to(device=ref[n].device, dtype=torch.float64)
+                out[n] = (bool(torch.isfinite(ref[n]).all()), _norm(ref[n]), _norm(mine - ref[n]),
+                          bool(torch.isfinite(params[n]).all()), _norm(run[n].to(torch.float64) - ref[n]))
+        return out
+
+
+class _Abandoned(Exception):
+    """On a rank other than 0: a rank's share of a step failed, so no rank steps (rank 0 raises the reason)."""
 
 
 def _norm(t: torch.Tensor) -> float:

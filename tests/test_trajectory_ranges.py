@@ -1,0 +1,126 @@
+"""The reference trajectory held in ranges over the ranks (dpcompare.verify.ranges) on three real processes (gloo over a
+file rendezvous), without a backend:
+
+- each rank's range of both copies (float64 and the run's dtype) after three steps is, to the bit, what one process
+  holding the whole trajectory reaches on the same forwards (one per rank), with momentum SGD and with AdamW, with and
+  without clipping by the global norm; rank 0's drift entries are the single process's, figure for figure;
+- between steps a rank holds the storage of its own range of the trainable parameters only;
+- a rank that cannot compute its share says so: rank 0 raises it naming the rank, no rank steps, and the next step is
+  served.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from dpcompare.verify import divided
+from dpcompare.verify.equivalence import Layout, replica_pieces
+from dpcompare.verify.trajectory import Trajectory
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+
+WORLD = 3
+STEPS = 3
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(9, 6, generator=g), torch.randint(0, 3, (9,), generator=g)
+
+
+def _factory(optimizer: str):
+    if optimizer == "sgd":
+        return lambda params, **_: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+    return lambda params, **_: torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+
+
+class _FailOnRank1:
+    def __call__(self, out, y):
+        raise ValueError("planted failure")
+
+
+def _worker(rank: int, world: int, init: str, out: str, optimizer: str, clip: float | None) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    peers = divided.Peers.make()
+    layout, template, loss, cpu = Layout(world), _model(), nn.functional.cross_entropy, torch.device("cpu")
+    kwargs = dict(depth=3, clip=clip)
+    shared = Trajectory(template, loss, _factory(optimizer), "float32", cpu, peers=peers, **kwargs)
+    alone = Trajectory(template, loss, _factory(optimizer), "float32", cpu, **kwargs)
+    # the run's parameters after each step, as the judge reads them (any values near the trajectory's)
+    masters = {n: p.detach() + 1e-3 * torch.ones_like(p) for n, p in template.named_parameters()}
+    helper = divider = None
+    if rank:
+        helper = divided.Helper(peers, template, loss, layout=layout, dtype=torch.float32, device=cpu,
+                                recipe=divided.NO_RECIPE, trajectory=shared)
+    else:
+        divider = divided.Divider(peers, layout)
+    report: dict = {"entries": [], "alone": []}
+    for step in range(STEPS):
+        batch = _batch(step)
+        alone.step(replica_pieces(batch, layout))
+        if rank:
+            helper.serve(batch, lambda: None, masters)
+        else:
+            shared.step(replica_pieces(batch, layout))
+            report["entries"].append(shared.judge(step, masters, world))
+            report["alone"].append(alone.judge(step, masters, world))
+            divider.done()
+    report["same"] = {f"{slot}/{n}": bool(torch.equal(p, dict(getattr(alone, slot).named_parameters())[n]))
+                      for slot in ("model64", "model_run") for n, p in getattr(shared, slot).named_parameters()
+                      if shared.ranges.mine(n)}
+    report["held"] = {n: p.untyped_storage().nbytes() > 0 for n, p in shared.model64.named_parameters()}
+    report["mine"] = {n: shared.ranges.mine(n) for n, _ in shared.model64.named_parameters()}
+    before = {n: p.detach().clone() for n, p in shared.model64.named_parameters() if shared.ranges.mine(n)}
+    # a step whose share fails on rank 1: named by rank 0, stepped by none, and the ranks stay in step after it
+    batch = _batch(STEPS)
+    if rank:
+        if rank == 1:
+            shared.loss_fn = _FailOnRank1()
+        helper.serve(batch, lambda: None, masters)
+        shared.loss_fn = loss
+        helper.serve(batch, lambda: None, masters)
+    else:
+        try:
+            shared.step(replica_pieces(batch, layout))
+            report["failure"] = None
+        except RuntimeError as exc:
+            report["failure"] = str(exc)
+        divider.done()
+        report["after_failure"] = shared.judge(STEPS, masters, world)
+        divider.done()
+    report["unstepped"] = all(torch.equal(p, before[n]) for n, p in shared.model64.named_parameters() if n in before)
+    torch.save(report, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("optimizer", "clip"), [("sgd", None), ("adamw", 0.05)])
+def test_a_trajectory_in_ranges_steps_and_judges_as_one_process(optimizer, clip):
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "report")
+        mp.spawn(_worker, args=(WORLD, f"file://{os.path.join(tmp, 'rendezvous')}", out, optimizer, clip),
+                 nprocs=WORLD, join=True)
+        reports = [torch.load(f"{out}.{r}") for r in range(WORLD)]
+    trainable = sorted(reports[0]["mine"])
+    for r, report in enumerate(reports):
+        assert report["same"] and all(report["same"].values()), (r, report["same"])
+        # between steps: the storage of its own range only
+        assert report["held"] == report["mine"], (r, report["held"], report["mine"])
+        assert report["unstepped"], r
+    assert sorted(n for r in reports for n, m in r["mine"].items() if m) == trainable  # every parameter owned once
+    assert all(any(r["mine"].values()) for r in reports)  # each rank owns a range
+    rank0 = reports[0]
+    assert rank0["entries"] == rank0["alone"], (rank0["entries"], rank0["alone"])
+    assert rank0["failure"] is not None and "rank 1" in rank0["failure"] and "planted failure" in rank0["failure"]
+    assert rank0["after_failure"]["rel_param_distance"] == rank0["entries"][-1]["rel_param_distance"]
