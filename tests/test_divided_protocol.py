@@ -3,7 +3,9 @@
 - a gradient divided over the ranks is the single-process sum of the same forwards to the bit (run dtype, one forward
   per rank), and the float64 one within float64's rounding;
 - a rank that cannot compute its share says so, and rank 0 raises it in one exception naming the rank, while neither
-  process waits for a share that will not come (both finish, and the next request is served).
+  process waits for a share that will not come (both finish, and the next request is served);
+- each sum is held by its parameters' owners, each rank its own range only, until rank 0 lets it go; rank 0 reads the
+  other ranges from their owners while they serve, and a read after they stopped is refused instead of waiting.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from dpcompare.verify import divided
+from dpcompare.verify.peers import owners
 from dpcompare.verify.equivalence import Layout, accumulate_gradient, replica_pieces, verification_copy
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(180)]
@@ -61,9 +64,13 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         helper.serve(batch, lambda: None)  # the failing one
         helper.loss_fn = loss
         helper.serve(batch, lambda: None)  # served again afterwards
+        held = {k: sorted(g) for k, g in helper._held.items()}  # what this rank still holds: its range of one sum
+        helper.serve(batch, lambda: None)  # rank 0 lets that sum go
+        torch.save({"held": held, "after": len(helper._held)}, f"{out}.{rank}")
         dist.destroy_process_group()
         return
     divider = divided.Divider(peers, layout)
+    divider.open()
     state = template.state_dict()
     results = {}
     for dtype, slot in ((torch.float32, "run"), (torch.float64, "64")):
@@ -71,7 +78,9 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         alone, _ = accumulate_gradient(model, loss, pieces, torch.device("cpu"))
         shared, _ = divider.gradient(slot, model, None, state, pieces, loss, torch.device("cpu"))
         results[slot] = max(float((alone[n] - shared[n]).abs().max()) for n in alone)
+    del shared
     divider.done()
+    divider.open()
     model = verification_copy(template, torch.device("cpu"), torch.float32)
     try:
         divider.gradient("run", model, None, state, pieces, loss, torch.device("cpu"))
@@ -79,8 +88,18 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     except RuntimeError as exc:
         results["failure"] = str(exc)
     divider.done()
+    divider.open()
     again, _ = divider.gradient("run", model, None, state, pieces, loss, torch.device("cpu"))
     results["again"] = float(sum(t.abs().sum() for t in again.values()))
+    divider.done()
+    try:  # the other ranks no longer serve: reading their ranges would wait forever, so it is refused
+        again["2.weight"]
+        results["outside"] = None
+    except RuntimeError as exc:
+        results["outside"] = str(exc)
+    results["owners"] = owners(model, world)
+    del again
+    divider.open()
     divider.done()
     torch.save(results, out)
     dist.destroy_process_group()
@@ -92,7 +111,14 @@ def test_a_divided_gradient_is_the_single_process_sum_and_a_failing_rank_is_name
         # three ranks: with two, a + b and b + a are the same number whatever the order; with three they are not
         mp.spawn(_worker, args=(3, f"file://{os.path.join(tmp, 'rendezvous')}", out), nprocs=3, join=True)
         results = torch.load(out)
+        helpers = {rank: torch.load(f"{out}.{rank}") for rank in (1, 2)}
     assert results["run"] == 0.0, "the run-dtype sum of one forward per rank is rank 0's own sum, to the bit"
     assert results["64"] < 1e-15
     assert results["failure"] is not None and "rank 1" in results["failure"] and "planted failure" in results["failure"]
     assert results["again"] > 0.0  # the ranks served the next request after the failure
+    assert results["outside"] is not None and "outside a point of the step" in results["outside"]
+    for rank in (1, 2):  # each rank held its own range of the last sum only, until rank 0 let it go
+        helper = helpers[rank]
+        mine = sorted(n for n, r in results["owners"].items() if r == rank)
+        assert mine and helper["held"] and all(names == mine for names in helper["held"].values()), (rank, helper)
+        assert helper["after"] == 0

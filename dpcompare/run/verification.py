@@ -178,6 +178,8 @@ class VerificationPhase:
     @contextlib.contextmanager
     def _sharing(self):
         """Rank 0's checks of one point of the step; then (also where they raised) the helpers stop serving it."""
+        if self.divider is not None:
+            self.divider.open()
         try:
             yield
         finally:

@@ -27,6 +27,7 @@ predictions.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,55 +38,16 @@ from torch import nn
 from dpcompare.verify import masks as mk
 from dpcompare.verify import stochastic
 from dpcompare.verify.equivalence import Grads, Layout, Piece, accumulate_raw, finish_gradient, verification_copy
-from dpcompare.verify.held import releasable, release
+from dpcompare.verify.held import Compact, releasable, release
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
+from dpcompare.verify.peers import Peers, Remote, owners, partition, to_owners
+
+__all__ = ["Divider", "Helper", "Peers", "Request", "Status", "partition"]
 
 SLOTS = ("64", "run")
 """The copies a request names: the float64 one, and the one in the run's precision (its recipe's weights)."""
-
-
-def partition(sizes: list[tuple[str, int]], world_size: int) -> list[list[str]]:
-    """The parameters (name, elements), in the model's order, cut into `world_size` contiguous ranges of about as many
-    elements each (a parameter is never split): rank r's range is the r-th. The ranges the ranks' judging is to be
-    divided by; a fault confined to one of them (tests.faulty_adapters: Rank1Range*) must be caught wherever it lies."""
-    total = sum(n for _, n in sizes)
-    out: list[list[str]] = [[] for _ in range(world_size)]
-    seen = 0
-    for name, n in sizes:
-        # the range whose share of the elements this parameter's middle falls in
-        r = min(int((seen + n / 2) * world_size / total), world_size - 1) if total else 0
-        out[r].append(name)
-        seen += n
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class Peers:
-    """This rank, the world, and the verifier's process group (gloo: CPU tensors)."""
-
-    rank: int
-    world_size: int
-    group: Any
-
-    @classmethod
-    def make(cls) -> "Peers | None":
-        """On every rank, at the same point: the verifier's group beside the backend's; None where there is no
-        torch.distributed process group (one process; Horovod) or one rank."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-            return None
-        return cls(dist.get_rank(), dist.get_world_size(), dist.new_group(backend="gloo"))
-
-    def broadcast(self, obj: Any) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-    def gather(self, obj: Any) -> list[Any] | None:
-        out = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.group)
-        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +66,12 @@ class Request:
     same_as: str | None = None
     """The state is the one already sent for that slot this point (the oracle's float64 and run-precision copies
     load the same state): not sent, nor held, twice."""
+    key: int = 0
+    """The gradient's number: its owners hold their ranges under it until rank 0 lets it go (`drop`)."""
+    name: str | None = None
+    """slot "fetch": the parameter of gradient `key` its owner sends rank 0."""
+    drop: tuple[int, ...] = ()
+    """The gradients rank 0 let go since its last request: their owners let their ranges go."""
 
 
 @dataclass(slots=True)
@@ -145,6 +113,13 @@ class Divider:
         """Requests divided so far (the verdict says the arithmetic was divided)."""
         self.last_loss = 0.0
         """The last request's forwards' losses, weighted as their gradients and added in their order."""
+        self._owner: dict[str, int] | None = None
+        """Trainable parameter -> the rank that holds its sums (dpcompare.verify.peers.owners)."""
+        self._key = 0
+        self._dropped: list[int] = []
+        """The gradients let go on rank 0 (their `Remote`s collected) that the owners still hold."""
+        self.serving = False
+        """Whether the helpers are serving (between `open` and `done`): a gradient's other ranges can be read."""
 
     def divides(self, pieces: list[Piece]) -> bool:
         """Whether `pieces` are forwards of the layout of more than one rank (a whole-batch forward is not)."""
@@ -152,19 +127,21 @@ class Divider:
 
     def gradient(self, slot: str, model: nn.Module, replayer: MaskReplayer | None, state: dict | None,
                  pieces: list[Piece], loss_fn: Callable, device: torch.device, recipe: Recipe = NO_RECIPE,
-                 loss_scale: float = 1.0, ranks: int | None = None, *,
-                 into_model: bool = False) -> tuple[Grads, frozenset[str]]:
+                 loss_scale: float = 1.0, ranks: int | None = None) -> tuple[Grads, frozenset[str]]:
         """accumulate_gradient's result over `pieces`, each rank running its own at `state` (rank 0's `model` loads it
-        here; None: `model` holds it already, and so must the helpers: it is sent from `model`). `into_model`: the
-        summed gradients are left in `model`'s .grad as a single process leaves them (a trajectory's optimizer steps
-        them), else dropped from it."""
+        here; None: `model` holds it already, and so must the helpers: it is sent from `model`). Each parameter's sum
+        is held by the rank that owns it (dpcompare.verify.peers.owners): what is returned is a `Remote`, rank 0's
+        own range held, the rest sent by its owner when read."""
         ranks = (ranks or len({p.rank for p in pieces})) if recipe.active else 1
         send = state if state is not None else model.state_dict()
         fresh = self._sent.get(slot) is not send
         same_as = next((k for k, v in self._sent.items() if v is send), None) if fresh else None
         meta = [(k, tuple(t.shape), t.dtype) for k, t in send.items()] if fresh and same_as is None else None
-        self.peers.broadcast(Request(slot, meta, tuple(p.position for p in pieces), tuple(p.weight for p in pieces),
-                                     recipe.active, loss_scale, ranks, same_as))
+        self._key += 1
+        key = self._key
+        self.peers.broadcast(self._with_drops(Request(slot, meta, tuple(p.position for p in pieces),
+                                                      tuple(p.weight for p in pieces), recipe.active, loss_scale,
+                                                      ranks, same_as, key)))
         if meta is not None:
             _send_state(self.peers, send)
         if fresh:
@@ -189,34 +166,43 @@ class Divider:
                 raise mk.MaskMismatch(*failed.mismatch)
             raise RuntimeError(f"a rank computing its share of the oracle failed: {failed.error}")
         order = list(dict.fromkeys(p.rank for p in pieces))
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        total: dict[str, torch.Tensor] = {}
-        for n, p in named:
-            acc = None
-            for r in order:
-                if r == 0:
-                    part = raw.pop(n)  # rank 0's own share: added into, not kept beside the sum
-                else:
-                    part = torch.empty(p.shape, dtype=p.dtype)
-                    dist.recv(part, src=r, group=self.peers.group)
-                    part = part.to(p.device)
-                # in place, the same rounding as acc + part: the sum is the only tensor held per parameter
-                acc = part if acc is None else acc.add_(part)
-            total[n] = acc
         none = frozenset.intersection(*[s.none for s in statuses if s.computed])
         self.last_loss = 0.0
         for r in order:  # the losses added in the gradients' order
             self.last_loss += statuses[r].loss
-        model.zero_grad(set_to_none=True)
-        if into_model:
-            for n, p in named:
-                p.grad = None if n in none else total[n]
-        return finish_gradient(total, 1.0 / (ranks * loss_scale)), none
+        model.zero_grad(set_to_none=True)  # `raw` holds rank 0's share: freed as it is sent or added into
+        if self._owner is None:
+            self._owner = owners(model, self.peers.world_size)
+        undo = 1.0 / (ranks * loss_scale)
+        own = finish_gradient(to_owners(self.peers, self._owner, model, raw if raw is not None else {}, order), undo)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        meta = {n: (tuple(p.shape), p.dtype if undo == 1.0 else torch.float64) for n, p in named}
+        return Remote(own, [n for n, _ in named], lambda name: self._fetch(key, name, *meta[name]),
+                      lambda: self._dropped.append(key)), none
+
+    def open(self) -> None:
+        """The start of a point of the step: the helpers serve rank 0's requests until `done`."""
+        self.serving = True
+
+    def _fetch(self, key: int, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Parameter `name` of gradient `key`, sent by its owner."""
+        if not self.serving:
+            raise RuntimeError(f"the divided gradient of {name} was read where the other ranks do not serve rank 0 "
+                               "(outside a point of the step): they hold it, and would never send it")
+        self.peers.broadcast(self._with_drops(Request("fetch", key=key, name=name)))
+        t = torch.empty(shape, dtype=dtype)
+        dist.recv(t, src=self._owner[name], group=self.peers.group)
+        return t
+
+    def _with_drops(self, request: Request) -> Request:
+        drop, self._dropped[:] = tuple(self._dropped), []
+        return dataclasses.replace(request, drop=drop) if drop else request
 
     def done(self) -> None:
         """The end of a point of the step: every helper stops serving, and the states sent are let go."""
-        self.peers.broadcast(Request(None))
+        self.peers.broadcast(self._with_drops(Request(None)))
         self._sent.clear()
+        self.serving = False
 
 
 class Helper:
@@ -235,6 +221,9 @@ class Helper:
         self.replayers = {k: MaskReplayer(m) for k, m in self.models.items()}
         self._states: dict[str, dict[str, torch.Tensor]] = {}
         """Per slot, the state rank 0 last sent this point of the step."""
+        self._owner = owners(self.models["64"], peers.world_size)
+        self._held: dict[int, Grads] = {}
+        """This rank's range of each divided gradient rank 0 still holds, by its number."""
 
     def serve(self, batch: tuple[torch.Tensor, torch.Tensor], masks: Callable[[], list | None],
               masters: dict[str, torch.Tensor] | None = None) -> None:
@@ -242,12 +231,27 @@ class Helper:
         `masks()` unpacks (each forward's, in the layout's order; None: the forward draws nothing); `masters`: the
         run's parameters after the optimizer step, as this rank read them (the trajectory is judged against them)."""
         with stochastic.isolated(self.device):
-            while (request := self.peers.broadcast(None)).slot is not None:
+            while True:
+                request = self.peers.broadcast(None)
+                for key in getattr(request, "drop", ()):
+                    self._held.pop(key, None)
+                if request.slot is None:
+                    break
                 if request.slot == "trajectory":
                     self.trajectory.serve(request, lambda r=request: self._own(r, batch, masks()), masters)
+                elif request.slot == "fetch":
+                    self._send_held(request)
                 else:
                     self._answer(request, batch, masks)
         self._states.clear()
+
+    def _send_held(self, request: Request) -> None:
+        """Rank 0 reads parameter `request.name` of gradient `request.key`: its owner sends it."""
+        if self._owner.get(request.name) != self.peers.rank:
+            return
+        held = self._held[request.key]
+        t = held.held(request.name) if isinstance(held, Compact) else held[request.name]
+        dist.send(t.detach().to("cpu").contiguous(), dst=0, group=self.peers.group)
 
     def _own(self, request: Any, batch, drawn: list | None) -> list[Piece]:
         """This rank's forwards among `request`'s positions, with their weights and draws."""
@@ -277,9 +281,10 @@ class Helper:
         except Exception as exc:  # noqa: BLE001 - said by rank 0, in one line, with the others' ranks in step
             status = Status(False, error=f"rank {self.peers.rank}: {type(exc).__name__}: {exc}")
         self.peers.gather(status)
-        if self.peers.broadcast(None) and status.computed:
-            for n, p in model.named_parameters():
-                if p.requires_grad:
-                    dist.send(raw[n].detach().to("cpu").contiguous(), dst=0, group=self.peers.group)
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)  # `raw` holds this rank's share: freed as it is sent or added into
+        if self.peers.broadcast(None):  # every rank computed its own: the sums go to their owners
+            positions = self.layout.positions(batch[0].shape[0])
+            order = list(dict.fromkeys(positions[i][0] for i in request.positions))
+            sums = to_owners(self.peers, self._owner, model, raw if raw is not None else {}, order)
+            self._held[request.key] = finish_gradient(sums, 1.0 / (request.ranks * request.loss_scale))
         release(model)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dpcompare.verify.divided import Peers, partition
+from dpcompare.verify.peers import Peers, owners, to_owners
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +54,7 @@ class Ranges:
 
     def __init__(self, peers: Peers, model: nn.Module) -> None:
         self.peers = peers
-        trainable = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
-        self.owner = {n: r for r, names in enumerate(partition(trainable, peers.world_size)) for n in names}
+        self.owner = owners(model, peers.world_size)
         """Trainable parameter name -> the rank that holds it between steps and steps it."""
         self.rank = peers.rank
 
@@ -98,30 +97,9 @@ class Ranges:
 
     # -- gradients and figures -----------------------------------------------------------------------------------
     def to_owners(self, model: nn.Module, raw: dict[str, torch.Tensor], order: tuple[int, ...]) -> dict[str, torch.Tensor]:
-        """Each trainable parameter's sum over the ranks in `order` of their `raw` gradients (this rank's, popped as
-        they are sent or added), at its owner, added in `order` in the copy's dtype: this rank's own range's sums."""
-        out: dict[str, torch.Tensor] = {}
-        group = self.peers.group
-        for n, p in model.named_parameters():
-            if not p.requires_grad:
-                continue
-            owner, acc = self.owner[n], None
-            for r in order:
-                if r == self.rank:
-                    part = raw.pop(n)
-                    if owner != self.rank:
-                        dist.send(part.detach().to("cpu").contiguous(), dst=owner, group=group)
-                        continue
-                elif owner == self.rank:
-                    part = torch.empty(p.shape, dtype=p.dtype)
-                    dist.recv(part, src=r, group=group)
-                    part = part.to(p.device)
-                else:
-                    continue
-                acc = part if acc is None else acc.add_(part)  # in place: the rounding of acc + part
-            if owner == self.rank:
-                out[n] = acc
-        return out
+        """Each trainable parameter's sum over the ranks in `order` of their `raw` gradients, at its owner
+        (dpcompare.verify.peers.to_owners): this rank's own range's sums."""
+        return to_owners(self.peers, self.owner, model, raw, order)
 
     def everyone(self, obj: Any) -> list[Any]:
         """`obj` from every rank, on every rank, in rank order."""

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from dpcompare.verify import masks as mk
-from dpcompare.verify.divided import Peers, Status
+from dpcompare.verify.divided import Status
+from dpcompare.verify.peers import Peers
 from dpcompare.verify.equivalence import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Piece, accumulate_gradient,
                                           accumulate_raw, finish_gradient, verification_copy)
 from dpcompare.verify.clipping import clip_, clip_scale

@@ -1,0 +1,128 @@
+"""The verifier's own process group, and the parameters cut into ranges over it: what each rank owns.
+
+Owns: `Peers` (the verifier's own process group: gloo, CPU tensors, made by the run layer on every rank beside the
+backend's, so nothing the checks send passes through the backend's wrapper, buckets or hooks), `partition` and
+`owners` (which rank owns which trainable parameter: contiguous ranges of about as many elements each),
+`to_owners` (the ranks' summed gradients of their own forwards sent to each parameter's owner, who adds them in a fixed
+order) and `Remote` (on rank 0, a gradient summed at its owners: rank 0's own range held, every other parameter sent
+by its owner when read). Used by dpcompare.verify.divided (the oracle's and the references' sums) and
+dpcompare.verify.ranges (the reference trajectory). Imports no adapter.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def partition(sizes: list[tuple[str, int]], world_size: int) -> list[list[str]]:
+    """The parameters (name, elements), in the model's order, cut into `world_size` contiguous ranges of about as many
+    elements each (a parameter is never split): rank r's range is the r-th. The ranges the ranks' judging is to be
+    divided by; a fault confined to one of them (tests.faulty_adapters: Rank1Range*) must be caught wherever it lies."""
+    total = sum(n for _, n in sizes)
+    out: list[list[str]] = [[] for _ in range(world_size)]
+    seen = 0
+    for name, n in sizes:
+        # the range whose share of the elements this parameter's middle falls in
+        r = min(int((seen + n / 2) * world_size / total), world_size - 1) if total else 0
+        out[r].append(name)
+        seen += n
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Peers:
+    """This rank, the world, and the verifier's process group (gloo: CPU tensors)."""
+
+    rank: int
+    world_size: int
+    group: Any
+
+    @classmethod
+    def make(cls) -> "Peers | None":
+        """On every rank, at the same point: the verifier's group beside the backend's; None where there is no
+        torch.distributed process group (one process; Horovod) or one rank."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        return cls(dist.get_rank(), dist.get_world_size(), dist.new_group(backend="gloo"))
+
+    def broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out
+
+
+def owners(model: nn.Module, world_size: int) -> dict[str, int]:
+    """Trainable parameter name of `model` -> the rank that owns it (`partition` of the trainable parameters)."""
+    trainable = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
+    return {n: r for r, names in enumerate(partition(trainable, world_size)) for n in names}
+
+
+def to_owners(peers: Peers, owner: dict[str, int], model: nn.Module, raw: dict[str, torch.Tensor],
+              order: tuple[int, ...] | list[int]) -> dict[str, torch.Tensor]:
+    """Each trainable parameter's sum over the ranks in `order` of their `raw` gradients of `model` (this rank's,
+    popped as they are sent or added), at its owner, added in `order` in the copy's dtype as autograd accumulates on
+    one process: this rank's own range's sums. Every rank calls it at once, with the same `owner` and `order` (a rank
+    not in `order` sends nothing and still receives what it owns); each parameter is settled before the next, so no
+    rank waits on one that waits on it."""
+    out: dict[str, torch.Tensor] = {}
+    me, group = peers.rank, peers.group
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        mine, acc = owner[n] == me, None
+        for r in order:
+            if r == me:
+                part = raw.pop(n)
+                if not mine:
+                    dist.send(part.detach().to("cpu").contiguous(), dst=owner[n], group=group)
+                    continue
+            elif mine:
+                part = torch.empty(p.shape, dtype=p.dtype)
+                dist.recv(part, src=r, group=group)
+                part = part.to(p.device)
+            else:
+                continue
+            acc = part if acc is None else acc.add_(part)  # in place: the rounding of acc + part
+        if mine:
+            out[n] = acc
+    return out
+
+
+class Remote(Mapping[str, torch.Tensor]):
+    """On rank 0, a gradient summed at its parameters' owners (`to_owners`): rank 0's own range held here (`own`),
+    every other parameter sent by its owner when read, one at a time and never kept (`fetch(name)`), read in float64
+    on the CPU as a Compact is. `on_drop` is called once this mapping is let go, so that the owners let theirs go."""
+
+    __slots__ = ("_own", "_names", "_known", "_fetch", "__weakref__")
+
+    def __init__(self, own: Mapping[str, torch.Tensor], names: list[str], fetch: Callable[[str], torch.Tensor],
+                 on_drop: Callable[[], None]) -> None:
+        self._own, self._names, self._known, self._fetch = own, list(names), frozenset(names), fetch
+        weakref.finalize(self, on_drop)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._own:
+            return self._own[name]
+        if name not in self._known:
+            raise KeyError(name)
+        return self._fetch(name).double()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._known
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
