@@ -42,6 +42,7 @@ from dpcompare.verify.held import Compact, releasable, release
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
+from dpcompare.verify.tolerance import range_figures
 from dpcompare.verify.peers import Peers, Remote, owners, partition, to_owners
 
 __all__ = ["Divider", "Helper", "Peers", "Request", "Status", "partition"]
@@ -70,6 +71,9 @@ class Request:
     """The gradient's number: its owners hold their ranges under it until rank 0 lets it go (`drop`)."""
     name: str | None = None
     """slot "fetch": the parameter of gradient `key` its owner sends rank 0."""
+    reduce: tuple | None = None
+    """slot "reduce": (the sums' numbers, None for rank 0's own values sent with it; the parameters; the unit
+    roundoff; the dtypes of the values sent, by parameter) for Divider.per_parameter, its reduction in `name`."""
     drop: tuple[int, ...] = ()
     """The gradients rank 0 let go since its last request: their owners let their ranges go."""
 
@@ -178,7 +182,31 @@ class Divider:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         meta = {n: (tuple(p.shape), p.dtype if undo == 1.0 else torch.float64) for n, p in named}
         return Remote(own, [n for n, _ in named], lambda name: self._fetch(key, name, *meta[name]),
-                      lambda: self._dropped.append(key)), none
+                      lambda: self._dropped.append(key), divided_by=self, key=key), none
+
+    def per_parameter(self, op: str, mappings: tuple, names: list[str], u: float = 0.0) -> dict:
+        """dpcompare.verify.tolerance.range_figures over `names`, each owner reducing its range of the sums it holds
+        (`mappings`: this divider's Remotes; under "sums" the first may be rank 0's own, sent to each owner for its
+        range) and rank 0 its own: the same figures, computed where the sums are."""
+        if not self.serving:
+            raise RuntimeError(f"divided sums were reduced ({op}) where the other ranks do not serve rank 0 (outside a "
+                               "point of the step): they hold them, and would never answer")
+        keys = tuple(m.key if getattr(m, "divided_by", None) is self else None for m in mappings)
+        shipped = {i: {n: _as_held(mappings[i], n).dtype for n in names if self._owner[n] != 0}
+                   for i, k in enumerate(keys) if k is None}
+        self.peers.broadcast(self._with_drops(Request("reduce", name=op, reduce=(keys, tuple(names), u, shipped))))
+        for i in shipped:  # each owner's range of rank 0's own values, in the names' order
+            for n in names:
+                if self._owner[n] != 0:
+                    dist.send(_as_held(mappings[i], n).detach().to("cpu").contiguous(), dst=self._owner[n],
+                              group=self.peers.group)
+        local = tuple(m if k is None else m.own for m, k in zip(mappings, keys))
+        out = range_figures(op, local, [n for n in names if self._owner[n] == 0], u)
+        for part in self.peers.gather(None)[1:]:
+            if isinstance(part, str):
+                raise RuntimeError(f"a rank reducing its range of the oracle's sums failed: {part}")
+            out.update(part)
+        return out
 
     def open(self) -> None:
         """The start of a point of the step: the helpers serve rank 0's requests until `done`."""
@@ -203,6 +231,10 @@ class Divider:
         self.peers.broadcast(self._with_drops(Request(None)))
         self._sent.clear()
         self.serving = False
+
+
+def _as_held(m, name: str) -> torch.Tensor:
+    return m.held(name) if isinstance(m, Compact) else m[name]
 
 
 class Helper:
@@ -241,9 +273,32 @@ class Helper:
                     self.trajectory.serve(request, lambda r=request: self._own(r, batch, masks()), masters)
                 elif request.slot == "fetch":
                     self._send_held(request)
+                elif request.slot == "reduce":
+                    self._reduce(request)
                 else:
                     self._answer(request, batch, masks)
         self._states.clear()
+
+    def _reduce(self, request: Request) -> None:
+        """Rank 0 reduces divided sums (Divider.per_parameter): this rank reduces its own range of them."""
+        keys, names, u, shipped = request.reduce
+        me = self.peers.rank
+        shapes = {n: p.shape for n, p in self.models["64"].named_parameters()}
+        received = {}
+        for i, dtypes in shipped.items():
+            got = {}
+            for n in names:
+                if n in dtypes and self._owner[n] == me:
+                    t = torch.empty(shapes[n], dtype=dtypes[n])
+                    dist.recv(t, src=0, group=self.peers.group)
+                    got[n] = t
+            received[i] = Compact(got, copy=False)
+        try:
+            mappings = tuple(received[i] if k is None else self._held[k] for i, k in enumerate(keys))
+            part: dict | str = range_figures(request.name, mappings, [n for n in names if self._owner.get(n) == me], u)
+        except Exception as exc:  # noqa: BLE001 - said by rank 0, with the ranks in step
+            part = f"rank {me}: {type(exc).__name__}: {exc}"
+        self.peers.gather(part)
 
     def _send_held(self, request: Request) -> None:
         """Rank 0 reads parameter `request.name` of gradient `request.key`: its owner sends it."""

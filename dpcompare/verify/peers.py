@@ -104,12 +104,20 @@ class Remote(Mapping[str, torch.Tensor]):
     every other parameter sent by its owner when read, one at a time and never kept (`fetch(name)`), read in float64
     on the CPU as a Compact is. `on_drop` is called once this mapping is let go, so that the owners let theirs go."""
 
-    __slots__ = ("_own", "_names", "_known", "_fetch", "__weakref__")
+    __slots__ = ("_own", "_names", "_known", "_fetch", "divided_by", "key", "__weakref__")
 
     def __init__(self, own: Mapping[str, torch.Tensor], names: list[str], fetch: Callable[[str], torch.Tensor],
-                 on_drop: Callable[[], None]) -> None:
+                 on_drop: Callable[[], None], *, divided_by: Any = None, key: int = 0) -> None:
+        """`divided_by`: what holds the other ranges (its `per_parameter` reduces them where they are held: see
+        dpcompare.verify.tolerance.per_parameter), and this sum's number there (`key`)."""
         self._own, self._names, self._known, self._fetch = own, list(names), frozenset(names), fetch
+        self.divided_by, self.key = divided_by, key
         weakref.finalize(self, on_drop)
+
+    @property
+    def own(self) -> Mapping[str, torch.Tensor]:
+        """Rank 0's own range, as held."""
+        return self._own
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._own:

@@ -28,7 +28,7 @@ from dpcompare.verify.masks import MaskRecord
 from dpcompare.verify.precision import ScaleStep
 from dpcompare.verify.reads import Pending, Reads
 from dpcompare.verify.held import Compact
-from dpcompare.verify.tolerance import finite, rel_fro_of
+from dpcompare.verify.tolerance import all_finite, rel_fro_of
 
 
 @dataclass(slots=True)
@@ -184,4 +184,4 @@ def _gradients(bench: Bench, step: StepEvidence, state: dict, records, forward_m
 
 
 def _finite(grads: Grads) -> bool:
-    return all(finite(grads.held(n) if isinstance(grads, Compact) else grads[n]) for n in grads)
+    return all_finite(grads)

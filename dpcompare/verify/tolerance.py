@@ -100,13 +100,51 @@ def flat(grads: Grads, names: Iterable[str]) -> torch.Tensor:
 
 def norm_of(grads: Grads, names: Iterable[str]) -> float:
     """The 2-norm of `grads` over `names` as one vector, reduced parameter by parameter in float64."""
-    return math.sqrt(sum(_norm(grads[n]) ** 2 for n in names))
+    names = list(names)
+    figures = per_parameter("norm", (grads,), names)
+    return math.sqrt(sum(figures[n] ** 2 for n in names))
 
 
 def rel_fro_of(a: Grads, b: Grads, names: Iterable[str], min_denom: float = 0.0) -> float:
     """rel_fro of `a` against `b` over `names` as one vector, reduced parameter by parameter (no concatenated copy)."""
     names = list(names)
-    return rel_ratio(math.sqrt(sum(_norm(a[n] - b[n]) ** 2 for n in names)), norm_of(b, names), min_denom)
+    figures = per_parameter("fro", (a, b), names)
+    return rel_ratio(math.sqrt(sum(figures[n][0] ** 2 for n in names)),
+                     math.sqrt(sum(figures[n][1] ** 2 for n in names)), min_denom)
+
+
+def all_finite(grads: Grads) -> bool:
+    """Whether every tensor of `grads` is finite (each read as held)."""
+    return all(per_parameter("finite", (grads,), list(grads)).values())
+
+
+def range_figures(op: str, mappings: tuple[Mapping[str, torch.Tensor], ...], names: Iterable[str],
+                  u: float = 0.0) -> dict:
+    """Per parameter of `names`, one reduction over `mappings`: "finite" (the first, read as held), "norm" (its
+    float64 2-norm), "fro" (||a - b||, ||b||), "sums" (`_param_sums`): what an owner computes for its range of sums
+    held in ranges (dpcompare.verify.divided), and one process for all: the same figures either way."""
+    if op == "finite":
+        m = mappings[0]
+        return {n: finite(m.held(n) if isinstance(m, Compact) else m[n]) for n in names}
+    if op == "norm":
+        return {n: _norm(mappings[0][n]) for n in names}
+    if op == "fro":
+        a, b = mappings
+        return {n: (_norm(a[n] - b[n]), _norm(b[n])) for n in names}
+    if op == "sums":
+        return {n: _param_sums(n, mappings, u) for n in names}
+    raise ValueError(f"unknown reduction {op!r}")
+
+
+def per_parameter(op: str, mappings: tuple[Mapping[str, torch.Tensor], ...], names: list[str],
+                  u: float = 0.0) -> dict:
+    """`range_figures` over `names` where the sums are held: by each owner for its range where `mappings` are held
+    in ranges (dpcompare.verify.peers.Remote, one holder; under "sums" the first may be rank 0's own); else here."""
+    holders = {getattr(m, "divided_by", None) for m in (mappings[1:] if op == "sums" else mappings)}
+    holder = holders.pop() if len(holders) == 1 else None
+    if holder is not None and (op == "sums" or getattr(mappings[0], "divided_by", None) is holder):
+        return holder.per_parameter(op, mappings, names, u)
+    return range_figures(op, mappings, names, u)
 
 
 @dataclass(slots=True)
@@ -302,10 +340,9 @@ def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_
     names = list(reference) if names is None else list(names)
     against = floor if spread is not None else reference
     other = spread if spread is not None else floor
-    sums: dict[str, _Sums] = {}
-    sizes: dict[str, int] = {}  # as held: a Difference's is never computed whole for it
-    for n in names:
-        sums[n], sizes[n] = _param_sums(n, (values, reference, against, floor, other), u)
+    figures = per_parameter("sums", (values, reference, against, floor, other), names, u)
+    sums: dict[str, _Sums] = {n: figures[n][0] for n in names}
+    sizes: dict[str, int] = {n: figures[n][1] for n in names}  # as held: a Difference's is never computed whole
     if norms is not None:  # (||values||, ||reference||) by name, from the same pass
         norms.update({n: (math.sqrt(t.g2), math.sqrt(t.o2)) for n, t in sums.items()})
     share = math.sqrt(sum(s.o2 for s in sums.values())) / math.sqrt(max(len(names), 1))
