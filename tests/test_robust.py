@@ -279,7 +279,9 @@ def test_a_model_raising_on_one_rank_gets_the_build_time_line_and_the_other_rank
     lines = _said_once(logs, 1, "[rank 1] --model tests.robust_models:raises_at_step2_rank1: your model raised "
                                 "ValueError in its forward at step 2 (verify): a planted sample reached the forward")
     assert lines[1].startswith("Traceback") and "robust_models.py" in logs[1]["stderr"]
-    assert set(codes.strip("[]").split(", ")) <= {"2", "-15"} and "2" in codes, codes
+    # rank 0 ends by the launcher's SIGTERM: killed by it (-15), or leaving at once in its handler (143: 128 +
+    # SIGTERM, silent where the peer has said why), whichever the signal finds it doing
+    assert set(codes.strip("[]").split(", ")) <= {"2", "-15", "143"} and "2" in codes, codes
 
 
 @pytest.mark.multiproc

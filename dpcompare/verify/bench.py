@@ -55,6 +55,8 @@ class Bench:
         every rank for its own forwards; the trajectory's copies are held in ranges over the ranks
         (dpcompare.verify.ranges)."""
         self.oracle.divider = divider
+        if divider is not None:
+            divider.own(self.oracle.model64)
         self.layout = ctx.layout
         self.reads_data = ctx.facts.branches_on_data
         """The probe saw the model's own code branch on the data: the oracle keeps the global batch's own forward."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -176,7 +176,7 @@ class Divider:
             self.last_loss += statuses[r].loss
         model.zero_grad(set_to_none=True)  # `raw` holds rank 0's share: freed as it is sent or added into
         if self._owner is None:
-            self._owner = owners(model, self.peers.world_size)
+            self.own(model)
         undo = 1.0 / (ranks * loss_scale)
         own = finish_gradient(to_owners(self.peers, self._owner, model, raw if raw is not None else {}, order), undo)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -207,6 +207,28 @@ class Divider:
                 raise RuntimeError(f"a rank reducing its range of the oracle's sums failed: {part}")
             out.update(part)
         return out
+
+    def hold(self, tensors: Mapping[str, torch.Tensor], none: frozenset[str] = frozenset()) -> Remote:
+        """`tensors` (rank 0's own values: the reduced gradient as read) held in ranges by their owners, as the divided
+        sums are, each sent once to its owner: a Remote of them, read as Compact reads, with `none` read as None."""
+        if self._owner is None:
+            raise RuntimeError("the parameters' owners are not known yet (Divider.own)")
+        self._key += 1
+        key = self._key
+        names = list(tensors)
+        meta = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+        away = {n: meta[n][1] for n in names if self._owner[n] != 0}
+        self.peers.broadcast(self._with_drops(Request("hold", key=key, reduce=(tuple(names), away))))
+        for n in names:
+            if n in away:
+                dist.send(tensors[n].detach().to("cpu").contiguous(), dst=self._owner[n], group=self.peers.group)
+        own = Compact({n: tensors[n] for n in names if n not in away})
+        return Remote(own, names, lambda name: self._fetch(key, name, *meta[name]),
+                      lambda: self._dropped.append(key), divided_by=self, key=key, none=none)
+
+    def own(self, model: nn.Module) -> None:
+        """The parameters' owners, from `model` (a copy of the template as the other ranks' copies are made)."""
+        self._owner = owners(model, self.peers.world_size)
 
     def open(self) -> None:
         """The start of a point of the step: the helpers serve rank 0's requests until `done`."""
@@ -275,9 +297,23 @@ class Helper:
                     self._send_held(request)
                 elif request.slot == "reduce":
                     self._reduce(request)
+                elif request.slot == "hold":
+                    self._hold(request)
                 else:
                     self._answer(request, batch, masks)
         self._states.clear()
+
+    def _hold(self, request: Request) -> None:
+        """Rank 0 holds its values in ranges (Divider.hold): this rank keeps its own range."""
+        names, away = request.reduce
+        shapes = {n: p.shape for n, p in self.models["64"].named_parameters()}
+        got = {}
+        for n in names:
+            if n in away and self._owner[n] == self.peers.rank:
+                t = torch.empty(shapes[n], dtype=away[n])
+                dist.recv(t, src=0, group=self.peers.group)
+                got[n] = t
+        self._held[request.key] = Compact(got, copy=False)
 
     def _reduce(self, request: Request) -> None:
         """Rank 0 reduces divided sums (Divider.per_parameter): this rank reduces its own range of them."""

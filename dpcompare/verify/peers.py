@@ -104,15 +104,33 @@ class Remote(Mapping[str, torch.Tensor]):
     every other parameter sent by its owner when read, one at a time and never kept (`fetch(name)`), read in float64
     on the CPU as a Compact is. `on_drop` is called once this mapping is let go, so that the owners let theirs go."""
 
-    __slots__ = ("_own", "_names", "_known", "_fetch", "divided_by", "key", "__weakref__")
+    __slots__ = ("_own", "_names", "_known", "_fetch", "_life", "divided_by", "key", "none")
 
     def __init__(self, own: Mapping[str, torch.Tensor], names: list[str], fetch: Callable[[str], torch.Tensor],
-                 on_drop: Callable[[], None], *, divided_by: Any = None, key: int = 0) -> None:
+                 on_drop: Callable[[], None] | None, *, divided_by: Any = None, key: int = 0,
+                 none: frozenset[str] = frozenset(), life: "_Life | None" = None) -> None:
         """`divided_by`: what holds the other ranges (its `per_parameter` reduces them where they are held: see
-        dpcompare.verify.tolerance.per_parameter), and this sum's number there (`key`)."""
+        dpcompare.verify.tolerance.per_parameter), and this sum's number there (`key`). `none`: the names read as
+        None (no gradient). `on_drop` is called once this mapping and every view of it (`without`) are let go."""
         self._own, self._names, self._known, self._fetch = own, list(names), frozenset(names), fetch
-        self.divided_by, self.key = divided_by, key
-        weakref.finalize(self, on_drop)
+        self.divided_by, self.key, self.none = divided_by, key, frozenset(none)
+        self._life = life if life is not None else _Life(on_drop)
+
+    def without(self, names) -> "Remote":
+        """The same values with `names` read as None, sharing (not copying) the rest and its lifetime."""
+        return Remote(self._own, self._names, self._fetch, None, divided_by=self.divided_by, key=self.key,
+                      none=self.none | frozenset(names), life=self._life)
+
+    def held(self, name: str) -> torch.Tensor | None:
+        """`name` as it is held (its own dtype), for a reader that needs no float64."""
+        if name in self.none:
+            return None
+        own = self._own
+        if name in own:
+            return own.held(name) if hasattr(own, "held") else own[name]
+        if name not in self._known:
+            raise KeyError(name)
+        return self._fetch(name)
 
     @property
     def own(self) -> Mapping[str, torch.Tensor]:
@@ -120,6 +138,8 @@ class Remote(Mapping[str, torch.Tensor]):
         return self._own
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.none:
+            return None
         if name in self._own:
             return self._own[name]
         if name not in self._known:
@@ -134,3 +154,13 @@ class Remote(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._names)
+
+
+class _Life:
+    """What a Remote and its views share: when the last of them is let go, `on_drop` (the owners let theirs go)."""
+
+    __slots__ = ("__weakref__",)
+
+    def __init__(self, on_drop: Callable[[], None] | None) -> None:
+        if on_drop is not None:
+            weakref.finalize(self, on_drop)

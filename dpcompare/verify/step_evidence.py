@@ -118,9 +118,13 @@ def compute(ctx: CheckContext, bench: Bench, step: StepEvidence) -> OracleStep |
         params = Compact({n: step.masters[n] for n in ctx.names})
         state = bench.run_state(step.masters, step.ranks[0]["buffers"]["before"], params)
         reduced = step.reads.grads
-        # Held as the backend computed them (float32: 4 bytes an element), read in float64 (exactly).
-        grads = Compact({n: (reduced[n] if reduced.get(n) is not None else torch.zeros_like(step.masters[n]))
-                         for n in ctx.names})
+        # Held as the backend computed them (float32: 4 bytes an element), read in float64 (exactly); where the ranks
+        # share the oracle, in ranges by the parameters' owners, beside the oracle's sums (each owner judges its range).
+        given = {n: (reduced[n] if reduced.get(n) is not None else torch.zeros_like(step.masters[n]))
+                 for n in ctx.names}
+        grads = Compact(given) if bench.divider is None else bench.divider.hold(given)
+        del given
+        left_none = frozenset(n for n in ctx.names if reduced.get(n) is None)
         try:
             pieces, oracle, none, floor, spread, wire = _gradients(bench, step, state, records, forward_masks, pieces,
                                                                    loss_scale)
@@ -142,8 +146,7 @@ def compute(ctx: CheckContext, bench: Bench, step: StepEvidence) -> OracleStep |
     if not _finite(spread):
         spread = floor  # the regrouped sum overflows where the ranks' does not: no measured spread
     pending = Pending(
-        step.step, params,
-        Compact({n: (None if reduced.get(n) is None else grads.held(n)) for n in ctx.names}, copy=False), none,
+        step.step, params, grads.without(left_none), none,
         step.reads.state, read_hparams(bench.optimizer) if bench.optimizer is not None else [],
         scale_step, scaler.skipped_steps if scaler is not None else 0)
     return OracleStep(state, pieces, forward_masks, grads, oracle, floor, spread, wire, none, scaler, scale_step,

@@ -252,11 +252,13 @@ def _norm_ratio(na: float, nb: float) -> float:
 
 def _without(grads: Mapping[str, torch.Tensor | None], names: frozenset[str]) -> Mapping[str, torch.Tensor | None]:
     """`grads` with `names` given no gradient (held compactly where `grads` is)."""
-    if isinstance(grads, Compact):
+    if isinstance(grads, Compact) or hasattr(grads, "without"):
         return grads.without(names)
     return {n: (None if n in names else g) for n, g in grads.items()}
 
 
 def _none_of(grads: Mapping[str, torch.Tensor | None]) -> frozenset[str]:
-    return grads.none if isinstance(grads, Compact) else frozenset(n for n, g in grads.items() if g is None)
+    if isinstance(grads, Compact) or hasattr(grads, "without"):
+        return grads.none
+    return frozenset(n for n, g in grads.items() if g is None)
 
