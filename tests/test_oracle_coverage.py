@@ -65,11 +65,13 @@ def test_ranks_sharing_the_forwards_are_planned_in_the_memory_they_share() -> No
     model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8)))  # planned, never run
     total = sum(p.numel() for p in model.parameters())
     block = total // 8
-    copies = oc.helper_bytes(oc.copied_elements(model), optimizer="sgd")
+    copies = oc.helper_bytes(oc.copied_elements(model), optimizer="sgd", ranks=2)
     kw = dict(request="auto", optimizer="sgd", dtype_bytes=4, device=torch.device("cpu"))
-    free = (oc.need_bytes(total, total, "sgd") + copies * 0.9) / oc.MARGIN  # all of it on rank 0 alone, not beside one
-    alone = oc.plan_ranks(model, [("host", (free, "test"))], **kw)
+    alone = oc.plan_ranks(model, [("host", (oc.need_bytes(total, total, "sgd") / oc.MARGIN * 1.01, "test"))], **kw)
     assert alone.full
+    # rank 0's share at two ranks fits, not beside the other rank's copies on the same host
+    free = (oc.need_bytes(total, total, "sgd", ranks=2) + copies * 0.9) / oc.MARGIN
+    assert oc.need_bytes(total, total, "sgd", ranks=2) < oc.need_bytes(total, total, "sgd")  # its ranges divided
     shared = oc.plan_ranks(model, [("host", (free, "test")), ("host", (free, "test"))], **kw)
     assert not shared.full and shared.checked_parameters < total and "other ranks' copies" in shared.reason
     apart = oc.plan_ranks(model, [("host", (free, "test")), ("other", (copies / oc.MARGIN * 1.01, "test"))], **kw)

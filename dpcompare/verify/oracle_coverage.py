@@ -37,12 +37,20 @@ CHECKED_BYTES_PER_PARAM = {"sgd": 40.0, "adamw": 58.0}
 the references held in their own dtype (dpcompare.verify.held.Compact), the backend's optimizer state as read and the
 expected one, the reference trajectories' optimizer states (AdamW's twice SGD's). Measured on the same model at 6.3 %
 and full coverage: 27.6 -> 63.4 B/param with SGD, 36.5 -> 89.5 with AdamW: 38 and 57 per checked parameter."""
-HELPER_BYTES_PER_PARAM = {"sgd": 42.0, "adamw": 50.0}
-"""A rank other than 0 where the ranks share the oracle's forwards (dpcompare.verify.divided), per parameter of the
-model: its float64 and run-precision copies while they compute (12), the state rank 0 sends it (4), its share of a
-gradient while it is sent, and its own training state (gradients, optimizer state, DDP's buckets). Measured above
-start on the other ranks of 11-39 M Llama-style runs at 2 and 4 ranks (benchmarks/test_verification_cost.py,
-2026-11-27): 38-41 B/param with SGD, 45-50 with AdamW."""
+DIVIDED_BYTES_PER_PARAM = {"sgd": 44.0, "adamw": 40.0}
+"""Of what each checked parameter adds on rank 0, the share the ranks divide where they share the oracle
+(dpcompare.verify.divided, dpcompare.verify.ranges): at N ranks rank 0 holds 1/N of it (the reference trajectory's
+copies and optimizer states, the oracle's sums and the reduced gradient, each held in ranges by their owners).
+Fitted to rank 0's bytes per parameter above start at 1, 2 and 4 ranks (benchmarks/test_verification_cost.py, 11-39 M
+Llama-style models, docs/results/2026-11-27-verification-ranges-cpu.md): 68 -> 46 -> 34 with SGD, 87 -> 67 -> 55 with
+AdamW; the drop from one rank to two, doubled (with the constants above, four ranks are planned 10 bytes over)."""
+HELPER_BYTES_PER_PARAM = {"sgd": (26.0, 52.0), "adamw": (30.0, 64.0)}
+"""A rank other than 0 where the ranks share the oracle's forwards, per parameter of the model, a + b / N at N ranks:
+its float64 and run-precision copies while they compute (12) and its copies of the reference trajectory made whole
+for its step, its own training state (gradients, optimizer state, DDP's buckets) (a); its ranges of the trajectory's
+optimizer states and parameters, of the oracle's sums and of the reduced gradient (b / N). Fitted to the other ranks'
+bytes per parameter above start at 2 and 4 ranks (the same record: 48 and 35 with SGD, 58 and 42 with AdamW), rounded
+up."""
 FIXED_BYTES = 256 * 1024**2
 """The checks' fixed part (the float64 activations of a small batch, allocator slack)."""
 MARGIN = 0.85
@@ -83,21 +91,24 @@ class OracleCoverage:
                 "reason": self.reason}
 
 
-def need_bytes(parameters: int, checked: int, optimizer: str, dtype_bytes: int = 4, copied: int | None = None) -> float:
-    """The verifier's memory on rank 0 for a model of `parameters`, `checked` of them compared (see the constants).
-    `copied`: the elements every copy of the model holds (frozen parameters, integer ones and buffers included; the
-    copies keep an integer at its own 8 bytes or less), where more than `parameters`."""
+def need_bytes(parameters: int, checked: int, optimizer: str, dtype_bytes: int = 4, copied: int | None = None,
+               ranks: int = 1) -> float:
+    """The verifier's memory on rank 0 for a model of `parameters`, `checked` of them compared (see the constants),
+    where `ranks` share the oracle. `copied`: the elements every copy of the model holds (frozen parameters, integer
+    ones and buffers included; the copies keep an integer at its own 8 bytes or less), where more than `parameters`."""
     scale = dtype_bytes / 4 if dtype_bytes > 4 else 1.0  # a float64 run holds its run-dtype copies at 8 bytes
     per_checked = CHECKED_BYTES_PER_PARAM.get(optimizer, max(CHECKED_BYTES_PER_PARAM.values()))
+    per_checked -= DIVIDED_BYTES_PER_PARAM.get(optimizer, min(DIVIDED_BYTES_PER_PARAM.values())) * (1 - 1 / ranks)
     copies = max(parameters, copied or 0)
     return FIXED_BYTES + COPY_BYTES_PER_PARAM * scale * copies + per_checked * checked
 
 
-def helper_bytes(copied: int, dtype_bytes: int = 4, optimizer: str = "adamw") -> float:
-    """What a rank that shares the oracle's forwards holds for them: its copies of a model of `copied` elements."""
+def helper_bytes(copied: int, dtype_bytes: int = 4, optimizer: str = "adamw", ranks: int = 2) -> float:
+    """What a rank that shares the oracle's forwards holds for them, at `ranks` ranks: its copies of a model of
+    `copied` elements, and its ranges."""
     scale = dtype_bytes / 4 if dtype_bytes > 4 else 1.0
-    per = HELPER_BYTES_PER_PARAM.get(optimizer, max(HELPER_BYTES_PER_PARAM.values()))
-    return FIXED_BYTES + per * scale * copied
+    a, b = HELPER_BYTES_PER_PARAM.get(optimizer, max(HELPER_BYTES_PER_PARAM.values()))
+    return FIXED_BYTES + (a + b / max(ranks, 2)) * scale * copied
 
 
 def copied_elements(template: nn.Module) -> int:
@@ -172,8 +183,8 @@ def units(template: nn.Module) -> list[tuple[str, list[str]]]:
 
 
 def plan(template: nn.Module, *, request: str, optimizer: str, dtype_bytes: int, device: torch.device,
-         refuse_partial: str | None = None, reserved: float = 0.0, free: tuple[float | None, str] | None = None
-         ) -> OracleCoverage:
+         refuse_partial: str | None = None, reserved: float = 0.0, free: tuple[float | None, str] | None = None,
+         ranks: int = 1) -> OracleCoverage:
     """The parameters the oracle checks. `request`: 'full' (all, refused in one line where they do not fit), 'auto'
     (all where they fit, else as many whole units as fit) or a fraction in (0, 1] (whole units up to that share of the
     parameters, each taken only while it fits). `refuse_partial`: why this run cannot be checked on a subset (the
@@ -184,7 +195,7 @@ def plan(template: nn.Module, *, request: str, optimizer: str, dtype_bytes: int,
     copied = copied_elements(template)
 
     def need(checked: int) -> float:
-        return need_bytes(total, checked, optimizer, dtype_bytes, copied)
+        return need_bytes(total, checked, optimizer, dtype_bytes, copied, ranks)
 
     full_need = need(total)
     free, source = free if free is not None else available_bytes(device)
@@ -256,7 +267,8 @@ def plan_ranks(template: nn.Module, pools: list[tuple[Any, tuple[float | None, s
     host for CPU ranks, its device for CUDA ones; its bytes free and their source), in rank order. Rank 0's plan
     leaves room for the other ranks' copies in its own pool; a pool too small for its ranks' copies is refused in one
     line, naming the ranks."""
-    copies = helper_bytes(copied_elements(template), kwargs.get("dtype_bytes", 4), kwargs.get("optimizer", "adamw"))
+    copies = helper_bytes(copied_elements(template), kwargs.get("dtype_bytes", 4), kwargs.get("optimizer", "adamw"),
+                          len(pools))
     mine = pools[0][0]
     for pool in dict.fromkeys(p for p, _ in pools[1:] if p != mine):
         ranks = [r for r, (p, _) in enumerate(pools) if p == pool and r]
@@ -268,4 +280,4 @@ def plan_ranks(template: nn.Module, pools: list[tuple[Any, tuple[float | None, s
                 f"forwards: they need about {need / GIB:.1f} GiB and have {free / GIB:.1f} GiB free ({source}); "
                 "--oracle-ranks rank0 runs every forward on rank 0 alone")
     helpers_here = copies * sum(1 for r, (p, _) in enumerate(pools) if r and p == mine)
-    return plan(template, reserved=helpers_here, free=pools[0][1], **kwargs)
+    return plan(template, reserved=helpers_here, free=pools[0][1], ranks=len(pools), **kwargs)
