@@ -6,7 +6,8 @@ fixed order.
   regrouped floor are rank 0's old sequential sums to the bit, so every judged figure is the same as `--oracle-ranks
   rank0`'s (the single-process oracle), and the float64 oracle's figures agree to float64's rounding.
 - Faults confined to the parameters of rank 1's range (the range the ranks' judging is divided by) are caught, with
-  their cause: in the gradient (Rank1RangeGradientDDP) and in the update (Rank1RangeDoubleStepDDP).
+  their cause: in the gradient (Rank1RangeGradientDDP), in the update (Rank1RangeDoubleStepDDP), and at a step no
+  other check sees, by the reference trajectory whose range rank 1 holds (Rank1RangeUncheckedDoubleStepDDP).
 - The partition itself: contiguous ranges of about as many elements each.
 """
 
@@ -42,6 +43,16 @@ def test_a_gradient_fault_in_rank_1s_range_alone_is_caught_on_divided_arithmetic
     assert "1.05x the oracle" in d["reason"], d["reason"]
     assert result["equivalence"]["oracle_division"]["ranks"] == 2, result["equivalence"]["oracle_division"]
     assert result["equivalence"]["oracle_division"]["divided"] > 0
+
+
+def test_a_change_in_rank_1s_range_at_an_unchecked_step_is_caught_by_the_trajectory_rank_1_holds(launch):
+    """The reference trajectory is held and judged in ranges: rank 1 holds and judges the parameters its range holds,
+    and a change there at a step no other check sees (--check-every 2: step 1) is found from its figures."""
+    proc, result = launch("tests.faulty_adapters:Rank1RangeUncheckedDoubleStepDDP", 2, "mlp",
+                          [*STEPS, "--check-every", "2"])
+    d = different(proc, result, "trajectory")
+    assert (d["step"], d["cause"]) == (1, "trajectory") and d["parameter"] in MLP_RANK1, d
+    assert result["equivalence"]["checks"]["gradient"]["status"] == "pass", result["equivalence"]["checks"]
 
 
 @pytest.mark.slow
