@@ -1,19 +1,23 @@
-"""The oracle's arithmetic divided over the ranks: every rank runs its own forwards of a checked step.
+"""The oracle's arithmetic divided over the ranks: every rank runs its own forwards of a checked step, and each
+parameter's sum is held by the rank that owns it.
 
-Owns: `Peers` (the verifier's own process group: gloo, CPU tensors, made by the run layer on every rank beside the
-backend's, so nothing here passes through the backend's wrapper, buckets or hooks), `Divider` (rank 0: asks every rank
-for its share of a gradient and sums the shares in a fixed order) and `Helper` (every other rank: computes its share
-with copies of its own). Imports no adapter.
+Owns: `Divider` (rank 0: asks every rank for its share of a gradient; holds rank 0's range of each sum and reads or
+reduces the others where they are held) and `Helper` (every other rank: computes its share with copies of its own,
+holds its range of each sum, and serves rank 0's reads and reductions of it). The verifier's own process group and
+the parameters' owners are dpcompare.verify.peers's (`Peers` is importable from here too); the reference
+trajectory's ranges are dpcompare.verify.ranges's, whose steps the Helper serves. Imports no adapter.
 
-A gradient the oracle, the run-precision reference or the reference trajectory computes is a sum over forwards (the
-ranks' shards, their micro-batches: `Piece`s with a `position` in the `Layout`). Where the forwards belong to more
-than one rank, rank 0 sends every rank the request (which copy: float64 or the run's precision; the state to load,
-sent only where it changed; the forwards, by position, in the order rank 0 would run them; the recipe's loss scale
-and rank count) and every rank runs its own forwards with the draws its ranks recorded, on its own device, into its
-copy's gradients, exactly as rank 0 would have run them. Rank 0 then adds the ranks' sums in the order the ranks first
-appear in the request (the reverse order for a regrouped floor), in the copy's own dtype, one parameter at a time, as
-autograd would have accumulated them on one process: with one forward per rank the sum is rank 0's old sequential
-accumulation to the bit. A rank with no forward in the request sends nothing.
+A gradient the oracle or the run-precision reference computes is a sum over forwards (the ranks' shards, their
+micro-batches: `Piece`s with a `position` in the `Layout`). Where the forwards belong to more than one rank, rank 0
+sends every rank the request (which copy: float64 or the run's precision; the state to load, sent only where it
+changed; the forwards, by position, in the order rank 0 would run them; the recipe's loss scale and rank count) and
+every rank runs its own forwards with the draws its ranks recorded, on its own device, into its copy's gradients,
+exactly as rank 0 would have run them. Each parameter's owner then adds the ranks' sums in the order the ranks first
+appear in the request (the reverse order for a regrouped floor), in the copy's own dtype, as autograd would have
+accumulated them on one process: with one forward per rank the sum is rank 0's old sequential accumulation to the
+bit. Rank 0 gets a `Remote`: its own range held, the others read from their owners one parameter at a time, or
+reduced by them (`per_parameter`: a figure per parameter, computed where the sums are) while they serve; the reduced
+gradient as rank 0 read it is held the same way (`hold`). An owner lets its range go once rank 0 has let the sum go.
 
 Trust: the collectives are trusted (gloo's own tests and nccl-tests verify them); what dpcompare judges is how each
 backend uses them. The state every rank loads is rank 0's (the values the backend's optimizer holds, as rank 0 read

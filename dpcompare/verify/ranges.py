@@ -1,7 +1,7 @@
 """The reference trajectory held in ranges over the ranks: each rank keeps and steps its own range of the parameters.
 
 Owns: `Ranges` (on every rank, over the verifier's own process group, dpcompare.verify.divided.Peers): which rank
-owns which trainable parameter (dpcompare.verify.divided.partition: contiguous ranges of about as many elements each),
+owns which trainable parameter (dpcompare.verify.peers.owners: contiguous ranges of about as many elements each),
 and the collectives the reference trajectory (dpcompare.verify.trajectory) needs to train its float64 and run-precision
 copies as one process would, with each rank holding only its own range between steps:
   - `gather`: before a step's forwards, every rank's copy is made whole: each trainable parameter from its owner, the
