@@ -531,27 +531,6 @@ class Rank1RangeGradientDDP(DDPAdapter):
                 named[n].grad.mul_(1.05)
 
 
-class Rank1RangeUncheckedDoubleStepDDP(DDPAdapter):
-    """DDP whose optimizer step moves the parameters of rank 1's range twice as far at the second step of the run alone
-    (step 1): under --check-every 2 that step's gradient and update are not checked, so only the reference trajectory,
-    whose range rank 1 holds and judges, can see it."""
-
-    name = "rank1-range-unchecked-double-step-ddp"
-
-    def step(self) -> None:
-        self._steps = getattr(self, "_steps", 0) + 1
-        if self._steps != 2:
-            super().step()
-            return
-        named = dict(self.wrapped.module.named_parameters())
-        mine = [named[n] for n in _rank1_range(self.wrapped.module, self.env.world_size)]
-        before = [p.detach().clone() for p in mine]
-        super().step()
-        with torch.no_grad():
-            for p, b in zip(mine, before):
-                p.add_(p - b)
-
-
 class Rank1RangeDoubleStepDDP(DDPAdapter):
     """DDP whose optimizer step moves the parameters of rank 1's range twice as far as it should (the step's update
     added a second time): the gradient is right everywhere, the update wrong in rank 1's range alone."""
@@ -566,3 +545,17 @@ class Rank1RangeDoubleStepDDP(DDPAdapter):
         with torch.no_grad():
             for p, b in zip(mine, before):
                 p.add_(p - b)
+
+
+class Rank1RangeUncheckedDoubleStepDDP(Rank1RangeDoubleStepDDP):
+    """Rank1RangeDoubleStepDDP at the second step of the run alone (step 1): under --check-every 2 that step's gradient
+    and update are not checked, so only the reference trajectory, whose range rank 1 holds and judges, can see it."""
+
+    name = "rank1-range-unchecked-double-step-ddp"
+
+    def step(self) -> None:
+        self._steps = getattr(self, "_steps", 0) + 1
+        if self._steps == 2:
+            super().step()
+        else:
+            DDPAdapter.step(self)
