@@ -253,9 +253,11 @@ class RunConfig:
     oracle_ranks: OracleRanks = run_flag(
         "all",
         help="where the oracle's forwards run: all (every rank its own forwards of the float64 oracle, the "
-             "run-precision references and the reference trajectory, added on rank 0 in a fixed order) or rank0 (rank "
-             "0 runs every forward alone: the single-process oracle)",
-        compare=Forwarded("where each run's oracle forwards run: all (every rank its own, added on rank 0) or rank0"))
+             "run-precision references and the reference trajectory, added in a fixed order, each rank holding its "
+             "range of the parameters' sums and trajectory) or rank0 (rank 0 runs every forward alone: the "
+             "single-process oracle)",
+        compare=Forwarded("where each run's oracle forwards run: all (every rank its own, each holding its range) or "
+                          "rank0"))
     """Where the oracle's forwards run (dpcompare.verify.divided): `all`, every rank its own on a process group of the
     verifier's own; `rank0`, rank 0 alone (the same gradients to the bit with one forward per rank)."""
     check_coverage: str = run_flag(
