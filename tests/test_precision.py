@@ -459,3 +459,27 @@ def test_unchecked_steps_follow_the_backends_own_skips(launch) -> None:
     p = e["precision"]
     assert p["skipped_steps"] == [0, 3, 6] and p["skipped_total"] == 7, p
     assert "(7 in all, unchecked steps counted)" in proc.stdout
+
+
+@pytest.mark.parametrize("kind", ["engine", "autocast"])
+def test_the_reference_trajectory_runs_its_recipe_copy_at_the_steps_loss_scale(kind: str) -> None:
+    """The run-recipe copy of the reference trajectory scales its loss as the backend's step did: at a scale its
+    fp16 gradients overflow, its own loss scaler skips the step (the float64 copy steps); at scale 1 it steps. A copy
+    that ignored the scale would step both times."""
+    from dpcompare.verify.trajectory import Trajectory
+
+    torch.manual_seed(0)
+    template = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    pieces = [eq.Piece(torch.randn(4, 6), torch.randint(0, 3, (4,)), 1.0)]
+    moved = {}
+    for scale in (2.0**40, 1.0):
+        trajectory = Trajectory(template, nn.functional.cross_entropy,
+                                lambda params, **_: torch.optim.SGD(params, lr=0.1), "float32", torch.device("cpu"),
+                                depth=2, recipe=Recipe(kind, "fp16"))
+        before = [p.detach().clone() for p in trajectory.model_run.parameters()]
+        before64 = [p.detach().clone() for p in trajectory.model64.parameters()]
+        trajectory.step(pieces, loss_scale=scale)
+        moved[scale] = (any(not torch.equal(p, b) for p, b in zip(trajectory.model_run.parameters(), before)),
+                        any(not torch.equal(p, b) for p, b in zip(trajectory.model64.parameters(), before64)))
+    assert moved[2.0**40] == (False, True), moved
+    assert moved[1.0] == (True, True), moved

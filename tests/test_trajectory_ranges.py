@@ -3,7 +3,7 @@ file rendezvous), without a backend:
 
 - each rank's range of both copies (float64 and the run's dtype) after three steps is, to the bit, what one process
   holding the whole trajectory reaches on the same forwards (one per rank), with momentum SGD and with AdamW, with and
-  without clipping by the global norm; rank 0's drift entries are the single process's, figure for figure;
+  without clipping by the global norm, and under DeepSpeed's engine recipe at a loss scale (slow tier); rank 0's drift entries are the single process's, figure for figure;
 - between steps a rank holds the storage of its own range of the trainable parameters only;
 - a rank that cannot compute its share says so: rank 0 raises it naming the rank, no rank steps, and the next step is
   served.
@@ -22,6 +22,7 @@ from torch import nn
 
 from dpcompare.verify import divided
 from dpcompare.verify.equivalence import Layout, replica_pieces
+from dpcompare.verify.precision import Recipe
 from dpcompare.verify.trajectory import Trajectory
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
@@ -51,11 +52,12 @@ class _FailOnRank1:
         raise ValueError("planted failure")
 
 
-def _worker(rank: int, world: int, init: str, out: str, optimizer: str, clip: float | None) -> None:
+def _worker(rank: int, world: int, init: str, out: str, optimizer: str, clip: float | None, recipe: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     peers = divided.Peers.make()
     layout, template, loss, cpu = Layout(world), _model(), nn.functional.cross_entropy, torch.device("cpu")
-    kwargs = dict(depth=3, clip=clip)
+    kwargs = dict(depth=3, clip=clip, recipe=Recipe(recipe, "fp16") if recipe != "none" else Recipe())
+    scale = 1024.0 if recipe != "none" else 1.0  # the loss scale the recipe's copy multiplies its loss by
     shared = Trajectory(template, loss, _factory(optimizer), "float32", cpu, peers=peers, **kwargs)
     alone = Trajectory(template, loss, _factory(optimizer), "float32", cpu, **kwargs)
     # the run's parameters after each step, as the judge reads them (any values near the trajectory's)
@@ -69,11 +71,11 @@ def _worker(rank: int, world: int, init: str, out: str, optimizer: str, clip: fl
     report: dict = {"entries": [], "alone": []}
     for step in range(STEPS):
         batch = _batch(step)
-        alone.step(replica_pieces(batch, layout))
+        alone.step(replica_pieces(batch, layout), scale)
         if rank:
             helper.serve(batch, lambda: None, masters)
         else:
-            shared.step(replica_pieces(batch, layout))
+            shared.step(replica_pieces(batch, layout), scale)
             report["entries"].append(shared.judge(step, masters, world))
             report["alone"].append(alone.judge(step, masters, world))
             divider.done()
@@ -105,11 +107,14 @@ def _worker(rank: int, world: int, init: str, out: str, optimizer: str, clip: fl
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("optimizer", "clip"), [("sgd", None), ("adamw", 0.05)])
-def test_a_trajectory_in_ranges_steps_and_judges_as_one_process(optimizer, clip):
+@pytest.mark.parametrize(("optimizer", "clip", "recipe"), [
+    ("sgd", None, "none"), ("adamw", 0.05, "none"),
+    # fp16 weights from fp32 masters at a loss scale: the recipe's rank count and scale, its overflow test over ranges
+    pytest.param("adamw", None, "engine", marks=pytest.mark.slow)])
+def test_a_trajectory_in_ranges_steps_and_judges_as_one_process(optimizer, clip, recipe):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "report")
-        mp.spawn(_worker, args=(WORLD, f"file://{os.path.join(tmp, 'rendezvous')}", out, optimizer, clip),
+        mp.spawn(_worker, args=(WORLD, f"file://{os.path.join(tmp, 'rendezvous')}", out, optimizer, clip, recipe),
                  nprocs=WORLD, join=True)
         reports = [torch.load(f"{out}.{r}") for r in range(WORLD)]
     trainable = sorted(reports[0]["mine"])

@@ -106,7 +106,7 @@ class Trajectory:
         if skip:
             return
         if self.ranges is None:
-            self._step(lambda: pieces, None)
+            self._step(lambda: pieces, None, loss_scale)
             return
         ranks = len({p.rank for p in pieces})
         divided = ranks > 1 and all(p.position is not None for p in pieces)
@@ -115,7 +115,7 @@ class Trajectory:
                                     if divided else (0,), ranks, loss_scale)
         self.ranges.ask(request)
         own = [p for p in pieces if p.rank == 0] if divided else pieces
-        self._step(lambda: own, request)
+        self._step(lambda: own, request, loss_scale)
 
     def serve(self, request: TrajectoryRequest, own: Callable[[], list[Piece]],
               masters: dict[str, torch.Tensor] | None) -> None:
@@ -123,7 +123,7 @@ class Trajectory:
         called; `masters`: the run's parameters after the step, as this rank read them)."""
         if request.op == "step":
             try:
-                self._step(own if request.positions is not None else list, request)
+                self._step(own if request.positions is not None else list, request, request.loss_scale)
             except _Abandoned:  # a rank could not compute its share: none stepped, and rank 0 says why
                 pass
         elif request.op == "judge":
@@ -131,9 +131,9 @@ class Trajectory:
         else:
             raise ValueError(f"unknown trajectory request {request.op!r}")
 
-    def _step(self, own: Callable[[], list[Piece]], share: TrajectoryRequest | None) -> None:
-        """Both copies' step on this process's forwards `own()`, shared as `share` says (None: not shared)."""
-        loss_scale = share.loss_scale if share is not None else 1.0
+    def _step(self, own: Callable[[], list[Piece]], share: TrajectoryRequest | None, loss_scale: float) -> None:
+        """Both copies' step on this process's forwards `own()` at the step's `loss_scale`, shared as `share` says
+        (None: not shared)."""
         if share is not None:
             for model in (self.model64, self.model_run):
                 self.ranges.gather(model)
