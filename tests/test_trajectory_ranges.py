@@ -1,6 +1,8 @@
 """The reference trajectory held in ranges over the ranks (dpcompare.verify.ranges) on three real processes (gloo over a
 file rendezvous), without a backend:
 
+- the trajectory starts from rank 0's initial weights whatever each rank built, and each range is judged against
+  rank 0's parameters after the step, never the rank's own;
 - each rank's range of both copies (float64 and the run's dtype) after three steps is, to the bit, what one process
   holding the whole trajectory reaches on the same forwards (one per rank), with momentum SGD and with AdamW, with and
   without clipping by the global norm, and under DeepSpeed's engine recipe at a loss scale (slow tier); rank 0's drift entries are the single process's, figure for figure;
@@ -11,6 +13,7 @@ file rendezvous), without a backend:
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 
@@ -56,12 +59,17 @@ def _worker(rank: int, world: int, init: str, out: str, optimizer: str, clip: fl
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     peers = divided.Peers.make()
     layout, template, loss, cpu = Layout(world), _model(), nn.functional.cross_entropy, torch.device("cpu")
+    ranks0 = copy.deepcopy(template)  # rank 0's initial weights
+    with torch.no_grad():  # every other rank built other weights: the trajectory starts from rank 0's
+        for p in template.parameters():
+            p.add_(0.01 * rank)
     kwargs = dict(depth=3, clip=clip, recipe=Recipe(recipe, "fp16") if recipe != "none" else Recipe())
     scale = 1024.0 if recipe != "none" else 1.0  # the loss scale the recipe's copy multiplies its loss by
     shared = Trajectory(template, loss, _factory(optimizer), "float32", cpu, peers=peers, **kwargs)
-    alone = Trajectory(template, loss, _factory(optimizer), "float32", cpu, **kwargs)
-    # the run's parameters after each step, as the judge reads them (any values near the trajectory's)
-    masters = {n: p.detach() + 1e-3 * torch.ones_like(p) for n, p in template.named_parameters()}
+    alone = Trajectory(ranks0, loss, _factory(optimizer), "float32", cpu, **kwargs)
+    # the run's parameters after each step, as rank 0 read them (any values near the trajectory's); another rank's
+    # differ, and are not what the trajectory is judged against (the replicas' check holds them to rank 0's)
+    masters = {n: p.detach() + 1e-3 * (1 + rank) * torch.ones_like(p) for n, p in ranks0.named_parameters()}
     helper = divider = None
     if rank:
         helper = divided.Helper(peers, template, loss, layout=layout, dtype=torch.float32, device=cpu,
@@ -73,7 +81,7 @@ def _worker(rank: int, world: int, init: str, out: str, optimizer: str, clip: fl
         batch = _batch(step)
         alone.step(replica_pieces(batch, layout), scale)
         if rank:
-            helper.serve(batch, lambda: None, masters)
+            helper.serve(batch, lambda: None)
         else:
             shared.step(replica_pieces(batch, layout), scale)
             report["entries"].append(shared.judge(step, masters, world))
@@ -90,9 +98,9 @@ def _worker(rank: int, world: int, init: str, out: str, optimizer: str, clip: fl
     if rank:
         if rank == 1:
             shared.loss_fn = _FailOnRank1()
-        helper.serve(batch, lambda: None, masters)
+        helper.serve(batch, lambda: None)
         shared.loss_fn = loss
-        helper.serve(batch, lambda: None, masters)
+        helper.serve(batch, lambda: None)
     else:
         try:
             shared.step(replica_pieces(batch, layout))

@@ -168,7 +168,7 @@ class VerificationPhase:
                     self.check.after_update(step, masters, self.runner.grad_norm)
             elif self.helper is not None:
                 with self._costed():
-                    self.helper.serve(batch, self._masks_of(batch, gathered), masters)
+                    self.helper.serve(batch, self._masks_of(batch, gathered))
             if checked or step == self.cfg.steps - 1:
                 self._compare_replicas(step)
 

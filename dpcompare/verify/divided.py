@@ -283,11 +283,9 @@ class Helper:
         self._held: dict[int, Grads] = {}
         """This rank's range of each divided gradient rank 0 still holds, by its number."""
 
-    def serve(self, batch: tuple[torch.Tensor, torch.Tensor], masks: Callable[[], list | None],
-              masters: dict[str, torch.Tensor] | None = None) -> None:
+    def serve(self, batch: tuple[torch.Tensor, torch.Tensor], masks: Callable[[], list | None]) -> None:
         """Until rank 0 says the point is over: each request's share, of this step's global `batch`, with the draws
-        `masks()` unpacks (each forward's, in the layout's order; None: the forward draws nothing); `masters`: the
-        run's parameters after the optimizer step, as this rank read them (the trajectory is judged against them)."""
+        `masks()` unpacks (each forward's, in the layout's order; None: the forward draws nothing)."""
         with stochastic.isolated(self.device):
             while True:
                 request = self.peers.broadcast(None)
@@ -296,7 +294,7 @@ class Helper:
                 if request.slot is None:
                     break
                 if request.slot == "trajectory":
-                    self.trajectory.serve(request, lambda r=request: self._own(r, batch, masks()), masters)
+                    self.trajectory.serve(request, lambda r=request: self._own(r, batch, masks()))
                 elif request.slot == "fetch":
                     self._send_held(request)
                 elif request.slot == "reduce":

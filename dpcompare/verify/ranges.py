@@ -44,6 +44,8 @@ class TrajectoryRequest:
     ranks: int = 1
     """The ranks in the step's forwards (the recipe's loss multiplier, dpcompare.verify.equivalence.accumulate_raw)."""
     loss_scale: float = 1.0
+    dtypes: tuple[torch.dtype, ...] = ()
+    """"judge": the dtypes of rank 0's parameters after the step it sends each owner, in the trainable order."""
     slot: str = "trajectory"
     """Never None: the Helper's loop serves until a request whose slot is None."""
 
@@ -77,6 +79,30 @@ class Ranges:
                 self._broadcast(p, src)
             for _, b in model.named_buffers():
                 self._broadcast(b, 0)
+
+    def from_rank0(self, model: nn.Module) -> None:
+        """Every parameter and buffer of `model` set to rank 0's (a copy each rank built from its own template: the
+        ranks may have built different initial weights, which the backend may or may not make rank 0's)."""
+        with torch.no_grad():
+            for _, t in (*model.named_parameters(), *model.named_buffers()):
+                self._broadcast(t, 0)
+
+    def to_owners_from_rank0(self, names: list[str], values: dict[str, torch.Tensor] | None,
+                             dtypes: dict[str, torch.dtype], shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+        """Rank 0's `values` of `names`, each sent to its owner: this rank's own range of them (rank 0: its own)."""
+        out: dict[str, torch.Tensor] = {}
+        for n in names:
+            owner = self.owner[n]
+            if self.rank == 0:
+                if owner == 0:
+                    out[n] = values[n]
+                else:
+                    dist.send(values[n].detach().to("cpu").contiguous(), dst=owner, group=self.peers.group)
+            elif owner == self.rank:
+                t = torch.empty(shapes[n], dtype=dtypes[n])
+                dist.recv(t, src=0, group=self.peers.group)
+                out[n] = t
+        return out
 
     def release(self, model: nn.Module) -> None:
         """Free the storage of the trainable parameters of `model` this rank does not own (gathered again before use)."""

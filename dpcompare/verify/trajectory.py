@@ -66,6 +66,9 @@ class Trajectory:
         self.written: set[str] = set()
         """Of those, the ones the copies' forward writes: left to the replica fingerprints."""
         self.ranges = Ranges(peers, self.model64) if peers is not None else None
+        if self.ranges is not None:  # rank 0's initial weights, whatever this rank built
+            for model in (self.model64, self.model_run):
+                self.ranges.from_rank0(model)
         self.opt64 = factory(self._stepped(self.model64))
         self.opt_run = factory(self._stepped(self.model_run))
         self.recipe = recipe
@@ -78,6 +81,8 @@ class Trajectory:
                 model.zero_grad(set_to_none=True)
         # The engine recipe's forward runs on 16-bit weights loaded from the master copy (model_run) each step.
         self.work = verification_copy(template, device, recipe.weights_dtype) if recipe.weights_dtype else None
+        if self.work is not None and self.ranges is not None:
+            self.ranges.from_rank0(self.work)
         if self.work is not None:
             # The engine's master copies are made from the weights after their conversion to 16 bits: they start
             # from the initial weights rounded once (the float64 copy starts from the initial weights themselves).
@@ -117,17 +122,16 @@ class Trajectory:
         own = [p for p in pieces if p.rank == 0] if divided else pieces
         self._step(lambda: own, request, loss_scale)
 
-    def serve(self, request: TrajectoryRequest, own: Callable[[], list[Piece]],
-              masters: dict[str, torch.Tensor] | None) -> None:
+    def serve(self, request: TrajectoryRequest, own: Callable[[], list[Piece]]) -> None:
         """A rank other than 0: its part of rank 0's `request` (`own`: its own forwards of the step, unpacked when
-        called; `masters`: the run's parameters after the step, as this rank read them)."""
+        called)."""
         if request.op == "step":
             try:
                 self._step(own if request.positions is not None else list, request, request.loss_scale)
             except _Abandoned:  # a rank could not compute its share: none stepped, and rank 0 says why
                 pass
         elif request.op == "judge":
-            self.ranges.at_rank0(self._figures(masters))
+            self.ranges.at_rank0(self._figures(self._rank0s(None, dict(zip(self.names, request.dtypes)))))
         else:
             raise ValueError(f"unknown trajectory request {request.op!r}")
 
@@ -260,9 +264,11 @@ class Trajectory:
         name), reduced parameter by parameter (no whole-model vector is built; where shared, each rank reduces its
         range and rank 0 adds the figures in the parameters' order)."""
         params = module if isinstance(module, dict) else dict(module.named_parameters())
-        if self.ranges is not None:
-            self.ranges.ask(TrajectoryRequest("judge"))
-            figures = {n: f for part in self.ranges.at_rank0(self._figures(params)) for n, f in part.items()}
+        if self.ranges is not None:  # each owner judges its range of rank 0's parameters
+            dtypes = {n: params[n].dtype for n in self.names}
+            self.ranges.ask(TrajectoryRequest("judge", dtypes=tuple(dtypes[n] for n in self.names)))
+            mine = self._figures(self._rank0s(params, dtypes))
+            figures = {n: f for part in self.ranges.at_rank0(mine) for n, f in part.items()}
         else:
             figures = self._figures(params)
         if not all(figures[n][0] for n in self.names):
@@ -285,6 +291,11 @@ class Trajectory:
                 # as the gradient's: over the floor with the reduction's allowance (it passes at or below the factor)
                 "noise_ratio": distance / (tolerance / TOLERANCE_FACTOR), "tolerance": tolerance,
                 "ok": distance <= tolerance, "worst_parameter": worst}
+
+    def _rank0s(self, params: dict[str, torch.Tensor] | None, dtypes: dict[str, torch.dtype]) -> dict:
+        """Rank 0's parameters after the step, this rank's range of them (sent by rank 0)."""
+        shapes = {n: p.shape for n, p in self.model64.named_parameters()}
+        return self.ranges.to_owners_from_rank0(self.names, params, dtypes, shapes)
 
     def _figures(self, params: dict[str, torch.Tensor]) -> dict[str, tuple[bool, float, float, bool, float]]:
         """Per trainable parameter this process holds: (the float64 copy's finite, its norm, the run's distance from
