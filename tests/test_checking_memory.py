@@ -1,5 +1,6 @@
 """What the checks hold between and within their steps: oracle copies that hold their parameters only while they
-compute, the update replayed one parameter at a time as it is read, the expected optimizer state in the dtype the
+compute, the update replayed as it is read (a piece of a parameter at a time where the optimizer steps each element
+alone, else a parameter at a time), the expected optimizer state in the dtype the
 optimizer keeps, state entries compared a chunk at a time, and freed host memory handed back."""
 
 from __future__ import annotations
@@ -136,10 +137,76 @@ def test_freed_memory_is_handed_back_once_enough_of_it_is_freed(monkeypatch):
     held.give_back_freed()  # not glibc: nothing to call
 
 
-def test_compare_reads_a_lazy_replay_once_per_parameter(monkeypatch):
+def _sgd(ps, **kw):
+    return torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.01, nesterov=True, **kw)
+
+
+class _NormedSGD(torch.optim.SGD):
+    """A step that is not element by element: each update is scaled by its parameter's norm."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / (1.0 + float(p.norm())))
+
+
+@pytest.mark.parametrize("factory", [_adamw, _sgd], ids=["adamw", "sgd"])
+@pytest.mark.parametrize("chunk", [5, 1 << 20])
+def test_compare_steps_an_elementwise_replay_a_piece_at_a_time_with_the_whole_replays_figures(factory, chunk,
+                                                                                             monkeypatch):
+    """The update check reads the replay in pieces (a piece of a parameter stepped in buffers reused from piece to
+    piece, never a whole-parameter copy): its figures and the state it leaves are those of the replay stepped a
+    whole parameter at a time, bitwise."""
     params, grads, state = _step_inputs()
-    ref = reference_step(_adamw, params, grads, state, torch.float64, torch.device("cpu"))
-    floor = reference_step(_adamw, params, grads, state, torch.float32, torch.device("cpu"), keep_state=False)
+    if factory is _sgd:
+        state = {n: {"momentum_buffer": e["exp_avg"]} for n, e in state.items()}
+    monkeypatch.setattr(tol, "CHUNK", chunk)
+    names = list(params)
+    backend = {n: t + 0.01 for n, t in params.items()}
+
+    def figures(read_whole: bool):
+        ref = reference_step(factory, params, grads, state, torch.float64, torch.device("cpu"), state_like=state)
+        floor = reference_step(factory, params, grads, state, torch.float32, torch.device("cpu"), keep_state=False)
+        stepped = []
+        original = type(ref._replay).reached
+
+        def counted(self, n):
+            stepped.append(n)
+            return original(self, n)
+
+        monkeypatch.setattr(type(ref._replay), "reached", counted)
+        if read_whole:  # the whole-parameter path: the values read before compare reads them
+            for n in names:
+                ref.delta[n], floor.delta[n]
+            stepped.clear()
+            monkeypatch.setattr(type(ref._replay), "piece", lambda self, n, part: original(self, n).reshape(-1)[part])
+        got = tol.compare(held.Difference(backend, params), ref.delta, floor.delta, dtype="float32", world_size=1,
+                          depth=2, names=names)
+        after = ref.state
+        monkeypatch.undo()
+        monkeypatch.setattr(tol, "CHUNK", chunk)
+        return got, after, stepped
+
+    (pieces, model), after, stepped = figures(read_whole=False)
+    (whole, whole_model), whole_after, _ = figures(read_whole=True)
+    assert stepped == []  # no parameter was stepped whole
+    assert pieces == whole and model == whole_model
+    for n in names:
+        assert after[n].keys() == whole_after[n].keys()
+        for k, v in after[n].items():
+            assert v.dtype == whole_after[n][k].dtype and torch.equal(v, whole_after[n][k])
+
+
+def test_a_replay_that_is_not_elementwise_is_stepped_whole_once_per_parameter(monkeypatch):
+    """The negative: an optimizer whose step reads its whole parameter (here a norm) is never stepped in pieces,
+    which would scale each piece by its own norm: compare steps each parameter once, whole."""
+    params, grads, _ = _step_inputs()
+    monkeypatch.setattr(tol, "CHUNK", 5)
+    factory = lambda ps, **kw: _NormedSGD(ps, lr=0.5, **kw)  # noqa: E731
+    ref = reference_step(factory, params, grads, {}, torch.float64, torch.device("cpu"))
+    floor = reference_step(factory, params, grads, {}, torch.float32, torch.device("cpu"), keep_state=False)
     stepped = []
     original = type(ref._replay).reached
 
@@ -151,6 +218,9 @@ def test_compare_reads_a_lazy_replay_once_per_parameter(monkeypatch):
     monkeypatch.setattr(type(ref._replay), "reached", counted)
     tol.compare(floor.delta, ref.delta, floor.delta, dtype="float32", world_size=1, depth=2, names=list(params))
     assert sorted(stepped) == sorted(list(params) * 2)  # each parameter once in each replay
+    for n in params:  # the whole parameter's norm scales its update
+        want = -0.5 * grads[n].double() / (1.0 + float(params[n].double().norm()))
+        assert torch.allclose(ref.delta[n], want, rtol=1e-12, atol=0)
 
 
 @pytest.mark.multiproc

@@ -32,7 +32,7 @@ from dpcompare.verify import buffers
 from dpcompare.verify import equivalence as eq
 from dpcompare.verify import masks as mk
 from dpcompare.verify import oracle_coverage as oc
-from dpcompare.verify import divided, initial, stochastic, verifier
+from dpcompare.verify import divided, held, initial, stochastic, verifier
 from dpcompare.verify.forwards import split_masks
 from dpcompare.verify.context import CheckContext, CheckSettings
 from dpcompare.verify.precision import Recipe
@@ -62,7 +62,8 @@ class VerificationPhase:
         """Rank 0's time and memory for checking (the oracle, the references, the trajectory), beside the step's."""
 
     def run(self) -> eq.Verdict:
-        with checked_arithmetic(self.runner.device) as tf32:
+        with checked_arithmetic(self.runner.device) as tf32, held.pages_kept() if self.cfg.check_every else \
+                contextlib.nullcontext():
             if self.cost is not None:
                 self.cost.open(self.adapter)
             coverage = self._plan_oracle_coverage()
@@ -195,8 +196,11 @@ class VerificationPhase:
         return lambda: split_masks(eq.Layout(self.runner.world_size, self.cfg.grad_accum,
                                              self.adapter.replicas_per_process()), batch[0].shape[0], records)
 
-    def _costed(self, setup: bool = False) -> contextlib.AbstractContextManager:
-        return self.cost.timing(setup) if self.cost is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _costed(self, setup: bool = False):
+        """The checks' own work: timed, and with freed host pages kept for their next allocation (held.pages_kept)."""
+        with self.cost.timing(setup) if self.cost is not None else contextlib.nullcontext(), held.pages_kept():
+            yield
 
     def _reads(self) -> verifier.Reads:
         """The reduced gradients, the values the optimizer steps and its state, full, read on every rank."""

@@ -217,7 +217,7 @@ class _Sums:
     g2: float = 0.0  # ||g||^2 (the value's own norm, for a caller that states it: compare's `norms`)
 
 
-CHUNK = 1 << 20
+CHUNK = 1 << 18
 """Elements a comparison reads at a time: its temporaries stay a few float64 chunks, whatever the parameter's size."""
 
 
@@ -245,7 +245,7 @@ def _raw(grads: Mapping[str, torch.Tensor], name: str) -> "torch.Tensor | _Chunk
     """`grads[name]` as held (a Compact's in its own dtype; a Difference's two sides), flattened: read chunk by chunk
     in float64."""
     if isinstance(grads, Difference):
-        return _Chunked(*grads.sides(name))
+        return _Chunked(*grads.pieces(name))
     t = grads.held(name) if isinstance(grads, Compact) else grads[name]
     return t.detach().reshape(-1)
 

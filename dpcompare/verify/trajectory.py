@@ -37,7 +37,7 @@ from dpcompare.verify.equivalence import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOF
                                           accumulate_raw, finish_gradient, verification_copy)
 from dpcompare.verify.clipping import clip_, clip_scale
 from dpcompare.verify.held import releasable, release
-from dpcompare.verify.tolerance import rel_ratio
+from dpcompare.verify.tolerance import CHUNK, finite, rel_ratio
 from dpcompare.verify.dtypes import is_float, non_float_divergence, state_distance
 from dpcompare.verify.verdict import Divergence
 from dpcompare.verify.masks import MaskReplayer
@@ -307,9 +307,13 @@ class Trajectory:
             for n in self.names:
                 if self.ranges is not None and not self.ranges.mine(n):
                     continue
-                mine = params[n].detach().to(device=ref[n].device, dtype=torch.float64)
-                out[n] = (bool(torch.isfinite(ref[n]).all()), _norm(ref[n]), _norm(mine - ref[n]),
-                          bool(torch.isfinite(params[n]).all()), _norm(run[n].to(torch.float64) - ref[n]))
+                r, mine, other = (t.detach().reshape(-1) for t in (ref[n], params[n], run[n]))
+                apart = floor = 0.0  # squared, a chunk at a time: no whole float64 copy of the parameter
+                for start in range(0, r.numel(), CHUNK):
+                    part = slice(start, start + CHUNK)
+                    apart += _norm(mine[part].to(device=r.device, dtype=torch.float64) - r[part]) ** 2
+                    floor += _norm(other[part].to(torch.float64) - r[part]) ** 2
+                out[n] = (finite(r), _norm(r), math.sqrt(apart), finite(mine), math.sqrt(floor))
         return out
 
 

@@ -96,9 +96,18 @@ def reference_step(
                               overrides))
 
 
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+"""Optimizers whose step acts on each element of a parameter alone (no norm or sum over the tensor): a replay steps
+them a piece of a parameter at a time, as a comparison reads it (`_Replay.piece`). Any other, a subclass included, is
+stepped a whole parameter at a time."""
+
+
 class _Replay:
     """`reference_step`'s optimizer, stepping a parameter when its update is read: the last one's values are kept for a
-    second read of the same parameter (a comparison reads each once), the state after each where it is kept."""
+    second read of the same parameter (a comparison reads each once), the state after each where it is kept. An
+    ELEMENTWISE optimizer is stepped a piece at a time where a comparison reads pieces (`piece`), in buffers reused from
+    piece to piece: no whole-parameter copy is allocated (on the CPU each fresh one costs its page faults, several times
+    the arithmetic)."""
 
     def __init__(self, factory: OptimizerFactory, params: Mapping[str, torch.Tensor],
                  grads: Mapping[str, torch.Tensor | None], state: OptState, dtype: torch.dtype, device: torch.device,
@@ -110,6 +119,10 @@ class _Replay:
         self.optimizer: torch.optim.Optimizer | None = None
         self.after: OptState = {}
         self._last: tuple[str, torch.Tensor] | None = None
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        """Reused piece buffers, by (role, elements): the parameter, its gradient and each state entry."""
+        self._filling: dict[str, tuple[dict[str, Any], dict[int, int]]] = {}
+        """The state after the step of a parameter read in pieces: its entries, and the pieces written (start: size)."""
 
     def reached(self, n: str) -> torch.Tensor:
         """The value parameter `n` reaches (in the replay's dtype, on the CPU)."""
@@ -137,6 +150,7 @@ class _Replay:
             for _ in range(self.times):
                 optimizer.step()
         reached = live.detach().to("cpu")
+        self._filling.pop(n, None)
         if self.keep_state:
             read = read_state(optimizer, {n: live})
             self.after.update(held_as(read, self.state_like, _held_dtype(self.params, n))
@@ -147,6 +161,71 @@ class _Replay:
         give_back_freed(reached.numel() * reached.element_size() * (2 + len(self.start.get(n, {}))))
         return reached
 
+    def elementwise(self) -> bool:
+        """Whether the replayed optimizer steps each element alone (ELEMENTWISE): then it can be read in pieces."""
+        if self.optimizer is None:
+            probe = nn.Parameter(torch.zeros(1, dtype=self.dtype, device=self.device))
+            self.optimizer = self.factory([probe], **self.overrides)
+        return type(self.optimizer) in ELEMENTWISE
+
+    def numel(self, n: str) -> int:
+        return _held(self.params, n).numel()
+
+    def piece(self, n: str, part: slice) -> torch.Tensor:
+        """Elements `part` of the flattened value parameter `n` reaches, in the replay's dtype on the CPU, valid until
+        the next piece is read. An ELEMENTWISE optimizer steps just those elements (from the same inputs, so a piece
+        read twice is the same); any other steps the whole parameter (`reached`)."""
+        if not self.elementwise():
+            return self.reached(n).reshape(-1)[part]
+        optimizer, size = self.optimizer, part.stop - part.start
+        live = self._buffer("param", size)
+        live.copy_(_held(self.params, n).detach().reshape(-1)[part])
+        live = nn.Parameter(live)
+        optimizer.param_groups[0]["params"] = [live]
+        optimizer.state.clear()
+        if n in self.start:
+            optimizer.state[live] = {
+                k: ((self._buffer(k, size).copy_(v.detach().reshape(-1)[part]) if v.dim() > 0 else
+                     v.to(device=self.device, copy=True)) if torch.is_tensor(v) else v)
+                for k, v in self.start[n].items()}
+        g = _held(self.grads, n)
+        live.grad = None if g is None else self._buffer("grad", size).copy_(g.detach().reshape(-1)[part])
+        with torch.no_grad():
+            if self.scale is not None and live.grad is not None:
+                live.grad.mul_(self.scale.to(live.grad.dtype))
+            for _ in range(self.times):
+                optimizer.step()
+        if self.keep_state and n not in self.after:
+            self._fill(n, part, optimizer.state.get(live, {}))
+        optimizer.state.clear()
+        return live.detach().to("cpu")
+
+    def _buffer(self, role: str, size: int) -> torch.Tensor:
+        key = (role, size)
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(size, dtype=self.dtype, device=self.device)
+        return self._buffers[key]
+
+    def _fill(self, n: str, part: slice, entries: Mapping[str, Any]) -> None:
+        """Write the state after the step of `part` into parameter `n`'s (held as `held_as` holds it); once every
+        piece is written, it is the parameter's state after the step."""
+        if n not in self._filling:
+            shape, otherwise = _held(self.params, n).shape, _held_dtype(self.params, n)
+            have = (self.state_like or {}).get(n, {})
+            self._filling[n] = ({k: (torch.empty(shape, dtype=_as_dtype(v.dtype, have.get(k), otherwise)
+                                                 if self.state_like is not None else v.dtype)
+                                     if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in entries.items()}, {})
+        held, written = self._filling[n]
+        for k, v in entries.items():
+            if torch.is_tensor(v) and v.dim() > 0:
+                held[k].view(-1)[part].copy_(v.detach())
+            else:
+                held[k] = v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+        written[part.start] = part.stop - part.start
+        if sum(written.values()) == self.numel(n):
+            self.after[n] = held
+            del self._filling[n]
+
     def state(self) -> OptState:
         if self.keep_state:
             for n in self.params:
@@ -156,7 +235,7 @@ class _Replay:
 
 
 class _Reached(Mapping[str, torch.Tensor]):
-    """The values each parameter reaches, by name, stepped as read."""
+    """The values each parameter reaches, by name, stepped as read (whole, or in pieces: `pieces`)."""
 
     __slots__ = ("_replay",)
 
@@ -166,11 +245,33 @@ class _Reached(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._replay.reached(name)
 
+    def pieces(self, name: str) -> "_Pieces":
+        return _Pieces(self._replay, name)
+
     def __iter__(self):
         return iter(self._replay.params)
 
     def __len__(self) -> int:
         return len(self._replay.params)
+
+
+class _Pieces:
+    """One parameter's values after a replayed step, flattened, stepped a piece at a time as a slice of it is read."""
+
+    __slots__ = ("_replay", "_name")
+
+    def __init__(self, replay: _Replay, name: str) -> None:
+        self._replay, self._name = replay, name
+
+    def __getitem__(self, part: slice) -> torch.Tensor:
+        return self._replay.piece(self._name, part)
+
+    def numel(self) -> int:
+        return self._replay.numel(self._name)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._replay.dtype
 
 
 def held_as(expected: OptState, backend: OptState, otherwise: torch.dtype | None = None) -> OptState:
@@ -188,12 +289,24 @@ def held_as(expected: OptState, backend: OptState, otherwise: torch.dtype | None
 def _as(value: Any, have: Any, otherwise: torch.dtype | None) -> Any:
     if not (torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0):
         return value
+    return value.to(_as_dtype(value.dtype, have, otherwise))
+
+
+def _as_dtype(dtype: torch.dtype, have: Any, otherwise: torch.dtype | None) -> torch.dtype:
+    """The dtype `held_as` holds a floating entry of `dtype` in."""
+    if not dtype.is_floating_point:
+        return dtype
     if torch.is_tensor(have) and have.is_floating_point():
-        return value.to(have.dtype)
-    return value.to(otherwise) if have is None and otherwise is not None and otherwise.is_floating_point else value
+        return have.dtype
+    return otherwise if have is None and otherwise is not None and otherwise.is_floating_point else dtype
+
+
+def _held(tensors: Mapping[str, Any], name: str) -> Any:
+    """`tensors[name]` as held (a Compact's in its own dtype, not read in float64)."""
+    held = getattr(tensors, "held", None)
+    return held(name) if held is not None else tensors.get(name)
 
 
 def _held_dtype(params: Mapping[str, torch.Tensor], name: str) -> torch.dtype:
     """The dtype `params[name]` is held in (a Compact's own, not the float64 it is read in)."""
-    held = getattr(params, "held", None)
-    return (held(name) if held is not None else params[name]).dtype
+    return _held(params, name).dtype
