@@ -137,6 +137,29 @@ def test_freed_memory_is_handed_back_once_enough_of_it_is_freed(monkeypatch):
     held.give_back_freed()  # not glibc: nothing to call
 
 
+def test_the_checks_keep_freed_pages_and_leave_glibcs_defaults_set_back(monkeypatch):
+    """Within `pages_kept` every allocation is served from the heap and the heap is not trimmed by itself; a use inside
+    another changes nothing; leaving sets glibc's defaults back and trims, also when the checks raised."""
+    calls = []
+    monkeypatch.setattr(held, "_MALLOPT", lambda option, value: calls.append((option, value)))
+    monkeypatch.setattr(held, "_TRIM", lambda pad: calls.append(("trim", pad)))
+    with held.pages_kept():
+        assert calls == [(held._M_MMAP_MAX, 0), (held._M_TRIM_THRESHOLD, 1 << 30)]
+        with held.pages_kept():
+            pass
+        assert len(calls) == 2
+    assert calls[2:] == [*held._GLIBC_DEFAULTS.items(), ("trim", 0)]
+    calls.clear()
+    with pytest.raises(RuntimeError), held.pages_kept():
+        raise RuntimeError("a check failed")
+    assert calls[2:] == [*held._GLIBC_DEFAULTS.items(), ("trim", 0)]
+    calls.clear()
+    monkeypatch.setattr(held, "_MALLOPT", None)  # not glibc: nothing is called
+    with held.pages_kept():
+        pass
+    assert calls == []
+
+
 def _sgd(ps, **kw):
     return torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.01, nesterov=True, **kw)
 
