@@ -62,8 +62,7 @@ class VerificationPhase:
         """Rank 0's time and memory for checking (the oracle, the references, the trajectory), beside the step's."""
 
     def run(self) -> eq.Verdict:
-        with checked_arithmetic(self.runner.device) as tf32, held.pages_kept() if self.cfg.check_every else \
-                contextlib.nullcontext():
+        with checked_arithmetic(self.runner.device) as tf32:
             if self.cost is not None:
                 self.cost.open(self.adapter)
             coverage = self._plan_oracle_coverage()
@@ -198,7 +197,8 @@ class VerificationPhase:
 
     @contextlib.contextmanager
     def _costed(self, setup: bool = False):
-        """The checks' own work: timed, and with freed host pages kept for their next allocation (held.pages_kept)."""
+        """The checks' own work (rank 0's, or a helper's share): timed, and with freed host pages kept for its next
+        allocation (held.pages_kept)."""
         with self.cost.timing(setup) if self.cost is not None else contextlib.nullcontext(), held.pages_kept():
             yield
 

@@ -119,6 +119,8 @@ class _Replay:
         self.optimizer: torch.optim.Optimizer | None = None
         self.after: OptState = {}
         self._last: tuple[str, torch.Tensor] | None = None
+        self._read: tuple[str, torch.Tensor, torch.Tensor | None, dict[str, Any] | None] | None = None
+        """The parameter whose pieces are being stepped, and its inputs (`_sources`)."""
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
         """Reused piece buffers, by (role, elements): the parameter, its gradient and each state entry."""
         self._filling: dict[str, tuple[dict[str, Any], dict[int, int]]] = {}
@@ -178,18 +180,16 @@ class _Replay:
         if not self.elementwise():
             return self.reached(n).reshape(-1)[part]
         optimizer, size = self.optimizer, part.stop - part.start
-        live = self._buffer("param", size)
-        live.copy_(_held(self.params, n).detach().reshape(-1)[part])
-        live = nn.Parameter(live)
+        param, g, start = self._sources(n)
+        live = nn.Parameter(self._buffer("param", size).copy_(param[part]))
         optimizer.param_groups[0]["params"] = [live]
         optimizer.state.clear()
-        if n in self.start:
+        if start is not None:
             optimizer.state[live] = {
-                k: ((self._buffer(k, size).copy_(v.detach().reshape(-1)[part]) if v.dim() > 0 else
-                     v.to(device=self.device, copy=True)) if torch.is_tensor(v) else v)
-                for k, v in self.start[n].items()}
-        g = _held(self.grads, n)
-        live.grad = None if g is None else self._buffer("grad", size).copy_(g.detach().reshape(-1)[part])
+                k: ((self._buffer(k, size).copy_(v[part]) if v.dim() > 0 else v.to(device=self.device, copy=True))
+                    if torch.is_tensor(v) else v)
+                for k, v in start.items()}
+        live.grad = None if g is None else self._buffer("grad", size).copy_(g[part])
         with torch.no_grad():
             if self.scale is not None and live.grad is not None:
                 live.grad.mul_(self.scale.to(live.grad.dtype))
@@ -199,6 +199,19 @@ class _Replay:
             self._fill(n, part, optimizer.state.get(live, {}))
         optimizer.state.clear()
         return live.detach().to("cpu")
+
+    def _sources(self, n: str) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any] | None]:
+        """Parameter `n`'s inputs as held, flattened (its value, its gradient, its state before the step), read once
+        for all its pieces: a gradient held by another rank (dpcompare.verify.peers.Remote) is sent once, not once a
+        piece."""
+        if self._read is None or self._read[0] != n:
+            self._read = None  # the last parameter's let go before this one's is read
+            g = _held(self.grads, n)
+            start = self.start.get(n)
+            self._read = (n, _held(self.params, n).detach().reshape(-1), None if g is None else g.detach().reshape(-1),
+                          None if start is None else {k: v.detach().reshape(-1) if torch.is_tensor(v) and v.dim() > 0
+                                                      else v for k, v in start.items()})
+        return self._read[1:]
 
     def _buffer(self, role: str, size: int) -> torch.Tensor:
         key = (role, size)
