@@ -121,8 +121,8 @@ class _Replay:
         self._last: tuple[str, torch.Tensor] | None = None
         self._read: tuple[str, torch.Tensor, torch.Tensor | None, dict[str, Any] | None] | None = None
         """The parameter whose pieces are being stepped, and its inputs (`_sources`)."""
-        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
-        """Reused piece buffers, by (role, elements): the parameter, its gradient and each state entry."""
+        self._buffers: dict[str, torch.Tensor] = {}
+        """Reused piece buffers, by role: the parameter, its gradient and each state entry."""
         self._filling: dict[str, tuple[dict[str, Any], dict[int, int]]] = {}
         """The state after the step of a parameter read in pieces: its entries, and the pieces written (start: size)."""
 
@@ -214,10 +214,10 @@ class _Replay:
         return self._read[1:]
 
     def _buffer(self, role: str, size: int) -> torch.Tensor:
-        key = (role, size)
-        if key not in self._buffers:
-            self._buffers[key] = torch.empty(size, dtype=self.dtype, device=self.device)
-        return self._buffers[key]
+        """`size` elements of the buffer kept for `role` (grown to the largest piece asked for, never one a size)."""
+        if role not in self._buffers or self._buffers[role].numel() < size:
+            self._buffers[role] = torch.empty(size, dtype=self.dtype, device=self.device)
+        return self._buffers[role][:size]
 
     def _fill(self, n: str, part: slice, entries: Mapping[str, Any]) -> None:
         """Write the state after the step of `part` into parameter `n`'s (held as `held_as` holds it); once every
