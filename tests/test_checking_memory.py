@@ -213,6 +213,12 @@ def test_compare_steps_an_elementwise_replay_a_piece_at_a_time_with_the_whole_re
         return got, after, stepped
 
     (pieces, model), after, stepped = figures(read_whole=False)
+    ref = reference_step(factory, params, grads, state, torch.float64, torch.device("cpu"), state_like=state)
+    tol.compare(held.Difference(backend, params), ref.delta, ref.delta, dtype="float32", world_size=1, depth=2,
+                names=names)
+    buffers = ref._replay._buffers  # one per role, never one per piece size (every parameter's tail kept)
+    assert set(buffers) == {"param", "grad", *(k for k, v in next(iter(state.values())).items() if v.dim() > 0)}
+    assert max(b.numel() for b in buffers.values()) <= min(chunk, max(t.numel() for t in params.values()))
     (whole, whole_model), whole_after, _ = figures(read_whole=True)
     assert stepped == []  # no parameter was stepped whole
     assert pieces == whole and model == whole_model
