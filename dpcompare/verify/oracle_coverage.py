@@ -37,20 +37,22 @@ CHECKED_BYTES_PER_PARAM = {"sgd": 40.0, "adamw": 58.0}
 the references held in their own dtype (dpcompare.verify.held.Compact), the backend's optimizer state as read and the
 expected one, the reference trajectories' optimizer states (AdamW's twice SGD's). Measured on the same model at 6.3 %
 and full coverage: 27.6 -> 63.4 B/param with SGD, 36.5 -> 89.5 with AdamW: 38 and 57 per checked parameter."""
-DIVIDED_BYTES_PER_PARAM = {"sgd": 44.0, "adamw": 40.0}
+DIVIDED_BYTES_PER_PARAM = {"sgd": 32.0, "adamw": 40.0}
 """Of what each checked parameter adds on rank 0, the share the ranks divide where they share the oracle
 (dpcompare.verify.divided, dpcompare.verify.ranges): at N ranks rank 0 holds 1/N of it (the reference trajectory's
 copies and optimizer states, the oracle's sums and the reduced gradient, each held in ranges by their owners).
 Fitted to rank 0's bytes per parameter above start at 1, 2 and 4 ranks (benchmarks/test_verification_cost.py, 11-39 M
-Llama-style models, docs/results/2026-11-27-verification-ranges-cpu.md): 68 -> 46 -> 34 with SGD, 87 -> 67 -> 55 with
-AdamW; the drop from one rank to two, doubled (with the constants above, four ranks are planned 10 bytes over)."""
-HELPER_BYTES_PER_PARAM = {"sgd": (26.0, 52.0), "adamw": (30.0, 64.0)}
+Llama-style models, docs/results/2026-11-27-verification-time-cpu.md): 70 -> 47 -> 49-52 with SGD (68 -> 46 -> 34 in
+the record before it), 89 -> 60 -> 51 with AdamW; with the constants above rank 0 is planned at 78 -> 62 -> 54 (SGD)
+and 96 -> 76 -> 66 (AdamW) B/param, over every figure measured."""
+HELPER_BYTES_PER_PARAM = {"sgd": (30.0, 52.0), "adamw": (34.0, 64.0)}
 """A rank other than 0 where the ranks share the oracle's forwards, per parameter of the model, a + b / N at N ranks:
 its float64 and run-precision copies while they compute (12) and its copies of the reference trajectory made whole
 for its step, its own training state (gradients, optimizer state, DDP's buckets) (a); its ranges of the trajectory's
 optimizer states and parameters, of the oracle's sums and of the reduced gradient (b / N). Fitted to the other ranks'
-bytes per parameter above start at 2 and 4 ranks (the same record: 48 and 35 with SGD, 58 and 42 with AdamW), rounded
-up."""
+bytes per parameter above start at 2 and 4 ranks (the same records: at most 53 and 47 with SGD, 67 and 53 with AdamW,
+the smallest model's fixed part included; 42 and 49 at four ranks on the 39 M model), rounded up: 56 and 43 (SGD), 66
+and 50 (AdamW) planned."""
 FIXED_BYTES = 256 * 1024**2
 """The checks' fixed part (the float64 activations of a small batch, allocator slack)."""
 MARGIN = 0.85
