@@ -24,8 +24,19 @@ from dpcompare.result_view.equivalence import Check, Divergence, Equivalence, No
 from dpcompare.result_view.figures import Field, Figure, ResultError, is_number, mapping
 from dpcompare.result_view.metrics import MEASURED_NOTHING, NO_METRICS, Metrics
 
-__all__ = ["MEASURED_NOTHING", "NO_METRICS", "Check", "Config", "Divergence", "Equivalence", "Field", "Figure",
+__all__ = ["MEASURED_NOTHING", "NO_METRICS", "STATE_COMPONENTS", "Check", "Config", "Divergence", "Equivalence", "Field", "Figure",
            "Metrics", "Note", "ResultError", "RunResult", "Tolerance", "is_number", "knob_text"]
+
+
+STATE_COMPONENTS = {
+    "forward": "parameters in the forward",
+    "masters": "weights the optimizer steps",
+    "grads": "gradients held",
+    "wire": "reduced in",
+    "optimizer": "optimizer state",
+    "loss_scale": "loss scale",
+}
+"""The components of a result's `state`, in the order they are printed, with their column titles."""
 
 
 # -- the run -------------------------------------------------------------------------------------------------
@@ -234,6 +245,13 @@ class RunResult:
     def activation_checkpointing(self) -> Mapping[str, Any] | None:
         """The blocks recomputed in backward (None: none)."""
         return self.raw.get("activation_checkpointing") or None
+
+    @property
+    def state_cells(self) -> Mapping[str, str]:
+        """What the run held for the model's state, one phrase per component of STATE_COMPONENTS (dpcompare.run.
+        state_table); {} where it was not read (results written before it was recorded)."""
+        state = self.raw.get("state")
+        return mapping(state.get("cells")) if isinstance(state, Mapping) else {}
 
     def at(self, path: str) -> Any:
         """The value at a dotted path (`metrics.step_ms_p50`), None where any part is missing: for a figure kept as

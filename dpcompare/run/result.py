@@ -41,7 +41,7 @@ def knobs(cfg: RunConfig, adapter_cls: type[Adapter], options: Mapping[str, Any]
 
 def write(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Workload, template,
           verdict: eq.Verdict, metrics: dict[str, Any] | None, global_batch: int, local_batch: int,
-          compile_log: compilation.CompileLog | None = None) -> dict[str, Any]:
+          compile_log: compilation.CompileLog | None = None, state: dict[str, Any] | None = None) -> dict[str, Any]:
     """Rank 0: the result, validated and written; returned with its `result_path`."""
     caps = adapter.capabilities
     policy = eq.tolerance_policy(cfg.dtype, env.world_size, eq.depth_of(template), adapter.gradient_wire())
@@ -64,6 +64,7 @@ def write(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wor
     if compile_log is not None:
         payload["compile"] = {**compile_log.to_dict(), **(metrics or {}).pop("compile", {})}
     payload["activation_checkpointing"] = checkpointing.record(adapter.wrapped.module)
+    payload["state"] = state  # what each rank held for the model's state (dpcompare.run.state_table)
     path = results.result_path(cfg.out, cfg.backend, env.world_size, workload.name, variant)
     payload = results.sanitize(payload)
     results.validate(payload)

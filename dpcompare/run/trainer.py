@@ -116,7 +116,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         payload = None
         if env.is_rank0:
             payload = result.write(cfg, env, adapter, workload, template, verdict, metrics, global_batch, local_batch,
-                                   runner.compile_log)
+                                   runner.compile_log, state=verification.state)
         # Nobody leaves before rank 0 has written: a launcher may kill stragglers once one rank exits.
         adapter.all_gather_object(None)
         clean = True

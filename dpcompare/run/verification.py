@@ -27,6 +27,7 @@ from dpcompare.contract import Adapter
 from dpcompare.measure import clocks, memory
 from dpcompare.run.config import CommandLineError, RunConfig
 from dpcompare.run.optim import optimizer_factory
+from dpcompare.run import state_table
 from dpcompare.run.step import StepRunner
 from dpcompare.verify import buffers
 from dpcompare.verify import equivalence as eq
@@ -59,6 +60,9 @@ class VerificationPhase:
         process, or no torch.distributed group: Horovod)."""
         self.divider: divided.Divider | None = None
         self.helper: divided.Helper | None = None
+        self.state: dict[str, Any] | None = None
+        """What every rank holds for the model's state after the first step (dpcompare.run.state_table); None: the
+        run took no step."""
         """Rank 0's time and memory for checking (the oracle, the references, the trajectory), beside the step's."""
 
     def run(self) -> eq.Verdict:
@@ -144,10 +148,13 @@ class VerificationPhase:
         rng = stochastic.capture(self.runner.device) if self.facts.stochastic else None
         before = buffers.snapshot(self.wrapped.module) if checked else None
         gathered: list[dict[str, Any]] = []
+        reduced: list[dict[str, Any]] = []
 
         def after_reduce() -> None:
             # Gradients are global now and the parameters are those the gradients were taken at. Every rank reads
             # them (collectives where the backend shards them); rank 0 judges.
+            if forward_dtypes is not None:  # the gradients as this rank holds them after the reduce
+                reduced.append(state_table.grads_now(self.adapter))
             reads = self._reads() if checked else None
             if self.cost is not None:  # the run's own gradients and optimizer state, as they stand at the reduce
                 self.cost.note_run_state(self.adapter)
@@ -162,6 +169,9 @@ class VerificationPhase:
                     self.helper.serve(batch, self._masks_of(batch, gathered))
 
         def after_update() -> None:
+            if forward_dtypes is not None:  # every rank: what it holds, read after the first step's update
+                self.state = state_table.section(self.adapter.all_gather_object(
+                    state_table.read(self.adapter, forward_dtypes.close(), reduced[0] if reduced else None)))
             masters = self.adapter.master_params() if self.cfg.check_every else None  # every rank, as above
             if self.check is not None:
                 with self._costed(), self._sharing():  # with the norm the backend clipped by (--clip-grad-norm)
@@ -172,8 +182,15 @@ class VerificationPhase:
             if checked or step == self.cfg.steps - 1:
                 self._compare_replicas(step)
 
-        self.runner.step(step, x, y, phase="verify", after_reduce=after_reduce, after_update=after_update,
-                         recording=self.recorder.recording if self.recorder is not None else None)
+        # Under --compile no hook is added to the compiled forward (it would recompile): its forward is not read.
+        forward_dtypes = state_table.ForwardDtypes(self.wrapped.module, hooked=not self.cfg.compile) \
+            if step == 0 else None
+        try:
+            self.runner.step(step, x, y, phase="verify", after_reduce=after_reduce, after_update=after_update,
+                             recording=self.recorder.recording if self.recorder is not None else None)
+        finally:
+            if forward_dtypes is not None:
+                forward_dtypes.close()
 
     @contextlib.contextmanager
     def _sharing(self):

@@ -76,6 +76,7 @@ def main(ns: argparse.Namespace) -> int:
     render.render(console, baseline, planned.unavailable, figures["matrix"], figures["unused_parameter_grads"],
                   figures["skipped_steps"])
     render.render_cost(console, baseline, figures["scaling"])
+    render.render_state(console, [j for j in planned.jobs if j.knob == "baseline" or plan.is_amp_recipe(j.knob)])
     knobs = [j for j in planned.jobs if j.knob != "baseline"]
     if knobs or planned.sweep_skipped:
         render.render_sweep(console, knobs, planned.sweep_skipped)

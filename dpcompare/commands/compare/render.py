@@ -13,7 +13,7 @@ from rich.text import Text
 from dpcompare import verdict_words as words
 from dpcompare.commands.compare.plan import Job, declared_launcher
 from dpcompare.measure import consistency
-from dpcompare.result_view import Figure, RunResult
+from dpcompare.result_view import STATE_COMPONENTS, Figure, RunResult
 
 STATUS_STYLE = words.STYLE
 """A job's status (its verdict, or failed / timeout) in colour."""
@@ -80,6 +80,30 @@ def _verdict_table(jobs: list[Job], unavailable: list[dict]) -> Table:
         table.add_row(u["backend"], "-", launcher, "[yellow]unavailable[/]", "-", "-", "-", "-", "-", "-", "-", "-", "-",
                       u["reason"])
     return table
+
+
+def render_state(console, jobs: list[Job]) -> None:
+    """Where each run keeps its model's state, one row per run, read from its backend's live objects after the first
+    step (dpcompare.run.state_table). A cell that differs from another run's at the same world size is marked."""
+    rows = [(j, (j.result or EMPTY).state_cells) for j in jobs]
+    rows = [(j, cells) for j, cells in rows if cells]
+    if not rows:
+        return
+    table = Table(title="where each backend keeps the model's state (after the first step; * differs from another "
+                        "backend at that world size)")
+    table.add_column("run", no_wrap=True)
+    table.add_column("ws", no_wrap=True)
+    for title in STATE_COMPONENTS.values():
+        table.add_column(title, overflow="fold")
+    for j, cells in rows:
+        peers = [c for k, c in rows if k.world_size == j.world_size]
+        marked = []
+        for component in STATE_COMPONENTS:
+            text = cells.get(component, "-")
+            differs = any(c.get(component, "-") != text for c in peers)
+            marked.append(Text(f"{text} *", style="bold yellow") if differs else Text(text))
+        table.add_row(j.label, str(j.world_size), *marked)
+    console.print(table)
 
 
 def _matrix_table(matrix: dict[str, Any], width: int = 160) -> tuple[Table, list[str]]:

@@ -18,7 +18,7 @@ from dpcompare.commands.report.markdown_cost import cost_sections, microbench_se
 from dpcompare.commands.report.markdown_sources import environment_section, inputs_not_used_section, unavailable_section
 from dpcompare.commands.report.markdown_questions import questions_section
 from dpcompare.commands.report.markdown_sweep import sweep_section
-from dpcompare.commands.report.markdown_verdict import verdict_section
+from dpcompare.commands.report.markdown_verdict import state_section, verdict_section
 from dpcompare.commands.report.plots_cost import (MODEL_STATE_CAPTION, PLOT_MODEL_STATE, plot_busbw, plot_model_state,
                                                   plot_step_breakdown, plot_throughput)
 from dpcompare.commands.report.plots_project import PLOT_PROJECTION, find_projection, plot_projection, projection_caption
@@ -165,6 +165,7 @@ def compose(in_dir: Path, inputs: Inputs, sel: Selection, plots: list[Plot], dri
         lines += ["## Environment", "", *environment_section(sel.runs)]
         lines += ["## Is it the same computation?", "", *verdict_section(sel.runs, inputs.compare, notes), ""]
         lines += plot_md(*drift)
+        lines += state_section([*sel.runs, *sel.knob_runs])
     lines += unavailable_section(inputs.compare)
     lines += ["## What does it cost?", ""]
     lines += (cost_sections(sel.runs, sel.derived, notes, sel.knob_runs) if sel.runs

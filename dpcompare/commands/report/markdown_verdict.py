@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpcompare import verdict_words as words
-from dpcompare.commands.report.markdown import Footnotes, table, verdict_cell
-from dpcompare.result_view import Check, Equivalence, Figure, RunResult
+from dpcompare.commands.report.markdown import Footnotes, escape, table, verdict_cell
+from dpcompare.result_view import STATE_COMPONENTS, Check, Equivalence, Figure, RunResult
 
 NO_CHECKS = ("this result has no equivalence.checks (written before dpcompare checked the update and the "
              "trajectory): rerun to check them")
@@ -122,3 +122,24 @@ def verdict_section(runs: list[RunResult], compare: dict[str, Any] | None, notes
     rows = [_verdict_row(run, notes) for run in runs] + _failed_job_rows(runs, compare)
     extra = [block for block in (_precision_lines(runs), _semantic_lines(runs)) if block]
     return [VERDICT_INTRO, "", *table(VERDICT_HEADER, rows), *[line for block in extra for line in ["", *block]]]
+
+
+def state_section(runs: list[RunResult]) -> list[str]:
+    """Where each run kept its model's state after the first step (the result's `state`, read from the backend's live
+    objects), runs side by side; a cell that differs from another run's at the same world size in bold."""
+    rows = [(run, run.state_cells) for run in runs if run.state_cells]
+    if not rows:
+        return []
+    out = []
+    for run, cells in rows:
+        peers = [c for r, c in rows if r.world_size == run.world_size]
+        label = run.backend + (f":{run.variant}" if run.variant else "") + "".join(
+            f" {k}={v}" for k, v in (run.knobs or {}).items())
+        out.append([escape(label), str(run.world_size), *(
+            f"**{escape(cells.get(k, '-'))}**" if any(c.get(k, "-") != cells.get(k, "-") for c in peers)
+            else escape(cells.get(k, "-")) for k in STATE_COMPONENTS)])
+    return ["### Where each backend keeps the model's state", "",
+            "Read from each backend's live objects after the first step's update (rank 0's, \"sharded\" where each rank "
+            "holds a part); in bold, what differs from another backend at the same world size.", "",
+            *table(["backend", "ws", *STATE_COMPONENTS.values()], out), ""]
+
