@@ -120,3 +120,30 @@ def test_the_report_lays_the_runs_state_side_by_side_with_differences_in_bold():
     assert "| ddp | 2 | float32, cpu | float32, cpu | **float32, cpu** |" in text
     assert "**float32, cpu, sharded**" in text and "| dp | 1 | float32, cpu | float32, cpu | bf16 |" in text
     assert state_section([RunResult({"backend": "ddp", "world_size": 2})]) == []  # written before it was read
+
+
+def test_a_backend_that_cannot_give_a_component_is_read_without_it_and_the_run_goes_on():
+    """An adapter whose reads raise (a custom backend) leaves those components empty, says why, and raises nothing;
+    a wire that carries only some parameters' gradients says how many."""
+    from types import SimpleNamespace
+
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+
+    def broken():
+        raise RuntimeError("no census here")
+
+    adapter = SimpleNamespace(wrapped=SimpleNamespace(optimizer=SimpleNamespace(optimizer=optimizer)),
+                              model_state_tensors=broken, gradient_wire=lambda: "bf16",
+                              gradient_wire_parameters=lambda: frozenset({"0.weight", "0.bias"}),
+                              scaler_state=broken)
+    recorder = state_table.ForwardDtypes(model)
+    model(torch.randn(2, 4))
+    mine = state_table.read(adapter, recorder.close(), grads=None)
+    assert set(mine["unread"]) == {"held", "loss_scale"} and "no census here" in mine["unread"]["held"]
+    assert mine["masters"]["dtypes"] == {"float32": 32 + 8 + 16 + 2}  # what the torch optimizer behind it steps
+    assert set(mine["optimizer"]) == {"exp_avg", "exp_avg_sq"} and mine["loss_scale"] is None
+    cells = state_table.section([mine])["cells"]
+    assert cells["wire"] == "bfloat16 (2 of 4 parameters' gradients; the rest none, as held)"

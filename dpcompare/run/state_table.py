@@ -12,7 +12,8 @@ keeps it, never from what dpcompare asked for:
   grads        the gradients the backend holds after the reduce, where it accumulates them (Adapter.model_state_tensors:
                the parameters' .grad, DeepSpeed's partitioned buffers);
   wire         the dtype the gradients are reduced in (Adapter.gradient_wire: DeepSpeed reads its engine's
-               communication_data_type; none: the gradients' own);
+               communication_data_type; none: the gradients' own), and for how many parameters where only some
+               travel in it (Adapter.gradient_wire_parameters: DeepSpeed's lower_precision_safe_modules);
   optimizer    the optimizer's state entries (each key's dtype and elements on this rank);
   loss_scale   the loss scaler's scale and whose scaler it is (Adapter.scaler_state), or none.
 
@@ -144,6 +145,7 @@ def read(adapter: Any, forward: dict[str, Any] | None, grads: dict[str, Any] | N
         return {key: summary(tensors) for key, tensors in entries.items()}
 
     wire = safely("wire", adapter.gradient_wire)
+    subset = safely("wire", adapter.gradient_wire_parameters)  # None: every parameter's gradient travels so
     scaler = safely("loss_scale", adapter.scaler_state)
     out = {
         "forward": forward,
@@ -153,6 +155,8 @@ def read(adapter: Any, forward: dict[str, Any] | None, grads: dict[str, Any] | N
         "optimizer": safely("optimizer", state) or {},
         "loss_scale": None if scaler is None else {"scale": float(scaler.scale), "method": scaler.method},
     }
+    if subset is not None and out["wire"] is not None:
+        out["wire_parameters"] = len(subset)
     if unread:
         out["unread"] = unread
     return out
@@ -184,7 +188,16 @@ def cell(component: str, per_rank: list[dict[str, Any]]) -> str:
     value = first.get(component)
     if component == "wire":
         grads = _dtypes_text(first.get("grads"))
-        return value if value else f"{grads} (as held)"
+        if not value:
+            return f"{grads} (as held)"
+        some = first.get("wire_parameters")
+        if some is None:
+            return value
+        total = (first.get("forward") or {}).get("tensors")
+        if total is not None and some >= total:
+            return value
+        of = f" of {total}" if total is not None else ""
+        return f"{value} ({some}{of} parameters' gradients; the rest {grads}, as held)"
     if component == "loss_scale":
         return "none" if not value else f"{value['scale']:g} ({value['method']})"
     if component == "optimizer":
