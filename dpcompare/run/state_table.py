@@ -39,8 +39,9 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def summary(tensors: Iterable[torch.Tensor]) -> dict[str, Any]:
-    """Tensors as {dtypes: {dtype: elements}, devices: [...], tensors: n}, each storage counted once (a tensor's
-    local part where it is a DTensor)."""
+    """Tensors as {dtypes: {dtype: elements}, devices: [...], tensors: n}, each tensor counted once (its local part
+    where it is a DTensor). Elements by dtype, not bytes by storage: the model state's bytes are
+    dpcompare.measure.memory.census_bytes's."""
     dtypes: dict[str, int] = {}
     devices: set[str] = set()
     seen: set[int] = set()
@@ -178,7 +179,7 @@ def section(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 def _dtypes_text(entry: dict[str, Any] | None) -> str:
     if not entry or not entry.get("dtypes"):
         return "none"
-    return " + ".join(f"{d}" for d in sorted(entry["dtypes"], key=lambda d: -entry["dtypes"][d]))
+    return " + ".join(sorted(entry["dtypes"], key=lambda d: -entry["dtypes"][d]))
 
 
 def cell(component: str, per_rank: list[dict[str, Any]]) -> str:

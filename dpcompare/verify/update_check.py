@@ -132,25 +132,12 @@ class _Replay:
             return self._last[1]
         dtype, device = self.dtype, self.device
         live = nn.Parameter(self.params[n].detach().to(device=device, dtype=dtype, copy=True))  # one copy, not two
-        if self.optimizer is None:
-            self.optimizer = self.factory([live], **self.overrides)
-        else:
-            self.optimizer.param_groups[0]["params"] = [live]
-            self.optimizer.state.clear()
-        optimizer = self.optimizer
-        if n in self.start:
-            optimizer.state[live] = {
-                k: (v.to(device=device, dtype=dtype if v.is_floating_point() and v.dim() > 0 else v.dtype, copy=True)
-                    if torch.is_tensor(v) else v)
-                for k, v in self.start[n].items()
-            }
+        start = None if n not in self.start else {
+            k: (v.to(device=device, dtype=dtype if v.is_floating_point() and v.dim() > 0 else v.dtype, copy=True)
+                if torch.is_tensor(v) else v)
+            for k, v in self.start[n].items()}
         g = self.grads.get(n)
-        live.grad = None if g is None else g.detach().to(device=device, dtype=dtype, copy=True)
-        with torch.no_grad():
-            if self.scale is not None and live.grad is not None:
-                live.grad.mul_(self.scale.to(live.grad.dtype))
-            for _ in range(self.times):
-                optimizer.step()
+        optimizer = self._step(live, start, None if g is None else g.detach().to(device=device, dtype=dtype, copy=True))
         reached = live.detach().to("cpu")
         self._filling.pop(n, None)
         if self.keep_state:
@@ -162,6 +149,25 @@ class _Replay:
         # the parameter's copy, gradient and state in the replay's dtype, freed as the next is stepped
         give_back_freed(reached.numel() * reached.element_size() * (2 + len(self.start.get(n, {}))))
         return reached
+
+    def _step(self, live: nn.Parameter, start: dict[str, Any] | None, grad: torch.Tensor | None
+              ) -> torch.optim.Optimizer:
+        """The optimizer, swapped to `live` alone, from `start` (its state entries on the device; None: none), with
+        `grad` (clipped by the replay's scale): stepped `times` times."""
+        if self.optimizer is None:
+            self.optimizer = self.factory([live], **self.overrides)
+        else:
+            self.optimizer.param_groups[0]["params"] = [live]
+            self.optimizer.state.clear()
+        if start is not None:
+            self.optimizer.state[live] = start
+        live.grad = grad
+        with torch.no_grad():
+            if self.scale is not None and grad is not None:
+                grad.mul_(self.scale.to(grad.dtype))
+            for _ in range(self.times):
+                self.optimizer.step()
+        return self.optimizer
 
     def elementwise(self) -> bool:
         """Whether the replayed optimizer steps each element alone (ELEMENTWISE): then it can be read in pieces."""
@@ -179,22 +185,14 @@ class _Replay:
         read twice is the same); any other steps the whole parameter (`reached`)."""
         if not self.elementwise():
             return self.reached(n).reshape(-1)[part]
-        optimizer, size = self.optimizer, part.stop - part.start
+        size = part.stop - part.start
         param, g, start = self._sources(n)
         live = nn.Parameter(self._buffer("param", size).copy_(param[part]))
-        optimizer.param_groups[0]["params"] = [live]
-        optimizer.state.clear()
         if start is not None:
-            optimizer.state[live] = {
-                k: ((self._buffer(k, size).copy_(v[part]) if v.dim() > 0 else v.to(device=self.device, copy=True))
-                    if torch.is_tensor(v) else v)
-                for k, v in start.items()}
-        live.grad = None if g is None else self._buffer("grad", size).copy_(g[part])
-        with torch.no_grad():
-            if self.scale is not None and live.grad is not None:
-                live.grad.mul_(self.scale.to(live.grad.dtype))
-            for _ in range(self.times):
-                optimizer.step()
+            start = {k: ((self._buffer(k, size).copy_(v[part]) if v.dim() > 0 else v.to(device=self.device, copy=True))
+                         if torch.is_tensor(v) else v)
+                     for k, v in start.items()}
+        optimizer = self._step(live, start, None if g is None else self._buffer("grad", size).copy_(g[part]))
         if self.keep_state and n not in self.after:
             self._fill(n, part, optimizer.state.get(live, {}))
         optimizer.state.clear()
