@@ -18,6 +18,7 @@ from torch import nn
 
 from dpcompare.contract import amp as precision
 from dpcompare.contract.checkpointing import checkpoint_blocks
+from dpcompare.contract.checkpoints import load_state, save_state
 from dpcompare.contract.launch_env import LaunchEnv
 from dpcompare.contract.amp import ScalerState
 from dpcompare.contract.capabilities import Capabilities, Note, Option, Settings
@@ -319,6 +320,24 @@ class Adapter:
         """The mixed-precision recipe that runs: none, autocast (torch.autocast, float32 parameters) or engine (the
         backend's own low-precision weights with fp32 master copies)."""
         return "none" if self.settings.amp == "none" else "autocast"
+
+    # -- checkpoints (--save-checkpoint, --load-checkpoint) -------------------------------------------
+    def checkpoint_formats(self) -> tuple[str, ...]:
+        """The checkpoint formats (dpcompare.contract.checkpoints.FORMATS) this backend writes and reads, its own
+        first; empty: none. Default: torch and dcp, through torch.distributed.checkpoint's state-dict API."""
+        return ("torch", "dcp")
+
+    def save_checkpoint(self, directory: str, fmt: str) -> None:
+        """Write the model's and the optimizer's state to `directory` in `fmt`, by the backend's library; called on
+        every rank after a step. Default: dpcompare.contract.checkpoints.save_state."""
+        assert self.wrapped is not None
+        save_state(self.wrapped.module, self.wrapped.optimizer, directory, fmt, self.env.rank)
+
+    def load_checkpoint(self, directory: str, fmt: str) -> None:
+        """Load `directory` (in `fmt`) into the wrapped model and its optimizer; called on every rank after `wrap`,
+        before the first step. Default: dpcompare.contract.checkpoints.load_state."""
+        assert self.wrapped is not None
+        load_state(self.wrapped.module, self.wrapped.optimizer, directory, fmt)
 
     # -- what measurement needs to know (translations of the backend's own facts) -----------------
     def no_communication_reason(self) -> str | None:

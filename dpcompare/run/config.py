@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
+from dpcompare.contract.checkpoints import FORMATS
 from dpcompare.run import flags, registry
 # CommandLineError is the flags' own; the rest of the run imports it from here, beside RunConfig.
 from dpcompare.run.flags import CommandLineError, Forwarded, Rule, above, at_least, run_flag  # noqa: F401
@@ -81,8 +82,16 @@ def _coverage_ok(text: str, _: Any) -> bool:
         return False
 
 
+CHECKPOINT_FAULTS = ("ckpt-optimizer", "ckpt-step", "ckpt-shards", "ckpt-scale", "ckpt-data", "ckpt-rng")
+"""Planted faults of a checkpoint's load (--load-checkpoint): the optimizer state dropped, its step counts reset, ranks
+0 and 1's shards swapped, the loss scaler not restored, the data restarted at step 0, a rank's generator not
+restored (ckpt-rng:RANK)."""
+
+
 def _fault_ok(text: str, _: Any) -> bool:
     parts = text.split(":")
+    if parts[0] in CHECKPOINT_FAULTS:
+        return len(parts) == 1 or (parts[0] == "ckpt-rng" and len(parts) == 2 and parts[1].isdigit())
     return parts == ["dupdata"] or (len(parts) == 3 and parts[0] in ("crash", "kill", "stop", "hang")
                                     and parts[1].isdigit() and parts[2].isdigit())
 
@@ -279,6 +288,18 @@ class RunConfig:
     """Directory for the run's JSON result."""
     dump_grads: str | None = run_flag(None, help="write checked-step gradients to this .npz")
     """Write the reduced and oracle gradients of every checked step to this .npz file (for `compare`)."""
+    save_checkpoint: str | None = run_flag(
+        None, metavar="DIR", help="after the verification steps, save the run's state to DIR in its backend's own "
+                                  "format (--checkpoint-format), with the loop's state and the oracle's trajectory")
+    """Save the state after the verification steps to this directory (dpcompare.run.checkpoint)."""
+    load_checkpoint: str | None = run_flag(
+        None, metavar="DIR", help="start from the checkpoint in DIR (saved with --save-checkpoint, or converted by "
+                                  "`python -m dpcompare checkpoint`): its steps continue, judged against one "
+                                  "uninterrupted float64 run")
+    """Start from this checkpoint: the verification steps continue the saved run's (dpcompare.run.checkpoint)."""
+    checkpoint_format: str | None = run_flag(
+        None, help=f"the checkpoint format saved and loaded ({', '.join(FORMATS)}; default: the backend's own)",
+        checks=(Rule(lambda v, _: v in FORMATS, f"use one of {', '.join(FORMATS)}"),))
     tag: str | None = run_flag(None, help="free text copied into the result (compare groups runs by it)")
     """Free text copied into the result (compare uses it to group runs)."""
     closed_if: str | None = run_flag(None, metavar="FILE", hidden=True, help="")
@@ -299,8 +320,11 @@ class RunConfig:
     inject_fault: str | None = run_flag(
         None, metavar="KIND[:RANK:STEP]",
         help="testing aid: crash|kill|stop|hang:RANK:STEP makes that rank fail at that step, dupdata gives every rank "
-             "rank 0's shard (a planted fault the run must catch)",
-        checks=(Rule(_fault_ok, "use crash:RANK:STEP, kill:RANK:STEP, stop:RANK:STEP, hang:RANK:STEP or dupdata"),))
+             "rank 0's shard, ckpt-* breaks a checkpoint's load (a planted fault the run must catch)",
+        checks=(Rule(_fault_ok, "use crash:RANK:STEP, kill:RANK:STEP, stop:RANK:STEP, hang:RANK:STEP, dupdata, "
+                     "ckpt-optimizer, ckpt-step, ckpt-shards, ckpt-scale, ckpt-data or ckpt-rng:RANK"),
+                Rule(lambda v, c: not v.startswith("ckpt-") or c.load_checkpoint is not None,
+                     "a ckpt-* fault breaks a checkpoint's load: add --load-checkpoint DIR")))
     """Testing aid: `crash:RANK:STEP` (exit 17), `kill:RANK:STEP` (SIGKILL), `stop:RANK:STEP` (SIGSTOP),
     `hang:RANK:STEP` or `dupdata` (every rank reads rank 0's shard)."""
     options: dict = run_flag(

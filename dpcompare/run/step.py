@@ -170,7 +170,7 @@ class StepRunner:
     def _inject(self, step: int) -> None:
         """--inject-fault KIND:RANK:STEP (failure tests): at that step this rank exits 17 (crash), is killed by
         SIGKILL (kill), suspends itself with SIGSTOP (stop), or sleeps forever (hang)."""
-        if not self.inject_fault or self.inject_fault == "dupdata":
+        if not self.inject_fault or self.inject_fault == "dupdata" or self.inject_fault.startswith("ckpt-"):
             return
         kind, fault_rank, fault_step = self.inject_fault.split(":")
         if int(fault_rank) == self.rank and int(fault_step) == step:

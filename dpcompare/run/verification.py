@@ -23,17 +23,17 @@ import numpy as np
 import torch
 
 from dpcompare import results
-from dpcompare.contract import Adapter
+from dpcompare.contract import Adapter, Note
 from dpcompare.measure import clocks, memory
 from dpcompare.run.config import CommandLineError, RunConfig
 from dpcompare.run.optim import optimizer_factory
-from dpcompare.run import state_table
+from dpcompare.run import checkpoint, state_table
 from dpcompare.run.step import StepRunner
 from dpcompare.verify import buffers
 from dpcompare.verify import equivalence as eq
 from dpcompare.verify import masks as mk
 from dpcompare.verify import oracle_coverage as oc
-from dpcompare.verify import divided, held, initial, stochastic, verifier
+from dpcompare.verify import divided, held, initial, resume, stochastic, verifier
 from dpcompare.verify.forwards import split_masks
 from dpcompare.verify.context import CheckContext, CheckSettings
 from dpcompare.verify.precision import Recipe
@@ -55,7 +55,8 @@ class VerificationPhase:
         self.cost = VerificationCost(self.runner.device) if cfg.check_every else None
         """This rank's time and memory for checking (the oracle, the references, the trajectory; on a rank other than
         0, its share of their forwards), beside the step's; rank 0 reports every rank's."""
-        self.peers = divided.Peers.make() if cfg.check_every and cfg.oracle_ranks == "all" else None
+        crosses = cfg.save_checkpoint is not None or cfg.load_checkpoint is not None
+        self.peers = divided.Peers.make() if cfg.check_every and cfg.oracle_ranks == "all" and not crosses else None
         """The verifier's own process group, where there are ranks to share the oracle's forwards with (None: one
         process, or no torch.distributed group: Horovod)."""
         self.divider: divided.Divider | None = None
@@ -63,21 +64,31 @@ class VerificationPhase:
         self.state: dict[str, Any] | None = None
         """What every rank holds for the model's state after the first step (dpcompare.run.state_table); None: the
         run took no step."""
-        """Rank 0's time and memory for checking (the oracle, the references, the trajectory), beside the step's."""
+        self.loaded: checkpoint.Loaded | None = None
+        """What this run loaded (--load-checkpoint), and the step it starts at."""
+        self.start = 0
+        if crosses and cfg.check_every and cfg.oracle_ranks == "all" and self.runner.world_size > 1:
+            self.wrapped.notes.append(Note("oracle_rank0", "the reference trajectory crosses a checkpoint, so rank 0 "
+                                           "holds it whole and runs the oracle's forwards alone (--oracle-ranks rank0)"))
 
     def run(self) -> eq.Verdict:
         with checked_arithmetic(self.runner.device) as tf32:
             if self.cost is not None:
                 self.cost.open(self.adapter)
+            if self.cfg.load_checkpoint is not None:  # before the verifier: it judges what was loaded
+                self.loaded = checkpoint.load(self.cfg, self.adapter, self.runner.device, self.runner.global_batch)
+                self.start = self.loaded.start
             coverage = self._plan_oracle_coverage()
             with self._costed(setup=True):
                 self.verdict = self._start(coverage)
             if self.verdict.precision is not None:
                 self.verdict.precision.tf32 = tf32
-            for step in range(self.cfg.steps):
+            for step in range(self.start, self.start + self.cfg.steps):
                 self._step(step)
             if self.check is not None:
                 self.check.finish()
+            if self.cfg.save_checkpoint is not None:
+                self._save()
             if self.cost is not None:
                 self.cost.close(self.cfg.steps, len(self.verdict.checks) if self.check is not None else 0,
                                 self.check.part_s if self.check is not None else None)
@@ -137,10 +148,42 @@ class VerificationPhase:
         full = self.adapter.full_params()  # on every rank: a collective where the backend shards its parameters
         held = self.adapter.all_gather_object(initial.held(full, self.wrapped.module))
         verdict = self.check.verdict if self.check is not None else eq.Verdict(notes=list(self.wrapped.notes))
-        if self.rank0:  # every parameter against the workload's where there is a verifier
+        if self.loaded is not None:  # what was loaded against what was saved, not the workload's initial weights
+            self._judge_loaded(verdict, full)
+        elif self.rank0:  # every parameter against the workload's where there is a verifier
             initial.judge(verdict, self.template, dict(self.facts.built_apart), full, self.wrapped.module, held,
                           every_parameter=self.check is not None)
         return verdict
+
+    def _judge_loaded(self, verdict: eq.Verdict, full: dict[str, torch.Tensor]) -> None:
+        """Every rank reads what it loaded (collectives where the backend shards it); rank 0 judges it against what the
+        saving run read, and its trajectory continues the saved run's."""
+        assert self.loaded is not None
+        state = self.adapter.optimizer_state()
+        scaler = self.adapter.scaler_state()
+        rngs = self.adapter.all_gather_object(stochastic.capture(self.runner.device))
+        if not self.rank0:
+            return
+        saved = self.loaded.saved()
+        for text in self.loaded.notes:
+            verdict.note("checkpoint", text)
+        record = resume.judge_loaded(verdict, saved, self.loaded.loop, params=full, state=state,
+                                     scale=scaler.scale if scaler is not None else None, rngs=rngs, start=self.start)
+        verdict.checkpoint = {"loaded": dict(record, directory=str(self.loaded.directory))}
+        if self.check is not None:
+            if saved.get("oracle") is None:
+                raise CommandLineError(f"--load-checkpoint {self.loaded.directory}: the run that saved it checked no "
+                                       "step (--check-every 0), so it carries no reference trajectory to continue")
+            self.check.resume(saved)
+
+    def _save(self) -> None:
+        step = self.start + self.cfg.steps
+        trajectory = self.check.bench.trajectory if self.check is not None else None
+        checkpoint.save(self.cfg, self.adapter, self.runner.device, step, trajectory)
+        if self.rank0:
+            self.verdict.checkpoint = dict(self.verdict.checkpoint or {}, saved={
+                "directory": self.cfg.save_checkpoint, "step": step,
+                "format": checkpoint.format_of(self.cfg, self.adapter, "save-checkpoint")})
 
     def _step(self, step: int) -> None:
         checked = self.cfg.check_every > 0 and step % self.cfg.check_every == 0
@@ -179,12 +222,12 @@ class VerificationPhase:
             elif self.helper is not None:
                 with self._costed():
                     self.helper.serve(batch, self._masks_of(batch, gathered))
-            if checked or step == self.cfg.steps - 1:
+            if checked or step == self.start + self.cfg.steps - 1:
                 self._compare_replicas(step)
 
         # Under --compile no hook is added to the compiled forward (it would recompile): its forward is not read.
         forward_dtypes = state_table.ForwardDtypes(self.wrapped.module, hooked=not self.cfg.compile) \
-            if step == 0 else None
+            if step == self.start else None
         try:
             self.runner.step(step, x, y, phase="verify", after_reduce=after_reduce, after_update=after_update,
                              recording=self.recorder.recording if self.recorder is not None else None)

@@ -90,9 +90,35 @@ class Trajectory:
                 for p, w in zip(self.model_run.parameters(), self.work.parameters()):
                     p.copy_(w)
             releasable(self.work)  # loaded from the master copy at every step: held only while it computes
+        self.steps = self.steps_before = 0
+        """The steps judged so far, counted from the run's first (a continuation's from the saved run's first); before
+        this process's first."""
+        self.wire = self.wire_before = 0.0
+        """The wire's allowance so far: the sum over those steps of the world size that averaged their gradients."""
         self.replayers = (MaskReplayer(self.model64), MaskReplayer(self.work if self.work is not None else self.model_run))
         if self.ranges is not None:
             self._release()
+
+    # -- across a checkpoint ----------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        """Both copies and their optimizers, with the steps taken and the wire's allowance so far: what a run that
+        continues from a checkpoint resumes (`resume`) to be judged against one uninterrupted run. One process only."""
+        if self.ranges is not None:
+            raise RuntimeError("the reference trajectory is held in ranges: save it from a run with --oracle-ranks rank0")
+        copy = lambda sd: {k: v.detach().to("cpu").clone() if torch.is_tensor(v) else v for k, v in sd.items()}  # noqa: E731
+        return {"model64": copy(self.model64.state_dict()), "model_run": copy(self.model_run.state_dict()),
+                "opt64": self.opt64.state_dict(), "opt_run": self.opt_run.state_dict(), "steps": self.steps,
+                "wire": self.wire, "written": sorted(self.written)}
+
+    def resume(self, state: dict) -> None:
+        """Continue from `state` (another run's `state()`, after its last step)."""
+        self.model64.load_state_dict(state["model64"])
+        self.model_run.load_state_dict(state["model_run"])
+        self.opt64.load_state_dict(state["opt64"])
+        self.opt_run.load_state_dict(state["opt_run"])
+        self.steps = self.steps_before = state["steps"]
+        self.wire = self.wire_before = state["wire"]
+        self.written = set(state["written"])
 
     def _stepped(self, model: nn.Module) -> list[torch.nn.Parameter]:
         """The parameters of `model` this process's optimizer steps: every trainable one, or its own range's."""
@@ -283,8 +309,10 @@ class Trajectory:
         distance = rel_ratio(math.sqrt(sum(v ** 2 for v in apart.values())), whole) if finite else float("inf")
         floor = rel_ratio(math.sqrt(floor2), whole)
         k = step + 1
+        # the wire's allowance: the world size of every step so far (a continuation's first at the saved run's)
+        self.steps, self.wire = k, self.wire_before + max(k - self.steps_before, 0) * world_size
         floor_eff = max(floor, k * self.depth * self.u)
-        tolerance = TOLERANCE_FACTOR * (floor_eff + k * world_size * self.u_wire)
+        tolerance = TOLERANCE_FACTOR * (floor_eff + self.wire * self.u_wire)
         share = whole / max(len(self.names), 1) ** 0.5
         worst = max(self.names, key=lambda n: rel_ratio(apart[n], norms[n], share))
         return {"step": step, "rel_param_distance": distance, "floor_rel_param_distance": floor,

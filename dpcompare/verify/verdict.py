@@ -19,7 +19,8 @@ from dpcompare.verify.tolerance import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DT
                                         coverage, min_detectable)
 from dpcompare.verify.tolerance import describe as describe_tolerance
 
-CheckName = Literal["initial", "gradient", "grad_norm", "update", "trajectory", "replicas", "rng", "buffers", "loss_scale"]
+CheckName = Literal["initial", "gradient", "grad_norm", "update", "trajectory", "replicas", "rng", "buffers", "loss_scale",
+                    "checkpoint"]
 
 
 @dataclass(slots=True)
@@ -208,6 +209,9 @@ class Verdict:
     oracle_division: dict | None = None
     """How the ranks shared the oracle's forwards (dpcompare.verify.divided): `ranks`, and `divided`, the gradients
     computed so (the oracle's, the references', the trajectory's); None: one process computed every forward."""
+    checkpoint: dict | None = None
+    """--save-checkpoint / --load-checkpoint: what was saved (`saved`: directory, format, the next step) and what was
+    loaded, judged against what the saving run held (`loaded`: dpcompare.verify.resume); None: neither."""
     wire_rounding: str = "bounded"
     """How a wire narrower than the gradients is judged: "measured" (the run-precision reference and its floor send
     the ranks' shares through it) or "bounded" (world_size x its unit roundoff added to the floor)."""
@@ -323,6 +327,7 @@ class Verdict:
             "oracle_coverage": self.oracle_coverage,
             "oracle_precision": self.oracle_precision,
             "oracle_division": self.oracle_division,
+            "checkpoint": self.checkpoint,
             "batchnorm": self.batchnorm,
             "split": self.split,
             "buffers": self.buffers,

@@ -70,6 +70,14 @@ class Verifier:
         if refusal is not None:
             self._record(Finding(unverifiable=refusal, stop=True))
 
+    def resume(self, saved: dict[str, Any]) -> None:
+        """A run continued from a checkpoint (dpcompare.verify.resume): the reference trajectory goes on from the saved
+        run's, and the update check expects the optimizer state the saved run held after its last step."""
+        self.bench.trajectory.resume(saved["oracle"])
+        for check in self.checks:
+            if check.name == "update" and saved.get("optimizer") is not None:
+                check.expected_state = saved["optimizer"]
+
     # -- per step ----------------------------------------------------------------------------------
     def after_reduce(self, step: int, batch: Any, ranks: list[dict], reads: Reads | None) -> None:
         """After `reduce()` and `unscale()`, before the optimizer step, with what every rank sent (`ranks`) and, at a
