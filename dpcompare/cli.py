@@ -93,6 +93,9 @@ COMMANDS = (
             "dpcompare.commands.bench_collectives", unwind_on_sigterm=True),
     Command("regress", "decide whether a build's pytest-benchmark runs are slower than a baseline's (noise-aware)",
             "dpcompare.commands.regress"),
+    Command("checkpoint", "save under one backend and world size, load under another, and judge the continuation "
+                          "against one uninterrupted float64 run", "dpcompare.commands.checkpoint",
+            unwind_on_sigterm=True),
     Command("project", "predict step time, scaling efficiency and exposed communication at larger world sizes on a "
                        "link", "dpcompare.commands.project"),
 )

@@ -100,7 +100,16 @@ def load(cfg: RunConfig, adapter: Adapter, device: torch.device, global_batch: i
     fmt = format_of(cfg, adapter, "load-checkpoint")
     fault, fault_rank = _fault(cfg)
     with _shards_swapped(directory, fmt, adapter) if fault == "ckpt-shards" else contextlib.nullcontext():
-        adapter.load_checkpoint(str(directory), fmt)
+        try:
+            adapter.load_checkpoint(str(directory), fmt)
+        except BaseException as exc:  # noqa: BLE001 - the library refused what it was given: said in one line
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # DCP's CheckpointException is a BaseException
+                raise
+            cause = next(iter(getattr(exc, "failures", {}).values()), exc)  # DCP's: each rank's own exception
+            first = f"{type(cause).__name__}: " + (str(cause).strip().splitlines() or [""])[0][:300]
+            raise ValueError(f"--load-checkpoint {directory}: --backend {cfg.backend} could not load it as {fmt} "
+                             f"({first}); load it with the backend and format that saved it, "
+                             "or convert it (python -m dpcompare checkpoint)") from None
     optimizer, _ = adapter.optimizer_view()
     if fault in ("ckpt-optimizer", "ckpt-step") and optimizer is not None:
         _plant_optimizer(optimizer, fault)

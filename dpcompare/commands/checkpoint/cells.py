@@ -1,0 +1,119 @@
+"""The cells of a checkpoint matrix: a save under backend A at world size N, a load under backend B at world size M,
+and the route between them, each conversion the libraries' own; a route that would lose state is refused in one line
+before anything runs.
+
+Owns: `Side` (a backend, a world size, a format), `Cell` (two sides and the route), `parse_cell` ("ddp:2>fsdp:4",
+"fsdp:2:dcp>horovod:1"), `route` (the tool, or the refusal), and the matrices `MATRICES` (default: a covering subset
+of every backend, world size and conversion; all: every pair of {ddp, fsdp, zero1, zero2, zero3, horovod} at world
+sizes {1, 2, 4}).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+BACKENDS = {"ddp": ("ddp", None), "fsdp": ("fsdp", None), "horovod": ("horovod", None),
+            "zero1": ("deepspeed", 1), "zero2": ("deepspeed", 2), "zero3": ("deepspeed", 3)}
+"""A cell's backend names: the backend, and the ZeRO stage of DeepSpeed's."""
+NATIVE = {"ddp": "torch", "fsdp": "dcp", "horovod": "torch", "zero1": "deepspeed", "zero2": "deepspeed",
+          "zero3": "deepspeed"}
+"""The format each saves in unless a cell names another: the one its users save in."""
+READS = {"ddp": ("torch", "dcp"), "fsdp": ("dcp", "torch"), "horovod": ("torch",),
+         "zero1": ("deepspeed", "universal"), "zero2": ("deepspeed", "universal"), "zero3": ("deepspeed", "universal")}
+"""The formats each backend's adapter writes and reads (Adapter.checkpoint_formats)."""
+TOOLS = {("dcp", "torch"): "torch.distributed.checkpoint.format_utils.dcp_to_torch_save",
+         ("torch", "dcp"): "torch.distributed.checkpoint.format_utils.torch_save_to_dcp",
+         ("deepspeed", "universal"): "deepspeed.checkpoint.ds_to_universal"}
+"""The library's own converter from one format to another."""
+LOSSY_FROM_DEEPSPEED = ("lossy: the one path out of a DeepSpeed checkpoint to {b} is zero_to_fp32, which carries the "
+                        "fp32 weights alone; the optimizer state (AdamW's moments, its step counts) and the loss scaler "
+                        "are not carried, so the continuation cannot be the uninterrupted run's")
+INTO_DEEPSPEED = ("unsupported: DeepSpeed loads its own checkpoints (save_checkpoint, or universal ones from "
+                  "ds_to_universal); no DeepSpeed tool carries a {fmt} checkpoint's optimizer state into ZeRO's "
+                  "partitions")
+
+
+@dataclass(frozen=True, slots=True)
+class Side:
+    name: str
+    world_size: int
+    fmt: str
+
+    @property
+    def backend(self) -> str:
+        return BACKENDS[self.name][0]
+
+    @property
+    def stage(self) -> int | None:
+        return BACKENDS[self.name][1]
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}/{self.world_size} ({self.fmt})"
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    save: Side
+    load: Side
+    tool: str | None
+    """The conversion between the two formats (None: the load reads what was saved)."""
+    refusal: str | None = None
+    """Why this cell cannot be run without losing state (None: it runs)."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.save.name}:{self.save.world_size}>{self.load.name}:{self.load.world_size}"
+
+
+def parse_cell(text: str) -> Cell:
+    """"A:N[:FMT]>B:M[:FMT]" (ValueError naming what is wrong)."""
+    parts = text.split(">")
+    if len(parts) != 2:
+        raise ValueError(f"--cells {text!r}: write SAVE>LOAD, each BACKEND:WORLD_SIZE[:FORMAT], e.g. ddp:2>fsdp:4")
+    return route(_side(parts[0], text, None), _side(parts[1], text, parts[0]))
+
+
+def _side(text: str, cell: str, saved: str | None) -> tuple[str, int, str | None]:
+    bits = text.strip().split(":")
+    if len(bits) not in (2, 3) or bits[0] not in BACKENDS or not bits[1].isdigit() or int(bits[1]) < 1:
+        raise ValueError(f"--cells {cell!r}: {text!r} is not BACKEND:WORLD_SIZE[:FORMAT] with BACKEND one of "
+                         f"{', '.join(BACKENDS)} and a positive world size")
+    fmt = bits[2] if len(bits) == 3 else None
+    if fmt is not None and fmt not in READS[bits[0]]:
+        raise ValueError(f"--cells {cell!r}: {bits[0]} writes and reads {', '.join(READS[bits[0]])}, not {fmt}")
+    return bits[0], int(bits[1]), fmt
+
+
+def route(a: tuple[str, int, str | None], b: tuple[str, int, str | None]) -> Cell:
+    """The cell from a save `a` to a load `b` (name, world size, format or None: its own)."""
+    fa = a[2] or NATIVE[a[0]]
+    save = Side(a[0], a[1], fa)
+    da, db = BACKENDS[a[0]][0] == "deepspeed", BACKENDS[b[0]][0] == "deepspeed"
+    if da and not db:
+        return Cell(save, Side(b[0], b[1], b[2] or NATIVE[b[0]]), None, LOSSY_FROM_DEEPSPEED.format(b=b[0]))
+    if db and not da:
+        return Cell(save, Side(b[0], b[1], b[2] or NATIVE[b[0]]), None, INTO_DEEPSPEED.format(fmt=fa))
+    if da:  # ZeRO to ZeRO: its own checkpoint where nothing changes, else the universal one
+        same = a[0] == b[0] and a[1] == b[1] and b[2] in (None, "deepspeed")
+        fb = "deepspeed" if same else "universal"
+        return Cell(save, Side(b[0], b[1], fb), None if same else TOOLS[("deepspeed", "universal")])
+    fb = b[2] or (fa if fa in READS[b[0]] else NATIVE[b[0]])
+    return Cell(save, Side(b[0], b[1], fb), None if fb == fa else TOOLS[(fa, fb)])
+
+
+DEFAULT = ("ddp:1>ddp:2", "ddp:2>fsdp:4:dcp", "fsdp:2>ddp:1", "fsdp:4>fsdp:2", "fsdp:2>horovod:2", "horovod:2>fsdp:1",
+           "zero2:2>zero2:2", "zero1:2>zero3:1", "zero3:2>zero2:4", "zero2:2>ddp:2", "ddp:2>zero1:2")
+"""A covering subset: every backend saves and loads, at world sizes 1, 2 and 4 on both sides, through every
+conversion (torch_save_to_dcp, dcp_to_torch_save, ds_to_universal), DeepSpeed's own format kept, and the two refusals."""
+
+
+def matrix(name: str, world_sizes: tuple[int, ...] = (1, 2, 4)) -> list[Cell]:
+    if name == "default":
+        return [parse_cell(c) for c in DEFAULT]
+    sides = [(b, n, None) for b in BACKENDS for n in world_sizes]
+    return [route(a, b) for a, b in itertools.product(sides, sides)]
+
+
+MATRICES = ("default", "all")

@@ -1,0 +1,175 @@
+"""The `checkpoint` command: each cell trains k steps under backend A at world size N and saves in A's own format,
+converts it with the library's own tool where B reads another, loads it under backend B at world size M and trains k
+more; the continuation is judged against the float64 oracle's one uninterrupted run over all 2k steps, and what B
+loaded against what A saved, bitwise. Refused cells (a conversion that would lose state) are said before anything runs.
+
+Writes under OUT/<timestamp>/: cells/<cell>/{saved,converted,save,load,logs} (the checkpoints, each run's result and
+log) and checkpoint.json (every cell: its route, its two runs' verdicts, the loaded state's parts, the refusals).
+Exit status: 0 when every cell ran (whatever the verdicts), 1 when a launch or conversion failed, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from dpcompare import results
+from dpcompare.commands.checkpoint import convert
+from dpcompare.commands.checkpoint.cells import MATRICES, Cell, Side, matrix, parse_cell
+from dpcompare.commands.compare.plan import capabilities
+from dpcompare.run.launchers import native_command, run_process
+
+RECORDS = ("dpcompare-loop.pt", "dpcompare-saved.pt")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cells", default=None, metavar="A:N[:FMT]>B:M[:FMT],...",
+                   help="the cells to run, e.g. ddp:2>fsdp:4,zero2:2>zero3:1 (backends: ddp, fsdp, horovod, zero1, "
+                        "zero2, zero3; formats: torch, dcp, deepspeed, universal); default: --matrix")
+    p.add_argument("--matrix", choices=MATRICES, default="default",
+                   help="default: a covering subset (every backend, world sizes 1, 2 and 4, every conversion); all: "
+                        "every pair of backends at world sizes 1, 2 and 4 (324 cells)")
+    p.add_argument("--steps", type=int, default=4, help="steps before the save, and again after the load")
+    p.add_argument("--model", default="mlp-dropout", help="the workload (as run's --model)")
+    p.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw"))
+    p.add_argument("--global-batch", type=int, default=32, help="samples per step (a multiple of every world size)")
+    p.add_argument("--run-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for every run (repeat: --run-arg=--amp=bf16)")
+    p.add_argument("--out", default="results", help="directory; each invocation writes OUT/<timestamp>/")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="seconds per launch or conversion")
+
+
+@dataclass
+class Outcome:
+    cell: Cell
+    status: str = "planned"
+    """refused, ran, failed"""
+    error: str | None = None
+    runs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.cell
+        return {"cell": c.label, "save": _side(c.save), "load": _side(c.load), "tool": c.tool, "refusal": c.refusal,
+                "status": self.status, "error": self.error, "wall_s": self.wall_s,
+                **{f"{k}_run": _run_summary(v) for k, v in self.runs.items()}}
+
+
+def main(ns: argparse.Namespace) -> int:
+    try:
+        cells = [parse_cell(c) for c in ns.cells.split(",")] if ns.cells else matrix(ns.matrix)
+        for c in cells:
+            if ns.global_batch % c.save.world_size or ns.global_batch % c.load.world_size:
+                raise ValueError(f"--global-batch {ns.global_batch} is not a multiple of {c.label}'s world sizes")
+        if ns.steps < 1:
+            raise ValueError("--steps: use 1 or more steps")
+    except ValueError as exc:
+        print(f"dpcompare checkpoint: error: {exc}", file=sys.stderr)
+        return 2
+    console = Console()
+    out = Path(ns.out) / time.strftime("%Y%m%d-%H%M%S")
+    outcomes = [Outcome(c) for c in cells]
+    for o in outcomes:
+        if o.cell.refusal is not None:
+            o.status = "refused"
+            console.print(f"[yellow]{o.cell.label}[/]: {o.cell.refusal}")
+    for o in outcomes:
+        if o.status == "planned":
+            console.print(f"[bold]{o.cell.label}[/] ({o.cell.save.fmt} -> {o.cell.load.fmt}"
+                          f"{', ' + o.cell.tool.rsplit('.', 1)[-1] if o.cell.tool else ''}) ...", end=" ")
+            _run_cell(o, out / "cells" / o.cell.label.replace(":", "").replace(">", "-to-"), ns)
+            console.print(_verdict_of(o))
+        results.write_atomic(out / "checkpoint.json", {"cells": [x.to_dict() for x in outcomes],
+                                                       "steps": ns.steps, "model": ns.model, "optimizer": ns.optimizer})
+    console.print(_table(outcomes))
+    console.print(f"-> {out / 'checkpoint.json'}")
+    return 1 if any(o.status == "failed" for o in outcomes) else 0
+
+
+def _run_cell(o: Outcome, where: Path, ns: argparse.Namespace) -> None:
+    start = time.monotonic()
+    cell = o.cell
+    saved, converted = where / "saved", where / "converted"
+    try:
+        o.runs["save"] = _launch(cell.save, where, "save", ["--save-checkpoint", str(saved)], ns)
+        loaded = saved
+        if cell.tool is not None:
+            shutil.rmtree(converted, ignore_errors=True)
+            convert.run(cell.tool, saved, converted, where / "logs" / "convert.log", ns.timeout_s)
+            for name in RECORDS:
+                shutil.copy2(saved / name, converted / name)
+            loaded = converted
+        o.runs["load"] = _launch(cell.load, where, "load", ["--load-checkpoint", str(loaded)], ns)
+        o.status = "ran"
+    except RuntimeError as exc:
+        o.status, o.error = "failed", str(exc)
+    o.wall_s = time.monotonic() - start
+
+
+def _launch(side: Side, where: Path, part: str, extra: list[str], ns: argparse.Namespace) -> dict[str, Any]:
+    caps = capabilities(side.backend)
+    launcher = "python" if side.world_size == 1 and "python" in caps.launchers else caps.native_launcher
+    args = ["--backend", side.backend, "--model", ns.model, "--optimizer", ns.optimizer, "--steps", str(ns.steps),
+            "--global-batch", str(ns.global_batch), "--measure-steps", "0", "--checkpoint-format", side.fmt,
+            "--out", str(where / part), *extra, *ns.run_arg]
+    if side.stage is not None:
+        args += ["--opt", f"zero_stage={side.stage}"]
+    log = where / "logs" / f"{part}.log"
+    finished = run_process(native_command(launcher, side.world_size, args), timeout_s=ns.timeout_s, log=log)
+    found = sorted((where / part).glob("*.json"))
+    if finished.returncode != 0 or not found:
+        lines = [ln for ln in log.read_text().splitlines() if "error" in ln.lower()] if log.exists() else []
+        raise RuntimeError(f"{part} under {side.label} failed: "
+                           f"{lines[0].strip() if lines else f'exit status {finished.returncode}'} (log: {log})")
+    return json.loads(found[-1].read_text())
+
+
+def _side(s: Side) -> dict[str, Any]:
+    return {"backend": s.name, "world_size": s.world_size, "format": s.fmt}
+
+
+def _run_summary(result: dict[str, Any]) -> dict[str, Any]:
+    eq = result["equivalence"]
+    first = eq.get("first_divergence") or {}
+    return {"verdict": eq["verdict"], "checkpoint": eq.get("checkpoint"), "first_divergence": first.get("reason"),
+            "cause": first.get("cause"), "trajectory": (eq.get("checks") or {}).get("trajectory"),
+            "steps": [e["step"] for e in eq.get("drift", [])]}
+
+
+def _verdict_of(o: Outcome) -> str:
+    if o.status != "ran":
+        return f"[red]{o.status}[/]: {o.error}"
+    load = o.runs["load"]["equivalence"]
+    colour = "green" if load["verdict"] == "equivalent" else "red"
+    return f"[{colour}]{load['verdict']}[/] ({o.wall_s:.0f} s)"
+
+
+def _table(outcomes: list[Outcome]) -> Table:
+    table = Table(title="checkpoints: saved under A, loaded under B, judged against one uninterrupted float64 run")
+    for col in ("cell", "saved", "conversion", "loaded", "state loaded", "steps judged", "verdict"):
+        table.add_column(col)
+    for o in outcomes:
+        c = o.cell
+        tool = c.tool.rsplit(".", 1)[-1] if c.tool else "-"
+        if o.status != "ran":
+            why = c.refusal.split(":")[0] if c.refusal else "see above"  # the whole line is printed before the table
+            table.add_row(c.label, c.save.label, tool, c.load.label, "", "", f"{o.status} ({why})")
+            continue
+        load = o.runs["load"]["equivalence"]
+        parts = ((load.get("checkpoint") or {}).get("loaded") or {}).get("parts", {})
+        same = all(not v.startswith("differs") for v in parts.values())
+        drift = [e["step"] for e in load.get("drift", [])]
+        steps = f"0-{max(drift)} (resumed at {min(drift)})" if drift else "-"
+        first = (load.get("first_divergence") or {}).get("cause")
+        table.add_row(c.label, c.save.label, tool, c.load.label, "as saved" if same else "differs", steps,
+                      load["verdict"] + (f" ({first})" if first else ""))
+    return table

@@ -1,0 +1,37 @@
+"""The conversions between checkpoint formats, each the library's own tool: DCP's format_utils (dcp_to_torch_save,
+torch_save_to_dcp) and DeepSpeed's ds_to_universal, run as a subprocess with its output in the cell's log."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from dpcompare.contract.checkpoints import TORCH_FILE
+from dpcompare.run.launchers import run_process
+
+TAG = "dpcompare"
+"""The tag dpcompare's DeepSpeed checkpoints are saved under (dpcompare.run.checkpoint.TAG)."""
+
+
+def command(tool: str, source: Path, target: Path) -> list[str]:
+    """The command line that converts `source` into `target` with `tool` (cells.TOOLS)."""
+    if tool.endswith("dcp_to_torch_save"):
+        code = ("from torch.distributed.checkpoint.format_utils import dcp_to_torch_save as f; import sys; "
+                "f(sys.argv[1], sys.argv[2])")
+        return [sys.executable, "-c", code, str(source), str(target / TORCH_FILE)]
+    if tool.endswith("torch_save_to_dcp"):
+        code = ("from torch.distributed.checkpoint.format_utils import torch_save_to_dcp as f; import sys; "
+                "f(sys.argv[1], sys.argv[2])")
+        return [sys.executable, "-c", code, str(source / TORCH_FILE), str(target)]
+    if tool.endswith("ds_to_universal"):
+        return [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source / TAG),
+                "--output_folder", str(target / TAG), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    raise ValueError(f"no conversion {tool!r}")
+
+
+def run(tool: str, source: Path, target: Path, log: Path, timeout_s: float) -> None:
+    """Convert, or RuntimeError naming the tool and its log."""
+    target.mkdir(parents=True, exist_ok=True)
+    finished = run_process(command(tool, source, target), timeout_s=timeout_s, log=log)
+    if finished.returncode != 0:
+        raise RuntimeError(f"{tool} failed (exit status {finished.returncode}; log: {log})")
