@@ -51,6 +51,8 @@ from .deepspeed_config import WIRE_NAMES, check_precision, engine_config, precis
 from .deepspeed_host import remove_shm_segment, stale_build_lock
 from .deepspeed_state import ZeroStateReader
 STAGE_SHARDS = {0: "none", 1: "optimizer", 2: "gradients", 3: "parameters"}
+CHECKPOINT_TAG = "dpcompare"
+"""The tag its checkpoints are saved and loaded under (dpcompare.run.checkpoint.TAG: the same folder)."""
 
 
 class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
@@ -175,6 +177,33 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
         amp_dtype = getattr(torch, AMP_NAMES.get(self.settings.amp, "float32"))
         self._gather_watch = GatherWatch(engine.module, narrow, amp_dtype) if narrow else None
         return self.wrapped
+
+    def checkpoint_formats(self) -> tuple[str, ...]:
+        return ("deepspeed", "universal")
+
+    def save_checkpoint(self, directory: str, fmt: str) -> None:
+        """The engine's save_checkpoint under the tag CHECKPOINT_TAG; a universal checkpoint is converted from it
+        afterwards (ds_to_universal, offline)."""
+        assert self.wrapped is not None
+        if fmt != "deepspeed":
+            raise ValueError(f"DeepSpeed saves its own checkpoint format; {fmt} is converted from it")
+        self.wrapped.model.save_checkpoint(directory, tag=CHECKPOINT_TAG)
+
+    def load_checkpoint(self, directory: str, fmt: str) -> None:
+        """The engine's load_checkpoint of CHECKPOINT_TAG: its own format at the world size and stage that saved it, or
+        a universal one (ds_to_universal's) at any, read as the engine's `checkpoint.load_universal` setting says."""
+        assert self.wrapped is not None
+        engine = self.wrapped.model
+        engine._config.load_universal_checkpoint = fmt == "universal"
+        path, _ = engine.load_checkpoint(directory, tag=CHECKPOINT_TAG)
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint tagged {CHECKPOINT_TAG!r} under {directory}")
+        optimizer = engine.optimizer
+        if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+            # ZeRO-1/2 link each parameter to its optimizer state inside step(); until then the loaded state cannot be
+            # read (safe_get_full_optimizer_state raises): linked again now, as its step would.
+            optimizer._hp_optimizer_states_linked = False
+            optimizer._lazy_init_hp_params_optimizer_state()
 
     def compile(self) -> None:
         # The engine's own compile(): its module compiled in place by nn.Module.compile() with the accelerator's

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 
 import torch
 from torch import nn
@@ -152,6 +153,25 @@ class HorovodAdapter(Adapter):
         if self._timeline_off is not None:
             return _NoCounter(self._timeline_off)
         return _TimelineCounter(self.hvd, self.env.rank)
+
+    def checkpoint_formats(self) -> tuple[str, ...]:
+        return ("torch",)  # rank 0's torch.save of the full state, as Horovod's examples save
+
+    def load_checkpoint(self, directory: str, fmt: str) -> None:
+        """Every rank reads the file into its model and optimizer (torch.distributed.checkpoint's set_state_dict),
+        then rank 0's state is broadcast as Horovod documents (broadcast_parameters, broadcast_optimizer_state): every
+        rank holds state by then, so no broadcast steps a fresh optimizer (horovod/horovod#3743)."""
+        assert self.wrapped is not None
+        optimizer = self.wrapped.optimizer
+        # set_state_dict sets up an empty optimizer state through zero_grad(set_to_none=...), which Horovod's
+        # DistributedOptimizer.zero_grad does not take: its torch class's own serves the load.
+        optimizer.zero_grad = types.MethodType(torch.optim.Optimizer.zero_grad, optimizer)
+        try:
+            super().load_checkpoint(directory, fmt)
+        finally:
+            del optimizer.zero_grad
+        self.hvd.broadcast_parameters(self.wrapped.module.state_dict(), root_rank=0)
+        self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
     def all_gather_object(self, obj):
         # One fixed name: by default Horovod names the collective after type(obj), so ranks sending objects

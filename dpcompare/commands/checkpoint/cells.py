@@ -33,6 +33,10 @@ INTO_DEEPSPEED = ("unsupported: DeepSpeed loads its own checkpoints (save_checkp
                   "ds_to_universal); no DeepSpeed tool carries a {fmt} checkpoint's optimizer state into ZeRO's "
                   "partitions")
 
+ACROSS_ZERO3 = ("unsupported: DeepSpeed's universal checkpoint does not load across ZeRO-3 and ZeRO-1/2 (each stage looks "
+                "for model-state files the other's checkpoint does not have: deepspeed/runtime/state_dict_factory.py "
+                "asserts on an empty list), and no DeepSpeed tool converts one into the other")
+
 
 @dataclass(frozen=True, slots=True)
 class Side:
@@ -96,6 +100,8 @@ def route(a: tuple[str, int, str | None], b: tuple[str, int, str | None]) -> Cel
     if db and not da:
         return Cell(save, Side(b[0], b[1], b[2] or NATIVE[b[0]]), None, INTO_DEEPSPEED.format(fmt=fa))
     if da:  # ZeRO to ZeRO: its own checkpoint where nothing changes, else the universal one
+        if (a[0] == "zero3") != (b[0] == "zero3"):
+            return Cell(save, Side(b[0], b[1], "universal"), None, ACROSS_ZERO3)
         same = a[0] == b[0] and a[1] == b[1] and b[2] in (None, "deepspeed")
         fb = "deepspeed" if same else "universal"
         return Cell(save, Side(b[0], b[1], fb), None if same else TOOLS[("deepspeed", "universal")])
@@ -104,9 +110,10 @@ def route(a: tuple[str, int, str | None], b: tuple[str, int, str | None]) -> Cel
 
 
 DEFAULT = ("ddp:1>ddp:2", "ddp:2>fsdp:4:dcp", "fsdp:2>ddp:1", "fsdp:4>fsdp:2", "fsdp:2>horovod:2", "horovod:2>fsdp:1",
-           "zero2:2>zero2:2", "zero1:2>zero3:1", "zero3:2>zero2:4", "zero2:2>ddp:2", "ddp:2>zero1:2")
+           "zero2:2>zero2:2", "zero1:2>zero2:1", "zero3:2>zero3:4", "zero2:2>zero3:2", "zero2:2>ddp:2", "ddp:2>zero1:2")
 """A covering subset: every backend saves and loads, at world sizes 1, 2 and 4 on both sides, through every
-conversion (torch_save_to_dcp, dcp_to_torch_save, ds_to_universal), DeepSpeed's own format kept, and the two refusals."""
+conversion (torch_save_to_dcp, dcp_to_torch_save, ds_to_universal), DeepSpeed's own format kept, and the three
+refusals (across ZeRO-3, out of DeepSpeed, into DeepSpeed)."""
 
 
 def matrix(name: str, world_sizes: tuple[int, ...] = (1, 2, 4)) -> list[Cell]:

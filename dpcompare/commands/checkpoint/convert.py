@@ -25,7 +25,9 @@ def command(tool: str, source: Path, target: Path) -> list[str]:
         return [sys.executable, "-c", code, str(source / TORCH_FILE), str(target)]
     if tool.endswith("ds_to_universal"):
         return [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source / TAG),
-                "--output_folder", str(target / TAG), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+                "--output_folder", str(target / TAG), "--num_extract_workers", "1", "--num_merge_workers", "1",
+                # a model of no DeepSpeed's own (a plain nn.Module) records no universal_checkpoint_info at ZeRO-1/2
+                "--inject_missing_state"]
     raise ValueError(f"no conversion {tool!r}")
 
 
