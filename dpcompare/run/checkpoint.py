@@ -71,7 +71,9 @@ def save(cfg: RunConfig, adapter: Adapter, device: torch.device, step: int, traj
     fmt = format_of(cfg, adapter, "save-checkpoint")
     adapter.all_gather_object(None)  # every rank has left its step
     adapter.save_checkpoint(str(directory), fmt)
-    params = {n: t.detach().to("cpu").clone() for n, t in adapter.full_params().items()}
+    full = adapter.full_params()
+    params = {n: t.detach().to("cpu").clone() for n, t in full.items()}
+    masters = {n: t.detach().to("cpu").clone() for n, t in adapter.master_params().items() if t is not full.get(n)}
     state = adapter.optimizer_state()
     rngs = adapter.all_gather_object(stochastic.capture(device))
     if adapter.env.rank == 0:
@@ -81,7 +83,7 @@ def save(cfg: RunConfig, adapter: Adapter, device: torch.device, step: int, traj
                 "grad_scaler": (scaling.scaler.state_dict(), scaling.skipped) if scaling is not None else None,
                 "settings": {k: getattr(cfg, k) for k in SHARED}}
         scaler = adapter.scaler_state()
-        saved = {"params": params, "optimizer": state, "scale": scaler.scale if scaler is not None else None,
+        saved = {"params": params, "masters": masters, "optimizer": state, "scale": scaler.scale if scaler is not None else None,
                  "oracle": trajectory.state() if trajectory is not None else None}
         for name, obj in ((SAVED, saved), (LOOP, loop)):  # the loop's record last: it marks the save complete
             _save_atomic(obj, directory / name)

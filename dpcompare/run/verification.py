@@ -159,6 +159,7 @@ class VerificationPhase:
         """Every rank reads what it loaded (collectives where the backend shards it); rank 0 judges it against what the
         saving run read, and its trajectory continues the saved run's."""
         assert self.loaded is not None
+        masters = self.adapter.master_params()
         state = self.adapter.optimizer_state()
         scaler = self.adapter.scaler_state()
         rngs = self.adapter.all_gather_object(stochastic.capture(self.runner.device))
@@ -167,7 +168,7 @@ class VerificationPhase:
         saved = self.loaded.saved()
         for text in self.loaded.notes:
             verdict.note("checkpoint", text)
-        record = resume.judge_loaded(verdict, saved, self.loaded.loop, params=full, state=state,
+        record = resume.judge_loaded(verdict, saved, self.loaded.loop, params=full, masters=masters, state=state,
                                      scale=scaler.scale if scaler is not None else None, rngs=rngs, start=self.start)
         verdict.checkpoint = {"loaded": dict(record, directory=str(self.loaded.directory))}
         if self.check is not None:

@@ -28,7 +28,8 @@ from dpcompare.verify.verdict import Divergence, Verdict
 
 
 def judge_loaded(verdict: Verdict, saved: dict[str, Any], loop: dict[str, Any], *, params: dict[str, torch.Tensor],
-                 state: dict[str, dict[str, Any]] | None, scale: float | None, rngs: list[Any], start: int) -> dict:
+                 masters: dict[str, torch.Tensor], state: dict[str, dict[str, Any]] | None, scale: float | None,
+                 rngs: list[Any], start: int) -> dict:
     """Record in `verdict` every part of the loaded state that is not the saved one; returns the check's record (the
     result's `checkpoint` section)."""
     step = loop["step"]
@@ -40,14 +41,17 @@ def judge_loaded(verdict: Verdict, saved: dict[str, Any], loop: dict[str, Any], 
         found.append(Divergence(start, name, math.nan, 0.0, math.nan, f"after loading the checkpoint saved after step "
                                 f"{step - 1}: {text}", check="checkpoint", cause=cause, parameters=names or [name]))
 
-    differ = [n for n, t in saved["params"].items() if n not in params or not _equal(t, params[n])]
-    parts["parameters"] = f"bitwise equal ({len(saved['params'])})"
-    if differ:
-        moved = _moved(saved["params"], params, differ)
-        fail("parameters", "checkpoint_shard_order" if moved >= 0.9 else "checkpoint_parameters", differ[0],
-             f"{len(differ)} of {len(saved['params'])} parameters hold other values than were saved ({differ[0]} first)"
-             + (f"; {moved:.0%} of the values that differ are saved values at other places: the shards were loaded "
-                "in the wrong rank order, or into another layout" if moved >= 0.9 else ""), differ)
+    for part, what, kept, live in (("parameters", "parameters", saved["params"], params),
+                                   ("masters", "master weights (the values the optimizer steps)",
+                                    saved.get("masters") or {}, masters)):
+        differ = [n for n, t in kept.items() if n not in live or not _equal(t, live[n])]
+        parts[part] = f"bitwise equal ({len(kept)})" if kept else "the parameters"
+        if differ:
+            moved = _moved(kept, live, differ)
+            fail(part, "checkpoint_shard_order" if moved >= 0.9 else "checkpoint_parameters", differ[0],
+                 f"{len(differ)} of {len(kept)} {what} hold other values than were saved ({differ[0]} first)"
+                 + (f"; {moved:.0%} of the values that differ are saved values at other places: the shards were "
+                    "loaded in the wrong rank order, or into another layout" if moved >= 0.9 else ""), differ)
     _judge_optimizer(saved.get("optimizer"), state, parts, fail)
     parts["loss_scale"] = "not scaled" if saved.get("scale") is None else f"equal ({saved['scale']:g})"
     if saved.get("scale") is not None and scale != saved["scale"]:

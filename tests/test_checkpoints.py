@@ -1,0 +1,220 @@
+"""Checkpoints across backends and world sizes: the routes and refusals, the check of what was loaded against what was
+saved (each part, with a negative for each), and real save -> load runs whose continuation is judged against one
+uninterrupted float64 run, with the six planted faults of a load each `different` with its cause named."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import Launcher, child_env, run_command
+from dpcompare.commands.checkpoint.cells import DEFAULT, TOOLS, matrix, parse_cell
+from dpcompare.verify import resume, stochastic
+from dpcompare.verify.verdict import Verdict
+
+RUN = ["--optimizer", "adamw", "--steps", "4", "--global-batch", "32", "--measure-steps", "0"]
+
+
+# -- routes -------------------------------------------------------------------------------------------------------------
+def test_each_route_is_the_libraries_own_and_state_losing_routes_are_refused_in_one_line():
+    assert parse_cell("ddp:2>fsdp:4").tool is None  # FSDP reads DDP's torch file
+    assert parse_cell("ddp:2>fsdp:4:dcp").tool.endswith("torch_save_to_dcp")
+    assert parse_cell("fsdp:2>horovod:1").tool.endswith("dcp_to_torch_save")
+    assert parse_cell("zero2:2>zero2:2").tool is None and parse_cell("zero2:2>zero2:2").load.fmt == "deepspeed"
+    assert parse_cell("zero2:2>zero1:4").tool.endswith("ds_to_universal")
+    out, into, across = parse_cell("zero2:2>ddp:2"), parse_cell("ddp:2>zero1:2"), parse_cell("zero3:2>zero2:2")
+    assert out.refusal.startswith("lossy:") and "zero_to_fp32" in out.refusal and "optimizer state" in out.refusal
+    assert into.refusal.startswith("unsupported:") and across.refusal.startswith("unsupported:")
+    assert "\n" not in out.refusal + into.refusal + across.refusal
+    with pytest.raises(ValueError, match="BACKEND:WORLD_SIZE"):
+        parse_cell("ddp:2>megatron:2")
+    with pytest.raises(ValueError, match="writes and reads torch"):
+        parse_cell("ddp:2>horovod:2:dcp")
+
+
+def test_the_default_matrix_covers_every_backend_world_size_and_conversion():
+    cells = [parse_cell(c) for c in DEFAULT]
+    ran = [c for c in cells if c.refusal is None]
+    assert {c.save.name for c in ran} | {c.load.name for c in ran} == {"ddp", "fsdp", "horovod", "zero1", "zero2", "zero3"}
+    assert {c.save.world_size for c in ran} == {c.load.world_size for c in ran} == {1, 2, 4}
+    assert {c.tool for c in ran} == set(TOOLS.values()) | {None}
+    assert {c.refusal.split(":")[0] for c in cells if c.refusal} == {"lossy", "unsupported"}
+    assert len(matrix("all")) == 6 * 3 * 6 * 3
+
+
+# -- the check of what was loaded --------------------------------------------------------------------------------------
+def _saved():
+    torch.manual_seed(0)
+    params = {"a": torch.randn(8, 4), "b": torch.randn(6)}
+    state = {n: {"step": torch.tensor(4.0), "exp_avg": torch.randn_like(t), "exp_avg_sq": torch.rand_like(t)}
+             for n, t in params.items()}
+    rng = [stochastic.capture(torch.device("cpu")), stochastic.RngState(b"other")]
+    loop = {"step": 4, "world_size": 2, "rng": rng, "backend": "ddp", "format": "torch"}
+    return {"params": params, "masters": {}, "optimizer": state, "scale": 1024.0}, loop
+
+
+def _judge(saved, loop, **live):
+    kw = dict(params={n: t.clone() for n, t in saved["params"].items()}, masters={},
+              state={n: {k: v.clone() for k, v in e.items()} for n, e in saved["optimizer"].items()},
+              scale=saved["scale"], rngs=list(loop["rng"]), start=loop["step"])
+    kw.update(live)
+    verdict = Verdict()
+    record = resume.judge_loaded(verdict, saved, loop, **kw)
+    return verdict, record
+
+
+def test_a_load_that_holds_every_saved_part_passes_and_names_each_part():
+    saved, loop = _saved()
+    verdict, record = _judge(saved, loop)
+    assert verdict.first_divergence is None and record["causes"] == []
+    assert set(record["parts"]) == {"parameters", "masters", "optimizer", "loss_scale", "data_position", "generators"}
+
+
+@pytest.mark.parametrize("change, cause", [
+    ("rotated", "checkpoint_shard_order"), ("perturbed", "checkpoint_parameters"), ("dropped", "checkpoint_optimizer"),
+    ("moments", "checkpoint_optimizer"), ("step", "checkpoint_step_count"), ("scale", "checkpoint_loss_scale"),
+    ("data", "checkpoint_data"), ("rng", "checkpoint_generator")])
+def test_each_part_that_differs_from_the_saved_is_a_divergence_with_its_cause(change, cause):
+    saved, loop = _saved()
+    params = {n: t.clone() for n, t in saved["params"].items()}
+    state = {n: {k: v.clone() for k, v in e.items()} for n, e in saved["optimizer"].items()}
+    live: dict = {}
+    if change == "rotated":  # rank 1's half where rank 0's was
+        flat = torch.cat([t.reshape(-1) for t in params.values()])
+        flat = torch.roll(flat, flat.numel() // 2)
+        live["params"] = {"a": flat[:32].reshape(8, 4), "b": flat[32:]}
+    elif change == "perturbed":
+        params["b"] = params["b"] * (1 + 1e-6)
+        live["params"] = params
+    elif change == "dropped":
+        live["state"] = {n: {} for n in state}
+    elif change == "moments":
+        state["a"]["exp_avg"] = state["a"]["exp_avg"] + 1e-7
+        live["state"] = state
+    elif change == "step":
+        for e in state.values():
+            e["step"] = torch.tensor(0.0)
+        live["state"] = state
+    elif change == "scale":
+        live["scale"] = 65536.0
+    elif change == "data":
+        live["start"] = 0
+    elif change == "rng":
+        live["rngs"] = [loop["rng"][0], stochastic.RngState(b"seed")]
+    verdict, record = _judge(saved, loop, **live)
+    assert verdict.first_divergence is not None and verdict.first_divergence.check == "checkpoint"
+    assert verdict.first_divergence.cause == cause and record["causes"][0] == cause
+    assert verdict.status() == "different"
+
+
+def test_generators_saved_by_another_world_size_are_said_not_carried_rather_than_compared():
+    saved, loop = _saved()
+    verdict, record = _judge(saved, loop, rngs=[stochastic.RngState(b"x")] * 4)
+    assert verdict.first_divergence is None and record["parts"]["generators"].startswith("not carried")
+
+
+# -- real runs -----------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_ddp(tmp_path_factory) -> tuple[Launcher, Path]:
+    """ddp, one rank, mlp-dropout under AdamW: 4 steps saved in DDP's torch format."""
+    launch = Launcher(tmp_path_factory.mktemp("ckpt"))
+    where = launch.tmp_path / "saved"
+    proc, result = launch("ddp", 1, "mlp-dropout", [*RUN, "--save-checkpoint", str(where)], "python")
+    assert result is not None, proc.output[-3000:]
+    assert result["equivalence"]["verdict"] == "equivalent"
+    assert result["equivalence"]["checkpoint"]["saved"]["step"] == 4
+    return launch, where
+
+
+def test_a_continuation_is_judged_over_all_the_steps_against_one_uninterrupted_run(saved_ddp):
+    launch, where = saved_ddp
+    proc, result = launch("ddp", 1, "mlp-dropout", [*RUN, "--load-checkpoint", str(where)], "python")
+    assert result is not None, proc.output[-3000:]
+    eq = result["equivalence"]
+    assert eq["verdict"] == "equivalent", eq["first_divergence"]
+    assert [e["step"] for e in eq["drift"]] == [4, 5, 6, 7] and eq["checked_steps"] == [4, 5, 6, 7]
+    loaded = eq["checkpoint"]["loaded"]
+    assert loaded["causes"] == [] and loaded["parts"]["optimizer"].startswith("bitwise equal")
+    assert loaded["saved_by"] == {"backend": "ddp", "world_size": 1, "format": "torch"}
+
+
+@pytest.mark.parametrize("fault, cause", [("ckpt-optimizer", "checkpoint_optimizer"),
+                                          ("ckpt-step", "checkpoint_step_count"), ("ckpt-data", "checkpoint_data")])
+def test_a_planted_fault_of_the_load_is_different_with_its_cause_and_the_trajectory_sees_the_state_faults(
+        saved_ddp, fault, cause):
+    launch, where = saved_ddp
+    proc, result = launch("ddp", 1, "mlp-dropout", [*RUN, "--load-checkpoint", str(where), "--inject-fault", fault],
+                          "python")
+    assert result is not None, proc.output[-3000:]
+    eq = result["equivalence"]
+    assert eq["verdict"] == "different" and eq["first_divergence"]["cause"] == cause
+    worst = max(e["noise_ratio"] for e in eq["drift"] if e["noise_ratio"] is not None)
+    if fault == "ckpt-data":  # the oracle follows the batches the run reads: only the loaded state's check sees it
+        assert worst <= 1.0
+    else:  # the oracle's trajectory, resumed from the saved run's, leaves the faulty run behind by itself
+        assert worst > 100.0
+
+
+def test_a_continuation_with_other_settings_or_no_checkpoint_is_refused_in_one_line(saved_ddp):
+    launch, where = saved_ddp
+    sgd = ["--optimizer", "sgd", *RUN[2:]]
+    proc, result = launch("ddp", 1, "mlp-dropout", [*sgd, "--load-checkpoint", str(where)], "python")
+    assert proc.returncode == 2 and result is None
+    assert "--optimizer adamw (this run: sgd)" in proc.stderr and "Traceback" not in proc.stderr
+    proc, _ = launch("ddp", 1, "mlp-dropout", [*RUN, "--load-checkpoint", str(launch.tmp_path)], "python")
+    assert proc.returncode == 2 and "no complete dpcompare checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _command(tmp_path: Path, cells: str, *extra: str, timeout_s: float = 900) -> dict:
+    out = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "dpcompare", "checkpoint", "--cells", cells, "--steps", "2", "--out", str(out), *extra]
+    done = run_command(cmd, cwd=tmp_path, env=child_env(tmp_path), timeout_s=timeout_s)
+    assert done.returncode == 0, done.output[-4000:]
+    return {c["cell"]: c for c in json.loads(next(out.glob("*/checkpoint.json")).read_text())["cells"]}
+
+
+def test_the_command_moves_fsdp_to_ddp_and_refuses_zero2_to_ddp_before_anything_runs(tmp_path):
+    cells = _command(tmp_path, "fsdp:2>ddp:1,zero2:2>ddp:2")
+    for name in ("fsdp:2>ddp:1",):
+        load = cells[name]["load_run"]
+        assert cells[name]["status"] == "ran" and load["verdict"] == "equivalent", cells[name]
+        assert load["checkpoint"]["loaded"]["causes"] == [] and load["steps"] == [2, 3]
+    refused = cells["zero2:2>ddp:2"]
+    assert refused["status"] == "refused" and "save_run" not in refused and refused["refusal"].startswith("lossy")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, world_size, model, extra, fault, cause", [
+    ("deepspeed", 2, "mlp", ["--opt", "zero_stage=2"], "ckpt-shards", "checkpoint_shard_order"),
+    ("ddp", 2, "mlp-dropout", [], "ckpt-rng:1", "checkpoint_generator"),
+    ("ddp", 1, "mlp", ["--amp", "fp16", "--loss-scale", "16777216"], "ckpt-scale", "checkpoint_loss_scale")])
+def test_the_sharded_generator_and_scaler_faults_of_a_load_are_caught_with_their_cause(
+        tmp_path, backend, world_size, model, extra, fault, cause):
+    launch = Launcher(tmp_path)
+    where = tmp_path / "saved"
+    proc, result = launch(backend, world_size, model, [*RUN, *extra, "--save-checkpoint", str(where)])
+    assert result is not None, proc.output[-3000:]
+    proc, result = launch(backend, world_size, model, [*RUN, *extra, "--load-checkpoint", str(where)])
+    assert result is not None and result["equivalence"]["checkpoint"]["loaded"]["causes"] == [], proc.output[-3000:]
+    proc, result = launch(backend, world_size, model, [*RUN, *extra, "--load-checkpoint", str(where),
+                                                       "--inject-fault", fault])
+    assert result is not None, proc.output[-3000:]
+    assert result["equivalence"]["verdict"] == "different"
+    assert result["equivalence"]["first_divergence"]["cause"] == cause
+
+
+@pytest.mark.slow
+def test_the_default_matrix_is_equivalent_in_every_cell_it_runs(tmp_path):
+    cells = _command(tmp_path, ",".join(DEFAULT), timeout_s=2400)
+    for name, cell in cells.items():
+        if cell["refusal"] is not None:
+            assert cell["status"] == "refused"
+            continue
+        assert cell["status"] == "ran" and cell["load_run"]["verdict"] == "equivalent", (name, cell)
+        assert cell["save_run"]["verdict"] == "equivalent", (name, cell)
+        assert math.isfinite(cell["load_run"]["trajectory"]["noise_ratio"])
