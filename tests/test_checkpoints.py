@@ -218,3 +218,25 @@ def test_the_default_matrix_is_equivalent_in_every_cell_it_runs(tmp_path):
         assert cell["status"] == "ran" and cell["load_run"]["verdict"] == "equivalent", (name, cell)
         assert cell["save_run"]["verdict"] == "equivalent", (name, cell)
         assert math.isfinite(cell["load_run"]["trajectory"]["noise_ratio"])
+
+
+def test_compare_suite_checkpoint_runs_every_pair_of_its_backends_and_world_sizes(tmp_path):
+    from dpcompare.cli import parser_for
+    from dpcompare.commands.checkpoint.command import from_compare
+    from dpcompare.commands.compare import suites
+
+    ns = parser_for("compare").parse_args(["--suite", "checkpoint", "--backends", "fsdp,deepspeed:zero2",
+                                           "--world-sizes", "1,4", "--steps", "3"])
+    moved = from_compare(ns, suites.given(ns))
+    cells = moved.cells.split(",")
+    assert len(cells) == 16 and "zero2:4>fsdp:1" in cells and moved.steps == 3 and moved.model == "mlp-dropout"
+    default = from_compare(parser_for("compare").parse_args(["--suite", "checkpoint"]), frozenset())
+    assert len(default.cells.split(",")) == 324 and default.steps == 4
+    out = tmp_path / "suite"
+    done = run_command([sys.executable, "-m", "dpcompare", "compare", "--suite", "checkpoint", "--backends", "ddp",
+                        "--world-sizes", "1", "--steps", "2", "--out", str(out)], cwd=tmp_path,
+                       env=child_env(tmp_path), timeout_s=300)
+    assert done.returncode == 0, done.output[-3000:]
+    (cell,) = json.loads(next(out.glob("*/checkpoint.json")).read_text())["cells"]
+    assert cell["cell"] == "ddp:1>ddp:1" and cell["load_run"]["verdict"] == "equivalent"
+    assert cell["load_run"]["steps"] == [2, 3]

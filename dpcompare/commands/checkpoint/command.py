@@ -24,8 +24,8 @@ from rich.table import Table
 
 from dpcompare import results
 from dpcompare.commands.checkpoint import convert
-from dpcompare.commands.checkpoint.cells import MATRICES, Cell, Side, matrix, parse_cell
-from dpcompare.commands.compare.plan import capabilities
+from dpcompare.commands.checkpoint.cells import BACKENDS, MATRICES, Cell, Side, matrix, parse_cell
+from dpcompare.run import registry
 from dpcompare.run.launchers import native_command, run_process
 
 RECORDS = ("dpcompare-loop.pt", "dpcompare-saved.pt")
@@ -62,6 +62,30 @@ class Outcome:
         return {"cell": c.label, "save": _side(c.save), "load": _side(c.load), "tool": c.tool, "refusal": c.refusal,
                 "status": self.status, "error": self.error, "wall_s": self.wall_s,
                 **{f"{k}_run": _run_summary(v) for k, v in self.runs.items()}}
+
+
+DEFAULTS = {"cells": None, "matrix": "default", "steps": 4, "model": "mlp-dropout", "optimizer": "adamw",
+            "global_batch": 32, "run_arg": [], "out": "results", "timeout_s": 600.0}
+SUITE_BACKENDS = ("ddp", "fsdp", "zero1", "zero2", "zero3", "horovod")
+SUITE_WORLD_SIZES = "1,2,4"
+
+
+def from_compare(ns: argparse.Namespace, given: frozenset[str]) -> argparse.Namespace:
+    """`compare --suite checkpoint`: every pair of its --backends (default: ddp, fsdp, ZeRO 1-3, horovod; deepspeed:zeroN
+    names a stage) at its --world-sizes (default 1, 2, 4), with compare's flags where given (ValueError naming a
+    backend no cell can hold)."""
+    names = [b.split(":")[-1] if b.startswith("deepspeed:") else b
+             for b in (ns.backends.split(",") if "backends" in given else SUITE_BACKENDS)]
+    for name in names:
+        if name not in BACKENDS:
+            raise ValueError(f"--suite checkpoint: {name} saves no checkpoint a matrix cell holds; use {', '.join(BACKENDS)}"
+                             " (deepspeed:zero1..zero3)")
+    sizes = [int(n) for n in (ns.world_sizes if "world_sizes" in given else SUITE_WORLD_SIZES).split(",")]
+    sides = [f"{b}:{n}" for b in names for n in sizes]
+    values = dict(DEFAULTS, cells=",".join(f"{a}>{b}" for a in sides for b in sides), run_arg=list(ns.run_arg),
+                  out=ns.out, timeout_s=ns.timeout_s)
+    values.update({k: getattr(ns, k) for k in ("steps", "model", "optimizer", "global_batch") if k in given})
+    return argparse.Namespace(**values)
 
 
 def main(ns: argparse.Namespace) -> int:
@@ -116,7 +140,7 @@ def _run_cell(o: Outcome, where: Path, ns: argparse.Namespace) -> None:
 
 
 def _launch(side: Side, where: Path, part: str, extra: list[str], ns: argparse.Namespace) -> dict[str, Any]:
-    caps = capabilities(side.backend)
+    caps = registry.load(side.backend, registry.BACKENDS, "backend").capabilities
     launcher = "python" if side.world_size == 1 and "python" in caps.launchers else caps.native_launcher
     args = ["--backend", side.backend, "--model", ns.model, "--optimizer", ns.optimizer, "--steps", str(ns.steps),
             "--global-batch", str(ns.global_batch), "--measure-steps", "0", "--checkpoint-format", side.fmt,

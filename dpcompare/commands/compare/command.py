@@ -6,6 +6,7 @@ plots unless --no-report."""
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dpcompare import results
+from dpcompare.commands.checkpoint import command as checkpoint
 from dpcompare.commands.compare import execute, matrix, plan, questions, render, suites, summary
 from dpcompare.commands.compare.spec import CompareSpec, parse
 from dpcompare.run import flags, registry
@@ -45,6 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
+    if ns.suite is not None and suites.SUITES[ns.suite].checkpoint:
+        try:
+            moved = checkpoint.from_compare(ns, suites.given(ns))
+        except ValueError as exc:
+            print(f"dpcompare compare: error: {exc}", file=sys.stderr)
+            return 2
+        return checkpoint.main(moved)
     spec = parse(ns)
     console = Console()
     if not console.is_terminal:

@@ -22,6 +22,8 @@ class Suite:
     """What the preset runs and why, for --help."""
     values: Mapping[str, Any]
     """compare's flags by dest, as argparse would have stored them."""
+    checkpoint: bool = False
+    """Its runs are the checkpoint matrix's cells (dpcompare.commands.checkpoint): a save and a load each."""
     questions: bool = False
     """Its runs are the rows of dpcompare.commands.compare.questions, each posing one question with flags of its own
     (the workload too), instead of every backend at every world size on one workload."""
@@ -47,6 +49,14 @@ SUITES: dict[str, Suite] = {
                 "question's own: --model and --global-batch do not apply",
         values={"steps": 4, "warmup_steps": 1, "measure_steps": 5, "collectives": "none"},
         questions=True,
+    ),
+    "checkpoint": Suite(
+        summary="moving a run between backends: every pair of --backends (default ddp, fsdp, deepspeed:zero1..zero3, "
+                "horovod) at --world-sizes (default 1,2,4) saves 4 steps in the first's format and continues 4 under "
+                "the second through the libraries' own conversions, judged against one uninterrupted float64 run; "
+                "lossy or unsupported routes are said in one line; mlp-dropout, AdamW, global batch 32 unless given "
+                "(324 cells, about an hour on two CPU cores; `python -m dpcompare checkpoint` runs a covering subset)",
+        values={}, checkpoint=True,
     ),
 }
 
