@@ -122,7 +122,8 @@ def setting_notes(settings: Settings, stage: int, clip: float, engine_recipe: bo
     when ZeRO runs it off its list of tested optimizers."""
     notes = [Note("deepspeed.gradient_clipping", clipping_note(settings, clip, stage, engine_recipe))]
     if stage:
-        notes.append(Note("deepspeed.zero_stage", stage_note(settings, stage, world_size)))
+        notes.append(Note("deepspeed.zero_stage", stage_note(settings, stage, world_size),
+                          ("masters", "grads", "optimizer")))
     if stage and not engine_recipe and settings.amp == "fp16":
         notes.append(Note("deepspeed.zero_autocast_fp16",
                           f"deepspeed: ZeRO stage {stage} under the torch_autocast section (fp16) tests its "
@@ -159,7 +160,7 @@ def precision_notes(settings: Settings, stage: int, engine_recipe: bool, engine,
             wire += gathered_note(engine.module, set(narrow), AMP_NAMES[amp])
         return [Note("deepspeed.amp_recipe", f"deepspeed: autocast recipe (torch_autocast section, {AMP_NAMES[amp]}): "
                                              f"float32 weights, the engine's forward under torch.autocast{scaled}"
-                                             f"{wire}")]
+                                             f"{wire}", ("forward", "wire"))]
     wire = WIRE_NAMES.get(engine.communication_data_type, "float32")
     known = []
     if amp == "fp16" and not stage and stage0_fp16_loss_unscaled(type(engine)):
@@ -174,7 +175,7 @@ def precision_notes(settings: Settings, stage: int, engine_recipe: bool, engine,
                  + (", which takes one optimizer step on zero gradients when it is built "
                     "(initialize_optimizer_states)" if not stage else
                     f", partitioned across the ranks (ZeRO stage {stage})")
-                 + ("; dynamic loss scale" if amp == "fp16" else ""))]
+                 + ("; dynamic loss scale" if amp == "fp16" else ""), ("forward", "masters", "grads", "wire", "loss_scale"))]
 
 
 def stage0_fp16_loss_unscaled(engine_class: type) -> bool:

@@ -193,7 +193,8 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
                           f"{self.replicas} replica groups of {shard_ranks}, each rank holds 1/{shard_ranks} of every "
                           f"parameter, gradient and optimizer state, the gradients are reduce-scattered within a group "
                           f"and all-reduced across the {self.replicas} groups") +
-                      "; the checks all-gather the full values (DTensor.full_tensor) on every rank")]
+                      "; the checks all-gather the full values (DTensor.full_tensor) on every rank",
+                      ("masters", "grads", "optimizer"))]
         notes.append(Note("fsdp.ablation",
                           "fsdp: the exposed-communication ablation's unsynced arm (set_requires_gradient_sync(False)) "
                           "still all-gathers the parameters: the exposed communication it measures is the gradients' "

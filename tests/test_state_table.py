@@ -91,20 +91,31 @@ def test_compare_marks_the_cells_where_backends_differ(tmp_path):
     """compare's table puts runs side by side and marks a cell that differs from another run's at its world size."""
     from rich.console import Console
 
-    def job(label: str, masters: str) -> Job:
+    sharding = {"code": "fsdp.sharding", "text": "fsdp: each rank holds 1/2 of every parameter",
+                "concerns": ["masters", "grads", "optimizer"]}
+
+    def job(label: str, masters: str, notes: list | None = None) -> Job:
         cells = {c: "float32, cpu" for c in STATE_COMPONENTS}
         cells["masters"] = masters
         j = Job(label, 2, [], label, tmp_path / label, tmp_path / f"{label}.log")
-        j.result = RunResult({"state": {"per_rank": [], "cells": cells}})
+        j.result = RunResult({"world_size": 2, "state": {"per_rank": [], "cells": cells},
+                              "equivalence": {"notes": notes or []}})
         return j
 
-    def starred(jobs: list[Job]) -> int:
+    def shown(jobs: list[Job]) -> str:
         console = Console(record=True, width=200)
         render.render_state(console, jobs)
-        return console.export_text().count(" *") - 1  # the title's own
+        return console.export_text()
 
-    assert starred([job("ddp", "float32, cpu"), job("fsdp", "float32, cpu, sharded")]) == 2  # both runs' masters
-    assert starred([job("ddp", "float32, cpu"), job("dp", "float32, cpu")]) == 0
+    def marks(text: str) -> int:
+        return sum(line.count(" *") for line in text.splitlines() if line.startswith("│"))
+
+    text = shown([job("ddp", "float32, cpu"), job("fsdp", "float32, cpu, sharded", [sharding])])
+    assert marks(text) == 2  # both runs' masters
+    # the difference is tied to the note that explains it, for the component it concerns alone
+    assert "* weights the optimizer steps, fsdp: fsdp: each rank holds 1/2" in text and "gradients held, fsdp" not in text
+    same = shown([job("ddp", "float32, cpu"), job("dp", "float32, cpu", [sharding])])
+    assert marks(same) == 0 and "each rank holds" not in same  # no difference, no tie
 
 
 def test_the_report_lays_the_runs_state_side_by_side_with_differences_in_bold():
@@ -115,8 +126,11 @@ def test_the_report_lays_the_runs_state_side_by_side_with_differences_in_bold():
         cells["grads"] = grads
         return RunResult({"backend": backend, "world_size": world_size, "state": {"per_rank": [], "cells": cells}})
 
-    lines = state_section([run("ddp", "float32, cpu"), run("fsdp", "float32, cpu, sharded"), run("dp", "bf16", 1)])
+    fsdp = run("fsdp", "float32, cpu, sharded")
+    fsdp.raw["equivalence"] = {"notes": [{"code": "fsdp.sharding", "text": "fsdp: sharded", "concerns": ["grads"]}]}
+    lines = state_section([run("ddp", "float32, cpu"), fsdp, run("dp", "bf16", 1)])
     text = "\n".join(lines)
+    assert "- gradients held, fsdp: fsdp: sharded" in text
     assert "| ddp | 2 | float32, cpu | float32, cpu | **float32, cpu** |" in text
     assert "**float32, cpu, sharded**" in text and "| dp | 1 | float32, cpu | float32, cpu | bf16 |" in text
     assert state_section([RunResult({"backend": "ddp", "world_size": 2})]) == []  # written before it was read

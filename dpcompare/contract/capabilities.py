@@ -60,9 +60,12 @@ class Note:
 
     code: str
     text: str
+    concerns: tuple[str, ...] = ()
+    """The components of the model's state it explains where they differ between backends (the state table's: forward,
+    masters, grads, wire, optimizer, loss_scale; dpcompare.run.state_table)."""
 
-    def to_dict(self) -> dict[str, str]:
-        return {"code": self.code, "text": self.text}
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "text": self.text, **({"concerns": list(self.concerns)} if self.concerns else {})}
 
 
 _TYPE_WORDS = {bool: "true/false", int: "a whole number", float: "a number", str: "text"}

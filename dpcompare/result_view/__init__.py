@@ -17,7 +17,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from dpcompare._version import SCHEMA_VERSION
 from dpcompare.result_view.equivalence import Check, Divergence, Equivalence, Note, Tolerance
@@ -25,7 +25,7 @@ from dpcompare.result_view.figures import Field, Figure, ResultError, is_number,
 from dpcompare.result_view.metrics import MEASURED_NOTHING, NO_METRICS, Metrics
 
 __all__ = ["MEASURED_NOTHING", "NO_METRICS", "STATE_COMPONENTS", "Check", "Config", "Divergence", "Equivalence", "Field", "Figure",
-           "Metrics", "Note", "ResultError", "RunResult", "Tolerance", "is_number", "knob_text"]
+           "Metrics", "Note", "ResultError", "RunResult", "Tolerance", "is_number", "knob_text", "state_ties"]
 
 
 STATE_COMPONENTS = {
@@ -37,6 +37,19 @@ STATE_COMPONENTS = {
     "loss_scale": "loss scale",
 }
 """The components of a result's `state`, in the order they are printed, with their column titles."""
+
+
+def state_ties(runs: Sequence[tuple[str, RunResult]]) -> list[tuple[str, str, str]]:
+    """Each state component that differs between runs at a world size, tied to the notes of those runs that say why
+    (a note's `concerns`): (the component's title, the run's label, the note's text), in the components' order."""
+    out = []
+    for component, title in STATE_COMPONENTS.items():
+        for label, run in runs:
+            cells = run.state_cells
+            peers = [r.state_cells for _, r in runs if r.world_size == run.world_size and r.state_cells]
+            if cells and any(p.get(component, "-") != cells.get(component, "-") for p in peers):
+                out += [(title, label, n.text) for n in run.equivalence.notes if component in n.concerns]
+    return out
 
 
 # -- the run -------------------------------------------------------------------------------------------------

@@ -35,10 +35,14 @@ class Note:
 
     code: str | None
     text: str
+    concerns: tuple[str, ...] = ()
+    """The state components it explains (STATE_COMPONENTS' keys)."""
 
     @classmethod
     def of(cls, raw: Any) -> Note:
-        return cls(raw.get("code"), raw.get("text", "")) if isinstance(raw, Mapping) else cls(None, str(raw))
+        if not isinstance(raw, Mapping):
+            return cls(None, str(raw))
+        return cls(raw.get("code"), raw.get("text", ""), tuple(raw.get("concerns") or ()))
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from rich.table import Table
 from dpcompare import results
 from dpcompare.commands.checkpoint import convert
 from dpcompare.commands.checkpoint.cells import BACKENDS, MATRICES, Cell, Side, matrix, parse_cell
+from dpcompare.result_view import RunResult
 from dpcompare.run import registry
 from dpcompare.run.launchers import native_command, run_process
 
@@ -61,7 +62,7 @@ class Outcome:
         c = self.cell
         return {"cell": c.label, "save": _side(c.save), "load": _side(c.load), "tool": c.tool, "refusal": c.refusal,
                 "status": self.status, "error": self.error, "wall_s": self.wall_s,
-                **{f"{k}_run": _run_summary(v) for k, v in self.runs.items()}}
+                **{f"{k}_run": v for k, v in self.runs.items()}}
 
 
 DEFAULTS = {"cells": None, "matrix": "default", "steps": 4, "model": "mlp-dropout", "optimizer": "adamw",
@@ -154,25 +155,26 @@ def _launch(side: Side, where: Path, part: str, extra: list[str], ns: argparse.N
         lines = [ln for ln in log.read_text().splitlines() if "error" in ln.lower()] if log.exists() else []
         raise RuntimeError(f"{part} under {side.label} failed: "
                            f"{lines[0].strip() if lines else f'exit status {finished.returncode}'} (log: {log})")
-    return json.loads(found[-1].read_text())
+    return _run_summary(RunResult(json.loads(found[-1].read_text())))
 
 
 def _side(s: Side) -> dict[str, Any]:
     return {"backend": s.name, "world_size": s.world_size, "format": s.fmt}
 
 
-def _run_summary(result: dict[str, Any]) -> dict[str, Any]:
-    eq = result["equivalence"]
-    first = eq.get("first_divergence") or {}
-    return {"verdict": eq["verdict"], "checkpoint": eq.get("checkpoint"), "first_divergence": first.get("reason"),
-            "cause": first.get("cause"), "trajectory": (eq.get("checks") or {}).get("trajectory"),
-            "steps": [e["step"] for e in eq.get("drift", [])]}
+def _run_summary(result: RunResult) -> dict[str, Any]:
+    """What checkpoint.json keeps of a run, read through dpcompare.result_view."""
+    eq = result.equivalence
+    first = eq.first_divergence
+    return {"verdict": eq.verdict, "checkpoint": dict(eq.section("checkpoint")) or None,
+            "first_divergence": first.reason if first else None, "cause": first.cause if first else None,
+            "trajectory": dict(eq.trajectory.raw) or None, "steps": [e.get("step") for e in eq.drift]}
 
 
 def _verdict_of(o: Outcome) -> str:
     if o.status != "ran":
         return f"[red]{o.status}[/]: {o.error}"
-    load = o.runs["load"]["equivalence"]
+    load = o.runs["load"]
     colour = "green" if load["verdict"] == "equivalent" else "red"
     return f"[{colour}]{load['verdict']}[/] ({o.wall_s:.0f} s)"
 
@@ -188,12 +190,10 @@ def _table(outcomes: list[Outcome]) -> Table:
             why = c.refusal.split(":")[0] if c.refusal else "see above"  # the whole line is printed before the table
             table.add_row(c.label, c.save.label, tool, c.load.label, "", "", f"{o.status} ({why})")
             continue
-        load = o.runs["load"]["equivalence"]
-        parts = ((load.get("checkpoint") or {}).get("loaded") or {}).get("parts", {})
+        load = o.runs["load"]
+        parts = ((load["checkpoint"] or {}).get("loaded") or {}).get("parts", {})
         same = all(not v.startswith("differs") for v in parts.values())
-        drift = [e["step"] for e in load.get("drift", [])]
-        steps = f"0-{max(drift)} (resumed at {min(drift)})" if drift else "-"
-        first = (load.get("first_divergence") or {}).get("cause")
+        steps = f"0-{max(load['steps'])} (resumed at {min(load['steps'])})" if load["steps"] else "-"
         table.add_row(c.label, c.save.label, tool, c.load.label, "as saved" if same else "differs", steps,
-                      load["verdict"] + (f" ({first})" if first else ""))
+                      load["verdict"] + (f" ({load['cause']})" if load["cause"] else ""))
     return table

@@ -13,7 +13,7 @@ from rich.text import Text
 from dpcompare import verdict_words as words
 from dpcompare.commands.compare.plan import Job, declared_launcher
 from dpcompare.measure import consistency
-from dpcompare.result_view import STATE_COMPONENTS, Figure, RunResult
+from dpcompare.result_view import STATE_COMPONENTS, Figure, RunResult, state_ties
 
 STATUS_STYLE = words.STYLE
 """A job's status (its verdict, or failed / timeout) in colour."""
@@ -104,6 +104,8 @@ def render_state(console, jobs: list[Job]) -> None:
             marked.append(Text(f"{text} *", style="bold yellow") if differs else Text(text))
         table.add_row(j.label, str(j.world_size), *marked)
     console.print(table)
+    for title, label, text in state_ties([(j.label, j.result) for j, _ in rows]):
+        console.print(f"  [yellow]*[/] {title}, {label}: {text}", highlight=False)
 
 
 def _matrix_table(matrix: dict[str, Any], width: int = 160) -> tuple[Table, list[str]]:

@@ -9,7 +9,7 @@ from typing import Any
 
 from dpcompare import verdict_words as words
 from dpcompare.commands.report.markdown import Footnotes, escape, table, verdict_cell
-from dpcompare.result_view import STATE_COMPONENTS, Check, Equivalence, Figure, RunResult
+from dpcompare.result_view import STATE_COMPONENTS, Check, Equivalence, Figure, RunResult, state_ties
 
 NO_CHECKS = ("this result has no equivalence.checks (written before dpcompare checked the update and the "
              "trajectory): rerun to check them")
@@ -133,13 +133,17 @@ def state_section(runs: list[RunResult]) -> list[str]:
     out = []
     for run, cells in rows:
         peers = [c for r, c in rows if r.world_size == run.world_size]
-        label = run.backend + (f":{run.variant}" if run.variant else "") + "".join(
-            f" {k}={v}" for k, v in (run.knobs or {}).items())
-        out.append([escape(label), str(run.world_size), *(
+        out.append([escape(_label(run)), str(run.world_size), *(
             f"**{escape(cells.get(k, '-'))}**" if any(c.get(k, "-") != cells.get(k, "-") for c in peers)
             else escape(cells.get(k, "-")) for k in STATE_COMPONENTS)])
     return ["### Where each backend keeps the model's state", "",
             "Read from each backend's live objects after the first step's update (rank 0's, \"sharded\" where each rank "
             "holds a part); in bold, what differs from another backend at the same world size.", "",
-            *table(["backend", "ws", *STATE_COMPONENTS.values()], out), ""]
+            *table(["backend", "ws", *STATE_COMPONENTS.values()], out), "",
+            *[f"- {title}, {escape(label)}: {escape(text)}" for title, label, text in state_ties(
+                [(_label(run), run) for run, _ in rows])], ""]
 
+
+def _label(run: RunResult) -> str:
+    return run.backend + (f":{run.variant}" if run.variant else "") + "".join(
+        f" {k}={v}" for k, v in (run.knobs or {}).items())
