@@ -87,6 +87,31 @@ def test_under_bf16_deepspeeds_engine_keeps_fp32_masters_apart_and_reduces_in_bf
     assert cells["ddp"]["forward"] == "float32 (autocast bfloat16), cpu"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_under_bf16_fsdp_and_zero3_shard_fp32_masters_and_zero3_alone_reduces_in_bf16(launch):
+    """--amp bf16 over two ranks, the autocast recipe: FSDP2 and ZeRO-3 each hold a part of the float32 masters and of
+    the float32 gradients on each rank; ZeRO-3 sends them in bfloat16 (its communication_data_type), FSDP as held. Each
+    difference from the other is tied to the note that explains it."""
+    fsdp_proc, fsdp = launch("fsdp", 2, "mlp", [*QUICK, "--amp", "bf16"])
+    z3_proc, z3 = launch("deepspeed", 2, "mlp", [*QUICK, "--amp", "bf16", "--opt", "zero_stage=3"])
+    assert fsdp_proc.returncode == 0 and z3_proc.returncode == 0, (fsdp_proc.stderr[-2000:], z3_proc.stderr[-2000:])
+    elements = fsdp["model_info"]["parameters"]
+    for result in (fsdp, z3):
+        ranks = result["state"]["per_rank"]
+        parts = [sum(r["masters"]["dtypes"].values()) for r in ranks]
+        assert sum(parts) >= elements and max(parts) < elements  # each rank its part of the masters
+        assert all(set(r["masters"]["dtypes"]) == {"float32"} and set(r["grads"]["dtypes"]) == {"float32"}
+                   for r in ranks)
+        assert ranks[0]["forward"]["autocast"] == ["bfloat16"]
+    assert fsdp["state"]["per_rank"][0]["wire"] is None and z3["state"]["per_rank"][0]["wire"] == "bfloat16"
+    from dpcompare.result_view import state_ties
+
+    ties = state_ties([("fsdp", RunResult(fsdp)), ("zero3", RunResult(z3))])
+    assert any(label == "zero3" and "reduced in" in titles and "bfloat16" in text for label, titles, text in ties)
+    assert not any("reduced in" in titles for label, titles, _ in ties if label == "fsdp")  # FSDP's note is its sharding
+
+
 def test_compare_marks_the_cells_where_backends_differ(tmp_path):
     """compare's table puts runs side by side and marks a cell that differs from another run's at its world size."""
     from rich.console import Console
@@ -113,7 +138,8 @@ def test_compare_marks_the_cells_where_backends_differ(tmp_path):
     text = shown([job("ddp", "float32, cpu"), job("fsdp", "float32, cpu, sharded", [sharding])])
     assert marks(text) == 2  # both runs' masters
     # the difference is tied to the note that explains it, for the component it concerns alone
-    assert "* weights the optimizer steps, fsdp: fsdp: each rank holds 1/2" in text and "gradients held, fsdp" not in text
+    assert "* fsdp (weights the optimizer steps): fsdp: each rank holds 1/2" in text and "gradients held" not in text.split(
+        "└")[-1]
     same = shown([job("ddp", "float32, cpu"), job("dp", "float32, cpu", [sharding])])
     assert marks(same) == 0 and "each rank holds" not in same  # no difference, no tie
 
@@ -130,7 +156,7 @@ def test_the_report_lays_the_runs_state_side_by_side_with_differences_in_bold():
     fsdp.raw["equivalence"] = {"notes": [{"code": "fsdp.sharding", "text": "fsdp: sharded", "concerns": ["grads"]}]}
     lines = state_section([run("ddp", "float32, cpu"), fsdp, run("dp", "bf16", 1)])
     text = "\n".join(lines)
-    assert "- gradients held, fsdp: fsdp: sharded" in text
+    assert "- fsdp (gradients held): fsdp: sharded" in text
     assert "| ddp | 2 | float32, cpu | float32, cpu | **float32, cpu** |" in text
     assert "**float32, cpu, sharded**" in text and "| dp | 1 | float32, cpu | float32, cpu | bf16 |" in text
     assert state_section([RunResult({"backend": "ddp", "world_size": 2})]) == []  # written before it was read
@@ -161,3 +187,23 @@ def test_a_backend_that_cannot_give_a_component_is_read_without_it_and_the_run_g
     assert set(mine["optimizer"]) == {"exp_avg", "exp_avg_sq"} and mine["loss_scale"] is None
     cells = state_table.section([mine])["cells"]
     assert cells["wire"] == "bfloat16 (2 of 4 parameters' gradients; the rest none, as held)"
+
+
+def test_each_local_part_is_counted_once_even_where_python_reuses_a_freed_objects_id():
+    """A DTensor's to_local() is a new object each call; one freed before the next is made can share its id."""
+
+    class Part:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def to_local(self) -> torch.Tensor:
+            return torch.zeros(self.n)
+
+    class Shard(torch.Tensor):
+        pass
+
+    parts = [torch.zeros(5).as_subclass(Shard) for _ in range(3)]
+    for p, n in zip(parts, (4, 5, 6)):
+        p.to_local = Part(n).to_local  # type: ignore[attr-defined]
+    assert state_table.summary(parts)["dtypes"] == {"float32": 15}
+    assert state_table.summary([parts[0], parts[0]])["dtypes"] == {"float32": 4}  # the same tensor twice: once

@@ -39,16 +39,18 @@ STATE_COMPONENTS = {
 """The components of a result's `state`, in the order they are printed, with their column titles."""
 
 
-def state_ties(runs: Sequence[tuple[str, RunResult]]) -> list[tuple[str, str, str]]:
-    """Each state component that differs between runs at a world size, tied to the notes of those runs that say why
-    (a note's `concerns`): (the component's title, the run's label, the note's text), in the components' order."""
+def state_ties(runs: Sequence[tuple[str, RunResult]]) -> list[tuple[str, list[str], str]]:
+    """The state components that differ between runs at a world size, tied to the notes of those runs that say why (a
+    note's `concerns`): (the run's label, the titles of the differing components the note explains, the note's text),
+    each note once, in the runs' order."""
     out = []
-    for component, title in STATE_COMPONENTS.items():
-        for label, run in runs:
-            cells = run.state_cells
-            peers = [r.state_cells for _, r in runs if r.world_size == run.world_size and r.state_cells]
-            if cells and any(p.get(component, "-") != cells.get(component, "-") for p in peers):
-                out += [(title, label, n.text) for n in run.equivalence.notes if component in n.concerns]
+    for label, run in runs:
+        cells = run.state_cells
+        peers = [r.state_cells for _, r in runs if r.world_size == run.world_size and r.state_cells]
+        differ = [c for c in STATE_COMPONENTS if cells and any(p.get(c, "-") != cells.get(c, "-") for p in peers)]
+        for note in run.equivalence.notes:
+            if explained := [STATE_COMPONENTS[c] for c in differ if c in note.concerns]:
+                out.append((label, explained, note.text))
     return out
 
 

@@ -45,15 +45,16 @@ def summary(tensors: Iterable[torch.Tensor]) -> dict[str, Any]:
     dtypes: dict[str, int] = {}
     devices: set[str] = set()
     seen: set[int] = set()
+    held = []  # each local part kept alive while counting: a freed one's id can be the next one's
     count = 0
     for t in tensors:
         if t is None or not torch.is_tensor(t):
             continue
-        local = t.to_local() if hasattr(t, "to_local") else t
-        key = id(local)
-        if key in seen:
+        if id(t) in seen:
             continue
-        seen.add(key)
+        local = t.to_local() if hasattr(t, "to_local") else t
+        seen.add(id(t))
+        held.append((t, local))
         count += 1
         dtypes[_name(local.dtype)] = dtypes.get(_name(local.dtype), 0) + local.numel()
         devices.add(local.device.type)

@@ -104,8 +104,8 @@ def render_state(console, jobs: list[Job]) -> None:
             marked.append(Text(f"{text} *", style="bold yellow") if differs else Text(text))
         table.add_row(j.label, str(j.world_size), *marked)
     console.print(table)
-    for title, label, text in state_ties([(j.label, j.result) for j, _ in rows]):
-        console.print(f"  [yellow]*[/] {title}, {label}: {text}", highlight=False)
+    for label, titles, text in state_ties([(j.label, j.result) for j, _ in rows]):
+        console.print(f"  [yellow]*[/] {label} ({', '.join(titles)}): {text}", highlight=False)
 
 
 def _matrix_table(matrix: dict[str, Any], width: int = 160) -> tuple[Table, list[str]]:

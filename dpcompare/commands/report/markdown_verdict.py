@@ -140,7 +140,7 @@ def state_section(runs: list[RunResult]) -> list[str]:
             "Read from each backend's live objects after the first step's update (rank 0's, \"sharded\" where each rank "
             "holds a part); in bold, what differs from another backend at the same world size.", "",
             *table(["backend", "ws", *STATE_COMPONENTS.values()], out), "",
-            *[f"- {title}, {escape(label)}: {escape(text)}" for title, label, text in state_ties(
+            *[f"- {escape(label)} ({', '.join(titles)}): {escape(text)}" for label, titles, text in state_ties(
                 [(_label(run), run) for run, _ in rows])], ""]
 
 
