@@ -178,7 +178,8 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
         self._gather_watch = GatherWatch(engine.module, narrow, amp_dtype) if narrow else None
         return self.wrapped
 
-    def checkpoint_formats(self) -> tuple[str, ...]:
+    @classmethod
+    def checkpoint_formats(cls) -> tuple[str, ...]:
         return ("deepspeed", "universal")
 
     def save_checkpoint(self, directory: str, fmt: str) -> None:

@@ -154,7 +154,8 @@ class HorovodAdapter(Adapter):
             return _NoCounter(self._timeline_off)
         return _TimelineCounter(self.hvd, self.env.rank)
 
-    def checkpoint_formats(self) -> tuple[str, ...]:
+    @classmethod
+    def checkpoint_formats(cls) -> tuple[str, ...]:
         return ("torch",)  # rank 0's torch.save of the full state, as Horovod's examples save
 
     def load_checkpoint(self, directory: str, fmt: str) -> None:

@@ -322,7 +322,8 @@ class Adapter:
         return "none" if self.settings.amp == "none" else "autocast"
 
     # -- checkpoints (--save-checkpoint, --load-checkpoint) -------------------------------------------
-    def checkpoint_formats(self) -> tuple[str, ...]:
+    @classmethod
+    def checkpoint_formats(cls) -> tuple[str, ...]:
         """The checkpoint formats (dpcompare.contract.checkpoints.FORMATS) this backend writes and reads, its own
         first; empty: none. Default: torch and dcp, through torch.distributed.checkpoint's state-dict API."""
         return ("torch", "dcp")

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from dpcompare.contract import Adapter
-from dpcompare.run.config import CommandLineError, RunConfig
+from dpcompare.run.config import CommandLineError, RunConfig, check_writable_dir
 from dpcompare.verify import stochastic
 
 LOOP = "dpcompare-loop.pt"
@@ -53,7 +53,20 @@ class Loaded:
         return torch.load(self.directory / SAVED, map_location="cpu", weights_only=False)
 
 
-def format_of(cfg: RunConfig, adapter: Adapter, flag: str) -> str:
+def check_paths(cfg: RunConfig, adapter_cls: type[Adapter]) -> None:
+    """Before any work, on rank 0: the formats asked for are the backend's, --save-checkpoint can be written and
+    --load-checkpoint holds a complete checkpoint (ValueError naming the flag)."""
+    for flag, given in (("save-checkpoint", cfg.save_checkpoint), ("load-checkpoint", cfg.load_checkpoint)):
+        if given is not None:
+            format_of(cfg, adapter_cls, flag)
+    if cfg.save_checkpoint is not None:
+        check_writable_dir("save_checkpoint", Path(cfg.save_checkpoint))
+    if cfg.load_checkpoint is not None and not (Path(cfg.load_checkpoint) / LOOP).is_file():
+        raise ValueError(f"--load-checkpoint {cfg.load_checkpoint}: no complete dpcompare checkpoint there (no {LOOP}); "
+                         "save one with --save-checkpoint, or name the directory it was saved to")
+
+
+def format_of(cfg: RunConfig, adapter: Adapter | type[Adapter], flag: str) -> str:
     formats = adapter.checkpoint_formats()
     if not formats:
         raise CommandLineError(f"--{flag}: --backend {cfg.backend} saves and loads no checkpoint; drop --{flag}")
@@ -79,6 +92,7 @@ def save(cfg: RunConfig, adapter: Adapter, device: torch.device, step: int, traj
     if adapter.env.rank == 0:
         scaling = getattr(adapter, "_scaling", None)  # the torch.amp.GradScaler the run used, if any
         loop = {"step": step, "format": fmt, "backend": cfg.backend, "world_size": adapter.env.world_size,
+                "checked": trajectory is not None,
                 "global_batch": cfg.batch_sizes(adapter.env.world_size)[0], "rng": rngs,
                 "grad_scaler": (scaling.scaler.state_dict(), scaling.skipped) if scaling is not None else None,
                 "settings": {k: getattr(cfg, k) for k in SHARED}}
@@ -99,6 +113,10 @@ def load(cfg: RunConfig, adapter: Adapter, device: torch.device, global_batch: i
         raise CommandLineError(f"--load-checkpoint {directory}: no complete dpcompare checkpoint there ({LOOP}: "
                                f"{type(exc).__name__}); save one with --save-checkpoint") from None
     _check_shared(cfg, loop, global_batch)
+    if cfg.check_every and not loop.get("checked", True):
+        raise CommandLineError(f"--load-checkpoint {directory}: the run that saved it checked no step (--check-every 0), "
+                               "so it carries no reference trajectory to continue: add --check-every 0 here too, or "
+                               "save it from a checked run")
     fmt = format_of(cfg, adapter, "load-checkpoint")
     fault, fault_rank = _fault(cfg)
     with _shards_swapped(directory, fmt, adapter) if fault == "ckpt-shards" else contextlib.nullcontext():

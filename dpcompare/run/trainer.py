@@ -21,7 +21,7 @@ from dpcompare.contract import Adapter, Note
 from dpcompare.contract import checkpointing
 from dpcompare.contract import launch_env as launch
 from dpcompare.contract.workload import block_modules
-from dpcompare.run import backend, compilation, hf_models, leave, raised, registry, result
+from dpcompare.run import backend, checkpoint, compilation, hf_models, leave, raised, registry, result
 from dpcompare.run.config import CommandLineError, RunConfig, SaidByAnotherRank
 from dpcompare.run.line import summary_line  # noqa: F401 - the run's line, printed by the command line
 from dpcompare.run.measurement import MeasurementPhase
@@ -86,6 +86,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         cfg.check_inputs()  # before any work: an input read only after the run would lose it
         cfg.check_outputs()  # before any work: a result that cannot be written would lose the whole run
     adapter_cls = backend.load_adapter_class(cfg, env)
+    if env.is_rank0:
+        checkpoint.check_paths(cfg, adapter_cls)
     with _said_by_rank0():
         settings = backend.settings_for(adapter_cls, cfg)  # every --opt checked before anything starts
         global_batch, local_batch = cfg.batch_sizes(env.world_size)

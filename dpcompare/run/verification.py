@@ -172,9 +172,6 @@ class VerificationPhase:
                                      scale=scaler.scale if scaler is not None else None, rngs=rngs, start=self.start)
         verdict.checkpoint = {"loaded": dict(record, directory=str(self.loaded.directory))}
         if self.check is not None:
-            if saved.get("oracle") is None:
-                raise CommandLineError(f"--load-checkpoint {self.loaded.directory}: the run that saved it checked no "
-                                       "step (--check-every 0), so it carries no reference trajectory to continue")
             self.check.resume(saved)
 
     def _save(self) -> None:
