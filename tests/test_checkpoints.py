@@ -178,6 +178,7 @@ def _command(tmp_path: Path, cells: str, *extra: str, timeout_s: float = 900) ->
     return {c["cell"]: c for c in json.loads(next(out.glob("*/checkpoint.json")).read_text())["cells"]}
 
 
+@pytest.mark.slow
 def test_the_command_moves_fsdp_to_ddp_and_refuses_zero2_to_ddp_before_anything_runs(tmp_path):
     cells = _command(tmp_path, "fsdp:2>ddp:1,zero2:2>ddp:2")
     for name in ("fsdp:2>ddp:1",):
