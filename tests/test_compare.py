@@ -766,7 +766,7 @@ def test_the_sharding_suite_runs_ddp_every_zero_stage_and_fsdp_under_adamw(tmp_p
     from dpcompare import cli
 
     help_text = " ".join(cli.parser_for("compare").format_help().split())
-    for words in ("--suite {sharding,questions}", "deepspeed ZeRO stages 0-3 (deepspeed:zero0..zero3) and fsdp", "AdamW",
+    for words in ("--suite {sharding,questions,checkpoint}", "deepspeed ZeRO stages 0-3 (deepspeed:zero0..zero3) and fsdp", "AdamW",
                   "flags given beside it win"):
         assert words in help_text, words
 
