@@ -37,6 +37,13 @@ def test_each_route_is_the_libraries_own_and_state_losing_routes_are_refused_in_
         parse_cell("ddp:2>horovod:2:dcp")
 
 
+def test_the_flag_offers_the_formats_the_contract_saves():
+    from dpcompare.contract.checkpoints import FORMATS
+    from dpcompare.run import config
+
+    assert config.FORMATS == FORMATS
+
+
 def test_the_default_matrix_covers_every_backend_world_size_and_conversion():
     cells = [parse_cell(c) for c in DEFAULT]
     ran = [c for c in cells if c.refusal is None]

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where a checkpoint is saved or loaded: a command's --help never needs it
+    import torch
+    from torch import nn
 
 FORMATS = ("torch", "dcp", "deepspeed", "universal")
 TORCH_FILE = "state.pt"
@@ -33,6 +35,7 @@ def _options(full: bool):
 
 def save_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: str, fmt: str, rank: int) -> None:
     """Write `module` and `optimizer` to `directory` in `fmt` (torch or dcp); called on every rank."""
+    import torch
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(module, optimizer, options=_options(fmt == "torch"))
@@ -54,6 +57,7 @@ def save_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: s
 
 def load_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: str, fmt: str) -> None:
     """Load `directory` (torch or dcp) into `module` and `optimizer`, as they are wrapped; called on every rank."""
+    import torch
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     if fmt == "torch":

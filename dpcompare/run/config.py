@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
-from dpcompare.contract.checkpoints import FORMATS
 from dpcompare.run import flags, registry
 # CommandLineError is the flags' own; the rest of the run imports it from here, beside RunConfig.
 from dpcompare.run.flags import CommandLineError, Forwarded, Rule, above, at_least, run_flag  # noqa: F401
@@ -82,6 +81,9 @@ def _coverage_ok(text: str, _: Any) -> bool:
         return False
 
 
+FORMATS = ("torch", "dcp", "deepspeed", "universal")
+"""--checkpoint-format's values: dpcompare.contract.checkpoints.FORMATS, named here so that parsing the flags never
+imports the contract (and torch)."""
 CHECKPOINT_FAULTS = ("ckpt-optimizer", "ckpt-step", "ckpt-shards", "ckpt-scale", "ckpt-data", "ckpt-rng")
 """Planted faults of a checkpoint's load (--load-checkpoint): the optimizer state dropped, its step counts reset, ranks
 0 and 1's shards swapped, the loss scaler not restored, the data restarted at step 0, a rank's generator not
