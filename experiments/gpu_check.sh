@@ -35,6 +35,9 @@
 #                  stated beside it)
 #   cost           the verification's cost on a 336 M-parameter Llama-style config (verify ms per step against the
 #                  step, bytes per parameter)
+#   moves          (asked for by name only: GPU_CHECK_PARTS=moves) `dpcompare checkpoint` on CUDA at world size 1:
+#                  torch save -> DCP load (ddp -> fsdp), DCP -> torch (fsdp -> ddp), ZeRO-1 -> ZeRO-2 through the
+#                  universal checkpoint, ZeRO-3 -> ZeRO-3: each cell saved and loaded `equivalent`, the state as saved
 #   coverage       --check-coverage auto planned from torch.cuda.mem_get_info while experiments/gpu_fill.py holds
 #                  all but GPU_CHECK_COVERAGE_LEAVE_GIB of the device: part of the 336 M config checked, `equivalent`
 # then `python -m dpcompare report` per part (side by side, one step: reports), and OUT_DIR/gpu_check.md: one table of every run (verdict, step time,
@@ -65,10 +68,11 @@ fi
 out=${1:-gpu-check/$(date +%Y%m%d-%H%M%S)}
 all_parts="power-tf32 power-bf16 twins-tf32 twins-bf16 engine-gpt-tiny-ws1 engine-mlp-ws1 engine-gpt-tiny-ws2 engine-mlp-ws2
   shared branches checkpointing questions questions-shared horovod cost coverage overhead"
+optional_parts="moves"  # run only when GPU_CHECK_PARTS names them
 # The parts asked for, one space around each name (a name is matched as " NAME "); a name that is no part is refused.
 parts=" $(echo ${GPU_CHECK_PARTS:-$all_parts}) "
 for name in $parts; do
-  [[ " $(echo $all_parts) " == *" $name "* ]] || { echo "gpu_check: GPU_CHECK_PARTS names '$name', which is no part: choose from $(echo $all_parts)" >&2; exit 2; }
+  [[ " $(echo $all_parts $optional_parts) " == *" $name "* ]] || { echo "gpu_check: GPU_CHECK_PARTS names '$name', which is no part: choose from $(echo $all_parts $optional_parts)" >&2; exit 2; }
 done
 lanes=${GPU_CHECK_LANES-power-tf32|power-bf16|twins-tf32|twins-bf16|engine-gpt-tiny-ws1|engine-mlp-ws1|engine-gpt-tiny-ws2|engine-mlp-ws2|shared|branches|checkpointing|questions|questions-shared|+horovod}
 timeout_s=${GPU_CHECK_TIMEOUT_S:-300}
@@ -172,7 +176,7 @@ horovod_n() {
 declare -A base_port=([power-tf32]=29600 [twins-tf32]=29650 [power-bf16]=29700 [twins-bf16]=29750
   [engine-gpt-tiny-ws1]=29800 [engine-mlp-ws1]=29850 [engine-gpt-tiny-ws2]=29900 [engine-mlp-ws2]=29950 [shared]=30000
   [branches]=30050 [checkpointing]=30100 [questions]=30150 [questions-shared]=30200 [horovod]=30250 [overhead]=30300
-  [cost]=30400 [coverage]=30500)
+  [cost]=30400 [coverage]=30500 [moves]=30600)
 # part NAME: is part NAME asked for (GPU_CHECK_PARTS) and not already run in a lane? If so it opens: its group and
 # its ports.
 part() { [[ "$parts" == *" $1 "* && "$laned" != *" $1 "* ]] || return 1; group=$1 port=${base_port[$1]}; }
@@ -382,6 +386,13 @@ if part "questions-shared"; then
                    --steps 2 --measure-steps 3 --collectives none --no-report --out "$run_dir/compare" \
                    && cp "$run_dir"/compare/*/runs/*.json "$run_dir/"; }
   step questions-compare-shared-gpu 0 "${eq[@]}" --count 5 -- compare_mini
+fi
+
+# --- moving between backends on CUDA (issue 42's paths: DCP and the DeepSpeed engine on CUDA tensors, CUDA generators) --
+if part "moves"; then
+  checkpoint_into() { bound "$py" -m dpcompare checkpoint --cells "$1" --timeout-s "$timeout_s" --out "$run_dir"; }
+  step moves-checkpoints-ws1 0 --cells 4 -- checkpoint_into \
+    'ddp:1>fsdp:1:dcp,fsdp:1>ddp:1:torch,zero1:1>zero2:1,zero3:1>zero3:1'
 fi
 
 # --- 6. Horovod with NCCL, built here ------------------------------------------------------------------------------

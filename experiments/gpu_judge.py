@@ -31,6 +31,8 @@ Expectations:
   --cost           the verification's cost is recorded: metrics.verify_ms_per_step, step_ms_p50 and
                    verify_above_start_mib, with the bytes per parameter, the ratio to the step and the time by part
                    of the checks (verify_ms_by_part, where recorded) in the line.
+  --cells N        a `dpcompare checkpoint` step (DIR/<timestamp>/checkpoint.json, not run results): exactly N cells,
+                   each one ran, its save and its load `equivalent`, and every part of the loaded state as saved.
 """
 
 from __future__ import annotations
@@ -120,6 +122,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--saving", action="store_true",
                    help="activation checkpointing lowered the peak above the start (two results)")
     p.add_argument("--cost", action="store_true", help="the verification's cost is recorded (and stated)")
+    p.add_argument("--cells", type=_count, default=None, metavar="N",
+                   help="a checkpoint step: exactly N cells, each saved and loaded equivalent, the state as saved")
     return p
 
 
@@ -342,8 +346,43 @@ def check_saving(results: list[tuple[Path, dict[str, Any]]]) -> tuple[list[str],
     return ([] if peaks[1] < peaks[0] else [f"--saving: no saving: {said}"]), said
 
 
+def judge_cells(ns: argparse.Namespace) -> tuple[list[str], str]:
+    """--cells: the cells of `dpcompare checkpoint`'s checkpoint.json file(s) in DIR's subdirectories."""
+    cells: list[dict[str, Any]] = []
+    lines: list[str] = []
+    for path in sorted(ns.dir.glob("*/checkpoint.json")):
+        try:
+            cells += json.loads(path.read_text()).get("cells") or []
+        except (OSError, ValueError, AttributeError) as exc:
+            lines.append(f"{ns.step}: {path.name}: not a readable checkpoint record ({type(exc).__name__}: {exc})")
+    if len(cells) != ns.cells:
+        lines.append(f"{ns.step}: {len(cells)} cell(s) in {ns.dir}/*/checkpoint.json, expected exactly {ns.cells}")
+    said = []
+    for cell in cells:
+        name = cell.get("cell")
+        if cell.get("status") != "ran":
+            lines.append(f"{ns.step}: {name}: {cell.get('status')}: {_clip(cell.get('refusal') or cell.get('error'))}")
+            continue
+        for side in ("save", "load"):
+            run = cell.get(f"{side}_run") or {}
+            if run.get("verdict") != "equivalent":
+                lines.append(f"{ns.step}: {name}: the {side} run is {run.get('verdict')}, expected equivalent"
+                             + (f" ({run.get('cause')}: {_clip(run.get('first_divergence'))})" if run.get("cause") else ""))
+        loaded = (((cell.get("load_run") or {}).get("checkpoint") or {}).get("loaded") or {}).get("parts")
+        if not isinstance(loaded, dict) or not loaded:
+            lines.append(f"{ns.step}: {name}: the load run recorded no loaded state (equivalence.checkpoint)")
+        else:
+            differ = [f"{k} ({_clip(v)})" for k, v in loaded.items() if str(v).startswith("differs")]
+            if differ:
+                lines.append(f"{ns.step}: {name}: loaded other than saved: {', '.join(differ)}")
+        said.append(f"{name} {cell.get('wall_s', 0):.0f} s")
+    return lines, f"{ns.step}: ok: {len(cells)} cell(s) saved and loaded equivalent, the state as saved: {', '.join(said)}"
+
+
 def judge(ns: argparse.Namespace) -> tuple[list[str], str]:
     """(every shortfall as a printed line, the one-line summary when there is none)."""
+    if ns.cells is not None:
+        return judge_cells(ns)
     results, unreadable, others = load_results(ns.dir)
     lines = [f"{ns.step}: {u}" for u in unreadable]
     found = f"{len(results)} result(s) in {ns.dir}" if results else (

@@ -293,6 +293,39 @@ def test_cost_states_the_figures_and_fails_without_them(tmp_path, capsys, ordina
     assert rc == 1 and "metrics.verify_ms_per_step is missing" in lines[0], lines
 
 
+def _cell_record(label: str, load_verdict: str = "equivalent", part: str = "as saved") -> dict[str, Any]:
+    """One cell as `dpcompare checkpoint` writes it (Outcome.to_dict, runs through _run_summary)."""
+    run = {"verdict": "equivalent", "checkpoint": None, "first_divergence": None, "cause": None, "steps": [0, 1]}
+    load = dict(run, verdict=load_verdict, steps=[2, 3],
+                checkpoint={"loaded": {"parts": {"parameters": "as saved", "optimizer": part}}})
+    if load_verdict != "equivalent":
+        load.update(cause="checkpoint_optimizer", first_divergence="exp_avg differs")
+    return {"cell": label, "status": "ran", "refusal": None, "error": None, "wall_s": 12.0, "save_run": run,
+            "load_run": load}
+
+
+def test_cells_hold_every_cell_equivalent_as_saved_and_fall_short_otherwise(tmp_path, capsys):
+    def record(name: str, *cells: dict[str, Any]) -> Path:
+        d = tmp_path / name
+        (d / "20261128-000000").mkdir(parents=True)
+        (d / "20261128-000000" / "checkpoint.json").write_text(json.dumps({"cells": list(cells)}))
+        return d
+    good = record("good", _cell_record("ddp:1>fsdp:1"), _cell_record("zero1:1>zero2:1"))
+    rc, lines = judge(capsys, good, "--cells", "2")
+    assert rc == 0 and "2 cell(s) saved and loaded equivalent" in lines[0], lines
+    rc, lines = judge(capsys, good, "--cells", "3")
+    assert rc == 1 and "2 cell(s)" in lines[0] and "expected exactly 3" in lines[0], lines
+    bad = record("bad", _cell_record("a", load_verdict="different"), _cell_record("b", part="differs: 3 values"),
+                 dict(_cell_record("c"), status="failed", error="load under zero2:1 failed: exit status 1"))
+    rc, lines = judge(capsys, bad, "--cells", "3")
+    assert rc == 1 and len(lines) == 3, lines
+    assert "a: the load run is different" in lines[0] and "checkpoint_optimizer" in lines[0], lines
+    assert "b: loaded other than saved: optimizer" in lines[1], lines
+    assert "c: failed: load under zero2:1 failed" in lines[2], lines
+    rc, lines = judge(capsys, record("none"), "--cells", "1")
+    assert rc == 1 and "0 cell(s)" in lines[0], lines
+
+
 def test_an_empty_directory_falls_short(tmp_path, capsys):
     d = step_dir(tmp_path, "dp-1dev")
     rc, lines = judge(capsys, d)
@@ -422,12 +455,13 @@ def test_ws2_args_is_set_before_any_part_and_each_part_has_its_own_ports():
     table = re.search(r"declare -A base_port=\((.*?)\)\n", text, re.S).group(1)
     ports = {name: int(port) for name, port in re.findall(r"\[([\w-]+)\]=(\d+)", table)}
     parts = re.search(r'^all_parts="([^"]+)"', text, re.M).group(1).split()
+    parts += re.search(r'^optional_parts="([^"]+)"', text, re.M).group(1).split()
     assert set(ports) == set(parts), (ports, parts)
     bases = sorted(ports.values())
     assert all(b - a >= 50 for a, b in zip(bases, bases[1:])), ports
     opened = set(re.findall(r'\bif part "([\w$-]+)"', text))
     assert opened == {"power-$prec", "twins-$prec", "engine-$model-ws$ws", "shared", "branches", "checkpointing",
-                      "questions", "questions-shared", "horovod", "overhead", "cost", "coverage"}, opened
+                      "questions", "questions-shared", "horovod", "overhead", "cost", "coverage", "moves"}, opened
 
 
 def test_every_part_runs_once_in_a_lane_or_after_them_and_an_unknown_part_is_refused(tmp_path):
