@@ -87,7 +87,10 @@ class ZeroStateReader:
         entries = [e for e in inner.state.values() if e]
         if not entries:
             return {}  # a fresh optimizer's
-        keys = [k for k, v in entries[0].items() if torch.is_tensor(v) and v.dim() > 0]
+        # Sorted: every rank must ask for the keys in one order (each read is an all-reduce). A universal load fills
+        # the state from a set of keys, so its order differs between processes (string hashing), and in the state's
+        # own order one rank's exp_avg was summed with another's exp_avg_sq.
+        keys = sorted(k for k, v in entries[0].items() if torch.is_tensor(v) and v.dim() > 0)
         scalars = {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
                    for k, v in entries[0].items() if k not in keys}  # Adam's step: one count per flat partition
         state = {}

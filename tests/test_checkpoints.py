@@ -248,3 +248,36 @@ def test_compare_suite_checkpoint_runs_every_pair_of_its_backends_and_world_size
     (cell,) = json.loads(next(out.glob("*/checkpoint.json")).read_text())["cells"]
     assert cell["cell"] == "ddp:1>ddp:1" and cell["load_run"]["verdict"] == "equivalent"
     assert cell["load_run"]["steps"] == [2, 3]
+
+
+@pytest.mark.parametrize("order", [("step", "exp_avg", "exp_avg_sq"), ("step", "exp_avg_sq", "exp_avg")])
+def test_zero_optimizer_state_is_read_in_one_key_order_on_every_rank(monkeypatch, order):
+    """Each read of a ZeRO parameter's optimizer state is an all-reduce over the ranks, so every rank must ask for
+    the keys in one order. A universal load fills the state from a set of keys, whose order differs between processes:
+    read in the state's own order, one rank's exp_avg was summed with another's exp_avg_sq (zero1:2>zero2:2 read
+    `checkpoint_optimizer` where its trajectory held). Both insertion orders must give the same calls."""
+    pytest.importorskip("deepspeed")
+    import deepspeed.utils
+    from adapters.deepspeed_state import ZeroStateReader
+
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(deepspeed.utils, "safe_get_full_optimizer_state",
+                        lambda p, key: calls.append((p.name_for_test, key)) or torch.zeros(p.shape))
+    model = torch.nn.Linear(2, 2)
+    for name, p in model.named_parameters():
+        p.name_for_test = name
+    flat = torch.zeros(6)
+    inner = torch.optim.AdamW([flat])
+    values = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(6), "exp_avg_sq": torch.zeros(6)}
+    inner.state[flat] = {k: values[k] for k in order}
+
+    class Reader(ZeroStateReader):
+        stage = 1
+        wrapped = type("W", (), {"module": model})()
+
+        def _inner_optimizer(self):
+            return inner
+
+    state = Reader().optimizer_state()
+    assert calls == [(n, k) for n in ("weight", "bias") for k in ("exp_avg", "exp_avg_sq")], calls
+    assert set(state["weight"]) == {"exp_avg", "exp_avg_sq", "step"}
