@@ -216,6 +216,11 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
         self.wrapped.notes.append(Note("compile", f"fsdp: compiled block by block ({len(self._blocks)} fully_shard'ed "
                                        "block(s)), FSDP's all-gathers and reduce-scatters eager around them"))
 
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    @classmethod
+    def checkpoint_formats(cls) -> tuple[str, ...]:
+        return ("dcp", "torch")  # its own: each rank writes its shards (DCP); torch: the full state on rank 0
+
     # -- synchronisation -------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def sync(self, enabled: bool):

@@ -258,7 +258,7 @@ def test_zero_optimizer_state_is_read_in_one_key_order_on_every_rank(monkeypatch
     `checkpoint_optimizer` where its trajectory held). Both insertion orders must give the same calls."""
     pytest.importorskip("deepspeed")
     import deepspeed.utils
-    from adapters.deepspeed_state import ZeroStateReader
+    from dpcompare.adapters.deepspeed_state import ZeroStateReader
 
     calls: list[tuple[str, str]] = []
     monkeypatch.setattr(deepspeed.utils, "safe_get_full_optimizer_state",
@@ -281,3 +281,20 @@ def test_zero_optimizer_state_is_read_in_one_key_order_on_every_rank(monkeypatch
     state = Reader().optimizer_state()
     assert calls == [(n, k) for n in ("weight", "bias") for k in ("exp_avg", "exp_avg_sq")], calls
     assert set(state["weight"]) == {"exp_avg", "exp_avg_sq", "step"}
+
+
+def test_the_cells_follow_the_adapters_formats(monkeypatch):
+    """A cell's formats and routes come from the adapters (Adapter.checkpoint_formats), not from a table beside them:
+    FSDP saves DCP unless told otherwise, and a backend that learns to read DCP needs no conversion into it."""
+    from dpcompare.adapters.fsdp import FSDPAdapter  # as the registry loads them
+    from dpcompare.adapters.horovod import HorovodAdapter
+    from dpcompare.commands.checkpoint import cells
+
+    assert cells.native("fsdp") == FSDPAdapter.checkpoint_formats()[0] == "dcp"
+    assert parse_cell("fsdp:2>horovod:1").tool.endswith("dcp_to_torch_save")
+    cells.reads.cache_clear()
+    monkeypatch.setattr(HorovodAdapter, "checkpoint_formats", classmethod(lambda cls: ("torch", "dcp")))
+    try:
+        assert parse_cell("fsdp:2>horovod:1").tool is None and parse_cell("fsdp:2>horovod:1").load.fmt == "dcp"
+    finally:
+        cells.reads.cache_clear()

@@ -10,18 +10,33 @@ sizes {1, 2, 4}).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
 BACKENDS = {"ddp": ("ddp", None), "fsdp": ("fsdp", None), "horovod": ("horovod", None),
             "zero1": ("deepspeed", 1), "zero2": ("deepspeed", 2), "zero3": ("deepspeed", 3)}
 """A cell's backend names: the backend, and the ZeRO stage of DeepSpeed's."""
-NATIVE = {"ddp": "torch", "fsdp": "dcp", "horovod": "torch", "zero1": "deepspeed", "zero2": "deepspeed",
-          "zero3": "deepspeed"}
-"""The format each saves in unless a cell names another: the one its users save in."""
-READS = {"ddp": ("torch", "dcp"), "fsdp": ("dcp", "torch"), "horovod": ("torch",),
-         "zero1": ("deepspeed", "universal"), "zero2": ("deepspeed", "universal"), "zero3": ("deepspeed", "universal")}
-"""The formats each backend's adapter writes and reads (Adapter.checkpoint_formats)."""
+
+
+@functools.cache
+def reads(name: str) -> tuple[str, ...]:
+    """The formats the cell backend `name`'s adapter writes and reads, its own first (Adapter.checkpoint_formats)."""
+    from dpcompare.run import registry  # the adapters import torch: not for --help
+
+    return tuple(registry.load(BACKENDS[name][0], registry.BACKENDS, "backend").checkpoint_formats())
+
+
+def native(name: str) -> str:
+    """The format `name` saves in unless a cell names another: its adapter's own."""
+    return reads(name)[0]
+
+
+def _deepspeed_family(name: str) -> bool:
+    """Does `name` save DeepSpeed's own checkpoints (which only DeepSpeed reads, and which leave it only lossily)?"""
+    return "deepspeed" in reads(name)
+
+
 TOOLS = {("dcp", "torch"): "torch.distributed.checkpoint.format_utils.dcp_to_torch_save",
          ("torch", "dcp"): "torch.distributed.checkpoint.format_utils.torch_save_to_dcp",
          ("deepspeed", "universal"): "deepspeed.checkpoint.ds_to_universal"}
@@ -85,27 +100,27 @@ def _side(text: str, cell: str, saved: str | None) -> tuple[str, int, str | None
         raise ValueError(f"--cells {cell!r}: {text!r} is not BACKEND:WORLD_SIZE[:FORMAT] with BACKEND one of "
                          f"{', '.join(BACKENDS)} and a positive world size")
     fmt = bits[2] if len(bits) == 3 else None
-    if fmt is not None and fmt not in READS[bits[0]]:
-        raise ValueError(f"--cells {cell!r}: {bits[0]} writes and reads {', '.join(READS[bits[0]])}, not {fmt}")
+    if fmt is not None and fmt not in reads(bits[0]):
+        raise ValueError(f"--cells {cell!r}: {bits[0]} writes and reads {', '.join(reads(bits[0]))}, not {fmt}")
     return bits[0], int(bits[1]), fmt
 
 
 def route(a: tuple[str, int, str | None], b: tuple[str, int, str | None]) -> Cell:
     """The cell from a save `a` to a load `b` (name, world size, format or None: its own)."""
-    fa = a[2] or NATIVE[a[0]]
+    fa = a[2] or native(a[0])
     save = Side(a[0], a[1], fa)
-    da, db = BACKENDS[a[0]][0] == "deepspeed", BACKENDS[b[0]][0] == "deepspeed"
+    da, db = _deepspeed_family(a[0]), _deepspeed_family(b[0])
     if da and not db:
-        return Cell(save, Side(b[0], b[1], b[2] or NATIVE[b[0]]), None, LOSSY_FROM_DEEPSPEED.format(b=b[0]))
+        return Cell(save, Side(b[0], b[1], b[2] or native(b[0])), None, LOSSY_FROM_DEEPSPEED.format(b=b[0]))
     if db and not da:
-        return Cell(save, Side(b[0], b[1], b[2] or NATIVE[b[0]]), None, INTO_DEEPSPEED.format(fmt=fa))
+        return Cell(save, Side(b[0], b[1], b[2] or native(b[0])), None, INTO_DEEPSPEED.format(fmt=fa))
     if da:  # ZeRO to ZeRO: its own checkpoint where nothing changes, else the universal one
         if (a[0] == "zero3") != (b[0] == "zero3"):
             return Cell(save, Side(b[0], b[1], "universal"), None, ACROSS_ZERO3)
         same = a[0] == b[0] and a[1] == b[1] and b[2] in (None, "deepspeed")
         fb = "deepspeed" if same else "universal"
         return Cell(save, Side(b[0], b[1], fb), None if same else TOOLS[("deepspeed", "universal")])
-    fb = b[2] or (fa if fa in READS[b[0]] else NATIVE[b[0]])
+    fb = b[2] or (fa if fa in reads(b[0]) else native(b[0]))
     return Cell(save, Side(b[0], b[1], fb), None if fb == fa else TOOLS[(fa, fb)])
 
 
