@@ -186,6 +186,7 @@ def test_ddp_checkpointed_with_dropout_is_equivalent(launch):
     assert result["metrics"]["peak_above_start_mib"] is not None, result["metrics"]["reasons"]
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_checkpointing_that_redraws_the_masks_is_different_and_named(launch):

@@ -228,6 +228,7 @@ def test_the_default_matrix_is_equivalent_in_every_cell_it_runs(tmp_path):
         assert math.isfinite(cell["load_run"]["trajectory"]["noise_ratio"])
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 def test_compare_suite_checkpoint_runs_every_pair_of_its_backends_and_world_sizes(tmp_path):
     from dpcompare.cli import parser_for
     from dpcompare.commands.checkpoint.command import from_compare

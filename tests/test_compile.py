@@ -198,6 +198,7 @@ def test_compiled_ddp_is_equivalent_and_reports_its_compile(launch):
     assert any(n["code"] == "compile" for n in result["equivalence"]["notes"])
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
 def test_compiling_the_inner_module_around_ddp_is_different(launch):

@@ -45,6 +45,7 @@ def test_a_gradient_fault_in_rank_1s_range_alone_is_caught_on_divided_arithmetic
     assert result["equivalence"]["oracle_division"]["divided"] > 0
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 def test_a_change_in_rank_1s_range_at_an_unchecked_step_is_caught_by_the_trajectory_rank_1_holds(launch):
     """The reference trajectory is held and judged in ranges: rank 1 holds and judges the parameters its range holds,
     and a change there at a step no other check sees (--check-every 2: step 1) is found from its figures."""

@@ -375,6 +375,7 @@ def _repeat(tmp_path: Path, backend: str, launcher: str, runs: int, per_run_s: f
     assert not hung and not failed, f"{len(hung)} of {runs} launches hung (runs {hung}); failed: {failed}"
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_three_consecutive_runs_all_exit(tmp_path):

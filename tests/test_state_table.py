@@ -61,6 +61,7 @@ def test_a_reference_run_records_what_its_optimizer_and_gradients_hold(launch):
     assert cells["masters"] == "float32, cpu" and cells["wire"] == "float32 (as held)"
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_under_bf16_deepspeeds_engine_keeps_fp32_masters_apart_and_reduces_in_bf16_where_ddp_autocasts(launch):
