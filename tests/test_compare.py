@@ -86,6 +86,7 @@ def test_compare_produces_verdicts_matrix_costs_and_report(tmp_path):
     assert summary["collectives"] and Path(summary["collectives"]).exists()
     ddp2 = json.loads(Path(next(r["result_path"] for r in summary["runs"] if r["label"] == "ddp/2")).read_text())
     assert ddp2["metrics"]["microbench_busbw_gbps"] and ddp2["metrics"]["comm_exposed_ms"] is not None
+    assert 0 < ddp2["metrics"]["mfu"] < 1 and "MFU" in proc.stdout  # against the measured matmul peak
     for name in ("report.md", "throughput_vs_world_size.png", "step_breakdown.png", "busbw_vs_message_size.png",
                  "grad_error_heatmap.png"):
         assert (run_dir / name).stat().st_size > 1000, name

@@ -57,6 +57,13 @@ class Metrics(View):
     model_state_formula_mib = Field(dict)
     comm_by_kind = Field(dict)
     scaling = Field(str)
+    compute_dtype = Field(str)
+    model_flops_per_sample = Field()
+    peak_tflops_measured = Field()
+    peak_tflops_datasheet = Field()
+    mfu = Field()
+    """Model FLOPs utilisation against the matmul microbenchmark's peak (dpcompare.measure.flops)."""
+    mfu_datasheet = Field()
 
     def figure(self, field: Field) -> Figure:
         if not self.measured:

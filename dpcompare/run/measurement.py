@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from dpcompare.contract import Adapter
-from dpcompare.measure import clocks, memory, summary, volume
+from dpcompare.measure import clocks, flops, memory, summary, volume
 from dpcompare.measure.bandwidth import busbw_at
 from dpcompare.measure.collectives import CollectiveRecorder
 from dpcompare.measure.comm import CommWindow
@@ -40,8 +40,11 @@ def paired_steps(measure_steps: int, pairs: int) -> list[int]:
 
 
 class MeasurementPhase:
-    def __init__(self, cfg: RunConfig, adapter: Adapter, runner: StepRunner, local_batch: int, is_rank0: bool) -> None:
+    def __init__(self, cfg: RunConfig, adapter: Adapter, runner: StepRunner, local_batch: int, is_rank0: bool,
+                 template: torch.nn.Module | None = None) -> None:
         self.cfg, self.adapter, self.runner = cfg, adapter, runner
+        self.template = template
+        """The untouched model (the trainer's template): its FLOPs are counted on a meta copy of it (MFU)."""
         self.local_batch, self.rank0 = local_batch, is_rank0
         self.first = cfg.steps  # steps continue the verification phase's data stream
         self.comm_reason = adapter.no_communication_reason()
@@ -56,6 +59,7 @@ class MeasurementPhase:
         if pairs:  # what an adapter's unsynced arm builds (Adapter.ablation_bytes) exists before the memory window opens
             with self.adapter.comm_off():
                 pass
+        facts = self._flops() if self.rank0 and self.cfg.instrument else None  # before the memory window opens
         for i in range(self.cfg.warmup_steps):  # the loop's pattern, untimed: the unsynced path is warm too
             x, y = self.runner.batch(self.first + i)[1:]
             self.runner.step(self.first + i, x, y, phase="warm-up")
@@ -81,9 +85,34 @@ class MeasurementPhase:
         if not self.rank0:
             return None
         metrics = self._summarize(gathered)
+        if facts is not None:
+            _mfu(metrics, facts, self.runner.world_size)
         if getattr(self.runner, "compile_log", None) is not None:
             metrics["compile"] = {"measured_steps_excluded": len(compiled), "excluded_steps": compiled}
         return metrics
+
+    def _flops(self) -> dict[str, Any]:
+        """Rank 0, once: the model's FLOPs per sample (forward and backward), the compute dtype, and the device's
+        peak in it, measured and from the datasheet; each figure None with its reason where there is none."""
+        device = self.runner.device
+        dtype = flops.compute_dtype(self.cfg.amp, device)
+        facts: dict[str, Any] = {"compute_dtype": dtype, "reasons": {}}
+        if self.template is None:
+            facts["model_flops_per_sample"], facts["reasons"]["model_flops_per_sample"] = None, "no template given"
+        else:
+            x, y = self.runner.batch(self.first)[1:]
+            try:
+                facts["model_flops_per_sample"] = flops.model_flops(self.template, self.runner.workload.loss_fn,
+                                                                    x, y) / max(len(x), 1)
+            except Exception as exc:  # a model that cannot run on meta tensors: MFU unmeasured, said why
+                facts["model_flops_per_sample"] = None
+                facts["reasons"]["model_flops_per_sample"] = (
+                    f"FlopCounterMode on a meta copy of the model raised {type(exc).__name__}: {str(exc)[:200]}")
+        facts["peak_tflops_measured"] = flops.measured_peak(device, dtype)
+        facts["peak_tflops_datasheet"], why = flops.datasheet_peak(device, dtype)
+        if why:
+            facts["reasons"]["peak_tflops_datasheet"] = why
+        return facts
 
     def _without(self, compiled: list[int], step_ms: list[float], synced_ms: list[float], unsynced_ms: list[float],
                  loop_ms: float, pairs: int) -> tuple[list[float], list[float], list[float], float]:
@@ -303,6 +332,21 @@ class MeasurementPhase:
         )
         metrics["loop_ms_per_step"] = max(g[1] for g in gathered)
         return metrics
+
+
+def _mfu(metrics: dict[str, Any], facts: dict[str, Any], world_size: int) -> None:
+    """metrics.mfu (against the measured peak) and mfu_datasheet, with the figures they come from."""
+    reasons = metrics.setdefault("reasons", {})
+    for name in ("compute_dtype", "model_flops_per_sample", "peak_tflops_measured", "peak_tflops_datasheet"):
+        metrics[name] = facts.get(name)
+        if metrics[name] is None:
+            reasons[name] = facts["reasons"].get(name, "not measured")
+    per_rank = metrics["samples_per_s"] / world_size if metrics.get("samples_per_s") else None
+    for name, peak in (("mfu", "peak_tflops_measured"), ("mfu_datasheet", "peak_tflops_datasheet")):
+        metrics[name] = flops.mfu(metrics["model_flops_per_sample"], per_rank, metrics[peak])
+        if metrics[name] is None:
+            reasons[name] = reasons.get(peak) or reasons.get("model_flops_per_sample") or reasons.get(
+                "samples_per_s", "no step time")
 
 
 def microbench_busbw(cfg: RunConfig, transport: str, world_size: int, nbytes: int) -> tuple[float | None, str | None]:

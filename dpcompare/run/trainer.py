@@ -111,7 +111,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                             compile_log=compilation.CompileLog() if cfg.compile else None)
         verification = VerificationPhase(cfg, adapter, runner, template, env.is_rank0)
         verdict = verification.run()
-        metrics = MeasurementPhase(cfg, adapter, runner, local_batch, env.is_rank0).run()
+        metrics = MeasurementPhase(cfg, adapter, runner, local_batch, env.is_rank0, template).run()
         if verification.cost is not None and env.is_rank0:
             metrics = {**(metrics or {"measured_steps": 0}), **verification.cost.figures}
         _compare_final_replicas(adapter, verdict, env.is_rank0)

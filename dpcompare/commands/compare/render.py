@@ -156,7 +156,7 @@ def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None
     table = Table(title="what does it cost? (measured steps; a step is as slow as its slowest rank)")
     # Two-line headers keep a dozen runs' labels (a --suite, deepspeed:zero0/2) and every figure within 160 columns.
     for col in ("run", "samples/s", "scaling\neff", "step p50\nms", "compute\nms", "exposed\ncomm ms", "total\ncomm ms",
-                "overlap", "busbw\nGB/s", "vs micro-\nbench", "peak\nMiB", "model\nstate MiB"):
+                "overlap", "busbw\nGB/s", "vs micro-\nbench", "MFU", "peak\nMiB", "model\nstate MiB"):
         table.add_column(col, justify="right", no_wrap=True)
     flagged: list[tuple[str, str]] = []
     for j in jobs:
@@ -169,7 +169,7 @@ def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None
         table.add_row(j.label, _fmt(m.samples_per_s, ".0f"), _fmt(eff.get(j.label), ".2f"),
                       _fmt(m.step_ms_p50, ".2f"), compute, exposed, _fmt(m.comm_total_ms, ".2f"),
                       _fmt(m.overlap_fraction, ".2f"), _fmt(m.busbw_gbps, ".3f"),
-                      _fmt(m.busbw_vs_microbench, ".2f"), _fmt(m.peak_mem_mib, ".0f"),
+                      _fmt(m.busbw_vs_microbench, ".2f"), _fmt(m.mfu, ".1%"), _fmt(m.peak_mem_mib, ".0f"),
                       _fmt(m.state_total(), ".1f"))  # what sharding shrinks
     console.print(table)
     for mark, line in flagged:

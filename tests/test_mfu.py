@@ -1,0 +1,85 @@
+"""MFU: the model's FLOPs counted on a meta copy, the device's peak measured and from the datasheet, and the run's
+figures (dpcompare.measure.flops, MeasurementPhase._flops, metrics.mfu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dpcompare.measure import flops
+from dpcompare.run.measurement import _mfu
+
+LAYERS = ((32, 64), (64, 64), (64, 10))  # the mlp workload's linear layers
+
+
+def _analytic_mlp_flops_per_sample() -> int:
+    """Forward 2·in·out per layer; backward the same again for the weights' gradient, and once more for the input's
+    gradient in every layer but the first (its input needs none)."""
+    macs = [i * o for i, o in LAYERS]
+    return 2 * sum(macs) + 2 * sum(macs) + 2 * sum(macs[1:])
+
+
+def test_the_count_is_the_matmuls_forward_and_backward_and_touches_no_data():
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10))
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    counted = flops.model_flops(model, nn.functional.cross_entropy, x, y)
+    assert counted == 8 * _analytic_mlp_flops_per_sample()
+    assert counted != 8 * 3 * 2 * sum(i * o for i, o in LAYERS)  # the 3x rule counts a first-layer input gradient
+    assert all(torch.equal(a, b) and b.grad is None for a, b in zip(before, model.parameters()))
+
+
+def test_a_model_that_reads_its_data_cannot_be_counted_on_meta_tensors():
+    class Reads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * (2 if x.sum().item() > 0 else 1)
+
+    with pytest.raises(Exception):
+        flops.model_flops(Reads(), nn.functional.cross_entropy, torch.randn(2, 4), torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize(("name", "key"), [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H200", "H200 SXM"),
+    ("NVIDIA H200 NVL", "H200 NVL"), ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA L40S", "L40S"),
+    ("NVIDIA GeForce RTX 4090", None)])
+def test_datasheet_devices_by_name(name, key):
+    assert flops.datasheet_device(name) == key
+
+
+def test_the_compute_dtype_follows_autocast_and_tf32():
+    cpu = torch.device("cpu")
+    assert [flops.compute_dtype(a, cpu) for a in ("none", "bf16", "fp16")] == ["fp32", "bf16", "fp16"]
+    assert flops.datasheet_peak(cpu, "fp32")[0] is None and "cpu" in flops.datasheet_peak(cpu, "fp32")[1]
+
+
+def test_the_measured_peak_is_a_matmul_rate():
+    peak = flops.measured_peak(torch.device("cpu"), "fp32")
+    assert 1e-4 < peak < 50  # TFLOP/s: one CPU thread does a few to a hundred GFLOP/s
+
+
+def test_mfu_is_the_achieved_rate_over_the_peak_and_each_missing_figure_says_why():
+    metrics = {"samples_per_s": 2000.0, "reasons": {}}
+    facts = {"compute_dtype": "fp32", "model_flops_per_sample": 1e9, "peak_tflops_measured": 8.0,
+             "peak_tflops_datasheet": None, "reasons": {"peak_tflops_datasheet": "no datasheet figure for a cpu"}}
+    _mfu(metrics, facts, world_size=2)
+    assert metrics["mfu"] == pytest.approx(1e9 * 1000 / 8e12)
+    assert metrics["mfu_datasheet"] is None and metrics["reasons"]["mfu_datasheet"] == "no datasheet figure for a cpu"
+    uncounted = {"samples_per_s": 2000.0, "reasons": {}}
+    _mfu(uncounted, dict(facts, model_flops_per_sample=None,
+                         reasons={"model_flops_per_sample": "FlopCounterMode ... raised"}), world_size=2)
+    assert uncounted["mfu"] is None and "FlopCounterMode" in uncounted["reasons"]["mfu"]
+
+
+def test_a_run_records_its_mfu_against_the_measured_peak(shared_launch):
+    finished, result = shared_launch("reference", 1, "mlp", ["--steps", "1", "--measure-steps", "5"], "python")
+    assert result is not None, finished.output[-3000:]
+    m = result["metrics"]
+    assert m["model_flops_per_sample"] == _analytic_mlp_flops_per_sample() and m["compute_dtype"] == "fp32"
+    assert m["peak_tflops_measured"] > 0 and 0 < m["mfu"] < 1
+    assert m["mfu"] == pytest.approx(m["model_flops_per_sample"] * m["samples_per_s"] / (m["peak_tflops_measured"] * 1e12))
+    assert m["mfu_datasheet"] is None and "cpu" in m["reasons"]["mfu_datasheet"]
