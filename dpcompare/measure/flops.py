@@ -33,7 +33,7 @@ DATASHEET_TFLOPS: dict[str, dict[str, float]] = {
 
 MATMUL_SIDE = {"cuda": 8192, "cpu": 512}
 """The square matmul's side in the microbenchmark: large enough to reach the device's matmul peak."""
-MICROBENCH_S = {"cuda": 0.1, "cpu": 0.05}
+MICROBENCH_S = {"cuda": 0.1, "cpu": 0.02}
 """Seconds of each timed window of matmuls (after a warm-up), best of three."""
 
 
