@@ -172,8 +172,12 @@ class RunConfig:
         checks=(at_least(0, "use 0 or more pairs"),))
     """Pairs of synced/unsynced steps for exposed communication (default: measure_steps)."""
     instrument: bool = run_flag(True, help="measurement: only the loop wall clock", settings=True)
-    """Per-step clocks, memory window and native comm counters in the measurement phase (off: only the
-    loop's wall clock, to measure the instrumentation's own cost)."""
+    """Per-step clocks, memory window and native comm counters in the measurement phase (off: only the loop's wall
+    clock, to measure the instrumentation's own cost)."""
+    profile: bool = run_flag(False, help="measurement: a torch.profiler trace per rank of a few steps after the "
+                             "measured ones (Chrome/Perfetto JSON under OUT/traces/)", compare=Forwarded(
+                                 "a torch.profiler trace per rank of every run (OUT/runs/traces/)"))
+    """A Chrome/Perfetto trace per rank of PROFILE_STEPS steps run after the measured window (its figures untouched)."""
     collectives: str | None = run_flag(None, help="bench-collectives JSON to quote the microbenchmark busbw from")
     """A bench-collectives JSON: its busbw at this run's message size is reported beside the run's."""
     lr: float = run_flag(0.05, help="learning rate",
@@ -303,7 +307,6 @@ class RunConfig:
         None, help=f"the checkpoint format saved and loaded ({', '.join(FORMATS)}; default: the backend's own)",
         checks=(Rule(lambda v, _: v in FORMATS, f"use one of {', '.join(FORMATS)}"),))
     tag: str | None = run_flag(None, help="free text copied into the result (compare groups runs by it)")
-    """Free text copied into the result (compare uses it to group runs)."""
     closed_if: str | None = run_flag(None, metavar="FILE", hidden=True, help="")
     """A fence file: when it exists, the run writes neither its result nor its gradient dump and fails. compare
     creates it for a launch it has stopped waiting for, so a rank that outlived its launcher (on another host,

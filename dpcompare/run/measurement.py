@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -30,6 +31,12 @@ from dpcompare.measure.collectives import CollectiveRecorder
 from dpcompare.measure.comm import CommWindow
 from dpcompare.run.config import RunConfig
 from dpcompare.run.step import StepRunner
+
+
+PROFILE_STEPS = 3
+"""--profile: the steps traced after the measured window (a trace of a few steps stays a few MB)."""
+PHASES = ("forward", "backward", "reduce", "optimizer_step")
+"""The step's phases marked in a trace (StepRunner.mark)."""
 
 
 def paired_steps(measure_steps: int, pairs: int) -> list[int]:
@@ -70,6 +77,7 @@ class MeasurementPhase:
         arms = {True: clocks.SegmentClock(self.runner.device), False: clocks.SegmentClock(self.runner.device)}
         clock, window, comm, by_kind, loop_ms = self._timed(start, pairs, arms)
         self._extra_pairs(start + self.cfg.measure_steps + pairs, pairs, arms)
+        traces = self._profile(start) if self.cfg.profile else None
         self.comm_reason = ablation_reason  # after the window: the counter ran all the same
         step_ms, synced_ms, unsynced_ms = clock.step_ms(), arms[True].step_ms(), arms[False].step_ms()
         compiled: list[int] = []
@@ -87,9 +95,39 @@ class MeasurementPhase:
         metrics = self._summarize(gathered)
         if facts is not None:
             _mfu(metrics, facts, self.runner.world_size)
+        metrics["profile"] = traces
+        if traces is None:
+            metrics.setdefault("reasons", {})["profile"] = "not asked for (--profile)"
         if getattr(self.runner, "compile_log", None) is not None:
             metrics["compile"] = {"measured_steps_excluded": len(compiled), "excluded_steps": compiled}
         return metrics
+
+    def _profile(self, start: int) -> dict[str, Any]:
+        """--profile, every rank: PROFILE_STEPS steps after the measured window (whose figures it leaves alone) under
+        torch.profiler, the step's phases marked (dpcompare.forward, .backward, .reduce, .optimizer_step; the
+        collectives are the profiler's own events), written as one Chrome/Perfetto trace per rank under
+        OUT/traces/<run>/rank<R>.json. Returns the traces' paths, rank by rank."""
+        token = self.adapter.all_gather_object(f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")[0]
+        directory = Path(self.cfg.out) / "traces" / token
+        directory.mkdir(parents=True, exist_ok=True)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.runner.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        steps = min(PROFILE_STEPS, len(self.batches))
+        self.runner.marking = True
+        try:
+            with torch.profiler.profile(activities=activities) as profiler:
+                for i, (x, y) in enumerate(self.batches[:steps]):
+                    with torch.profiler.record_function(f"dpcompare.step {start + i}"):
+                        self.runner.step(start + i, x, y, phase="profiled")
+                if self.runner.device.type == "cuda":
+                    torch.cuda.synchronize()
+        finally:
+            self.runner.marking = False
+        path = directory / f"rank{self.runner.rank}.json"
+        profiler.export_chrome_trace(str(path))
+        paths = self.adapter.all_gather_object(str(path))
+        return {"steps": steps, "traces": paths, "phases": [f"dpcompare.{p}" for p in PHASES]}
 
     def _flops(self) -> dict[str, Any]:
         """Rank 0, once: the model's FLOPs per sample (forward and backward), the compute dtype, and the device's

@@ -36,6 +36,8 @@ class StepRunner:
                  clip_grad_norm: float | None = None, inject_fault: str | None = None,
                  inject_slowdown: float = 0.0, compile_log: CompileLog | None = None) -> None:
         self.adapter, self.workload, self.device, self.dtype = adapter, workload, device, dtype
+        self.marking = False
+        """Mark the step's phases for torch.profiler (MeasurementPhase's --profile steps)."""
         self.grad_accum, self.watchdog = grad_accum, watchdog
         self.rank, self.world_size, self.global_batch = rank, world_size, global_batch
         self.inject_fault = inject_fault
@@ -96,7 +98,8 @@ class StepRunner:
             _spin(self.inject_slowdown * BACKWARD_FLOPS_FACTOR * self.forward_s)
         if sync:
             self.beat(f"{phase}: reduce", step)
-            self.adapter.reduce()
+            with self.mark("reduce"):
+                self.adapter.reduce()
         if update:
             self.adapter.unscale()
         self.beat(f"{phase}: reduced", step)
@@ -107,9 +110,10 @@ class StepRunner:
         self.grad_norm = None
         if update:
             clip = self.clip_grad_norm is not None
-            if clip:
-                self.grad_norm = self.adapter.clip_grad_norm(self.clip_grad_norm)
-            self.adapter.step()
+            with self.mark("optimizer_step"):
+                if clip:
+                    self.grad_norm = self.adapter.clip_grad_norm(self.clip_grad_norm)
+                self.adapter.step()
             if clip and self.grad_norm is None:  # a backend that clips inside its own step
                 self.grad_norm = self.adapter.grad_norm_after_step()
         self.adapter.zero_grad()
@@ -125,6 +129,11 @@ class StepRunner:
             self._code = (raised.model_files(self.adapter.wrapped.module, self.workload.loss_fn),
                           raised.communication_files(self.adapter))
         return raised.model_raised(exc, *self._code)
+
+    def mark(self, phase: str):
+        """The step's phase as a torch.profiler range `dpcompare.PHASE` while `marking` (--profile's steps), else
+        nothing: the measured steps carry no mark."""
+        return torch.profiler.record_function(f"dpcompare.{phase}") if self.marking else contextlib.nullcontext()
 
     def _aside(self):
         """Around the hooks: what they compile (rank 0's compiled reference copy) is not the run's."""
@@ -161,11 +170,12 @@ class StepRunner:
             with context(j == k - 1):
                 started = self._host_time()
                 self._part = "forward"
-                with self.adapter.autocast():
+                with self.mark("forward"), self.adapter.autocast():
                     loss = self.workload.loss_fn(wrapped.model(xj), yj)
                 self.forward_s += self._host_time() - started
                 self._part = "backward"
-                self.adapter.backward(loss / k if k > 1 else loss)
+                with self.mark("backward"):
+                    self.adapter.backward(loss / k if k > 1 else loss)
 
     def _inject(self, step: int) -> None:
         """--inject-fault KIND:RANK:STEP (failure tests): at that step this rank exits 17 (crash), is killed by
