@@ -437,3 +437,43 @@ def test_fault_campaign(launch, tmp_path, backend, launcher, fault):
     left = _processes_mentioning(str(tmp_path))
     assert not left, f"left behind: {[(p.pid, p.cmdline()[:5]) for p in left]}"
     print(f"FAULT {fault} {backend} {launcher}: exit {proc.returncode} in {proc.wall_s:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+def test_a_hung_rank_leaves_each_ranks_collectives_from_the_flight_recorder(launch, tmp_path):
+    """Rank 1 hangs after its first checked step: every rank's watchdog writes its Flight Recorder entries beside the
+    results and names the last collective it entered; rank 0 went on to a collective rank 1 never reached."""
+    proc, result = launch("ddp", 2, "mlp", ["--steps", "4", "--measure-steps", "0", "--inject-fault", "hang:1:1",
+                                            "--timeout-s", "10"], "torchrun", timeout_s=150)
+    assert proc.returncode != 0 and result is None
+    dumps = sorted(tmp_path.rglob("flight-recorder/*/rank*.json"))
+    assert [d.name for d in dumps] == ["rank0.json", "rank1.json"], proc.output[-3000:]
+    last = {d.name: json.loads(d.read_text())["entries"][-1] for d in dumps}
+    assert last["rank0.json"]["collective_seq_id"] > last["rank1.json"]["collective_seq_id"], last
+    assert "gloo:" in last["rank0.json"]["profiling_name"]
+    said = [line for line in proc.output.splitlines() if "Its collectives (Flight Recorder)" in line]
+    assert said, proc.output[-3000:]
+
+
+def test_without_a_process_group_the_watchdog_says_why_there_is_no_dump(tmp_path):
+    from dpcompare.run.watchdog import Watchdog
+
+    dog = Watchdog(rank=0, world_size=1, job_id=f"fr-{tmp_path.name}", timeout_s=60)
+    assert dog.dump_collectives() == ""  # nowhere to write: nothing said
+    dog.dump_to = tmp_path / "fr"
+    said = dog.dump_collectives()
+    assert said.startswith(" No Flight Recorder dump") and not (tmp_path / "fr").exists(), said
+
+
+def test_a_half_way_dump_of_a_run_that_went_on_is_removed_when_it_finishes(tmp_path):
+    from dpcompare.run.watchdog import Watchdog
+
+    dog = Watchdog(rank=0, world_size=1, job_id=f"fr-{tmp_path.name}", timeout_s=60)
+    dog.dump_to = tmp_path / "flight-recorder" / "job"
+    dog.dump_to.mkdir(parents=True)
+    (dog.dump_to / "rank0.json").write_text("{}")  # as a slow step's half-way dump leaves it
+    dog._dumped_at = 3
+    dog.stop(clean=True)
+    assert not (tmp_path / "flight-recorder").exists()

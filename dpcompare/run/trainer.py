@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
+from pathlib import Path
 from typing import Any, Iterator
 
 from torch import nn
@@ -32,6 +34,9 @@ from dpcompare.run.watchdog import Watchdog
 from dpcompare.run.workloads import Workload
 from dpcompare.verify import equivalence as eq
 from dpcompare.verify import initial, stochastic, verifier
+
+FLIGHT_RECORDER_ENTRIES = 2000
+"""Collectives each process group's Flight Recorder keeps (TORCH_FR_BUFFER_SIZE, unless the environment sets it)."""
 
 
 def load_workload(cfg: RunConfig) -> Workload:
@@ -99,8 +104,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     watchdog: Watchdog | None = None
     clean = False
     try:
+        # PyTorch's Flight Recorder keeps each process group's last collectives (NCCL and, since torch 2.8, gloo): a
+        # rank the watchdog ends writes them beside the results (Watchdog.dump_collectives)
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
         adapter.setup(cfg.timeout_s)
         watchdog = Watchdog(rank=env.rank, world_size=env.world_size, job_id=env.job_id, timeout_s=cfg.timeout_s).start()
+        watchdog.dump_to = Path(cfg.out) / "flight-recorder" / watchdog.dir.name
         if env.world_size > 1:
             watchdog.name_the_culprit_on_sigterm()
         template = _build(cfg, env, adapter, workload, device, global_batch, local_batch)

@@ -17,6 +17,7 @@ show as "not visible" (the timeout still fires, it just cannot name them). Impor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -56,6 +57,9 @@ class Watchdog:
         self._writing = threading.Lock()  # the watchdog thread and say_leaving() both write the heartbeat
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dpcompare-watchdog", daemon=True)
+        self._dumped_at = -1  # the heartbeat's seq at the last half-way dump
+        self.dump_to: Path | None = None
+        """Where a timed-out rank writes its Flight Recorder dump (None: nowhere)."""
 
     def start(self) -> "Watchdog":
         if self.rank == 0:
@@ -174,11 +178,43 @@ class Watchdog:
                 self._written = self._seq
                 self._write()
             idle = time.monotonic() - self._last_progress
+            if idle > self.timeout_s / 2 and self._dumped_at != self._seq:
+                # Half-way: the launcher may end this rank without a word once a peer gives up first (a rank blocked
+                # in a collective cannot run its SIGTERM handler), so the evidence is written now; a rank that goes
+                # on finds a dump of a wait that ended, which the next half-way idle writes over.
+                self._dumped_at = self._seq
+                self.dump_collectives()
             if idle > self.timeout_s:
                 self.give_up(f"dpcompare: error: rank {self.rank} made no progress for {idle:.0f} s (timeout "
                              f"{self.timeout_s:g} s, last at step {self._step} '{self._phase}'); culprit: "
-                             f"{self.culprits_or_why_not()}. Raise --timeout-s if steps are legitimately this slow.",
-                             EXIT_PEER_FAILURE)
+                             f"{self.culprits_or_why_not()}.{self.dump_collectives()} Raise --timeout-s if steps are "
+                             "legitimately this slow.", EXIT_PEER_FAILURE)
+
+    def dump_collectives(self) -> str:
+        """Write this rank's collectives as PyTorch's Flight Recorder holds them (TORCH_FR_BUFFER_SIZE, which the run
+        sets) to `dump_to`/rank<R>.json; the sentence saying where and which collective was last, or why there is no
+        dump."""
+        if self.dump_to is None:
+            return ""
+        try:
+            from torch._C._distributed_c10d import _dump_fr_trace_json
+
+            entries = json.loads(_dump_fr_trace_json()).get("entries") or []
+        except Exception as exc:  # noqa: BLE001 - the rank is ending: the reason is said instead
+            return f" No Flight Recorder dump: {type(exc).__name__}: {exc}."
+        if not entries:
+            return (" No Flight Recorder dump: no collective was recorded (TORCH_FR_BUFFER_SIZE unset or 0, or a "
+                    "backend whose collectives are not torch.distributed's, as Horovod's).")
+        path = self.dump_to / f"rank{self.rank}.json"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_file(path) as f:
+                f.write(json.dumps({"rank": self.rank, "entries": entries}, default=str))
+        except OSError as exc:
+            return f" No Flight Recorder dump: writing {path} failed ({exc})."
+        last = entries[-1]
+        return (f" Its collectives (Flight Recorder): {path}, the last {last.get('profiling_name')} "
+                f"#{last.get('collective_seq_id')} ({last.get('state')}).")
 
     def give_up(self, line: str, status: int) -> None:
         """End this rank now: say `line` (stderr and the launcher's error file), end suspended peers, exit."""
@@ -237,6 +273,11 @@ class Watchdog:
                 self.dir.rmdir()
         except OSError:
             pass
+        if self.dump_to is not None and self._dumped_at >= 0:  # a slow step's half-way dump: the run went on
+            (self.dump_to / f"rank{self.rank}.json").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.dump_to.rmdir()
+                self.dump_to.parent.rmdir()
 
 
 STALE_AFTER_S = 24 * 3600.0
