@@ -83,3 +83,26 @@ def test_a_run_records_its_mfu_against_the_measured_peak(shared_launch):
     assert m["peak_tflops_measured"] > 0 and 0 < m["mfu"] < 1
     assert m["mfu"] == pytest.approx(m["model_flops_per_sample"] * m["samples_per_s"] / (m["peak_tflops_measured"] * 1e12))
     assert m["mfu_datasheet"] is None and "cpu" in m["reasons"]["mfu_datasheet"]
+
+
+# -- stragglers (metrics.straggler_rank) --------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_rank_slowed_alone_is_named_the_straggler_and_a_balanced_run_names_none(launch):
+    """gpt-tiny, whose compute-only step (tens of ms on this box) stands well above the scheduler's noise: the
+    balanced run's ranks differ by a few per cent, under the 10 % a straggler must exceed."""
+    run = ["--steps", "1", "--measure-steps", "10", "--no-dropout"]
+    slowed, result = launch("ddp", 2, "gpt-tiny", [*run, "--inject-slowdown", "3", "--inject-slowdown-rank", "1"],
+                            "torchrun")
+    assert result is not None, slowed.output[-3000:]
+    assert result["metrics"]["straggler_rank"] == 1 and result["metrics"]["straggler_excess_ms"] > 0, (
+        result["metrics"]["stragglers"], result["metrics"]["reasons"].get("straggler_rank"), result["inject_slowdown"])
+    balanced, result = launch("ddp", 2, "gpt-tiny", run, "torchrun")
+    assert result is not None, balanced.output[-3000:]
+    assert result["metrics"]["straggler_rank"] is None and result["metrics"]["reasons"]["straggler_rank"]
+
+
+def test_a_slowed_rank_outside_the_world_is_one_line(launch):
+    finished, result = launch("reference", 1, "mlp", ["--inject-slowdown", "1", "--inject-slowdown-rank", "3"], "python")
+    assert finished.returncode == 2 and result is None
+    assert "--inject-slowdown-rank 3: use a rank from 0 to 0" in finished.output and "Traceback" not in finished.output

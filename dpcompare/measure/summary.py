@@ -51,7 +51,7 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)), "mean": float(a.mean())}
 
 
-def stragglers(per_rank_ms: list[list[float]], threshold: float = 0.05) -> list[dict[str, Any]]:
+def stragglers(per_rank_ms: list[list[float]], threshold: float = 0.10) -> list[dict[str, Any]]:
     """Per rank: how often it is the slowest and by how much it exceeds the median rank, per step.
     A rank is flagged when it is the slowest in more than half the steps and its mean excess is above
     `threshold` of the median step time."""
@@ -182,7 +182,13 @@ def _ablation(m: Metrics, samples: list[RankSample], per_rank: list[list[float]]
     synced = np.max([s.synced_ms[:pairs] for s in samples], axis=0) if pairs else np.array([])
     unsynced = np.max([s.unsynced_ms[:pairs] for s in samples], axis=0) if pairs else np.array([])
     compute_only = [s.unsynced_ms[:pairs] for s in samples]
-    m.set("stragglers", stragglers(compute_only if pairs else per_rank))
+    found = stragglers(compute_only if pairs else per_rank)
+    m.set("stragglers", found)
+    flagged = [r for r in found if r["straggler"]]
+    slowest = max(flagged, key=lambda r: r["excess_ms_mean"]) if flagged else None
+    m.set("straggler_rank", slowest["rank"] if slowest else None,
+          "one rank" if len(samples) < 2 else "no rank is the slowest in most steps by more than 10 % of the median step")
+    m.set("straggler_excess_ms", slowest["excess_ms_mean"] if slowest else None, "no straggler")
     if comm_possible or not pairs:
         for name in ("compute_ms_p50", "step_synced_ms_p50", "comm_exposed_ms"):
             m.set(name, None, comm_possible or why_no_pairs)

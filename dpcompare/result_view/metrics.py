@@ -33,6 +33,8 @@ class Metrics(View):
     measured_steps = Field()
     rank_spread_ms_p50 = Field()
     stragglers = Field(list)
+    straggler_rank = Field()
+    straggler_excess_ms = Field()
     compute_ms_p50 = Field()
     comm_exposed_ms = Field()
     comm_exposed_ci_ms = Field(list)

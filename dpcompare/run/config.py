@@ -308,9 +308,8 @@ class RunConfig:
         checks=(Rule(lambda v, _: v in FORMATS, f"use one of {', '.join(FORMATS)}"),))
     tag: str | None = run_flag(None, help="free text copied into the result (compare groups runs by it)")
     closed_if: str | None = run_flag(None, metavar="FILE", hidden=True, help="")
-    """A fence file: when it exists, the run writes neither its result nor its gradient dump and fails. compare
-    creates it for a launch it has stopped waiting for, so a rank that outlived its launcher (on another host,
-    say) never adds a late result to a finished run folder."""
+    """A fence file: when it exists, the run writes neither result nor gradient dump and fails. compare creates it for a
+    launch it stopped waiting for: a rank that outlived its launcher never adds a late result to a finished run."""
     dp_devices: int | None = run_flag(None, help="dp: CUDA devices to replicate over (default: all)", settings=True,
                                       checks=(above(0, "use a positive device count"),))
     """Backends that replicate over devices in one process (dp): how many CUDA devices (default: all visible)."""
@@ -319,9 +318,10 @@ class RunConfig:
         help="testing aid: each step spins this fraction of its compute time longer (a planted regression; env "
              "DPCOMPARE_INJECT_SLOWDOWN)",
         checks=(Rule(lambda v, _: 0.0 <= v <= 10.0, "use a fraction of the compute time between 0 and 10"),))
-    """Testing aid for regression gates: every step spins for this fraction of its compute time on every rank
-    (0.2: compute 20 % slower), a planted slowdown. Compute is taken as 3x the measured forward time, since the
-    backward's wall time also holds communication. Default from DPCOMPARE_INJECT_SLOWDOWN."""
+    """Testing aid for regression gates: every step spins for this fraction of its compute time (0.2: compute 20 %
+    slower), on every rank or on --inject-slowdown-rank alone (a straggler). Compute is taken as 3x the measured
+    forward time, since the backward's wall time also holds communication. Default from DPCOMPARE_INJECT_SLOWDOWN."""
+    inject_slowdown_rank: int | None = run_flag(None, help="testing aid: --inject-slowdown on this rank alone (a straggler)")
     inject_fault: str | None = run_flag(
         None, metavar="KIND[:RANK:STEP]",
         help="testing aid: crash|kill|stop|hang:RANK:STEP makes that rank fail at that step, dupdata gives every rank "

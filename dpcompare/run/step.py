@@ -34,14 +34,15 @@ class StepRunner:
     def __init__(self, *, adapter: Adapter, workload: Workload, device: torch.device, dtype: torch.dtype,
                  grad_accum: int, watchdog: Watchdog, rank: int, world_size: int, global_batch: int,
                  clip_grad_norm: float | None = None, inject_fault: str | None = None,
-                 inject_slowdown: float = 0.0, compile_log: CompileLog | None = None) -> None:
+                 inject_slowdown: float = 0.0, compile_log: CompileLog | None = None,
+                 slow_rank: int | None = None) -> None:
         self.adapter, self.workload, self.device, self.dtype = adapter, workload, device, dtype
         self.marking = False
         """Mark the step's phases for torch.profiler (MeasurementPhase's --profile steps)."""
         self.grad_accum, self.watchdog = grad_accum, watchdog
         self.rank, self.world_size, self.global_batch = rank, world_size, global_batch
         self.inject_fault = inject_fault
-        self.inject_slowdown = inject_slowdown
+        self.inject_slowdown = inject_slowdown if slow_rank is None or slow_rank == rank else 0.0
         self.clip_grad_norm = clip_grad_norm
         self.grad_norm: float | None = None
         """The total norm the backend reported clipping the last step's gradient by (None: no clipping, or none reported)."""

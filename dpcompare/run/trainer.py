@@ -96,6 +96,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     with _said_by_rank0():
         settings = backend.settings_for(adapter_cls, cfg)  # every --opt checked before anything starts
         global_batch, local_batch = cfg.batch_sizes(env.world_size)
+        if cfg.inject_slowdown_rank is not None and not 0 <= cfg.inject_slowdown_rank < env.world_size:
+            raise CommandLineError(f"--inject-slowdown-rank {cfg.inject_slowdown_rank}: use a rank from 0 to "
+                                   f"{env.world_size - 1}")
     if cfg.compile:
         compilation.require_compiler()  # every rank: the compiler is this host's
     workload = load_workload(cfg)
@@ -116,7 +119,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         runner = StepRunner(adapter=adapter, workload=workload, device=device, dtype=eq.DTYPES[cfg.dtype],
                             grad_accum=cfg.grad_accum, watchdog=watchdog, rank=env.rank, world_size=env.world_size,
                             global_batch=global_batch, clip_grad_norm=cfg.clip_grad_norm, inject_fault=cfg.inject_fault,
-                            inject_slowdown=cfg.inject_slowdown,
+                            inject_slowdown=cfg.inject_slowdown, slow_rank=cfg.inject_slowdown_rank,
                             compile_log=compilation.CompileLog() if cfg.compile else None)
         verification = VerificationPhase(cfg, adapter, runner, template, env.is_rank0)
         verdict = verification.run()

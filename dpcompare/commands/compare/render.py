@@ -174,6 +174,11 @@ def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None
     console.print(table)
     for mark, line in flagged:
         console.print(Text(f"({mark}) {line}", style=_FLAG_STYLE[mark[0]]))
+    for j in jobs:  # the slowest rank, where one rank is the slowest in most steps (metrics.straggler_rank)
+        m = (j.result or EMPTY).metrics
+        if m.straggler_rank.value is not None:
+            console.print(Text(f"{j.label}: straggler rank {m.straggler_rank.value:.0f}, "
+                               f"{_fmt(m.straggler_excess_ms, '+.2f')} ms per step over the median rank", style="yellow"))
 
 
 def _sweep_note(job: Job) -> str:

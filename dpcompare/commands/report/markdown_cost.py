@@ -20,7 +20,8 @@ def _stragglers(value: list[Any]) -> str:
         if not isinstance(s, dict):
             continue
         fraction, excess = s.get("slowest_fraction"), s.get("excess_ms_mean")
-        shown.append(f"rank {s.get('rank')} (" + (f"{fraction:.0%} slowest" if is_number(fraction) else "slowest")
+        shown.append(("**straggler** " if s.get("straggler") is True else "") + f"rank {s.get('rank')} ("
+                     + (f"{fraction:.0%} slowest" if is_number(fraction) else "slowest")
                      + (f", {excess:+.3g} ms" if is_number(excess) else "") + ")")
     return "; ".join(shown) or "none"
 
