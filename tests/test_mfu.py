@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from dpcompare.measure import flops
-from dpcompare.run.measurement import _mfu
 
 LAYERS = ((32, 64), (64, 64), (64, 10))  # the mlp workload's linear layers
 
@@ -63,16 +62,20 @@ def test_the_measured_peak_is_a_matmul_rate():
 
 
 def test_mfu_is_the_achieved_rate_over_the_peak_and_each_missing_figure_says_why():
-    metrics = {"samples_per_s": 2000.0, "reasons": {}}
-    facts = {"compute_dtype": "fp32", "model_flops_per_sample": 1e9, "peak_tflops_measured": 8.0,
-             "peak_tflops_datasheet": None, "reasons": {"peak_tflops_datasheet": "no datasheet figure for a cpu"}}
-    _mfu(metrics, facts, world_size=2)
-    assert metrics["mfu"] == pytest.approx(1e9 * 1000 / 8e12)
-    assert metrics["mfu_datasheet"] is None and metrics["reasons"]["mfu_datasheet"] == "no datasheet figure for a cpu"
-    uncounted = {"samples_per_s": 2000.0, "reasons": {}}
-    _mfu(uncounted, dict(facts, model_flops_per_sample=None,
-                         reasons={"model_flops_per_sample": "FlopCounterMode ... raised"}), world_size=2)
-    assert uncounted["mfu"] is None and "FlopCounterMode" in uncounted["reasons"]["mfu"]
+    from dpcompare.measure.summary import Metrics, record_mfu
+
+    m = Metrics()
+    found = {"dtype": "fp32", "flops": 1e9, "measured": 8.0, "datasheet": None,
+             "why": {"datasheet": "no datasheet figure for a cpu"}}
+    record_mfu(m, found, 1000.0, "not measured")
+    assert m.values["mfu"] == pytest.approx(1e9 * 1000 / 8e12)
+    assert m.values["mfu_datasheet"] is None and m.reasons["mfu_datasheet"] == "no datasheet figure for a cpu"
+    uncounted = Metrics()
+    record_mfu(uncounted, dict(found, flops=None, why={"flops": "FlopCounterMode ... raised"}), 1000.0, "not measured")
+    assert uncounted.values["mfu"] is None and "FlopCounterMode" in uncounted.reasons["mfu"]
+    bare = Metrics()
+    record_mfu(bare, None, None, "instrumentation off")
+    assert bare.values["mfu"] is None and bare.reasons["mfu"] == "no step time (no measured steps)"
 
 
 def test_a_run_records_its_mfu_against_the_measured_peak(shared_launch):

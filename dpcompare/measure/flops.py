@@ -120,9 +120,23 @@ def model_flops(template: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tens
     return int(counter.get_total_flops())
 
 
-def mfu(flops_per_sample: float | None, samples_per_s_per_rank: float | None,
-        peak_tflops: float | None) -> float | None:
-    """Achieved model FLOP/s per rank over the peak, or None where a figure is missing."""
-    if not flops_per_sample or not samples_per_s_per_rank or not peak_tflops:
-        return None
-    return flops_per_sample * samples_per_s_per_rank / (peak_tflops * 1e12)
+def facts(template: nn.Module | None, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+          x: torch.Tensor | None, y: torch.Tensor | None, amp: str, device: torch.device) -> dict[str, Any]:
+    """{dtype, flops (per sample, forward and backward, on the local batch x, y), measured, datasheet (the device's
+    peak in TFLOP/s), why: {name: reason} for each one missing}."""
+    dtype = compute_dtype(amp, device)
+    found: dict[str, Any] = {"dtype": dtype, "flops": None, "why": {}}
+    if template is None:
+        found["why"]["flops"] = "no template given"
+    else:
+        try:
+            found["flops"] = model_flops(template, loss_fn, x, y) / max(len(x), 1)
+        except Exception as exc:  # a model that cannot run on meta tensors: MFU unmeasured, said why
+            found["why"]["flops"] = (f"FlopCounterMode on a meta copy of the model raised {type(exc).__name__}: "
+                                     f"{str(exc)[:200]}")
+    found["measured"] = measured_peak(device, dtype)
+    found["datasheet"], why = datasheet_peak(device, dtype)
+    if why:
+        found["why"]["datasheet"] = why
+    return found
+

@@ -122,6 +122,7 @@ def summarize(
     comm_analytic_method: str = "",
     comm_measured_reason: str | None = None,
     comm_replicas: int = 1,
+    flops_facts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Rank 0 turns the gathered per-rank samples into the run's metrics (units in the names). `model_state` is the
     analytic model state, used only where a rank took no census; `comm_analytic` the predicted bytes per step by
@@ -134,6 +135,9 @@ def summarize(
     why_no_steps = ("instrumentation off (--no-instrument): only loop_ms_per_step is measured" if not instrumented
                     else "no measured steps (--measure-steps 0)")
     per_rank = _step_times(m, samples, world_size * local_batch, tokens_per_sample, why_no_steps)
+    p50 = percentiles(np.max(np.asarray(per_rank), axis=0).tolist() if per_rank and per_rank[0] else [])["p50"]
+    record_mfu(m, flops_facts, local_batch / (p50 / 1e3) if p50 else None,
+                 why_no_steps if not instrumented else "not measured")
     total, transfer = _native_comm(m, samples, comm_possible)
     exposed = _ablation(m, samples, per_rank, comm_possible,
                         why_no_steps if not instrumented else "no ablation steps ran (--ablation-steps 0)", total)
@@ -382,3 +386,26 @@ def _by_kind(m: Metrics, samples: list[RankSample], world_size: int, analytic: d
     if reason is None and not any(isinstance(r, dict) for r in records):
         reason = "no rank recorded its collectives"
     m.set("comm_by_kind", comm_by_kind(records, analytic, world_size, reason, analytic_method, replicas))
+
+
+def mfu(flops_per_sample: float | None, samples_per_s_per_rank: float | None,
+        peak_tflops: float | None) -> float | None:
+    """Achieved model FLOP/s per rank over the peak, or None where a figure is missing."""
+    if not flops_per_sample or not samples_per_s_per_rank or not peak_tflops:
+        return None
+    return flops_per_sample * samples_per_s_per_rank / (peak_tflops * 1e12)
+
+
+def record_mfu(m: Metrics, found: dict[str, Any] | None, samples_per_s_per_rank: float | None, why_not: str) -> None:
+    """The MFU figures (dpcompare.measure.flops.facts: `found`; None: not measured, `why_not`)."""
+    found = found or {"why": {}}
+    why = found["why"]
+    m.set("compute_dtype", found.get("dtype"), why_not)
+    m.set("model_flops_per_sample", found.get("flops"), why.get("flops", why_not))
+    m.set("peak_tflops_measured", found.get("measured"), why_not)
+    m.set("peak_tflops_datasheet", found.get("datasheet"), why.get("datasheet", why_not))
+    no_rate = "no step time (no measured steps)" if samples_per_s_per_rank is None else None
+    m.set("mfu", mfu(found.get("flops"), samples_per_s_per_rank, found.get("measured")),
+          why.get("flops") or no_rate or why_not)
+    m.set("mfu_datasheet", mfu(found.get("flops"), samples_per_s_per_rank, found.get("datasheet")),
+          why.get("datasheet") or why.get("flops") or no_rate or why_not)

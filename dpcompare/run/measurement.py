@@ -92,12 +92,7 @@ class MeasurementPhase:
         gathered = self.adapter.all_gather_object((sample, loop_ms))
         if not self.rank0:
             return None
-        metrics = self._summarize(gathered)
-        if facts is not None:
-            _mfu(metrics, facts, self.runner.world_size)
-        metrics["profile"] = traces
-        if traces is None:
-            metrics.setdefault("reasons", {})["profile"] = "not asked for (--profile)"
+        metrics = self._summarize(gathered, facts, traces)
         if getattr(self.runner, "compile_log", None) is not None:
             metrics["compile"] = {"measured_steps_excluded": len(compiled), "excluded_steps": compiled}
         return metrics
@@ -130,27 +125,11 @@ class MeasurementPhase:
         return {"steps": steps, "traces": paths, "phases": [f"dpcompare.{p}" for p in PHASES]}
 
     def _flops(self) -> dict[str, Any]:
-        """Rank 0, once: the model's FLOPs per sample (forward and backward), the compute dtype, and the device's
-        peak in it, measured and from the datasheet; each figure None with its reason where there is none."""
-        device = self.runner.device
-        dtype = flops.compute_dtype(self.cfg.amp, device)
-        facts: dict[str, Any] = {"compute_dtype": dtype, "reasons": {}}
+        """Rank 0, once: the model's FLOPs and the device's peak (dpcompare.measure.flops.facts)."""
         if self.template is None:
-            facts["model_flops_per_sample"], facts["reasons"]["model_flops_per_sample"] = None, "no template given"
-        else:
-            x, y = self.runner.batch(self.first)[1:]
-            try:
-                facts["model_flops_per_sample"] = flops.model_flops(self.template, self.runner.workload.loss_fn,
-                                                                    x, y) / max(len(x), 1)
-            except Exception as exc:  # a model that cannot run on meta tensors: MFU unmeasured, said why
-                facts["model_flops_per_sample"] = None
-                facts["reasons"]["model_flops_per_sample"] = (
-                    f"FlopCounterMode on a meta copy of the model raised {type(exc).__name__}: {str(exc)[:200]}")
-        facts["peak_tflops_measured"] = flops.measured_peak(device, dtype)
-        facts["peak_tflops_datasheet"], why = flops.datasheet_peak(device, dtype)
-        if why:
-            facts["reasons"]["peak_tflops_datasheet"] = why
-        return facts
+            return flops.facts(None, None, None, None, self.cfg.amp, self.runner.device)
+        x, y = self.runner.batch(self.first)[1:]
+        return flops.facts(self.template, self.runner.workload.loss_fn, x, y, self.cfg.amp, self.runner.device)
 
     def _without(self, compiled: list[int], step_ms: list[float], synced_ms: list[float], unsynced_ms: list[float],
                  loop_ms: float, pairs: int) -> tuple[list[float], list[float], list[float], float]:
@@ -344,7 +323,8 @@ class MeasurementPhase:
                                                self.runner.world_size, reshard, replicas),
                 volume.analytic_method(shards, reshard, replicas))
 
-    def _summarize(self, gathered: list[tuple[summary.RankSample, float]]) -> dict[str, Any]:
+    def _summarize(self, gathered: list[tuple[summary.RankSample, float]], facts: dict[str, Any] | None = None,
+                   traces: dict[str, Any] | None = None) -> dict[str, Any]:
         wrapped, cfg = self.adapter.wrapped, self.cfg
         world_size = self.runner.world_size
         sizes = self._sizes()
@@ -364,27 +344,15 @@ class MeasurementPhase:
             microbench_busbw=microbench, microbench_reason=microbench_reason, scaling=cfg.scaling,
             comm_possible=self.comm_reason, instrumented=cfg.instrument,
             model_state_formula=formula, model_state_formula_reason=formula_reason,
-            comm_analytic=analytic, comm_analytic_method=analytic_how, comm_replicas=self._replicas(),
+            comm_analytic=analytic, comm_analytic_method=analytic_how, comm_replicas=self._replicas(), flops_facts=facts,
             comm_measured_reason=self.no_communication or (
                 None if cfg.instrument else "instrumentation off (--no-instrument): the collectives were not wrapped"),
         )
         metrics["loop_ms_per_step"] = max(g[1] for g in gathered)
+        metrics["profile"] = traces
+        if traces is None:
+            metrics.setdefault("reasons", {})["profile"] = "not asked for (--profile)"
         return metrics
-
-
-def _mfu(metrics: dict[str, Any], facts: dict[str, Any], world_size: int) -> None:
-    """metrics.mfu (against the measured peak) and mfu_datasheet, with the figures they come from."""
-    reasons = metrics.setdefault("reasons", {})
-    for name in ("compute_dtype", "model_flops_per_sample", "peak_tflops_measured", "peak_tflops_datasheet"):
-        metrics[name] = facts.get(name)
-        if metrics[name] is None:
-            reasons[name] = facts["reasons"].get(name, "not measured")
-    per_rank = metrics["samples_per_s"] / world_size if metrics.get("samples_per_s") else None
-    for name, peak in (("mfu", "peak_tflops_measured"), ("mfu_datasheet", "peak_tflops_datasheet")):
-        metrics[name] = flops.mfu(metrics["model_flops_per_sample"], per_rank, metrics[peak])
-        if metrics[name] is None:
-            reasons[name] = reasons.get(peak) or reasons.get("model_flops_per_sample") or reasons.get(
-                "samples_per_s", "no step time")
 
 
 def microbench_busbw(cfg: RunConfig, transport: str, world_size: int, nbytes: int) -> tuple[float | None, str | None]:
