@@ -34,8 +34,9 @@ STEPS = ["--steps", "2"]
 # Every backend, launcher and model once in the default tier, with the default tier's other runs (the rest of the
 # matrix is `slow`): reference and dp at one rank run in compare end to end (test_compare.py), the cnn under ddp at two
 # ranks in test_semantics.py.
-DEFAULT_CASES = {"ddp-ws2-mlp-torchrun", "horovod-ws2-mlp-unused-horovodrun", "horovod-ws3-lm-mpirun",
-                 "deepspeed-ws2-mlp-dropout-torchrun"}
+DEFAULT_CASES = {"ddp-ws2-mlp-torchrun", "horovod-ws2-mlp-unused-horovodrun"}
+# deepspeed-ws2-mlp-dropout-torchrun and horovod-ws3-lm-mpirun are slow: deepspeed runs in the default tier under
+# its own launcher (test_deepspeed_under_its_own_launcher), and mpirun under test_multinode.py's hostfile launch.
 # Launched by test_multinode.py in a multi-host shape, with the same checks (assert_equivalent).
 ELSEWHERE = {"horovod-ws2-mlp-horovodrun"}
 

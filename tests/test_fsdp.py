@@ -124,6 +124,7 @@ def _notes(result: dict) -> dict[str, str]:
     return {n["code"]: n["text"] for n in result["equivalence"]["notes"]}
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
 def test_fsdp_adamw_is_equivalent_with_every_value_read_in_full(launch, record_noise_ratio):

@@ -72,6 +72,7 @@ def _hsdp_equivalent(proc, result) -> dict:
     return result["equivalence"]
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_hsdp_at_4_ranks_is_equivalent_at_the_run_defaults(launch, record_noise_ratio):

@@ -405,6 +405,7 @@ def test_schema_accepts_the_new_metrics_and_rejects_a_malformed_kind() -> None:
 RUN = ["--optimizer", "adamw", "--steps", "2", "--measure-steps", "5"]
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 def test_ddp_measures_every_ranks_model_state_and_its_all_reduce_is_analytic_only(launch) -> None:
     done, result = launch("ddp", 2, "mlp", RUN)

@@ -119,6 +119,7 @@ def test_learning_rate_scaled_by_the_world_size_is_named_at_step_0(backend, laun
     assert abs(step0["norm_ratio"] - 2.0) < 1e-3, step0
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 def test_double_step_is_named_at_step_0(launch):
     proc, result = launch("tests.faulty_adapters:DoubleStepDDP", WORLD_SIZE, "mlp", STEPS)
     d = update_failed(proc, result)

@@ -126,6 +126,7 @@ def test_find_unused_parameters_false_is_refused_for_a_model_seen_leaving_parame
         assert said in str(refused.value) and "use --opt find_unused_parameters=true" in str(refused.value)
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_data_dependent_unused_parameters_are_equivalent_under_ddp_through_measurement(launch):

@@ -109,6 +109,7 @@ def test_the_models_own_clock_buffer_does_not_fail_the_verdict(launch):
     assert clock["semantics"] == [] and clock["unexplained"]["reproducible"] is False, clock
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 def test_dropout_with_batchnorm_is_checked_on_the_captured_masks(shared_launch):
     """The masks each rank drew are joined into one forward of the global batch (--sync-bn)."""
     proc, result = shared_launch("ddp", WS, "tests.faulty_workloads:dropout_cnn", [*STEPS, "--sync-bn"])
