@@ -275,6 +275,7 @@ def test_ranks_that_built_different_shapes_are_refused_before_wrapping(launch, t
     _refused(launch, tmp_path, backend, extra, SHAPES)
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
 def test_rank_seeded_weights_under_fsdp_are_different_naming_them(launch):

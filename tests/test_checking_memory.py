@@ -252,6 +252,7 @@ def test_a_replay_that_is_not_elementwise_is_stepped_whole_once_per_parameter(mo
         assert torch.allclose(ref.delta[n], want, rtol=1e-12, atol=0)
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
 def test_a_state_lost_between_steps_is_named_at_the_step_it_starts(launch):

@@ -180,6 +180,7 @@ def named(proc, result: dict | None, check: str, cause: str) -> dict:
     return d
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
 def test_ddp_clipped_by_the_global_norm_is_equivalent(launch):

@@ -35,6 +35,7 @@ def test_partition_cuts_contiguous_ranges_of_about_equal_elements():
     assert sum(partition(mlp, 3), []) == [n for n, _ in mlp]  # every parameter once, in order
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 def test_a_gradient_fault_in_rank_1s_range_alone_is_caught_on_divided_arithmetic(launch):
     proc, result = launch("tests.faulty_adapters:Rank1RangeGradientDDP", 2, "mlp", STEPS)
     d = different(proc, result)

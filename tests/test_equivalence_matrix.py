@@ -12,8 +12,9 @@ generator; mlp-unused has a head forward never calls and a frozen layer. The res
 fell back to one process (`hvd.init()` without a launcher) cannot pass as a distributed one. At 16 ranks, a
 run given no --global-batch picks one its world size divides and comes out `equivalent`.
 
-Tiers: the default tier runs every backend, every launcher and every model once (DEFAULT_CASES); the `slow`
-tier runs the rest of the matrix and 16 ranks. horovod at world size 2 on the mlp is the two-host horovodrun
+Tiers: the default tier runs Horovod's cell here (DEFAULT_CASES); ddp, deepspeed and the launchers run once in
+other files of the default tier (test_compare.py, DeepSpeed under its own launcher below); the `slow` tier runs
+the rest of the matrix and 16 ranks. horovod at world size 2 on the mlp is the two-host horovodrun
 launch and ddp under mpirun the hostfile launch of test_multinode.py, which check it with assert_equivalent.
 
 The negative twins (the same checks coming out `different` on planted faults) are in test_negative.py.
@@ -34,7 +35,7 @@ STEPS = ["--steps", "2"]
 # Every backend, launcher and model once in the default tier, with the default tier's other runs (the rest of the
 # matrix is `slow`): reference and dp at one rank run in compare end to end (test_compare.py), the cnn under ddp at two
 # ranks in test_semantics.py.
-DEFAULT_CASES = {"ddp-ws2-mlp-torchrun", "horovod-ws2-mlp-unused-horovodrun"}
+DEFAULT_CASES = {"horovod-ws2-mlp-unused-horovodrun"}  # ddp at two ranks: test_compare.py's ddp/2
 # deepspeed-ws2-mlp-dropout-torchrun and horovod-ws3-lm-mpirun are slow: deepspeed runs in the default tier under
 # its own launcher (test_deepspeed_under_its_own_launcher), and mpirun under test_multinode.py's hostfile launch.
 # Launched by test_multinode.py in a multi-host shape, with the same checks (assert_equivalent).

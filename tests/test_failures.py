@@ -203,7 +203,8 @@ def test_the_users_module_failing_to_import_under_python_m(launch):
 TORCHRUN_CASES = [
     pytest.param("ddp", ["--global-batch", "25"], ["--global-batch=25", "not divisible by world size 2", "e.g. 24"],
                  id="global-batch-not-divisible"),
-    pytest.param("horovod", [], ["cannot run under torchrun", "horovodrun -np N"], id="horovod-under-torchrun"),
+    pytest.param("horovod", [], ["cannot run under torchrun", "horovodrun -np N"], id="horovod-under-torchrun",
+                 marks=pytest.mark.slow),
     pytest.param("dp", [], ["runs in one process", "torchrun started 2", "python -m dpcompare --backend dp"],
                  id="dp-under-torchrun", marks=pytest.mark.slow),
     pytest.param("ddp", ["--opt", "foo=1"], ["--opt foo=1 is not an option of --backend ddp", "gradient_as_bucket_view",

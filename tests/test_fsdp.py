@@ -149,6 +149,7 @@ def test_a_bad_reshard_option_is_one_line_and_exit_2(launch):
     assert "Traceback" not in proc.output
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
 def test_a_stale_shard_after_the_step_is_named_by_the_update_check(launch):

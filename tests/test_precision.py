@@ -304,6 +304,7 @@ def test_bf16_autocast_under_ddp_is_equivalent_on_a_floor_of_its_own(launch) -> 
     assert "--amp bf16 autocast recipe" in proc.stdout
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_deepspeed_bf16_engine_is_judged_on_its_fp32_master_weights(launch, backend) -> None:
@@ -343,6 +344,7 @@ def test_a_forced_fp16_overflow_is_skipped_where_the_ranks_overflow(launch, back
     _assert_forced_overflow_skipped(proc, result)
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
 def test_a_loss_scale_never_undone_is_different_naming_the_factor(launch) -> None:

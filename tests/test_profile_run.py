@@ -6,11 +6,14 @@ import pstats
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "experiments" / "profile_run.py"
 
 
+@pytest.mark.slow  # an experiment's tool, not the product
 def test_the_profile_is_written_with_the_checks_in_it_and_the_run_result_beside(tmp_path):
     out = tmp_path / "run.prof"
     done = subprocess.run([sys.executable, str(SCRIPT), str(out), "--top", "5", "--only", "dpcompare/verify", "--",

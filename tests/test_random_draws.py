@@ -221,7 +221,7 @@ def _replayed_run(proc, result, backend: str, model: str) -> None:
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("backend", "name", "options"), [
-    pytest.param("ddp", "all_random", [], id="ddp-all"),
+    pytest.param("ddp", "all_random", [], id="ddp-all", marks=pytest.mark.slow),
     pytest.param("fsdp", "all_random", ["--optimizer", "adamw"], id="fsdp-all-adamw", marks=pytest.mark.slow),
     *[pytest.param(backend, fn, opt, id=f"{backend}-{fn}-{'adamw' if opt else 'sgd'}", marks=DEEP)
       for backend in ("ddp", "fsdp") for fn in ("functional_dropout", "drop_path_model", "sdpa_dropout",

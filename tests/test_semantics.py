@@ -50,6 +50,7 @@ def _per_replica(proc, result: dict, backend: str, semantics: str) -> dict:
     return e
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 def test_ddp_without_sync_bn_is_judged_per_replica(shared_launch):
     proc, result = shared_launch("ddp", WS, "cnn", STEPS)
     _per_replica(proc, result, "ddp", "rank0_broadcast")

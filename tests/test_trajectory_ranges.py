@@ -116,7 +116,8 @@ def _worker(rank: int, world: int, init: str, out: str, optimizer: str, clip: fl
 
 
 @pytest.mark.parametrize(("optimizer", "clip", "recipe"), [
-    pytest.param("sgd", None, "none", marks=pytest.mark.slow), ("adamw", 0.05, "none"),
+    pytest.param("sgd", None, "none", marks=pytest.mark.slow),
+    pytest.param("adamw", 0.05, "none", marks=pytest.mark.slow),
     # fp16 weights from fp32 masters at a loss scale: the recipe's rank count and scale, its overflow test over ranges
     pytest.param("adamw", None, "engine", marks=pytest.mark.slow)])
 def test_a_trajectory_in_ranges_steps_and_judges_as_one_process(optimizer, clip, recipe):
