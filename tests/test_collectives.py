@@ -249,6 +249,7 @@ def test_each_transport_sums_correctly_under_its_own_launcher(tmp_path, transpor
     assert busbw_at(doc, transport, 2, 1 * MiB) == entry["sizes"][-1]["busbw_gbps"]
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("transport", [_tiered(t) for t in transports.TRANSPORTS])

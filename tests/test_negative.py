@@ -50,6 +50,7 @@ def update_failed(proc, result: dict | None) -> dict:
     return d
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 def test_summed_gradients_are_named_at_step_0(launch):
     proc, result = launch("tests.faulty_adapters:SummingDDP", WORLD_SIZE, "mlp", STEPS)
     d = different(proc, result)
@@ -99,6 +100,7 @@ def test_replica_that_starts_from_other_weights_is_named(launch):
                for n in e["notes"]), e["notes"]
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 def test_faultless_parent_adapter_is_equivalent(shared_launch):
     """The faulty adapters' command with the fault taken out: their parent class, ddp, in the same launch as the
     equivalence matrix's ddp run (shared, not repeated). The faulty adapters themselves are loaded by path."""

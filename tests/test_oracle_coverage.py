@@ -144,6 +144,7 @@ def test_a_share_of_the_blocks_is_checked_and_stated_and_a_fault_there_is_caught
     assert e["verdict"] == "different" and e["first_divergence"]["parameter"].startswith("model.layers.0.")
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 def test_too_little_memory_for_any_block_is_one_line(launch, configs) -> None:  # noqa: F811
     done, result = _run(launch, "reference", f"hf:{configs['llama']}", env_gib="0.0001")
     assert done.returncode == 2 and result is None

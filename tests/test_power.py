@@ -70,6 +70,7 @@ def test_learning_rate_times_n_on_a_resnet_at_bf16_is_named_at_step_0(launch):
     assert e["checks"]["gradient"]["min_detectable_rel"] <= 1e-3 < e["checks"]["gradient"]["noise_floor_rel_fro"]
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 @pytest.mark.timeout(420)
 def test_a_run_without_power_is_unverifiable_and_says_why(launch):

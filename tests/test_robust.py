@@ -271,6 +271,7 @@ def test_a_model_raising_at_step_2_gets_the_build_time_line_at_one_rank_under_to
     assert lines[1].startswith("Traceback") and "on rank" not in lines[0]
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_a_model_raising_on_one_rank_gets_the_build_time_line_and_the_other_rank_leaves_silent(launch, tmp_path):
