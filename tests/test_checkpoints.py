@@ -167,6 +167,7 @@ def test_a_planted_fault_of_the_load_is_different_with_its_cause_and_the_traject
         assert worst > 100.0
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 def test_a_continuation_with_other_settings_or_no_checkpoint_is_refused_in_one_line(saved_ddp):
     launch, where = saved_ddp
     sgd = ["--optimizer", "sgd", *RUN[2:]]

@@ -209,6 +209,7 @@ def test_a_suspended_peer_is_ended_when_the_watchdog_fires_a_running_one_is_not(
             p.wait()
 
 
+@pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
 def test_sigterm_to_compare_ends_every_rank_it_started(tmp_path: Path) -> None:
