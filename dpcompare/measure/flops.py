@@ -3,7 +3,8 @@
 Owns: `model_flops` (a forward and backward of one local batch counted once by torch.utils.flop_counter.FlopCounterMode,
 on a copy of the untouched template whose tensors live on the meta device: shapes only, no arithmetic, no memory),
 `measured_peak` (a short matmul microbenchmark in the run's compute dtype on the run's device, as bench-collectives
-measures the link), `datasheet_peak` (the vendor's dense figure for a known device and dtype) and `mfu`.
+measures the link), `datasheet_peak` (the vendor's dense figure for a known device and dtype), and `facts`, all
+of them for one run (summary.record_mfu turns them into metrics.mfu).
 
 Model FLOPs are the model's own: what activation checkpointing recomputes, what the oracle checks and what a backend
 adds (ZeRO's partition copies, the collectives) are not counted, as MFU is defined (PaLM, appendix B). Float8 is not
