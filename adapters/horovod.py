@@ -139,6 +139,16 @@ class HorovodAdapter(Adapter):
         with self.wrapped.optimizer.skip_synchronize():
             super().step()  # the optimizer's step, or the GradScaler's under --amp fp16
 
+    def link_transport(self) -> str | None:
+        """Horovod's own runtime: NCCL for CUDA tensors (a NCCL build), else its gloo or MPI operations."""
+        import horovod.torch as hvd
+
+        if self.env.world_size < 2:
+            return None
+        if self.device.type == "cuda" and hvd.nccl_built():
+            return "nccl"
+        return "gloo" if hvd.gloo_enabled() else "mpi"
+
     def message_bytes(self, grad_bytes: int) -> tuple[int | None, str | None]:
         return min(self._fusion_threshold(), grad_bytes), None
 

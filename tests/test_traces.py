@@ -31,9 +31,119 @@ def test_each_rank_writes_a_trace_with_the_steps_phases_and_its_collectives(laun
         assert collectives, sorted(n for n in names if n)[:40]
     # the measured window's figures are the profiler's no more than a run without it: the traced steps come after it
     assert result["metrics"]["measured_steps"] == 3
+    m = result["metrics"]  # read back from the traces: every rank's exposed communication, the figure to trust
+    assert len(m["comm_exposed_trace_ms_per_rank"]) == 2 and m["comm_exposed_trace_ms"] == min(m["comm_exposed_trace_ms_per_rank"])
+    assert 0 < m["comm_exposed_trace_ms"] <= m["comm_trace_ms"] and m["comm_exposed_trust"] in ("both", "ablation")
+    assert m["comm_exposed_trust_why"] and m["link"]["transport"] == "gloo" and m["link"]["algorithm"] == "Ring"
 
 
 def test_without_profile_no_trace_is_written_and_the_result_says_why(shared_launch):
     finished, result = shared_launch("reference", 1, "mlp", ["--steps", "1", "--measure-steps", "5"], "python")
     assert result is not None, finished.output[-3000:]
     assert result["metrics"]["profile"] is None and "--profile" in result["metrics"]["reasons"]["profile"]
+
+
+# -- exposed communication read from a trace (dpcompare.measure.trace) ----------------------------------------------
+def _x(name: str, ts: float, dur: float, tid: int = 1, cat: str = "cpu_op") -> dict:
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "cat": cat}
+
+
+def _cpu_step(overlapped: bool) -> list[dict]:
+    """One step on a CPU, in µs: compute on the step's thread (tid 1), the collective on gloo's (tid 2); the step's
+    thread waits inside the hook that launched it (a c10d op nested in AccumulateGrad) unless `overlapped`."""
+    events = [_x("dpcompare.step 4", 0, 10_000, cat="user_annotation"), _x("aten::linear", 0, 2_000),
+              _x("autograd::engine::evaluate_function: AddmmBackward0", 2_000, 3_000),
+              _x("dpcompare.reduce", 9_100, 100, cat="user_annotation"), _x("aten::add_", 9_200, 700),
+              _x("gloo:all_reduce", 9_500, 400, tid=2, cat="user_annotation")]  # after the reduce: not the step's
+    if overlapped:
+        return events + [_x("gloo:all_reduce", 3_000, 1_500, tid=2, cat="user_annotation"),
+                         _x("aten::mul", 5_000, 4_100)]
+    return events + [_x("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 5_000, 4_100),
+                     _x("c10d::allreduce_", 5_050, 3_950), _x("gloo:all_reduce", 5_100, 3_700, tid=2,
+                                                               cat="user_annotation")]
+
+
+def test_a_collective_the_step_waits_for_is_exposed_and_one_beside_compute_is_not():
+    from dpcompare.measure import trace
+
+    waited, = trace.per_step(_cpu_step(overlapped=False))
+    assert waited["step"] == 4 and waited["comm_ms"] == pytest.approx(3.95) and waited["exposed_ms"] == pytest.approx(3.95)
+    hidden, = trace.per_step(_cpu_step(overlapped=True))
+    assert hidden["comm_ms"] == pytest.approx(1.5) and hidden["exposed_ms"] == 0.0
+
+
+def test_on_a_gpu_nccl_kernels_are_held_against_the_other_kernels():
+    from dpcompare.measure import trace
+
+    events = [_x("dpcompare.step 0", 0, 8_000, cat="user_annotation"),  # ends with a synchronize
+              _x("dpcompare.reduce", 900, 50, cat="user_annotation"),
+              _x("sm90_xmma_gemm_bf16", 500, 4_000, tid=7, cat="kernel"),
+              _x("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*, unsigned long, ncclWork*)", 3_500, 3_500,
+                 tid=8, cat="kernel")]
+    step, = trace.per_step(events)  # the kernels run behind the host: past the reduce's range
+    assert step["comm_ms"] == pytest.approx(3.5) and step["exposed_ms"] == pytest.approx(2.5)
+
+
+def test_a_trace_without_the_steps_ranges_has_no_figure():
+    from dpcompare.measure import trace
+
+    assert trace.per_step([_x("gloo:all_reduce", 0, 10)]) == [] and trace.rank_figure([]) is None
+    values, reasons = trace.exposed_metrics(None, 2.0, None)
+    assert values["comm_exposed_trace_ms"] is None and "--profile" in reasons["comm_exposed_trace_ms"]
+    assert values["comm_exposed_trust"] == "ablation"
+
+
+@pytest.mark.parametrize("ablation, ci, traced, which, words", [
+    (3.0, [1.0, 6.0], 5.5, "both", "interval"),
+    (3.0, None, 3.5, "both", "within 20%"),
+    (3.0, None, 2.0, "ablation", "interference"),  # the step pays more than the trace books: compute slowed
+    (3.0, None, 4.0, "ablation", "profiler"),  # the trace books more: its steps ran under the profiler
+    (None, None, 4.0, "trace", "did not run"),
+])
+def test_where_the_two_figures_disagree_the_result_says_which_to_trust_and_why(ablation, ci, traced, which, words):
+    from dpcompare.measure import trace
+
+    trusted, why = trace.trust(ablation, ci, traced)
+    assert trusted == which and words in why, why
+
+
+def test_the_run_figure_is_the_rank_that_arrived_last():
+    """The rank that reached the collective early books its wait for the others as exposed: the smallest rank's
+    figure is the collective's own, the one the ablation's slowest-rank difference measures."""
+    from dpcompare.measure import trace
+
+    early = trace.rank_figure([{"step": 1, "comm_ms": 9.0, "exposed_ms": 8.0}])
+    last = trace.rank_figure([{"step": 1, "comm_ms": 3.0, "exposed_ms": 2.5}])
+    values, _ = trace.exposed_metrics([early, last], 2.4, None)
+    assert values["comm_exposed_trace_ms"] == 2.5 and values["comm_exposed_trace_rank"] == 1
+    assert values["comm_exposed_trace_ms_per_rank"] == [8.0, 2.5] and values["comm_exposed_trust"] == "both"
+    assert values["comm_exposed_trace_ratio"] == pytest.approx(2.5 / 2.4)
+
+
+# -- the link's facts beside busbw (dpcompare.measure.link) ---------------------------------------------------------
+def test_nccl_tuning_lines_of_both_formats_are_read_and_other_lines_are_not(tmp_path):
+    from dpcompare.measure import link
+
+    log = tmp_path / "nccl-tuning.host.1.log"
+    log.write_text("host:1:2 [0] NCCL INFO AllReduce: 26214400 Bytes -> Algo 1 proto 2 time 812.5\n"
+                   "host:1:2 [0] NCCL INFO AllReduce: 1024 Bytes -> Algo 0 proto 0 time 9.1\n"
+                   "host:1:2 [0] NCCL INFO AllReduce: 26214400 Bytes -> Algo 1 proto 2 time 812.5\n"
+                   "host:1:2 [0] NCCL INFO Best tuning, algorithm, NVLS, protocol, SIMPLE\n"
+                   "host:1:2 [0] NCCL INFO Channel 00/24 : 0 1\n")
+    facts = link.nccl_facts(log, None, "2.27.3", environ={"NCCL_PROTO": "Simple"})
+    assert facts["chosen"] == {"AllReduce": {"Ring/Simple": 2, "Tree/LL": 1}, "collectives": {"NVLS/Simple": 1}}
+    assert facts["forced"] == {"NCCL_PROTO": "Simple"} and facts["chosen_reason"] is None
+    empty = tmp_path / "empty.log"
+    empty.write_text("host:1:2 [0] NCCL INFO Channel 00/24 : 0 1\n")
+    nothing = link.nccl_facts(empty, None, "2.27.3", environ={})
+    assert nothing["chosen"] is None and "no tuning line" in nothing["chosen_reason"]
+
+
+def test_the_users_nccl_debug_is_left_alone(tmp_path):
+    from dpcompare.measure import link
+
+    env, reason = link.tuning_log_env(tmp_path, {"NCCL_DEBUG": "WARN"})
+    assert env == {} and "NCCL_DEBUG=WARN is the user's" in reason
+    env, reason = link.tuning_log_env(tmp_path, {})
+    assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_DEBUG_SUBSYS"] == "TUNING" and reason is None
+    assert env["NCCL_DEBUG_FILE"].startswith(str(tmp_path)) and "%h" in env["NCCL_DEBUG_FILE"]

@@ -345,6 +345,18 @@ class Adapter:
         """Why this run has no gradient communication to measure, or None when it has some."""
         return "one process, no gradient communication" if self.env.world_size == 1 else None
 
+    def link_transport(self) -> str | None:
+        """The transport its gradients' collectives cross (metrics.link names its facts): nccl, gloo or mpi, None
+        with one process. Default: the backend of torch.distributed's default process group."""
+        import torch.distributed as dist
+
+        if self.env.world_size < 2 or not dist.is_available() or not dist.is_initialized():
+            return None
+        name = str(dist.get_backend())
+        if "nccl" in name and self.device.type == "cuda":
+            return "nccl"
+        return next((t for t in ("gloo", "mpi", "nccl") if t in name), name)
+
     def message_bytes(self, grad_bytes: int) -> tuple[int | None, str | None]:
         """Size of one all-reduce message (bucket / fusion buffer) for this model, or (None, reason)."""
         return None, "this backend does not bucket its gradients"

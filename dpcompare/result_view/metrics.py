@@ -38,6 +38,13 @@ class Metrics(View):
     compute_ms_p50 = Field()
     comm_exposed_ms = Field()
     comm_exposed_ci_ms = Field(list)
+    comm_exposed_trace_ms = Field()
+    """Exposed communication read from the --profile traces (dpcompare.measure.trace), beside the ablation's."""
+    comm_exposed_trace_ms_per_rank = Field(list)
+    comm_trace_ms = Field()
+    comm_exposed_trace_ratio = Field()
+    comm_exposed_trust = Field(str)
+    comm_exposed_trust_why = Field(str)
     comm_total_ms = Field()
     comm_total_method = Field(str)
     comm_transfer_ms = Field()
@@ -58,6 +65,8 @@ class Metrics(View):
     model_state_mib_per_rank = Field(list)
     model_state_formula_mib = Field(dict)
     comm_by_kind = Field(dict)
+    link = Field(dict)
+    """The transport's facts beside busbw: what NCCL chose, gloo's ring, the MPI library (dpcompare.measure.link)."""
     scaling = Field(str)
     compute_dtype = Field(str)
     model_flops_per_sample = Field()

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from dpcompare.contract import Adapter
-from dpcompare.measure import clocks, flops, memory, summary, volume
+from dpcompare.measure import clocks, flops, link, memory, summary, trace, volume
 from dpcompare.measure.bandwidth import busbw_at
 from dpcompare.measure.collectives import CollectiveRecorder
 from dpcompare.measure.comm import CommWindow
@@ -33,8 +33,9 @@ from dpcompare.run.config import RunConfig
 from dpcompare.run.step import StepRunner
 
 
-PROFILE_STEPS = 3
-"""--profile: the steps traced after the measured window (a trace of a few steps stays a few MB)."""
+PROFILE_STEPS = 5
+"""--profile: the steps traced after the measured window, after one untraced under the profiler (a trace of a
+few steps stays a few MB)."""
 PHASES = ("forward", "backward", "reduce", "optimizer_step")
 """The step's phases marked in a trace (StepRunner.mark)."""
 
@@ -48,8 +49,10 @@ def paired_steps(measure_steps: int, pairs: int) -> list[int]:
 
 class MeasurementPhase:
     def __init__(self, cfg: RunConfig, adapter: Adapter, runner: StepRunner, local_batch: int, is_rank0: bool,
-                 template: torch.nn.Module | None = None) -> None:
+                 template: torch.nn.Module | None = None, nccl_log: tuple[Path | None, str | None] = (None, None)) -> None:
         self.cfg, self.adapter, self.runner = cfg, adapter, runner
+        self.nccl_log = nccl_log
+        """Where NCCL writes this process's tuning choices (dpcompare.measure.link.ask_nccl_tuning), or why not."""
         self.template = template
         """The untouched model (the trainer's template): its FLOPs are counted on a meta copy of it (MFU)."""
         self.local_batch, self.rank0 = local_batch, is_rank0
@@ -109,20 +112,26 @@ class MeasurementPhase:
         if self.runner.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         steps = min(PROFILE_STEPS, len(self.batches))
+        path = directory / f"rank{self.runner.rank}.json"
+        # One step under the profiler before the traced ones (its schedule's warm-up): the profiler's first step
+        # pays its own start-up, which the trace would otherwise book to that step's ops and collectives.
+        schedule = torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
         self.runner.marking = True
         try:
-            with torch.profiler.profile(activities=activities) as profiler:
-                for i, (x, y) in enumerate(self.batches[:steps]):
-                    with torch.profiler.record_function(f"dpcompare.step {start + i}"):
-                        self.runner.step(start + i, x, y, phase="profiled")
-                if self.runner.device.type == "cuda":
-                    torch.cuda.synchronize()
+            with torch.profiler.profile(activities=activities, schedule=schedule,
+                                        on_trace_ready=lambda p: p.export_chrome_trace(str(path))) as profiler:
+                for i, (x, y) in enumerate([self.batches[0], *self.batches[:steps]]):
+                    with torch.profiler.record_function(f"dpcompare.step {start + i - 1}" if i else "dpcompare.warm-up"):
+                        self.runner.step(start + max(i - 1, 0), x, y, phase="profiled")
+                        if self.runner.device.type == "cuda":  # the step's kernels end inside its range
+                            torch.cuda.synchronize()
+                    profiler.step()
         finally:
             self.runner.marking = False
-        path = directory / f"rank{self.runner.rank}.json"
-        profiler.export_chrome_trace(str(path))
-        paths = self.adapter.all_gather_object(str(path))
-        return {"steps": steps, "traces": paths, "phases": [f"dpcompare.{p}" for p in PHASES]}
+        events = json.loads(path.read_text()).get("traceEvents", [])
+        gathered = self.adapter.all_gather_object((str(path), trace.rank_figure(trace.per_step(events))))
+        return {"steps": steps, "traces": [p for p, _ in gathered], "phases": [f"dpcompare.{p}" for p in PHASES],
+                "exposed": [f for _, f in gathered]}
 
     def _flops(self) -> dict[str, Any]:
         """Rank 0, once: the model's FLOPs and the device's peak (dpcompare.measure.flops.facts)."""
@@ -349,10 +358,31 @@ class MeasurementPhase:
                 None if cfg.instrument else "instrumentation off (--no-instrument): the collectives were not wrapped"),
         )
         metrics["loop_ms_per_step"] = max(g[1] for g in gathered)
+        metrics["link"] = self._link()
+        if metrics["link"] is None:
+            metrics.setdefault("reasons", {})["link"] = "one process: its gradients cross no link"
+        figures = traces.pop("exposed") if traces else None
         metrics["profile"] = traces
         if traces is None:
             metrics.setdefault("reasons", {})["profile"] = "not asked for (--profile)"
+        values, reasons = trace.exposed_metrics(figures, metrics.get("comm_exposed_ms"),
+                                                metrics.get("comm_exposed_ci_ms"))
+        metrics.update(values)
+        metrics.setdefault("reasons", {}).update(reasons)
         return metrics
+
+
+    def _link(self) -> dict[str, Any] | None:
+        """Rank 0: the facts of the transport the gradients' collectives crossed (dpcompare.measure.link)."""
+        transport = self.adapter.link_transport()
+        if transport == "nccl":
+            version = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+            return link.nccl_facts(*self.nccl_log, version=version)
+        if transport == "gloo":
+            return link.gloo_facts()
+        if transport == "mpi":
+            return link.mpi_facts(link.mpi_library())
+        return None if transport is None else {"transport": transport}
 
 
 def microbench_busbw(cfg: RunConfig, transport: str, world_size: int, nbytes: int) -> tuple[float | None, str | None]:

@@ -23,6 +23,7 @@ from dpcompare.contract import Adapter, Note
 from dpcompare.contract import checkpointing
 from dpcompare.contract import launch_env as launch
 from dpcompare.contract.workload import block_modules
+from dpcompare.measure import link
 from dpcompare.run import backend, checkpoint, compilation, hf_models, leave, raised, registry, result
 from dpcompare.run.config import CommandLineError, RunConfig, SaidByAnotherRank
 from dpcompare.run.line import summary_line  # noqa: F401 - the run's line, printed by the command line
@@ -110,6 +111,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         # PyTorch's Flight Recorder keeps each process group's last collectives (NCCL and, since torch 2.8, gloo): a
         # rank the watchdog ends writes them beside the results (Watchdog.dump_collectives)
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
+        # NCCL says which algorithm and protocol it chose only in its own log: a traced CUDA run asks for it
+        nccl_log = (link.ask_nccl_tuning(Path(cfg.out) / "nccl") if cfg.profile and device.type == "cuda" else
+                    (None, "NCCL's choices are logged on runs asked to trace (--profile) on CUDA"))
         adapter.setup(cfg.timeout_s)
         watchdog = Watchdog(rank=env.rank, world_size=env.world_size, job_id=env.job_id, timeout_s=cfg.timeout_s).start()
         watchdog.dump_to = Path(cfg.out) / "flight-recorder" / watchdog.dir.name
@@ -123,7 +127,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                             compile_log=compilation.CompileLog() if cfg.compile else None)
         verification = VerificationPhase(cfg, adapter, runner, template, env.is_rank0)
         verdict = verification.run()
-        metrics = MeasurementPhase(cfg, adapter, runner, local_batch, env.is_rank0, template).run()
+        metrics = MeasurementPhase(cfg, adapter, runner, local_batch, env.is_rank0, template, nccl_log).run()
         if verification.cost is not None and env.is_rank0:
             metrics = {**(metrics or {"measured_steps": 0}), **verification.cost.figures}
         _compare_final_replicas(adapter, verdict, env.is_rank0)

@@ -179,6 +179,10 @@ def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None
         if m.straggler_rank.value is not None:
             console.print(Text(f"{j.label}: straggler rank {m.straggler_rank.value:.0f}, "
                                f"{_fmt(m.straggler_excess_ms, '+.2f')} ms per step over the median rank", style="yellow"))
+        if m.comm_exposed_trace_ms.value is not None:  # --profile: the trace's exposed communication beside the ablation's
+            console.print(Text(f"{j.label}: exposed comm from the trace {_fmt(m.comm_exposed_trace_ms, '.2f')} ms "
+                               f"(ablation {_fmt(m.comm_exposed_ms, '.2f')} ms): trust {m.comm_exposed_trust.value}, "
+                               f"{m.comm_exposed_trust_why.value}"))
 
 
 def _sweep_note(job: Job) -> str:

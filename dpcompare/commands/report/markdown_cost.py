@@ -60,6 +60,31 @@ def _exposed_cell(m: Metrics, notes: Footnotes) -> str:
     return (f"**{text} (!)**" if flag[0] == "!" else f"{text} (~)") + notes.ref(flag[1])
 
 
+def _trace_cell(m: Metrics, notes: Footnotes) -> str:
+    """Exposed communication read from the --profile traces, with the figure to trust footnoted where the two
+    methods disagree (dpcompare.measure.trace.trust)."""
+    text = cell(m.comm_exposed_trace_ms, notes)
+    trust, why = m.comm_exposed_trust.value, m.comm_exposed_trust_why.value
+    if m.comm_exposed_trace_ms.value is None or trust in (None, "both"):
+        return text
+    return f"{text} (trust: {trust})" + notes.ref(str(why))
+
+
+def _link_cell(m: Metrics, notes: Footnotes) -> str:
+    """The transport and what it chose (NCCL: algorithm/protocol by collective, the most used first)."""
+    facts = m.link.value
+    if not facts:
+        return cell(m.link, notes)
+    if facts.get("transport") == "nccl":
+        chosen = facts.get("chosen") or {}
+        picks = "; ".join(f"{kind} {', '.join(by)}" for kind, by in chosen.items())
+        text = f"NCCL {facts.get('version') or '?'}" + (f": {picks}" if picks else "")
+        return text if picks else text + notes.ref(str(facts.get("chosen_reason")))
+    if facts.get("transport") == "gloo":
+        return f"gloo {facts.get('algorithm', '?')} over {facts.get('device', '?')}"
+    return " ".join(str(v) for v in (facts.get("transport"), facts.get("library")) if v)
+
+
 def _comm_rows(runs: list[RunResult], derived: list[Derived], notes: Footnotes) -> list[list[str]]:
     rows = []
     for run, d in zip(runs, derived):
@@ -69,10 +94,10 @@ def _comm_rows(runs: list[RunResult], derived: list[Derived], notes: Footnotes) 
             run.backend, str(run.world_size), cell(m.grad_bytes_per_step, notes, format_bytes),
             cell(m.bucket_bytes, notes, format_bytes),
             cell(m.comm_total_ms, notes, lambda v: num(v) + (f" ({method})" if method else "")),
-            cell(m.comm_transfer_ms, notes), _exposed_cell(m, notes),
+            cell(m.comm_transfer_ms, notes), _exposed_cell(m, notes), _trace_cell(m, notes),
             cell(m.overlap_fraction, notes, lambda v: f"{v:.0%}"),
             cell(m.tcomm_model_ms, notes), cell(m.algbw_gbps, notes), cell(m.busbw_gbps, notes),
-            cell(m.microbench_busbw_gbps, notes),
+            cell(m.microbench_busbw_gbps, notes), _link_cell(m, notes),
             f"{d.busbw_ratio:.2f}" if d.busbw_ratio is not None else notes.na(d.busbw_ratio_reason)])
     return rows
 
@@ -207,11 +232,13 @@ def cost_sections(runs: list[RunResult], derived: list[Derived], notes: Footnote
         "Total comm is the backend's own counter (method in brackets) on the rank that spent longest in "
         "communication, its wait for the other ranks included; transfer is the same counter on the rank that "
         "spent least there (Horovod: ALLREDUCE without negotiation). Exposed comm is the ablation (synced - "
-        "unsynced step of the slowest rank, its wait included too). Bandwidths in GB/s follow nccl-tests, from "
+        "unsynced step of the slowest rank, its wait included too); exposed (trace) is the same read from the "
+        "--profile traces: time up to the end of the reduce with a collective in flight and no compute running, on "
+        "the rank that arrived last. Bandwidths in GB/s follow nccl-tests, from "
         "the transfer time (busbw = algbw x 2(N-1)/N for all-reduce).", "",
         *table(["backend", "ws", "grad bytes/step", "bucket", "total comm (ms)", "transfer (ms)",
-                "exposed comm (ms)", "overlap",
-                "model t_comm (ms)", "algbw", "busbw", "microbench busbw", "busbw / microbench"],
+                "exposed comm (ms)", "exposed (trace, ms)", "overlap",
+                "model t_comm (ms)", "algbw", "busbw", "microbench busbw", "link", "busbw / microbench"],
                _comm_rows(runs, derived, notes)), ""]
     kind_rows = _comm_kind_rows(both, notes, with_knob)
     if kind_rows:

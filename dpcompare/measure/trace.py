@@ -1,0 +1,178 @@
+"""Exposed communication read from a rank's --profile trace: the second method beside the ablation.
+
+Owns: which events of a Chrome/Perfetto trace (torch.profiler's export) are communication and which compute, the
+per-step arithmetic of exposed communication from them, the agreement of that figure with the ablation's, and which
+of the two to trust when they disagree. Pure functions over the trace's event list: the run reads its own trace
+(dpcompare.run.measurement), a test a synthetic one.
+
+  communication   the collectives' own events: the process group's work (`gloo:all_reduce`, `nccl:all_reduce`, ...)
+                  on whichever thread ran it, the c10d ops the step's thread called (`c10d::allreduce_`), and on a
+                  GPU the NCCL kernels (`ncclDevKernel_*`, `ncclKernel_*`)
+  compute         on a GPU, every other kernel; without kernels (a CPU run), the CPU ops of the thread that ran the
+                  step (the one holding the `dpcompare.step N` ranges), the communication ops nested in them taken out
+  window          a step's range, cut at the end of its `dpcompare.reduce` phase: what communication still runs after
+                  the gradients were handed to the optimizer is no longer the step's to wait for. On a GPU the host
+                  runs ahead of the kernels: the whole range, which ends with a synchronize (every kernel of the step
+                  inside it, the optimizer's queued behind the collectives it waits for)
+  exposed         the time in the window where communication is in flight and no compute runs (the HTA definition,
+                  "communication not overlapped by computation"), ms per step
+
+A rank that reaches a collective before its peers waits out their compute there: its trace books that skew as
+exposed communication, and the rank that arrived last shows the collective alone. The step, as slow as its slowest
+rank, pays the latter, which is what the ablation's slowest-rank difference measures: the run's figure is the
+smallest rank's median (`comm_exposed_trace_ms`), every rank's beside it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+COMM_EVENT = re.compile(r"^(gloo|nccl|mpi|ucc|xccl):|^c10d::|^nccl(Dev)?Kernel_|^record_param_comms$")
+"""The names of communication events (the process groups' work, the c10d ops, NCCL's kernels)."""
+STEP = re.compile(r"^dpcompare\.step (\d+)$")
+AGREEMENT = 0.20
+"""The two figures agree when they differ by no more than this fraction of the ablation's."""
+
+Interval = tuple[float, float]
+
+
+def _union(intervals: Iterable[Interval]) -> list[Interval]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if b <= a:
+            continue
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _minus(these: list[Interval], those: list[Interval]) -> list[Interval]:
+    """`these` less `those` (both unions, sorted, disjoint)."""
+    out, j = [], 0
+    for a, b in these:
+        start = a
+        while j < len(those) and those[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(those) and those[k][0] < b:
+            if those[k][0] > start:
+                out.append((start, those[k][0]))
+            start = max(start, those[k][1])
+            k += 1
+        if start < b:
+            out.append((start, b))
+    return out
+
+
+def _clip(intervals: list[Interval], lo: float, hi: float) -> list[Interval]:
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
+
+
+def _length(intervals: Iterable[Interval]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _span(e: dict[str, Any]) -> Interval:
+    return float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+
+
+def is_comm(name: str) -> bool:
+    return bool(COMM_EVENT.search(name or ""))
+
+
+def per_step(events: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
+    """Each traced step's communication and exposed communication (ms), from a trace's events (`traceEvents`).
+    Empty when the trace holds no `dpcompare.step N` range."""
+    complete = [e for e in events if e.get("ph") == "X" and "ts" in e]
+    steps = [e for e in complete if STEP.match(str(e.get("name", "")))]
+    if not steps:
+        return []
+    main = steps[0].get("tid")
+    kernels = [e for e in complete if e.get("cat") == "kernel"]
+    comm = [_span(e) for e in complete if is_comm(str(e.get("name", "")))]
+    if kernels:  # a GPU: kernels against kernels, the window stretched to the step's last kernel
+        compute = _union(_span(e) for e in kernels if not is_comm(str(e.get("name", ""))))
+        comm = [_span(e) for e in kernels if is_comm(str(e.get("name", "")))]
+    else:
+        on_main = [e for e in complete if e.get("tid") == main and e.get("cat") == "cpu_op"]
+        waits = _union(_span(e) for e in on_main if is_comm(str(e.get("name", ""))))
+        compute = _minus(_union(_span(e) for e in on_main if not is_comm(str(e.get("name", "")))), waits)
+    comm = _union(comm)
+    reduces = sorted(_span(e) for e in complete if e.get("name") == "dpcompare.reduce" and e.get("tid") == main)
+    out = []
+    for s in sorted(steps, key=lambda e: float(e["ts"])):
+        lo, hi = _span(s)
+        cut = [b for a, b in reduces if lo <= a <= hi]
+        end = cut[0] if cut else hi
+        if kernels:  # the GPU runs behind the host: the step's range ends after a synchronize, its kernels inside it
+            end = hi
+        in_flight = _clip(comm, lo, end)
+        exposed = _minus(in_flight, _union(_clip(compute, lo, end)))
+        out.append({"step": int(STEP.match(str(s["name"])).group(1)), "comm_ms": _length(in_flight) / 1e3,
+                    "exposed_ms": _length(exposed) / 1e3})
+    return out
+
+
+def rank_figure(steps: list[dict[str, float]]) -> dict[str, Any] | None:
+    """A rank's medians over its traced steps, or None without steps."""
+    if not steps:
+        return None
+    return {"exposed_ms": float(np.median([s["exposed_ms"] for s in steps])),
+            "comm_ms": float(np.median([s["comm_ms"] for s in steps])), "steps": steps}
+
+
+def trust(ablation: float | None, ablation_ci: Sequence[float] | None, traced: float | None) -> tuple[str | None, str]:
+    """(which figure to trust, why) for exposed communication measured both ways; which is None when neither is."""
+    if traced is None and ablation is None:
+        return None, "neither figure was measured"
+    if traced is None:
+        return "ablation", "the trace has no exposed communication (not profiled, or no collective in its steps)"
+    if ablation is None:
+        return "trace", "the ablation did not run (no pairs of synced and unsynced steps): the trace is the only figure"
+    if ablation_ci and ablation_ci[0] <= traced <= ablation_ci[1]:
+        return "both", "the trace's figure lies inside the ablation's 95 % interval"
+    if abs(traced - ablation) <= AGREEMENT * max(ablation, 1e-9):
+        return "both", f"they agree within {AGREEMENT:.0%}"
+    if ablation > traced:
+        return "ablation", ("the ablation: it times what the step pays for synchronising over the measured steps; the "
+                            "trace books as compute the ops the collective slowed while it ran beside them "
+                            "(interference: on a CPU the collective's thread shares the cores and memory bandwidth)")
+    return "ablation", ("the ablation: it times unprofiled steps, the measured window's; the trace's few steps run "
+                        "under the profiler, whose cost per op and per collective event lengthens the waits it books "
+                        "as exposed")
+
+
+def exposed_metrics(figures: Sequence[dict[str, Any] | None] | None, ablation: float | None,
+                    ablation_ci: Sequence[float] | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The run's trace figures (one `rank_figure` per rank, None without --profile) beside the ablation's exposed
+    communication: (values, reasons of the null ones)."""
+    values: dict[str, Any] = {}
+    reasons: dict[str, str] = {}
+    known = [(f["exposed_ms"], rank) for rank, f in enumerate(figures or []) if f]
+    if known:
+        exposed, rank = min(known)
+        values.update(comm_exposed_trace_ms=exposed, comm_exposed_trace_rank=rank,
+                      comm_exposed_trace_ms_per_rank=[f["exposed_ms"] if f else None for f in figures or []],
+                      comm_trace_ms=figures[rank]["comm_ms"])  # type: ignore[index]
+    else:
+        why = ("not asked for (--profile)" if figures is None else
+               "the traces hold no dpcompare.step range with a collective in it")
+        for name in ("comm_exposed_trace_ms", "comm_exposed_trace_rank", "comm_exposed_trace_ms_per_rank",
+                     "comm_trace_ms"):
+            values[name], reasons[name] = None, why
+    traced = values["comm_exposed_trace_ms"]
+    if traced is not None and ablation:
+        values["comm_exposed_trace_ratio"] = traced / ablation
+    else:
+        values["comm_exposed_trace_ratio"] = None
+        reasons["comm_exposed_trace_ratio"] = "needs the trace's exposed communication and the ablation's, non-zero"
+    which, why = trust(ablation, ablation_ci, traced)
+    values["comm_exposed_trust"], values["comm_exposed_trust_why"] = which, why
+    if which is None:
+        reasons["comm_exposed_trust"] = why
+    return values, reasons
