@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from dpcompare.measure import trace
 from dpcompare.measure.bandwidth import algbw_gbps, busbw_gbps, tcomm_model_ms
 from dpcompare.measure.volume import comm_by_kind
 
@@ -123,12 +124,16 @@ def summarize(
     comm_measured_reason: str | None = None,
     comm_replicas: int = 1,
     flops_facts: dict[str, Any] | None = None,
+    traced: list[dict[str, Any] | None] | None = None,
+    link: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Rank 0 turns the gathered per-rank samples into the run's metrics (units in the names). `model_state` is the
     analytic model state, used only where a rank took no census; `comm_analytic` the predicted bytes per step by
     kind (dpcompare.measure.volume.analytic_bytes_per_step; None: no communication, comm_by_kind is None),
     `comm_measured_reason` why the collective recorder did not run (None: it did, on every rank that has
-    `collectives`); `comm_replicas` the backend's capabilities.shard_replicas (HSDP: the ranks each kind spans)."""
+    `collectives`); `comm_replicas` the backend's capabilities.shard_replicas (HSDP: the ranks each kind spans);
+    `traced` each rank's figure read from its --profile trace (dpcompare.measure.trace.rank_figure; None: not
+    profiled); `link` the transport's facts (dpcompare.measure.link; None: one process)."""
     m = Metrics()
     m.set("scaling", scaling)
     m.set("warmup_steps", warmup_steps)
@@ -139,7 +144,7 @@ def summarize(
     record_mfu(m, flops_facts, local_batch / (p50 / 1e3) if p50 else None,
                  why_no_steps if not instrumented else "not measured")
     total, transfer = _native_comm(m, samples, comm_possible)
-    exposed = _ablation(m, samples, per_rank, comm_possible,
+    exposed, interval = _ablation(m, samples, per_rank, comm_possible,
                         why_no_steps if not instrumented else "no ablation steps ran (--ablation-steps 0)", total)
     if total and exposed is not None:
         m.set("overlap_fraction", min(max(1.0 - exposed / total, 0.0), 1.0))
@@ -150,7 +155,26 @@ def summarize(
     _bandwidth(m, transfer, grad_bytes, world_size, microbench_busbw, microbench_reason, comm_possible)
     _memory(m, samples, model_state, model_state_formula, model_state_formula_reason)
     _by_kind(m, samples, world_size, comm_analytic, comm_analytic_method, comm_measured_reason, comm_replicas)
+    record_traced(m, traced, exposed, interval)
+    m.set("comm_link", link, "one process: its gradients cross no link")
     return m.to_dict()
+
+
+def record_traced(m: Metrics, figures: list[dict[str, Any] | None] | None, ablation: float | None,
+                  ablation_ci: list[float] | None = None) -> None:
+    """Exposed communication read from the ranks' traces beside the ablation's, and which to trust (measure.trace)."""
+    found = trace.run_figure(figures) if figures else None
+    why = ("not asked for (--profile)" if figures is None else
+           "the traces hold no dpcompare.step range with a collective in it")
+    m.set("comm_exposed_trace_ms", found[0] if found else None, why)
+    m.set("comm_exposed_trace_rank", found[1] if found else None, why)
+    m.set("comm_trace_ms", found[2] if found else None, why)
+    m.set("comm_exposed_trace_ms_per_rank", [f["exposed_ms"] if f else None for f in figures] if found else None, why)
+    m.set("comm_exposed_trace_ratio", found[0] / ablation if found and ablation else None,
+          "needs the trace's exposed communication and the ablation's, non-zero")
+    which, because = trace.trust(ablation, ablation_ci, found[0] if found else None)
+    m.set("comm_exposed_trust", which, because)
+    m.set("comm_exposed_trust_why", because)
 
 
 def _step_times(m: Metrics, samples: list[RankSample], global_samples: int, tokens_per_sample: int,
@@ -178,10 +202,10 @@ def _step_times(m: Metrics, samples: list[RankSample], global_samples: int, toke
 
 
 def _ablation(m: Metrics, samples: list[RankSample], per_rank: list[list[float]], comm_possible: str | None,
-              why_no_pairs: str, total: float | None = None) -> float | None:
+              why_no_pairs: str, total: float | None = None) -> tuple[float | None, list[float] | None]:
     """The synced/unsynced ablation: the slowest rank per step of each arm, the pairs' differences, exposed
     communication bounded by `total` (exposed_split); stragglers from the compute-only arm (the step times when no
-    ablation ran). Returns the exposed communication time, or None when it was not measured."""
+    ablation ran). Returns the exposed communication time and its interval, None where not measured."""
     pairs = min(min(len(s.synced_ms), len(s.unsynced_ms)) for s in samples)
     synced = np.max([s.synced_ms[:pairs] for s in samples], axis=0) if pairs else np.array([])
     unsynced = np.max([s.unsynced_ms[:pairs] for s in samples], axis=0) if pairs else np.array([])
@@ -196,7 +220,7 @@ def _ablation(m: Metrics, samples: list[RankSample], per_rank: list[list[float]]
     if comm_possible or not pairs:
         for name in ("compute_ms_p50", "step_synced_ms_p50", "comm_exposed_ms"):
             m.set(name, None, comm_possible or why_no_pairs)
-        return None
+        return None, None
     m.set("compute_ms_p50", float(np.median(unsynced)))
     m.set("step_synced_ms_p50", float(np.median(synced)))
     m.set("step_synced_ms", synced.tolist())
@@ -212,7 +236,7 @@ def _ablation(m: Metrics, samples: list[RankSample], per_rank: list[list[float]]
     interval = [exposed_split(v, total)[0] for v in raw] if raw else None
     m.set("comm_exposed_ci_ms", interval, None if interval else too_few)
     m.set("ablation_pairs", pairs)
-    return exposed
+    return exposed, interval
 
 
 def ablation_difference(synced: np.ndarray, unsynced: np.ndarray) -> float:

@@ -147,32 +147,9 @@ def trust(ablation: float | None, ablation_ci: Sequence[float] | None, traced: f
                         "as exposed")
 
 
-def exposed_metrics(figures: Sequence[dict[str, Any] | None] | None, ablation: float | None,
-                    ablation_ci: Sequence[float] | None) -> tuple[dict[str, Any], dict[str, str]]:
-    """The run's trace figures (one `rank_figure` per rank, None without --profile) beside the ablation's exposed
-    communication: (values, reasons of the null ones)."""
-    values: dict[str, Any] = {}
-    reasons: dict[str, str] = {}
-    known = [(f["exposed_ms"], rank) for rank, f in enumerate(figures or []) if f]
-    if known:
-        exposed, rank = min(known)
-        values.update(comm_exposed_trace_ms=exposed, comm_exposed_trace_rank=rank,
-                      comm_exposed_trace_ms_per_rank=[f["exposed_ms"] if f else None for f in figures or []],
-                      comm_trace_ms=figures[rank]["comm_ms"])  # type: ignore[index]
-    else:
-        why = ("not asked for (--profile)" if figures is None else
-               "the traces hold no dpcompare.step range with a collective in it")
-        for name in ("comm_exposed_trace_ms", "comm_exposed_trace_rank", "comm_exposed_trace_ms_per_rank",
-                     "comm_trace_ms"):
-            values[name], reasons[name] = None, why
-    traced = values["comm_exposed_trace_ms"]
-    if traced is not None and ablation:
-        values["comm_exposed_trace_ratio"] = traced / ablation
-    else:
-        values["comm_exposed_trace_ratio"] = None
-        reasons["comm_exposed_trace_ratio"] = "needs the trace's exposed communication and the ablation's, non-zero"
-    which, why = trust(ablation, ablation_ci, traced)
-    values["comm_exposed_trust"], values["comm_exposed_trust_why"] = which, why
-    if which is None:
-        reasons["comm_exposed_trust"] = why
-    return values, reasons
+
+def run_figure(figures: Sequence[dict[str, Any] | None]) -> tuple[float, int, float] | None:
+    """(exposed ms, its rank, that rank's communication ms) of the rank showing least exposed communication: the
+    last to arrive, whose wait is the collective alone. None where no rank has a figure."""
+    known = [(f["exposed_ms"], rank, f["comm_ms"]) for rank, f in enumerate(figures) if f]
+    return min(known) if known else None

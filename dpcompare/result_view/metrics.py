@@ -65,7 +65,7 @@ class Metrics(View):
     model_state_mib_per_rank = Field(list)
     model_state_formula_mib = Field(dict)
     comm_by_kind = Field(dict)
-    link = Field(dict)
+    comm_link = Field(dict)
     """The transport's facts beside busbw: what NCCL chose, gloo's ring, the MPI library (dpcompare.measure.link)."""
     scaling = Field(str)
     compute_dtype = Field(str)

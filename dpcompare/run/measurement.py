@@ -354,21 +354,14 @@ class MeasurementPhase:
             comm_possible=self.comm_reason, instrumented=cfg.instrument,
             model_state_formula=formula, model_state_formula_reason=formula_reason,
             comm_analytic=analytic, comm_analytic_method=analytic_how, comm_replicas=self._replicas(), flops_facts=facts,
+            traced=traces.pop("exposed") if traces else None, link=self._link(),
             comm_measured_reason=self.no_communication or (
                 None if cfg.instrument else "instrumentation off (--no-instrument): the collectives were not wrapped"),
         )
         metrics["loop_ms_per_step"] = max(g[1] for g in gathered)
-        metrics["link"] = self._link()
-        if metrics["link"] is None:
-            metrics.setdefault("reasons", {})["link"] = "one process: its gradients cross no link"
-        figures = traces.pop("exposed") if traces else None
         metrics["profile"] = traces
         if traces is None:
             metrics.setdefault("reasons", {})["profile"] = "not asked for (--profile)"
-        values, reasons = trace.exposed_metrics(figures, metrics.get("comm_exposed_ms"),
-                                                metrics.get("comm_exposed_ci_ms"))
-        metrics.update(values)
-        metrics.setdefault("reasons", {}).update(reasons)
         return metrics
 
 

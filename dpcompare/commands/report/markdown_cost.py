@@ -72,9 +72,9 @@ def _trace_cell(m: Metrics, notes: Footnotes) -> str:
 
 def _link_cell(m: Metrics, notes: Footnotes) -> str:
     """The transport and what it chose (NCCL: algorithm/protocol by collective, the most used first)."""
-    facts = m.link.value
+    facts = m.comm_link.value
     if not facts:
-        return cell(m.link, notes)
+        return cell(m.comm_link, notes)
     if facts.get("transport") == "nccl":
         chosen = facts.get("chosen") or {}
         picks = "; ".join(f"{kind} {', '.join(by)}" for kind, by in chosen.items())
