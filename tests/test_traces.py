@@ -35,6 +35,8 @@ def test_each_rank_writes_a_trace_with_the_steps_phases_and_its_collectives(laun
     assert len(m["comm_exposed_trace_ms_per_rank"]) == 2 and m["comm_exposed_trace_ms"] == min(m["comm_exposed_trace_ms_per_rank"])
     assert 0 < m["comm_exposed_trace_ms"] <= m["comm_trace_ms"] and m["comm_exposed_trust"] in ("both", "ablation")
     assert m["comm_exposed_trust_why"] and m["comm_link"]["transport"] == "gloo" and m["comm_link"]["algorithm"] == "Ring"
+    waits = m["comm_arrival_wait_ms_per_rank"]  # the rank that arrived last at every collective waited for no one
+    assert len(waits) == 2 and min(waits) >= 0 and all(w is not None for w in waits), waits
 
 
 def test_without_profile_no_trace_is_written_and_the_result_says_why(shared_launch):
@@ -150,3 +152,17 @@ def test_the_users_nccl_debug_is_left_alone(tmp_path):
     env, reason = link.tuning_log_env(tmp_path, {})
     assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_DEBUG_SUBSYS"] == "TUNING" and reason is None
     assert env["NCCL_DEBUG_FILE"].startswith(str(tmp_path)) and "%h" in env["NCCL_DEBUG_FILE"]
+
+
+def test_each_rank_waits_at_a_collective_for_the_last_to_arrive():
+    from dpcompare.measure import trace
+
+    def figure(*arrivals):  # two steps, each issuing two collectives at these times (µs)
+        return trace.rank_figure([{"step": k, "comm_ms": 1.0, "exposed_ms": 0.5, "arrivals_us": list(a)}
+                                  for k, a in enumerate(arrivals)])
+
+    early = figure((0, 1_000), (10_000, 11_000))
+    late = figure((3_000, 1_500), (12_000, 11_500))  # 3 ms, then 0.5 ms late; 2 ms, then 0.5 ms late
+    assert trace.arrival_waits([early, late]) == [pytest.approx(3.0), 0.0]
+    assert trace.arrival_waits([early, None]) is None
+    assert trace.arrival_waits([early, figure((0,), (1,))]) is None  # different collectives: no pairing

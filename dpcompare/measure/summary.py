@@ -172,6 +172,9 @@ def record_traced(m: Metrics, figures: list[dict[str, Any] | None] | None, ablat
     m.set("comm_exposed_trace_ms_per_rank", [f["exposed_ms"] if f else None for f in figures] if found else None, why)
     m.set("comm_exposed_trace_ratio", found[0] / ablation if found and ablation else None,
           "needs the trace's exposed communication and the ablation's, non-zero")
+    waits = trace.arrival_waits(figures) if found and figures else None
+    m.set("comm_arrival_wait_ms_per_rank", waits,
+          why if not found else "needs two ranks' traces whose steps issued the same collectives")
     which, because = trace.trust(ablation, ablation_ci, found[0] if found else None)
     m.set("comm_exposed_trust", which, because)
     m.set("comm_exposed_trust_why", because)

@@ -16,6 +16,9 @@ of the two to trust when they disagree. Pure functions over the trace's event li
                   inside it, the optimizer's queued behind the collectives it waits for)
   exposed         the time in the window where communication is in flight and no compute runs (the HTA definition,
                   "communication not overlapped by computation"), ms per step
+  arrival         when the rank asked for each collective: the c10d op's start on the step's thread (a CPU run),
+                  the NCCL kernel's start (a GPU); a rank's wait at a collective is the last rank's arrival less its
+                  own, its arrival skew
 
 A rank that reaches a collective before its peers waits out their compute there: its trace books that skew as
 exposed communication, and the rank that arrived last shows the collective alone. The step, as slow as its slowest
@@ -102,6 +105,8 @@ def per_step(events: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
         on_main = [e for e in complete if e.get("tid") == main and e.get("cat") == "cpu_op"]
         waits = _union(_span(e) for e in on_main if is_comm(str(e.get("name", ""))))
         compute = _minus(_union(_span(e) for e in on_main if not is_comm(str(e.get("name", "")))), waits)
+    launches = sorted(_span(e)[0] for e in (kernels if kernels else [e for e in complete if e.get("tid") == main])
+                      if is_comm(str(e.get("name", ""))) and (kernels or str(e.get("name", "")).startswith("c10d::")))
     comm = _union(comm)
     reduces = sorted(_span(e) for e in complete if e.get("name") == "dpcompare.reduce" and e.get("tid") == main)
     out = []
@@ -114,7 +119,7 @@ def per_step(events: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
         in_flight = _clip(comm, lo, end)
         exposed = _minus(in_flight, _union(_clip(compute, lo, end)))
         out.append({"step": int(STEP.match(str(s["name"])).group(1)), "comm_ms": _length(in_flight) / 1e3,
-                    "exposed_ms": _length(exposed) / 1e3})
+                    "exposed_ms": _length(exposed) / 1e3, "arrivals_us": [t for t in launches if lo <= t <= end]})
     return out
 
 
@@ -153,3 +158,24 @@ def run_figure(figures: Sequence[dict[str, Any] | None]) -> tuple[float, int, fl
     last to arrive, whose wait is the collective alone. None where no rank has a figure."""
     known = [(f["exposed_ms"], rank, f["comm_ms"]) for rank, f in enumerate(figures) if f]
     return min(known) if known else None
+
+
+def arrival_waits(figures: Sequence[dict[str, Any] | None]) -> list[float | None] | None:
+    """Each rank's wait at the traced steps' collectives for the last rank to arrive (ms per step, the median over
+    the steps): at each collective (the i-th a step issued, on every rank), the last arrival less this rank's.
+    None where fewer than two ranks have traces, or the ranks' steps issued different numbers of collectives. The
+    traces' clocks are each host's: across hosts the figure is only as good as their clocks agree."""
+    ranks = [{s["step"]: s.get("arrivals_us") or [] for s in f["steps"]} if f else None for f in figures]
+    if sum(r is not None for r in ranks) < 2:
+        return None
+    steps = sorted(set.intersection(*(set(r) for r in ranks if r is not None)))
+    waits: list[list[float]] = [[] for _ in ranks]
+    for step in steps:
+        times = [r[step] if r is not None else None for r in ranks]
+        if len({len(t) for t in times if t is not None}) != 1:
+            return None
+        last = np.max([t for t in times if t is not None], axis=0)
+        for rank, t in enumerate(times):
+            if t is not None:
+                waits[rank].append(float(np.sum(last - np.asarray(t))) / 1e3)
+    return [float(np.median(w)) if w else None for w in waits]

@@ -42,6 +42,7 @@ class Metrics(View):
     """Exposed communication read from the --profile traces (dpcompare.measure.trace), beside the ablation's."""
     comm_exposed_trace_ms_per_rank = Field(list)
     comm_trace_ms = Field()
+    comm_arrival_wait_ms_per_rank = Field(list)
     comm_exposed_trace_ratio = Field()
     comm_exposed_trust = Field(str)
     comm_exposed_trust_why = Field(str)

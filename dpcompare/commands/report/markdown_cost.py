@@ -26,6 +26,15 @@ def _stragglers(value: list[Any]) -> str:
     return "; ".join(shown) or "none"
 
 
+def _waits(m: Metrics) -> str:
+    """From the --profile traces: each rank's wait at the collectives for the last rank to arrive."""
+    waits = m.comm_arrival_wait_ms_per_rank.value
+    if not waits:
+        return ""
+    return "; waits at collectives (trace): " + ", ".join(
+        f"rank {r} {w:.3g} ms" for r, w in enumerate(waits) if is_number(w))
+
+
 def _time_rows(runs: list[RunResult], derived: list[Derived], tokens: bool, notes: Footnotes) -> list[list[str]]:
     rows = []
     for run, d in zip(runs, derived):
@@ -38,7 +47,7 @@ def _time_rows(runs: list[RunResult], derived: list[Derived], tokens: bool, note
             cell(m.step_ms_p50, notes), cell(m.step_ms_p90, notes), _compute_cell(m, notes),
             _exposed_cell(m, notes),
             num(d.other_ms) if d.other_ms is not None else notes.na(d.other_reason),
-            cell(m.rank_spread_ms_p50, notes), cell(strag, notes, _stragglers),
+            cell(m.rank_spread_ms_p50, notes), cell(strag, notes, _stragglers) + _waits(m),
             cell(measured, notes, lambda v: f"{v}" + (f" (+{warm} warm-up)" if warm else ""))])
     return rows
 
