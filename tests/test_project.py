@@ -158,6 +158,31 @@ def test_a_preset_link_is_accepted_and_states_its_sources(tmp_path):
     assert all(p["efficiency"] is not None and 0 < p["efficiency"] <= 1.0 + 1e-9 for p in payload["predictions"])
 
 
+def test_device_moves_the_compute_by_the_measured_peak_over_the_datasheet_and_leaves_validation_alone(tmp_path, capsys):
+    d = _folder(tmp_path, sizes=(1, 2, 3))
+    for path in (d / "runs").glob("*.json"):  # the runs' matmul peak: 0.1 TFLOP/s in fp32
+        run = json.loads(path.read_text())
+        run["metrics"].update(peak_tflops_measured=0.1, compute_dtype="fp32")
+        path.write_text(json.dumps(run))
+    as_measured, moved = tmp_path / "a.json", tmp_path / "b.json"
+    args = ["project", str(d), "--world-sizes", "8", "--link", "nvlink4", "--fit-world-sizes", "1,2"]
+    assert cli.main([*args, "--out", str(as_measured)]) == 0
+    assert cli.main([*args, "--out", str(moved), "--device", "h100-sxm"]) == 0
+    a, b = json.loads(as_measured.read_text()), json.loads(moved.read_text())
+    scale = 0.1 / 67.0  # H100 SXM: 67 TFLOP/s fp32, dense
+    assert b["predictions"][0]["compute_ms"] == pytest.approx(a["predictions"][0]["compute_ms"] * scale, rel=1e-9)
+    assert b["device"] == "h100-sxm" and any("compute moved to H100 SXM" in line for line in b["assumptions"])
+    assert b["validation"]["rows"] == a["validation"]["rows"]  # held-out runs are judged on the box they ran on
+    for path in (d / "runs").glob("*.json"):  # the twin: results without the peak cannot be moved
+        run = json.loads(path.read_text())
+        del run["metrics"]["peak_tflops_measured"]
+        path.write_text(json.dumps(run))
+    capsys.readouterr()
+    assert cli.main([*args, "--out", str(moved), "--device", "h100-sxm"]) == 2
+    err = capsys.readouterr().err
+    assert "no run records peak_tflops_measured" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("args, says", [
     (["--link", "infiniband-xdr"], "unknown link"),
     (["--link", "ib-ndr", "--world-sizes", "8,x"], "comma-separated"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dpcompare.commands.project.fit import DEVICES
 from dpcompare.commands.project.model import ALGORITHMS, PRESETS
 from dpcompare.commands.project.projection import project
 from dpcompare.commands.project.render import print_projection
@@ -38,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=int, default=None,
                    help="ranks that can run at once (default: the CPU count of the box on a measured link with CPU "
                         "runs, else one device per rank: unlimited)")
+    p.add_argument("--device", choices=sorted(DEVICES), default=None,
+                   help="move the measured compute to this GPU at the same MFU: scaled by the runs' measured matmul "
+                        "peak over the device's datasheet peak in the runs' compute dtype (default: as measured)")
     p.add_argument("--out", default=None, help="the projection JSON (default: DIR/projection.json)")
 
 
@@ -45,7 +49,8 @@ def main(ns: argparse.Namespace) -> int:
     in_dir = Path(ns.dir)
     if not in_dir.is_dir():
         raise ValueError(f"result folder {str(in_dir)!r} does not exist or is not a directory")
-    payload = project(in_dir, ns.world_sizes, ns.link, ns.fit_world_sizes, ns.validate, ns.algorithm, ns.slots)
+    payload = project(in_dir, ns.world_sizes, ns.link, ns.fit_world_sizes, ns.validate, ns.algorithm, ns.slots,
+                      ns.device)
     out = Path(ns.out) if ns.out else in_dir / "projection.json"
     print_projection(payload)
     write_atomic(out, payload)

@@ -23,10 +23,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dpcompare.commands.project.model import Link, collective_s
+from dpcompare.measure.flops import DATASHEET_TFLOPS
 from dpcompare.result_view import Figure, Metrics, RunResult
 
 BACKWARD_SHARE = 2 / 3
@@ -232,3 +233,30 @@ def fit_backend(backend: str, runs: list[RunResult], cpu_slots: int | None) -> B
     return BackendFit(backend, transport, str(scaling), float(gb) if isinstance(gb, (int, float)) else None,
                       local_batch(ref), c0, c1, step1 if step1 is not None else c0 + c1 * pts[0][0], msgs, overlap,
                       overlap_source, comm, cpu_slots, sizes, notes)
+
+
+DEVICES = {name.lower().replace(" ", "-"): name for name in DATASHEET_TFLOPS}
+"""`project --device` names: the devices whose datasheet peaks dpcompare.measure.flops knows."""
+
+
+def on_device(fit: BackendFit, runs: list[RunResult], device: str) -> BackendFit:
+    """`fit` with its compute moved to `device` at the MFU its runs reached: scaled by the runs' measured matmul
+    peak over the device's datasheet peak in the same dtype. Raises ValueError where the runs have no peak."""
+    with_peak = [r for r in sorted(runs, key=lambda r: r.created_unix or 0.0)
+                 if num(r.metrics.peak_tflops_measured) and r.metrics.compute_dtype.value]
+    if not with_peak:
+        raise ValueError(f"{fit.backend}: no run records {Metrics.peak_tflops_measured.name} (results written before "
+                         "dpcompare measured the matmul peak): rerun compare to project its compute onto --device")
+    run = with_peak[-1]
+    measured, dtype = float(num(run.metrics.peak_tflops_measured) or 0.0), str(run.metrics.compute_dtype.value)
+    name = DEVICES[device]
+    target = DATASHEET_TFLOPS[name].get(dtype)
+    if not target:
+        raise ValueError(f"{fit.backend}: the runs computed in {dtype}, which {name}'s datasheet figures "
+                         f"({', '.join(DATASHEET_TFLOPS[name])}) do not give")
+    scale = measured / target
+    note = (f"compute moved to {name}: x {scale:.3g}, the runs' measured matmul peak {measured:.3g} TFLOP/s in {dtype} "
+            f"over {name}'s datasheet {target:.4g} (dense), at the same MFU: a model that reaches a larger share of "
+            "the bigger device's peak runs faster than projected, one bound by memory or launches slower")
+    return replace(fit, c0_ms=fit.c0_ms * scale, c1_ms=fit.c1_ms * scale, step1_ms=fit.step1_ms * scale,
+                   notes=[*fit.notes, note])

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dpcompare import SCHEMA_VERSION
-from dpcompare.commands.project.fit import BACKWARD_SHARE, BackendFit, fit_backend, num, sched_slice_s
+from dpcompare.commands.project.fit import BACKWARD_SHARE, BackendFit, fit_backend, num, on_device, sched_slice_s
 from dpcompare.commands.project.inputs import algorithm_for, box_slots, resolve_link, runs_by_backend, slots_for
 from dpcompare.commands.project.model import Link
 from dpcompare.result_view import RunResult
@@ -30,6 +30,7 @@ def measured_point(fit_step1: float | None, run: RunResult) -> dict[str, Any]:
 
 
 def assumptions(link: Link, algorithm: str, slots: int | None, fits: dict[str, BackendFit]) -> list[str]:
+    moved = any(n.startswith("compute moved to") for f in fits.values() for n in f.notes)
     lines = [*link.sources,
              f"link: alpha {link.alpha_s * 1e6:.3g} us, beta {link.beta_Bps / 1e9:.4g} GB/s per direction"
              + (f" (pooled fit, rms relative error {link.fit_rms_rel_error:.0%})" if link.fit_rms_rel_error is not None
@@ -54,15 +55,16 @@ def assumptions(link: Link, algorithm: str, slots: int | None, fits: dict[str, B
               f"({sched_slice_s(slots) * 1e3:g} ms, Linux's default base slice for {slots} CPUs: from the kernel's "
               f"defaults, not fitted)"
               if slots else "one device per rank: no oversubscription"),
-             "compute is the compute measured on the results' devices: a preset link with CPU results predicts "
-             "CPU ranks on that network, not GPUs"]
+             ("compute is moved to --device at the MFU the runs reached (below)" if moved else
+              "compute is the compute measured on the results' devices: a preset link with CPU results predicts "
+              "CPU ranks on that network, not GPUs (--device moves it to a GPU's datasheet peak)")]
     for b, f in fits.items():
         lines += [f"{b}: {note}" for note in f.notes]
     return lines
 
 
 def project(in_dir: Path, world_sizes: list[int], link_spec: str, fit_sizes: list[int] | None, validate: bool,
-            algorithm: str, slots_given: int | None) -> dict[str, Any]:
+            algorithm: str, slots_given: int | None, device: str | None = None) -> dict[str, Any]:
     by_backend, folder_entries = runs_by_backend(in_dir)
     measured_sizes = sorted({r.world_size for rs in by_backend.values() for r in rs})
     if validate:
@@ -86,7 +88,8 @@ def project(in_dir: Path, world_sizes: list[int], link_spec: str, fit_sizes: lis
     if not fits:
         raise ValueError("no backend could be fitted: " + "; ".join(skipped.values()))
     predictions, calib = [], {}
-    for backend, f in fits.items():
+    moved = {b: on_device(f, by_backend[b], device) for b, f in fits.items()} if device else fits
+    for backend, f in moved.items():
         k, why = f.calibration(link, algo)
         calib[backend] = {"k": k, "why": why}
         predictions += [f.predict(n, link, algo, slots, k) for n in world_sizes]
@@ -95,12 +98,12 @@ def project(in_dir: Path, world_sizes: list[int], link_spec: str, fit_sizes: lis
     return {"schema_version": SCHEMA_VERSION, "kind": "projection", "created_unix": time.time(),
             "result_dir": str(in_dir), "world_sizes": world_sizes, "fit_world_sizes": sorted(fit_set),
             "held_out_world_sizes": held_out, "link": link.as_dict(), "algorithm": algo, "slots": slots,
-            "assumptions": assumptions(link, algo, slots, fits),
+            "device": device, "assumptions": assumptions(link, algo, slots, moved),
             "backends": {b: {"transport": f.transport, "c0_ms": f.c0_ms, "c1_ms_per_sample": f.c1_ms,
                              "step1_ms": f.step1_ms, "messages": [{"kind": k, "bytes": s, "calls": c}
                                                                   for k, s, c in f.messages],
                              "overlap_fraction": f.overlap, "overlap_source": f.overlap_source,
-                             "comm_measured_ms": f.comm_measured, **calib[b]} for b, f in fits.items()},
+                             "comm_measured_ms": f.comm_measured, **calib[b]} for b, f in moved.items()},
             "skipped": skipped, "predictions": predictions, "measured": measured, "validation": validation}
 
 
