@@ -62,6 +62,19 @@ def test_a_planted_stall_on_one_rank_is_named_as_the_straggler():
     assert flagged[0]["excess_ms_mean"] == pytest.approx(5.0)
 
 
+def test_a_few_stalled_steps_make_no_straggler_and_a_rank_slow_in_most_steps_does():
+    """Two ranks on a shared box: one is a little slower in most steps and stalled (the scheduler) in two; its mean
+    excess is above 10 % of the step, its median excess is not."""
+    steady = [40.0] * 10
+    noisy = [41.0] * 8 + [90.0, 90.0]
+    m = summarize([sample(steady, [45] * 10, steady), sample(steady, [45] * 10, noisy)])
+    rank1 = m["stragglers"][1]
+    assert rank1["excess_ms_mean"] > 0.1 * 40 and rank1["slowest_fraction"] == 1.0 and not rank1["straggler"]
+    slow = [52.0] * 10  # the twin: slower by 30 % in every step (its excess over the two ranks' median: 6 ms)
+    m = summarize([sample(steady, [45] * 10, steady), sample(steady, [45] * 10, slow)])
+    assert m["stragglers"][1]["straggler"] and m["straggler_rank"] == 1
+
+
 def test_no_straggler_when_ranks_take_turns():
     a = [10, 11] * 5
     b = [11, 10] * 5
