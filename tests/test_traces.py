@@ -37,6 +37,14 @@ def test_each_rank_writes_a_trace_with_the_steps_phases_and_its_collectives(laun
     assert m["comm_exposed_trust_why"] and m["comm_link"]["transport"] == "gloo" and m["comm_link"]["algorithm"] == "Ring"
     waits = m["comm_arrival_wait_ms_per_rank"]  # the rank that arrived last at every collective waited for no one
     assert len(waits) == 2 and min(waits) >= 0 and all(w is not None for w in waits), waits
+    # report draws the traced steps rank by rank, and shows both exposed-communication figures
+    from dpcompare.commands.report import build_report
+
+    out = Path(profile["traces"][0]).parents[2]
+    report = build_report(out, out / "report")
+    assert (out / "report" / "trace_timeline.png").stat().st_size > 10_000
+    text = report.read_text()
+    assert "Traced steps, rank by rank" in text and "exposed (trace, ms)" in text and "gloo Ring over tcp" in text
 
 
 def test_without_profile_no_trace_is_written_and_the_result_says_why(shared_launch):

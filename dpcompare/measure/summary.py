@@ -128,6 +128,7 @@ def summarize(
     flops_facts: dict[str, Any] | None = None,
     traced: list[dict[str, Any] | None] | None = None,
     link: dict[str, Any] | None = None,
+    profile: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Rank 0 turns the gathered per-rank samples into the run's metrics (units in the names). `model_state` is the
     analytic model state, used only where a rank took no census; `comm_analytic` the predicted bytes per step by
@@ -159,6 +160,7 @@ def summarize(
     _by_kind(m, samples, world_size, comm_analytic, comm_analytic_method, comm_measured_reason, comm_replicas)
     record_traced(m, traced, exposed, interval)
     m.set("comm_link", link, "one process: its gradients cross no link")
+    m.set("profile", profile, "not asked for (--profile)")
     return m.to_dict()
 
 

@@ -67,6 +67,8 @@ class Metrics(View):
     model_state_formula_mib = Field(dict)
     comm_by_kind = Field(dict)
     comm_link = Field(dict)
+    profile = Field(dict)
+    """--profile: {steps, traces (one Chrome/Perfetto JSON per rank), phases}."""
     """The transport's facts beside busbw: what NCCL chose, gloo's ring, the MPI library (dpcompare.measure.link)."""
     scaling = Field(str)
     compute_dtype = Field(str)

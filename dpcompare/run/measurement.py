@@ -354,14 +354,11 @@ class MeasurementPhase:
             comm_possible=self.comm_reason, instrumented=cfg.instrument,
             model_state_formula=formula, model_state_formula_reason=formula_reason,
             comm_analytic=analytic, comm_analytic_method=analytic_how, comm_replicas=self._replicas(), flops_facts=facts,
-            traced=traces.pop("exposed") if traces else None, link=self._link(),
+            traced=traces.pop("exposed") if traces else None, link=self._link(), profile=traces,
             comm_measured_reason=self.no_communication or (
                 None if cfg.instrument else "instrumentation off (--no-instrument): the collectives were not wrapped"),
         )
         metrics["loop_ms_per_step"] = max(g[1] for g in gathered)
-        metrics["profile"] = traces
-        if traces is None:
-            metrics.setdefault("reasons", {})["profile"] = "not asked for (--profile)"
         return metrics
 
 

@@ -10,6 +10,7 @@ microbenchmarks (kind: collectives), and writes into OUT (default: DIR):
   busbw_vs_message_size.png      microbenchmark bus bandwidth by message size and what training reached
   grad_error_heatmap.png         the compare matrix: gradient distances in float32 noise floors
   trajectory_drift.png           each run's parameter distance to the float64 trajectory by step, with floor and tolerance
+  trace_timeline.png             the newest --profile run's traced steps rank by rank: phases, collectives, exposed
 
 Where several results exist for one backend and world size, the newest (created_unix) is reported.
 A plot whose inputs are absent is skipped, and report.md says why.
@@ -19,7 +20,7 @@ capabilities.scaling_baseline (the reference backend does).
 
 Owns: finding and classifying result JSON (load; each run read through dpcompare.result_view, whose recorded facts
 it takes as written: the knobs that make a run a row of its own, the floors, the power), the derived figures such as
-scaling efficiency and the unattributed rest of a step (derive), the plots (style, plots_cost, plots_verify), the
+scaling efficiency and the unattributed rest of a step (derive), the plots (style, plots_cost, plots_verify, plots_trace), the
 Markdown sections (markdown) and putting them together (build). Imports no adapter and no torch: past results can be
 re-reported on a machine without the backends.
 """

@@ -23,6 +23,7 @@ from dpcompare.commands.report.plots_cost import (MODEL_STATE_CAPTION, PLOT_MODE
                                                   plot_step_breakdown, plot_throughput)
 from dpcompare.commands.report.plots_project import PLOT_PROJECTION, find_projection, plot_projection, projection_caption
 from dpcompare.commands.report.plots_verify import plot_heatmap, plot_trajectory_drift, tolerance_floors
+from dpcompare.commands.report.plots_trace import PLOT_TRACE, TRACE_CAPTION, plot_trace_timeline
 from dpcompare.commands.report.style import (ALL_PLOTS, PLOT_BREAKDOWN, PLOT_BUSBW, PLOT_HEATMAP, PLOT_THROUGHPUT,
                                              PLOT_TRAJECTORY)
 from dpcompare.result_view import RunResult
@@ -106,7 +107,7 @@ def _busbw_plot(inputs: Inputs, runs: list[RunResult], link_peak_gbps: float | N
 
 def draw_plots(inputs: Inputs, sel: Selection, link_peak_gbps: float | None, out_dir: Path) -> tuple[list[Plot], Plot]:
     """(the plots for the Plots section, the trajectory drift plot shown beside the verdict)."""
-    for name in (*ALL_PLOTS, PLOT_MODEL_STATE):
+    for name in (*ALL_PLOTS, PLOT_MODEL_STATE, PLOT_TRACE):
         (out_dir / name).unlink(missing_ok=True)  # a skipped plot must not leave a stale one behind
     runs = sel.runs
     plots = [
@@ -121,6 +122,8 @@ def draw_plots(inputs: Inputs, sel: Selection, link_peak_gbps: float | None, out
              HEATMAP_CAPTION),
         Plot(PLOT_MODEL_STATE, "Model state per component",
              plot_model_state([*runs, *sel.knob_runs], out_dir / PLOT_MODEL_STATE), MODEL_STATE_CAPTION),
+        Plot(PLOT_TRACE, "Traced steps, rank by rank", plot_trace_timeline([*runs, *sel.knob_runs], out_dir / PLOT_TRACE),
+             TRACE_CAPTION),
     ]
     drift = Plot(PLOT_TRAJECTORY, "Trajectory drift", plot_trajectory_drift(runs, out_dir / PLOT_TRAJECTORY),
                  TRAJECTORY_CAPTION)
@@ -188,7 +191,7 @@ def write_report(in_dir: Path, out_dir: Path | None, link_peak_gbps: float | Non
     out_dir.mkdir(parents=True, exist_ok=True)
     sel = select(inputs)
     if (inputs.compare or {}).get("questions"):
-        for name in (*ALL_PLOTS, PLOT_MODEL_STATE, PLOT_PROJECTION):
+        for name in (*ALL_PLOTS, PLOT_MODEL_STATE, PLOT_PROJECTION, PLOT_TRACE):
             (out_dir / name).unlink(missing_ok=True)  # the questions' report has no plots: none stale either
         path = write_text_atomic(out_dir / "report.md", "\n".join(compose(in_dir, inputs, sel, [], None)))
         return Report(path, sel.runs, sel.derived, inputs.skipped)
