@@ -54,7 +54,7 @@ def mpi_library() -> str | None:
     import sys
 
     mpi = sys.modules.get("mpi4py.MPI")
-    return mpi.Get_library_version().splitlines()[0].strip() if mpi is not None else None
+    return mpi.Get_library_version().splitlines()[0].strip().strip("\x00").strip() if mpi is not None else None
 
 
 def tuning_log_env(directory: Path, environ: Mapping[str, str] = os.environ) -> tuple[dict[str, str], str | None]:
@@ -110,3 +110,19 @@ def mpi_facts(library: str | None, environ: Mapping[str, str] = os.environ) -> d
             "algorithm_how": ("forced by the environment" if forced else
                               "the library's own decision rules, per message size (Open MPI: ompi_info --param coll "
                               "tuned --level 9)")}
+
+
+def facts(transport: str | None, nccl_log: tuple[Path | None, str | None] = (None, None)) -> dict[str, Any] | None:
+    """The facts of `transport` (nccl, gloo, mpi; None: one process, no link) in this process."""
+    if transport is None:
+        return None
+    if transport == "nccl":
+        import torch
+
+        version = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+        return nccl_facts(*nccl_log, version=version)
+    if transport == "gloo":
+        return gloo_facts()
+    if transport == "mpi":
+        return mpi_facts(mpi_library())
+    return {"transport": transport}

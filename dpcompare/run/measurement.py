@@ -364,15 +364,7 @@ class MeasurementPhase:
 
     def _link(self) -> dict[str, Any] | None:
         """Rank 0: the facts of the transport the gradients' collectives crossed (dpcompare.measure.link)."""
-        transport = self.adapter.link_transport()
-        if transport == "nccl":
-            version = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
-            return link.nccl_facts(*self.nccl_log, version=version)
-        if transport == "gloo":
-            return link.gloo_facts()
-        if transport == "mpi":
-            return link.mpi_facts(link.mpi_library())
-        return None if transport is None else {"transport": transport}
+        return link.facts(self.adapter.link_transport(), self.nccl_log)
 
 
 def microbench_busbw(cfg: RunConfig, transport: str, world_size: int, nbytes: int) -> tuple[float | None, str | None]:

@@ -15,6 +15,7 @@ from typing import Any
 from dpcompare import results
 from dpcompare.commands.bench_collectives.sweep import BYTES_PER_ELEMENT, Sweep, check_sum, human_bytes, pattern
 from dpcompare.commands.bench_collectives.transports import Transport, connect
+from dpcompare.measure import link
 from dpcompare.measure.bandwidth import algbw_gbps, busbw_gbps
 from dpcompare.contract import launch_env as launch
 
@@ -59,9 +60,20 @@ def bench_size(comm, nbytes: int, sweep: Sweep, rank: int, world_size: int, corr
     }
 
 
+def _on_cuda(ns: argparse.Namespace, transport: Transport) -> bool:
+    if transport == "mpi" or ns.device == "cpu":
+        return False
+    import torch
+
+    return ns.device == "cuda" or torch.cuda.is_available()
+
+
 def run_worker(ns: argparse.Namespace, sweep: Sweep) -> int:
     env = launch.detect()
     transport: Transport = ns.transport
+    # NCCL names the algorithm and protocol it chose only in its log, read once at its start: asked for before it
+    nccl_log = (link.ask_nccl_tuning(Path(ns.result_file).parent / "nccl") if ns.result_file and _on_cuda(ns, transport)
+                else (None, "NCCL's choices are read where bench-collectives runs on CUDA"))
     comm = connect(transport, env, ns.device, ns.timeout_s)
     try:
         sizes = []
@@ -74,7 +86,8 @@ def run_worker(ns: argparse.Namespace, sweep: Sweep) -> int:
                       f"{'ok' if record['correct'] else 'WRONG on ranks ' + str(record['incorrect_ranks'])}",
                       flush=True)
         entry = {"transport": transport, "backend": comm.backend, "world_size": env.world_size,
-                 "device": str(comm.device), "launcher": env.launcher, "sizes": sizes}
+                 "device": str(comm.device), "launcher": env.launcher, "sizes": sizes,
+                 "link": link.facts(comm.backend if env.world_size > 1 else None, nccl_log)}
         if env.is_rank0 and ns.result_file:
             results.write_atomic(Path(ns.result_file), entry)
     finally:
