@@ -238,6 +238,8 @@ def test_each_transport_sums_correctly_under_its_own_launcher(tmp_path, transpor
     assert entry["backend"] == {"torch": "gloo", "deepspeed": "gloo", "mpi": "mpi", "horovod": "gloo"}[transport]
     assert entry["device"] == "cpu"
     assert entry["launcher"] == transports.launcher(transport)
+    assert entry["link"]["transport"] == entry["backend"]  # the facts beside its busbw (dpcompare.measure.link)
+    assert entry["link"].get("algorithm") == "Ring" if entry["backend"] == "gloo" else "Open MPI" in entry["link"]["library"]
     assert [s["bytes"] for s in entry["sizes"]] == [KiB * 4**k for k in range(6)]
     for s in entry["sizes"]:
         assert s["correct"] is True, s
