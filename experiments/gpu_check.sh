@@ -38,6 +38,9 @@
 #   moves          (asked for by name only: GPU_CHECK_PARTS=moves) `dpcompare checkpoint` on CUDA at world size 1:
 #                  torch save -> DCP load (ddp -> fsdp), DCP -> torch (fsdp -> ddp), ZeRO-1 -> ZeRO-2 through the
 #                  universal checkpoint, ZeRO-3 -> ZeRO-3: each cell saved and loaded `equivalent`, the state as saved
+#   profile        (asked for by name only: GPU_CHECK_PARTS=profile) --profile on ResNet-50 in bf16 at world size 1:
+#                  the traces hold CUDA kernels and the step's ranges, exposed communication read from them, MFU
+#                  against the measured peak and the datasheet
 #   coverage       --check-coverage auto planned from torch.cuda.mem_get_info while experiments/gpu_fill.py holds
 #                  all but GPU_CHECK_COVERAGE_LEAVE_GIB of the device: part of the 336 M config checked, `equivalent`
 # then `python -m dpcompare report` per part (side by side, one step: reports), and OUT_DIR/gpu_check.md: one table of every run (verdict, step time,
@@ -68,7 +71,7 @@ fi
 out=${1:-gpu-check/$(date +%Y%m%d-%H%M%S)}
 all_parts="power-tf32 power-bf16 twins-tf32 twins-bf16 engine-gpt-tiny-ws1 engine-mlp-ws1 engine-gpt-tiny-ws2 engine-mlp-ws2
   shared branches checkpointing questions questions-shared horovod cost coverage overhead"
-optional_parts="moves"  # run only when GPU_CHECK_PARTS names them
+optional_parts="moves profile"  # run only when GPU_CHECK_PARTS names them
 # The parts asked for, one space around each name (a name is matched as " NAME "); a name that is no part is refused.
 parts=" $(echo ${GPU_CHECK_PARTS:-$all_parts}) "
 for name in $parts; do
@@ -396,6 +399,12 @@ if part "moves"; then
   checkpoint_into() { bound "$py" -m dpcompare checkpoint --cells "$1" --timeout-s "$timeout_s" --out "$run_dir"; }
   step moves-checkpoints-ws1 0 --cells 4 -- checkpoint_into \
     'ddp:1>fsdp:1:dcp,fsdp:1>ddp:1:torch,zero1:1>zero2:1,zero3:1>zero3:1'
+fi
+
+if part "profile"; then
+  # --profile on CUDA: the trace's kernels, exposed communication read from it, MFU against the datasheet
+  step profile-resnet50-bf16 0 --profiled -- torchrun_n 1 --backend ddp --model resnet50 --amp bf16 --steps 1 \
+    --measure-steps 10 --profile
 fi
 
 # --- 6. Horovod with NCCL, built here ------------------------------------------------------------------------------

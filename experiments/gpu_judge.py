@@ -28,6 +28,7 @@ Expectations:
                    (equivalence.oracle_coverage: fraction < 1, planned from torch.cuda.mem_get_info).
   --saving         two results, with and without --activation-checkpointing: the one that recomputes has the
                    smaller metrics.peak_above_start_mib.
+  --profiled       --profile's traces hold CUDA kernels and the step's ranges; MFU against both peaks (stated)
   --cost           the verification's cost is recorded: metrics.verify_ms_per_step, step_ms_p50 and
                    verify_above_start_mib, with the bytes per parameter, the ratio to the step and the time by part
                    of the checks (verify_ms_by_part, where recorded) in the line.
@@ -122,6 +123,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--saving", action="store_true",
                    help="activation checkpointing lowered the peak above the start (two results)")
     p.add_argument("--cost", action="store_true", help="the verification's cost is recorded (and stated)")
+    p.add_argument("--profiled", action="store_true",
+                   help="--profile's traces hold CUDA kernels and the step's ranges, and MFU is given against the "
+                        "measured peak and the datasheet (stated)")
     p.add_argument("--cells", type=_count, default=None, metavar="N",
                    help="a checkpoint step: exactly N cells, each saved and loaded equivalent, the state as saved")
     return p
@@ -379,6 +383,34 @@ def judge_cells(ns: argparse.Namespace) -> tuple[list[str], str]:
     return lines, f"{ns.step}: ok: {len(cells)} cell(s) saved and loaded equivalent, the state as saved: {', '.join(said)}"
 
 
+def profiled_of(result: dict[str, Any]) -> tuple[list[str], str]:
+    """(what is missing, 'N kernels in the trace, exposed comm X ms, MFU m (datasheet d)') for a --profile run."""
+    metrics = result.get("metrics") if isinstance(result.get("metrics"), dict) else {}
+    profile = metrics.get("profile") if isinstance(metrics.get("profile"), dict) else {}
+    missing, kernels = [], 0
+    for trace in profile.get("traces") or [None]:
+        try:
+            events = json.loads(Path(str(trace)).read_text()).get("traceEvents", [])
+        except (OSError, ValueError, TypeError):
+            missing.append(f"--profiled: trace {trace!r} cannot be read")
+            continue
+        kernels += sum(1 for e in events if e.get("cat") == "kernel")
+        if not any(str(e.get("name", "")).startswith("dpcompare.step ") for e in events):
+            missing.append(f"--profiled: {trace} holds no dpcompare.step range")
+    if not kernels:
+        missing.append("--profiled: the traces hold no CUDA kernel")
+    for name in ("comm_exposed_trace_ms", "mfu", "mfu_datasheet"):
+        if not isinstance(metrics.get(name), (int, float)):
+            missing.append(f"--profiled: metrics.{name} is {metrics.get(name)!r} "
+                           f"({_clip((metrics.get('reasons') or {}).get(name))})")
+    if missing:
+        return missing, ""
+    return [], (f"{kernels} kernels traced, exposed comm {metrics['comm_exposed_trace_ms']:.2f} ms (trace) / "
+                f"{metrics.get('comm_exposed_ms')} (ablation), MFU {metrics['mfu']:.1%} of the measured peak "
+                f"{metrics.get('peak_tflops_measured')} TFLOP/s, {metrics['mfu_datasheet']:.1%} of the datasheet's "
+                f"{metrics.get('peak_tflops_datasheet')} ({metrics.get('compute_dtype')}); link {metrics.get('comm_link')}")
+
+
 def judge(ns: argparse.Namespace) -> tuple[list[str], str]:
     """(every shortfall as a printed line, the one-line summary when there is none)."""
     if ns.cells is not None:
@@ -413,6 +445,10 @@ def judge(ns: argparse.Namespace) -> tuple[list[str], str]:
             missing, said = cost_of(result)
             problems += missing
             figures.append(said)
+        if ns.profiled:
+            missing, said = profiled_of(result)
+            problems += missing
+            figures.append(said)
         powers.append((result.get("equivalence") or {}).get("min_detectable_rel"))
         lines += [f"{ns.step}: {describe(path, result)}: {p}" for p in problems]
     if ns.saving and len(results) == 2:
@@ -421,7 +457,8 @@ def judge(ns: argparse.Namespace) -> tuple[list[str], str]:
         figures.append(said)
     verdicts = sorted({str((r.get("equivalence") or {}).get("verdict")) for _, r in results
                        if isinstance(r.get("equivalence"), dict)})
-    flags = ("skips", "memory", "power", "cause", "tf32_off", "compiled", "partial_coverage", "saving", "cost")
+    flags = ("skips", "memory", "power", "cause", "tf32_off", "compiled", "partial_coverage", "saving", "cost",
+             "profiled")
     checked = ["verdict"] + [f.replace("_", "-") for f in flags if getattr(ns, f) not in (None, False)]
     said = [f for f in figures if f]
     if ns.power is not None:

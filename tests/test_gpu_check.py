@@ -597,3 +597,21 @@ def test_the_overhead_ratio_passes_within_its_bound_and_fails_beyond_it(tmp_path
     slow_loop.write_text(json.dumps({"step_ms_p50": step, "loop_ms_per_step": loop / 1.3}))
     assert gpu_overhead.main(["--loop", str(slow_loop), str(d)]) == 1
     assert "ratio 1.300, more than 1.1" in capsys.readouterr().out
+
+
+# -- --profiled ------------------------------------------------------------------------------------------------------
+def test_profiled_passes_on_a_cuda_trace_with_mfu_and_fails_on_a_cpu_one(tmp_path, capsys, ordinary):
+    trace = tmp_path / "rank0.json"
+    events = [{"ph": "X", "name": "dpcompare.step 3", "ts": 0, "dur": 10, "tid": 1, "cat": "user_annotation"}]
+    trace.write_text(json.dumps({"traceEvents": events}))
+    cpu = copy.deepcopy(ordinary)  # a CPU run: no kernel in its trace, no datasheet peak
+    cpu["metrics"].update(profile={"steps": 1, "traces": [str(trace)], "phases": []}, comm_exposed_trace_ms=0.0,
+                          mfu=0.3, mfu_datasheet=None)
+    rc, lines = judge(capsys, step_dir(tmp_path, "cpu", cpu), "--profiled")
+    assert rc == 1 and any("no CUDA kernel" in line for line in lines) and any("mfu_datasheet" in line for line in lines)
+    (tmp_path / "k.json").write_text(json.dumps({"traceEvents": [*events, {"ph": "X", "name": "sm90_gemm", "ts": 1,
+                                                                           "dur": 5, "tid": 7, "cat": "kernel"}]}))
+    cuda = copy.deepcopy(cpu)
+    cuda["metrics"].update(profile={"steps": 1, "traces": [str(tmp_path / "k.json")], "phases": []}, mfu_datasheet=0.2)
+    rc, lines = judge(capsys, step_dir(tmp_path, "cuda", cuda), "--profiled")
+    assert rc == 0 and "1 kernels traced" in lines[0] and "profiled held" in lines[0], lines
