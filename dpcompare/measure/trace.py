@@ -22,8 +22,8 @@ of the two to trust when they disagree. Pure functions over the trace's event li
 
 A rank that reaches a collective before its peers waits out their compute there: its trace books that skew as
 exposed communication, and the rank that arrived last shows the collective alone. The step, as slow as its slowest
-rank, pays the latter, which is what the ablation's slowest-rank difference measures: the run's figure is the
-smallest rank's median (`comm_exposed_trace_ms`), every rank's beside it.
+rank, pays the latter, which is what the ablation's slowest-rank difference measures: the run's figure takes the
+smallest rank in each traced step, the median over the steps (`comm_exposed_trace_ms`), every rank's beside it.
 """
 
 from __future__ import annotations
@@ -154,11 +154,20 @@ def trust(ablation: float | None, ablation_ci: Sequence[float] | None, traced: f
 
 
 def run_figure(figures: Sequence[dict[str, Any] | None]) -> tuple[float, int, float] | None:
-    """(exposed ms, its rank, that rank's communication ms) of the rank showing least exposed communication: the
-    last to arrive, whose wait is the collective alone. None where no rank has a figure."""
-    known = [(f["exposed_ms"], rank, f["comm_ms"]) for rank, f in enumerate(figures) if f]
-    return min(known) if known else None
-
+    """(exposed ms, rank, communication ms) of the run: in each traced step the rank showing least exposed
+    communication (the last to arrive, whose wait is the collective alone; it may change from step to step), the
+    median over the steps, and the rank that was it most often. Where the ranks traced different steps, the rank
+    whose median is least. None where no rank has a figure."""
+    ranked = [(rank, {s["step"]: s for s in f["steps"]}) for rank, f in enumerate(figures) if f]
+    if not ranked:
+        return None
+    common = sorted(set.intersection(*(set(steps) for _, steps in ranked)))
+    if not common:
+        return min((f["exposed_ms"], rank, f["comm_ms"]) for rank, f in enumerate(figures) if f)
+    last = [min((steps[k]["exposed_ms"], rank, steps[k]["comm_ms"]) for rank, steps in ranked) for k in common]
+    ranks = [rank for _, rank, _ in last]
+    return (float(np.median([e for e, _, _ in last])), max(set(ranks), key=ranks.count),
+            float(np.median([c for _, _, c in last])))
 
 def arrival_waits(figures: Sequence[dict[str, Any] | None]) -> list[float | None] | None:
     """Each rank's wait at the traced steps' collectives for the last rank to arrive (ms per step, the median over
