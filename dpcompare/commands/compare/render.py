@@ -179,6 +179,10 @@ def render_cost(console, jobs: list[Job], scaling: list[dict[str, Any]]) -> None
         if m.straggler_rank.value is not None:
             console.print(Text(f"{j.label}: straggler rank {m.straggler_rank.value:.0f}, "
                                f"{_fmt(m.straggler_excess_ms, '+.2f')} ms per step over the median rank", style="yellow"))
+        chosen = (m.comm_link.value or {}).get("chosen")
+        if chosen:  # NCCL's algorithm and protocol (its tuning log, --profile on CUDA): read busbw against nccl-tests'
+            console.print(Text(f"{j.label}: NCCL chose " + "; ".join(
+                f"{kind} {', '.join(f'{choice} x{calls}' for choice, calls in by.items())}" for kind, by in chosen.items())))
         if m.comm_exposed_trace_ms.value is not None:  # --profile: the trace's exposed communication beside the ablation's
             console.print(Text(f"{j.label}: exposed comm from the trace {_fmt(m.comm_exposed_trace_ms, '.2f')} ms "
                                f"(ablation {_fmt(m.comm_exposed_ms, '.2f')} ms): trust {m.comm_exposed_trust.value}, "
