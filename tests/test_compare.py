@@ -915,3 +915,18 @@ def test_compare_clips_every_backend_by_its_own_mechanism(tmp_path):
         result = json.loads(Path(r["result_path"]).read_text())
         assert result["config"]["clip_grad_norm"] == 0.05
         assert result["equivalence"]["checks"]["grad_norm"]["clipped_steps"], r["label"]
+
+
+def test_the_cost_section_prints_the_traces_figure_beside_the_ablations_and_what_nccl_chose(tmp_path):
+    metrics = {"comm_exposed_ms": 3.0, "comm_exposed_trace_ms": 1.25, "comm_exposed_trust": "ablation",
+               "comm_exposed_trust_why": "the ablation: because", "reasons": {},
+               "comm_link": {"transport": "nccl", "version": "2.27.3", "forced": None, "chosen_reason": None,
+                             "chosen": {"AllReduce": {"Ring/Simple": 12, "Ring/LL": 3}}}}
+    jobs = [_job(tmp_path, "ddp", 2, _equivalence(), ORACLE, metrics=metrics),
+            _job(tmp_path, "fsdp", 2, _equivalence(), ORACLE, metrics={"comm_exposed_ms": 3.0, "reasons": {}})]
+    console = Console(file=io.StringIO(), width=160, record=True)
+    render.render_cost(console, jobs, [])
+    text = console.export_text()
+    assert "ddp/2: NCCL chose AllReduce Ring/Simple x12, Ring/LL x3" in text
+    assert "ddp/2: exposed comm from the trace 1.25 ms (ablation 3.00 ms): trust ablation, the ablation: because" in text
+    assert "fsdp/2: exposed comm from the trace" not in text and "fsdp/2: NCCL chose" not in text
