@@ -104,6 +104,37 @@ def checked_equivalence(verdict: str = "equivalent", *, stochastic: bool = False
     return e
 
 
+# -- the tiers: a test marked deep is deep, whatever else it is marked -------------------------------------
+DEEP_LIST = Path(__file__).with_name("deep_tier.txt")
+"""Tests of the breadth tier (`slow`) run in the deep tier instead: CI's time (docs/testing.md). One pytest node ID
+per line; '#' starts a comment."""
+
+
+def deep_listed() -> set[str]:
+    return {line.split("#", 1)[0].strip() for line in DEEP_LIST.read_text().splitlines()} - {""}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Before pytest selects by mark: each test listed in tests/deep_tier.txt is marked deep, and where the mark
+    expression does not name deep (`-m slow`), a test marked deep is left out whatever else it is marked. A collection
+    of the whole suite that misses a listed test is an error: a renamed test would silently return to its old tier."""
+    listed = deep_listed()
+    seen = set()
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.deep)
+            seen.add(item.nodeid)
+    if set(config.args) <= {"tests", str(REPO_ROOT / "tests")} and listed - seen:
+        raise pytest.UsageError(f"tests/deep_tier.txt lists tests that do not exist: {sorted(listed - seen)[:5]}")
+    if "deep" in (config.getoption("markexpr") or ""):
+        return
+    dropped = [item for item in items if item.get_closest_marker("deep") is not None]
+    if dropped:
+        items[:] = [item for item in items if item.get_closest_marker("deep") is None]
+        config.hook.pytest_deselected(items=dropped)
+
+
 # -- noise ratios seen by the equivalence matrix, printed at the end of the session ------------------
 NOISE_RATIOS: list[tuple[str, int, str, str, float, float | None, float | None]] = []
 
