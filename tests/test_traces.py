@@ -107,7 +107,7 @@ def test_a_trace_without_the_steps_ranges_has_no_figure():
 @pytest.mark.parametrize("ablation, ci, traced, which, words", [
     (3.0, [1.0, 6.0], 5.5, "both", "interval"),
     (3.0, None, 3.5, "both", "within 20%"),
-    (3.0, None, 2.0, "ablation", "interference"),  # the step pays more than the trace books: compute slowed
+    (3.0, None, 2.0, "ablation", "beside it"),  # the step pays more than the trace books: compute slowed
     (3.0, None, 4.0, "ablation", "profiler"),  # the trace books more: its steps ran under the profiler
     (None, None, 4.0, "trace", "did not run"),
 ])
@@ -116,6 +116,32 @@ def test_where_the_two_figures_disagree_the_result_says_which_to_trust_and_why(a
 
     trusted, why = trace.trust(ablation, ci, traced)
     assert trusted == which and words in why, why
+
+
+def test_an_ablation_above_the_trace_by_the_ranks_skew_trusts_the_trace():
+    from dpcompare.measure import trace
+
+    trusted, why = trace.trust(8.0, [7.0, 9.0], 3.0, [4.0, 0.0])  # 5 ms above: within 1.5 x the 4 ms wait
+    assert trusted == "trace" and "arrive apart" in why and "4 ms" in why
+    trusted, why = trace.trust(8.0, [7.0, 9.0], 3.0, [3.0, 0.0])  # the twin: too little skew to explain it
+    assert trusted == "ablation" and "arrive apart" not in why
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("backend", ["ddp", "deepspeed"])
+def test_a_rank_slower_in_compute_lifts_the_ablation_by_its_lag_and_the_trace_is_trusted(launch, backend):
+    """compare's model (mlp-wide), rank 1 slowed (~8 ms of spinning a step): rank 0 waits for it at every collective,
+    the interleaved ablation holds the collective plus that lag, the trace's last rank the collective alone."""
+    args = ["--steps", "1", "--profile", "--measure-steps", "20", "--inject-slowdown", "1", "--inject-slowdown-rank", "1"]
+    finished, result = launch(backend, 2, "mlp-wide", args, "torchrun")
+    assert result is not None, finished.output[-3000:]
+    m = result["metrics"]
+    waits = m["comm_arrival_wait_ms_per_rank"]
+    assert waits[1] == 0.0 and waits[0] > 2.0, waits  # rank 1 is the last to arrive, rank 0 waits for it
+    assert m["comm_exposed_trace_ms"] < m["comm_exposed_ms"], (m["comm_exposed_trace_ms"], m["comm_exposed_ms"])
+    assert m["comm_exposed_trust"] == "trace" and "arrive apart" in m["comm_exposed_trust_why"], (
+        m["comm_exposed_trust"], m["comm_exposed_trust_why"], m["comm_exposed_ms"], m["comm_exposed_trace_ms"], waits)
 
 
 def test_the_run_figure_is_the_rank_that_arrived_last():

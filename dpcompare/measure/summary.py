@@ -179,7 +179,7 @@ def record_traced(m: Metrics, figures: list[dict[str, Any] | None] | None, ablat
     waits = trace.arrival_waits(figures) if found and figures else None
     m.set("comm_arrival_wait_ms_per_rank", waits,
           why if not found else "needs two ranks' traces whose steps issued the same collectives")
-    which, because = trace.trust(ablation, ablation_ci, found[0] if found else None)
+    which, because = trace.trust(ablation, ablation_ci, found[0] if found else None, waits)
     m.set("comm_exposed_trust", which, because)
     m.set("comm_exposed_trust_why", because)
 

@@ -38,6 +38,10 @@ COMM_EVENT = re.compile(r"^(gloo|nccl|mpi|ucc|xccl):|^c10d::|^nccl(Dev)?Kernel_|
 STEP = re.compile(r"^dpcompare\.step (\d+)$")
 AGREEMENT = 0.20
 """The two figures agree when they differ by no more than this fraction of the ablation's."""
+SKEW_FACTOR = 1.5
+"""An ablation above the trace by at most this many times the ranks' skew is explained by it (a rank slower by s ms
+makes the ablation the collective plus s; a planted 7.6 ms straggler on this box showed waits of 9-10 ms and a gap
+of 11.2-11.5 ms: docs/results/2026-11-28-traces-cpu.md)."""
 
 Interval = tuple[float, float]
 
@@ -131,8 +135,10 @@ def rank_figure(steps: list[dict[str, float]]) -> dict[str, Any] | None:
             "comm_ms": float(np.median([s["comm_ms"] for s in steps])), "steps": steps}
 
 
-def trust(ablation: float | None, ablation_ci: Sequence[float] | None, traced: float | None) -> tuple[str | None, str]:
-    """(which figure to trust, why) for exposed communication measured both ways; which is None when neither is."""
+def trust(ablation: float | None, ablation_ci: Sequence[float] | None, traced: float | None,
+          waits: Sequence[float | None] | None = None) -> tuple[str | None, str]:
+    """(which figure to trust, why) for exposed communication measured both ways; which is None when neither is.
+    `waits`: each rank's wait at the traced collectives for the last to arrive (arrival_waits)."""
     if traced is None and ablation is None:
         return None, "neither figure was measured"
     if traced is None:
@@ -143,15 +149,19 @@ def trust(ablation: float | None, ablation_ci: Sequence[float] | None, traced: f
         return "both", "the trace's figure lies inside the ablation's 95 % interval"
     if abs(traced - ablation) <= AGREEMENT * max(ablation, 1e-9):
         return "both", f"they agree within {AGREEMENT:.0%}"
+    skew = max([w for w in waits or [] if w is not None], default=0.0)
+    if ablation > traced and ablation - traced <= SKEW_FACTOR * skew:
+        return "trace", (f"the trace: the ranks arrive apart (a rank waits {skew:.3g} ms per step for the last at the "
+                         "collectives), and the ablation's synced step starts with the lag the ranks built up in the "
+                         "unsynced step before it, so a rank slower in compute by s ms makes it the collective plus s; "
+                         "the trace's figure is the last rank's, the collective alone")
     if ablation > traced:
-        return "ablation", ("the ablation: it times what the step pays for synchronising over the measured steps; the "
-                            "trace books as compute the ops the collective slowed while it ran beside them "
-                            "(interference: on a CPU the collective's thread shares the cores and memory bandwidth)")
+        return "ablation", ("the ablation: it times everything synchronising adds to the step over the measured steps "
+                            "(the backend's own work around the collective, compute slowed by the collective running "
+                            "beside it: on a CPU its thread shares the cores), which a trace books as compute")
     return "ablation", ("the ablation: it times unprofiled steps, the measured window's; the trace's few steps run "
                         "under the profiler, whose cost per op and per collective event lengthens the waits it books "
                         "as exposed")
-
-
 
 def run_figure(figures: Sequence[dict[str, Any] | None]) -> tuple[float, int, float] | None:
     """(exposed ms, rank, communication ms) of the run: in each traced step the rank showing least exposed
