@@ -179,7 +179,7 @@ horovod_n() {
 declare -A base_port=([power-tf32]=29600 [twins-tf32]=29650 [power-bf16]=29700 [twins-bf16]=29750
   [engine-gpt-tiny-ws1]=29800 [engine-mlp-ws1]=29850 [engine-gpt-tiny-ws2]=29900 [engine-mlp-ws2]=29950 [shared]=30000
   [branches]=30050 [checkpointing]=30100 [questions]=30150 [questions-shared]=30200 [horovod]=30250 [overhead]=30300
-  [cost]=30400 [coverage]=30500 [moves]=30600)
+  [cost]=30400 [coverage]=30500 [moves]=30600 [profile]=30650)
 # part NAME: is part NAME asked for (GPU_CHECK_PARTS) and not already run in a lane? If so it opens: its group and
 # its ports.
 part() { [[ "$parts" == *" $1 "* && "$laned" != *" $1 "* ]] || return 1; group=$1 port=${base_port[$1]}; }

@@ -461,7 +461,7 @@ def test_ws2_args_is_set_before_any_part_and_each_part_has_its_own_ports():
     assert all(b - a >= 50 for a, b in zip(bases, bases[1:])), ports
     opened = set(re.findall(r'\bif part "([\w$-]+)"', text))
     assert opened == {"power-$prec", "twins-$prec", "engine-$model-ws$ws", "shared", "branches", "checkpointing",
-                      "questions", "questions-shared", "horovod", "overhead", "cost", "coverage", "moves"}, opened
+                      "questions", "questions-shared", "horovod", "overhead", "cost", "coverage", "moves", "profile"}, opened
 
 
 def test_every_part_runs_once_in_a_lane_or_after_them_and_an_unknown_part_is_refused(tmp_path):

@@ -20,6 +20,7 @@ def _collected(*args: str) -> set[str]:
     return {line.strip() for line in out.splitlines() if "::" in line}
 
 
+@pytest.mark.slow  # two collections (16 s); CI's breadth tier runs it
 def test_a_listed_breadth_test_runs_in_the_deep_tier_and_not_in_the_breadth_tier():
     assert MOVED in deep_listed()
     slow, deep = _collected("-m", "slow", "tests/test_robust.py"), _collected("-m", "deep", "tests/test_robust.py")
