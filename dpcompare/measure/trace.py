@@ -22,8 +22,9 @@ of the two to trust when they disagree. Pure functions over the trace's event li
 
 A rank that reaches a collective before its peers waits out their compute there: its trace books that skew as
 exposed communication, and the rank that arrived last shows the collective alone. The step, as slow as its slowest
-rank, pays the latter, which is what the ablation's slowest-rank difference measures: the run's figure takes the
-smallest rank in each traced step, the median over the steps (`comm_exposed_trace_ms`), every rank's beside it.
+rank, pays the latter, which the ablation's slowest-rank difference is meant to measure (it also carries the ranks'
+skew: `trust`): the run's figure takes the smallest rank in each traced step, the median over the steps
+(`comm_exposed_trace_ms`), every rank's beside it.
 """
 
 from __future__ import annotations
