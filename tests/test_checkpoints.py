@@ -151,7 +151,8 @@ def test_a_continuation_is_judged_over_all_the_steps_against_one_uninterrupted_r
 
 
 @pytest.mark.parametrize("fault, cause", [("ckpt-optimizer", "checkpoint_optimizer"),
-                                          ("ckpt-step", "checkpoint_step_count"), ("ckpt-data", "checkpoint_data")])
+                                          ("ckpt-step", "checkpoint_step_count"),
+                                          pytest.param("ckpt-data", "checkpoint_data", marks=pytest.mark.slow)])
 def test_a_planted_fault_of_the_load_is_different_with_its_cause_and_the_trajectory_sees_the_state_faults(
         saved_ddp, fault, cause):
     launch, where = saved_ddp

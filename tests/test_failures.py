@@ -361,7 +361,7 @@ def test_a_fenced_write_finds_its_fence_and_writes_nothing(tmp_path: Path):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("closed", [False, True], ids=["open", "closed"])
+@pytest.mark.parametrize("closed", [pytest.param(False, marks=pytest.mark.slow), True], ids=["open", "closed"])  # the control in the breadth tier
 def test_a_run_whose_fence_is_closed_writes_no_result_and_no_dump(launch, tmp_path, closed):
     """A rank that outlived its compare (the fence exists) fails in one line and leaves the folder as it was."""
     fence, dump = tmp_path / "job.closed", tmp_path / "grads" / "g.npz"
