@@ -179,7 +179,11 @@ def record_traced(m: Metrics, figures: list[dict[str, Any] | None] | None, ablat
     waits = trace.arrival_waits(figures) if found and figures else None
     m.set("comm_arrival_wait_ms_per_rank", waits,
           why if not found else "needs two ranks' traces whose steps issued the same collectives")
-    which, because = trace.trust(ablation, ablation_ci, found[0] if found else None, waits)
+    slowed = trace.run_slowed(figures) if found and figures else None
+    m.set("comm_slowed_compute_trace_ms", slowed,
+          why if not found else "the traced steps had no unsynced twins (no ablation: --ablation-steps 0, or a backend "
+          "that cannot switch synchronisation off)")
+    which, because = trace.trust(ablation, ablation_ci, found[0] if found else None, slowed)
     m.set("comm_exposed_trust", which, because)
     m.set("comm_exposed_trust_why", because)
 

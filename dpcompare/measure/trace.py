@@ -19,12 +19,18 @@ of the two to trust when they disagree. Pure functions over the trace's event li
   arrival         when the rank asked for each collective: the c10d op's start on the step's thread (a CPU run),
                   the NCCL kernel's start (a GPU); a rank's wait at a collective is the last rank's arrival less its
                   own, its arrival skew
+  slowed          where the run has an ablation, each traced step is followed by its unsynced twin
+                  (`dpcompare.unsynced N`, the same batch, synchronisation off, no optimizer step; its whole range,
+                  as the ablation's unsynced arm runs up to where a synced step's reduce would end): the
+                  step's compute less the twin's is what synchronising added to the compute (a collective's thread
+                  sharing a CPU rank's cores, the backend's own copies around it), which the ablation counts and
+                  the exposed figure, by definition, does not
 
 A rank that reaches a collective before its peers waits out their compute there: its trace books that skew as
 exposed communication, and the rank that arrived last shows the collective alone. The step, as slow as its slowest
-rank, pays the latter, which the ablation's slowest-rank difference is meant to measure (it also carries the ranks'
-skew: `trust`): the run's figure takes the smallest rank in each traced step, the median over the steps
-(`comm_exposed_trace_ms`), every rank's beside it.
+rank, pays the latter, which the ablation's slowest-rank difference measures too (its arms start with the ranks lined
+up): the run's figure takes the smallest rank in each traced step, the median over the steps
+(`comm_exposed_trace_ms`), every rank's beside it, and that rank's slowed compute (`comm_slowed_compute_trace_ms`).
 """
 
 from __future__ import annotations
@@ -37,13 +43,10 @@ import numpy as np
 COMM_EVENT = re.compile(r"^(gloo|nccl|mpi|ucc|xccl):|^c10d::|^nccl(Dev)?Kernel_|^record_param_comms$")
 """The names of communication events (the process groups' work, the c10d ops, NCCL's kernels)."""
 STEP = re.compile(r"^dpcompare\.step (\d+)$")
+UNSYNCED = re.compile(r"^dpcompare\.unsynced (\d+)$")
+"""The ablation's unsynced twin of a traced step (the same batch, synchronisation off), where the run has one."""
 AGREEMENT = 0.20
 """The two figures agree when they differ by no more than this fraction of the ablation's."""
-SKEW_FACTOR = 1.5
-"""An ablation above the trace by at most this many times the ranks' skew is explained by it (a rank slower by s ms
-makes the ablation the collective plus s; a planted 7.6 ms straggler on this box showed waits of 9-10 ms and a gap
-of 11.2-11.5 ms: docs/results/2026-11-28-traces-cpu.md)."""
-
 Interval = tuple[float, float]
 
 
@@ -114,32 +117,48 @@ def per_step(events: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
                       if is_comm(str(e.get("name", ""))) and (kernels or str(e.get("name", "")).startswith("c10d::")))
     comm = _union(comm)
     reduces = sorted(_span(e) for e in complete if e.get("name") == "dpcompare.reduce" and e.get("tid") == main)
+    twins = {int(m.group(1)): _span(e) for e in complete if (m := UNSYNCED.match(str(e.get("name", ""))))}
     out = []
     for s in sorted(steps, key=lambda e: float(e["ts"])):
         lo, hi = _span(s)
-        cut = [b for a, b in reduces if lo <= a <= hi]
-        end = cut[0] if cut else hi
-        if kernels:  # the GPU runs behind the host: the step's range ends after a synchronize, its kernels inside it
-            end = hi
+        end = hi if kernels else _end(reduces, lo, hi)
         in_flight = _clip(comm, lo, end)
-        exposed = _minus(in_flight, _union(_clip(compute, lo, end)))
-        out.append({"step": int(STEP.match(str(s["name"])).group(1)), "comm_ms": _length(in_flight) / 1e3,
-                    "exposed_ms": _length(exposed) / 1e3, "arrivals_us": [t for t in launches if lo <= t <= end]})
+        busy = _union(_clip(compute, lo, end))
+        exposed = _minus(in_flight, busy)
+        step = int(STEP.match(str(s["name"])).group(1))
+        figure = {"step": step, "comm_ms": _length(in_flight) / 1e3, "exposed_ms": _length(exposed) / 1e3,
+                  "compute_ms": _length(busy) / 1e3, "arrivals_us": [t for t in launches if lo <= t <= end]}
+        if step in twins:  # the unsynced twin: its whole range (no reduce, no optimizer step), as the ablation's arm
+            figure["unsynced_compute_ms"] = _length(_clip(compute, *twins[step])) / 1e3
+        out.append(figure)
     return out
+
+
+def _end(phases: list[Interval], lo: float, hi: float) -> float:
+    """Where the first of `phases` that starts inside [lo, hi] ends (a step's reduce), else hi."""
+    return next((b for a, b in phases if lo <= a <= hi), hi)
 
 
 def rank_figure(steps: list[dict[str, float]]) -> dict[str, Any] | None:
     """A rank's medians over its traced steps, or None without steps."""
     if not steps:
         return None
+    slowed = [_slowed(s) for s in steps if "unsynced_compute_ms" in s]
     return {"exposed_ms": float(np.median([s["exposed_ms"] for s in steps])),
-            "comm_ms": float(np.median([s["comm_ms"] for s in steps])), "steps": steps}
+            "comm_ms": float(np.median([s["comm_ms"] for s in steps])),
+            "slowed_ms": float(np.median(slowed)) if slowed else None, "steps": steps}
+
+
+def _slowed(step: dict[str, Any]) -> float:
+    """What synchronising added to a traced step's compute: its compute less its unsynced twin's (ms)."""
+    return step["compute_ms"] - step["unsynced_compute_ms"]
 
 
 def trust(ablation: float | None, ablation_ci: Sequence[float] | None, traced: float | None,
-          waits: Sequence[float | None] | None = None) -> tuple[str | None, str]:
+          slowed: float | None = None) -> tuple[str | None, str]:
     """(which figure to trust, why) for exposed communication measured both ways; which is None when neither is.
-    `waits`: each rank's wait at the traced collectives for the last to arrive (arrival_waits)."""
+    `slowed`: what synchronising added to the traced steps' compute, as the ablation's slowest rank pays it
+    (run_slowed; None where the traced steps had no unsynced twins)."""
     if traced is None and ablation is None:
         return None, "neither figure was measured"
     if traced is None:
@@ -150,19 +169,23 @@ def trust(ablation: float | None, ablation_ci: Sequence[float] | None, traced: f
         return "both", "the trace's figure lies inside the ablation's 95 % interval"
     if abs(traced - ablation) <= AGREEMENT * max(ablation, 1e-9):
         return "both", f"they agree within {AGREEMENT:.0%}"
-    skew = max([w for w in waits or [] if w is not None], default=0.0)
-    if ablation > traced and ablation - traced <= SKEW_FACTOR * skew:
-        return "trace", (f"the trace: the ranks arrive apart (a rank waits {skew:.3g} ms per step for the last at the "
-                         "collectives), and the ablation's synced step starts with the lag the ranks built up in the "
-                         "unsynced step before it, so a rank slower in compute by s ms makes it the collective plus s; "
-                         "the trace's figure is the last rank's, the collective alone")
+    if ablation > traced and slowed is not None and slowed > 0 \
+            and abs(traced + slowed - ablation) <= AGREEMENT * ablation:
+        return "both", (f"they agree within {AGREEMENT:.0%} once the compute that synchronising slowed is counted: "
+                        f"the trace's exposed {traced:.3g} ms plus the {slowed:.3g} ms its synced steps' compute took "
+                        f"over their unsynced twins' against the ablation's {ablation:.3g} ms, which counts that "
+                        "slowed compute (the collective's thread sharing the cores, the backend's own work around it) "
+                        "as what synchronising costs, where the trace books it as compute")
     if ablation > traced:
+        measured = (f" (the trace's synced steps' compute took {slowed:.3g} ms over their unsynced twins', "
+                    f"{traced + slowed:.3g} ms with the exposed figure)" if slowed is not None else "")
         return "ablation", ("the ablation: it times everything synchronising adds to the step over the measured steps "
                             "(the backend's own work around the collective, compute slowed by the collective running "
-                            "beside it: on a CPU its thread shares the cores), which a trace books as compute")
+                            f"beside it: on a CPU its thread shares the cores), which a trace books as compute{measured}")
     return "ablation", ("the ablation: it times unprofiled steps, the measured window's; the trace's few steps run "
                         "under the profiler, whose cost per op and per collective event lengthens the waits it books "
                         "as exposed")
+
 
 def run_figure(figures: Sequence[dict[str, Any] | None]) -> tuple[float, int, float] | None:
     """(exposed ms, rank, communication ms) of the run: in each traced step the rank showing least exposed
@@ -179,6 +202,17 @@ def run_figure(figures: Sequence[dict[str, Any] | None]) -> tuple[float, int, fl
     ranks = [rank for _, rank, _ in last]
     return (float(np.median([e for e, _, _ in last])), max(set(ranks), key=ranks.count),
             float(np.median([c for _, _, c in last])))
+
+def run_slowed(figures: Sequence[dict[str, Any] | None]) -> float | None:
+    """The compute that synchronising slowed, as the ablation's slowest rank pays it: in each traced step the rank
+    showing least exposed communication (the last to arrive, as run_figure), its compute less its unsynced twin's,
+    the median over the steps. None where no step has a twin."""
+    ranked = [{s["step"]: s for s in f["steps"]} for f in figures if f]
+    common = sorted(set.intersection(*(set(steps) for steps in ranked))) if ranked else []
+    last = [min(ranked, key=lambda steps: steps[k]["exposed_ms"])[k] for k in common]
+    slowed = [_slowed(s) for s in last if "unsynced_compute_ms" in s]
+    return float(np.median(slowed)) if slowed else None
+
 
 def arrival_waits(figures: Sequence[dict[str, Any] | None]) -> list[float | None] | None:
     """Each rank's wait at the traced steps' collectives for the last rank to arrive (ms per step, the median over

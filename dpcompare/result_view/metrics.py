@@ -44,6 +44,7 @@ class Metrics(View):
     comm_trace_ms = Field()
     comm_arrival_wait_ms_per_rank = Field(list)
     comm_exposed_trace_ratio = Field()
+    comm_slowed_compute_trace_ms = Field()
     comm_exposed_trust = Field(str)
     comm_exposed_trust_why = Field(str)
     comm_total_ms = Field()

@@ -6,7 +6,8 @@ memory window, the backend's native counter and the recorder of Python collectiv
 outside its clock segments and the loop's wall clock), with the ablation interleaved: each paired measured step is
 followed by the same step with gradient synchronisation off (A B A B ...). The measured step is the synced arm, timed
 up to its reduce (its optimizer step left out); the unsynced step, timed up to the same point, is the compute arm
-(exposed communication = synced - unsynced, measured on the very steps the counter counts). Under --compile a
+(exposed communication = synced - unsynced, measured on the very steps the counter counts); after it the ranks are
+lined up again, so the next synced step starts as a training step does. Under --compile a
 measured step that compiled anything on any rank (with its unsynced twin) is left out of the figures and counted.
 Rank 0 gathers every rank's samples and dpcompare.measure does the arithmetic.
 """
@@ -103,7 +104,8 @@ class MeasurementPhase:
     def _profile(self, start: int) -> dict[str, Any]:
         """--profile, every rank: PROFILE_STEPS steps after the measured window (whose figures it leaves alone) under
         torch.profiler, the step's phases marked (dpcompare.forward, .backward, .reduce, .optimizer_step; the
-        collectives are the profiler's own events), written as one Chrome/Perfetto trace per rank under
+        collectives are the profiler's own events), each followed, where the run has an ablation, by its unsynced twin
+        (dpcompare.unsynced N) and the ranks lined up, written as one Chrome/Perfetto trace per rank under
         OUT/traces/<run>/rank<R>.json. Returns the traces' paths, rank by rank."""
         token = self.adapter.all_gather_object(f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")[0]
         directory = Path(self.cfg.out) / "traces" / token
@@ -116,15 +118,17 @@ class MeasurementPhase:
         # One step under the profiler before the traced ones (its schedule's warm-up): the profiler's first step
         # pays its own start-up, which the trace would otherwise book to that step's ops and collectives.
         schedule = torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
+        twins = self._pairs()[0] > 0
         self.runner.marking = True
         try:
             with torch.profiler.profile(activities=activities, schedule=schedule,
                                         on_trace_ready=lambda p: p.export_chrome_trace(str(path))) as profiler:
                 for i, (x, y) in enumerate([self.batches[0], *self.batches[:steps]]):
-                    with torch.profiler.record_function(f"dpcompare.step {start + i - 1}" if i else "dpcompare.warm-up"):
-                        self.runner.step(start + max(i - 1, 0), x, y, phase="profiled")
-                        if self.runner.device.type == "cuda":  # the step's kernels end inside its range
-                            torch.cuda.synchronize()
+                    n = start + max(i - 1, 0)
+                    self._traced(f"dpcompare.step {n}" if i else "dpcompare.warm-up", n, x, y)
+                    if twins:
+                        self._traced(f"dpcompare.unsynced {n}" if i else "dpcompare.warm-up", n, x, y, sync=False)
+                        self.adapter.all_gather_object(None)  # realigned, as in the measured window
                     profiler.step()
         finally:
             self.runner.marking = False
@@ -132,6 +136,14 @@ class MeasurementPhase:
         gathered = self.adapter.all_gather_object((str(path), trace.rank_figure(trace.per_step(events))))
         return {"steps": steps, "traces": [p for p, _ in gathered], "phases": [f"dpcompare.{p}" for p in PHASES],
                 "exposed": [f for _, f in gathered]}
+
+    def _traced(self, name: str, step: int, x: torch.Tensor, y: torch.Tensor, sync: bool = True) -> None:
+        """One step under the profiler in a range named `name`; sync=False: the ablation's unsynced twin (no optimizer
+        step), which the trace holds against the synced step for the compute that synchronising slowed."""
+        with torch.profiler.record_function(name):
+            self.runner.step(step, x, y, phase="profiled", sync=sync, update=sync)
+            if self.runner.device.type == "cuda":  # the step's kernels end inside its range
+                torch.cuda.synchronize()
 
     def _flops(self) -> dict[str, Any]:
         """Rank 0, once: the model's FLOPs and the device's peak (dpcompare.measure.flops.facts)."""
@@ -182,12 +194,19 @@ class MeasurementPhase:
         """The compute arm: the same batch with synchronisation off, timed (`arm`) from its start to where the synced
         step's reduce ends; no optimizer step (update=False: the gradients are dropped, then zero_grad clears them,
         unreduced ones included, so the next measured step starts from the weights and gradients it would have had).
-        `whole` times the whole step, for the loop's wall clock to leave out."""
+        `whole` times the whole step, for the loop's wall clock to leave out.
+
+        Then the ranks are lined up again, outside both arms' segments: with no collective in it, the unsynced step
+        lets a rank slower in compute by s fall s behind, and the synced step after it would start with that lag (its
+        slowest rank's arm the collective plus s, the ablation's exposed figure too). In training every step's
+        collectives end together, so each step starts as the ranks left the last: after the barrier, so does the
+        synced arm."""
         if whole is not None:
             whole.start()
         arm.start()
         self.runner.step(step, x, y, phase="ablation", sync=False, update=False, after_reduce=arm.stop)
         arm.end_step()
+        self.adapter.all_gather_object(None)
         if whole is not None:
             whole.stop()
             whole.end_step()

@@ -75,7 +75,9 @@ def plot_trace_timeline(runs: list[RunResult], path: Path) -> str | None:
         labels += [(y + 0.55, f"rank {rank} comm{exposed}"), (y + 1.45, f"rank {rank} step")]
     ax.set_yticks([t for t, _ in labels], [text for _, text in labels])
     ax.set_xlabel("ms from the first traced step's start")
-    ax.set_title(f"{run.label}: {len(steps[0])} traced step(s)")
+    twins = any(trace.UNSYNCED.match(str(e.get("name", ""))) for e in ranks[0])
+    ax.set_title(f"{run.label}: {len(steps[0])} traced step(s)"
+                 + (", each followed by its unsynced twin (no collective)" if twins else ""))
     ax.legend(handles=[*(Patch(color=c, label=label) for _, label, c in _PHASES), Patch(color=_COMM, label="collective")],
               loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 3 else -0.12), ncol=5, frameon=False)
     save(fig, path)
