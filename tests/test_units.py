@@ -514,6 +514,9 @@ def test_registry_loads_names_and_paths():
     ("nope", ValueError, "unknown backend 'nope': choose one of ddp, deepspeed, dp, fsdp, horovod, reference"),
     ("no_such_package_xyz:Adapter", ValueError, "cannot import module 'no_such_package_xyz'"),
     ("dpcompare.run.workloads:NoSuchThing", ValueError, "has no attribute 'NoSuchThing'"),
+    # compare's way of naming a variant, given to a run: the run's own way of asking for it
+    ("deepspeed:zero2", ValueError, "for one run give --backend deepspeed --opt zero_stage=2"),
+    ("deepspeed:zero9", ValueError, "deepspeed has no variant 'zero9' .its variants: zero0, zero1, zero2, zero3"),
 ])
 def test_registry_errors_say_what_is_available(spec, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(")):

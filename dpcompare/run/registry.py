@@ -51,6 +51,9 @@ class UserCodeError(ValueError):
 def load(spec: str, table: dict[str, str], kind: str) -> Any:
     """Resolve a registered name or `package.module:Name`; errors list what is available."""
     path = table.get(spec, spec)
+    named, _, variant = spec.partition(":")
+    if kind == "backend" and named in table and variant:
+        raise ValueError(_variant_refusal(spec, load(named, table, kind)))
     module_name, _, attr = path.partition(":")
     if ":" not in path:
         raise ValueError(
@@ -75,6 +78,18 @@ def load(spec: str, table: dict[str, str], kind: str) -> Any:
         return getattr(module, attr)
     except AttributeError:
         raise ValueError(f"--{kind} {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def _variant_refusal(spec: str, adapter: Any) -> str:
+    """The line for `--backend NAME:VARIANT` (compare's way to name a variant): the run's own way to ask for it."""
+    name, _, variant = spec.partition(":")
+    variants = getattr(adapter, "VARIANTS", {}) or {}
+    if variant in variants:
+        opts = " ".join(f"--opt {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in variants[variant].items())
+        return (f"--backend {spec!r}: a named variant is how compare's --backends says it; for one run give "
+                f"--backend {name} {opts}")
+    known = ", ".join(sorted(variants)) or "none"
+    return f"--backend {spec!r}: {name} has no variant {variant!r} (its variants: {known}); give --backend {name}"
 
 
 def availability(backend: str) -> tuple[bool, str]:
