@@ -187,30 +187,35 @@ def trust(ablation: float | None, ablation_ci: Sequence[float] | None, traced: f
                         "as exposed")
 
 
+def _lasts(figures: Sequence[dict[str, Any] | None]) -> list[tuple[int, dict[str, Any]]]:
+    """In each step every rank traced, (rank, its figure for the step) of the rank showing least exposed communication
+    (the last to arrive, whose wait is the collective alone; it may change from step to step); the lower rank on a
+    tie. Empty where the ranks share no traced step."""
+    ranked = [(rank, {s["step"]: s for s in f["steps"]}) for rank, f in enumerate(figures) if f]
+    common = sorted(set.intersection(*(set(steps) for _, steps in ranked))) if ranked else []
+    return [min(((rank, steps[k]) for rank, steps in ranked), key=lambda r: (r[1]["exposed_ms"], r[0], r[1]["comm_ms"]))
+            for k in common]
+
+
 def run_figure(figures: Sequence[dict[str, Any] | None]) -> tuple[float, int, float] | None:
-    """(exposed ms, rank, communication ms) of the run: in each traced step the rank showing least exposed
-    communication (the last to arrive, whose wait is the collective alone; it may change from step to step), the
+    """(exposed ms, rank, communication ms) of the run: in each traced step the last rank to arrive (`_lasts`), the
     median over the steps, and the rank that was it most often. Where the ranks traced different steps, the rank
     whose median is least. None where no rank has a figure."""
-    ranked = [(rank, {s["step"]: s for s in f["steps"]}) for rank, f in enumerate(figures) if f]
-    if not ranked:
+    if not any(figures):
         return None
-    common = sorted(set.intersection(*(set(steps) for _, steps in ranked)))
-    if not common:
+    last = _lasts(figures)
+    if not last:
         return min((f["exposed_ms"], rank, f["comm_ms"]) for rank, f in enumerate(figures) if f)
-    last = [min((steps[k]["exposed_ms"], rank, steps[k]["comm_ms"]) for rank, steps in ranked) for k in common]
-    ranks = [rank for _, rank, _ in last]
-    return (float(np.median([e for e, _, _ in last])), max(set(ranks), key=ranks.count),
-            float(np.median([c for _, _, c in last])))
+    ranks = [rank for rank, _ in last]
+    return (float(np.median([s["exposed_ms"] for _, s in last])), max(set(ranks), key=ranks.count),
+            float(np.median([s["comm_ms"] for _, s in last])))
+
 
 def run_slowed(figures: Sequence[dict[str, Any] | None]) -> float | None:
-    """The compute that synchronising slowed, as the ablation's slowest rank pays it: in each traced step the rank
-    showing least exposed communication (the last to arrive, as run_figure), its compute less its unsynced twin's,
-    the median over the steps. None where no step has a twin."""
-    ranked = [{s["step"]: s for s in f["steps"]} for f in figures if f]
-    common = sorted(set.intersection(*(set(steps) for steps in ranked))) if ranked else []
-    last = [min(ranked, key=lambda steps: steps[k]["exposed_ms"])[k] for k in common]
-    slowed = [_slowed(s) for s in last if "unsynced_compute_ms" in s]
+    """The compute that synchronising slowed, as the ablation's slowest rank pays it: in each traced step the last
+    rank to arrive (`_lasts`), its compute less its unsynced twin's, the median over the steps. None where no step has
+    a twin."""
+    slowed = [_slowed(s) for _, s in _lasts(figures) if "unsynced_compute_ms" in s]
     return float(np.median(slowed)) if slowed else None
 
 

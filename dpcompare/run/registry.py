@@ -85,7 +85,9 @@ def _variant_refusal(spec: str, adapter: Any) -> str:
     name, _, variant = spec.partition(":")
     variants = getattr(adapter, "VARIANTS", {}) or {}
     if variant in variants:
-        opts = " ".join(f"--opt {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in variants[variant].items())
+        from dpcompare.result_view import knob_text
+
+        opts = " ".join(f"--opt {k}={knob_text(v)}" for k, v in variants[variant].items())
         return (f"--backend {spec!r}: a named variant is how compare's --backends says it; for one run give "
                 f"--backend {name} {opts}")
     known = ", ".join(sorted(variants)) or "none"
