@@ -86,6 +86,12 @@ class BufferCheck:
         self._entries: dict[str, _Entry] = {}
         self.noted = False
         self._differing: list[str] = []
+        self.step = -1
+        self.unwritten: list[int] = []
+        """The checked steps at which no rank's buffers moved and the training forward wrote none: the first where
+        rank 0's float64 forward showed it, then those that took it from there without running that forward again
+        (a forward that wrote no buffer is taken to write none while no rank's buffers move; a rank's that moves, or
+        a forward that draws random numbers, runs every prediction again)."""
 
     def entries(self) -> list[dict]:
         return [e.to_dict() for e in self._entries.values()]
@@ -127,6 +133,7 @@ class BufferCheck:
         after = [e["after"] for e in evidence]
         if not after[0]:
             return None
+        self.step = step
         x, y = batch
         positions = layout.positions(x.shape[0])
         k, ws = layout.grad_accum, layout.world_size
@@ -187,8 +194,15 @@ class BufferCheck:
         """Every semantics' prediction of every rank's buffers (`predicted`), each rank's own (`own`), rank 0's again
         (`again`: whether the forward is a function of its inputs) and in the run dtype (`run_dtype`: the floor)."""
         predicted: dict[str, list[Buffers | None]] = {}
-        first = self._f64(state, before[0], pieces_of(0, range(k)))
-        if masks is None and _unmoved(first, before[0]) and all(_unmoved(a, b) for a, b in zip(after, before)):
+        quiet = masks is None and all(_unmoved(a, b) for a, b in zip(after, before))
+        if quiet and self.unwritten:
+            self.unwritten.append(self.step)  # the forward wrote none before, and no rank's moved: not run again
+            first = before[0]
+        else:
+            first = self._f64(state, before[0], pieces_of(0, range(k)))
+        if quiet and _unmoved(first, before[0]):
+            if not self.unwritten:
+                self.unwritten.append(self.step)
             # The training forward writes no buffer (rank 0's float64 forward leaves every one as it was) and no rank's
             # moved: every semantics predicts each rank's buffers as they were before (rank 0's where they are
             # broadcast), with no forward more (a model's constant buffers, rotary frequencies, cost nothing).

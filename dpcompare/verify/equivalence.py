@@ -38,7 +38,7 @@ from dpcompare.verify.verdict import Divergence, StepCheck, UpdateCheck, Verdict
 __all__ = [
     "DTYPES", "Grads", "Masks", "RECOMPUTE_ATTRIBUTE", "Layout", "Oracle", "Piece", "accumulate_gradient", "accumulate_raw", "depth_of",
     "finish_gradient", "first_mismatch", "global_pieces", "grad_digests", "param_digests", "replica_pieces", "tensor_digest",
-    "verification_copy",
+    "same_forwards", "verification_copy",
     # the tolerance policy's (dpcompare.verify.tolerance)
     "TOLERANCE_FACTOR", "UNIT_ROUNDOFF", "WIRE_DTYPE", "ParamError", "compare", "coverage", "flat", "min_detectable",
     "rel_fro", "wire_roundoff",
@@ -104,6 +104,25 @@ class Piece:
     position: int | None = None
     """Which forward of the `Layout` it is (its index in `Layout.positions`); None: a forward the backend did not
     run as such (the global batch in one forward), which one process computes whole."""
+
+
+def same_forwards(a: list[Piece], b: list[Piece]) -> bool:
+    """Whether `a` and `b` are the same forwards, summed in the same order: equal inputs, targets, weights and draws,
+    piece by piece. Two gradients computed from them at the same weights by the same copy are the same computation."""
+    if len(a) != len(b):
+        return False
+    for p, q in zip(a, b):
+        if p is q:
+            continue
+        if p.weight != q.weight or not (torch.equal(p.x, q.x) and torch.equal(p.y, q.y)):
+            return False
+        if (p.masks is None) != (q.masks is None):
+            return False
+        if p.masks is not None and (p.masks.keys() != q.masks.keys() or any(
+                len(p.masks[k]) != len(q.masks[k]) or not all(torch.equal(m, n) for m, n in zip(p.masks[k], q.masks[k]))
+                for k in p.masks)):
+            return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +305,8 @@ class Oracle:
             model.load_state_dict(state)
             out = accumulate_gradient(model, self.loss_fn, pieces, self.device, replayer, recipe, loss_scale, ranks)
             model.zero_grad(set_to_none=True)  # the float64 gradients live on in `grads`; a run-dtype copy is freed
+            if isinstance(out[0], Compact) and not recipe.active and loss_scale == 1.0:
+                out[0].source = (slot, state, pieces, out[1])  # dpcompare.verify.trajectory.Trajectory.take
         if slot is not None:
             release(model)
         return out

@@ -23,12 +23,15 @@ class Compact(Mapping[str, torch.Tensor]):
     float32 gradient costs its 4 bytes per element while it is kept, and every reader still computes in float64 (the
     cast is exact). Read-only: what is held is a snapshot, never the run's own tensors."""
 
-    __slots__ = ("_held",)
+    __slots__ = ("_held", "source")
 
     def __init__(self, tensors: Mapping[str, torch.Tensor | None], *, copy: bool = True) -> None:
         """`copy`: snapshot each tensor (the run may change its own in place); False: `tensors` are already private.
         A None (no gradient) is held and read as None."""
         self._held = {n: None if t is None else _cpu(t, copy) for n, t in tensors.items()}
+        self.source: tuple | None = None
+        """A gradient's: what computed it (dpcompare.verify.equivalence.Oracle: the copy, the state it was loaded
+        from, its forwards, the names autograd left None), for a computation that would repeat it; None: unknown."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
         t = self._held[name]

@@ -178,11 +178,11 @@ def _gradients(bench: Bench, step: StepEvidence, state: dict, records, forward_m
         pieces, oracle = split.recheck(step.step, state, batch, records, forward_masks, pieces, whole) or (pieces,
                                                                                                            whole)
     none = bench.oracle.none
-    floor, spread, wire = bench.reference.measure(state, batch, pieces, forward_masks, loss_scale)
+    floor, spread, wire = bench.reference.measure(state, batch, pieces, forward_masks, loss_scale, step.step)
     if (now := split.reconsider(step.step, state, batch, records, forward_masks, pieces, oracle, floor)):
         pieces, oracle = now  # the split changes the gradient here, not at the first step: as the ranks ran
         none = bench.oracle.none
-        floor, spread, wire = bench.reference.measure(state, batch, pieces, forward_masks, loss_scale)
+        floor, spread, wire = bench.reference.measure(state, batch, pieces, forward_masks, loss_scale, step.step)
     return pieces, oracle, none, floor, spread, wire
 
 

@@ -34,7 +34,7 @@ from dpcompare.verify import masks as mk
 from dpcompare.verify.divided import Status
 from dpcompare.verify.peers import Peers
 from dpcompare.verify.equivalence import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Piece, accumulate_gradient,
-                                          accumulate_raw, finish_gradient, verification_copy)
+                                          accumulate_raw, finish_gradient, same_forwards, verification_copy)
 from dpcompare.verify.clipping import clip_, clip_scale
 from dpcompare.verify.held import releasable, release
 from dpcompare.verify.tolerance import CHUNK, finite, rel_ratio
@@ -213,6 +213,35 @@ class Trajectory:
         self.opt_run.step()
         self.model_run.zero_grad(set_to_none=True)
 
+    def take(self, pieces: list[Piece], grads64: object, grads_run: object, models: tuple[nn.Module, nn.Module],
+             private: bool) -> bool:
+        """Both copies' step from gradients already computed, where they are the ones this step would compute: the
+        oracle's float64 gradient and the run-precision reference's (`grads64`, `grads_run`: Compacts with their
+        `source`), computed by copies of the same model (`models`: the oracle's, holding the buffers its forwards
+        left) from the same forwards (`pieces`) at these copies' own weights and buffers, by a forward that writes no
+        buffer. That is the first step of a fresh run, one process, no mixed-precision recipe, no non-float
+        parameter. Returns whether it stepped (False: nothing was done; the step computes its own). `private`:
+        the gradients are read after this (copied before the optimizer may change them in place)."""
+        if (self.ranges is not None or self.recipe.active or self.carried or self.steps or self.steps_before
+                or not _computed(grads64, "64", pieces) or not _computed(grads_run, "run", pieces)):
+            return False
+        state = grads64.source[1]
+        if grads_run.source[1] is not state:
+            return False
+        for mine, theirs, grads in ((self.model64, models[0], grads64), (self.model_run, models[1], grads_run)):
+            if not _holds(mine, state) or not _same_buffers(mine, theirs) or not set(self.names) <= set(grads):
+                return False
+        for model, opt, grads in ((self.model64, self.opt64, grads64), (self.model_run, self.opt_run, grads_run)):
+            none = grads.source[3]
+            for n, p in model.named_parameters():
+                if n in self.names:
+                    g = grads.held(n)
+                    p.grad = None if n in none else (g.to(p.device, copy=private) if private else g.to(p.device))
+            self._clip(model)
+            opt.step()
+            model.zero_grad(set_to_none=True)
+        return True
+
     def _accumulate(self, model: nn.Module, pieces: list[Piece] | Exception, share: TrajectoryRequest | None,
                     replayer: MaskReplayer, recipe: Recipe = NO_RECIPE,
                     loss_scale: float = 1.0) -> tuple[dict, frozenset[str]]:
@@ -351,3 +380,23 @@ class _Abandoned(Exception):
 
 def _norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t.detach()))
+
+
+def _computed(grads: object, slot: str, pieces: list[Piece]) -> bool:
+    """Whether `grads` were computed by the oracle's `slot` copy ("64", "run") from the forwards `pieces`."""
+    source = getattr(grads, "source", None)
+    return source is not None and source[0] == slot and same_forwards(source[2], pieces)
+
+
+def _holds(model: nn.Module, state: dict) -> bool:
+    """Whether `model` holds `state` (a state dict the oracle loaded), every entry bitwise in the model's dtype."""
+    own = model.state_dict()
+    return own.keys() == state.keys() and all(
+        torch.equal(t, state[k].to(device=t.device, dtype=t.dtype) if t.is_floating_point() else state[k].to(t.device))
+        for k, t in own.items())
+
+
+def _same_buffers(mine: nn.Module, theirs: nn.Module) -> bool:
+    """Whether every buffer of `theirs` (after its forwards) is bitwise `mine`'s (before any): its forward wrote none."""
+    ours = dict(mine.named_buffers())
+    return all(n in ours and torch.equal(ours[n], b.to(ours[n].device)) for n, b in theirs.named_buffers())

@@ -209,6 +209,11 @@ class Verdict:
     oracle_division: dict | None = None
     """How the ranks shared the oracle's forwards (dpcompare.verify.divided): `ranks`, and `divided`, the gradients
     computed so (the oracle's, the references', the trajectory's); None: one process computed every forward."""
+    oracle_reuse: dict | None = None
+    """What the checks computed once and took again where a second computation would repeat the first
+    (`regrouped_floor`: one rank's regrouped twin of the reference, recomputed until bitwise identical; `trajectory`:
+    the steps whose reference-trajectory gradients were the oracle's and the reference's; `buffers`: the steps whose
+    float64 buffer forward was not run again); None: nothing."""
     checkpoint: dict | None = None
     """--save-checkpoint / --load-checkpoint: what was saved (`saved`: directory, format, the next step) and what was
     loaded, judged against what the saving run held (`loaded`: dpcompare.verify.resume); None: neither."""
@@ -327,6 +332,7 @@ class Verdict:
             "oracle_coverage": self.oracle_coverage,
             "oracle_precision": self.oracle_precision,
             "oracle_division": self.oracle_division,
+            "oracle_reuse": self.oracle_reuse,
             "checkpoint": self.checkpoint,
             "batchnorm": self.batchnorm,
             "split": self.split,

@@ -105,6 +105,10 @@ class Verifier:
                                     ("floor", evidence.oracle.floor)):
                     for name, t in grads.items():
                         self.dumps[f"{step}/{kind}/{name}"] = t.numpy()
+            for check in self.checks:  # what a check takes from the oracle's side before it is let go (Check.ahead)
+                if (ahead := getattr(check, "ahead", None)) is not None:
+                    with stochastic.isolated(self.ctx.device), self._part(check.name):
+                        ahead(self.ctx, evidence, self._references_after_update or bool(self.ctx.settings.dump_grads))
 
     def after_update(self, step: int, masters: dict[str, torch.Tensor], reported_norm: float | None) -> None:
         """After the optimizer step, with the values it stepped as every rank read them (`Adapter.master_params()`) and
@@ -166,6 +170,11 @@ class Verifier:
         divider = self.bench.divider
         if divider is not None:
             self.verdict.oracle_division = {"ranks": divider.peers.world_size, "divided": divider.requests}
+        reuse = {"regrouped_floor": dict(self.bench.reference.recomputed)} if self.bench.reference.recomputed else {}
+        for check in self.checks:
+            if (reused := getattr(check, "reused", None)) is not None:
+                reuse.update(reused())
+        self.verdict.oracle_reuse = reuse or None
         if self.verdict.checks or self.stopped or not self.ctx.settings.check_every:
             return
         skipped = self.verdict.precision.skipped_steps if self.verdict.precision is not None else []

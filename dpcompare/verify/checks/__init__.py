@@ -51,6 +51,9 @@ class Check(Protocol):
     # Optional: `on_reads(ctx, step)`, called at a checked step's reduce before the oracle computes, with the step's
     # reads: what a check of a later point takes from them early, so as not to hold more at the oracle's peak (the
     # update check compares the optimizer state the step starts from there, and lets the expected one go).
+    # Optional: `ahead(ctx, step, private)`, called at a checked step's reduce after the checks that read the oracle,
+    # before its gradients are let go: what a check of a later point takes from them rather than compute again (the
+    # trajectory's first step); `private`: they are read after this, so they must not be changed in place.
 
 
 

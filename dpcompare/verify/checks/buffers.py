@@ -37,3 +37,8 @@ class Buffers:
             self.verdict.notes = [n for n in self.verdict.notes if n.code != "buffers_per_rank"]
             self.verdict.note("buffers_per_rank", text)
         return Finding(failure) if failure is not None else None
+
+    def reused(self) -> dict:
+        """What the check took from an earlier step rather than compute again (`Verdict.oracle_reuse`)."""
+        shown = self.buffers.unwritten
+        return {"buffers": {"unwritten_at": shown[0], "forward_skipped": shown[1:]}} if shown[1:] else {}

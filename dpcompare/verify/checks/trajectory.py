@@ -29,19 +29,45 @@ class Trajectory:
 
     def __init__(self, ctx: CheckContext, bench: Bench) -> None:
         self.bench, self.verdict, self.trajectory = bench, bench.verdict, bench.trajectory
+        self.taken: list[int] = []
+        """The steps whose gradients the trajectory took from the oracle's and the reference's (`ahead`)."""
+
+    def ahead(self, ctx: CheckContext, step: StepEvidence, private: bool) -> None:
+        """At a checked step's reduce, once the checks that read the oracle have: where this step's gradients of the
+        reference trajectory are the ones the oracle and the run-precision reference just computed (the same forwards
+        at the same weights: a fresh run's first step, dpcompare.verify.trajectory.Trajectory.take), its copies step
+        from them now instead of computing them again after the update. `private`: the oracle's gradients are read
+        after this."""
+        o = step.oracle
+        if o is None or o.overflow or self.bench.backend.scaler_state() is not None:
+            return
+        try:
+            pieces = self._pieces(step)
+        except mk.MaskMismatch:
+            return  # the step computes its own, and says why
+        oracle = self.bench.oracle
+        if self.trajectory.take(pieces, o.oracle, o.floor, (oracle.model64, oracle.model_run), private):
+            self.taken.append(step.step)
+
+    def reused(self) -> dict:
+        """What the check took from the oracle rather than compute again (`Verdict.oracle_reuse`)."""
+        return {"trajectory": {"gradients_from_oracle": list(self.taken)}} if self.taken else {}
+
+    def _pieces(self, step: StepEvidence) -> list:
+        pieces = self.bench.forwards.pieces(step.batch, step.records)
+        masks = (self.bench.forwards.masks(step.batch[0].shape[0], step.records) if step.records is not None
+                 else None)
+        return self.bench.shared(pieces, step.batch, masks)
 
     def judge(self, ctx: CheckContext, step: StepEvidence) -> Finding | None:
         after = self.bench.backend.scaler_state()
         if after is not None:
             self.verdict.precision.skipped_total = after.skipped_steps
-        try:
-            pieces = self.bench.forwards.pieces(step.batch, step.records)
-            masks = (self.bench.forwards.masks(step.batch[0].shape[0], step.records) if step.records is not None
-                     else None)
-            pieces = self.bench.shared(pieces, step.batch, masks)
-            self.trajectory.step(pieces, self._loss_scale(step), skip=self._skipped(step, after))
-        except mk.MaskMismatch as exc:
-            return self.bench.mask_failure(step.step, exc)
+        if step.step not in self.taken:
+            try:
+                self.trajectory.step(self._pieces(step), self._loss_scale(step), skip=self._skipped(step, after))
+            except mk.MaskMismatch as exc:
+                return self.bench.mask_failure(step.step, exc)
         entry = self.trajectory.judge(step.step, dict(step.masters), ctx.world_size)
         self.trajectory.follow(step.masters, ctx.unchecked)
         self.verdict.drift.append(entry)
