@@ -391,9 +391,9 @@ def _computed(grads: object, slot: str, pieces: list[Piece]) -> bool:
 def _holds(model: nn.Module, state: dict) -> bool:
     """Whether `model` holds `state` (a state dict the oracle loaded), every entry bitwise in the model's dtype."""
     own = model.state_dict()
+    # compared in the wider of the two dtypes, element by element (no converted copy of the state is made)
     return own.keys() == state.keys() and all(
-        torch.equal(t, state[k].to(device=t.device, dtype=t.dtype) if t.is_floating_point() else state[k].to(t.device))
-        for k, t in own.items())
+        t.shape == state[k].shape and bool((t == state[k].to(t.device)).all()) for k, t in own.items())
 
 
 def _same_buffers(mine: nn.Module, theirs: nn.Module) -> bool:
