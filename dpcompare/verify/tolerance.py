@@ -268,7 +268,7 @@ def _sums(g: torch.Tensor, o: torch.Tensor, against: torch.Tensor, floor: torch.
     relative error's scale (the whole parameter's max |o|) is read first, from `o` alone. Each input's chunk is read
     into float64 once, whichever figures use it (the floor is often what the value is judged against), and the
     differences are worked on in place."""
-    same_against, same_other = against is o, other is floor and against is o
+    same_against, same_other, one_floor = against is o, other is floor and against is o, other is against
     sq = [0.0] * 6  # o2, a2, go2, ga2, fo2, oa2
     max_abs, scale, finite, max_rel, g2 = 0.0, 0.0, True, 0.0, 0.0
     # A value held below float64 is finite exactly where its squared norm is (a float32's square cannot overflow a
@@ -303,7 +303,7 @@ def _sums(g: torch.Tensor, o: torch.Tensor, against: torch.Tensor, floor: torch.
             sq[1] += _norm(ac) ** 2
             sq[3] += _norm(gc - ac) ** 2
         sq[4] += _norm(chunk(floor) - oc) ** 2
-        if not same_other:
+        if not same_other and not one_floor:  # one_floor: a reused twin, no distance
             sq[5] += _norm(chunk(other) - (ac if not same_against else oc)) ** 2
     if same_against:
         sq[1], sq[3] = sq[0], sq[2]
