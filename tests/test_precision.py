@@ -322,6 +322,41 @@ test_deepspeed_bf16_engine_is_judged_on_its_fp32_master_weights = pytest.mark.pa
     "backend", ["deepspeed"], indirect=True)(test_deepspeed_bf16_engine_is_judged_on_its_fp32_master_weights)
 
 
+def _cpu_fp16_weights() -> bool:
+    """Whether DeepSpeed's CPU accelerator holds fp16 weights here (mkldnn's fp16: a CPU with AVX512-FP16)."""
+    try:
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    except ImportError:
+        return False
+    return bool(CPU_Accelerator.is_fp16_supported(None))
+
+
+@pytest.mark.slow  # DeepSpeed's fp16 engine, where the CPU runs it: the GPU check's part 2 on a CPU
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not _cpu_fp16_weights(), reason="DeepSpeed's CPU accelerator has no fp16 weights on this CPU "
+                                                    "(no AVX512-FP16): its fp16 engine is refused here")
+@pytest.mark.parametrize("backend", ["deepspeed"], indirect=True)
+@pytest.mark.parametrize("stage", [0, 1])
+def test_deepspeed_fp16_engine_where_the_cpu_holds_fp16_weights(launch, backend, stage) -> None:
+    """At ZeRO 1 the engine scales its loss, skips the steps that overflow at 2^16 and is `equivalent`; at ZeRO 0
+    DeepSpeed 0.19.8 leaves the loss unscaled (deepspeedai/DeepSpeed#8393) and the loss_scale check names it."""
+    proc, result = launch(backend, 2, "mlp", ["--measure-steps", "0", "--amp", "fp16", "--opt", "amp_recipe=engine",
+                                              "--opt", f"zero_stage={stage}"])
+    if stage:
+        p = _equivalent(proc, result)["precision"]
+        assert p["recipe"] == "engine" and p["skipped_steps"], p  # 2^16 overflows the mlp's fp16 gradients
+        return
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from dpcompare.adapters.deepspeed_config import stage0_fp16_loss_unscaled
+
+    if stage0_fp16_loss_unscaled(DeepSpeedEngine):
+        _different(proc, result, "loss_scale", "overflow_not_seen")
+    else:  # a DeepSpeed with the fix
+        _equivalent(proc, result)
+
+
 def _assert_forced_overflow_skipped(proc, result) -> list[int]:
     e = _equivalent(proc, result)
     p = e["precision"]
