@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from dpcompare.measure import flops
+from dpcompare.measure.summary import stragglers
 
 LAYERS = ((32, 64), (64, 64), (64, 10))  # the mlp workload's linear layers
 
@@ -91,19 +92,42 @@ def test_a_run_records_its_mfu_against_the_measured_peak(shared_launch):
 # -- stragglers (metrics.straggler_rank) --------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_a_rank_slowed_alone_is_named_the_straggler_and_a_balanced_run_names_none(launch):
-    """mlp-wide, whose compute-only step (tens of ms on this box) stands well above the scheduler's noise, and which has
-    no buffers: DDP broadcasts buffers in every forward, the compute arm's included, so with gpt-tiny's the rank that
-    waits for the slowed one shows its excess too and no rank is the slowest in most steps."""
+def test_a_rank_slowed_alone_is_named_the_straggler_and_a_balanced_run_names_none_as_large(launch):
+    """mlp-wide, which has no buffers: DDP broadcasts buffers in every forward, the compute arm's included, so with
+    gpt-tiny's the rank that waits for the slowed one shows its excess too and no rank is the slowest in most steps.
+    Two ranks on a shared two-core box are not balanced: one of them can be held back by the box's other work in every
+    step, by more than 10 % of a few-ms step, and the rule names it, rightly (test_straggler_rule holds the rule on
+    fixed figures). So the balanced run is held to naming no rank slowed anywhere near the injected excess."""
     run = ["--steps", "1", "--measure-steps", "10"]
-    slowed, result = launch("ddp", 2, "mlp-wide", [*run, "--inject-slowdown", "3", "--inject-slowdown-rank", "1"],
+    slowed, result = launch("ddp", 2, "mlp-wide", [*run, "--inject-slowdown", "6", "--inject-slowdown-rank", "1"],
                             "torchrun")
     assert result is not None, slowed.output[-3000:]
-    assert result["metrics"]["straggler_rank"] == 1 and result["metrics"]["straggler_excess_ms"] > 0, (
+    injected = result["metrics"]["straggler_excess_ms"]
+    assert result["metrics"]["straggler_rank"] == 1 and injected > 0, (
         result["metrics"]["stragglers"], result["metrics"]["reasons"].get("straggler_rank"))
     balanced, result = launch("ddp", 2, "mlp-wide", run, "torchrun")
     assert result is not None, balanced.output[-3000:]
-    assert result["metrics"]["straggler_rank"] is None and result["metrics"]["reasons"]["straggler_rank"]
+    m = result["metrics"]
+    assert m["straggler_rank"] is None or m["straggler_excess_ms"] < injected / 3, (m["stragglers"], injected)
+    if m["straggler_rank"] is None:
+        assert m["reasons"]["straggler_rank"]
+
+
+def test_straggler_rule():
+    """The rule on fixed figures: the slowest in most steps by more than 10 % of the median step is named; a rank that
+    a few stalls made the slowest by a lot, or one slowest in every step by 5 %, is not; one rank names none."""
+    steady = [[10.0, 10.2, 9.9, 10.1, 10.0, 10.1], [10.1, 10.0, 10.0, 10.0, 10.1, 10.0], [9.9, 10.1, 10.1, 9.9, 10.0,
+                                                                                          9.9]]
+    assert not any(r["straggler"] for r in stragglers(steady))
+    slow = [steady[0], [x * 1.3 for x in steady[1]], steady[2]]
+    found = stragglers(slow)
+    assert [r["rank"] for r in found if r["straggler"]] == [1] and found[1]["slowest_fraction"] == 1.0
+    assert found[1]["excess_ms_median"] == pytest.approx(0.3 * 10.0, abs=0.2)
+    slightly = [steady[0], [x * 1.05 + 0.3 for x in steady[0]], steady[2]]
+    assert stragglers(slightly)[1]["slowest_fraction"] == 1.0 and not stragglers(slightly)[1]["straggler"]
+    stalled = [steady[0], [50.0, 60.0, 10.0, 10.0, 10.0, 10.0], steady[2]]
+    assert not stragglers(stalled)[1]["straggler"] and stragglers(stalled)[1]["excess_ms_mean"] > 10
+    assert stragglers([steady[0]]) == [] and stragglers([[], []]) == []
 
 
 def test_a_slowed_rank_outside_the_world_is_one_line(launch):
