@@ -39,6 +39,7 @@ import dataclasses
 import os
 import time
 from datetime import timedelta
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -48,6 +49,7 @@ from dpcompare import (AMP_NAMES, DIST_BACKEND, Adapter, Capabilities, CommCount
 
 from .deepspeed_autocast import GatherWatch, narrow_parameters
 from .deepspeed_config import WIRE_NAMES, check_precision, engine_config, precision_notes, setting_notes
+from .deepspeed_config import precision_refusal as _precision_refusal
 from .deepspeed_host import remove_shm_segment, stale_build_lock
 from .deepspeed_state import ZeroStateReader
 STAGE_SHARDS = {0: "none", 1: "optimizer", 2: "gradients", 3: "parameters"}
@@ -83,6 +85,10 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
                "stage3_param_persistence_threshold; DeepSpeed's default is 100000, 0 partitions every parameter)"),
     )
     VARIANTS = {f"zero{n}": {"zero_stage": n} for n in range(4)}
+
+    @classmethod
+    def precision_refusal(cls, amp: str, options: Mapping[str, Any]) -> str | None:
+        return _precision_refusal(amp, options)
     NATIVE_NAMES = {"communication_data_type": "compression", "allreduce_bucket_size": "bucket_mb",
                     "reduce_bucket_size": "bucket_mb", "wall_clock_breakdown": "instrument"}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -26,14 +27,24 @@ def check_precision(settings: Settings) -> None:
     """Refuse, before any work, a recipe DeepSpeed cannot run here (one line, exit 2)."""
     if settings.options["amp_recipe"] == "engine" and settings.amp == "none":
         raise ValueError("--opt amp_recipe=engine selects DeepSpeed's bf16/fp16 engine: add --amp bf16 or --amp fp16")
-    if settings.options["amp_recipe"] == "engine" and settings.amp == "fp16":
-        from deepspeed.accelerator import get_accelerator
+    refusal = precision_refusal(settings.amp, settings.options)
+    if refusal is not None:
+        raise ValueError(f"--amp fp16 --opt amp_recipe=engine: {refusal}; use --amp bf16, or the autocast recipe "
+                         "(--opt amp_recipe=autocast), or a CUDA device")
 
-        accelerator = get_accelerator()
-        if not accelerator.is_fp16_supported():
-            raise ValueError(f"--amp fp16 --opt amp_recipe=engine: DeepSpeed's {accelerator.device_name()} "
-                             "accelerator does not support fp16 weights here (is_fp16_supported() is False); use "
-                             "--amp bf16, or the autocast recipe (--opt amp_recipe=autocast), or a CUDA device")
+
+def precision_refusal(amp: str, options: Mapping[str, Any]) -> str | None:
+    """Why DeepSpeed cannot run `--amp amp` with these options here: its fp16 engine where its accelerator (the one
+    the run would use) holds no fp16 weights; None: it can."""
+    if options.get("amp_recipe") != "engine" or amp != "fp16":
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.is_fp16_supported():
+        return None
+    return (f"DeepSpeed's {accelerator.device_name()} accelerator does not support fp16 weights here "
+            "(is_fp16_supported() is False)")
 
 
 def engine_config(settings: Settings, stage: int, clip: float, module: nn.Module, local_batch: int,

@@ -518,24 +518,29 @@ def test_amp_reaches_every_run_and_deepspeed_also_runs_its_engine_recipe(tmp_pat
     assert [j.label for j in without.jobs] == ["reference/1", "ddp/1", "ddp/2"] and without.sweep_skipped == []
 
 
-def test_fp16_engine_recipe_without_cuda_is_listed_as_skipped_with_its_reason(tmp_path, monkeypatch):
-    import torch
+def test_fp16_engine_recipe_without_fp16_weights_is_listed_as_skipped_with_its_reason(tmp_path, monkeypatch):
+    """The plan asks DeepSpeed's own accelerator, as the run does (`Adapter.precision_refusal`): without fp16 weights
+    the engine recipe is left out with DeepSpeed's reason; with them (a CUDA device, or a CPU with AVX512-FP16) it runs."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.accelerator import get_accelerator
 
     _every_backend_available(monkeypatch)
+    accelerator = type(get_accelerator())
     ns = dict(backends="ddp,deepspeed", world_sizes="2", collectives="none", amp="fp16")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(accelerator, "is_fp16_supported", lambda self: False)
     planned = plan.plan(_ns(**ns), tmp_path)
     assert [j.label for j in planned.jobs] == ["ddp/2", "deepspeed/2"]
     assert all(j.command[j.command.index("--amp") + 1] == "fp16" for j in planned.jobs)
+    name = get_accelerator().device_name()
     assert planned.sweep_skipped == [{"backend": "deepspeed", "knob": "amp_recipe=engine", "reason":
-                                      "DeepSpeed's fp16 engine needs a device with fp16 weights (its CPU accelerator "
-                                      "has none here); the autocast recipe runs"}]
+                                      f"DeepSpeed's {name} accelerator does not support fp16 weights here "
+                                      "(is_fp16_supported() is False); the backend's default recipe runs"}]
     console = Console(file=io.StringIO(), width=400, record=True)
     render.render_sweep(console, [], planned.sweep_skipped)
     row = next(line for line in console.export_text().splitlines() if "amp_recipe=engine" in line)
-    assert "deepspeed" in row and "its CPU accelerator has none here" in row
-    # Twin: with CUDA the engine recipe runs, and nothing is skipped.
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "deepspeed" in row and "does not support fp16 weights here" in row
+    # Twin: where the accelerator holds fp16 weights the engine recipe runs, and nothing is skipped.
+    monkeypatch.setattr(accelerator, "is_fp16_supported", lambda self: True)
     planned = plan.plan(_ns(**ns), tmp_path)
     assert [j.label for j in planned.jobs] == ["ddp/2", "deepspeed/2", "deepspeed/2 amp_recipe=engine"]
     assert planned.sweep_skipped == []

@@ -102,6 +102,12 @@ class Adapter:
         return None
 
     @classmethod
+    def precision_refusal(cls, amp: str, options: Mapping[str, Any]) -> str | None:
+        """Why this backend, with these `--opt` values (typed), cannot run `--amp amp` on this machine (None: it can).
+        The run refuses it before it starts; compare leaves that job out and says why."""
+        return None
+
+    @classmethod
     def shared_device_refusal(cls) -> str | None:
         """Why this backend cannot run with several ranks on one GPU (None: it can, where it declares --opt
         dist_backend=gloo). compare leaves such jobs out on a node with fewer GPUs than ranks and says why."""

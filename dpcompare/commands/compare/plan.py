@@ -139,9 +139,6 @@ def unique_stem(label: str, taken: set[str]) -> str:
     return unique
 
 
-FP16_ENGINE_NEEDS_A_DEVICE = ("DeepSpeed's fp16 engine needs a device with fp16 weights (its CPU accelerator has none "
-                              "here); the autocast recipe runs")
-"""Why an fp16 engine recipe (16-bit weights: deepspeed's, the one backend that declares one) is not planned here."""
 
 
 def is_amp_recipe(knob: str) -> bool:
@@ -153,7 +150,7 @@ def amp_recipes(amp: str, baseline: list[tuple[Entry, int]], add: Callable) -> l
     """Under --amp every job runs the default (autocast) recipe; a backend that declares other recipes (its
     `amp_recipe` option: deepspeed's engine) also runs each of them at each of its world sizes (each variant of
     it too, unless the variant sets the recipe itself). Return a line for each recipe left out and why (an fp16
-    engine without CUDA)."""
+    engine where the backend's accelerator holds no fp16 weights: `Adapter.precision_refusal`)."""
     if amp == "none":
         return []
     skipped = []
@@ -162,9 +159,10 @@ def amp_recipes(amp: str, baseline: list[tuple[Entry, int]], add: Callable) -> l
             continue
         for recipe in amp_recipe_choices(entry.backend):
             knob = f"amp_recipe={recipe}"
-            if amp == "fp16" and recipe == "engine" and not _cuda():
+            refusal = adapter_class(entry.backend).precision_refusal(amp, {**dict(entry.options), "amp_recipe": recipe})
+            if refusal is not None:
                 if not any(s["backend"] == entry.name and s["knob"] == knob for s in skipped):
-                    skipped.append({"backend": entry.name, "knob": knob, "reason": FP16_ENGINE_NEEDS_A_DEVICE})
+                    skipped.append({"backend": entry.name, "knob": knob, "reason": f"{refusal}; the backend's default recipe runs"})
                 continue
             add(entry, ws, knob, {"options": {"amp_recipe": recipe}})
     return skipped
@@ -204,12 +202,6 @@ def _cuda_devices() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _cuda() -> bool:
-    import torch  # only --amp fp16 with an engine recipe asks about the device
-
-    return torch.cuda.is_available()
 
 
 def collectives_path(spec: CompareSpec, run_dir: Path) -> str | None:
