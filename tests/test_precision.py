@@ -514,9 +514,11 @@ def test_the_reference_trajectory_runs_its_recipe_copy_at_the_steps_loss_scale(k
                                 lambda params, **_: torch.optim.SGD(params, lr=0.1), "float32", torch.device("cpu"),
                                 depth=2, recipe=Recipe(kind, "fp16"))
         before = [p.detach().clone() for p in trajectory.model_run.parameters()]
-        before64 = [p.detach().clone() for p in trajectory.model64.parameters()]
+        with trajectory.whole():
+            before64 = [p.detach().clone() for p in trajectory.model64.parameters()]
         trajectory.step(pieces, loss_scale=scale)
-        moved[scale] = (any(not torch.equal(p, b) for p, b in zip(trajectory.model_run.parameters(), before)),
-                        any(not torch.equal(p, b) for p, b in zip(trajectory.model64.parameters(), before64)))
+        with trajectory.whole():
+            moved[scale] = (any(not torch.equal(p, b) for p, b in zip(trajectory.model_run.parameters(), before)),
+                            any(not torch.equal(p, b) for p, b in zip(trajectory.model64.parameters(), before64)))
     assert moved[2.0**40] == (False, True), moved
     assert moved[1.0] == (True, True), moved

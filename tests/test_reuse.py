@@ -82,9 +82,10 @@ def test_the_trajectorys_first_step_from_the_oracles_gradients_is_its_own_to_the
     for step in (1, 2):  # and the steps after it, each computing its own
         for t in (taken, computed):
             t.step(_pieces(step))
-    for a, b in ((taken.model64, computed.model64), (taken.model_run, computed.model_run)):
-        for (n, p), q in zip(a.named_parameters(), b.parameters()):
-            assert torch.equal(p, q), n
+    with taken.whole(), computed.whole():
+        for a, b in ((taken.model64, computed.model64), (taken.model_run, computed.model_run)):
+            for (n, p), q in zip(a.named_parameters(), b.parameters()):
+                assert p.numel() and torch.equal(p, q), n
     params = {n: p.detach().float() for n, p in computed.model_run.named_parameters()}
     assert taken.judge(2, params, 1) == computed.judge(2, params, 1)
 
@@ -95,14 +96,16 @@ def test_the_trajectory_refuses_gradients_of_other_weights_forwards_or_buffers()
     moved = {k: (v + 1e-6 if k == "net.0.weight" else v) for k, v in state.items()}
     assert not _take(make(), oracle, moved, _pieces(0)), "the oracle's weights are not the trajectory's"
     trajectory = make()
-    before = [p.detach().clone() for p in trajectory.model64.parameters()]
+    with trajectory.whole():
+        before = [p.detach().clone() for p in trajectory.model64.parameters()]
     assert not trajectory.take(_pieces(1), oracle.oracle_of(state, _pieces(0)), oracle.floor_of(state, _pieces(0)),
                                (oracle.model64, oracle.model_run), private=False), "other forwards"
     plain = {n: t for n, t in oracle.oracle_of(state, _pieces(0)).items()}  # no record of what computed them
     assert not trajectory.take(_pieces(0), plain, oracle.floor_of(state, _pieces(0)),
                                (oracle.model64, oracle.model_run), private=False)
-    assert all(torch.equal(p, q) for p, q in zip(trajectory.model64.parameters(), before)), "a refusal steps nothing"
-    assert all(p.grad is None for p in trajectory.model64.parameters())
+    with trajectory.whole():
+        assert all(torch.equal(p, q) for p, q in zip(trajectory.model64.parameters(), before)), "refused: none stepped"
+        assert all(p.grad is None for p in trajectory.model64.parameters())
     template, oracle, make = _setup("sgd", batchnorm=True)  # the forward writes its running statistics
     state = {k: v.clone() for k, v in template.state_dict().items()}
     assert not _take(make(), oracle, state, _pieces(0))

@@ -87,12 +87,13 @@ def _worker(rank: int, world: int, init: str, out: str, optimizer: str, clip: fl
             report["entries"].append(shared.judge(step, masters, world))
             report["alone"].append(alone.judge(step, masters, world))
             divider.done()
-    report["same"] = {f"{slot}/{n}": bool(torch.equal(p, dict(getattr(alone, slot).named_parameters())[n]))
-                      for slot in ("model64", "model_run") for n, p in getattr(shared, slot).named_parameters()
-                      if shared.ranges.mine(n)}
-    report["held"] = {n: p.untyped_storage().nbytes() > 0 for n, p in shared.model64.named_parameters()}
-    report["mine"] = {n: shared.ranges.mine(n) for n, _ in shared.model64.named_parameters()}
-    before = {n: p.detach().clone() for n, p in shared.model64.named_parameters() if shared.ranges.mine(n)}
+    with shared.whole(), alone.whole():
+        report["same"] = {f"{slot}/{n}": bool(torch.equal(p, dict(getattr(alone, slot).named_parameters())[n]))
+                          for slot in ("model64", "model_run") for n, p in getattr(shared, slot).named_parameters()
+                          if shared.ranges.mine(n)}
+        report["held"] = {n: p.untyped_storage().nbytes() > 0 for n, p in shared.model64.named_parameters()}
+        report["mine"] = {n: shared.ranges.mine(n) for n, _ in shared.model64.named_parameters()}
+        before = {n: p.detach().clone() for n, p in shared.model64.named_parameters() if shared.ranges.mine(n)}
     # a step whose share fails on rank 1: named by rank 0, stepped by none, and the ranks stay in step after it
     batch = _batch(STEPS)
     if rank:
@@ -110,7 +111,9 @@ def _worker(rank: int, world: int, init: str, out: str, optimizer: str, clip: fl
         divider.done()
         report["after_failure"] = shared.judge(STEPS, masters, world)
         divider.done()
-    report["unstepped"] = all(torch.equal(p, before[n]) for n, p in shared.model64.named_parameters() if n in before)
+    with shared.whole():
+        report["unstepped"] = all(torch.equal(p, before[n]) for n, p in shared.model64.named_parameters()
+                                  if n in before)
     torch.save(report, f"{out}.{rank}")
     dist.destroy_process_group()
 

@@ -31,28 +31,31 @@ trajectory's float64 and run-dtype copies, the oracle's copies while they comput
 run's own gradients and optimizer state first allocated in the verification phase. Measured (verify_above_start_mib,
 an 11 M-parameter Llama-style model on CPU at 6.3 % and full coverage, 2026-11-27; docs/results/
 2026-11-27-verification-memory-cpu.md): 25 B/param with SGD, 33 with AdamW at one rank; rank 0 holds up to 10 more at
-2 and 4 ranks (the divided sums, the ranks' evidence), which this constant covers."""
-CHECKED_BYTES_PER_PARAM = {"sgd": 40.0, "adamw": 58.0}
+2 and 4 ranks (the divided sums, the ranks' evidence), which this constant covers. Measured again with the float64
+trajectory held as offsets (2026-11-29): 31 and 39 at 6.3 % coverage, the small model's fixed part included."""
+CHECKED_BYTES_PER_PARAM = {"sgd": 26.0, "adamw": 40.0}
 """What each checked parameter adds: the oracle's float64 gradient, the reduced gradient, the step's parameters and
 the references held in their own dtype (dpcompare.verify.held.Compact), the backend's optimizer state as read and the
-expected one, the reference trajectories' optimizer states (AdamW's twice SGD's). Measured on the same model at 6.3 %
-and full coverage: 27.6 -> 63.4 B/param with SGD, 36.5 -> 89.5 with AdamW: 38 and 57 per checked parameter."""
-DIVIDED_BYTES_PER_PARAM = {"sgd": 32.0, "adamw": 40.0}
+expected one, the reference trajectories' optimizer states (AdamW's twice SGD's; the float64 trajectory's held as
+offsets between steps, dpcompare.verify.offsets). Measured on the same model at 6.3 % and full coverage (2026-11-29,
+docs/results/2026-11-29-trajectory-offsets-cpu.md): 32.8 -> 58.1 B/param with SGD, 41.9 -> 79.4 with AdamW: 27 and
+40 per checked parameter. With COPY_BYTES_PER_PARAM rank 0 is planned at 64 (SGD) and 78 (AdamW) B/param at one rank,
+10 over the slopes measured across the 11-39 M models (53.8 and 67.4)."""
+DIVIDED_BYTES_PER_PARAM = {"sgd": 28.0, "adamw": 34.0}
 """Of what each checked parameter adds on rank 0, the share the ranks divide where they share the oracle
 (dpcompare.verify.divided, dpcompare.verify.ranges): at N ranks rank 0 holds 1/N of it (the reference trajectory's
 copies and optimizer states, the oracle's sums and the reduced gradient, each held in ranges by their owners).
 Fitted to rank 0's bytes per parameter above start at 1, 2 and 4 ranks (benchmarks/test_verification_cost.py, 11-39 M
-Llama-style models, docs/results/2026-11-27-verification-time-cpu.md): 70 -> 47 -> 49-52 with SGD (68 -> 46 -> 34 in
-the record before it), 89 -> 60 -> 51 with AdamW; with the constants above rank 0 is planned at 78 -> 62 -> 54 (SGD)
-and 96 -> 76 -> 66 (AdamW) B/param, over every figure measured."""
-HELPER_BYTES_PER_PARAM = {"sgd": (30.0, 52.0), "adamw": (34.0, 64.0)}
+Llama-style models, docs/results/2026-11-29-trajectory-offsets-cpu.md): slopes 53.8 -> 37.1 -> 32.0 with SGD, 67.4 ->
+45.0 -> 42.5 with AdamW; with the constants above rank 0 is planned at 64 -> 50 -> 43 (SGD) and 78 -> 61 -> 52.5
+(AdamW) B/param, at least 10 over each."""
+HELPER_BYTES_PER_PARAM = {"sgd": (35.0, 26.0), "adamw": (38.0, 36.0)}
 """A rank other than 0 where the ranks share the oracle's forwards, per parameter of the model, a + b / N at N ranks:
 its float64 and run-precision copies while they compute (12) and its copies of the reference trajectory made whole
 for its step, its own training state (gradients, optimizer state, DDP's buckets) (a); its ranges of the trajectory's
-optimizer states and parameters, of the oracle's sums and of the reduced gradient (b / N). Fitted to the other ranks'
-bytes per parameter above start at 2 and 4 ranks (the same records: at most 53 and 47 with SGD, 67 and 53 with AdamW,
-the smallest model's fixed part included; 42 and 49 at four ranks on the 39 M model), rounded up: 56 and 43 (SGD), 66
-and 50 (AdamW) planned."""
+optimizer states and parameters, of the oracle's sums and of the reduced gradient (b / N). Fitted to the largest other
+rank's bytes per parameter above start at 2 and 4 ranks (the same record: slopes 42.4 and 35.8 with SGD, 50.6 and 41.8
+with AdamW, intercepts 109-161 MiB), 5 over each: 48 and 41.5 (SGD), 56 and 47 (AdamW) planned."""
 FIXED_BYTES = 256 * 1024**2
 """The checks' fixed part (the float64 activations of a small batch, allocator slack)."""
 MARGIN = 0.85

@@ -25,7 +25,9 @@ as a buffer does: it is left to the replica fingerprints.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from contextlib import contextmanager
+from copy import deepcopy
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -41,6 +43,7 @@ from dpcompare.verify.tolerance import CHUNK, finite, rel_ratio
 from dpcompare.verify.dtypes import is_float, non_float_divergence, state_distance
 from dpcompare.verify.verdict import Divergence
 from dpcompare.verify.masks import MaskReplayer
+from dpcompare.verify.offsets import Offsets, paired
 from dpcompare.verify.ranges import Ranges, TrajectoryRequest
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
@@ -96,8 +99,12 @@ class Trajectory:
         self.wire = self.wire_before = 0.0
         """The wire's allowance so far: the sum over those steps of the world size that averaged their gradients."""
         self.replayers = (MaskReplayer(self.model64), MaskReplayer(self.work if self.work is not None else self.model_run))
+        self.offsets = Offsets(self.u)
+        """The float64 copy's values between uses, held as offsets from the run-precision copy's
+        (dpcompare.verify.offsets): given back before each use, held again after."""
         if self.ranges is not None:
             self._release()
+        self._hold()
 
     # -- across a checkpoint ----------------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -106,12 +113,17 @@ class Trajectory:
         if self.ranges is not None:
             raise RuntimeError("the reference trajectory is held in ranges: save it from a run with --oracle-ranks rank0")
         copy = lambda sd: {k: v.detach().to("cpu").clone() if torch.is_tensor(v) else v for k, v in sd.items()}  # noqa: E731
-        return {"model64": copy(self.model64.state_dict()), "model_run": copy(self.model_run.state_dict()),
-                "opt64": self.opt64.state_dict(), "opt_run": self.opt_run.state_dict(), "steps": self.steps,
-                "wire": self.wire, "written": sorted(self.written)}
+        self.offsets.restore()
+        try:
+            return {"model64": copy(self.model64.state_dict()), "model_run": copy(self.model_run.state_dict()),
+                    "opt64": deepcopy(self.opt64.state_dict()), "opt_run": self.opt_run.state_dict(),
+                    "steps": self.steps, "wire": self.wire, "written": sorted(self.written)}
+        finally:
+            self._hold()
 
     def resume(self, state: dict) -> None:
         """Continue from `state` (another run's `state()`, after its last step)."""
+        self.offsets.restore()
         self.model64.load_state_dict(state["model64"])
         self.model_run.load_state_dict(state["model_run"])
         self.opt64.load_state_dict(state["opt64"])
@@ -119,6 +131,7 @@ class Trajectory:
         self.steps = self.steps_before = state["steps"]
         self.wire = self.wire_before = state["wire"]
         self.written = set(state["written"])
+        self._hold()
 
     def _stepped(self, model: nn.Module) -> list[torch.nn.Parameter]:
         """The parameters of `model` this process's optimizer steps: every trainable one, or its own range's."""
@@ -128,6 +141,19 @@ class Trajectory:
     def _release(self) -> None:
         for model in (self.model64, self.model_run):
             self.ranges.release(model)
+
+    @contextmanager
+    def whole(self) -> Iterator["Trajectory"]:
+        """Both copies with the float64 copy's values given back (held as offsets between steps), for a reader between
+        steps; held again after."""
+        self.offsets.restore()
+        try:
+            yield self
+        finally:
+            self._hold()
+
+    def _hold(self) -> None:
+        self.offsets.hold(paired(self.model64, self.opt64, self.model_run, self.opt_run, self.names))
 
     # -- a step ------------------------------------------------------------------------------------------------------
     def step(self, pieces: list[Piece], loss_scale: float = 1.0, skip: bool = False) -> None:
@@ -164,6 +190,7 @@ class Trajectory:
     def _step(self, own: Callable[[], list[Piece]], share: TrajectoryRequest | None, loss_scale: float) -> None:
         """Both copies' step on this process's forwards `own()` at the step's `loss_scale`, shared as `share` says
         (None: not shared)."""
+        self.offsets.restore()
         if share is not None:
             for model in (self.model64, self.model_run):
                 self.ranges.gather(model)
@@ -178,6 +205,7 @@ class Trajectory:
         finally:
             if share is not None:
                 self._release()
+            self._hold()
 
     def _step_both(self, pieces: list[Piece] | Exception, share: TrajectoryRequest | None, loss_scale: float) -> None:
         carried = {n: p.detach().clone() for n, p in self.model64.named_parameters() if n in self.carried}
@@ -228,6 +256,14 @@ class Trajectory:
         state = grads64.source[1]
         if grads_run.source[1] is not state:
             return False
+        self.offsets.restore()
+        try:
+            return self._take(state, grads64, grads_run, models, private)
+        finally:
+            self._hold()
+
+    def _take(self, state: dict, grads64: object, grads_run: object, models: tuple[nn.Module, nn.Module],
+              private: bool) -> bool:
         for mine, theirs, grads in ((self.model64, models[0], grads64), (self.model_run, models[1], grads_run)):
             if not _holds(mine, state) or not _same_buffers(mine, theirs) or not set(self.names) <= set(grads):
                 return False
@@ -283,11 +319,13 @@ class Trajectory:
         train) into both copies, so their next step's forward runs from the run's weights there."""
         if not names:
             return
+        self.offsets.restore()
         with torch.no_grad():
             for model in (self.model64, self.model_run):
                 for n, p in model.named_parameters():
                     if n in names:
                         p.copy_(params[n].detach().to(device=p.device, dtype=p.dtype))
+        self._hold()
 
     def carried_divergence(self, step: int, params: dict[str, torch.Tensor]) -> Divergence | None:
         """The run's non-float parameters after `step` (every parameter by name, `Adapter.master_params()`) against the
@@ -351,7 +389,7 @@ class Trajectory:
 
     def _rank0s(self, params: dict[str, torch.Tensor] | None, dtypes: dict[str, torch.dtype]) -> dict:
         """Rank 0's parameters after the step, this rank's range of them (sent by rank 0)."""
-        shapes = {n: p.shape for n, p in self.model64.named_parameters()}
+        shapes = {n: p.shape for n, p in self.model_run.named_parameters()}  # (the float64 copy's may be held)
         return self.ranges.to_owners_from_rank0(self.names, params, dtypes, shapes)
 
     def _figures(self, params: dict[str, torch.Tensor]) -> dict[str, tuple[bool, float, float, bool, float]]:
@@ -364,13 +402,16 @@ class Trajectory:
             for n in self.names:
                 if self.ranges is not None and not self.ranges.mine(n):
                     continue
-                r, mine, other = (t.detach().reshape(-1) for t in (ref[n], params[n], run[n]))
-                apart = floor = 0.0  # squared, a chunk at a time: no whole float64 copy of the parameter
-                for start in range(0, r.numel(), CHUNK):
+                mine, other = (t.detach().reshape(-1) for t in (params[n], run[n]))
+                ok = True
+                norm = apart = floor = 0.0  # squared, a chunk at a time: no whole float64 copy of the parameter
+                for start in range(0, other.numel(), CHUNK):
                     part = slice(start, start + CHUNK)
-                    apart += _norm(mine[part].to(device=r.device, dtype=torch.float64) - r[part]) ** 2
-                    floor += _norm(other[part].to(torch.float64) - r[part]) ** 2
-                out[n] = (finite(r), _norm(r), math.sqrt(apart), finite(mine), math.sqrt(floor))
+                    r = self.offsets.read((ref[n], None), part)  # the float64 copy's, held or not
+                    ok, norm = ok and finite(r), norm + _norm(r) ** 2
+                    apart += _norm(mine[part].to(device=r.device, dtype=torch.float64) - r) ** 2
+                    floor += _norm(other[part].to(torch.float64) - r) ** 2
+                out[n] = (ok, math.sqrt(norm), math.sqrt(apart), finite(mine), math.sqrt(floor))
         return out
 
 

@@ -50,8 +50,14 @@ class Trajectory:
             self.taken.append(step.step)
 
     def reused(self) -> dict:
-        """What the check took from the oracle rather than compute again (`Verdict.oracle_reuse`)."""
-        return {"trajectory": {"gradients_from_oracle": list(self.taken)}} if self.taken else {}
+        """What the check took from the oracle rather than compute again, and how its float64 copy was held between
+        steps (`Verdict.oracle_reuse`)."""
+        out = {"gradients_from_oracle": list(self.taken)} if self.taken else {}
+        held = self.trajectory.offsets
+        if held.elements:
+            out["held_as_offsets"] = {"elements": held.elements, "kept_float64": held.kept, "whole": held.whole,
+                                      "bound": held.bound}
+        return {"trajectory": out} if out else {}
 
     def _pieces(self, step: StepEvidence) -> list:
         pieces = self.bench.forwards.pieces(step.batch, step.records)

@@ -1,0 +1,134 @@
+"""The float64 trajectory held between its steps as offsets from the run-precision one (dpcompare.verify.offsets), and
+the probe's float64 copy let go before the checks begin."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dpcompare.verify import equivalence as eq
+from dpcompare.verify import offsets as off
+from dpcompare.verify import probe as probe_module
+from dpcompare.verify.trajectory import Trajectory
+
+CPU = torch.device("cpu")
+U32 = 2.0 ** -24
+
+
+def _pair(n: int = 5000, spread: float = 1e-6) -> tuple[nn.Parameter, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    exact = torch.randn(n, dtype=torch.float64)
+    base = (exact * (1 + spread * torch.randn(n, dtype=torch.float64))).float()
+    return nn.Parameter(exact.clone()), base, exact
+
+
+def test_held_values_come_back_within_the_bound_and_the_far_ones_exactly():
+    param, base, exact = _pair()
+    exact[:7] = torch.tensor([0.0, 1e-300, float("inf"), float("nan"), 1 / 3, -1 / 7, 2.0 ** -1000], dtype=torch.float64)
+    base[4], base[5] = 4.0, 3.0  # offsets of about 11 and 22 times the values, not exact in float32
+    param.data.copy_(exact)
+    held = off.Offsets(U32)
+    held.hold([((param, None), base)])
+    assert len(held) == 1 and param.numel() == 0, "the float64 values are let go while held"
+    assert held.kept >= 6 and held.nbytes < exact.nbytes * 0.6
+    read = torch.cat([held.read((param, None), slice(s, s + 1000)) for s in range(0, 5000, 1000)])
+    held.restore()
+    assert param.shape == exact.shape and len(held) == 0
+    for got in (param.detach(), read):
+        assert torch.equal(got[:7].isnan(), exact[:7].isnan())
+        assert torch.equal(got[:3], exact[:3]) and torch.equal(got[4:7], exact[4:7]), "kept in float64: exact"
+        rel = ((got[7:] - exact[7:]).abs() / exact[7:].abs()).max()
+        assert 0 < rel <= off.MARGIN * U32, rel
+
+
+def test_a_tensor_mostly_far_from_its_base_stays_whole():
+    param, base, exact = _pair(spread=1e-2)  # a bfloat16-like distance, for a float32 run's bound
+    held = off.Offsets(U32)
+    held.hold([((param, None), base)])
+    assert len(held) == 0 and torch.equal(param.detach(), exact) and held.whole == exact.numel()
+
+
+def test_without_the_check_a_far_base_gives_back_wrong_values():
+    """The element-by-element check is what keeps the bound: a base a million away is refused with it (the values
+    stay whole, exact) and, with it off, gives values back wrong by far more than the bound."""
+    param, _, exact = _pair()
+    far = (exact + 1e6).float()
+    checked = off.Offsets(U32)
+    checked.hold([((param, None), far)])
+    assert len(checked) == 0 and torch.equal(param.detach(), exact)
+    unchecked = off.Offsets(U32, sparse=1.0)
+    unchecked.bound = float("inf")
+    unchecked.hold([((param, None), far)])
+    unchecked.restore()
+    assert ((param.detach() - exact).abs() / exact.abs()).max() > 1e6 * off.MARGIN * U32
+
+
+def test_a_base_that_moved_while_held_is_refused():
+    param, base, _ = _pair()
+    held = off.Offsets(U32)
+    held.hold([((param, None), base)])
+    base.add_(1.0)
+    with pytest.raises(RuntimeError, match="base changed"):
+        held.restore()
+
+
+def _trajectory(hold: bool) -> Trajectory:
+    torch.manual_seed(1)
+    template = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    t = Trajectory(template, F.cross_entropy, lambda params, **_: torch.optim.AdamW(params, lr=0.05), "float32", CPU,
+                   depth=3)
+    if not hold:
+        t.offsets.hold = lambda entries: None
+    return t
+
+
+def test_the_held_trajectory_judges_as_the_whole_one():
+    """AdamW, four steps: each step's figures as a trajectory that holds nothing gives them, to 1e-6 of the floor (a
+    held value's error is 2^-24 of its offset, itself about the floor), and its optimizer state held and given back."""
+    held, whole = _trajectory(True), _trajectory(False)
+    torch.manual_seed(2)
+    batches = [[eq.Piece(torch.randn(8, 6), torch.randint(0, 3, (8,)), 1.0)] for _ in range(4)]
+    run = {n: p.detach().float().clone() for n, p in whole.model_run.named_parameters()}
+    for step, pieces in enumerate(batches):
+        for t in (held, whole):
+            t.step(pieces)
+        assert len(held.offsets) > 0 and held.offsets.elements > 0
+        a, b = held.judge(step, run, 1), whole.judge(step, run, 1)
+        assert a["floor_rel_param_distance"] > 0
+        for key in ("rel_param_distance", "floor_rel_param_distance"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-6 * b["floor_rel_param_distance"]), key
+    states = [held.opt64.state[p] for p in held.model64.parameters()]
+    with held.whole():
+        assert all(s["exp_avg"].dtype == torch.float64 and s["exp_avg"].numel() for s in states)
+        for (n, p), q in zip(held.model64.named_parameters(), whole.model64.parameters()):
+            assert p.numel() and ((p - q).abs() <= 8 * off.MARGIN * U32 * q.abs()).all(), n
+
+
+def test_the_probes_float64_copy_is_let_go_before_the_checks(monkeypatch):
+    """The probe's copy sits in a reference cycle: without the collection the probe runs, it outlives the probe."""
+    made: list[weakref.ref] = []
+    real = probe_module.verification_copy
+
+    def copy(*args, **kwargs):
+        model = real(*args, **kwargs)
+        made.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(probe_module, "verification_copy", copy)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.0), nn.Linear(8, 2))
+    batch = (torch.randn(4, 4), torch.randint(0, 2, (4,)))
+    gc.disable()
+    try:
+        probe_module.probe(model, F.cross_entropy, batch, CPU)
+        assert made and all(r() is None for r in made)
+        monkeypatch.setattr(probe_module.gc, "collect", lambda: 0)
+        made.clear()
+        probe_module.probe(model, F.cross_entropy, batch, CPU)
+        assert any(r() is not None for r in made), "the copy is freed without a collection: no cycle to break"
+    finally:
+        gc.enable()
