@@ -132,3 +132,59 @@ def test_the_probes_float64_copy_is_let_go_before_the_checks(monkeypatch):
         assert any(r() is not None for r in made), "the copy is freed without a collection: no cycle to break"
     finally:
         gc.enable()
+
+
+class _NormScaledSGD(torch.optim.SGD):
+    """Couples the parameters: every step is scaled by the global gradient norm of those stepped together."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        for g in grads:
+            g.div_(norm)
+        return super().step(closure)
+
+
+def _stepped(make, parts: bool, part: int = 40, steps: int = 3) -> list[torch.Tensor]:
+    torch.manual_seed(3)
+    params = [nn.Parameter(torch.randn(n, dtype=torch.float64)) for n in (30, 7, 50, 12)]
+    optimizer = make(params)
+    for step in range(steps):
+        for p in params:
+            p.grad = torch.randn_like(p) * (step + 1)
+        if parts:
+            off.step_in_parts(optimizer, params, off.Offsets(U32), part=part)
+        else:
+            optimizer.step()
+        assert all(p.grad is None for p in params) if parts and type(optimizer) in off.ELEMENTWISE else True
+    return [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+    lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.01),
+    lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True)], ids=["sgd", "adamw", "adam-amsgrad"])
+def test_stepping_a_part_at_a_time_is_one_step_to_the_bit(make):
+    whole, parts = _stepped(make, False), _stepped(make, True)
+    assert all(torch.equal(a, b) for a, b in zip(whole, parts))
+
+
+def test_an_optimizer_that_couples_the_parameters_steps_once():
+    """Not one of ELEMENTWISE (a subclass too): stepped whole, the one step's values. Stepped a part at a time (taken
+    for elementwise), its values differ: the list is what keeps the parts exact."""
+    make = lambda ps: _NormScaledSGD(ps, lr=0.1)  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(_stepped(make, False), _stepped(make, True)))
+    real = off.ELEMENTWISE
+    try:
+        off.ELEMENTWISE = (*real, _NormScaledSGD)
+        parts = _stepped(make, True)
+    finally:
+        off.ELEMENTWISE = real
+    assert not all(torch.equal(a, b) for a, b in zip(_stepped(make, False), parts))
+
+
+def test_the_held_trajectory_stepped_in_parts_judges_as_the_whole_one(monkeypatch):
+    monkeypatch.setattr(off, "PART", 64)
+    monkeypatch.setattr(off.step_in_parts, "__defaults__", (64,))
+    test_the_held_trajectory_judges_as_the_whole_one()

@@ -36,6 +36,10 @@ SPARSE = 1 / 8
 """Above this fraction of a tensor's elements kept in float64, the tensor stays whole in float64."""
 CHUNK = 1 << 16
 """Elements converted at a time: the transients of holding a tensor are this many, not the tensor's."""
+PART = 1 << 22
+"""Elements of parameters stepped at a time by `step_in_parts`."""
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+"""Optimizers whose step of a parameter reads nothing of the others: stepped a part at a time (`step_in_parts`)."""
 
 
 Slot = tuple[object, str | None]
@@ -95,10 +99,11 @@ class Offsets:
             self._held[_key(slot)] = held
         give_back_freed(freed)
 
-    def restore(self) -> None:
-        """Every held tensor given back in float64, in its slot (the same parameter or state dict), each offset let go
-        as its tensor comes back (not all at the end: they would sit beside the whole float64 copy)."""
-        for held in self._take_all():
+    def restore(self, slots: list[Slot] | None = None) -> None:
+        """Every held tensor (or those of `slots`) given back in float64, in its slot (the same parameter or state
+        dict), each offset let go as its tensor comes back (not all at the end: they would sit beside the whole float64
+        copy)."""
+        for held in self._take_all() if slots is None else self._take(slots):
             self._check(held)
             value = torch.empty(held.shape, dtype=torch.float64, device=held.offset.device)
             flat = value.view(-1)
@@ -113,6 +118,12 @@ class Offsets:
     def _take_all(self):
         while self._held:
             yield self._held.pop(next(iter(self._held)))
+
+    def _take(self, slots: list[Slot]):
+        for slot in slots:
+            held = self._held.pop(_key(slot), None)
+            if held is not None:
+                yield held
 
     def read(self, slot: Slot, part: slice) -> torch.Tensor:
         """The flat elements `part` of the tensor in `slot`, whether held or not."""
@@ -159,6 +170,33 @@ class Offsets:
     def _check(held: _Held) -> None:
         if held.base._version != held.version:
             raise RuntimeError("a float64 value held as an offset lost its base: the base changed while it was held")
+
+
+def step_in_parts(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], offsets: Offsets,
+                  part: int = PART) -> None:
+    """`optimizer.step()` over `params` (those with a gradient), its held state given back a part of about `part`
+    elements at a time: each part's state comes back, the part steps, its gradients are let go. So the whole float64
+    state and the whole float64 gradient are never held at once. Only for an optimizer that steps each parameter on
+    its own (ELEMENTWISE: the same values as one step, to the bit); any other steps once, its state given back first."""
+    if type(optimizer) not in ELEMENTWISE or any(g.get("fused") for g in optimizer.param_groups):
+        offsets.restore()
+        optimizer.step()
+        return
+    grads = [(p, p.grad) for p in params if p.grad is not None]
+    for p, _ in grads:
+        p.grad = None
+    while grads:
+        size, chunk = 0, []
+        while grads and (not chunk or size + grads[0][0].numel() <= part):
+            chunk.append(grads.pop(0))
+            size += chunk[-1][0].numel()
+        offsets.restore([(optimizer.state[p], k) for p, _ in chunk for k in list(optimizer.state[p])])
+        for p, g in chunk:
+            p.grad = g
+        optimizer.step()
+        for p, _ in chunk:
+            p.grad = None
+        del chunk
 
 
 def paired(model: nn.Module, optimizer: torch.optim.Optimizer, base: nn.Module, base_optimizer: torch.optim.Optimizer,

@@ -43,7 +43,7 @@ from dpcompare.verify.tolerance import CHUNK, finite, rel_ratio
 from dpcompare.verify.dtypes import is_float, non_float_divergence, state_distance
 from dpcompare.verify.verdict import Divergence
 from dpcompare.verify.masks import MaskReplayer
-from dpcompare.verify.offsets import Offsets, paired
+from dpcompare.verify.offsets import Offsets, paired, step_in_parts
 from dpcompare.verify.ranges import Ranges, TrajectoryRequest
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
@@ -189,8 +189,8 @@ class Trajectory:
 
     def _step(self, own: Callable[[], list[Piece]], share: TrajectoryRequest | None, loss_scale: float) -> None:
         """Both copies' step on this process's forwards `own()` at the step's `loss_scale`, shared as `share` says
-        (None: not shared)."""
-        self.offsets.restore()
+        (None: not shared). The float64 optimizer state comes back a part at a time as it steps (step_in_parts)."""
+        self.offsets.restore([(p, None) for p in self.model64.parameters()])
         if share is not None:
             for model in (self.model64, self.model_run):
                 self.ranges.gather(model)
@@ -211,7 +211,7 @@ class Trajectory:
         carried = {n: p.detach().clone() for n, p in self.model64.named_parameters() if n in self.carried}
         self._accumulate(self.model64, pieces, share, self.replayers[0])
         self._clip(self.model64)
-        self.opt64.step()
+        step_in_parts(self.opt64, self._stepped(self.model64), self.offsets)
         self.model64.zero_grad(set_to_none=True)  # not needed until the next step: memory for the next check
         self.written.update(n for n, p in self.model64.named_parameters()
                             if n in carried and state_distance(p, carried[n]) != 0.0)
