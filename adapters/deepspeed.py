@@ -85,10 +85,6 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
                "stage3_param_persistence_threshold; DeepSpeed's default is 100000, 0 partitions every parameter)"),
     )
     VARIANTS = {f"zero{n}": {"zero_stage": n} for n in range(4)}
-
-    @classmethod
-    def precision_refusal(cls, amp: str, options: Mapping[str, Any]) -> str | None:
-        return _precision_refusal(amp, options)
     NATIVE_NAMES = {"communication_data_type": "compression", "allreduce_bucket_size": "bucket_mb",
                     "reduce_bucket_size": "bucket_mb", "wall_clock_breakdown": "instrument"}
 
@@ -187,6 +183,10 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
     @classmethod
     def checkpoint_formats(cls) -> tuple[str, ...]:
         return ("deepspeed", "universal")
+
+    @classmethod
+    def precision_refusal(cls, amp: str, options: Mapping[str, Any]) -> str | None:
+        return _precision_refusal(amp, options)
 
     def save_checkpoint(self, directory: str, fmt: str) -> None:
         """The engine's save_checkpoint under the tag CHECKPOINT_TAG; a universal checkpoint is converted from it

@@ -3,8 +3,8 @@
 The two copies of dpcompare.verify.trajectory train side by side from the same weights on the same batches, so after
 each step the float64 copy's value of an element differs from the run-precision copy's only by what that dtype's
 rounding has led to (for a float32 run, a few units in 2^-24 of it after a step of SGD, about 1e-5 of it after a few
-steps of AdamW, which magnifies the rounding of small gradients). Held as `base + offset`, with the offset in float32, each float64 value
-costs 4 bytes instead of 8 between steps (its parameters, and its optimizer state entry by entry where the other copy
+steps of AdamW, which magnifies the rounding of small gradients). Held as `base + offset`, with the offset in float32,
+each float64 value costs 4 bytes instead of 8 between steps (its parameters, and its optimizer state entry by entry where the other copy
 holds the same entry: AdamW's two moments, SGD's momentum), and is given back in float64 before the copy is used.
 
 Exact enough, and checked element by element. The trajectory's smallest allowed drift is depth * u per step (u: the
@@ -108,12 +108,9 @@ class Offsets:
             value = torch.empty(held.shape, dtype=torch.float64, device=held.offset.device)
             flat = value.view(-1)
             for start in range(0, flat.numel(), CHUNK):
-                part = flat[start:start + CHUNK]
-                part.copy_(held.base.detach().reshape(-1)[start:start + CHUNK])
-                part.add_(held.offset[start:start + CHUNK])  # in float64
+                self._into(held, flat[start:start + CHUNK], start)
             flat[held.index] = held.values
             _set(held.slot, value)
-            del held, value, flat, part
 
     def _take_all(self):
         while self._held:
@@ -131,8 +128,8 @@ class Offsets:
         if held is None:
             return _get(slot).detach().reshape(-1)[part]
         self._check(held)
-        out = self._part(held, part)
         start, stop, _ = part.indices(held.offset.numel())
+        out = self._into(held, torch.empty(max(stop - start, 0), dtype=torch.float64, device=held.offset.device), start)
         inside = (held.index >= start) & (held.index < stop)
         out[held.index[inside] - start] = held.values[inside]
         return out
@@ -163,8 +160,11 @@ class Offsets:
         return _Held(slot, target.shape, base, base._version, offset, index, x[index])
 
     @staticmethod
-    def _part(held: _Held, part: slice) -> torch.Tensor:
-        return held.base.detach().reshape(-1)[part].double() + held.offset[part].double()
+    def _into(held: _Held, out: torch.Tensor, start: int) -> torch.Tensor:
+        """Base + offset of the flat elements from `start`, as many as `out` holds, written into `out` (float64): the
+        base copied in, the offset added in float64, no other temporary."""
+        out.copy_(held.base.detach().reshape(-1)[start:start + out.numel()])
+        return out.add_(held.offset[start:start + out.numel()])
 
     @staticmethod
     def _check(held: _Held) -> None:
@@ -185,18 +185,21 @@ def step_in_parts(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
     grads = [(p, p.grad) for p in params if p.grad is not None]
     for p, _ in grads:
         p.grad = None
-    while grads:
-        size, chunk = 0, []
-        while grads and (not chunk or size + grads[0][0].numel() <= part):
-            chunk.append(grads.pop(0))
-            size += chunk[-1][0].numel()
+    start = 0
+    while start < len(grads):
+        end, size = start + 1, grads[start][0].numel()
+        while end < len(grads) and size + grads[end][0].numel() <= part:
+            size += grads[end][0].numel()
+            end += 1
+        chunk = grads[start:end]
         offsets.restore([(optimizer.state[p], k) for p, _ in chunk for k in list(optimizer.state[p])])
         for p, g in chunk:
             p.grad = g
         optimizer.step()
-        for p, _ in chunk:
+        for i, (p, _) in enumerate(chunk, start):
             p.grad = None
-        del chunk
+            grads[i] = (p, None)  # its gradient let go with the part
+        start = end
 
 
 def paired(model: nn.Module, optimizer: torch.optim.Optimizer, base: nn.Module, base_optimizer: torch.optim.Optimizer,

@@ -139,8 +139,6 @@ def unique_stem(label: str, taken: set[str]) -> str:
     return unique
 
 
-
-
 def is_amp_recipe(knob: str) -> bool:
     """A job that runs another precision recipe of its backend: the same computation as the baseline, judged alike."""
     return knob.startswith("amp_recipe=")
@@ -162,7 +160,8 @@ def amp_recipes(amp: str, baseline: list[tuple[Entry, int]], add: Callable) -> l
             refusal = adapter_class(entry.backend).precision_refusal(amp, {**dict(entry.options), "amp_recipe": recipe})
             if refusal is not None:
                 if not any(s["backend"] == entry.name and s["knob"] == knob for s in skipped):
-                    skipped.append({"backend": entry.name, "knob": knob, "reason": f"{refusal}; the backend's default recipe runs"})
+                    skipped.append({"backend": entry.name, "knob": knob,
+                                    "reason": f"{refusal}; the backend's default recipe runs"})
                 continue
             add(entry, ws, knob, {"options": {"amp_recipe": recipe}})
     return skipped
