@@ -59,7 +59,8 @@ def _diagnoses(model: nn.Module, grads_for, *, digests_for=None, has_batchnorm=F
         state=state, batch=batch, world_size=world_size, grad_accum=grad_accum,
         shard_digests=digests_for(digests) if digests_for else digests, has_batchnorm=has_batchnorm, sync_bn=sync_bn,
         compression=compression, dtype="float32", layout=layout, per_replica=per_replica,
-        previous=previous(oracle, state, shards) if previous else None, loss_scale=loss_scale)
+        previous=previous(oracle, state, shards) if previous else None, loss_scale=loss_scale,
+        digests={n: eq.tensor_digest(g) for n, g in grads.items()})
     share = float(torch.linalg.vector_norm(eq.flat(oracle_grads, oracle.names))) / math.sqrt(len(oracle.names))
     failing = [n for n in oracle.names if not eq.rel_fro(grads[n], oracle_grads[n], share) <= tolerance]
     return diagnose_gradient(evidence, failing or oracle.names)
@@ -147,11 +148,27 @@ def test_a_mean_over_ranks_that_form_no_replica_group_is_not_named_one(ranks):
     assert "replica group" not in found[0].reason
 
 
+def _digests(grads):
+    return {n: eq.tensor_digest(g) for n, g in grads.items()}
+
+
 def test_names_a_stale_gradient():
     torch.manual_seed(11)
     stale = {n: torch.randn(p.shape, dtype=torch.float64) for n, p in _linear().named_parameters()}
-    reason = _diagnose(_linear(), lambda o, s, og, sh: stale, previous=lambda o, s, sh: (0, stale))
+    reason = _diagnose(_linear(), lambda o, s, og, sh: stale, previous=lambda o, s, sh: (0, _digests(stale)))
     assert "step 0's" in reason and "stale" in reason
+
+
+def test_a_gradient_one_rounding_away_from_the_last_steps_is_not_called_stale():
+    """The stale gradient is the previous step's to the bit (its digest is what is held over the step): one element
+    moved by one unit in its last place is another gradient."""
+    torch.manual_seed(11)
+    stale = {n: torch.randn(p.shape, dtype=torch.float64) for n, p in _linear().named_parameters()}
+    moved = {n: g.clone() for n, g in stale.items()}
+    for g in moved.values():
+        g.view(-1)[0] = torch.nextafter(g.view(-1)[0], torch.tensor(math.inf, dtype=g.dtype))
+    found = _diagnoses(_linear(), lambda o, s, og, sh: moved, previous=lambda o, s, sh: (0, _digests(stale)))
+    assert "stale" not in [d.cause for d in found], reason_of(found)
 
 
 def test_names_an_undeclared_fp16_wire():

@@ -5,7 +5,8 @@
 - a rank that cannot compute its share says so, and rank 0 raises it in one exception naming the rank, while neither
   process waits for a share that will not come (both finish, and the next request is served);
 - each sum is held by its parameters' owners, each rank its own range only, until rank 0 lets it go; rank 0 reads the
-  other ranges from their owners while they serve, and a read after they stopped is refused instead of waiting.
+  other ranges from their owners while they serve, and a read after they stopped is refused instead of waiting;
+- an optimizer state is held so too (Divider.hold_state), each parameter's entries read back as they were.
 """
 
 from __future__ import annotations
@@ -66,7 +67,12 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         helper.serve(batch, lambda: None)  # served again afterwards
         held = {k: sorted(g) for k, g in helper._held.items()}  # what this rank still holds: its range of one sum
         helper.serve(batch, lambda: None)  # rank 0 lets that sum go
-        torch.save({"held": held, "after": len(helper._held)}, f"{out}.{rank}")
+        after = len(helper._held)
+        helper.serve(batch, lambda: None)  # rank 0 holds an optimizer state in ranges, and reads it
+        state_held = {k: sorted(g) for k, g in helper._held.items()}
+        helper.serve(batch, lambda: None)  # rank 0 lets it go
+        torch.save({"held": held, "after": after, "state_held": state_held, "state_after": len(helper._held)},
+                   f"{out}.{rank}")
         dist.destroy_process_group()
         return
     divider = divided.Divider(peers, layout)
@@ -101,6 +107,24 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     del again
     divider.open()
     divider.done()
+    # An optimizer state as read (AdamW's, after a step): held in ranges by the owners, each parameter's entries read
+    # back from its owner as they were, its step count kept here; what the entries are, without sending them.
+    model = verification_copy(template, torch.device("cpu"), torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    read = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
+    divider.open()
+    held = divider.hold_state(read, [n for n, _ in model.named_parameters()])
+    results["state_back"] = all(torch.equal(held[n][k], v) for n in read for k, v in read[n].items())
+    like = held.like()
+    results["state_like"] = all(like[n][k].device.type == "meta" and like[n][k].dtype == v.dtype and
+                                like[n][k].shape == v.shape for n in read for k, v in read[n].items() if v.dim())
+    divider.done()
+    del held
+    divider.open()
+    divider.done()
     torch.save(results, out)
     dist.destroy_process_group()
 
@@ -122,3 +146,7 @@ def test_a_divided_gradient_is_the_single_process_sum_and_a_failing_rank_is_name
         mine = sorted(n for n, r in results["owners"].items() if r == rank)
         assert mine and helper["held"] and all(names == mine for names in helper["held"].values()), (rank, helper)
         assert helper["after"] == 0
+        # the optimizer state's two moments, each its own range only, until rank 0 let the state go
+        assert len(helper["state_held"]) == 2 and all(names == mine for names in helper["state_held"].values())
+        assert helper["state_after"] == 0
+    assert results["state_back"] and results["state_like"]

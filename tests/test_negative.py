@@ -220,8 +220,9 @@ def test_gradients_that_underflow_on_a_declared_fp16_wire_are_named(launch):
 
 
 @pytest.mark.slow
-def test_stale_gradient_is_named_at_step_1(launch):
-    proc, result = launch("tests.faulty_adapters:StaleGradDDP", WORLD_SIZE, "mlp", STEPS)
+@pytest.mark.parametrize("world_size", [1, WORLD_SIZE])  # the digests held: rank 0's own, or every rank's
+def test_stale_gradient_is_named_at_step_1(launch, world_size):
+    proc, result = launch("tests.faulty_adapters:StaleGradDDP", world_size, "mlp", STEPS)
     d = different(proc, result)
     assert (d["step"], d["parameter"], d["cause"]) == (1, "0.weight", "stale"), d
     assert "step 0's" in d["reason"], d["reason"]

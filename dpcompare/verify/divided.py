@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dpcompare.contract.optim_state import OptState
 from dpcompare.verify import masks as mk
 from dpcompare.verify import stochastic
 from dpcompare.verify.equivalence import Grads, Layout, Piece, accumulate_raw, finish_gradient, verification_copy
@@ -47,7 +48,7 @@ from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
 from dpcompare.verify.tolerance import range_figures
-from dpcompare.verify.peers import Peers, Remote, owners, partition, to_owners
+from dpcompare.verify.peers import Peers, Remote, RemoteState, owners, partition, to_owners
 
 __all__ = ["Divider", "Helper", "Peers", "Request", "Status", "partition"]
 
@@ -229,6 +230,22 @@ class Divider:
         own = Compact({n: tensors[n] for n in names if n not in away})
         return Remote(own, names, lambda name: self._fetch(key, name, *meta[name]),
                       lambda: self._dropped.append(key), divided_by=self, key=key, none=none)
+
+    def hold_state(self, state: OptState, names: list[str]) -> RemoteState:
+        """An optimizer state as rank 0 read it, held in ranges by the parameters' owners (`hold`, one entry key at a
+        time): each entry of `names` that is a tensor of its parameter's elements (a momentum, a moment). The others
+        (step counts) stay here; a parameter not in `names` keeps only those (nothing reads its tensors)."""
+        chosen = set(names) & set(self._owner or {})
+        ranged = lambda n, v: n in chosen and torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0  # noqa: E731
+        keys = sorted({k for n, entries in state.items() for k, v in entries.items() if ranged(n, v)})
+        remotes, meta = {}, {}
+        for key in keys:
+            given = {n: entries[key] for n, entries in state.items() if ranged(n, entries.get(key))}
+            meta[key] = {n: (tuple(t.shape), t.dtype) for n, t in given.items()}
+            remotes[key] = self.hold(given)
+        local = {n: {k: v for k, v in entries.items() if not (ranged(n, v) or (torch.is_tensor(v) and v.dim() > 0))}
+                 for n, entries in state.items()}
+        return RemoteState(local, remotes, meta)
 
     def own(self, model: nn.Module) -> None:
         """The parameters' owners, from `model` (a copy of the template as the other ranks' copies are made)."""

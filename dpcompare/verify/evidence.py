@@ -43,8 +43,10 @@ class GradientEvidence:
     """The oracle was each replica's own forwards (BatchNorm without --sync-bn), not the global batch."""
     masks: list[Masks | None] | None = None
     """The dropout masks each forward of the layout drew, when the model draws random numbers."""
-    previous: tuple[int, Grads] | None = None
-    """(step, reduced gradient) of the previous step when it was checked."""
+    previous: tuple[int, dict[str, str]] | None = None
+    """(step, the reduced gradient's digest per parameter) of the previous step when it was checked."""
+    digests: dict[str, str] | None = None
+    """This step's reduced gradient, a digest per parameter (dpcompare.verify.equivalence.grad_digests)."""
     loss_scale: float | None = None
     """The loss scale of this step's backward, when the run scales its loss (--amp fp16)."""
     judged_tolerance: dict[str, float] | None = None

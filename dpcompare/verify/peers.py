@@ -4,9 +4,10 @@ Owns: `Peers` (the verifier's own process group: gloo, CPU tensors, made by the 
 backend's, so nothing the checks send passes through the backend's wrapper, buckets or hooks), `partition` and
 `owners` (which rank owns which trainable parameter: contiguous ranges of about as many elements each),
 `to_owners` (the ranks' summed gradients of their own forwards sent to each parameter's owner, who adds them in a fixed
-order) and `Remote` (on rank 0, a gradient summed at its owners: rank 0's own range held, every other parameter sent
-by its owner when read). Used by dpcompare.verify.divided (the oracle's and the references' sums) and
-dpcompare.verify.ranges (the reference trajectory). Imports no adapter.
+order), `Remote` (on rank 0, a gradient summed at its owners: rank 0's own range held, every other parameter sent
+by its owner when read) and `RemoteState` (an optimizer state held so). Used by dpcompare.verify.divided (the oracle's
+and the references' sums, the update check's optimizer states) and dpcompare.verify.ranges (the reference trajectory).
+Imports no adapter.
 """
 
 from __future__ import annotations
@@ -164,3 +165,47 @@ class _Life:
     def __init__(self, on_drop: Callable[[], None] | None) -> None:
         if on_drop is not None:
             weakref.finalize(self, on_drop)
+
+
+class RemoteState(Mapping[str, dict]):
+    """On rank 0, an optimizer state held in ranges by the parameters' owners (Divider.hold_state): the entries that are
+    tensors of their parameter's elements (momentum, moments) in one `Remote` per entry key, every other entry (a step
+    count) here. A parameter's entries are sent by their owners when read; the last parameter read is kept for a second
+    read of it (a replay reads a parameter's state more than once)."""
+
+    __slots__ = ("_local", "_remotes", "_meta", "_last")
+
+    def __init__(self, local: dict[str, dict], remotes: dict[str, Remote],
+                 meta: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]) -> None:
+        """`local`: every parameter's entries not held in ranges; `remotes`: by entry key, the held ones; `meta`: by
+        entry key, each held parameter's (shape, dtype)."""
+        self._local, self._remotes, self._meta = local, remotes, meta
+        self._last: tuple[str, dict] | None = None
+
+    def __getitem__(self, name: str) -> dict:
+        if self._last is not None and self._last[0] == name:
+            return self._last[1]
+        entries = dict(self._local[name])
+        for key, remote in self._remotes.items():
+            if name in remote:
+                entries[key] = remote.held(name)
+        self._last = (name, entries)
+        return entries
+
+    def like(self) -> dict[str, dict]:
+        """Each parameter's entries with every held one as a meta tensor of its shape and dtype (nothing sent): for a
+        reader that needs only what the entries are (dpcompare.verify.update_check's `state_like`)."""
+        out = {n: dict(entries) for n, entries in self._local.items()}
+        for key, held in self._meta.items():
+            for n, (shape, dtype) in held.items():
+                out[n][key] = torch.empty(shape, dtype=dtype, device="meta")
+        return out
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._local
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._local)
+
+    def __len__(self) -> int:
+        return len(self._local)

@@ -124,6 +124,10 @@ def compute(ctx: CheckContext, bench: Bench, step: StepEvidence) -> OracleStep |
                  for n in ctx.names}
         grads = Compact(given) if bench.divider is None else bench.divider.hold(given)
         del given
+        if bench.divider is not None and step.reads.state is not None:
+            # The optimizer state the step started from (the update check's replay starts from it; its comparison
+            # with the expected state is done, on_reads): held in ranges too, each parameter's read from its owner.
+            step.reads.state = bench.divider.hold_state(step.reads.state, list(ctx.names))
         left_none = frozenset(n for n in ctx.names if reduced.get(n) is None)
         try:
             pieces, oracle, none, floor, spread, wire = _gradients(bench, step, state, records, forward_masks, pieces,

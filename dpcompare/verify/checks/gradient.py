@@ -29,8 +29,9 @@ class Gradient:
 
     def __init__(self, ctx: CheckContext, bench: Bench) -> None:
         self.bench, self.verdict = bench, bench.verdict
-        self.previous: tuple[int, eq.Grads] | None = None
-        """The last compared step's reduced gradient, for a diagnosis that looks back (a stale gradient)."""
+        self.previous: tuple[int, dict[str, str]] | None = None
+        """The last compared step's reduced gradient, a digest per parameter, for a diagnosis that looks back (a stale
+        gradient is that step's to the bit): not the gradient itself, 4 bytes a parameter held from step to step."""
 
     def judge(self, ctx: CheckContext, step: StepEvidence) -> Finding | None:
         o, names = step.oracle, list(ctx.names)
@@ -51,8 +52,16 @@ class Gradient:
             failing = [p for p in params if p.parameter in apart]
         if failing and self.verdict.first_divergence is None:
             finding = Finding(self._diagnosed(ctx, step, params, failing, apart))
-        self.previous = (step.step, o.grads)
+        self.previous = (step.step, self._digests(ctx, step))
         return finding
+
+    @staticmethod
+    def _digests(ctx: CheckContext, step: StepEvidence) -> dict[str, str]:
+        """Rank 0's reduced gradient, a digest per parameter: the one every rank sends where there are several (the
+        replicas' comparison), else taken here."""
+        names = list(ctx.all_names)
+        mine = step.ranks[0]["grads"] if len(step.ranks) > 1 else eq.grad_digests(step.reads.grads, names)
+        return dict(zip(names, mine))
 
     def _diagnosed(self, ctx: CheckContext, step: StepEvidence, params: list[ParamError], failing: list[ParamError],
                    apart: list[str]) -> eq.Divergence:
@@ -67,7 +76,7 @@ class Gradient:
             grad_accum=settings.grad_accum, shard_digests=[i["shard"] for i in step.ranks],
             has_batchnorm=ctx.has_batchnorm, sync_bn=settings.sync_bn, compression=ctx.wire,
             dtype=ctx.dtype, layout=ctx.layout, per_replica=self.bench.forwards.per_replica, masks=o.forward_masks,
-            previous=self.previous, loss_scale=o.loss_scale if scaled else None,
+            previous=self.previous, digests=self._digests(ctx, step), loss_scale=o.loss_scale if scaled else None,
             judged_tolerance={p.parameter: p.tolerance_rel_fro for p in params},
             missing=frozenset(n for n in names if step.reads.grads.get(n) is None and n not in o.none),
             rank_norms=[i.get("grad_norms") or {} for i in step.ranks] if apart else None,

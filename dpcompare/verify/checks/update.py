@@ -48,7 +48,7 @@ class Update:
 
     def __init__(self, ctx: CheckContext, bench: Bench) -> None:
         self.factory, self.device, self.names, self.prestep = ctx.factory, ctx.device, list(ctx.names), ctx.prestep
-        self.backend, self.verdict = bench.backend, bench.verdict
+        self.backend, self.verdict, self.divider = bench.backend, bench.verdict, bench.divider
         self.dtype = DTYPES[ctx.dtype]
         self.clip: float | None = ctx.settings.clip_grad_norm
         """--clip-grad-norm: every reference step clips the gradient it is handed by its global norm."""
@@ -70,7 +70,7 @@ class Update:
             # own where it was found to be that one).
             compared = self._taken(step.step)
             self.expected_state = None if compared is None else (
-                compared.expected if compared.expected is not None else pending.backend_state)
+                compared.expected if compared.expected is not None else _whole(pending.backend_state))
             return None
         state = pending.backend_state
         if state is None:
@@ -95,8 +95,12 @@ class Update:
             self._compared = (step.step, None)
             return
         state = step.reads.state
-        counts = {n: c[1] for n in self.names if (c := step_count_mismatch(state, expected, [n])) is not None}
-        values = {n: d[1] for n in self.names if (d := state_difference(state, expected, [n])) is not None}
+        counts, values = {}, {}
+        for n in self.names:  # a parameter at a time: an expected state held in ranges sends each parameter's once
+            if (c := step_count_mismatch(state, expected, [n])) is not None:
+                counts[n] = c[1]
+            if (d := state_difference(state, expected, [n])) is not None:
+                values[n] = d[1]
         self._compared = (step.step, _StateCompared(counts, values, expected if counts or values else None))
 
     def _taken(self, step: int) -> "_StateCompared | None":
@@ -139,7 +143,7 @@ class Update:
         delta = Difference(masters, pending.params)
         # The float64 replay's state is the next step's expected state: read in the backend's dtype (held_as).
         ref = reference_step(self.factory, pending.params, single, state, torch.float64, self.device, clip=self.clip,
-                             state_like=state)
+                             state_like=_like(state))
         floor = self._replay(pending, single, state, self.dtype, keep_state=False)
         norms: dict[str, tuple[float, float]] = {}  # (||delta||, ||reference||), read in compare's own pass
         params, model = compare(delta, ref.delta, floor.delta, dtype=ctx.dtype, world_size=1,
@@ -195,8 +199,10 @@ class Update:
         state with the gradient it was handed (zeros included, where the backend gave zeros)."""
         leaves = ref if _none_of(single) == _none_of(pending.grads) else \
             reference_step(self.factory, pending.params, pending.grads, state, torch.float64, self.device, clip=self.clip,
-                           state_like=state)
+                           state_like=_like(state))
         self.expected_state = leaves.state
+        if self.divider is not None:  # held in ranges by the owners until the next checked step's reduce reads it
+            self.expected_state = self.divider.hold_state(self.expected_state, self.names)
         self.expected_from = f"the state step {step} left"
 
     def _note_unused_stepped(self, step: int, state: OptState, zero_stepped: list[str]) -> None:
@@ -262,3 +268,15 @@ def _none_of(grads: Mapping[str, torch.Tensor | None]) -> frozenset[str]:
         return grads.none
     return frozenset(n for n, g in grads.items() if g is None)
 
+
+
+def _like(state: OptState) -> OptState:
+    """What `state`'s entries are, for reading a replay's state in their dtypes: a state held in ranges
+    (dpcompare.verify.peers.RemoteState) gives meta tensors, nothing sent."""
+    like = getattr(state, "like", None)
+    return like() if like is not None else state
+
+
+def _whole(state: OptState) -> OptState:
+    """`state` held here: one held in ranges is read whole (a skipped step's, expected at the next step)."""
+    return state if isinstance(state, dict) else {n: dict(state[n]) for n in state}
