@@ -7,7 +7,9 @@
 each size's step, the checks' time per checked step against it (`verify_ms_per_step` / `step_ms_p50`), the parts
 (`verify_ms_by_part`), bytes per parameter above start, and what the checks took again rather than compute twice
 (`equivalence.oracle_reuse`); then, per optimizer, the ratio's spread over the sizes. Record:
-docs/results/2026-11-29-verification-default-batch-cpu.md.
+docs/results/2026-11-29-verification-default-batch-cpu.md. `test_the_checks_at_the_default_batch_across_world_sizes`
+runs the 11 M config at the same defaults at 1, 2 and 4 ranks (ddp under torchrun beyond one): rank 0's checks
+against the step as the ranks divide the oracle's forwards.
 
 test_verification_cost.py's series keep 2 sequences of 16 tokens a rank: there a step is 32 tokens and what the checks
 do per parameter (the comparisons, the update's replay, loading the copies) outweighs the step's arithmetic; here the
@@ -45,15 +47,21 @@ BYTES_PER_PARAM_BOUND = 130.0
 float64): a size is run only where that fits MemAvailable with the margin."""
 
 
-def _run(label: str, optimizer: str, root: Path) -> dict:
+def _run(label: str, optimizer: str, root: Path, world_size: int = 1) -> dict:
+    """One point: the reference backend in one process, or ddp under torchrun at `world_size` ranks (the same global
+    batch, divided over them; the oracle's arithmetic divided too)."""
     size = next(s for s in SIZES if s.label == label)
-    need = 2 * 2**30 + BYTES_PER_PARAM_BOUND * size.parameters
+    need = world_size * (2 * 2**30 + BYTES_PER_PARAM_BOUND * size.parameters)
     if need + MARGIN_BYTES > _mem_available():
         return {"size": label, "optimizer": optimizer, "skipped": f"predicted {need / 2**30:.1f} GiB > available"}
     folder = size.write(root)
-    work = root / "runs" / f"{label}-{optimizer}"
-    cmd = [sys.executable, "-m", "dpcompare", *ARGS, "--model", f"hf:{folder}", "--optimizer", optimizer,
-           "--out", str(work / "out")]
+    work = root / "runs" / f"{label}-{optimizer}-ws{world_size}"
+    args = [*ARGS, "--model", f"hf:{folder}", "--optimizer", optimizer, "--out", str(work / "out")]
+    if world_size == 1:
+        cmd = [sys.executable, "-m", "dpcompare", *args]
+    else:
+        launcher = [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc_per_node={world_size}"]
+        cmd = [*launcher, "-m", "dpcompare", *args[args.index("--backend") + 2:], "--backend", "ddp"]
     watched = _run_watched(cmd, work, RUN_TIMEOUT_S)
     if watched.killed or watched.code != 0:
         return {"size": label, "optimizer": optimizer, "error": watched.killed or f"exit status {watched.code}",
@@ -62,7 +70,8 @@ def _run(label: str, optimizer: str, root: Path) -> dict:
     result = json.loads(path.read_text())
     m, eqv = result["metrics"], result["equivalence"]
     params = result["model_info"]["parameters"]
-    return {"size": label, "optimizer": optimizer, "parameters": params, "verdict": eqv["verdict"],
+    return {"size": label, "optimizer": optimizer, "world_size": world_size, "parameters": params,
+            "verdict": eqv["verdict"], "verify_ms_per_step_per_rank": m.get("verify_ms_per_step_per_rank"),
             "step_ms_p50": m["step_ms_p50"], "verify_ms_per_step": m["verify_ms_per_step"],
             "ratio": m["verify_ms_per_step"] / m["step_ms_p50"], "checked_steps": m["verify_checked_steps"],
             "parts_ms": m["verify_ms_by_part"], "above_start_b_per_param": m["verify_above_start_mib"] * MIB / params,
@@ -109,3 +118,38 @@ def test_verification_cost_at_the_default_batch(tmp_path: Path) -> None:
         reuse = r["oracle_reuse"] or {}
         assert reuse.get("regrouped_floor", {}).get("identical") is True, r
         assert reuse.get("trajectory", {}).get("gradients_from_oracle") == [0], r
+
+
+WS_PLAN = [("11M", "sgd"), ("11M", "adamw")]
+"""The world-size series at the defaults: the smallest config (four ranks of its float64 copies fit beside the run)."""
+
+
+def test_the_checks_at_the_default_batch_across_world_sizes(tmp_path: Path) -> None:
+    """The same global batch at 1, 2 and 4 ranks (ddp under torchrun beyond one; every rank runs its own forwards of the
+    oracle): rank 0's checks per checked step against the step, printed per world size. Every run `equivalent`."""
+    pytest.importorskip("transformers")
+    rows = []
+    for label, optimizer in WS_PLAN:
+        for world_size in (1, 2, 4):
+            print(f"  {label} {optimizer} ws={world_size} ...", flush=True)
+            rows.append(row := _run(label, optimizer, tmp_path, world_size))
+            if "ratio" in row:
+                print(f"    {row['verdict']}: step {row['step_ms_p50']:.0f} ms, checks {row['verify_ms_per_step']:.0f} ms"
+                      f" a step on rank 0 ({row['ratio']:.1f}x), per rank {row['verify_ms_per_step_per_rank']}",
+                      flush=True)
+    table = Table(title="the checks at the run's defaults (4 checked steps, 24 x 128 tokens) across world sizes",
+                  title_justify="left")
+    for col in ("size", "opt", "ranks", "step ms", "checks ms/step (rank 0)", "ratio", "verdict / why not"):
+        table.add_column(col, justify="left" if col in ("size", "opt", "verdict / why not") else "right")
+    for r in rows:
+        if "ratio" not in r:
+            table.add_row(r["size"], r["optimizer"], "", "", "", "", r.get("skipped") or r.get("error"))
+            continue
+        table.add_row(r["size"], r["optimizer"], str(r["world_size"]), f"{r['step_ms_p50']:.0f}",
+                      f"{r['verify_ms_per_step']:.0f}", f"{r['ratio']:.1f}", r["verdict"])
+    Console(width=160, force_terminal=False).print(table)
+    (tmp_path / "verification_cost_default_batch_ws.json").write_text(json.dumps(rows, indent=2))
+    print(json.dumps(rows, indent=2), flush=True)
+    assert not [r for r in rows if "error" in r], [(r["size"], r["world_size"], r["error"]) for r in rows if "error" in r]
+    measured = [r for r in rows if "ratio" in r]
+    assert measured and all(r["verdict"] == "equivalent" for r in measured)

@@ -82,12 +82,17 @@ def test_divided_arithmetic_judges_as_the_single_process_oracle(launch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["split_later_mlp", "split_later_in_tensors_mlp"])
-def test_a_split_that_parts_from_the_global_batch_later_is_still_found(launch, model):
+@pytest.mark.parametrize("model, ranks, step", [("split_later_mlp", 2, 3), ("split_later_in_tensors_mlp", 2, 3),
+                                                ("split_later_in_tensors_mlp", 3, 1)])
+def test_a_split_that_parts_from_the_global_batch_later_is_still_found(launch, model, ranks, step):
     """The ranks' shards stand for the global batch from the second step only while they compute its loss: a model
-    whose samples interact through the batch's mean magnitude agrees at steps 0-2 and parts at step 3, in Python (the
-    probe sees the branch: the global batch's own forward stays) or in tensors alone (its loss shows it)."""
-    proc, result = launch("ddp", 2, f"tests.semantics_workloads:{model}", ["--steps", "4", "--measure-steps", "0"])
+    whose samples interact through the batch's mean magnitude agrees at first and parts later, in Python (the probe
+    sees the branch: the global batch's own forward stays) or in tensors alone (a joined forward's loss shows it: the
+    global batch's at two ranks; at three, ranks 0 and 1's forwards joined, 16 of the 24 samples)."""
+    proc, result = launch("ddp", ranks, f"tests.semantics_workloads:{model}", ["--steps", "4", "--measure-steps", "0"])
     assert proc.returncode == 0 and result["equivalence"]["verdict"] == "equivalent", proc.output[-3000:]
     split = result["equivalence"]["split"]
-    assert (split["semantics"], split["step"]) == ("per_replica", 3), split
+    assert (split["semantics"], split["step"]) == ("per_replica", step), split
+    if model.endswith("in_tensors_mlp"):
+        joined = result["equivalence"]["oracle_division"]["joined"]
+        assert joined[-1] == {"ranks": [0, 1], "samples": 48 // ranks}, joined

@@ -122,6 +122,8 @@ class Divider:
         """Requests divided so far (the verdict says the arithmetic was divided)."""
         self.last_loss = 0.0
         """The last request's forwards' losses, weighted as their gradients and added in their order."""
+        self.last_losses: dict[int, float] = {}
+        """The same, by rank: each rank's own forwards' losses added."""
         self._owner: dict[str, int] | None = None
         """Trainable parameter -> the rank that holds its sums (dpcompare.verify.peers.owners)."""
         self._key = 0
@@ -179,6 +181,7 @@ class Divider:
         self.last_loss = 0.0
         for r in order:  # the losses added in the gradients' order
             self.last_loss += statuses[r].loss
+        self.last_losses = {r: statuses[r].loss for r in order}
         model.zero_grad(set_to_none=True)  # `raw` holds rank 0's share: freed as it is sent or added into
         if self._owner is None:
             self.own(model)

@@ -49,13 +49,15 @@ Fitted to rank 0's bytes per parameter above start at 1, 2 and 4 ranks (benchmar
 Llama-style models, docs/results/2026-11-29-trajectory-offsets-cpu.md): slopes 53.8 -> 37.1 -> 32.0 with SGD, 67.4 ->
 45.0 -> 42.5 with AdamW; with the constants above rank 0 is planned at 64 -> 50 -> 43 (SGD) and 78 -> 61 -> 52.5
 (AdamW) B/param, at least 10 over each."""
-HELPER_BYTES_PER_PARAM = {"sgd": (35.0, 26.0), "adamw": (38.0, 36.0)}
+HELPER_BYTES_PER_PARAM = {"sgd": (30.0, 41.0), "adamw": (33.0, 55.0)}
 """A rank other than 0 where the ranks share the oracle's forwards, per parameter of the model, a + b / N at N ranks:
 its float64 and run-precision copies while they compute (12) and its copies of the reference trajectory made whole
 for its step, its own training state (gradients, optimizer state, DDP's buckets) (a); its ranges of the trajectory's
-optimizer states and parameters, of the oracle's sums and of the reduced gradient (b / N). Fitted to the largest other
-rank's bytes per parameter above start at 2 and 4 ranks (the same record: slopes 42.4 and 35.8 with SGD, 50.6 and 41.8
-with AdamW, intercepts 109-161 MiB), 5 over each: 48 and 41.5 (SGD), 56 and 47 (AdamW) planned."""
+optimizer states and parameters, of the oracle's sums, of the reduced gradient and of the update check's optimizer
+states (b / N). Fitted to the largest other rank's bytes per parameter above start at 2 and 4 ranks, the update
+check's states held in ranges (benchmarks/test_verification_cost.py, 11-39 M Llama-style models,
+docs/results/2026-11-29-update-state-ranges-cpu.md: slopes 45.5 and 35.3 with SGD, 55.6 and 41.8 with AdamW), 5 over
+each: 50.5 and 40.3 (SGD), 60.5 and 46.8 (AdamW) planned."""
 FIXED_BYTES = 256 * 1024**2
 """The checks' fixed part (the float64 activations of a small batch, allocator slack)."""
 MARGIN = 0.85

@@ -120,9 +120,10 @@ class SplitCheck:
         return now if self.finding.semantics != "global" else None
 
     def agrees(self, whole_loss: float, split_loss: float) -> bool:
-        """Whether the ranks' shards still compute the global batch's loss (`whole_loss`, one float64 forward of it;
-        `split_loss`, the shards' float64 losses, weighted and added): within the agreement the first measurement asked
-        of the gradients, relative to the loss."""
+        """Whether the ranks' shards still compute the global batch's loss (`whole_loss`, one float64 forward of the
+        global batch or of two ranks' forwards joined, dpcompare.verify.bench's `joined_pair`; `split_loss`, the same
+        samples' float64 losses as the shards computed them, weighted and added): within the agreement the first
+        measurement asked of the gradients, relative to the loss."""
         f = self.finding
         allowed = max(f.agreement if f is not None else SPLIT_AGREEMENT, SPLIT_AGREEMENT)
         return abs(whole_loss - split_loss) <= allowed * max(abs(whole_loss), abs(split_loss), 1e-300)

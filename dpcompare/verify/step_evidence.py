@@ -175,9 +175,11 @@ def _gradients(bench: Bench, step: StepEvidence, state: dict, records, forward_m
     substituted = shared is not pieces  # the ranks' shards stand for one forward of the global batch
     pieces, oracle = split.settle(step.step, state, batch, records, forward_masks, pieces,
                                   bench.oracle.oracle_of(state, shared))
-    if substituted and not split.agrees(bench.oracle.loss_of(state, pieces), bench.divider.last_loss):
-        # The ranks' shards stood for the global batch; its own forward's loss says they no longer do (samples that
-        # interact through the batch, agreeing at the first step only): measured again on the global batch itself.
+    joined = bench.joined_pair(batch, forward_masks) if substituted else None
+    if joined is not None and not split.agrees(bench.oracle.loss_of(state, joined[0]), joined[1]):
+        # The ranks' shards stood for the global batch; two ranks' forwards joined into one say they no longer do
+        # (samples that interact through the batch, agreeing at the first step only): measured again on the global
+        # batch itself.
         whole = bench.oracle.oracle_of(state, pieces)
         pieces, oracle = split.recheck(step.step, state, batch, records, forward_masks, pieces, whole) or (pieces,
                                                                                                            whole)

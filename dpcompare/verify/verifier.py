@@ -169,7 +169,8 @@ class Verifier:
         self.verdict.oracle_precision = float64_paths.report(self.bench.oracle.model64, self.bench.trajectory.model64)
         divider = self.bench.divider
         if divider is not None:
-            self.verdict.oracle_division = {"ranks": divider.peers.world_size, "divided": divider.requests}
+            self.verdict.oracle_division = {"ranks": divider.peers.world_size, "divided": divider.requests,
+                                            "joined": list(self.bench.joined)}
         reuse = {"regrouped_floor": dict(self.bench.reference.recomputed)} if self.bench.reference.recomputed else {}
         for check in self.checks:
             if (reused := getattr(check, "reused", None)) is not None:

@@ -1,0 +1,68 @@
+"""The forward the step's oracle holds the ranks' shards to where they stand for the global batch
+(dpcompare.verify.bench.Bench.joined_pair): two ranks' forwards joined into one, the next pair in turn, with those
+ranks' own losses; the global batch where there are two ranks. Glue, on a stand-in for the bench (its layout, its
+forwards, the divider's per-rank losses); the runs that rely on it are tests/test_divided.py's."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dpcompare.verify import masks as mk
+from dpcompare.verify.bench import Bench
+from dpcompare.verify.equivalence import Layout
+from dpcompare.verify.forwards import Forwards
+
+KEY = "drop (Dropout) aten.bernoulli_"
+
+
+def _bench(world: int, grad_accum: int = 1) -> SimpleNamespace:
+    layout = Layout(world, grad_accum)
+    forwards = SimpleNamespace(whole=lambda batch, masks: Forwards.whole(SimpleNamespace(layout=layout), batch, masks))
+    losses = {r: 10.0 ** r for r in range(world)}  # each rank's own: a sum names which ranks it added
+    return SimpleNamespace(layout=layout, forwards=forwards, divider=SimpleNamespace(last_losses=losses), joined=[])
+
+
+def _batch(n: int = 12):
+    x = torch.arange(n, dtype=torch.float64).unsqueeze(1).repeat(1, 3)  # row i holds i
+    return x, torch.arange(n)
+
+
+def _masks(layout: Layout, n: int) -> list[dict[str, list[torch.Tensor]]]:
+    """Each forward's draw: its samples' positions, so a joined draw shows which row came from where."""
+    return [{KEY: [p[3].to(torch.float64).unsqueeze(1).repeat(1, 5)]} for p in layout.positions(n)]
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_two_ranks_forwards_are_joined_in_turn_with_their_draws_and_losses(grad_accum):
+    bench, (x, y) = _bench(4, grad_accum), _batch()
+    masks = _masks(bench.layout, 12)
+    seen = []
+    for _ in range(5):
+        (piece,), loss = Bench.joined_pair(bench, (x, y), masks)
+        seen.append((sorted(int(v) for v in piece.y), loss, piece.weight))
+        # each row's draw is the one its own forward drew for that sample
+        assert torch.equal(piece.masks[KEY][0][:, 0], piece.x[:, 0]) and torch.equal(piece.x[:, 0], piece.y.double())
+    # rank r holds samples r, r + 4, r + 8: ranks 0 and 1, then 1 and 2, 2 and 3, 3 and 0, then 0 and 1 again
+    expected = [([0, 1, 4, 5, 8, 9], 11.0), ([1, 2, 5, 6, 9, 10], 110.0), ([2, 3, 6, 7, 10, 11], 1100.0),
+                ([0, 3, 4, 7, 8, 11], 1001.0), ([0, 1, 4, 5, 8, 9], 11.0)]
+    assert [(s, loss) for s, loss, _ in seen] == expected
+    assert all(w == 0.5 for _, _, w in seen)  # six of twelve samples: their loss is weighted as the shards' are
+    assert [j["ranks"] for j in bench.joined] == [[0, 1], [1, 2], [2, 3], [0, 3], [0, 1]]
+    assert all(j["samples"] == 6 for j in bench.joined)
+
+
+def test_with_two_ranks_the_joined_forward_is_the_global_batch():
+    bench, (x, y) = _bench(2), _batch()
+    (piece,), loss = Bench.joined_pair(bench, (x, y), None)
+    assert torch.equal(piece.x, x) and piece.weight == 1.0 and loss == 11.0
+    assert bench.joined == [{"ranks": [0, 1], "samples": 12}]
+
+
+def test_draws_that_are_not_batch_first_cannot_be_joined():
+    bench, (x, y) = _bench(4), _batch()
+    masks = [{KEY: [torch.zeros(7)]} for _ in bench.layout.positions(12)]
+    with pytest.raises(mk.MaskMismatch):
+        Bench.joined_pair(bench, (x, y), masks)
