@@ -102,10 +102,10 @@ def to_owners(peers: Peers, owner: dict[str, int], model: nn.Module, raw: dict[s
 
 class Remote(Mapping[str, torch.Tensor]):
     """On rank 0, a gradient summed at its parameters' owners (`to_owners`): rank 0's own range held here (`own`),
-    every other parameter sent by its owner when read, one at a time and never kept (`fetch(name)`), read in float64
+    every other parameter sent by its owner when read, one at a time, the last kept (`fetch(name)`), read in float64
     on the CPU as a Compact is. `on_drop` is called once this mapping is let go, so that the owners let theirs go."""
 
-    __slots__ = ("_own", "_names", "_known", "_fetch", "_life", "divided_by", "key", "none")
+    __slots__ = ("_own", "_names", "_known", "_fetch", "_life", "_last", "divided_by", "key", "none")
 
     def __init__(self, own: Mapping[str, torch.Tensor], names: list[str], fetch: Callable[[str], torch.Tensor],
                  on_drop: Callable[[], None] | None, *, divided_by: Any = None, key: int = 0,
@@ -116,6 +116,8 @@ class Remote(Mapping[str, torch.Tensor]):
         self._own, self._names, self._known, self._fetch = own, list(names), frozenset(names), fetch
         self.divided_by, self.key, self.none = divided_by, key, frozenset(none)
         self._life = life if life is not None else _Life(on_drop)
+        self._last: tuple[str, torch.Tensor] | None = None
+        """The last parameter sent, kept for a second read of it (the update check's two replays read each in turn)."""
 
     def without(self, names) -> "Remote":
         """The same values with `names` read as None, sharing (not copying) the rest and its lifetime."""
@@ -131,7 +133,15 @@ class Remote(Mapping[str, torch.Tensor]):
             return own.held(name) if hasattr(own, "held") else own[name]
         if name not in self._known:
             raise KeyError(name)
-        return self._fetch(name)
+        return self._sent(name)
+
+    def _sent(self, name: str) -> torch.Tensor:
+        """`name` from its owner, or the last one sent again within the same point of the step (outside one, a read
+        is refused as `fetch` refuses it: the owners may have let it go)."""
+        if not getattr(self.divided_by, "serving", True) or self._last is None or self._last[0] != name:
+            self._last = None  # the last one let go before the next is sent
+            self._last = (name, self._fetch(name))
+        return self._last[1]
 
     @property
     def own(self) -> Mapping[str, torch.Tensor]:
@@ -145,7 +155,7 @@ class Remote(Mapping[str, torch.Tensor]):
             return self._own[name]
         if name not in self._known:
             raise KeyError(name)
-        return self._fetch(name).double()
+        return self._sent(name).double()
 
     def __contains__(self, name: object) -> bool:
         return name in self._known

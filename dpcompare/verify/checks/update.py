@@ -269,7 +269,6 @@ def _none_of(grads: Mapping[str, torch.Tensor | None]) -> frozenset[str]:
     return frozenset(n for n, g in grads.items() if g is None)
 
 
-
 def _like(state: OptState) -> OptState:
     """What `state`'s entries are, for reading a replay's state in their dtypes: a state held in ranges
     (dpcompare.verify.peers.RemoteState) gives meta tensors, nothing sent."""
