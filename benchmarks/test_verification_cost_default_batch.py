@@ -80,6 +80,19 @@ def _run(label: str, optimizer: str, root: Path, world_size: int = 1) -> dict:
             "oracle_reuse": eqv.get("oracle_reuse"), "wall_s": watched.wall_s}
 
 
+def _print_table(title: str, columns: tuple[str, ...], rows: list[dict], cells) -> None:
+    """`rows` as a table: size, optimizer, `cells(row)` under `columns` where it was measured (blank where it was
+    skipped or failed), then its verdict or why it has none."""
+    table = Table(title=title, title_justify="left")
+    for col in ("size", "opt", *columns, "verdict / why not"):
+        table.add_column(col, justify="left" if col in ("size", "opt", "verdict / why not") else "right")
+    for r in rows:
+        measured = "ratio" in r
+        table.add_row(r["size"], r["optimizer"], *(cells(r) if measured else [""] * len(columns)),
+                      r["verdict"] if measured else r.get("skipped") or r.get("error"))
+    Console(width=160, force_terminal=False).print(table)
+
+
 def test_verification_cost_at_the_default_batch(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     started = time.monotonic()
@@ -94,17 +107,10 @@ def test_verification_cost_at_the_default_batch(tmp_path: Path) -> None:
             print(f"    {row['verdict']}: step {row['step_ms_p50']:.0f} ms, checks {row['verify_ms_per_step']:.0f} ms "
                   f"a step ({row['ratio']:.1f}x), {row['above_start_b_per_param']:.0f} B/param above start, parts "
                   f"{ {k: round(v) for k, v in row['parts_ms'].items() if v >= 1} }", flush=True)
-    table = Table(title="the checks at the run's defaults (4 checked steps, 24 x 128 tokens, one process)",
-                  title_justify="left")
-    for col in ("size", "opt", "step ms", "checks ms/step", "ratio", "B/param above start", "verdict / why not"):
-        table.add_column(col, justify="left" if col in ("size", "opt", "verdict / why not") else "right")
-    for r in rows:
-        if "ratio" not in r:
-            table.add_row(r["size"], r["optimizer"], "", "", "", "", r.get("skipped") or r.get("error"))
-            continue
-        table.add_row(r["size"], r["optimizer"], f"{r['step_ms_p50']:.0f}", f"{r['verify_ms_per_step']:.0f}",
-                      f"{r['ratio']:.1f}", f"{r['above_start_b_per_param']:.0f}", r["verdict"])
-    Console(width=160, force_terminal=False).print(table)
+    _print_table("the checks at the run's defaults (4 checked steps, 24 x 128 tokens, one process)",
+                 ("step ms", "checks ms/step", "ratio", "B/param above start"), rows,
+                 lambda r: (f"{r['step_ms_p50']:.0f}", f"{r['verify_ms_per_step']:.0f}", f"{r['ratio']:.1f}",
+                            f"{r['above_start_b_per_param']:.0f}"))
     measured = [r for r in rows if "ratio" in r]
     summary = {opt: spread([r["ratio"] for r in measured if r["optimizer"] == opt]) for opt in ("sgd", "adamw")
                if any(r["optimizer"] == opt for r in measured)}
@@ -137,17 +143,10 @@ def test_the_checks_at_the_default_batch_across_world_sizes(tmp_path: Path) -> N
                 print(f"    {row['verdict']}: step {row['step_ms_p50']:.0f} ms, checks {row['verify_ms_per_step']:.0f} ms"
                       f" a step on rank 0 ({row['ratio']:.1f}x), per rank {row['verify_ms_per_step_per_rank']}",
                       flush=True)
-    table = Table(title="the checks at the run's defaults (4 checked steps, 24 x 128 tokens) across world sizes",
-                  title_justify="left")
-    for col in ("size", "opt", "ranks", "step ms", "checks ms/step (rank 0)", "ratio", "verdict / why not"):
-        table.add_column(col, justify="left" if col in ("size", "opt", "verdict / why not") else "right")
-    for r in rows:
-        if "ratio" not in r:
-            table.add_row(r["size"], r["optimizer"], "", "", "", "", r.get("skipped") or r.get("error"))
-            continue
-        table.add_row(r["size"], r["optimizer"], str(r["world_size"]), f"{r['step_ms_p50']:.0f}",
-                      f"{r['verify_ms_per_step']:.0f}", f"{r['ratio']:.1f}", r["verdict"])
-    Console(width=160, force_terminal=False).print(table)
+    _print_table("the checks at the run's defaults (4 checked steps, 24 x 128 tokens) across world sizes",
+                 ("ranks", "step ms", "checks ms/step (rank 0)", "ratio"), rows,
+                 lambda r: (str(r["world_size"]), f"{r['step_ms_p50']:.0f}", f"{r['verify_ms_per_step']:.0f}",
+                            f"{r['ratio']:.1f}"))
     (tmp_path / "verification_cost_default_batch_ws.json").write_text(json.dumps(rows, indent=2))
     print(json.dumps(rows, indent=2), flush=True)
     assert not [r for r in rows if "error" in r], [(r["size"], r["world_size"], r["error"]) for r in rows if "error" in r]

@@ -108,18 +108,21 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     divider.open()
     divider.done()
     # An optimizer state as read (AdamW's, after a step): held in ranges by the owners, each parameter's entries read
-    # back from its owner as they were, its step count kept here; what the entries are, without sending them.
+    # back from its owner as they were, its step count (and an entry not of its shape) kept here; what the entries
+    # are, without sending them.
     model = verification_copy(template, torch.device("cpu"), torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
     read = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
+    read["0.weight"]["factored"] = torch.randn(2)  # an entry of another shape than its parameter's: kept on rank 0
     divider.open()
     held = divider.hold_state(read, [n for n, _ in model.named_parameters()])
     results["state_back"] = all(torch.equal(held[n][k], v) for n in read for k, v in read[n].items())
     like = held.like()
-    results["state_like"] = all(like[n][k].device.type == "meta" and like[n][k].dtype == v.dtype and
+    results["state_like"] = all(like[n][k].device.type == ("cpu" if k == "factored" else "meta") and
+                                like[n][k].dtype == v.dtype and
                                 like[n][k].shape == v.shape for n in read for k, v in read[n].items() if v.dim())
     divider.done()
     del held

@@ -126,6 +126,8 @@ class Divider:
         """The same, by rank: each rank's own forwards' losses added."""
         self._owner: dict[str, int] | None = None
         """Trainable parameter -> the rank that holds its sums (dpcompare.verify.peers.owners)."""
+        self._shapes: dict[str, torch.Size] = {}
+        """Parameter -> its shape (what an owner receives a held value of its range as)."""
         self._key = 0
         self._dropped: list[int] = []
         """The gradients let go on rank 0 (their `Remote`s collected) that the owners still hold."""
@@ -236,23 +238,27 @@ class Divider:
 
     def hold_state(self, state: OptState, names: list[str]) -> RemoteState:
         """An optimizer state as rank 0 read it, held in ranges by the parameters' owners (`hold`, one entry key at a
-        time): each entry of `names` that is a tensor of its parameter's elements (a momentum, a moment). The others
-        (step counts) stay here; a parameter not in `names` keeps only those (nothing reads its tensors)."""
+        time): each entry of `names` that is a tensor of its parameter's shape (a momentum, a moment). The others stay
+        here (step counts; a factored statistic of another shape); a parameter not in `names` keeps only its entries
+        that are not tensors of elements (nothing reads those)."""
         chosen = set(names) & set(self._owner or {})
-        ranged = lambda n, v: n in chosen and torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0  # noqa: E731
+        ranged = lambda n, v: (n in chosen and torch.is_tensor(v) and v.is_floating_point()  # noqa: E731
+                               and v.dim() > 0 and v.shape == self._shapes[n])
         keys = sorted({k for n, entries in state.items() for k, v in entries.items() if ranged(n, v)})
         remotes, meta = {}, {}
         for key in keys:
             given = {n: entries[key] for n, entries in state.items() if ranged(n, entries.get(key))}
             meta[key] = {n: (tuple(t.shape), t.dtype) for n, t in given.items()}
             remotes[key] = self.hold(given)
-        local = {n: {k: v for k, v in entries.items() if not (ranged(n, v) or (torch.is_tensor(v) and v.dim() > 0))}
+        elements = lambda v: torch.is_tensor(v) and v.dim() > 0  # noqa: E731
+        local = {n: {k: v for k, v in entries.items() if not (ranged(n, v) if n in chosen else elements(v))}
                  for n, entries in state.items()}
         return RemoteState(local, remotes, meta)
 
     def own(self, model: nn.Module) -> None:
         """The parameters' owners, from `model` (a copy of the template as the other ranks' copies are made)."""
         self._owner = owners(model, self.peers.world_size)
+        self._shapes = {n: p.shape for n, p in model.named_parameters()}
 
     def open(self) -> None:
         """The start of a point of the step: the helpers serve rank 0's requests until `done`."""
