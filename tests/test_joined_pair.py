@@ -1,6 +1,7 @@
 """The forward the step's oracle holds the ranks' shards to where they stand for the global batch
-(dpcompare.verify.bench.Bench.joined_pair): two ranks' forwards joined into one, the next pair in turn, with those
-ranks' own losses; the global batch where there are two ranks. Glue, on a stand-in for the bench (its layout, its
+(dpcompare.verify.bench.Bench.joined_pair, the join itself dpcompare.verify.forwards.Forwards.join): two ranks'
+forwards joined into one, the next pair in turn, with those ranks' own losses; the global batch where there are two
+ranks. Glue, on a stand-in for the bench (its layout, its
 forwards, the divider's per-rank losses); the runs that rely on it are tests/test_divided.py's."""
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ KEY = "drop (Dropout) aten.bernoulli_"
 
 def _bench(world: int, grad_accum: int = 1) -> SimpleNamespace:
     layout = Layout(world, grad_accum)
-    forwards = SimpleNamespace(whole=lambda batch, masks: Forwards.whole(SimpleNamespace(layout=layout), batch, masks))
+    joins = SimpleNamespace(layout=layout)
+    joins.whole = lambda batch, masks: Forwards.whole(joins, batch, masks)
+    forwards = SimpleNamespace(join=lambda batch, masks, ranks: Forwards.join(joins, batch, masks, ranks))
     losses = {r: 10.0 ** r for r in range(world)}  # each rank's own: a sum names which ranks it added
     return SimpleNamespace(layout=layout, forwards=forwards, divider=SimpleNamespace(last_losses=losses), joined=[])
 

@@ -110,19 +110,12 @@ class Bench:
         costs N (with two ranks it is the global batch). Samples that interact through the batch part the joined
         forward from its pieces as they part the global batch from the shards; the first checked step measured the
         split on the global batch itself."""
-        n, ranks = batch[0].shape[0], self.layout.world_size
+        ranks = self.layout.world_size
         first = len(self.joined) % ranks
         pair = sorted({first, (first + 1) % ranks})
-        losses = self.divider.last_losses
-        if len(pair) == ranks:
-            self.joined.append({"ranks": pair, "samples": n})
-            return self.forwards.whole(batch, forward_masks), sum(losses.get(r, 0.0) for r in pair)
-        chosen = [(i, p[3]) for i, p in enumerate(self.layout.positions(n)) if p[0] in pair]
-        idx = torch.sort(torch.cat([samples for _, samples in chosen])).values
-        masks = None if forward_masks is None else mk.combine(
-            [forward_masks[i] for i, _ in chosen], [torch.searchsorted(idx, samples) for _, samples in chosen], len(idx))
-        self.joined.append({"ranks": pair, "samples": len(idx)})
-        return [Piece(batch[0][idx], batch[1][idx], len(idx) / n, masks)], sum(losses.get(r, 0.0) for r in pair)
+        pieces = self.forwards.join(batch, forward_masks, pair)
+        self.joined.append({"ranks": pair, "samples": int(pieces[0].x.shape[0])})
+        return pieces, sum(self.divider.last_losses.get(r, 0.0) for r in pair)
 
     def mask_failure(self, step: int, exc: mk.MaskMismatch) -> Finding:
         """The draws of `step` cannot be replayed: nothing random can be checked from here on."""

@@ -11,6 +11,8 @@ gradient the run is judged against is from the single-process global-batch gradi
 """
 from __future__ import annotations
 
+import torch
+
 from dpcompare.verify import masks as mk
 from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, global_pieces, replica_pieces
 from dpcompare.verify.tolerance import UNIT_ROUNDOFF, rel_fro_of
@@ -49,6 +51,19 @@ class Forwards:
             return global_pieces(batch)
         n = batch[0].shape[0]
         return global_pieces(batch, mk.combine(masks, [p[3] for p in self.layout.positions(n)], n))
+
+    def join(self, batch, masks: list[Masks] | None, ranks: list[int]) -> list[Piece]:
+        """The forwards of `ranks` joined into one forward of their samples (in the global batch's order), the masks
+        each drew joined as `whole` joins them, weighted by their share of the global batch: the global batch itself
+        where `ranks` are all of them. Raises MaskMismatch where the draws cannot be joined (not batch-first)."""
+        if len(ranks) == self.layout.world_size:
+            return self.whole(batch, masks)
+        n = batch[0].shape[0]
+        chosen = [(i, p[3]) for i, p in enumerate(self.layout.positions(n)) if p[0] in ranks]
+        idx = torch.sort(torch.cat([samples for _, samples in chosen])).values
+        joined = None if masks is None else mk.combine(
+            [masks[i] for i, _ in chosen], [torch.searchsorted(idx, samples) for _, samples in chosen], len(idx))
+        return [Piece(batch[0][idx], batch[1][idx], len(idx) / n, joined)]
 
     def masks(self, batch_size: int, records: list[mk.MaskRecord]) -> list[Masks]:
         """Each forward's masks, in the order of `layout.positions`: a rank's masks split by micro-batch. Unpacked

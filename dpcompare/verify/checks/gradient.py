@@ -50,9 +50,10 @@ class Gradient:
         apart = self._ranks_apart(ctx, step.ranks)
         if not failing and apart:  # rank 0's gradient is right, another rank's is not: the same evidence
             failing = [p for p in params if p.parameter in apart]
+        now = self._digests(ctx, step)
         if failing and self.verdict.first_divergence is None:
-            finding = Finding(self._diagnosed(ctx, step, params, failing, apart))
-        self.previous = (step.step, self._digests(ctx, step))
+            finding = Finding(self._diagnosed(ctx, step, params, failing, apart, now))
+        self.previous = (step.step, now)
         return finding
 
     @staticmethod
@@ -64,7 +65,7 @@ class Gradient:
         return dict(zip(names, mine))
 
     def _diagnosed(self, ctx: CheckContext, step: StepEvidence, params: list[ParamError], failing: list[ParamError],
-                   apart: list[str]) -> eq.Divergence:
+                   apart: list[str], digests: dict[str, str]) -> eq.Divergence:
         """The failed check's divergence, with the cause the diagnosis finds."""
         o, names, settings = step.oracle, list(ctx.names), ctx.settings
         model_floor = rel_fro_of(o.floor, o.oracle, names)
@@ -76,7 +77,7 @@ class Gradient:
             grad_accum=settings.grad_accum, shard_digests=[i["shard"] for i in step.ranks],
             has_batchnorm=ctx.has_batchnorm, sync_bn=settings.sync_bn, compression=ctx.wire,
             dtype=ctx.dtype, layout=ctx.layout, per_replica=self.bench.forwards.per_replica, masks=o.forward_masks,
-            previous=self.previous, digests=self._digests(ctx, step), loss_scale=o.loss_scale if scaled else None,
+            previous=self.previous, digests=digests, loss_scale=o.loss_scale if scaled else None,
             judged_tolerance={p.parameter: p.tolerance_rel_fro for p in params},
             missing=frozenset(n for n in names if step.reads.grads.get(n) is None and n not in o.none),
             rank_norms=[i.get("grad_norms") or {} for i in step.ranks] if apart else None,
