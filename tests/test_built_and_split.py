@@ -159,12 +159,24 @@ def _split_check(workload, step: int = 0, check: SplitCheck | None = None):
     return check, state, batch, pieces, check.oracle.oracle_of(state, pieces)
 
 
+def _counting(check) -> list[int]:
+    """The samples of each float64 gradient the split's oracle computes from here on."""
+    sizes, oracle_of = [], check.oracle.oracle_of
+    check.oracle.oracle_of = lambda state, pieces: (sizes.append(sum(p.x.shape[0] for p in pieces)),
+                                                    oracle_of(state, pieces))[1]
+    return sizes
+
+
 def test_a_mean_loss_over_independent_samples_computes_the_global_batch():
     check, state, batch, pieces, oracle = _split_check(workloads.mlp(1234))
+    sizes = _counting(check)
     check.settle(0, state, batch, None, None, pieces, oracle)
     f = check.finding
     assert f.semantics == "global" and f.distance_rel_fro < 1e-14 and f.agreement == SPLIT_AGREEMENT, f
     assert not check.forwards.per_replica and check.verdict.split["semantics"] == "global"
+    # within the least agreement, the reordered global batch (which could only widen it) is not computed: the split
+    # alone is, its ranks' forwards
+    assert f.rounding_rel_fro is None and sizes == [24], (f, sizes)
 
 
 def test_a_forward_that_depends_on_the_split_is_judged_per_replica_and_a_sum_is_told_apart():
@@ -193,10 +205,12 @@ def test_a_forward_that_depends_on_the_split_is_judged_per_replica_and_a_sum_is_
 
 def test_float32_inside_the_model_is_allowed_for_as_measured_and_a_split_is_still_caught():
     check, state, batch, pieces, oracle = _split_check(sw.float32_norm_mlp(1234))
+    sizes = _counting(check)
     check.settle(0, state, batch, None, None, pieces, oracle)
     f = check.finding
     # the float64 copy's float32 norms put the split beyond float64's own agreement, within what reordering shows
     assert f.distance_rel_fro > SPLIT_AGREEMENT and f.rounding_rel_fro > SPLIT_AGREEMENT, f
+    assert sizes == [24, 24], sizes  # the split, then the global batch reordered
     assert f.semantics == "global" and f.agreement == pytest.approx(10 * f.rounding_rel_fro), f
     assert not check.forwards.per_replica and len(check.forwards.pieces(batch, None)) == 1
     # twin: the same float32 norms with a split-dependent forward are still found

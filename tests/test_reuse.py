@@ -4,9 +4,10 @@
 - the reference trajectory's first step takes the oracle's float64 gradient and the run-precision reference's: its
   copies reach, to the bit, what computing their own gradients reaches (momentum SGD, AdamW with clipping), and it
   refuses where the weights, the forwards or the buffers are not the ones those gradients were computed from;
-- one rank's regrouped twin of the reference (the same forwards in the same order) is recomputed until it came out
-  bitwise the reference, then the reference is taken; a twin that differs (a nondeterministic kernel) is recomputed at
-  every step;
+- a regrouped twin of the reference that is its own arithmetic (one rank's forwards in the same order; two ranks'
+  forwards, one each, in the other order: one addition, which commutes) is recomputed until it came out bitwise the
+  reference, then the reference is taken; a twin that differs (a nondeterministic kernel) is recomputed at every step,
+  and one that regroups more than one addition (three ranks, micro-batches) is never taken for the reference;
 - the buffer check's float64 forward is not run again where it wrote no buffer and no rank's buffers moved, and is
   run again where a rank's did (so a moved constant buffer is still caught).
 """
@@ -143,6 +144,42 @@ def test_one_ranks_regrouped_twin_is_taken_from_the_reference_once_it_came_out_i
         floor, spread, _ = reference.measure({}, None, _pieces(0), None, 1.0, step)
     assert reference.recomputed == {"recomputed": [0], "identical": True, "reused": [1, 2, 3]}
     assert fake.calls == 2 + 3 and spread is floor
+
+
+def _ranks_pieces(ranks: int, micro: int = 1) -> list[eq.Piece]:
+    g = torch.Generator().manual_seed(7)
+    batch = (torch.randn(8 * ranks * micro, 5, generator=g), torch.randint(0, 3, (8 * ranks * micro,), generator=g))
+    return eq.replica_pieces(batch, eq.Layout(ranks, grad_accum=micro))
+
+
+def test_two_ranks_twin_in_the_other_order_is_the_same_sum_to_the_bit_and_is_taken_once_identical():
+    pieces = _ranks_pieces(2)
+    assert eq.same_sum(list(reversed(pieces)), pieces)
+    # the premise, on a real copy: the two ranks' gradients added in the other order are the same bits
+    _, oracle, _ = _setup("sgd")
+    state = {k: v.clone() for k, v in oracle.template.state_dict().items()}
+    a, b = oracle.floor_of(state, pieces), oracle.floor_of(state, list(reversed(pieces)))
+    assert all(torch.equal(a.held(n), b.held(n)) for n in oracle.names)
+    fake = _Reference(jitter=False)
+    layout = eq.Layout(2)
+    split = SplitCheck(fake, type("F", (), {"layout": layout})(), depth=3, applies=False, verdict=eq.Verdict())
+    reference = RunReference(fake, layout, dtype="float32", world_size=2, wire="none", has_batchnorm=False,
+                             sync_bn=False, verdict=eq.Verdict(), split=split)
+    for step in range(3):
+        floor, spread, _ = reference.measure({}, None, pieces, None, 1.0, step)
+    assert reference.recomputed == {"recomputed": [0], "identical": True, "reused": [1, 2]} and spread is floor
+
+
+@pytest.mark.parametrize("ranks,micro", [(3, 1), (2, 2), (1, 2)])
+def test_a_twin_that_regroups_more_than_one_addition_is_not_the_same_sum(ranks, micro):
+    pieces = _ranks_pieces(ranks, micro)
+    assert not eq.same_sum(list(reversed(pieces)), pieces)
+    # three ranks' gradients added in the other order: another rounding, which the floor is there to measure
+    if ranks == 3:
+        _, oracle, _ = _setup("sgd")
+        state = {k: v.clone() for k, v in oracle.template.state_dict().items()}
+        a, b = oracle.floor_of(state, pieces), oracle.floor_of(state, list(reversed(pieces)))
+        assert not all(torch.equal(a.held(n), b.held(n)) for n in oracle.names)
 
 
 def test_a_twin_that_differs_from_the_reference_is_recomputed_at_every_step():

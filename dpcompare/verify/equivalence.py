@@ -38,7 +38,7 @@ from dpcompare.verify.verdict import Divergence, StepCheck, UpdateCheck, Verdict
 __all__ = [
     "DTYPES", "Grads", "Masks", "RECOMPUTE_ATTRIBUTE", "Layout", "Oracle", "Piece", "accumulate_gradient", "accumulate_raw", "depth_of",
     "finish_gradient", "first_mismatch", "global_pieces", "grad_digests", "param_digests", "replica_pieces", "tensor_digest",
-    "same_forwards", "verification_copy",
+    "same_forwards", "same_sum", "verification_copy",
     # the tolerance policy's (dpcompare.verify.tolerance)
     "TOLERANCE_FACTOR", "UNIT_ROUNDOFF", "WIRE_DTYPE", "ParamError", "compare", "coverage", "flat", "min_detectable",
     "rel_fro", "wire_roundoff",
@@ -123,6 +123,16 @@ def same_forwards(a: list[Piece], b: list[Piece]) -> bool:
                 for k in p.masks)):
             return False
     return True
+
+
+def same_sum(a: list[Piece], b: list[Piece]) -> bool:
+    """Whether gradients summed over `a` and over `b` are the same computation: the same forwards in the same order
+    (`same_forwards`), or two ranks' forwards, one each, in the other order. Their sum is then one addition of the
+    same two gradients, whose order floating point does not see (a + b is b + a, to the bit): a regrouped twin of two
+    ranks' forwards only recomputes them."""
+    if same_forwards(a, b):
+        return True
+    return len(a) == 2 and a[0].rank != a[1].rank and same_forwards(a, list(reversed(b)))
 
 
 @dataclass(frozen=True, slots=True)

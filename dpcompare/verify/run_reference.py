@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, replica_pieces, same_forwards
+from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, replica_pieces, same_sum
 from dpcompare.verify.held import Compact
 from dpcompare.verify.split import SplitCheck, in_ranks_order
 from dpcompare.verify.tolerance import TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, norm_of, rel_fro
@@ -41,7 +41,8 @@ class RunReference:
         self.step = -1
         """The checked step being measured."""
         self.recomputed: dict = {}
-        """Where the regrouped twin is the reference's own forwards in the same order (one rank, one forward): the
+        """Where the regrouped twin is the reference's own arithmetic (one rank's one forward; two ranks' forwards, one
+        each, whose reversed sum is the same addition: dpcompare.verify.equivalence.same_sum): the
         steps it was recomputed at (`recomputed`), whether it came out bitwise the reference there (`identical`), and
         the steps that reused the reference instead (`reused`). Such a twin only shows a nondeterministic kernel: once
         it came out identical, later steps take the reference as their floor's second computation (the floor is then
@@ -76,10 +77,10 @@ class RunReference:
         return floor, spread, wire
 
     def _spread(self, state: dict, run_pieces: list[Piece], floor: Grads, loss_scale: float) -> Grads:
-        """The regrouped twin of `floor`; where it is the same forwards in the same order, computed until it once came
+        """The regrouped twin of `floor`; where it is the same arithmetic (`same_sum`), computed until it once came
         out bitwise equal to the reference, then the reference itself (`recomputed`)."""
         pieces = self._spread_pieces(run_pieces)
-        same = not self.compiled and same_forwards(pieces, run_pieces)
+        same = not self.compiled and same_sum(pieces, run_pieces)
         if same and self.recomputed.get("identical"):
             if self.step not in self.recomputed["reused"]:
                 self.recomputed["reused"].append(self.step)

@@ -5,8 +5,9 @@ their share), of the global batch in one forward, and of the global batch with i
 hold them. That reordering is the same function for any model whose loss is a mean over independent samples; what
 it changes is the rounding of ops the model computes below float64 inside its float64 copy (Gemma's RMSNorm upcasts
 to float32 whatever the input's dtype), so its distance from the global batch is the agreement the split can be
-asked for (never less than SPLIT_AGREEMENT). A reordering that moves the gradient beyond what float32 inside the
-model could (depth x float32's unit roundoff) is not credited as rounding. Three findings (`SplitFinding`):
+asked for (never less than SPLIT_AGREEMENT; so it is measured only where the split is further than that). A
+reordering that moves the gradient beyond what float32 inside the model could (depth x float32's unit roundoff) is
+not credited as rounding. Three findings (`SplitFinding`):
 
   global         the split computes the global batch's gradient (the workload contract);
   loss_not_mean  the split's gradient is a scalar multiple of the global one (a loss reduced with sum: 1/N): the
@@ -52,7 +53,8 @@ class SplitFinding:
     """The split's float64 gradient from the global batch's (relative Frobenius)."""
     rounding_rel_fro: float | None
     """The global batch reordered from itself, in float64: the rounding of what the model computes below float64
-    (None: not measured, the captured dropout masks are not batch-first)."""
+    (None: not measured: the split was within SPLIT_AGREEMENT of the global batch, which the rounding could only
+    have widened, or the captured dropout masks are not batch-first)."""
     agreement: float
     """What the split had to be within to count as the global batch."""
     scale: float | None = None
@@ -168,7 +170,9 @@ class SplitCheck:
         # how far from a multiple of the global batch's gradient (a loss that is not a mean)
         multiple = rel_fro_of(s, _Scaled(w, scale), names) if math.isfinite(scale) else math.inf
         del s, other
-        reordered = in_ranks_order(whole[0], self.layout)
+        # The reordering only widens the agreement: where the split is within the least one already, it is not run
+        # (a float64 forward and backward of the global batch on rank 0 alone, while the other ranks wait).
+        reordered = in_ranks_order(whole[0], self.layout) if distance > SPLIT_AGREEMENT else None
         rounding = rel_fro_of(self.oracle.oracle_of(state, [reordered]), w, names) if reordered is not None else None
         self.oracle.none = none
         # Float32 inside the model rounds its float64 gradient by up to about depth x float32's unit roundoff; a

@@ -211,7 +211,8 @@ class Verdict:
     computed so (the oracle's, the references', the trajectory's); None: one process computed every forward."""
     oracle_reuse: dict | None = None
     """What the checks computed once and took again where a second computation would repeat the first
-    (`regrouped_floor`: one rank's regrouped twin of the reference, recomputed until bitwise identical; `trajectory`:
+    (`regrouped_floor`: a regrouped twin of the reference that is its own arithmetic, at one rank or two ranks' forwards
+    one each, recomputed until bitwise identical; `trajectory`:
     the steps whose reference-trajectory gradients were the oracle's and the reference's; `buffers`: the steps whose
     float64 buffer forward was not run again); None: nothing."""
     checkpoint: dict | None = None
