@@ -82,6 +82,20 @@ def test_divided_arithmetic_judges_as_the_single_process_oracle(launch):
 
 
 @pytest.mark.slow
+def test_at_three_ranks_the_first_split_is_measured_on_two_ranks_forwards(launch):
+    """The first checked step's split at three ranks: ranks 0 and 1's forwards joined against their shards (16 of the
+    24 samples on rank 0, where the global batch's forward was 24), found global; the later steps' joined pairs in
+    turn from ranks 0 and 1 again."""
+    proc, result = launch("ddp", 3, "mlp", ["--steps", "4", "--measure-steps", "0", "--optimizer", "adamw"])
+    assert proc.returncode == 0 and result["equivalence"]["verdict"] == "equivalent", proc.output[-3000:]
+    split = result["equivalence"]["split"]
+    assert (split["semantics"], split["step"], split["ranks"]) == ("global", 0, [0, 1]), split
+    assert split["distance_rel_fro"] < 1e-14 and split["rounding_rel_fro"] is None, split
+    joined = result["equivalence"]["oracle_division"]["joined"]
+    assert [j["ranks"] for j in joined] == [[0, 1], [1, 2], [0, 2]] and {j["samples"] for j in joined} == {16}, joined
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model, ranks, step", [("split_later_mlp", 2, 3), ("split_later_in_tensors_mlp", 2, 3),
                                                 ("split_later_in_tensors_mlp", 3, 1)])
 def test_a_split_that_parts_from_the_global_batch_later_is_still_found(launch, model, ranks, step):

@@ -1,8 +1,9 @@
 """The forward the step's oracle holds the ranks' shards to where they stand for the global batch
 (dpcompare.verify.bench.Bench.joined_pair, the join itself dpcompare.verify.forwards.Forwards.join): two ranks'
 forwards joined into one, the next pair in turn, with those ranks' own losses; the global batch where there are two
-ranks. Glue, on a stand-in for the bench (its layout, its
-forwards, the divider's per-rank losses); the runs that rely on it are tests/test_divided.py's."""
+ranks. And the first checked step's split measured on two ranks' forwards joined against their shards at three ranks
+or more (Bench.split_on_a_pair). Glue, on a stand-in for the bench (its layout, its forwards, the divider's per-rank
+losses; a float64 copy computing the shards in one process); the runs that rely on it are tests/test_divided.py's."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import semantics_workloads as sw
+from dpcompare.run import workloads
+from dpcompare.verify import equivalence as eq
 from dpcompare.verify import masks as mk
 from dpcompare.verify.bench import Bench
 from dpcompare.verify.equivalence import Layout
 from dpcompare.verify.forwards import Forwards
+from dpcompare.verify.split import SplitCheck
 
 KEY = "drop (Dropout) aten.bernoulli_"
 
@@ -69,3 +74,43 @@ def test_draws_that_are_not_batch_first_cannot_be_joined():
     masks = [{KEY: [torch.zeros(7)]} for _ in bench.layout.positions(12)]
     with pytest.raises(mk.MaskMismatch):
         Bench.joined_pair(bench, (x, y), masks)
+
+
+# -- the first checked step's split, measured on two ranks' forwards ----------------------------------------------
+def _pair_bench(workload, world: int):
+    """A stand-in for rank 0's bench at `world` ranks sharing the oracle (its divider stands in: the float64 copy
+    computes the shards here, in one process, as the ranks would), the split not yet measured."""
+    layout = eq.Layout(world)
+    verdict = eq.Verdict()
+    oracle = eq.Oracle(workload.model, workload.loss_fn, "float32", torch.device("cpu"))
+    forwards = Forwards(layout, oracle, batchnorms=[], per_replica=False, stochastic=False, dtype="float32",
+                        depth=eq.depth_of(workload.model), verdict=verdict)
+    check = SplitCheck(oracle, forwards, depth=eq.depth_of(workload.model), applies=True, verdict=verdict)
+    sizes, oracle_of = [], oracle.oracle_of
+    oracle.oracle_of = lambda state, pieces: (sizes.append(sum(p.x.shape[0] for p in pieces)),
+                                              oracle_of(state, pieces))[1]
+    bench = SimpleNamespace(divider=object(), layout=layout, split=check, forwards=forwards, reads_data=False)
+    batch = workload.make_batch(0, 24)
+    return bench, batch, forwards.pieces(batch, None), workload.model.state_dict(), sizes
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_at_three_ranks_or_more_the_first_split_is_measured_on_two_ranks_forwards(world):
+    bench, batch, pieces, state, sizes = _pair_bench(workloads.mlp(1234), world)
+    shards = Bench.split_on_a_pair(bench, 0, state, batch, None, pieces)
+    f = bench.split.finding
+    assert f.semantics == "global" and f.ranks == [0, 1] and f.distance_rel_fro < 1e-14, f
+    assert bench.split.verdict.split["ranks"] == [0, 1]
+    # two ranks' samples, joined and as their shards: never the global batch's 24
+    assert sizes == [48 // world, 48 // world], sizes
+    assert [p.rank for p in shards] == list(range(world)) and sum(p.weight for p in shards) == pytest.approx(1.0)
+
+
+def test_a_split_dependent_forward_is_left_to_the_global_batch_and_two_ranks_are_not_paired():
+    bench, batch, pieces, state, sizes = _pair_bench(sw.split_by_size_mlp(1234), 3)
+    assert Bench.split_on_a_pair(bench, 0, state, batch, None, pieces) is None
+    assert bench.split.finding is None  # measured on the global batch next, as before: it finds per_replica there
+    bench.split.settle(0, state, batch, None, None, pieces, bench.split.oracle.oracle_of(state, pieces))
+    assert bench.split.finding.semantics == "per_replica" and bench.split.finding.ranks is None
+    bench, batch, pieces, state, sizes = _pair_bench(sw.split_by_size_mlp(1234), 2)
+    assert Bench.split_on_a_pair(bench, 0, state, batch, None, pieces) is None and sizes == []

@@ -9,6 +9,7 @@ forward ran from, rebuilt from what the ranks read. Imports no adapter: the back
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -100,6 +101,31 @@ class Bench:
         if (self.divider is None or len(pieces) != 1 or pieces[0].position is not None or not self.split.applies
                 or self.forwards.joined or f is None or f.semantics != "global" or self.reads_data):
             return pieces
+        return eq.replica_pieces(batch, self.layout, forward_masks)
+
+    def split_on_a_pair(self, step: int, state: dict, batch, forward_masks: list[eq.Masks] | None,
+                        pieces: list[Piece]) -> list[Piece] | None:
+        """At the first checked step, where three ranks or more share the oracle's forwards and `pieces` is the global
+        batch the split is still to be measured against: the split measured on ranks 0 and 1's forwards joined
+        against their shards instead (dpcompare.verify.split's `measure_pair`, each weighted as a share of the two
+        ranks' samples). The ranks' shards, which then stand for the global batch at this step as at the later ones
+        (`shared`), where it found them `global`; None where it does not apply or found anything else (the global
+        batch measures it). Rank 0 computes two ranks' samples in one forward where the global batch's would be N
+        ranks'."""
+        check = self.split
+        if (self.divider is None or self.layout.world_size < 3 or check.finding is not None or check.unmeasured
+                or not check.applies or self.forwards.joined or self.reads_data or len(pieces) != 1
+                or pieces[0].position is not None):
+            return None
+        pair = [0, 1]
+        try:
+            joined = self.forwards.join(batch, forward_masks, pair)
+        except mk.MaskMismatch:
+            return None  # draws that cannot be joined: the global batch's measurement says so
+        joined = [dataclasses.replace(joined[0], weight=1.0)]
+        shards = eq.replica_pieces(batch, self.layout, forward_masks, ranks=pair)
+        if not check.measure_pair(step, state, joined, shards, pair):
+            return None
         return eq.replica_pieces(batch, self.layout, forward_masks)
 
     def joined_pair(self, batch, forward_masks: list[eq.Masks] | None) -> tuple[list[Piece], float]:

@@ -17,6 +17,9 @@ not credited as rounding. Three findings (`SplitFinding`):
                  the reference compute those, as for BatchNorm without --sync-bn, and the note states their
                  distance from the global batch.
 
+Where three ranks or more share the oracle's forwards (dpcompare.verify.divided), the first measurement is of two
+ranks' forwards joined against their shards (`measure_pair`): where they agree within SPLIT_AGREEMENT the split is
+`global`, and nothing of the global batch is computed; anything else is measured on the global batch as above.
 Measured at the first checked step, and again at a later one where the run-precision reference (the ranks' split)
 moves away from the float64 oracle (the global batch) by more than the tolerance factor times its distance at the
 first (a split that changes nothing at one step may at another: control flow on the batch's content). Imports no
@@ -63,6 +66,9 @@ class SplitFinding:
     """per_replica: the distance in the run's noise floors (its precision floor at that step)."""
     forwards: int = 1
     """The forwards data parallelism split each step's batch into (ranks x micro-batches x device replicas)."""
+    ranks: list[int] | None = None
+    """The ranks whose forwards it was measured on, joined into one forward against their shards (`measure_pair`);
+    None: the global batch."""
 
     def to_dict(self) -> dict:
         return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in asdict(self).items()}
@@ -152,6 +158,24 @@ class SplitCheck:
         if len(now) != len(pieces):
             oracle = self.oracle.oracle_of(state, now)
         return now, oracle
+
+    def measure_pair(self, step: int, state: dict, joined: list[Piece], split: list[Piece], ranks: list[int]) -> bool:
+        """At the first checked step, where three ranks or more share the oracle: the split measured on two ranks'
+        forwards (`split`, the shards of `ranks`) against the same samples joined into one forward (`joined`), a
+        float64 forward and backward of two ranks' samples on rank 0 where the global batch's would be N ranks'.
+        Records a `global` finding and returns True where they agree within SPLIT_AGREEMENT; else records nothing
+        and returns False (the global batch then measures it, as `measure` does, for every other finding and its
+        note). The oracle's `none` is left as it was."""
+        none, names = self.oracle.none, self.oracle.names
+        together = self.oracle.oracle_of(state, joined)
+        distance = rel_fro_of(self.oracle.oracle_of(state, split), together, names)
+        self.oracle.none = none
+        if not distance <= SPLIT_AGREEMENT:
+            return False
+        self.finding = SplitFinding("global", step, distance, None, SPLIT_AGREEMENT, ranks=list(ranks),
+                                    forwards=self.layout.world_size * self.layout.grad_accum * self.layout.replicas)
+        self.verdict.split = self.finding.to_dict()
+        return True
 
     def measure(self, step: int, state: dict, split: list[Piece], whole: list[Piece], known: Grads,
                 known_is_whole: bool) -> SplitFinding:

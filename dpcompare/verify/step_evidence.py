@@ -172,10 +172,12 @@ def _gradients(bench: Bench, step: StepEvidence, state: dict, records, forward_m
     moved away from the oracle since); raises MaskMismatch where the draws do not fit the forwards."""
     split, batch = bench.split, step.batch
     shared = bench.shared(pieces, batch, forward_masks)
+    paired = bench.split_on_a_pair(step.step, state, batch, forward_masks, pieces) if shared is pieces else None
+    shared = paired or shared  # the split just measured on two ranks' forwards: their shards stand for it
     substituted = shared is not pieces  # the ranks' shards stand for one forward of the global batch
     pieces, oracle = split.settle(step.step, state, batch, records, forward_masks, pieces,
                                   bench.oracle.oracle_of(state, shared))
-    joined = bench.joined_pair(batch, forward_masks) if substituted else None
+    joined = bench.joined_pair(batch, forward_masks) if substituted and paired is None else None
     if joined is not None and not split.agrees(bench.oracle.loss_of(state, joined[0]), joined[1]):
         # The ranks' shards stood for the global batch; two ranks' forwards joined into one say they no longer do
         # (samples that interact through the batch, agreeing at the first step only): measured again on the global
