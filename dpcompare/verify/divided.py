@@ -9,8 +9,8 @@ trajectory's ranges are dpcompare.verify.ranges's, whose steps the Helper serves
 
 A gradient the oracle or the run-precision reference computes is a sum over forwards (the ranks' shards, their
 micro-batches: `Piece`s with a `position` in the `Layout`). Where the forwards belong to more than one rank, rank 0
-sends every rank the request (which copy: float64 or the run's precision; the state to load, sent only where it
-changed; the forwards, by position, in the order rank 0 would run them; the recipe's loss scale and rank count) and
+sends every rank the request (which copy: float64 or the run's precision; the state to load, which each rank loads
+into its copy a tensor at a time as it arrives, holding none of it beside the copy; the forwards, by position, in the order rank 0 would run them; the recipe's loss scale and rank count) and
 every rank runs its own forwards with the draws its ranks recorded, on its own device, into its copy's gradients,
 exactly as rank 0 would have run them. Each parameter's owner then adds the ranks' sums in the order the ranks first
 appear in the request (the reverse order for a regrouped floor), in the copy's own dtype, as autograd would have
@@ -58,8 +58,8 @@ SLOTS = ("64", "run")
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One share every rank computes: `slot`'s copy, at `state` (its keys, shapes and dtypes; the tensors follow where
-    given), over the forwards at `positions` with `weights`, in that order."""
+    """One share every rank computes: `slot`'s copy, at `state` (its keys, shapes and dtypes; the tensors follow the
+    request, a broadcast each), over the forwards at `positions` with `weights`, in that order."""
 
     slot: str | None
     """None: nothing more this time (the point of the step is over)."""
@@ -69,9 +69,6 @@ class Request:
     recipe: bool = False
     loss_scale: float = 1.0
     ranks: int = 1
-    same_as: str | None = None
-    """The state is the one already sent for that slot this point (the oracle's float64 and run-precision copies
-    load the same state): not sent, nor held, twice."""
     key: int = 0
     """The gradient's number: its owners hold their ranges under it until rank 0 lets it go (`drop`)."""
     name: str | None = None
@@ -101,13 +98,20 @@ def _send_state(peers: Peers, state: dict[str, torch.Tensor]) -> None:
         dist.broadcast(t.detach().to("cpu").contiguous(), src=0, group=peers.group)
 
 
-def _receive_state(peers: Peers, meta: list[tuple[str, tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
-    out = {}
+def _receive_into(peers: Peers, meta: list[tuple[str, tuple[int, ...], torch.dtype]], model: nn.Module) -> list[str]:
+    """The state rank 0 sends (`_send_state`), loaded into `model` a tensor at a time as it arrives (load_state_dict,
+    its modules' own loading included), so it is never held whole beside the copy it loads. Every tensor is received
+    whatever happens; returns the keys `model` has no entry for (none loaded), for its share's status."""
+    keys = model.state_dict().keys()
+    missing = []
     for key, shape, dtype in meta:
         t = torch.empty(shape, dtype=dtype)
         dist.broadcast(t, src=0, group=peers.group)
-        out[key] = t
-    return out
+        if key in keys:
+            model.load_state_dict({key: t}, strict=False)
+        else:
+            missing.append(key)
+    return missing
 
 
 class Divider:
@@ -116,8 +120,6 @@ class Divider:
 
     def __init__(self, peers: Peers, layout: Layout) -> None:
         self.peers, self.layout = peers, layout
-        self._sent: dict[str, dict] = {}
-        """Per slot, the state the helpers last loaded (the same object is not sent twice)."""
         self.requests = 0
         """Requests divided so far (the verdict says the arithmetic was divided)."""
         self.last_loss = 0.0
@@ -146,19 +148,16 @@ class Divider:
         is held by the rank that owns it (dpcompare.verify.peers.owners): what is returned is a `Remote`, rank 0's
         own range held, the rest sent by its owner when read."""
         ranks = (ranks or len({p.rank for p in pieces})) if recipe.active else 1
+        # Sent with every request: a helper loads it into its copy as it arrives and keeps none of it (its copy's
+        # parameters, gradients and the state whole would peak together; a second broadcast costs less than that)
         send = state if state is not None else model.state_dict()
-        fresh = self._sent.get(slot) is not send
-        same_as = next((k for k, v in self._sent.items() if v is send), None) if fresh else None
-        meta = [(k, tuple(t.shape), t.dtype) for k, t in send.items()] if fresh and same_as is None else None
+        meta = [(k, tuple(t.shape), t.dtype) for k, t in send.items()]
         self._key += 1
         key = self._key
         self.peers.broadcast(self._with_drops(Request(slot, meta, tuple(p.position for p in pieces),
                                                       tuple(p.weight for p in pieces), recipe.active, loss_scale,
-                                                      ranks, same_as, key)))
-        if meta is not None:
-            _send_state(self.peers, send)
-        if fresh:
-            self._sent[slot] = send
+                                                      ranks, key)))
+        _send_state(self.peers, send)
         self.requests += 1
         if state is not None:
             model.load_state_dict(state)
@@ -279,9 +278,8 @@ class Divider:
         return dataclasses.replace(request, drop=drop) if drop else request
 
     def done(self) -> None:
-        """The end of a point of the step: every helper stops serving, and the states sent are let go."""
+        """The end of a point of the step: every helper stops serving."""
         self.peers.broadcast(self._with_drops(Request(None)))
-        self._sent.clear()
         self.serving = False
 
 
@@ -303,8 +301,6 @@ class Helper:
         self.models = {"64": releasable(verification_copy(template, device, torch.float64)),
                        "run": releasable(verification_copy(template, device, recipe.weights_dtype or dtype))}
         self.replayers = {k: MaskReplayer(m) for k, m in self.models.items()}
-        self._states: dict[str, dict[str, torch.Tensor]] = {}
-        """Per slot, the state rank 0 last sent this point of the step."""
         self._owner = owners(self.models["64"], peers.world_size)
         self._held: dict[int, Grads] = {}
         """This rank's range of each divided gradient rank 0 still holds, by its number."""
@@ -329,7 +325,6 @@ class Helper:
                     self._hold(request)
                 else:
                     self._answer(request, batch, masks)
-        self._states.clear()
 
     def _hold(self, request: Request) -> None:
         """Rank 0 holds its values in ranges (Divider.hold): this rank keeps its own range."""
@@ -381,14 +376,12 @@ class Helper:
 
     def _answer(self, request: Request, batch, masks: Callable[[], list | None]) -> None:
         model, replayer = self.models[request.slot], self.replayers[request.slot]
-        if request.state is not None:
-            self._states[request.slot] = _receive_state(self.peers, request.state)
-        elif request.same_as is not None:
-            self._states[request.slot] = self._states[request.same_as]
-        # reloaded at every request, as rank 0 reloads its copy: a forward in training mode moves buffers
-        model.load_state_dict(self._states[request.slot])
+        # loaded at every request, as rank 0 reloads its copy (a forward in training mode moves buffers)
+        missing = _receive_into(self.peers, request.state, model)
         status, raw = Status(False), None
         try:
+            if missing:
+                raise KeyError(f"the state rank 0 sent has {missing[0]!r}, which this rank's copy does not")
             own = self._own(request, batch, masks())
             if own:
                 raw, none, _, loss = accumulate_raw(model, self.loss_fn, own, self.device, replayer,
