@@ -9,9 +9,11 @@ every half millisecond: the bytes the allocator has handed out and not had back 
 `verify_above_start_mib` measures). Each reading is labelled with the part of the checks running (the verifier's
 parts, the reference trajectory's and a helper rank's own steps), and at each new high the tensors alive are listed
 by what holds them: a walk from the verifier's (or helper's) objects and the main thread's frames, then the models
-and optimizers found. Each rank prints both when it exits. A tool for finding what to hold smaller
-(docs/results/2026-11-29-update-state-ranges-cpu.md); it patches the verifier's methods in its own process only.
-glibc only.
+and optimizers found, summed by kind (`kind`: the run's own, the copies the checks' forwards load, the checking state
+held); a census every second keeps the one with the most checking state. Each rank prints them when it exits. A tool
+for finding what to hold smaller (docs/results/2026-11-29-update-state-ranges-cpu.md,
+docs/results/2026-11-29-checks-per-rank-cpu.md); it patches the verifier's methods in its own process only. glibc
+only.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ _peaks: dict[str, float] = {}
 _best = [0.0, ""]
 _last = [f"rank {RANK}: no census"]
 _reported = [False]
+_most_checking: list = [0, ""]
+EVERY_S = 1.0
+"""Between the censuses taken for the checking state's high (each walks every live object: tenths of a second)."""
 _started = time.monotonic()
 
 
@@ -124,14 +129,50 @@ def _walk(roots: list[tuple[str, object]], owners: dict[int, str]) -> None:
         queue.extend((f"{path}.{k}" if len(path) < 90 else path, v, depth + 1) for k, v in items)
 
 
-def census() -> str:
-    """The tensors alive now, by what holds them, the largest first."""
+KINDS = ("run", "copies", "checking", "unattributed")
+_RUN = ("frame:run.", ".wrapped.", "bench.module:", "bench.optimizer:", "frame:compute.reduced", "frame:step.",
+        "frame:after_reduce.gathered", "frame:after_reduce.x", "frame:after_reduce.before")
+_COPIES = ("model:params", "models.", ".raw", "frame:load.module", "frame:_load_from_state_dict", "frame:forward.self",
+           "to_owners.p ", "to_owners.part", "irecv.tensor", "frame:backward.",
+           ".state.", "frame:_receive_into")
+"""A copy's parameters and its gradient as autograd leaves them (`raw`, and what is sent of it), the state the copies
+load (a `state` the step's forwards run from: the run's parameters snapshotted once)."""
+_TRAJECTORY_STEP = ("_step_both", "_accumulate")
+
+
+def kind(name: str, label: str) -> str:
+    """What a tensor held under `name` (a census path), in the part of the checks `label`, is for: the run's own (its
+    model, gradients, optimizer state, batch: what a run without the checks holds), the copies the checks' forwards
+    load (a float64 or run-precision copy whole, its gradient as autograd leaves it, the state it loads; the reference
+    trajectory's copies only while it steps, gathered whole for its forwards), the checking state held (ranges, sums,
+    offsets, the trajectory's ranges, held reads), or unattributed. By the path's words: a tool's reading, checked by
+    reading the census it prints, not a measurement of record by itself."""
+    if name.startswith("unattributed"):
+        return "unattributed"
+    if name.startswith("run:") or any(w in name for w in _RUN):
+        return "run"
+    if "trajectory.model" in name or "trajectory.opt" in name:
+        return "copies" if any(w in label for w in _TRAJECTORY_STEP) and "trajectory.model" in name else "checking"
+    if any(w in name for w in _COPIES) and "offsets" not in name and "_remotes" not in name and "_held" not in name:
+        return "copies"
+    return "checking"
+
+
+def census(where: str = "") -> tuple[str, dict[str, int]]:
+    """The tensors alive now, by what holds them, the largest first; and their bytes by `kind`."""
     owners: dict[int, str] = {}
     frame, roots = sys._current_frames().get(threading.main_thread().ident), []
     while frame is not None:
         roots.append((f"frame:{frame.f_code.co_name}", dict(frame.f_locals)))
         frame = frame.f_back
-    held = [o for o in gc.get_objects() if type(o).__name__ in ("Verifier", "Helper")]
+    objects = gc.get_objects()
+    held = [o for o in objects if type(o).__name__ in ("Verifier", "Helper")]
+    # the run's own first (its model, their gradients, its optimizer's state), whatever else also reaches them
+    run = [(f"run:{name}", getattr(o, name)) for o in objects if type(o).__name__ == "Wrapped"
+           for name in ("module", "model", "optimizer")]
+    run += [(f"run:{k}", v) for name, f_locals in roots if name == "frame:run"
+            for k, v in f_locals.items() if isinstance(v, (nn.Module, torch.optim.Optimizer)) or k == "workload"]
+    _walk(run, owners)
     _walk([(type(o).__name__, o) for o in held] + roots, owners)
     sizes: dict[str, int] = {}
     counted: set[int] = set()
@@ -142,21 +183,37 @@ def census() -> str:
                 counted.add(storage.data_ptr())
                 name = owners.get(storage.data_ptr(), f"unattributed ({str(obj.dtype)[6:]})")
                 sizes[name] = sizes.get(name, 0) + storage.nbytes()
-    lines = [f"rank {RANK}: at {_best[0]:.0f} MiB live, in {_best[1]}: tensors {sum(sizes.values()) / MIB:.0f} MiB"]
-    lines += [f"  {b / MIB:8.1f}  {name}" for name, b in sorted(sizes.items(), key=lambda kv: -kv[1])[:30]]
-    return "\n".join(lines)
+    kinds: dict[str, int] = {}
+    label = "/".join(_stack)
+    for name, b in sizes.items():
+        kinds[kind(name, label)] = kinds.get(kind(name, label), 0) + b
+    lines = [f"rank {RANK}: {where or f'at {_best[0]:.0f} MiB live, in {_best[1]}'}: tensors "
+             f"{sum(sizes.values()) / MIB:.0f} MiB",
+             f"rank {RANK}: by kind, MiB: " + ", ".join(f"{k} {kinds.get(k, 0) / MIB:.1f}" for k in KINDS)]
+    lines += [f"  {b / MIB:8.1f}  {kind(name, label)[:4]}  {name}"
+              for name, b in sorted(sizes.items(), key=lambda kv: -kv[1])[:40]]
+    return "\n".join(lines), kinds
 
 
 def _sample() -> None:
+    walked = time.monotonic()
     while True:
         now, label = live_mib(), "/".join(_stack[-3:])
         _peaks[label] = max(_peaks.get(label, 0.0), now)
-        if now > _best[0] + 8 and time.monotonic() - _started > 4 and (len(_stack) > 1 or RANK != "0"):
-            _best[:] = [now, label]
-            try:
-                _last[0] = census()
-            except Exception as exc:  # noqa: BLE001 - objects changing under the walk: the next high tries again
-                _last[0] = f"rank {RANK}: census failed ({exc})"
+        # only inside a part of the checks: a walk while a model is built can meet objects still under construction
+        ready = time.monotonic() - _started > 4 and (len(_stack) > 1 or RANK != "0")
+        try:
+            if now > _best[0] + 8 and ready:
+                _best[:] = [now, label]
+                _last[0] = census()[0]
+            elif len(_stack) > 1 and time.monotonic() - walked > EVERY_S:
+                # the checking state's own high, which need not fall at the heap's: a census every EVERY_S
+                walked = time.monotonic()
+                text, kinds = census(f"at {now:.0f} MiB live, in {label}, the most checking state seen")
+                if kinds.get("checking", 0) > _most_checking[0]:
+                    _most_checking[:] = [kinds["checking"], text]
+        except Exception as exc:  # noqa: BLE001 - objects changing under the walk: the next one tries again
+            _last[0] = f"rank {RANK}: census failed ({exc})"
         time.sleep(0.0005)
 
 
@@ -165,6 +222,8 @@ def _report() -> None:
         return
     _reported[0] = True
     print(_last[0], file=sys.stderr)
+    if _most_checking[1]:
+        print(_most_checking[1], file=sys.stderr)
     print(f"rank {RANK}: live MiB at its highest, by part of the checks", file=sys.stderr)
     for label, mib in sorted(_peaks.items(), key=lambda kv: -kv[1])[:20]:
         print(f"  {mib:8.0f}  {label}", file=sys.stderr)

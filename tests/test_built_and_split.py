@@ -34,6 +34,7 @@ from dpcompare.verify import equivalence as eq
 from dpcompare.verify import initial
 from dpcompare.verify.forwards import Forwards
 from dpcompare.verify.split import SPLIT_AGREEMENT, SplitCheck
+from dpcompare.verify.tolerance import rel_fro_of
 from test_equivalence_matrix import assert_equivalent
 from test_failures import assert_one_error_line
 from test_negative import different
@@ -177,6 +178,40 @@ def test_a_mean_loss_over_independent_samples_computes_the_global_batch():
     # within the least agreement, the reordered global batch (which could only widen it) is not computed: the split
     # alone is, its ranks' forwards
     assert f.rounding_rel_fro is None and sizes == [24], (f, sizes)
+
+
+class _Divided(dict):
+    """A gradient as the ranks' divided arithmetic holds it (dpcompare.verify.peers.Remote), for what tells one apart."""
+
+    divided_by = object()
+
+
+def _divided_split(check) -> None:
+    """The check's oracle computing the ranks' split as divided arithmetic would (the same values, held apart)."""
+    oracle_of = check.oracle.oracle_of
+    check.oracle.oracle_of = lambda state, pieces: (
+        _Divided(oracle_of(state, pieces)) if len(pieces) > 1 else oracle_of(state, pieces))
+
+
+def test_the_split_the_ranks_computed_is_the_first_steps_oracle_where_it_is_the_global_batchs():
+    check, state, batch, pieces, oracle = _split_check(workloads.mlp(1234))
+    _divided_split(check)
+    check.settle(0, state, batch, None, None, pieces, oracle)
+    shards = check.shards(0)
+    assert isinstance(shards, _Divided) and rel_fro_of(shards, oracle, check.oracle.names) < 1e-14
+    assert check.shards(0) is None  # given once
+    # another step's is never given; nor one the ranks did not compute, nor a split beyond the agreement
+    check, state, batch, pieces, oracle = _split_check(workloads.mlp(1234))
+    _divided_split(check)
+    check.settle(0, state, batch, None, None, pieces, oracle)
+    assert check.shards(1) is None and check.shards(0) is None
+    check, state, batch, pieces, oracle = _split_check(workloads.mlp(1234))
+    check.settle(0, state, batch, None, None, pieces, oracle)
+    assert check.shards(0) is None
+    check, state, batch, pieces, oracle = _split_check(sw.float32_norm_mlp(1234))
+    _divided_split(check)
+    check.settle(0, state, batch, None, None, pieces, oracle)
+    assert check.finding.semantics == "global" and check.shards(0) is None  # global within rounding, beyond 1e-9
 
 
 def test_a_forward_that_depends_on_the_split_is_judged_per_replica_and_a_sum_is_told_apart():

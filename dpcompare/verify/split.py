@@ -95,9 +95,12 @@ class SplitCheck:
         self.depth, self.applies, self.verdict = depth, applies, verdict
         self.finding: SplitFinding | None = None
         self.unmeasured = False
+        """The ranks' masks cannot be joined into one forward (not batch-first): no global batch to hold the split to."""
         self.baseline: float | None = None
         """The run-precision reference's distance from the float64 oracle where the split was found global."""
-        """The ranks' masks cannot be joined into one forward (not batch-first): no global batch to hold the split to."""
+        self._shards: tuple[int, Grads] | None = None
+        """The step and the split's float64 gradient the last measurement computed, where the ranks computed it
+        (divided) and it was within SPLIT_AGREEMENT of the global batch's (`shards`)."""
 
     def settle(self, step: int, state: dict, batch, records, masks: list[Masks] | None, pieces: list[Piece],
                oracle: Grads) -> tuple[list[Piece], Grads]:
@@ -177,6 +180,14 @@ class SplitCheck:
         self.verdict.split = self.finding.to_dict()
         return True
 
+    def shards(self, step: int) -> Grads | None:
+        """The split's float64 gradient the measurement at `step` computed on the ranks (held in ranges by its owners),
+        where it found the split within SPLIT_AGREEMENT of the global batch: what the step's oracle can be instead of
+        the global batch's (held whole on rank 0), as at every later step. Given once, then let go (one of another
+        step is let go, never given)."""
+        out, self._shards = self._shards, None
+        return out[1] if out is not None and out[0] == step else None
+
     def measure(self, step: int, state: dict, split: list[Piece], whole: list[Piece], known: Grads,
                 known_is_whole: bool) -> SplitFinding:
         """The finding at `step` from the run's `state`: `split`, the ranks' forwards; `whole`, the global batch in one
@@ -193,6 +204,8 @@ class SplitCheck:
         scale = sum(_dot(s[n], w[n]) for n in names) / ww if ww > 0 else math.nan
         # how far from a multiple of the global batch's gradient (a loss that is not a mean)
         multiple = rel_fro_of(s, _Scaled(w, scale), names) if math.isfinite(scale) else math.inf
+        divided = getattr(other, "divided_by", None) is not None
+        self._shards = (step, other) if known_is_whole and divided and distance <= SPLIT_AGREEMENT else None
         del s, other
         # The reordering only widens the agreement: where the split is within the least one already, it is not run
         # (a float64 forward and backward of the global batch on rank 0 alone, while the other ranks wait).

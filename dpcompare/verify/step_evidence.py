@@ -177,6 +177,11 @@ def _gradients(bench: Bench, step: StepEvidence, state: dict, records, forward_m
     substituted = shared is not pieces  # the ranks' shards stand for one forward of the global batch
     pieces, oracle = split.settle(step.step, state, batch, records, forward_masks, pieces,
                                   bench.oracle.oracle_of(state, shared))
+    shards = split.shards(step.step)
+    if shards is not None and bench.shared(pieces, batch, forward_masks) is not pieces:
+        # just measured within 1e-9 of the global batch's: the ranks' shards stand for it from this step on, as at the
+        # later steps, and the global batch's gradient (whole on rank 0) is let go
+        oracle = shards
     joined = bench.joined_pair(batch, forward_masks) if substituted and paired is None else None
     if joined is not None and not split.agrees(bench.oracle.loss_of(state, joined[0]), joined[1]):
         # The ranks' shards stood for the global batch; two ranks' forwards joined into one say they no longer do
