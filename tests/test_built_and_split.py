@@ -181,7 +181,7 @@ def test_a_mean_loss_over_independent_samples_computes_the_global_batch():
 
 
 class _Divided(dict):
-    """A gradient as the ranks' divided arithmetic holds it (dpcompare.verify.peers.Remote), for what tells one apart."""
+    """A gradient as the ranks' divided arithmetic holds it (dpcompare.verify.peers.Remote): what tells it apart."""
 
     divided_by = object()
 

@@ -10,10 +10,10 @@ trajectory's ranges are dpcompare.verify.ranges's, whose steps the Helper serves
 A gradient the oracle or the run-precision reference computes is a sum over forwards (the ranks' shards, their
 micro-batches: `Piece`s with a `position` in the `Layout`). Where the forwards belong to more than one rank, rank 0
 sends every rank the request (which copy: float64 or the run's precision; the state to load, which each rank loads
-into its copy a tensor at a time as it arrives, holding none of it beside the copy; the forwards, by position, in the order rank 0 would run them; the recipe's loss scale and rank count) and
-every rank runs its own forwards with the draws its ranks recorded, on its own device, into its copy's gradients,
-exactly as rank 0 would have run them. Each parameter's owner then adds the ranks' sums in the order the ranks first
-appear in the request (the reverse order for a regrouped floor), in the copy's own dtype, as autograd would have
+into its copy a tensor at a time as it arrives, holding none of it beside the copy; the forwards, by position, in the
+order rank 0 would run them; the recipe's loss scale and rank count) and every rank runs its own forwards with the
+draws its ranks recorded, on its own device, into its copy's gradients, exactly as rank 0 would have run them. Each
+parameter's owner then adds the ranks' sums in the order the ranks first appear in the request (the reverse order for a regrouped floor), in the copy's own dtype, as autograd would have
 accumulated them on one process: with one forward per rank the sum is rank 0's old sequential accumulation to the
 bit. Rank 0 gets a `Remote`: its own range held, the others read from their owners one parameter at a time, or
 reduced by them (`per_parameter`: a figure per parameter, computed where the sums are) while they serve; the reduced

@@ -95,7 +95,8 @@ class SplitCheck:
         self.depth, self.applies, self.verdict = depth, applies, verdict
         self.finding: SplitFinding | None = None
         self.unmeasured = False
-        """The ranks' masks cannot be joined into one forward (not batch-first): no global batch to hold the split to."""
+        """The ranks' masks cannot be joined into one forward (not batch-first): no global batch to hold the split
+        to."""
         self.baseline: float | None = None
         """The run-precision reference's distance from the float64 oracle where the split was found global."""
         self._shards: tuple[int, Grads] | None = None

@@ -127,7 +127,8 @@ def compute(ctx: CheckContext, bench: Bench, step: StepEvidence) -> OracleStep |
         if bench.divider is not None:
             # held in ranges from here on: rank 0 keeps what each parameter's read was (None, or its shape and dtype),
             # not the values (the backend's .grad, which the run lets go after its optimizer step, or a full copy)
-            step.reads.grads = {n: None if g is None else torch.empty_like(g, device="meta") for n, g in reduced.items()}
+            step.reads.grads = {n: None if g is None else torch.empty_like(g, device="meta")
+                                for n, g in reduced.items()}
         if bench.divider is not None and step.reads.state is not None:
             # The optimizer state the step started from (the update check's replay starts from it; its comparison
             # with the expected state is done, on_reads): held in ranges too, each parameter's read from its owner.
