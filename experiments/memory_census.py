@@ -133,7 +133,7 @@ KINDS = ("run", "copies", "checking", "unattributed")
 _RUN = ("frame:run.", ".wrapped.", "bench.module:", "bench.optimizer:", "frame:compute.reduced", "frame:step.",
         "frame:after_reduce.gathered", "frame:after_reduce.x", "frame:after_reduce.before")
 _COPIES = ("model:params", "models.", ".raw", "frame:load.module", "frame:_load_from_state_dict", "frame:forward.self",
-           "to_owners.p ", "to_owners.part", "irecv.tensor", "frame:backward.",
+           "frame:_save_to_state_dict", "to_owners.p ", "to_owners.part", "irecv.tensor", "frame:backward.",
            ".state.", "frame:_receive_into")
 """A copy's parameters and its gradient as autograd leaves them (`raw`, and what is sent of it), the state the copies
 load (a `state` the step's forwards run from: the run's parameters snapshotted once)."""

@@ -6,7 +6,8 @@
   process waits for a share that will not come (both finish, and the next request is served);
 - each sum is held by its parameters' owners, each rank its own range only, until rank 0 lets it go; rank 0 reads the
   other ranges from their owners while they serve, and a read after they stopped is refused instead of waiting;
-- an optimizer state is held so too (Divider.hold_state), each parameter's entries read back as they were.
+- an optimizer state is held so too (Divider.hold_state), each parameter's entries read back as they were, and so it is
+  held a parameter at a time as it is computed (StateHolder: the update check's replay).
 """
 
 from __future__ import annotations
@@ -71,7 +72,13 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         helper.serve(batch, lambda: None)  # rank 0 holds an optimizer state in ranges, and reads it
         state_held = {k: sorted(g) for k, g in helper._held.items()}
         helper.serve(batch, lambda: None)  # rank 0 lets it go
-        torch.save({"held": held, "after": after, "state_held": state_held, "state_after": len(helper._held)},
+        state_after = len(helper._held)
+        helper.serve(batch, lambda: None)  # rank 0 holds a state a parameter at a time as it is computed, and reads it
+        streamed = sorted({n for g in helper._held.values() for n in g})
+        streamed_holds = sum(1 for g in helper._held.values() if len(g))
+        helper.serve(batch, lambda: None)  # rank 0 lets it go
+        torch.save({"held": held, "after": after, "state_held": state_held, "state_after": state_after,
+                    "streamed": streamed, "streamed_holds": streamed_holds, "streamed_after": len(helper._held)},
                    f"{out}.{rank}")
         dist.destroy_process_group()
         return
@@ -128,6 +135,20 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     del held
     divider.open()
     divider.done()
+    # The same state held as it is computed, a parameter at a time (the update check's replay: StateHolder), each
+    # parameter's entries sent to its owner once complete: read back as they were, as hold_state's.
+    divider.open()
+    holder = divider.state_holder([n for n, _ in model.named_parameters()])
+    for n, entries in read.items():
+        holder.add(n, entries)
+    streamed = holder.result()
+    del holder
+    results["streamed_back"] = all(torch.equal(streamed[n][k], v) for n in read for k, v in read[n].items())
+    results["streamed_like"] = all(streamed.like()[n][k].shape == v.shape for n in read for k, v in read[n].items())
+    divider.done()
+    del streamed
+    divider.open()
+    divider.done()
     torch.save(results, out)
     dist.destroy_process_group()
 
@@ -153,3 +174,8 @@ def test_a_divided_gradient_is_the_single_process_sum_and_a_failing_rank_is_name
         assert len(helper["state_held"]) == 2 and all(names == mine for names in helper["state_held"].values())
         assert helper["state_after"] == 0
     assert results["state_back"] and results["state_like"]
+    for rank in (1, 2):  # held a parameter at a time: each rank its own parameters' entries only, until let go
+        helper, mine = helpers[rank], sorted(n for n, r in results["owners"].items() if r == rank)
+        assert helper["streamed"] == mine and helper["streamed_holds"] == 2 * len(mine), (rank, helper)
+        assert helper["streamed_after"] == 0
+    assert results["streamed_back"] and results["streamed_like"]

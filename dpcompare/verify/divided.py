@@ -50,7 +50,7 @@ from dpcompare.verify.precision import Recipe
 from dpcompare.verify.tolerance import range_figures
 from dpcompare.verify.peers import Peers, Remote, RemoteState, owners, partition, to_owners
 
-__all__ = ["Divider", "Helper", "Peers", "Request", "Status", "partition"]
+__all__ = ["Divider", "Helper", "Peers", "Request", "StateHolder", "Status", "partition"]
 
 SLOTS = ("64", "run")
 """The copies a request names: the float64 one, and the one in the run's precision (its recipe's weights)."""
@@ -235,14 +235,23 @@ class Divider:
         return Remote(own, names, lambda name: self._fetch(key, name, *meta[name]),
                       lambda: self._dropped.append(key), divided_by=self, key=key, none=none)
 
+    def state_holder(self, names: list[str]) -> "StateHolder":
+        """An optimizer state to be held in ranges a parameter at a time, as it is computed (`StateHolder`)."""
+        return StateHolder(self, names)
+
+    def _ranged(self, chosen: set[str], name: str, value: Any) -> bool:
+        """Whether an optimizer state entry of parameter `name` is held in ranges: a floating tensor of the
+        parameter's shape (a momentum, a moment) of a parameter in `chosen`."""
+        return (name in chosen and torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0
+                and value.shape == self._shapes[name])
+
     def hold_state(self, state: OptState, names: list[str]) -> RemoteState:
         """An optimizer state as rank 0 read it, held in ranges by the parameters' owners (`hold`, one entry key at a
         time): each entry of `names` that is a tensor of its parameter's shape (a momentum, a moment). The others stay
         here (step counts; a factored statistic of another shape); a parameter not in `names` keeps only its entries
         that are not tensors of elements (nothing reads those)."""
         chosen = set(names) & set(self._owner or {})
-        ranged = lambda n, v: (n in chosen and torch.is_tensor(v) and v.is_floating_point()  # noqa: E731
-                               and v.dim() > 0 and v.shape == self._shapes[n])
+        ranged = lambda n, v: self._ranged(chosen, n, v)  # noqa: E731
         keys = sorted({k for n, entries in state.items() for k, v in entries.items() if ranged(n, v)})
         remotes, meta = {}, {}
         for key in keys:
@@ -281,6 +290,62 @@ class Divider:
         """The end of a point of the step: every helper stops serving."""
         self.peers.broadcast(self._with_drops(Request(None)))
         self.serving = False
+
+
+class StateHolder:
+    """An optimizer state held in ranges by the parameters' owners as it is computed (the update check's replay, a
+    parameter at a time): each parameter's entries of its shape are sent to its owner once that parameter's state is
+    complete (`add`), so rank 0 never holds the whole state; `result` is the state held (a RemoteState, as
+    Divider.hold_state gives). Entries that are not tensors of the parameter's elements stay here."""
+
+    def __init__(self, divider: Divider, names: list[str]) -> None:
+        self.divider = divider
+        self.chosen = set(names) & set(divider._owner or {})
+        self._local: dict[str, dict] = {}
+        self._parts: dict[str, dict[str, Remote]] = {}
+        """By entry key, by parameter: the one-parameter Remote holding it."""
+        self._meta: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
+
+    def add(self, name: str, entries: Mapping[str, Any]) -> None:
+        """Parameter `name`'s state, complete: its ranged entries sent to their owner now."""
+        local = {}
+        for key, value in entries.items():
+            if self.divider._ranged(self.chosen, name, value):
+                self._parts.setdefault(key, {})[name] = self.divider.hold({name: value})
+                self._meta.setdefault(key, {})[name] = (tuple(value.shape), value.dtype)
+            elif name in self.chosen or not (torch.is_tensor(value) and value.dim() > 0):
+                local[key] = value  # as hold_state keeps them: nothing reads another parameter's elements
+        self._local[name] = local
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._local
+
+    def result(self) -> RemoteState:
+        return RemoteState(dict(self._local), {k: _ByName(parts) for k, parts in self._parts.items()}, self._meta)
+
+
+class _ByName(Mapping[str, torch.Tensor]):
+    """One-parameter Remotes read as one mapping: each parameter from the Remote holding it (RemoteState's entry)."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts: dict[str, Remote]) -> None:
+        self._parts = parts
+
+    def held(self, name: str) -> torch.Tensor:
+        return self._parts[name].held(name)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._parts[name][name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._parts
+
+    def __iter__(self):
+        return iter(self._parts)
+
+    def __len__(self) -> int:
+        return len(self._parts)
 
 
 def _as_held(m, name: str) -> torch.Tensor:

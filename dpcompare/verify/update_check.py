@@ -72,13 +72,16 @@ def reference_step(
     clip: float | None = None,
     keep_state: bool = True,
     state_like: OptState | None = None,
+    sink: Any = None,
     **overrides: Any,
 ) -> StepResult:
     """Take `times` plain optimizer steps from `params` (in `dtype`) with `grads` (None: no gradient, the
     optimizer skips the parameter as it does in a single process) starting from `state`; with `clip`, the gradients
     clipped by their global norm first (--clip-grad-norm, clip_grad_norm_'s arithmetic in `dtype`). `keep_state`
     False: the state after the step is not read (a floor replay needs only the update); `state_like`: the state read in
-    the dtype of that state's entries (the backend's), parameter by parameter as it is read.
+    the dtype of that state's entries (the backend's), parameter by parameter as it is read; `sink`: where each
+    parameter's state after the step goes once it is complete (`add(name, entries)`; `result()` is the state: a
+    dpcompare.verify.divided.StateHolder sends it to its owner), instead of being held here.
 
     The optimizers replayed (SGD, AdamW) step every parameter on its own: the replay steps one parameter at a time,
     with one optimizer whose only parameter is swapped, when that parameter's update is read (a comparison reads each
@@ -93,7 +96,7 @@ def reference_step(
         if norms:
             scale = clip_scale(torch.linalg.vector_norm(torch.stack(norms)), clip)
     return StepResult(_Replay(factory, params, grads, state, dtype, device, scale, times, keep_state, state_like,
-                              overrides))
+                              overrides, sink))
 
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -112,12 +115,14 @@ class _Replay:
     def __init__(self, factory: OptimizerFactory, params: Mapping[str, torch.Tensor],
                  grads: Mapping[str, torch.Tensor | None], state: OptState, dtype: torch.dtype, device: torch.device,
                  scale: torch.Tensor | None, times: int, keep_state: bool, state_like: OptState | None,
-                 overrides: dict[str, Any]) -> None:
+                 overrides: dict[str, Any], sink: Any = None) -> None:
         self.factory, self.params, self.grads, self.start = factory, params, grads, state
         self.dtype, self.device, self.scale, self.times = dtype, device, scale, times
         self.keep_state, self.state_like, self.overrides = keep_state, state_like, overrides
         self.optimizer: torch.optim.Optimizer | None = None
         self.after: OptState = {}
+        self.sink = sink
+        """Where each parameter's state after the step goes once complete, instead of `after` (None: kept here)."""
         self._last: tuple[str, torch.Tensor] | None = None
         self._read: tuple[str, torch.Tensor, torch.Tensor | None, dict[str, Any] | None] | None = None
         """The parameter whose pieces are being stepped, and its inputs (`_sources`)."""
@@ -142,8 +147,8 @@ class _Replay:
         self._filling.pop(n, None)
         if self.keep_state:
             read = read_state(optimizer, {n: live})
-            self.after.update(held_as(read, self.state_like, _held_dtype(self.params, n))
-                              if self.state_like is not None else read)
+            self._keep(n, (held_as(read, self.state_like, _held_dtype(self.params, n))
+                           if self.state_like is not None else read).get(n))
         optimizer.state.clear()
         self._last = (n, reached)
         # the parameter's copy, gradient and state in the replay's dtype, freed as the next is stepped
@@ -193,7 +198,7 @@ class _Replay:
                          if torch.is_tensor(v) else v)
                      for k, v in start.items()}
         optimizer = self._step(live, start, None if g is None else self._buffer("grad", size).copy_(g[part]))
-        if self.keep_state and n not in self.after:
+        if self.keep_state and not self._kept(n):
             self._fill(n, part, optimizer.state.get(live, {}))
         optimizer.state.clear()
         return live.detach().to("cpu")
@@ -234,14 +239,28 @@ class _Replay:
                 held[k] = v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
         written[part.start] = part.stop - part.start
         if sum(written.values()) == self.numel(n):
-            self.after[n] = held
             del self._filling[n]
+            self._keep(n, held)
+
+    def _keep(self, n: str, entries: dict[str, Any] | None) -> None:
+        """Parameter `n`'s state after the step, complete (None: the optimizer left it none)."""
+        if entries is None:
+            return
+        if self.sink is not None:
+            self.sink.add(n, entries)
+        else:
+            self.after[n] = entries
+
+    def _kept(self, n: str) -> bool:
+        return n in self.after or (self.sink is not None and n in self.sink)
 
     def state(self) -> OptState:
         if self.keep_state:
             for n in self.params:
-                if n not in self.after:
+                if not self._kept(n):
                     self.reached(n)
+        if self.sink is not None:
+            return self.sink.result()
         return {n: self.after[n] for n in self.params if n in self.after}
 
 

@@ -143,7 +143,7 @@ class Update:
         delta = Difference(masters, pending.params)
         # The float64 replay's state is the next step's expected state: read in the backend's dtype (held_as).
         ref = reference_step(self.factory, pending.params, single, state, torch.float64, self.device, clip=self.clip,
-                             state_like=_like(state))
+                             state_like=_like(state), sink=self._holder())
         floor = self._replay(pending, single, state, self.dtype, keep_state=False)
         norms: dict[str, tuple[float, float]] = {}  # (||delta||, ||reference||), read in compare's own pass
         params, model = compare(delta, ref.delta, floor.delta, dtype=ctx.dtype, world_size=1,
@@ -199,11 +199,16 @@ class Update:
         state with the gradient it was handed (zeros included, where the backend gave zeros)."""
         leaves = ref if _none_of(single) == _none_of(pending.grads) else \
             reference_step(self.factory, pending.params, pending.grads, state, torch.float64, self.device, clip=self.clip,
-                           state_like=_like(state))
+                           state_like=_like(state), sink=self._holder())
+        # where the ranks share the checks, held in ranges by the owners (each parameter's sent as the replay completed
+        # it) until the next checked step's reduce reads it
         self.expected_state = leaves.state
-        if self.divider is not None:  # held in ranges by the owners until the next checked step's reduce reads it
-            self.expected_state = self.divider.hold_state(self.expected_state, self.names)
         self.expected_from = f"the state step {step} left"
+
+    def _holder(self):
+        """Where a replay's state after the step goes, a parameter at a time: to the owners of the ranges
+        (dpcompare.verify.divided.StateHolder) where the ranks share the checks; None: held here."""
+        return self.divider.state_holder(self.names) if self.divider is not None else None
 
     def _note_unused_stepped(self, step: int, state: OptState, zero_stepped: list[str]) -> None:
         if not zero_stepped or any(n.code == "unused_stepped" for n in self.verdict.notes):
