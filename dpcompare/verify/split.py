@@ -171,8 +171,11 @@ class SplitCheck:
         and returns False (the global batch then measures it, as `measure` does, for every other finding and its
         note). The oracle's `none` is left as it was."""
         none, names = self.oracle.none, self.oracle.names
-        together = self.oracle.oracle_of(state, joined)
-        distance = rel_fro_of(self.oracle.oracle_of(state, split), together, names)
+        # the shards first (held in ranges by their owners), then the joined forward's gradient (whole, on rank 0): it
+        # is not held beside the float64 copy and its gradient while the shards are computed
+        shards = self.oracle.oracle_of(state, split)
+        distance = rel_fro_of(shards, self.oracle.oracle_of(state, joined), names)
+        del shards
         self.oracle.none = none
         if not distance <= SPLIT_AGREEMENT:
             return False
