@@ -139,6 +139,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     # parameter's entries sent to its owner once complete: read back as they were, as hold_state's.
     divider.open()
     holder = divider.state_holder([n for n, _ in model.named_parameters()])
+    holder.flush_bytes = 1  # each parameter's sent as it is added (a model's worth waits at most FLUSH_BYTES)
     for n, entries in read.items():
         holder.add(n, entries)
     streamed = holder.result()

@@ -13,9 +13,9 @@ sends every rank the request (which copy: float64 or the run's precision; the st
 into its copy a tensor at a time as it arrives, holding none of it beside the copy; the forwards, by position, in the
 order rank 0 would run them; the recipe's loss scale and rank count) and every rank runs its own forwards with the
 draws its ranks recorded, on its own device, into its copy's gradients, exactly as rank 0 would have run them. Each
-parameter's owner then adds the ranks' sums in the order the ranks first appear in the request (the reverse order for a regrouped floor), in the copy's own dtype, as autograd would have
-accumulated them on one process: with one forward per rank the sum is rank 0's old sequential accumulation to the
-bit. Rank 0 gets a `Remote`: its own range held, the others read from their owners one parameter at a time, or
+parameter's owner then adds the ranks' sums in the order the ranks first appear in the request (the reverse order
+for a regrouped floor), in the copy's own dtype, as autograd would have accumulated them on one process: with one
+forward per rank the sum is rank 0's old sequential accumulation to the bit. Rank 0 gets a `Remote`: its own range held, the others read from their owners one parameter at a time, or
 reduced by them (`per_parameter`: a figure per parameter, computed where the sums are) while they serve; the reduced
 gradient as rank 0 read it is held the same way (`hold`). An owner lets its range go once rank 0 has let the sum go.
 
@@ -48,7 +48,7 @@ from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
 from dpcompare.verify.tolerance import range_figures
-from dpcompare.verify.peers import Peers, Remote, RemoteState, owners, partition, to_owners
+from dpcompare.verify.peers import Peers, Remote, RemoteState, StateHolder, owners, partition, to_owners
 
 __all__ = ["Divider", "Helper", "Peers", "Request", "StateHolder", "Status", "partition"]
 
@@ -235,9 +235,12 @@ class Divider:
         return Remote(own, names, lambda name: self._fetch(key, name, *meta[name]),
                       lambda: self._dropped.append(key), divided_by=self, key=key, none=none)
 
-    def state_holder(self, names: list[str]) -> "StateHolder":
-        """An optimizer state to be held in ranges a parameter at a time, as it is computed (`StateHolder`)."""
-        return StateHolder(self, names)
+    def state_holder(self, names: list[str]) -> StateHolder:
+        """An optimizer state to be held in ranges a parameter at a time, as it is computed
+        (dpcompare.verify.peers.StateHolder), by these owners (`hold`), each entry that is a tensor of its parameter's
+        shape of a parameter of `names` (`hold_state`'s)."""
+        chosen = set(names) & set(self._owner or {})
+        return StateHolder(self.hold, lambda n, v: self._ranged(chosen, n, v), chosen)
 
     def _ranged(self, chosen: set[str], name: str, value: Any) -> bool:
         """Whether an optimizer state entry of parameter `name` is held in ranges: a floating tensor of the
@@ -290,62 +293,6 @@ class Divider:
         """The end of a point of the step: every helper stops serving."""
         self.peers.broadcast(self._with_drops(Request(None)))
         self.serving = False
-
-
-class StateHolder:
-    """An optimizer state held in ranges by the parameters' owners as it is computed (the update check's replay, a
-    parameter at a time): each parameter's entries of its shape are sent to its owner once that parameter's state is
-    complete (`add`), so rank 0 never holds the whole state; `result` is the state held (a RemoteState, as
-    Divider.hold_state gives). Entries that are not tensors of the parameter's elements stay here."""
-
-    def __init__(self, divider: Divider, names: list[str]) -> None:
-        self.divider = divider
-        self.chosen = set(names) & set(divider._owner or {})
-        self._local: dict[str, dict] = {}
-        self._parts: dict[str, dict[str, Remote]] = {}
-        """By entry key, by parameter: the one-parameter Remote holding it."""
-        self._meta: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
-
-    def add(self, name: str, entries: Mapping[str, Any]) -> None:
-        """Parameter `name`'s state, complete: its ranged entries sent to their owner now."""
-        local = {}
-        for key, value in entries.items():
-            if self.divider._ranged(self.chosen, name, value):
-                self._parts.setdefault(key, {})[name] = self.divider.hold({name: value})
-                self._meta.setdefault(key, {})[name] = (tuple(value.shape), value.dtype)
-            elif name in self.chosen or not (torch.is_tensor(value) and value.dim() > 0):
-                local[key] = value  # as hold_state keeps them: nothing reads another parameter's elements
-        self._local[name] = local
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._local
-
-    def result(self) -> RemoteState:
-        return RemoteState(dict(self._local), {k: _ByName(parts) for k, parts in self._parts.items()}, self._meta)
-
-
-class _ByName(Mapping[str, torch.Tensor]):
-    """One-parameter Remotes read as one mapping: each parameter from the Remote holding it (RemoteState's entry)."""
-
-    __slots__ = ("_parts",)
-
-    def __init__(self, parts: dict[str, Remote]) -> None:
-        self._parts = parts
-
-    def held(self, name: str) -> torch.Tensor:
-        return self._parts[name].held(name)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._parts[name][name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._parts
-
-    def __iter__(self):
-        return iter(self._parts)
-
-    def __len__(self) -> int:
-        return len(self._parts)
 
 
 def _as_held(m, name: str) -> torch.Tensor:

@@ -5,9 +5,9 @@ backend's, so nothing the checks send passes through the backend's wrapper, buck
 `owners` (which rank owns which trainable parameter: contiguous ranges of about as many elements each),
 `to_owners` (the ranks' summed gradients of their own forwards sent to each parameter's owner, who adds them in a fixed
 order), `Remote` (on rank 0, a gradient summed at its owners: rank 0's own range held, every other parameter sent
-by its owner when read) and `RemoteState` (an optimizer state held so). Used by dpcompare.verify.divided (the oracle's
-and the references' sums, the update check's optimizer states) and dpcompare.verify.ranges (the reference trajectory).
-Imports no adapter.
+by its owner when read), `RemoteState` (an optimizer state held so) and `StateHolder` (one held so as it is computed,
+a parameter at a time). Used by dpcompare.verify.divided (the oracle's and the references' sums, the update check's
+optimizer states) and dpcompare.verify.ranges (the reference trajectory). Imports no adapter.
 """
 
 from __future__ import annotations
@@ -219,3 +219,82 @@ class RemoteState(Mapping[str, dict]):
 
     def __len__(self) -> int:
         return len(self._local)
+
+
+FLUSH_BYTES = 64 * 2**20
+"""A StateHolder sends what is waiting once about this much is (a request per entry key): the state is never held
+whole on rank 0, and a model of many small parameters is not a request each."""
+
+
+class StateHolder:
+    """An optimizer state held in ranges by the parameters' owners as it is computed (the update check's replay, a
+    parameter at a time): each parameter's entries of its shape are sent to its owner once that parameter's state is
+    complete and about FLUSH_BYTES of them wait (`add`), so rank 0 never holds the whole state; `result` is the state
+    held (a RemoteState, as Divider.hold_state gives). Entries that are not tensors of the parameter's elements stay
+    here."""
+
+    def __init__(self, hold: Callable[[Mapping[str, torch.Tensor]], Remote], ranged: Callable[[str, Any], bool],
+                 chosen: set[str], flush_bytes: int = FLUSH_BYTES) -> None:
+        """`hold`: tensors by parameter held by their owners (dpcompare.verify.divided.Divider.hold); `ranged`: whether
+        an entry of a parameter is held so; `chosen`: the parameters whose other entries are kept here."""
+        self.hold, self.ranged, self.flush_bytes, self.chosen = hold, ranged, flush_bytes, chosen
+        self._local: dict[str, dict] = {}
+        self._parts: dict[str, dict[str, Remote]] = {}
+        """By entry key, by parameter: the Remote holding it."""
+        self._meta: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
+        self._waiting: dict[str, dict[str, torch.Tensor]] = {}
+        """By entry key, the entries complete and not sent yet (at most about `flush_bytes`)."""
+        self._bytes = 0
+
+    def add(self, name: str, entries: Mapping[str, Any]) -> None:
+        """Parameter `name`'s state, complete: its ranged entries sent to their owner once about `flush_bytes` of them
+        are waiting (a request per entry key then, not per parameter)."""
+        local = {}
+        for key, value in entries.items():
+            if self.ranged(name, value):
+                self._waiting.setdefault(key, {})[name] = value
+                self._meta.setdefault(key, {})[name] = (tuple(value.shape), value.dtype)
+                self._bytes += value.numel() * value.element_size()
+            elif name in self.chosen or not (torch.is_tensor(value) and value.dim() > 0):
+                local[key] = value  # as hold_state keeps them: nothing reads another parameter's elements
+        self._local[name] = local
+        if self._bytes >= self.flush_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        for key, waiting in self._waiting.items():
+            remote = self.hold(waiting)
+            self._parts.setdefault(key, {}).update({n: remote for n in waiting})
+        self._waiting, self._bytes = {}, 0
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._local
+
+    def result(self) -> RemoteState:
+        self._flush()
+        return RemoteState(dict(self._local), {k: _ByName(parts) for k, parts in self._parts.items()}, self._meta)
+
+
+class _ByName(Mapping[str, torch.Tensor]):
+    """Remotes of some parameters each read as one mapping: each parameter from the Remote holding it (RemoteState's
+    entry)."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts: dict[str, Remote]) -> None:
+        self._parts = parts
+
+    def held(self, name: str) -> torch.Tensor:
+        return self._parts[name].held(name)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._parts[name][name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._parts
+
+    def __iter__(self):
+        return iter(self._parts)
+
+    def __len__(self) -> int:
+        return len(self._parts)

@@ -81,7 +81,7 @@ def reference_step(
     False: the state after the step is not read (a floor replay needs only the update); `state_like`: the state read in
     the dtype of that state's entries (the backend's), parameter by parameter as it is read; `sink`: where each
     parameter's state after the step goes once it is complete (`add(name, entries)`; `result()` is the state: a
-    dpcompare.verify.divided.StateHolder sends it to its owner), instead of being held here.
+    dpcompare.verify.peers.StateHolder sends it to its owner), instead of being held here.
 
     The optimizers replayed (SGD, AdamW) step every parameter on its own: the replay steps one parameter at a time,
     with one optimizer whose only parameter is swapped, when that parameter's update is read (a comparison reads each

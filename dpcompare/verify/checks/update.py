@@ -207,7 +207,7 @@ class Update:
 
     def _holder(self):
         """Where a replay's state after the step goes, a parameter at a time: to the owners of the ranges
-        (dpcompare.verify.divided.StateHolder) where the ranks share the checks; None: held here."""
+        (dpcompare.verify.peers.StateHolder) where the ranks share the checks; None: held here."""
         return self.divider.state_holder(self.names) if self.divider is not None else None
 
     def _note_unused_stepped(self, step: int, state: OptState, zero_stepped: list[str]) -> None:
