@@ -48,7 +48,8 @@ from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
 from dpcompare.verify.tolerance import range_figures
-from dpcompare.verify.peers import Peers, Remote, RemoteState, StateHolder, owners, partition, to_owners
+from dpcompare.verify.peers import (FLUSH_BYTES, Peers, Remote, RemoteState, StateHolder, owners, partition,
+                                   to_owners)
 
 __all__ = ["Divider", "Helper", "Peers", "Request", "StateHolder", "Status", "partition"]
 
@@ -240,7 +241,9 @@ class Divider:
         (dpcompare.verify.peers.StateHolder), by these owners (`hold`), each entry that is a tensor of its parameter's
         shape of a parameter of `names` (`hold_state`'s)."""
         chosen = set(names) & set(self._owner or {})
-        return StateHolder(self.hold, lambda n, v: self._ranged(chosen, n, v), chosen)
+        # a sixteenth of one float32 entry of every parameter at most waits (64 MiB on a large model)
+        waits = min(FLUSH_BYTES, 4 * sum(self._shapes[n].numel() for n in chosen) // 16)
+        return StateHolder(self.hold, lambda n, v: self._ranged(chosen, n, v), chosen, flush_bytes=waits)
 
     def _ranged(self, chosen: set[str], name: str, value: Any) -> bool:
         """Whether an optimizer state entry of parameter `name` is held in ranges: a floating tensor of the

@@ -222,8 +222,9 @@ class RemoteState(Mapping[str, dict]):
 
 
 FLUSH_BYTES = 64 * 2**20
-"""A StateHolder sends what is waiting once about this much is (a request per entry key): the state is never held
-whole on rank 0, and a model of many small parameters is not a request each."""
+"""The most a StateHolder lets wait before it sends it (a request per entry key; Divider.state_holder waits at most a
+sixteenth of one entry of the whole model): the state is never held whole on rank 0, and a model of many small
+parameters is not a request each."""
 
 
 class StateHolder:
