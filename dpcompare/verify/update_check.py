@@ -243,8 +243,9 @@ class _Replay:
             self._keep(n, held)
 
     def _keep(self, n: str, entries: dict[str, Any] | None) -> None:
-        """Parameter `n`'s state after the step, complete (None: the optimizer left it none)."""
-        if entries is None:
+        """Parameter `n`'s state after the step, complete (None: the optimizer left it none); once (a parameter read
+        whole after its pieces reaches the same state)."""
+        if entries is None or self._kept(n):
             return
         if self.sink is not None:
             self.sink.add(n, entries)
