@@ -144,7 +144,7 @@ class VerificationPhase:
                                         clip=ctx.settings.clip_grad_norm, peers=self.peers)
                 self.helper = divided.Helper(self.peers, self.template, loss_fn, layout=ctx.layout,
                                              dtype=eq.DTYPES[self.cfg.dtype], device=self.runner.device,
-                                             recipe=ctx.recipe, trajectory=trajectory)
+                                             recipe=ctx.recipe, trajectory=trajectory, factory=ctx.factory)
         full = self.adapter.full_params()  # on every rank: a collective where the backend shards its parameters
         held = self.adapter.all_gather_object(initial.held(full, self.wrapped.module))
         verdict = self.check.verdict if self.check is not None else eq.Verdict(notes=list(self.wrapped.notes))

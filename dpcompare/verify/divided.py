@@ -41,7 +41,7 @@ from torch import nn
 
 from dpcompare.contract.optim_state import OptState
 from dpcompare.verify import masks as mk
-from dpcompare.verify import stochastic
+from dpcompare.verify import stochastic, update_ranges
 from dpcompare.verify.equivalence import Grads, Layout, Piece, accumulate_raw, finish_gradient, verification_copy
 from dpcompare.verify.held import Compact, releasable, release
 from dpcompare.verify.masks import MaskReplayer
@@ -123,6 +123,8 @@ class Divider:
         self.peers, self.layout = peers, layout
         self.requests = 0
         """Requests divided so far (the verdict says the arithmetic was divided)."""
+        self.updates = 0
+        """Updates replayed by the ranges' owners so far (dpcompare.verify.update_ranges)."""
         self.last_loss = 0.0
         """The last request's forwards' losses, weighted as their gradients and added in their order."""
         self.last_losses: dict[int, float] = {}
@@ -221,20 +223,38 @@ class Divider:
     def hold(self, tensors: Mapping[str, torch.Tensor], none: frozenset[str] = frozenset()) -> Remote:
         """`tensors` (rank 0's own values: the reduced gradient as read) held in ranges by their owners, as the divided
         sums are, each sent once to its owner: a Remote of them, read as Compact reads, with `none` read as None."""
-        if self._owner is None:
-            raise RuntimeError("the parameters' owners are not known yet (Divider.own)")
-        self._key += 1
-        key = self._key
+        key, owner = self.new_key(), self.owner
         names = list(tensors)
         meta = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
-        away = {n: meta[n][1] for n in names if self._owner[n] != 0}
-        self.peers.broadcast(self._with_drops(Request("hold", key=key, reduce=(tuple(names), away))))
+        away = {n: meta[n][1] for n in names if owner[n] != 0}
+        self.ask(Request("hold", key=key, reduce=(tuple(names), away)))
         for n in names:
             if n in away:
-                dist.send(tensors[n].detach().to("cpu").contiguous(), dst=self._owner[n], group=self.peers.group)
-        own = Compact({n: tensors[n] for n in names if n not in away})
+                dist.send(tensors[n].detach().to("cpu").contiguous(), dst=owner[n], group=self.peers.group)
+        return self.remote(key, Compact({n: tensors[n] for n in names if n not in away}), names, meta, none)
+
+    def remote(self, key: int, own: Compact, names: list[str], meta: dict[str, tuple[tuple[int, ...], torch.dtype]],
+               none: frozenset[str] = frozenset()) -> Remote:
+        """Values of `names` held under number `key` by their owners (rank 0's range: `own`), each of (shape, dtype)
+        `meta[name]`: a Remote, read as Compact reads; the owners let theirs go once it is let go."""
         return Remote(own, names, lambda name: self._fetch(key, name, *meta[name]),
                       lambda: self._dropped.append(key), divided_by=self, key=key, none=none)
+
+    def ask(self, request: Any) -> None:
+        """Every helper serves `request` (a dataclass with a `drop` field: the numbers let go since the last)."""
+        self.peers.broadcast(self._with_drops(request))
+
+    def new_key(self) -> int:
+        """A number for values the owners are to hold."""
+        self._key += 1
+        return self._key
+
+    @property
+    def owner(self) -> dict[str, int]:
+        """Trainable parameter -> the rank that owns it (known once `own` ran)."""
+        if self._owner is None:
+            raise RuntimeError("the parameters' owners are not known yet (Divider.own)")
+        return self._owner
 
     def state_holder(self, names: list[str]) -> StateHolder:
         """An optimizer state to be held in ranges a parameter at a time, as it is computed
@@ -307,11 +327,12 @@ class Helper:
     and the run's precision: its recipe's weights), computing its own forwards."""
 
     def __init__(self, peers: Peers, template: nn.Module, loss_fn: Callable, *, layout: Layout, dtype: torch.dtype,
-                 device: torch.device, recipe: Recipe, trajectory: Any = None) -> None:
+                 device: torch.device, recipe: Recipe, trajectory: Any = None, factory: Any = None) -> None:
         """`trajectory`: this rank's dpcompare.verify.trajectory.Trajectory, built alike on every rank, whose range
-        of the parameters this rank holds and steps (None: rank 0 asks for none of its steps)."""
+        of the parameters this rank holds and steps (None: rank 0 asks for none of its steps); `factory`: the run's
+        optimizer factory, for the update check of its range (None: rank 0 asks for none)."""
         self.peers, self.layout, self.loss_fn, self.device, self.recipe = peers, layout, loss_fn, device, recipe
-        self.trajectory = trajectory
+        self.trajectory, self.factory = trajectory, factory
         # loaded at every request: they hold their parameters only while they compute
         self.models = {"64": releasable(verification_copy(template, device, torch.float64)),
                        "run": releasable(verification_copy(template, device, recipe.weights_dtype or dtype))}
@@ -338,6 +359,10 @@ class Helper:
                     self._reduce(request)
                 elif request.slot == "hold":
                     self._hold(request)
+                elif request.slot == "update":
+                    update_ranges.serve(request, self.peers, self._owner, self._held,
+                                        {n: p.shape for n, p in self.models["64"].named_parameters()}, self.device,
+                                        self.factory)
                 else:
                     self._answer(request, batch, masks)
 

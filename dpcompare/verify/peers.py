@@ -124,6 +124,9 @@ class Remote(Mapping[str, torch.Tensor]):
         return Remote(self._own, self._names, self._fetch, None, divided_by=self.divided_by, key=self.key,
                       none=self.none | frozenset(names), life=self._life)
 
+    def key_of(self, name: str) -> int:
+        return self.key
+
     def held(self, name: str) -> torch.Tensor | None:
         """`name` as it is held (its own dtype), for a reader that needs no float64."""
         if name in self.none:
@@ -201,6 +204,12 @@ class RemoteState(Mapping[str, dict]):
                 entries[key] = remote.held(name)
         self._last = (name, entries)
         return entries
+
+    def where(self, name: str) -> tuple[dict, dict[str, int]]:
+        """Parameter `name`'s entries held here, and by entry key the number its held ones are held under by their
+        owner (what an owner reads its own range of this state by: dpcompare.verify.update_ranges)."""
+        return self._local[name], {key: remote.key_of(name) for key, remote in self._remotes.items()
+                                   if name in remote}
 
     def like(self) -> dict[str, dict]:
         """Each parameter's entries with every held one as a meta tensor of its shape and dtype (nothing sent): for a
@@ -287,6 +296,9 @@ class _ByName(Mapping[str, torch.Tensor]):
 
     def held(self, name: str) -> torch.Tensor:
         return self._parts[name].held(name)
+
+    def key_of(self, name: str) -> int:
+        return self._parts[name].key
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._parts[name][name]

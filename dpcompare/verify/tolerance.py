@@ -335,12 +335,20 @@ def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_
     +inf, never a pass. Every figure is reduced parameter by parameter (the whole model's from the parameters' squared
     norms): a check holds no copy of the model beyond its inputs. `norms`, where given, receives each parameter's
     (||values||, ||reference||) from the same pass."""
-    u = UNIT_ROUNDOFF[dtype]
-    u_sum = u if u_sum is None else u_sum
     names = list(reference) if names is None else list(names)
     against = floor if spread is not None else reference
     other = spread if spread is not None else floor
-    figures = per_parameter("sums", (values, reference, against, floor, other), names, u)
+    figures = per_parameter("sums", (values, reference, against, floor, other), names, UNIT_ROUNDOFF[dtype])
+    return judge_figures(figures, names, dtype=dtype, world_size=world_size, depth=depth, u_sum=u_sum, norms=norms)
+
+
+def judge_figures(figures: dict, names: list[str], *, dtype: str, world_size: int, depth: int,
+                  u_sum: float | None = None, norms: dict[str, tuple[float, float]] | None = None
+                  ) -> tuple[list[ParamError], ParamError]:
+    """`compare`'s judgement of figures already reduced (`range_figures` "sums" of each parameter of `names`, where
+    they were computed: by each owner of a range, dpcompare.verify.update_ranges), with `compare`'s arguments."""
+    u = UNIT_ROUNDOFF[dtype]
+    u_sum = u if u_sum is None else u_sum
     sums: dict[str, _Sums] = {n: figures[n][0] for n in names}
     sizes: dict[str, int] = {n: figures[n][1] for n in names}  # as held: a Difference's is never computed whole
     if norms is not None:  # (||values||, ||reference||) by name, from the same pass

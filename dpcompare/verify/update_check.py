@@ -73,6 +73,7 @@ def reference_step(
     keep_state: bool = True,
     state_like: OptState | None = None,
     sink: Any = None,
+    scale: torch.Tensor | None = None,
     **overrides: Any,
 ) -> StepResult:
     """Take `times` plain optimizer steps from `params` (in `dtype`) with `grads` (None: no gradient, the
@@ -81,7 +82,8 @@ def reference_step(
     False: the state after the step is not read (a floor replay needs only the update); `state_like`: the state read in
     the dtype of that state's entries (the backend's), parameter by parameter as it is read; `sink`: where each
     parameter's state after the step goes once it is complete (`add(name, entries)`; `result()` is the state: a
-    dpcompare.verify.peers.StateHolder sends it to its owner), instead of being held here.
+    dpcompare.verify.peers.StateHolder sends it to its owner), instead of being held here; `scale`: clipping's
+    coefficient given (a range replayed apart from the others: dpcompare.verify.update_ranges), not taken from `grads`.
 
     The optimizers replayed (SGD, AdamW) step every parameter on its own: the replay steps one parameter at a time,
     with one optimizer whose only parameter is swapped, when that parameter's update is read (a comparison reads each
@@ -89,14 +91,22 @@ def reference_step(
     Clipping's global norm is taken first, as clip_grad_norm_ takes it (the norm of the per-tensor norms, in `dtype`).
     The inputs are read when each parameter is stepped: they must not change while the result is read (the checks
     hand it snapshots)."""
-    scale = None
-    if clip is not None:
-        norms = [torch.linalg.vector_norm(g.detach().to(device=device, dtype=dtype))
-                 for n in params if (g := grads.get(n)) is not None]
-        if norms:
-            scale = clip_scale(torch.linalg.vector_norm(torch.stack(norms)), clip)
+    if clip is not None and scale is None:
+        scale = scale_of(list(grad_norms(params, grads, dtype, device).values()), clip)
     return StepResult(_Replay(factory, params, grads, state, dtype, device, scale, times, keep_state, state_like,
                               overrides, sink))
+
+
+def grad_norms(names, grads: Mapping[str, torch.Tensor | None], dtype: torch.dtype, device: torch.device
+               ) -> dict[str, torch.Tensor]:
+    """Each gradient's norm in `dtype` on `device` (none where it is None), as clipping takes them."""
+    return {n: torch.linalg.vector_norm(g.detach().to(device=device, dtype=dtype))
+            for n in names if (g := grads.get(n)) is not None}
+
+
+def scale_of(norms: list[torch.Tensor], clip: float) -> torch.Tensor | None:
+    """Clipping's coefficient from the per-tensor norms in the parameters' order (None: no gradient)."""
+    return clip_scale(torch.linalg.vector_norm(torch.stack(norms)), clip) if norms else None
 
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)

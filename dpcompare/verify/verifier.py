@@ -170,7 +170,7 @@ class Verifier:
         divider = self.bench.divider
         if divider is not None:
             self.verdict.oracle_division = {"ranks": divider.peers.world_size, "divided": divider.requests,
-                                            "joined": list(self.bench.joined)}
+                                            "updates": divider.updates, "joined": list(self.bench.joined)}
         reuse = {"regrouped_floor": dict(self.bench.reference.recomputed)} if self.bench.reference.recomputed else {}
         for check in self.checks:
             if (reused := getattr(check, "reused", None)) is not None:

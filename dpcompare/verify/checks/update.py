@@ -28,7 +28,9 @@ from dpcompare.verify.diagnosis import (UpdateEvidence, diagnose_update, reason_
 from dpcompare.verify.equivalence import DTYPES, Grads
 from dpcompare.verify.reads import Pending
 from dpcompare.verify.held import Compact, Difference
-from dpcompare.verify.tolerance import compare, norm_of
+from dpcompare.verify import update_ranges
+from dpcompare.verify.peers import Remote, RemoteState
+from dpcompare.verify.tolerance import UNIT_ROUNDOFF, compare, judge_figures, norm_of
 from dpcompare.verify.update_check import StepResult, reference_step
 from dpcompare.verify.verdict import Divergence, UpdateCheck
 
@@ -141,13 +143,23 @@ class Update:
             else None
         expected = compared.expected if differs is not None else None
         delta = Difference(masters, pending.params)
-        # The float64 replay's state is the next step's expected state: read in the backend's dtype (held_as).
-        ref = reference_step(self.factory, pending.params, single, state, torch.float64, self.device, clip=self.clip,
-                             state_like=_like(state), sink=self._holder())
-        floor = self._replay(pending, single, state, self.dtype, keep_state=False)
         norms: dict[str, tuple[float, float]] = {}  # (||delta||, ||reference||), read in compare's own pass
-        params, model = compare(delta, ref.delta, floor.delta, dtype=ctx.dtype, world_size=1,
-                                depth=ctx.depth, names=self.names, norms=norms)
+        if self._divided(pending, single, state):
+            # each owner replays and reduces its range (dpcompare.verify.update_ranges); the state left stays with it
+            leaves = None if _none_of(single) == _none_of(pending.grads) else pending.grads
+            figures, left = update_ranges.divided(self.divider, self.factory, self.device, self.names, pending.params,
+                                                  masters, single, state, self.dtype, UNIT_ROUNDOFF[ctx.dtype],
+                                                  self.clip, leaves)
+            ref = update_ranges.Replayed(left, lambda: self._replay(pending, single, state, torch.float64, False))
+            params, model = judge_figures(figures, self.names, dtype=ctx.dtype, world_size=1, depth=ctx.depth,
+                                          norms=norms)
+        else:
+            # The float64 replay's state is the next step's expected state: read in the backend's dtype (held_as).
+            ref = reference_step(self.factory, pending.params, single, state, torch.float64, self.device,
+                                 clip=self.clip, state_like=_like(state), sink=self._holder())
+            floor = self._replay(pending, single, state, self.dtype, keep_state=False)
+            params, model = compare(delta, ref.delta, floor.delta, dtype=ctx.dtype, world_size=1,
+                                    depth=ctx.depth, names=self.names, norms=norms)
         ratios = {n: _norm_ratio(*norms[n]) for n in self.names}
         whole = _norm_ratio(math.sqrt(sum(a * a for a, _ in norms.values())),
                             math.sqrt(sum(b * b for _, b in norms.values())))
@@ -197,13 +209,19 @@ class Update:
                 ref: StepResult) -> None:
         """The next step's expected state: the one this step leaves, the optimizer replayed from the backend's own
         state with the gradient it was handed (zeros included, where the backend gave zeros)."""
-        leaves = ref if _none_of(single) == _none_of(pending.grads) else \
+        leaves = ref if getattr(ref, "leaves", False) or _none_of(single) == _none_of(pending.grads) else \
             reference_step(self.factory, pending.params, pending.grads, state, torch.float64, self.device, clip=self.clip,
                            state_like=_like(state), sink=self._holder())
         # where the ranks share the checks, held in ranges by the owners (each parameter's sent as the replay completed
         # it) until the next checked step's reduce reads it
         self.expected_state = leaves.state
         self.expected_from = f"the state step {step} left"
+
+    def _divided(self, pending: Pending, single: Mapping[str, torch.Tensor | None], state: OptState) -> bool:
+        """Whether each owner replays its range of the update: the ranks share the checks, and the gradient and the
+        state the step started from are held in ranges by them."""
+        return (self.divider is not None and isinstance(pending.params, Compact) and isinstance(state, RemoteState)
+                and all(isinstance(g, Remote) and g.divided_by is self.divider for g in (single, pending.grads)))
 
     def _holder(self):
         """Where a replay's state after the step goes, a parameter at a time: to the owners of the ranges
