@@ -151,8 +151,9 @@ def kind(name: str, label: str) -> str:
         return "unattributed"
     if name.startswith("run:") or any(w in name for w in _RUN):
         return "run"
-    if "trajectory.model" in name or "trajectory.opt" in name:
-        return "copies" if any(w in label for w in _TRAJECTORY_STEP) and "trajectory.model" in name else "checking"
+    stepping = "trajectory.model" in name or name.startswith("frame:_step_both.self.model")  # its copies, gathered
+    if stepping or "trajectory.opt" in name:
+        return "copies" if any(w in label for w in _TRAJECTORY_STEP) and stepping else "checking"
     if any(w in name for w in _COPIES) and "offsets" not in name and "_remotes" not in name and "_held" not in name:
         return "copies"
     return "checking"

@@ -1,0 +1,141 @@
+"""The update check divided over the ranks (dpcompare.verify.update_ranges) on three real processes (gloo over a file
+rendezvous), without a backend:
+
+- each owner's figures of its range are the single-process comparison's to the bit (AdamW with weight decay, from a
+  state one step old; and under --clip-grad-norm, whose coefficient is the norm of every range's norms), and the state
+  the step leaves, held by the owners, reads back as the single-process replay's;
+- an update wrong in rank 1's range alone (the step taken twice there) is found there, by the owner that judges it;
+- a rank that cannot replay its range is named by rank 0 in one exception, and the ranks serve the next request.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from dpcompare.contract.optim_state import read_state
+from dpcompare.verify import divided, update_ranges
+from dpcompare.verify.equivalence import Layout, verification_copy
+from dpcompare.verify.held import Compact, Difference
+from dpcompare.verify.tolerance import UNIT_ROUNDOFF, judge_figures, range_figures
+from dpcompare.verify.update_check import reference_step
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+CPU = torch.device("cpu")
+U = UNIT_ROUNDOFF["float32"]
+
+
+def _factory(params, **overrides):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **overrides)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _backend(template: nn.Module, double_in: set[str]):
+    """A backend's step: AdamW stepped once (its state one step old), then a second step with a gradient; `double_in`:
+    the parameters whose second step is taken twice. Returns (params before, gradient, state before, values after)."""
+    model = verification_copy(template, CPU, torch.float32)
+    opt = _factory(model.parameters())
+    g = torch.Generator().manual_seed(2)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+    grads = {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = read_state(opt, model)
+    for n, p in model.named_parameters():
+        p.grad = grads[n].clone()
+    opt.step()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in double_in:
+                p.add_(p - before[n])
+    return before, grads, state, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _alone(before, grads, state, after, names, clip):
+    """The single-process comparison's figures and the state its float64 replay leaves."""
+    params = Compact(before)
+    ref = reference_step(_factory, params, Compact(grads), state, torch.float64, CPU, clip=clip, state_like=state)
+    floor = reference_step(_factory, params, Compact(grads), state, torch.float32, CPU, clip=clip, keep_state=False)
+    figures = range_figures("sums", (Difference(after, params), ref.delta, ref.delta, floor.delta, floor.delta), names,
+                            U)
+    return figures, ref.state
+
+
+def _worker(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    peers = divided.Peers.make()
+    template = _model()
+    batch = (torch.zeros(3, 6), torch.zeros(3, dtype=torch.long))
+    if rank:
+        helper = divided.Helper(peers, template, nn.functional.cross_entropy, layout=Layout(world), dtype=torch.float32,
+                                device=CPU, recipe=divided.NO_RECIPE, factory=_factory)
+        for _ in range(3):  # the same step: unclipped, clipped, one wrong in rank 1's range
+            helper.serve(batch, lambda: None)
+        if rank == 1:
+            helper.factory = None  # cannot replay its range
+        helper.serve(batch, lambda: None)
+        helper.factory = _factory
+        helper.serve(batch, lambda: None)  # served again afterwards
+        dist.destroy_process_group()
+        return
+    divider = divided.Divider(peers, Layout(world))
+    divider.own(verification_copy(template, CPU, torch.float64))
+    names = [n for n, _ in template.named_parameters()]
+    ranges = {n: divider.owner[n] for n in names}
+    results: dict = {"owners": ranges}
+
+    def judged(double_in: set[str], clip: float | None):
+        before, grads, state, after = _backend(template, double_in)
+        divider.open()
+        try:
+            held, held_state = divider.hold(grads), divider.hold_state(state, names)
+            figures, left = update_ranges.divided(divider, _factory, CPU, names, Compact(before), after, held,
+                                                  held_state, torch.float32, U, clip, None)
+            left = {n: {k: v.clone() if torch.is_tensor(v) else v for k, v in left[n].items()} for n in names}
+        finally:
+            divider.done()
+        return figures, left, _alone(before, grads, state, after, names, clip)
+
+    for clip, key in ((None, "plain"), (0.5, "clipped")):
+        figures, left, (alone, alone_state) = judged(set(), clip)
+        results[key] = figures == alone
+        results[key + "_state"] = all(torch.equal(left[n][k], v) if torch.is_tensor(v) else left[n][k] == v
+                                      for n in names for k, v in alone_state[n].items())
+    wrong = [n for n in names if ranges[n] == 1]
+    figures, _, (alone, _) = judged(set(wrong), None)
+    params, _ = judge_figures(figures, names, dtype="float32", world_size=1, depth=3)
+    results["wrong"] = (wrong, sorted(p.parameter for p in params if not p.ok), figures == alone)
+    try:
+        judged(set(), None)
+        results["failure"] = None
+    except RuntimeError as exc:
+        results["failure"] = str(exc)
+    figures, _, (alone, _) = judged(set(), None)
+    results["again"] = figures == alone
+    torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def test_each_owner_judges_its_range_of_the_update_as_one_process_would():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.pt")
+        mp.spawn(_worker, args=(3, f"file://{os.path.join(tmp, 'rendezvous')}", out), nprocs=3, join=True)
+        results = torch.load(out)
+    assert sorted(set(results["owners"].values())) == [0, 1, 2], results["owners"]  # every rank judges a range
+    assert results["plain"] and results["clipped"], "each range's figures are one process's, to the bit"
+    assert results["plain_state"] and results["clipped_state"], "the state left reads back as one process's"
+    wrong, failing, same = results["wrong"]
+    assert wrong and failing == wrong and same, results["wrong"]  # found in rank 1's range, and only there
+    assert results["failure"] is not None and "rank 1" in results["failure"], results["failure"]
+    assert results["again"]
