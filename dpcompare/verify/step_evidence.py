@@ -129,10 +129,6 @@ def compute(ctx: CheckContext, bench: Bench, step: StepEvidence) -> OracleStep |
             # not the values (the backend's .grad, which the run lets go after its optimizer step, or a full copy)
             step.reads.grads = {n: None if g is None else torch.empty_like(g, device="meta")
                                 for n, g in reduced.items()}
-        if bench.divider is not None and step.reads.state is not None:
-            # The optimizer state the step started from (the update check's replay starts from it; its comparison
-            # with the expected state is done, on_reads): held in ranges too, each parameter's read from its owner.
-            step.reads.state = bench.divider.hold_state(step.reads.state, list(ctx.names))
         left_none = frozenset(n for n in ctx.names if reduced.get(n) is None)
         try:
             pieces, oracle, none, floor, spread, wire = _gradients(bench, step, state, records, forward_masks, pieces,
@@ -160,6 +156,20 @@ def compute(ctx: CheckContext, bench: Bench, step: StepEvidence) -> OracleStep |
         scale_step, scaler.skipped_steps if scaler is not None else 0)
     return OracleStep(state, pieces, forward_masks, grads, oracle, floor, spread, wire, none, scaler, scale_step,
                       overflow, pending)
+
+
+def params_in_ranges(bench: Bench, step: StepEvidence) -> None:
+    """Past the checks of a checked step's reduce, where the ranks share the checks: the step's parameters (the update
+    check's start) held in ranges by their owners until the update check (its owners replay their ranges from them:
+    dpcompare.verify.update_ranges), and the state the copies loaded (the same tensors, and the buffers before the
+    forward) let go. Not where a check reads the oracle's side after the optimizer step (grad_norm, whose diagnosis
+    recomputes a rank's local gradient from that state)."""
+    o = step.oracle
+    if bench.divider is None or o is None or o.pending is None or not isinstance(o.pending.params, Compact):
+        return
+    params = o.pending.params
+    o.pending.params = bench.divider.hold({n: params.held(n) for n in params})
+    o.state = {}
 
 
 def note_forwards(ctx: CheckContext, bench: Bench, step: StepEvidence) -> None:

@@ -50,8 +50,11 @@ class UpdateRequest:
     state: dict[str, tuple[dict, dict[str, int]]]
     """By parameter, the optimizer state the step started from: its entries rank 0 holds, and the numbers its others
     are held under by its owner (RemoteState.where)."""
-    dtypes: dict[str, tuple[torch.dtype, torch.dtype]]
-    """By parameter, the dtypes of the step's values and of the values it reached, as rank 0 sends them."""
+    params: int | None
+    """The number the step's values are held under by their owners (None: rank 0 sends each owner its range)."""
+    dtypes: dict[str, tuple[torch.dtype | None, torch.dtype]]
+    """By parameter, the dtypes of the step's values (None: held) and of the values it reached, as rank 0 sends
+    them."""
     run_dtype: torch.dtype
     u: float
     """The run dtype's unit roundoff (the figures' relative error floor)."""
@@ -138,24 +141,26 @@ def _split(after: dict[str, dict], shapes: Mapping[str, torch.Size]) -> tuple[di
     return local, meta
 
 
-def divided(divider: Any, factory: OptimizerFactory, device: torch.device, names: list[str], params: Compact,
+def divided(divider: Any, factory: OptimizerFactory, device: torch.device, names: list[str], params: Compact | Remote,
             masters: Mapping[str, torch.Tensor], grads: Remote, state: RemoteState, run_dtype: torch.dtype, u: float,
             clip: float | None, leaves: Remote | None) -> tuple[dict, RemoteState]:
     """Rank 0: every rank replays its range of the update (see the module docstring): the figures of every parameter of
     `names` (`judge_range`'s, in their order) and the state the step leaves (with `leaves`'s None's where given), held
-    by the owners."""
+    by the owners. `params`: the step's values, held here (sent to each owner) or by the owners already."""
     owner, peers = divider.owner, divider.peers
+    held = params.key if isinstance(params, Remote) and params.divided_by is divider else None
     request = UpdateRequest(tuple(names), grads.key, grads.none, None if leaves is None else leaves.none,
-                            {n: state.where(n) for n in names if n in state},
-                            {n: (params.held(n).dtype, masters[n].dtype) for n in names}, run_dtype, u, clip)
+                            {n: state.where(n) for n in names if n in state}, held,
+                            {n: (None if held is not None else params.held(n).dtype, masters[n].dtype) for n in names},
+                            run_dtype, u, clip)
     divider.ask(request)
     divider.updates += 1
     for n in names:  # each owner's range of the step's values and of those it reached, in the names' order
         if owner[n] != 0:
-            for t in (params.held(n), masters[n]):
+            for t in ((params.held(n),) if held is None else ()) + (masters[n],):
                 dist.send(t.detach().to("cpu").contiguous(), dst=owner[n], group=peers.group)
     mine = [n for n in names if owner[n] == 0]
-    shapes = {n: params.held(n).shape for n in names}
+    shapes = {n: masters[n].shape for n in names}
     part, after = _judged(lambda scales: judge_range(
         factory, device, mine, Compact({n: params.held(n) for n in mine}, copy=False), masters, grads, state,
         state.like(), run_dtype, u, scales, leaves), peers, request, grads if leaves is None else leaves, mine,
@@ -210,11 +215,14 @@ def serve(request: UpdateRequest, peers: Peers, owner: Mapping[str, int], held: 
     for n in request.names:
         if owner[n] == me:
             for out, dtype in zip((params, masters), request.dtypes[n]):
-                out[n] = torch.empty(shapes[n], dtype=dtype)
-                dist.recv(out[n], src=0, group=peers.group)
+                if dtype is not None:  # None: the step's values, held here already
+                    out[n] = torch.empty(shapes[n], dtype=dtype)
+                    dist.recv(out[n], src=0, group=peers.group)
+    if request.params is not None:
+        params = {n: held[request.params].held(n) for n in mine}
     grads = held.get(request.grads, Compact({}))
     state = {n: {**local, **{k: held[key].held(n) for k, key in keys.items()}}
-             for n, (local, keys) in request.state.items() if n in params}
+             for n, (local, keys) in request.state.items() if owner[n] == me}
     leaves = None if request.leaves_none is None else grads.without(request.leaves_none)
 
     def judge(scales: tuple) -> tuple[dict, dict]:

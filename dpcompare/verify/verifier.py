@@ -35,7 +35,7 @@ from dpcompare.verify.context import CheckContext, Finding
 from dpcompare.verify.divided import Divider
 from dpcompare.verify.opening import open_verdict
 from dpcompare.verify.oracle_coverage import unchecked_frozen
-from dpcompare.verify.step_evidence import StepEvidence, compute, note_forwards
+from dpcompare.verify.step_evidence import StepEvidence, compute, note_forwards, params_in_ranges
 from dpcompare.verify.probe import probe
 from dpcompare.verify.reads import Reads
 
@@ -87,6 +87,10 @@ class Verifier:
                                 records=records, masters=reads.masters if reads is not None else {},
                                 scaler_before=self.backend.scaler_state(), reads=reads)
         if evidence.checked and not self.stopped:
+            if self.bench.divider is not None and reads.state is not None:
+                # The optimizer state the step started from, as read (a copy of the whole): held in ranges by the
+                # parameters' owners at once (each owner replays its range of the update from it: update_ranges).
+                reads.state = self.bench.divider.hold_state(reads.state, list(self.ctx.names))
             for check in self.checks:  # what a check takes from the reads before the oracle's peak (Check.on_reads)
                 if (on_reads := getattr(check, "on_reads", None)) is not None:
                     with self._part(check.name):
@@ -109,6 +113,8 @@ class Verifier:
                 if (ahead := getattr(check, "ahead", None)) is not None:
                     with stochastic.isolated(self.ctx.device), self._part(check.name):
                         ahead(self.ctx, evidence, self._references_after_update or bool(self.ctx.settings.dump_grads))
+            if not self._references_after_update:
+                params_in_ranges(self.bench, self._reduced)
 
     def after_update(self, step: int, masters: dict[str, torch.Tensor], reported_norm: float | None) -> None:
         """After the optimizer step, with the values it stepped as every rank read them (`Adapter.master_params()`) and

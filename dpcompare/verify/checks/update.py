@@ -220,7 +220,8 @@ class Update:
     def _divided(self, pending: Pending, single: Mapping[str, torch.Tensor | None], state: OptState) -> bool:
         """Whether each owner replays its range of the update: the ranks share the checks, and the gradient and the
         state the step started from are held in ranges by them."""
-        return (self.divider is not None and isinstance(pending.params, Compact) and isinstance(state, RemoteState)
+        return (self.divider is not None and isinstance(pending.params, (Compact, Remote))
+                and isinstance(state, RemoteState)
                 and all(isinstance(g, Remote) and g.divided_by is self.divider for g in (single, pending.grads)))
 
     def _holder(self):
