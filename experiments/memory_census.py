@@ -154,6 +154,8 @@ def kind(name: str, label: str) -> str:
     stepping = "trajectory.model" in name or name.startswith("frame:_step_both.self.model")  # its copies, gathered
     if stepping or "trajectory.opt" in name:
         return "copies" if any(w in label for w in _TRAJECTORY_STEP) and stepping else "checking"
+    if "oracle.model64:params" in name or "oracle.model_run:params" in name:
+        return "copies"  # the oracle's copies: loaded before each use, released after it (held.releasable)
     if any(w in name for w in _COPIES) and "offsets" not in name and "_remotes" not in name and "_held" not in name:
         return "copies"
     return "checking"
