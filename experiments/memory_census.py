@@ -94,9 +94,20 @@ def _patch() -> None:
         _labelled(divided.Helper, method)
 
 
-def _walk(roots: list[tuple[str, object]], owners: dict[int, str]) -> None:
+def _gathered(objects: list) -> set[int]:
+    """The reference trajectory's parameters a rank does not own (dpcompare.verify.ranges): allocated only while its
+    copies are gathered whole for their forwards, so copies, whatever label the census is taken under."""
+    out = set()
+    for t in objects:
+        if type(t).__name__ == "Trajectory" and getattr(t, "ranges", None) is not None:
+            for model in (t.model64, t.model_run):
+                out.update(id(p) for n, p in model.named_parameters() if not t.ranges.mine(n))
+    return out
+
+
+def _walk(roots: list[tuple[str, object]], owners: dict[int, str], gathered: frozenset[int] = frozenset()) -> None:
     """Every tensor reachable from `roots` (attributes, slots, containers; modules' parameters and buffers, optimizers'
-    state), named by the first path that reaches it."""
+    state), named by the first path that reaches it; a parameter in `gathered` (and its gradient) named so."""
     queue, seen = deque((name, obj, 0) for name, obj in roots), set()
     while queue:
         path, obj, depth = queue.popleft()
@@ -112,7 +123,7 @@ def _walk(roots: list[tuple[str, object]], owners: dict[int, str]) -> None:
         if isinstance(obj, (str, bytes, int, float, bool, type(None), types.ModuleType, type, types.FunctionType)):
             continue
         if isinstance(obj, nn.Module):
-            queue.extend((f"{path}:params", p, 7) for p in obj.parameters())
+            queue.extend((f"{path}:params{' (gathered)' if id(p) in gathered else ''}", p, 7) for p in obj.parameters())
             queue.extend((f"{path}:buffers", b, 7) for b in obj.buffers())
             continue
         if isinstance(obj, torch.optim.Optimizer):
@@ -151,6 +162,8 @@ def kind(name: str, label: str) -> str:
         return "unattributed"
     if name.startswith("run:") or any(w in name for w in _RUN):
         return "run"
+    if "params (gathered)" in name:
+        return "copies"
     stepping = "trajectory.model" in name or name.startswith("frame:_step_both.self.model")  # its copies, gathered
     if stepping or "trajectory.opt" in name:
         return "copies" if any(w in label for w in _TRAJECTORY_STEP) and stepping else "checking"
@@ -176,7 +189,7 @@ def census(where: str = "") -> tuple[str, dict[str, int]]:
     run += [(f"run:{k}", v) for name, f_locals in roots if name == "frame:run"
             for k, v in f_locals.items() if isinstance(v, (nn.Module, torch.optim.Optimizer)) or k == "workload"]
     _walk(run, owners)
-    _walk([(type(o).__name__, o) for o in held] + roots, owners)
+    _walk([(type(o).__name__, o) for o in held] + roots, owners, frozenset(_gathered(objects)))
     sizes: dict[str, int] = {}
     counted: set[int] = set()
     for obj in gc.get_objects():
