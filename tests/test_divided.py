@@ -74,11 +74,14 @@ def test_divided_arithmetic_judges_as_the_single_process_oracle(launch):
         assert proc.returncode == 0 and result["equivalence"]["verdict"] == "equivalent", proc.output[-3000:]
         runs[where] = result["equivalence"]
     assert runs["all"]["oracle_division"]["ranks"] == 2 and runs["rank0"]["oracle_division"] is None
+    # every checked step's update replayed and reduced by each range's owner (dpcompare.verify.update_ranges)
+    assert runs["all"]["oracle_division"]["updates"] == len(runs["all"]["per_step"]) > 0
     for a, b in zip(runs["all"]["per_step"], runs["rank0"]["per_step"]):
         for pa, pb in zip(a["params"], b["params"]):
             for key in ("judged_rel_fro_err", "judged_floor_rel_fro", "noise_ratio", "tolerance_rel_fro"):
                 assert pa[key] == pb[key], (a["step"], pa["parameter"], key, pa[key], pb[key])
             assert math.isclose(pa["rel_fro_err"], pb["rel_fro_err"], rel_tol=1e-6), (pa, pb)
+        assert a["update"] == b["update"], a["step"]  # the owners' figures are one process's, to the bit
 
 
 @pytest.mark.slow

@@ -336,10 +336,9 @@ def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_
     norms): a check holds no copy of the model beyond its inputs. `norms`, where given, receives each parameter's
     (||values||, ||reference||) from the same pass."""
     names = list(reference) if names is None else list(names)
-    against = floor if spread is not None else reference
-    other = spread if spread is not None else floor
-    figures = per_parameter("sums", (values, reference, against, floor, other), names, UNIT_ROUNDOFF[dtype])
-    return judge_figures(figures, names, dtype=dtype, world_size=world_size, depth=depth, u_sum=u_sum, norms=norms)
+    against, other = (floor, spread) if spread is not None else (reference, floor)
+    return judge_figures(per_parameter("sums", (values, reference, against, floor, other), names, UNIT_ROUNDOFF[dtype]),
+                         names, dtype=dtype, world_size=world_size, depth=depth, u_sum=u_sum, norms=norms)
 
 
 def judge_figures(figures: dict, names: list[str], *, dtype: str, world_size: int, depth: int,
@@ -348,8 +347,7 @@ def judge_figures(figures: dict, names: list[str], *, dtype: str, world_size: in
     """`compare`'s judgement of figures already reduced (`range_figures` "sums" of each parameter of `names`, where
     they were computed: by each owner of a range, dpcompare.verify.update_ranges), with `compare`'s arguments."""
     u = UNIT_ROUNDOFF[dtype]
-    u_sum = u if u_sum is None else u_sum
-    sums: dict[str, _Sums] = {n: figures[n][0] for n in names}
+    u_sum, sums = u if u_sum is None else u_sum, {n: figures[n][0] for n in names}
     sizes: dict[str, int] = {n: figures[n][1] for n in names}  # as held: a Difference's is never computed whole
     if norms is not None:  # (||values||, ||reference||) by name, from the same pass
         norms.update({n: (math.sqrt(t.g2), math.sqrt(t.o2)) for n, t in sums.items()})
@@ -395,15 +393,13 @@ def _model(sums: list[_Sums], elements: int, model_floor: float, minimum: float,
     tol = FACTOR * (floor_eff + reduction)
     detect = tol * denom / size if size > 0 else math.inf
     return ParamError(MODEL, functools.reduce(_fmax, (s.max_abs for s in sums), 0.0) if elements else 0.0, math.nan,
-                      err,
-                      rel_ratio(math.sqrt(sum(s.fo2 for s in sums)), denom),
+                      err, rel_ratio(math.sqrt(sum(s.fo2 for s in sums)), denom),
                       judged_err / (floor_eff + reduction) if floor_eff + reduction > 0 else math.inf, tol,
                       judged_err <= tol, judged_err, model_floor, detect, True, elements)
 
 
 def min_detectable(params: list[ParamError], model: ParamError | None) -> float:
-    """A check's power: the smallest uniform relative change that the whole-model comparison or any judged
-    parameter flags."""
+    """A check's power: the smallest uniform relative change the whole-model comparison or any judged parameter flags."""
     candidates = [p.min_detectable_rel for p in params if p.judged]
     if model is not None:
         candidates.append(model.min_detectable_rel)
@@ -425,8 +421,7 @@ def allowed_floor(floor: float, *, depth: int, unit_roundoff: float, world_size:
 
 def wire_roundoff(dtype: str, compression: str = "none") -> float:
     """Unit roundoff of the reduction: the run dtype's, or the compressed wire dtype's when it is coarser."""
-    wire = WIRE_DTYPE[compression]
-    u = UNIT_ROUNDOFF[dtype]
+    wire, u = WIRE_DTYPE[compression], UNIT_ROUNDOFF[dtype]
     return max(u, UNIT_ROUNDOFF[wire]) if wire else u
 
 
