@@ -12,18 +12,15 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from dpcompare.verify import divided
 from dpcompare.verify.peers import owners
 from dpcompare.verify.equivalence import Layout, accumulate_gradient, replica_pieces, verification_copy
+from tests.spawned import spawned
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -155,12 +152,8 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 
 
 def test_a_divided_gradient_is_the_single_process_sum_and_a_failing_rank_is_named():
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.pt")
-        # three ranks: with two, a + b and b + a are the same number whatever the order; with three they are not
-        mp.spawn(_worker, args=(3, f"file://{os.path.join(tmp, 'rendezvous')}", out), nprocs=3, join=True)
-        results = torch.load(out)
-        helpers = {rank: torch.load(f"{out}.{rank}") for rank in (1, 2)}
+    # three ranks: with two, a + b and b + a are the same number whatever the order; with three they are not
+    results, helpers = spawned(_worker, 3, helpers=(1, 2))
     assert results["run"] == 0.0, "the run-dtype sum of one forward per rank is rank 0's own sum, to the bit"
     assert results["64"] < 1e-15
     assert results["failure"] is not None and "rank 1" in results["failure"] and "planted failure" in results["failure"]

@@ -10,13 +10,9 @@ rendezvous), without a backend:
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from dpcompare.contract.optim_state import read_state
@@ -25,6 +21,7 @@ from dpcompare.verify.equivalence import Layout, verification_copy
 from dpcompare.verify.held import Compact, Difference
 from dpcompare.verify.tolerance import UNIT_ROUNDOFF, judge_figures, range_figures
 from dpcompare.verify.update_check import reference_step
+from tests.spawned import spawned
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 CPU = torch.device("cpu")
@@ -128,10 +125,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 
 
 def test_each_owner_judges_its_range_of_the_update_as_one_process_would():
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.pt")
-        mp.spawn(_worker, args=(3, f"file://{os.path.join(tmp, 'rendezvous')}", out), nprocs=3, join=True)
-        results = torch.load(out)
+    results, _ = spawned(_worker, 3)
     assert sorted(set(results["owners"].values())) == [0, 1, 2], results["owners"]  # every rank judges a range
     assert results["plain"] and results["clipped"], "each range's figures are one process's, to the bit"
     assert results["plain_state"] and results["clipped_state"], "the state left reads back as one process's"
