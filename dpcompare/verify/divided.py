@@ -312,6 +312,12 @@ class Divider:
         drop, self._dropped[:] = tuple(self._dropped), []
         return dataclasses.replace(request, drop=drop) if drop else request
 
+    def let_go(self) -> None:
+        """The owners let go now what rank 0 let go since its last request (not with the next: a step of the reference
+        trajectory, whose copies are gathered whole, comes before it)."""
+        if self._dropped:
+            self.peers.broadcast(self._with_drops(Request("drop")))
+
     def done(self) -> None:
         """The end of a point of the step: every helper stops serving."""
         self.peers.broadcast(self._with_drops(Request(None)))
@@ -351,6 +357,8 @@ class Helper:
                     self._held.pop(key, None)
                 if request.slot is None:
                     break
+                if request.slot == "drop":
+                    continue
                 if request.slot == "trajectory":
                     self.trajectory.serve(request, lambda r=request: self._own(r, batch, masks()))
                 elif request.slot == "fetch":

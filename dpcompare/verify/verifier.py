@@ -148,6 +148,8 @@ class Verifier:
                 self._record(finding)
             if check.name == "update":
                 _let_go(evidence)
+                if self.bench.divider is not None:  # their ranges too, before the trajectory's step
+                    self.bench.divider.let_go()
         return evidence
 
     @contextlib.contextmanager
