@@ -330,11 +330,10 @@ def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_
             spread: Grads | None = None, norms: dict[str, tuple[float, float]] | None = None
             ) -> tuple[list[ParamError], ParamError]:
     """Per-parameter errors of `values` and the whole model's (see the module docstring). `reference`: float64;
-    `floor`: the run-precision computation of the same quantity; `spread`: a second run-precision computation,
-    given when `values` is to be judged against `floor` (the gradient check). A non-finite value is an error of
-    +inf, never a pass. Every figure is reduced parameter by parameter (the whole model's from the parameters' squared
-    norms): a check holds no copy of the model beyond its inputs. `norms`, where given, receives each parameter's
-    (||values||, ||reference||) from the same pass."""
+    `floor`: the run-precision computation of the same quantity; `spread`: a second run-precision computation, given
+    when `values` is to be judged against `floor` (the gradient check). A non-finite value is an error of +inf, never a
+    pass. Every figure is reduced parameter by parameter (the whole model's from the parameters' squared norms): a
+    check holds no copy of the model beyond its inputs. `norms` receives each (||values||, ||reference||)."""
     names = list(reference) if names is None else list(names)
     against, other = (floor, spread) if spread is not None else (reference, floor)
     return judge_figures(per_parameter("sums", (values, reference, against, floor, other), names, UNIT_ROUNDOFF[dtype]),
@@ -344,8 +343,7 @@ def compare(values: Grads, reference: Grads, floor: Grads, *, dtype: str, world_
 def judge_figures(figures: dict, names: list[str], *, dtype: str, world_size: int, depth: int,
                   u_sum: float | None = None, norms: dict[str, tuple[float, float]] | None = None
                   ) -> tuple[list[ParamError], ParamError]:
-    """`compare`'s judgement of figures already reduced (`range_figures` "sums" of each parameter of `names`, where
-    they were computed: by each owner of a range, dpcompare.verify.update_ranges), with `compare`'s arguments."""
+    """`compare`'s judgement of `range_figures` "sums" already reduced where they were (update_ranges' owners)."""
     u = UNIT_ROUNDOFF[dtype]
     u_sum, sums = u if u_sum is None else u_sum, {n: figures[n][0] for n in names}
     sizes: dict[str, int] = {n: figures[n][1] for n in names}  # as held: a Difference's is never computed whole
@@ -427,9 +425,8 @@ def wire_roundoff(dtype: str, compression: str = "none") -> float:
 
 def classic_tolerance(params: list[ParamError], model_floor: float, depth: int, dtype: str, world_size: int,
                       u_wire: float) -> dict[str, float]:
-    """Per parameter, a bound on the distance from the float64 reference that the run's precision alone explains
-    (FACTOR x the precision floor): how close a fault's float64-built candidate must come to the backend's value for
-    the diagnosis to name it."""
+    """Per parameter, the distance from the float64 reference the run's precision alone explains (FACTOR x its floor):
+    how close a fault's float64-built candidate must come to the backend's value for the diagnosis to name it."""
     u = UNIT_ROUNDOFF[dtype]
     return {p.parameter: FACTOR * (max(p.floor_rel_fro_err, model_floor, depth * u) + world_size * u_wire)
             for p in params}
