@@ -48,8 +48,8 @@ from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
 from dpcompare.verify.tolerance import range_figures
-from dpcompare.verify.peers import (FLUSH_BYTES, Peers, Remote, RemoteState, StateHolder, owners, partition,
-                                   to_owners)
+from dpcompare.verify.peers import (FLUSH_BYTES, Peers, Remote, RemoteState, StateHolder, of_its_shape, owners,
+                                   partition, to_owners)
 
 __all__ = ["Divider", "Helper", "Peers", "Request", "StateHolder", "Status", "partition"]
 
@@ -268,8 +268,7 @@ class Divider:
     def _ranged(self, chosen: set[str], name: str, value: Any) -> bool:
         """Whether an optimizer state entry of parameter `name` is held in ranges: a floating tensor of the
         parameter's shape (a momentum, a moment) of a parameter in `chosen`."""
-        return (name in chosen and torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0
-                and value.shape == self._shapes[name])
+        return name in chosen and of_its_shape(value, self._shapes[name])
 
     def hold_state(self, state: OptState, names: list[str]) -> RemoteState:
         """An optimizer state as rank 0 read it, held in ranges by the parameters' owners (`hold`, one entry key at a

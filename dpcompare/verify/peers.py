@@ -63,6 +63,12 @@ class Peers:
         return out
 
 
+def of_its_shape(value: Any, shape: torch.Size) -> bool:
+    """Whether an optimizer state entry is held in ranges: a floating tensor of its parameter's `shape` (a momentum, a
+    moment), not a step count or a statistic of another shape."""
+    return torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0 and value.shape == shape
+
+
 def owners(model: nn.Module, world_size: int) -> dict[str, int]:
     """Trainable parameter name of `model` -> the rank that owns it (`partition` of the trainable parameters)."""
     trainable = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from dpcompare.contract.optim_state import OptimizerFactory, OptState
 from dpcompare.verify.held import Compact, Difference
-from dpcompare.verify.peers import Peers, Remote, RemoteState
+from dpcompare.verify.peers import Peers, Remote, RemoteState, of_its_shape
 from dpcompare.verify.tolerance import range_figures
 from dpcompare.verify.update_check import StepResult, grad_norms, reference_step, scale_of
 
@@ -134,7 +134,7 @@ def _split(after: dict[str, dict], shapes: Mapping[str, torch.Size]) -> tuple[di
     for n, entries in after.items():
         local[n] = {}
         for key, v in entries.items():
-            if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0 and v.shape == shapes[n]:
+            if of_its_shape(v, shapes[n]):
                 meta.setdefault(key, {})[n] = (tuple(v.shape), v.dtype)
             else:
                 local[n][key] = v
@@ -234,7 +234,5 @@ def serve(request: UpdateRequest, peers: Peers, owner: Mapping[str, int], held: 
     del params, masters, state
     peers.gather(part)
     keys = peers.broadcast(None)
-    for k, key in (keys or {}).items():
-        held[key] = Compact({n: entries[k] for n, entries in after.items() if k in entries and torch.is_tensor(
-            entries[k]) and entries[k].is_floating_point() and entries[k].dim() > 0 and entries[k].shape == shapes[n]},
-            copy=False)
+    for k, key in (keys or {}).items():  # each entry key's range held under its number (the meta `_split` gave)
+        held[key] = Compact({n: after[n][k] for n in part[2].get(k, {})}, copy=False)
