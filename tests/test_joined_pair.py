@@ -19,6 +19,7 @@ from dpcompare.verify import masks as mk
 from dpcompare.verify.bench import Bench
 from dpcompare.verify.equivalence import Layout
 from dpcompare.verify.forwards import Forwards
+from dpcompare.verify import split as split_module
 from dpcompare.verify.split import SplitCheck
 
 KEY = "drop (Dropout) aten.bernoulli_"
@@ -77,9 +78,10 @@ def test_draws_that_are_not_batch_first_cannot_be_joined():
 
 
 # -- the first checked step's split, measured on two ranks' forwards ----------------------------------------------
-def _pair_bench(workload, world: int):
+def _pair_bench(workload, world: int, monkeypatch):
     """A stand-in for rank 0's bench at `world` ranks sharing the oracle (its divider stands in: the float64 copy
-    computes the shards here, in one process, as the ranks would), the split not yet measured."""
+    computes the shards here, in one process, as the ranks would), the split not yet measured; every float64 backward
+    the measurement runs records its samples (`sizes`)."""
     layout = eq.Layout(world)
     verdict = eq.Verdict()
     oracle = eq.Oracle(workload.model, workload.loss_fn, "float32", torch.device("cpu"))
@@ -89,14 +91,17 @@ def _pair_bench(workload, world: int):
     sizes, oracle_of = [], oracle.oracle_of
     oracle.oracle_of = lambda state, pieces: (sizes.append(sum(p.x.shape[0] for p in pieces)),
                                               oracle_of(state, pieces))[1]
+    distance_of = split_module.distance_of
+    monkeypatch.setattr(split_module, "distance_of", lambda oracle, state, pieces, against: (
+        sizes.append(sum(p.x.shape[0] for p in pieces)), distance_of(oracle, state, pieces, against))[1])
     bench = SimpleNamespace(divider=object(), layout=layout, split=check, forwards=forwards, reads_data=False)
     batch = workload.make_batch(0, 24)
     return bench, batch, forwards.pieces(batch, None), workload.model.state_dict(), sizes
 
 
 @pytest.mark.parametrize("world", [3, 4])
-def test_at_three_ranks_or_more_the_first_split_is_measured_on_two_ranks_forwards(world):
-    bench, batch, pieces, state, sizes = _pair_bench(workloads.mlp(1234), world)
+def test_at_three_ranks_or_more_the_first_split_is_measured_on_two_ranks_forwards(world, monkeypatch):
+    bench, batch, pieces, state, sizes = _pair_bench(workloads.mlp(1234), world, monkeypatch)
     shards = Bench.split_on_a_pair(bench, 0, state, batch, None, pieces)
     f = bench.split.finding
     assert f.semantics == "global" and f.ranks == [0, 1] and f.distance_rel_fro < 1e-14, f
@@ -106,11 +111,11 @@ def test_at_three_ranks_or_more_the_first_split_is_measured_on_two_ranks_forward
     assert [p.rank for p in shards] == list(range(world)) and sum(p.weight for p in shards) == pytest.approx(1.0)
 
 
-def test_a_split_dependent_forward_is_left_to_the_global_batch_and_two_ranks_are_not_paired():
-    bench, batch, pieces, state, sizes = _pair_bench(sw.split_by_size_mlp(1234), 3)
+def test_a_split_dependent_forward_is_left_to_the_global_batch_and_two_ranks_are_not_paired(monkeypatch):
+    bench, batch, pieces, state, sizes = _pair_bench(sw.split_by_size_mlp(1234), 3, monkeypatch)
     assert Bench.split_on_a_pair(bench, 0, state, batch, None, pieces) is None
     assert bench.split.finding is None  # measured on the global batch next, as before: it finds per_replica there
     bench.split.settle(0, state, batch, None, None, pieces, bench.split.oracle.oracle_of(state, pieces))
     assert bench.split.finding.semantics == "per_replica" and bench.split.finding.ranks is None
-    bench, batch, pieces, state, sizes = _pair_bench(sw.split_by_size_mlp(1234), 2)
+    bench, batch, pieces, state, sizes = _pair_bench(sw.split_by_size_mlp(1234), 2, monkeypatch)
     assert Bench.split_on_a_pair(bench, 0, state, batch, None, pieces) is None and sizes == []

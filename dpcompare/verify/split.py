@@ -37,6 +37,7 @@ import torch
 from dpcompare.verify import masks as mk
 from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, replica_pieces
 from dpcompare.verify.forwards import Forwards
+from dpcompare.verify.streamed import distance_of
 from dpcompare.verify.tolerance import TOLERANCE_FACTOR, UNIT_ROUNDOFF, rel_fro_of
 from dpcompare.verify.verdict import Verdict
 
@@ -170,11 +171,11 @@ class SplitCheck:
         Records a `global` finding and returns True where they agree within SPLIT_AGREEMENT; else records nothing
         and returns False (the global batch then measures it, as `measure` does, for every other finding and its
         note). The oracle's `none` is left as it was."""
-        none, names = self.oracle.none, self.oracle.names
-        # the shards first (held in ranges by their owners), then the joined forward's gradient (whole, on rank 0): it
-        # is not held beside the float64 copy and its gradient while the shards are computed
+        none = self.oracle.none
+        # the shards first (held in ranges by their owners), then the joined forward's gradient, each parameter's
+        # compared with the shards' as backward completes it (dpcompare.verify.streamed): never held whole on rank 0
         shards = self.oracle.oracle_of(state, split)
-        distance = rel_fro_of(shards, self.oracle.oracle_of(state, joined), names)
+        distance = distance_of(self.oracle, state, joined, shards)
         del shards
         self.oracle.none = none
         if not distance <= SPLIT_AGREEMENT:
