@@ -174,6 +174,24 @@ def kind(name: str, label: str) -> str:
     return "checking"
 
 
+PICKED = ("Verifier", "Helper", "Wrapped", "Trajectory")
+
+
+def _tracked() -> list:
+    """The tensors and the objects the census starts from, of every object the collector tracks. The list of them all
+    holds a reference to each: a tuple another thread is still growing would fail its resize (CPython raises
+    SystemError there), so no other thread runs while that list exists."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        objects = gc.get_objects()
+        picked = [o for o in objects if torch.is_tensor(o) or type(o).__name__ in PICKED]
+        del objects
+    finally:
+        sys.setswitchinterval(interval)
+    return picked
+
+
 def census(where: str = "") -> tuple[str, dict[str, int]]:
     """The tensors alive now, by what holds them, the largest first; and their bytes by `kind`."""
     owners: dict[int, str] = {}
@@ -181,7 +199,7 @@ def census(where: str = "") -> tuple[str, dict[str, int]]:
     while frame is not None:
         roots.append((f"frame:{frame.f_code.co_name}", dict(frame.f_locals)))
         frame = frame.f_back
-    objects = gc.get_objects()
+    objects = _tracked()
     held = [o for o in objects if type(o).__name__ in ("Verifier", "Helper")]
     # the run's own first (its model, their gradients, its optimizer's state), whatever else also reaches them
     run = [(f"run:{name}", getattr(o, name)) for o in objects if type(o).__name__ == "Wrapped"
@@ -192,7 +210,7 @@ def census(where: str = "") -> tuple[str, dict[str, int]]:
     _walk([(type(o).__name__, o) for o in held] + roots, owners, frozenset(_gathered(objects)))
     sizes: dict[str, int] = {}
     counted: set[int] = set()
-    for obj in gc.get_objects():
+    for obj in _tracked():
         if torch.is_tensor(obj) and obj.device.type == "cpu":
             storage = obj.untyped_storage()
             if storage.nbytes() and storage.data_ptr() not in counted:
