@@ -214,7 +214,7 @@ def accumulate_raw(model: nn.Module, loss_fn: Callable, pieces: list[Piece], dev
     with recipe.gathering(model), module_boundaries(model, recipe.module_boundaries):
         for piece in pieces:
             loss += piece.weight * accumulate_piece(model, loss_fn, piece, device, replayer, recipe,
-                                                     piece.weight * ranks * loss_scale)
+                                                    piece.weight * ranks * loss_scale)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     none = frozenset(n for n, p in named if p.grad is None)
     return ({n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in named}, none,
@@ -231,7 +231,7 @@ def finish_gradient(raw: dict[str, torch.Tensor], undo: float) -> Grads:
 
 
 def accumulate_piece(model: nn.Module, loss_fn: Callable, piece: Piece, device: torch.device,
-                      replayer: MaskReplayer | None, recipe: Recipe, in_graph: float) -> float:
+                     replayer: MaskReplayer | None, recipe: Recipe, in_graph: float) -> float:
     """One piece's backward into the model's gradients, its loss multiplied in the graph by `in_graph`; returns the
     loss (not multiplied)."""
     x = as_input(piece.x, model, device)

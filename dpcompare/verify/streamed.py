@@ -34,8 +34,8 @@ def accumulate_streamed(model: nn.Module, loss_fn: Callable, pieces: list[Piece]
     """dpcompare.verify.equivalence.accumulate_gradient's sum (no recipe, no loss scale), each trainable parameter's
     handed to `sink` (its name, the gradient read as accumulate_gradient's are) as the last piece's backward completes
     it, and let go then: with one piece (a joined forward's), the whole gradient is never held; the earlier pieces'
-    sum, where there are more, is held as autograd accumulates it. Returns the names whose gradient stayed None (never handed); None where a parameter's
-    gradient was completed twice in one backward: what was handed is then partial."""
+    sum, where there are more, is held as autograd accumulates it. Returns the names whose gradient stayed None (never
+    handed); None where a parameter's gradient was completed twice in one backward: what was handed is then partial."""
     model.train()
     model.zero_grad(set_to_none=True)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
