@@ -63,9 +63,7 @@ def accumulate_streamed(model: nn.Module, loss_fn: Callable, pieces: list[Piece]
         return None
     for n, p in named:  # a gradient the earlier pieces alone gave
         if n not in handed and p.grad is not None:
-            handed.add(n)
-            sink(n, Compact({n: p.grad}, copy=False)[n])
-            p.grad = None
+            hand(n, p)
     return frozenset(n for n, _ in named if n not in handed)
 
 
