@@ -126,3 +126,27 @@ def test_a_difference_in_one_parameter_moves_the_distance():
     moved = Compact({n: whole[n] * (1.01 if n == name else 1.0) for n in oracle.names}, copy=False)
     got = distance_of(oracle, state, pieces, moved)
     assert got == rel_fro_of(moved, whole, oracle.names) and got > 0.0
+
+
+class EarlierPieceOnly(nn.Module):
+    """A parameter only the first piece's forward reaches (`b`): its gradient is whole before the last backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.b(x) if x[0, 0] > 0 else self.a(x)
+
+
+def test_a_gradient_only_an_earlier_piece_gave_is_handed_on_as_computed():
+    torch.manual_seed(0)
+    model = EarlierPieceOnly().double()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    x[:2, 0], x[2:, 0] = 1.0, -1.0
+    pieces = [eq.Piece(x[:2], y[:2], 0.5, None, 0, 0), eq.Piece(x[2:], y[2:], 0.5, None, 1, 1)]
+    got: dict[str, torch.Tensor] = {}
+    none = accumulate_streamed(model, F.cross_entropy, pieces, torch.device("cpu"), got.__setitem__)
+    raw, raw_none, _, _ = eq.accumulate_raw(model, F.cross_entropy, pieces, torch.device("cpu"))
+    assert none == raw_none == frozenset() and sorted(got) == ["a.bias", "a.weight", "b.bias", "b.weight"]
+    assert all(torch.equal(got[n], raw[n]) for n in got) and got["b.weight"].abs().sum() > 0
