@@ -154,19 +154,21 @@ def test_a_traced_steps_unsynced_twin_gives_the_compute_synchronising_added():
 @pytest.mark.multiproc
 @pytest.mark.parametrize("backend", ["ddp", "deepspeed"])
 def test_a_rank_slower_in_compute_is_named_and_does_not_lift_the_ablation(launch, backend):
-    """compare's model (mlp-wide), rank 1 slowed (its compute doubled by spinning after its backward). The ranks are
+    """compare's model (mlp-wide), rank 1 slowed (its compute tripled by spinning after its backward). The ranks are
     lined up before each synced arm of the ablation, so the unsynced step before it leaves no lag in it: the exposed
     figure stays below 1.5 times the slowed rank's excess, where the lag it would carry is twice the excess (without
     the realignment it held the collective plus that lag: 124-156 ms against a trace of 6 ms,
-    docs/results/2026-11-28-ablation-realigned-cpu.md; 37-42 ms against 1.5 x 12.7-16.5 on 2026-11-29's box). Not
-    below the excess itself: on a CPU whose compute is fast beside gloo's all-reduce (2026-11-29: an excess of 13.6 ms,
-    the collective exposed 15.2 ms with the realignment) the collective alone can exceed it."""
-    args = ["--steps", "1", "--profile", "--measure-steps", "20", "--global-batch", "1024", "--inject-slowdown", "1",
+    docs/results/2026-11-28-ablation-realigned-cpu.md). Not below the excess itself: on a CPU whose compute is fast
+    beside gloo's all-reduce the collective alone can exceed it. The excess is judged against the run's own step, not
+    in milliseconds: the spin is a multiple of the forward, and a faster CPU shortens both (2026-11-29: doubled
+    compute gave 9.3 ms on one box, 14.9 on another, 0.22 of its step; tripled gave 0.30 with ddp and deepspeed)."""
+    args = ["--steps", "1", "--profile", "--measure-steps", "20", "--global-batch", "1024", "--inject-slowdown", "2",
             "--inject-slowdown-rank", "1"]
     finished, result = launch(backend, 2, "mlp-wide", args, "torchrun")
     assert result is not None, finished.output[-3000:]
     m = result["metrics"]
-    assert m["straggler_rank"] == 1 and m["straggler_excess_ms"] > 10.0, (m["straggler_rank"], m["stragglers"])
+    assert m["straggler_rank"] == 1 and m["straggler_excess_ms"] > 0.2 * m["step_ms_p50"], (
+        m["straggler_rank"], m["step_ms_p50"], m["stragglers"])
     # the lag, the slowed rank's compute less the other's, is twice its excess over the two ranks' median: carried
     # into the synced arm it would put the figure above twice the excess
     assert m["comm_exposed_ms"] < 1.5 * m["straggler_excess_ms"], (m["comm_exposed_ms"], m["straggler_excess_ms"],
