@@ -6,7 +6,8 @@ SGD with momentum) and each family's own dropout. Default tier: one run per new 
 (seed, step), attention dropout by its nn.Dropout). Slow tier: a handful at world size 2 (the masked LM and its tied
 embedding under FSDP, Gemma 2's eager attention under ZeRO-3, Bloom under bf16, Llama's attention dropout through
 the module dpcompare gives it under FSDP), and the negative: a backend that sums the gradients instead of averaging
-them is `different` on the masked LM. Deep tier: the family matrix of issue 39, every family under ddp, FSDP and
+them is `different` on the masked LM. A ResNet at three ranks, where 1/3 in the graph and DDP's division after
+round differently: `equivalent` under DDP, and an undeclared fp16 wire still `different`. Deep tier: the family matrix of issue 39, every family under ddp, FSDP and
 ZeRO-3 at world size 2 in float32 and under --amp bf16, each `equivalent` (experiments/hf_family_matrix.py writes
 the same matrix as a table).
 """
@@ -102,3 +103,23 @@ def test_llama_with_attention_dropout_is_equivalent_under_fsdp_its_masks_drawn_b
     assert e["verdict"] == "equivalent", (e["first_divergence"], e["unverifiable_reason"])
     assert e["stochastic"]["captured"]
     assert all(m.endswith("self_attn.dpcompare_attention_dropout") for m in e["stochastic"]["modules"])
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("backend", "verdict"), [("ddp", "equivalent"),
+                                                  ("tests.faulty_adapters:Fp16WireDDP", "different")])
+def test_a_resnet_at_three_ranks_is_judged_with_the_division_where_backends_do_it(
+        launch, families: dict[str, Path], backend: str, verdict: str) -> None:
+    """Per-replica BatchNorm over a rank's 8 samples, at a world size that is not a power of two: the reference's
+    1/3 in the graph and DDP's division after round differently, and BatchNorm's backward carries it to 30x the
+    smallest floor on the convolutions before it (tests/test_twin_divides_after.py). With the floor's twin dividing
+    after, DDP with AdamW is `equivalent` (it was `different` at 31.8x its floor); an undeclared fp16 wire, whose
+    rounding lands on every parameter, is still caught there."""
+    done, result = launch(backend, 3, f"hf:{families['resnet']}", ["--optimizer", "adamw", "--measure-steps", "0"],
+                          launcher="torchrun", timeout_s=600)
+    assert done.returncode == 0, done.output[-3000:]
+    e = result["equivalence"]
+    assert e["verdict"] == verdict, (e["first_divergence"], e["unverifiable_reason"])
+    assert e["checked_steps"] == [0, 1, 2, 3] if verdict == "equivalent" else e["first_divergence"]["step"] == 0
+    assert "divided_after" in [n["code"] for n in e["notes"]]

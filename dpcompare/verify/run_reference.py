@@ -5,13 +5,16 @@ one forward under global BatchNorm, and the global batch where the loss is not a
 dpcompare.verify.split finds it: there the run's split is judged against what a single process computes); the same
 function regrouped as data parallelism may legitimately regroup it, whose distance from the reference is the floor
 (under --compile the regrouped twin runs a compiled copy: a compiled run's kernels round differently from the eager
-reference's, and that is measured here, not assumed); and the wire a backend declares narrower than the run dtype
+reference's, and that is measured here, not assumed; where a rank's share is not a power of two, the twin divides by
+it after the backward where the reference multiplies the loss by it, as a backend that averages does); and the wire a backend declares narrower than the run dtype
 (--compression, or what its precision recipe sends), emulated where every rank's share is a piece of its own and the
 wire changes no more than its rounding (`Verdict.wire_rounding` "measured"), bounded otherwise. The reference itself
 is computed by the oracle's run-precision copy (dpcompare.verify.equivalence). Imports no adapter.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -68,8 +71,8 @@ class RunReference:
                 # reference without the wire, with its rounding bounded, so what it lost shows.
                 wire = None
                 floor = self.oracle.floor_of(state, run_pieces, loss_scale)
-                spread = self.oracle.floor_of(state, self._spread_pieces(run_pieces), loss_scale,
-                                              compiled=self.compiled)
+                spread = self.oracle.floor_of(state, self._spread_pieces(run_pieces),
+                                              self._twin_scale(run_pieces, loss_scale), compiled=self.compiled)
             else:
                 self.verdict.wire_rounding = "measured"
                 spread = self.oracle.wire_floor_of(state, run_pieces, wire, loss_scale, regrouped=True,
@@ -80,17 +83,38 @@ class RunReference:
         """The regrouped twin of `floor`; where it is the same arithmetic (`same_sum`), computed until it once came
         out bitwise equal to the reference, then the reference itself (`recomputed`)."""
         pieces = self._spread_pieces(run_pieces)
-        same = not self.compiled and same_sum(pieces, run_pieces)
+        scale = self._twin_scale(run_pieces, loss_scale)
+        same = not self.compiled and scale == loss_scale and same_sum(pieces, run_pieces)
         if same and self.recomputed.get("identical"):
             if self.step not in self.recomputed["reused"]:
                 self.recomputed["reused"].append(self.step)
             return floor
-        spread = self.oracle.floor_of(state, pieces, loss_scale, compiled=self.compiled)
+        spread = self.oracle.floor_of(state, pieces, scale, compiled=self.compiled)
         if same:
             self.recomputed.setdefault("recomputed", []).append(self.step)
             self.recomputed.setdefault("reused", [])
             self.recomputed["identical"] = _bitwise(floor, spread)
         return spread
+
+    def _twin_scale(self, pieces: list[Piece], loss_scale: float) -> float:
+        """The loss scale the regrouped twin runs at. Where every forward's share of the global batch is the same 1/N
+        and N is not a power of two, the reference multiplies each loss by 1/N in the graph, while a backend that
+        averages the reduced gradient (DDP, Horovod's Average, DeepSpeed) takes the loss's gradient unscaled and
+        divides afterwards. The two round 1/N differently, and a backward that cancels (BatchNorm's over a rank's
+        samples: its input's gradient is what is left of the output's less its projections) carries that rounding far
+        above the unit roundoff. The twin then takes the other way (its losses multiplied by N in the graph, so by
+        one, its sum divided by N after), so the floor holds both places the division is legitimately done. Under a
+        recipe the reference divides afterwards already; with a power of two the two ways are the same bits."""
+        shares = {p.weight for p in pieces}
+        share = next(iter(shares), 1.0)
+        if loss_scale != 1.0 or len(shares) != 1 or math.frexp(share)[0] == 0.5 or self.oracle.recipe.active:
+            return loss_scale
+        if "divided_after" not in {n.code for n in self.verdict.notes}:
+            self.verdict.note("divided_after", f"each forward's share of the global batch is 1/{1 / share:.6g}, not a "
+                              "power of two: the reference multiplies each loss by it in the graph and the floor's "
+                              "regrouped twin divides its sum by it after the backward, as a backend that averages "
+                              "the reduced gradient does; the two round it differently")
+        return 1.0 / share
 
     def _floor_pieces(self, batch, pieces: list[Piece], forward_masks: list[Masks] | None) -> list[Piece]:
         """The forwards of the run-precision reference: each rank's own (as its loss scale and its rounding act rank
