@@ -178,6 +178,29 @@ def test_names_an_undeclared_fp16_wire():
     assert "float16 on the wire" in found[0].reason and "--compression fp16" in found[0].reason
 
 
+def _fp16_hook_at(ranks: int, before: bool):
+    """Each rank's float32 gradient cast to fp16 and divided there by the world size, summed in fp16 (DDP's own
+    fp16_compress_hook), or summed in fp16 and the sum divided there (Horovod's Compression.fp16 averaging)."""
+    def reduce(o, s, og, sh):
+        local = [o.oracle(s, *shard).values() for shard in sh]
+        out = {}
+        for k, *grads in zip(og, *local):
+            acc = None
+            for g in grads:
+                term = g.float().half() / ranks if before else g.float().half()
+                acc = term if acc is None else (acc.float() + term.float()).half()
+            out[k] = (acc if before else acc / ranks).double()
+        return out
+    return reduce
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["ddp-hook", "summed-first"])
+def test_names_an_undeclared_fp16_wire_at_three_ranks_where_the_division_is_done_on_the_wire(before):
+    """By 3, dividing in fp16 and dividing in float32 round differently: the simulation divides where the hook does."""
+    found = _diagnoses(_linear(), _fp16_hook_at(3, before), world_size=3)
+    assert [d.cause for d in found] == ["wire_dtype"], reason_of(found)
+
+
 def test_wire_dtype_is_not_blamed_for_noise_of_that_size():
     """Twin: an error as large as fp16 rounding that an fp16 all-reduce does not reproduce."""
     noise = torch.Generator().manual_seed(5)

@@ -1,7 +1,8 @@
 """Wire hypotheses: a reduced gradient that carries the marks of an all-reduce in a narrower dtype.
 
 Owns: the simulation of an all-reduce of the ranks' float32 gradients on an fp16 or bf16 wire (divided by the
-world size before the sum or after it, each partial sum rounded to the wire), and the two diagnoses it supports:
+world size before the sum or after it, in float32 or in the wire's dtype, each partial sum rounded to the wire:
+`WAYS`), and the two diagnoses it supports:
 gradients that leave the wire's range (flushed to zero, or turned into inf) and the wire's rounding on a backend
 that declared no compression. The hypotheses of dpcompare.verify.gradient_hypotheses call them with the ranks'
 local gradients and their mean. Imports no adapter.
@@ -18,6 +19,13 @@ from dpcompare.verify.evidence import GradientEvidence
 from dpcompare.verify.explanation import EXPLAINED_SHARE, Diagnosis
 
 
+WAYS = ((True, False), (True, True), (False, True), (False, False))
+"""Where an all-reduce on a narrow wire divides by the world size: (before the sum, in the wire's dtype). DDP's
+compression hooks cast each rank's gradient to the wire and divide it there; a hook that divides in float32 casts
+the quotient; Horovod's Compression sums on the wire and scales the sum in its dtype; a loop may decompress the sum
+and divide it in float32. By a power of two the four are the same bits; by 3 each rounds 1/N its own way."""
+
+
 def wire_range_diagnoses(ev: GradientEvidence, local: list[Grads], base: Grads, share: float, wire_name: str,
                          declared: bool, remaining: list[str]) -> list[Diagnosis]:
     """An all-reduce of the ranks' `local` gradients on the `wire_name` wire, whose range the gradients leave: the
@@ -32,8 +40,8 @@ def wire_range_diagnoses(ev: GradientEvidence, local: list[Grads], base: Grads, 
     claimed, flushed, overflowed, elements, sizes, dominant, summed_first = [], 0, 0, 0, [], False, False
     for p in remaining:
         err = rel_fro(g[p], o[p], share) if bool(torch.isfinite(g[p]).all()) else math.inf
-        for pre_divide in (True, False):
-            sim = _simulate_wire(local, [p], wire, pre_divide)[p]
+        for pre_divide, on_wire in WAYS:
+            sim = _simulate_wire(local, [p], wire, pre_divide, on_wire)[p]
             finite = torch.isfinite(sim)
             if not _same_non_finite(g[p], sim):
                 continue
@@ -88,8 +96,7 @@ def wire_rounding_diagnoses(ev: GradientEvidence, local: list[Grads], base: Grad
         if declared == wire_name:
             continue
         short = {"float16": "fp16", "bfloat16": "bf16"}[wire_name]
-        sims = [_simulate_wire(local, remaining, getattr(torch, wire_name), pre_divide)
-                for pre_divide in (True, False)]
+        sims = [_simulate_wire(local, remaining, getattr(torch, wire_name), *way) for way in WAYS]
         explained = []
         for p in remaining:
             # Rounding's exact size depends on the backend's order of summation: the simulation is only
@@ -108,18 +115,23 @@ def wire_rounding_diagnoses(ev: GradientEvidence, local: list[Grads], base: Grad
     return []
 
 
-def _simulate_wire(local: list[Grads], names: list[str], wire: torch.dtype, pre_divide: bool) -> Grads:
-    """The average of the ranks' float32 gradients all-reduced in `wire`: divided before the sum (DDP's
-    compression hooks) or after it (Horovod's Compression), each partial sum rounded to `wire`."""
+def _simulate_wire(local: list[Grads], names: list[str], wire: torch.dtype, pre_divide: bool,
+                   on_wire: bool = False) -> Grads:
+    """The average of the ranks' float32 gradients all-reduced in `wire`: divided before the sum or after it, in the
+    wire's dtype (`on_wire`) or in float32 (`WAYS`), each partial sum rounded to `wire`."""
     n = len(local)
     out = {}
     for p in names:
         acc = None
         for l in local:
             term = l[p].float()
-            term = (term / n if pre_divide else term).to(wire)
+            if pre_divide:
+                term = term.to(wire) / n if on_wire else term / n
+            term = term.to(wire)
             acc = term if acc is None else (acc.float() + term.float()).to(wire)
-        out[p] = acc.double() if pre_divide else (acc.float() / n).double()
+        if not pre_divide:
+            acc = acc / n if on_wire else acc.float() / n
+        out[p] = acc.double()
     return out
 
 
