@@ -7,9 +7,10 @@ function regrouped as data parallelism may legitimately regroup it, whose distan
 (under --compile the regrouped twin runs a compiled copy: a compiled run's kernels round differently from the eager
 reference's, and that is measured here, not assumed; where a rank's share is not a power of two, the twin divides by
 it after the backward where the reference multiplies the loss by it, as a backend that averages does); and the wire a
-backend declares narrower than the run dtype (--compression, or what its precision recipe sends), emulated where every rank's share is a piece of its own and the
-wire changes no more than its rounding (`Verdict.wire_rounding` "measured"), bounded otherwise. The reference itself
-is computed by the oracle's run-precision copy (dpcompare.verify.equivalence). Imports no adapter.
+backend declares narrower than the run dtype (--compression, or what its precision recipe sends), emulated where
+every rank's share is a piece of its own and the wire changes no more than its rounding (`Verdict.wire_rounding`
+"measured"), bounded otherwise. The reference itself is computed by the oracle's run-precision copy
+(dpcompare.verify.equivalence). Imports no adapter.
 """
 
 from __future__ import annotations
