@@ -106,6 +106,7 @@ def test_the_twin_keeps_the_run_s_loss_scale_where_the_shares_differ_or_a_recipe
     assert reference._twin_scale(pieces, 1024.0) == 1024.0  # a scaled loss: a recipe's, which divides after
     uneven = [eq.Piece(p.x, p.y, w, rank=p.rank) for p, w in zip(pieces, (0.5, 0.25, 0.25))]
     assert reference._twin_scale(uneven, 1.0) == 1.0
-    bf16 = _reference(eq.Oracle(oracle.template, F.cross_entropy, "float32", CPU, precision.Recipe("autocast", "bf16")), 3)
+    autocast = precision.Recipe("autocast", "bf16")
+    bf16 = _reference(eq.Oracle(oracle.template, F.cross_entropy, "float32", CPU, autocast), 3)
     assert bf16._twin_scale(pieces, 1.0) == 1.0
     assert [n.code for n in reference.verdict.notes] == ["divided_after"] and not bf16.verdict.notes
