@@ -201,6 +201,40 @@ def test_names_an_undeclared_fp16_wire_at_three_ranks_where_the_division_is_done
     assert [d.cause for d in found] == ["wire_dtype"], reason_of(found)
 
 
+def _fp16_ring_at_three_ranks(o, s, og, sh):
+    """DDP's fp16 hook over a ring: each third of a gradient summed starting from another rank (a chunk per rank, as
+    a ring's reduce-scatter adds them), so the fp16 sum's order changes along the gradient."""
+    local = [o.oracle(s, *shard) for shard in sh]
+    out = {}
+    for k in og:
+        terms = [l[k].float().half().reshape(-1) / 3 for l in local]
+        flat = torch.empty_like(terms[0])
+        for chunk, part in enumerate(torch.arange(flat.numel()).chunk(3)):
+            order = [(chunk + j) % 3 for j in range(3)]
+            acc = terms[order[0]][part]
+            for r in order[1:]:
+                acc = (acc.float() + terms[r][part].float()).half()
+            flat[part] = acc
+        out[k] = flat.reshape(og[k].shape).double()
+    return out
+
+
+def test_names_an_undeclared_fp16_wire_summed_round_a_ring_at_three_ranks():
+    """Three fp16 terms added in another order round as much as the wire itself: each element is taken in the order
+    nearest it."""
+    found = _diagnoses(_linear(), _fp16_ring_at_three_ranks, world_size=3)
+    assert [d.cause for d in found] == ["wire_dtype"], reason_of(found)
+
+
+def test_wire_dtype_is_not_blamed_for_noise_of_that_size_at_three_ranks():
+    """Twin: the orders' nearest element does not make noise of the wire's size into the wire."""
+    noise = torch.Generator().manual_seed(5)
+    reason = _diagnose(_linear(), lambda o, s, og, sh: {
+        k: v * (1 + 4e-4 * torch.randn(v.shape, generator=noise, dtype=v.dtype)) for k, v in og.items()},
+        world_size=3)
+    assert "matches none of the known fault patterns" in reason, reason
+
+
 def test_wire_dtype_is_not_blamed_for_noise_of_that_size():
     """Twin: an error as large as fp16 rounding that an fp16 all-reduce does not reproduce."""
     noise = torch.Generator().manual_seed(5)

@@ -2,7 +2,7 @@
 
 Owns: the simulation of an all-reduce of the ranks' float32 gradients on an fp16 or bf16 wire (divided by the
 world size before the sum or after it, in float32 or in the wire's dtype, each partial sum rounded to the wire:
-`WAYS`), and the two diagnoses it supports:
+`WAYS`; from three ranks in each order a ring may add them in), and the two diagnoses it supports:
 gradients that leave the wire's range (flushed to zero, or turned into inf) and the wire's rounding on a backend
 that declared no compression. The hypotheses of dpcompare.verify.gradient_hypotheses call them with the ranks'
 local gradients and their mean. Imports no adapter.
@@ -96,7 +96,7 @@ def wire_rounding_diagnoses(ev: GradientEvidence, local: list[Grads], base: Grad
         if declared == wire_name:
             continue
         short = {"float16": "fp16", "bfloat16": "bf16"}[wire_name]
-        sims = [_simulate_wire(local, remaining, getattr(torch, wire_name), *way) for way in WAYS]
+        sims = [_in_nearest_order(g, local, remaining, getattr(torch, wire_name), way) for way in WAYS]
         explained = []
         for p in remaining:
             # Rounding's exact size depends on the backend's order of summation: the simulation is only
@@ -113,6 +113,25 @@ def wire_rounding_diagnoses(ev: GradientEvidence, local: list[Grads], base: Grad
                               f"pass --compression {short} to judge it with that wire's tolerance, or turn the "
                               "compression off", explained)]
     return []
+
+
+def _in_nearest_order(g: Grads, local: list[Grads], names: list[str], wire: torch.dtype,
+                      way: tuple[bool, bool]) -> Grads:
+    """`_simulate_wire` where the order of the sum may change along the gradient: a ring all-reduce adds each chunk's
+    terms starting from another rank, so from three ranks on a narrow wire's sum rounds another way chunk by chunk,
+    as much as the wire itself rounds. Each element is the one, over the ranks' order turned round the ring (both
+    ways), nearest the backend's value `g`; at two ranks the one sum there is."""
+    n = len(local)
+    if n < 3:
+        return _simulate_wire(local, names, wire, *way)
+    orders = {tuple((start + step * k) % n for k in range(n)) for start in range(n) for step in (1, -1)}
+    sims = [_simulate_wire([local[r] for r in order], names, wire, *way) for order in sorted(orders)]
+    out = {}
+    for p in names:
+        stack = torch.stack([s[p] for s in sims])
+        nearest = (stack - g[p].double()).abs().argmin(dim=0, keepdim=True)
+        out[p] = stack.gather(0, nearest)[0]
+    return out
 
 
 def _simulate_wire(local: list[Grads], names: list[str], wire: torch.dtype, pre_divide: bool,
