@@ -96,14 +96,16 @@ def wire_rounding_diagnoses(ev: GradientEvidence, local: list[Grads], base: Grad
         if declared == wire_name:
             continue
         short = {"float16": "fp16", "bfloat16": "bf16"}[wire_name]
-        sims = [_in_nearest_order(g, local, remaining, getattr(torch, wire_name), way) for way in WAYS]
+        wire = getattr(torch, wire_name)
         explained = []
-        for p in remaining:
+        for p in remaining:  # a parameter at a time: its simulations are held only while it is judged
             # Rounding's exact size depends on the backend's order of summation: the simulation is only
             # asked to account for most of the error, not to match within the float32 tolerance.
             d0 = rel_fro(g[p], base[p], share)
-            d1 = min(rel_fro(g[p], s[p], share) for s in sims)
-            if d0 > tolerance[p] and d1 <= EXPLAINED_SHARE * d0:
+            if d0 <= tolerance[p]:
+                continue
+            d1 = min(rel_fro(g[p], _in_nearest_order(g[p], local, p, wire, way), share) for way in WAYS)
+            if d1 <= EXPLAINED_SHARE * d0:
                 explained.append(p)
         if explained:
             err = max(rel_fro(g[p], base[p], share) for p in explained)
@@ -115,23 +117,26 @@ def wire_rounding_diagnoses(ev: GradientEvidence, local: list[Grads], base: Grad
     return []
 
 
-def _in_nearest_order(g: Grads, local: list[Grads], names: list[str], wire: torch.dtype,
-                      way: tuple[bool, bool]) -> Grads:
-    """`_simulate_wire` where the order of the sum may change along the gradient: a ring all-reduce adds each chunk's
-    terms starting from another rank, so from three ranks on a narrow wire's sum rounds another way chunk by chunk,
-    as much as the wire itself rounds. Each element is the one, over the ranks' order turned round the ring (both
-    ways), nearest the backend's value `g`; at two ranks the one sum there is."""
+def _in_nearest_order(value: torch.Tensor, local: list[Grads], name: str, wire: torch.dtype,
+                      way: tuple[bool, bool]) -> torch.Tensor:
+    """Parameter `name`'s `_simulate_wire` where the order of the sum may change along the gradient: a ring all-reduce
+    adds each chunk's terms starting from another rank, so from three ranks on a narrow wire's sum rounds another way
+    chunk by chunk, as much as the wire itself rounds. Each element is the one, over the ranks' order turned round the
+    ring (both ways), nearest the backend's `value`, kept as the orders are simulated one by one (two tensors held
+    whatever the world size); at two ranks the one sum there is."""
     n = len(local)
-    if n < 3:
-        return _simulate_wire(local, names, wire, *way)
-    orders = {tuple((start + step * k) % n for k in range(n)) for start in range(n) for step in (1, -1)}
-    sims = [_simulate_wire([local[r] for r in order], names, wire, *way) for order in sorted(orders)]
-    out = {}
-    for p in names:
-        stack = torch.stack([s[p] for s in sims])
-        nearest = (stack - g[p].double()).abs().argmin(dim=0, keepdim=True)
-        out[p] = stack.gather(0, nearest)[0]
-    return out
+    orders = sorted({tuple((start + step * k) % n for k in range(n)) for start in range(n) for step in (1, -1)})
+    target = value.double()
+    nearest, apart = None, None
+    for order in orders if n >= 3 else [tuple(range(n))]:
+        sim = _simulate_wire([local[r] for r in order], [name], wire, *way)[name]
+        off = (sim - target).abs()
+        if nearest is None:
+            nearest, apart = sim, off
+        else:
+            closer = off < apart
+            nearest, apart = torch.where(closer, sim, nearest), torch.where(closer, off, apart)
+    return nearest
 
 
 def _simulate_wire(local: list[Grads], names: list[str], wire: torch.dtype, pre_divide: bool,
