@@ -123,12 +123,12 @@ def _in_nearest_order(value: torch.Tensor, local: list[Grads], name: str, wire: 
     adds each chunk's terms starting from another rank, so from three ranks on a narrow wire's sum rounds another way
     chunk by chunk, as much as the wire itself rounds. Each element is the one, over the ranks' order turned round the
     ring (both ways), nearest the backend's `value`, kept as the orders are simulated one by one (two tensors held
-    whatever the world size); at two ranks the one sum there is."""
+    whatever the world size); at two ranks both orders are the one sum (an addition commutes, to the bit)."""
     n = len(local)
     orders = sorted({tuple((start + step * k) % n for k in range(n)) for start in range(n) for step in (1, -1)})
     target = value.double()
     nearest, apart = None, None
-    for order in orders if n >= 3 else [tuple(range(n))]:
+    for order in orders:
         sim = _simulate_wire([local[r] for r in order], [name], wire, *way)[name]
         off = (sim - target).abs()
         if nearest is None:
