@@ -57,7 +57,7 @@ class Bench:
         (dpcompare.verify.ranges)."""
         self.oracle.divider = divider
         if divider is not None:
-            divider.own(self.oracle.model64)
+            divider.own(self.oracle.model64, ctx.factory)
         self.layout = ctx.layout
         self.joined: list[dict] = []
         """The forwards `joined_pair` joined, step by step: the ranks, and the samples of the joined forward."""

@@ -47,11 +47,13 @@ from dpcompare.verify.held import Compact, releasable, release
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
-from dpcompare.verify.tolerance import range_figures
+from dpcompare.verify.update_check import elementwise
+from dpcompare.verify.plan import Plan
+from dpcompare.verify.tolerance import merge_figures, range_figures
 from dpcompare.verify.peers import (FLUSH_BYTES, Peers, Remote, RemoteState, StateHolder, of_its_shape, owners,
-                                   partition, to_owners)
+                                   to_owners)
 
-__all__ = ["Divider", "Helper", "Peers", "Request", "StateHolder", "Status", "partition"]
+__all__ = ["Divider", "Helper", "Peers", "Request", "StateHolder", "Status"]
 
 SLOTS = ("64", "run")
 """The copies a request names: the float64 one, and the one in the run's precision (its recipe's weights)."""
@@ -129,8 +131,8 @@ class Divider:
         """The last request's forwards' losses, weighted as their gradients and added in their order."""
         self.last_losses: dict[int, float] = {}
         """The same, by rank: each rank's own forwards' losses added."""
-        self._owner: dict[str, int] | None = None
-        """Trainable parameter -> the rank that holds its sums (dpcompare.verify.peers.owners)."""
+        self._owner: Plan | None = None
+        """Which rank holds which elements of each trainable parameter's sums (dpcompare.verify.plan)."""
         self._shapes: dict[str, torch.Size] = {}
         """Parameter -> its shape (what an owner receives a held value of its range as)."""
         self._key = 0
@@ -193,8 +195,7 @@ class Divider:
         own = finish_gradient(to_owners(self.peers, self._owner, model, raw if raw is not None else {}, order), undo)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         meta = {n: (tuple(p.shape), p.dtype if undo == 1.0 else torch.float64) for n, p in named}
-        return Remote(own, [n for n, _ in named], lambda name: self._fetch(key, name, *meta[name]),
-                      lambda: self._dropped.append(key), divided_by=self, key=key), none
+        return self.remote(key, own, [n for n, _ in named], meta), none
 
     def per_parameter(self, op: str, mappings: tuple, names: list[str], u: float = 0.0) -> dict:
         """dpcompare.verify.tolerance.range_figures over `names`, each owner reducing its range of the sums it holds
@@ -203,42 +204,68 @@ class Divider:
         if not self.serving:
             raise RuntimeError(f"divided sums were reduced ({op}) where the other ranks do not serve rank 0 (outside a "
                                "point of the step): they hold them, and would never answer")
+        plan = self.owner
         keys = tuple(m.key if getattr(m, "divided_by", None) is self else None for m in mappings)
-        shipped = {i: {n: _as_held(mappings[i], n).dtype for n in names if self._owner[n] != 0}
+        shipped = {i: {n: _as_held(mappings[i], n).dtype for n in names if plan.ranks(n) != (0,)}
                    for i, k in enumerate(keys) if k is None}
         self.peers.broadcast(self._with_drops(Request("reduce", name=op, reduce=(keys, tuple(names), u, shipped))))
-        for i in shipped:  # each owner's range of rank 0's own values, in the names' order
+        for i in shipped:  # each holder's piece of rank 0's own values, in the names' order
             for n in names:
-                if self._owner[n] != 0:
-                    dist.send(_as_held(mappings[i], n).detach().to("cpu").contiguous(), dst=self._owner[n],
-                              group=self.peers.group)
-        local = tuple(m if k is None else m.own for m, k in zip(mappings, keys))
-        out = range_figures(op, local, [n for n in names if self._owner[n] == 0], u)
-        for part in self.peers.gather(None)[1:]:
+                for piece in plan.holders(n):
+                    if piece.rank != 0:
+                        dist.send(plan.take(n, piece.rank, _as_held(mappings[i], n)).detach().to("cpu").contiguous(),
+                                  dst=piece.rank, group=self.peers.group)
+        whole = [n for n in names if plan.sole(n) == 0]
+        out = range_figures(op, tuple(m if k is None else m.own for m, k in zip(mappings, keys)), whole, u)
+        cut = [n for n in names if plan.is_cut(n)]
+        parts: dict[str, dict[int, Any]] = {n: {} for n in cut}
+        if any(plan.holds(n, 0) for n in cut):  # rank 0's pieces of the parameters cut over several ranks
+            mine = [n for n in cut if plan.holds(n, 0)]
+            pieces: dict[int, Compact] = {}
+            for m, k in zip(mappings, keys):
+                if k is None and id(m) not in pieces:
+                    pieces[id(m)] = Compact({n: plan.take(n, 0, _as_held(m, n)) for n in mine}, copy=False)
+            local = tuple(pieces[id(m)] if k is None else m.own for m, k in zip(mappings, keys))
+            for n, figure in range_figures(op, local, mine, u).items():
+                parts[n][0] = figure
+        for rank, part in enumerate(self.peers.gather(None)[1:], start=1):
             if isinstance(part, str):
                 raise RuntimeError(f"a rank reducing its range of the oracle's sums failed: {part}")
-            out.update(part)
-        return out
+            for n, figure in part.items():
+                if n in parts:
+                    parts[n][rank] = figure
+                else:
+                    out[n] = figure
+        for n in cut:  # each cut parameter's figures from its pieces', in their order
+            out[n] = merge_figures(op, [parts[n][r] for r in plan.ranks(n)])
+        return {n: out[n] for n in names}
 
     def hold(self, tensors: Mapping[str, torch.Tensor], none: frozenset[str] = frozenset()) -> Remote:
         """`tensors` (rank 0's own values: the reduced gradient as read) held in ranges by their owners, as the divided
         sums are, each sent once to its owner: a Remote of them, read as Compact reads, with `none` read as None."""
-        key, owner = self.new_key(), self.owner
+        key, plan = self.new_key(), self.owner
         names = list(tensors)
         meta = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
-        away = {n: meta[n][1] for n in names if owner[n] != 0}
+        away = {n: meta[n][1] for n in names if plan.ranks(n) != (0,)}
         self.ask(Request("hold", key=key, reduce=(tuple(names), away)))
         for n in names:
             if n in away:
-                dist.send(tensors[n].detach().to("cpu").contiguous(), dst=owner[n], group=self.peers.group)
-        return self.remote(key, Compact({n: tensors[n] for n in names if n not in away}), names, meta, none)
+                for piece in plan.holders(n):
+                    if piece.rank != 0:
+                        dist.send(plan.take(n, piece.rank, tensors[n]).detach().to("cpu").contiguous(),
+                                  dst=piece.rank, group=self.peers.group)
+        own = Compact({n: plan.take(n, 0, tensors[n]) for n in names if plan.holds(n, 0)})
+        return self.remote(key, own, names, meta, none)
 
     def remote(self, key: int, own: Compact, names: list[str], meta: dict[str, tuple[tuple[int, ...], torch.dtype]],
                none: frozenset[str] = frozenset()) -> Remote:
         """Values of `names` held under number `key` by their owners (rank 0's range: `own`), each of (shape, dtype)
-        `meta[name]`: a Remote, read as Compact reads; the owners let theirs go once it is let go."""
-        return Remote(own, names, lambda name: self._fetch(key, name, *meta[name]),
-                      lambda: self._dropped.append(key), divided_by=self, key=key, none=none)
+        `meta[name]`: a Remote, read as Compact reads; the owners let theirs go once it is let go. A parameter cut over
+        several ranks is held here as rank 0's piece (where it has one) and read whole from every piece."""
+        plan = self.owner
+        return Remote(own, names, lambda name: self._fetch(key, name, *meta[name], own),
+                      lambda: self._dropped.append(key), divided_by=self, key=key, none=none,
+                      parts=frozenset(n for n in names if n in plan.sizes and plan.is_cut(n)))
 
     def ask(self, request: Any) -> None:
         """Every helper serves `request` (a dataclass with a `drop` field: the numbers let go since the last)."""
@@ -250,8 +277,8 @@ class Divider:
         return self._key
 
     @property
-    def owner(self) -> dict[str, int]:
-        """Trainable parameter -> the rank that owns it (known once `own` ran)."""
+    def owner(self) -> Plan:
+        """Which rank holds which elements of each trainable parameter (known once `own` ran)."""
         if self._owner is None:
             raise RuntimeError("the parameters' owners are not known yet (Divider.own)")
         return self._owner
@@ -260,7 +287,7 @@ class Divider:
         """An optimizer state to be held in ranges a parameter at a time, as it is computed
         (dpcompare.verify.peers.StateHolder), by these owners (`hold`), each entry that is a tensor of its parameter's
         shape of a parameter of `names` (`hold_state`'s)."""
-        chosen = set(names) & set(self._owner or {})
+        chosen = set(names) & set(self._owner.sizes if self._owner is not None else ())
         # a sixteenth of one float32 entry of every parameter at most waits (64 MiB on a large model)
         waits = min(FLUSH_BYTES, 4 * sum(self._shapes[n].numel() for n in chosen) // 16)
         return StateHolder(self.hold, lambda n, v: self._ranged(chosen, n, v), chosen, flush_bytes=waits)
@@ -275,7 +302,7 @@ class Divider:
         time): each entry of `names` that is a tensor of its parameter's shape (a momentum, a moment). The others stay
         here (step counts; a factored statistic of another shape); a parameter not in `names` keeps only its entries
         that are not tensors of elements (nothing reads those)."""
-        chosen = set(names) & set(self._owner or {})
+        chosen = set(names) & set(self._owner.sizes if self._owner is not None else ())
         ranged = lambda n, v: self._ranged(chosen, n, v)  # noqa: E731
         keys = sorted({k for n, entries in state.items() for k, v in entries.items() if ranged(n, v)})
         remotes, meta = {}, {}
@@ -288,24 +315,33 @@ class Divider:
                  for n, entries in state.items()}
         return RemoteState(local, remotes, meta)
 
-    def own(self, model: nn.Module) -> None:
-        """The parameters' owners, from `model` (a copy of the template as the other ranks' copies are made)."""
-        self._owner = owners(model, self.peers.world_size)
+    def own(self, model: nn.Module, factory: Any = None) -> None:
+        """The parameters' owners, from `model` (a copy of the template as the other ranks' copies are made), cut
+        inside a parameter where the run's optimizer (`factory`; None: SGD, the default) steps element by element."""
+        self._owner = owners(model, self.peers.world_size, uncut(model, factory))
         self._shapes = {n: p.shape for n, p in model.named_parameters()}
 
     def open(self) -> None:
         """The start of a point of the step: the helpers serve rank 0's requests until `done`."""
         self.serving = True
 
-    def _fetch(self, key: int, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Parameter `name` of gradient `key`, sent by its owner."""
+    def _fetch(self, key: int, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+               own: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Parameter `name` of gradient `key`, sent by its holders (put together with rank 0's piece in `own`, where
+        it is cut and rank 0 holds one)."""
         if not self.serving:
             raise RuntimeError(f"the divided gradient of {name} was read where the other ranks do not serve rank 0 "
                                "(outside a point of the step): they hold it, and would never send it")
         self.peers.broadcast(self._with_drops(Request("fetch", key=key, name=name)))
-        t = torch.empty(shape, dtype=dtype)
-        dist.recv(t, src=self._owner[name], group=self.peers.group)
-        return t
+        plan, parts = self.owner, []
+        for piece in plan.holders(name):
+            if piece.rank == 0:
+                parts.append(_as_held(own, name).to(dtype))
+                continue
+            t = torch.empty(plan.shape(name, piece.rank, shape), dtype=dtype)
+            dist.recv(t, src=piece.rank, group=self.peers.group)
+            parts.append(t)
+        return plan.join(name, parts, shape)
 
     def _with_drops(self, request: Request) -> Request:
         drop, self._dropped[:] = tuple(self._dropped), []
@@ -321,6 +357,17 @@ class Divider:
         """The end of a point of the step: every helper stops serving."""
         self.peers.broadcast(self._with_drops(Request(None)))
         self.serving = False
+
+
+def uncut(model: nn.Module, factory: Any) -> list[str]:
+    """The trainable parameters of `model` the plan may not cut (dpcompare.verify.plan): every one where the run's
+    optimizer steps a parameter as a whole (a factored or normalised update: its piece would step apart from the rest,
+    as no single process does), none where it steps each element alone (SGD, Adam, AdamW: the update check's replay,
+    the copies' steps and their states are the same on a piece). The same on every rank: it depends on the optimizer's
+    type alone."""
+    if factory is None or elementwise(factory):
+        return []
+    return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
 def _as_held(m, name: str) -> torch.Tensor:
@@ -342,7 +389,7 @@ class Helper:
         self.models = {"64": releasable(verification_copy(template, device, torch.float64)),
                        "run": releasable(verification_copy(template, device, recipe.weights_dtype or dtype))}
         self.replayers = {k: MaskReplayer(m) for k, m in self.models.items()}
-        self._owner = owners(self.models["64"], peers.world_size)
+        self._owner = owners(self.models["64"], peers.world_size, uncut(self.models["64"], factory))
         self._held: dict[int, Grads] = {}
         """This rank's range of each divided gradient rank 0 still holds, by its number."""
 
@@ -377,10 +424,10 @@ class Helper:
         """Rank 0 holds its values in ranges (Divider.hold): this rank keeps its own range."""
         names, away = request.reduce
         shapes = {n: p.shape for n, p in self.models["64"].named_parameters()}
-        got = {}
+        got, me = {}, self.peers.rank
         for n in names:
-            if n in away and self._owner[n] == self.peers.rank:
-                t = torch.empty(shapes[n], dtype=away[n])
+            if n in away and self._owner.holds(n, me):
+                t = torch.empty(self._owner.shape(n, me, shapes[n]), dtype=away[n])
                 dist.recv(t, src=0, group=self.peers.group)
                 got[n] = t
         self._held[request.key] = Compact(got, copy=False)
@@ -394,21 +441,21 @@ class Helper:
         for i, dtypes in shipped.items():
             got = {}
             for n in names:
-                if n in dtypes and self._owner[n] == me:
-                    t = torch.empty(shapes[n], dtype=dtypes[n])
+                if n in dtypes and self._owner.holds(n, me):
+                    t = torch.empty(self._owner.shape(n, me, shapes[n]), dtype=dtypes[n])
                     dist.recv(t, src=0, group=self.peers.group)
                     got[n] = t
             received[i] = Compact(got, copy=False)
         try:
             mappings = tuple(received[i] if k is None else self._held[k] for i, k in enumerate(keys))
-            part: dict | str = range_figures(request.name, mappings, [n for n in names if self._owner.get(n) == me], u)
+            part: dict | str = range_figures(request.name, mappings, [n for n in names if self._owner.holds(n, me)], u)
         except Exception as exc:  # noqa: BLE001 - said by rank 0, with the ranks in step
             part = f"rank {me}: {type(exc).__name__}: {exc}"
         self.peers.gather(part)
 
     def _send_held(self, request: Request) -> None:
         """Rank 0 reads parameter `request.name` of gradient `request.key`: its owner sends it."""
-        if self._owner.get(request.name) != self.peers.rank:
+        if not self._owner.holds(request.name, self.peers.rank):
             return
         held = self._held[request.key]
         t = held.held(request.name) if isinstance(held, Compact) else held[request.name]

@@ -14,26 +14,13 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-
-def partition(sizes: list[tuple[str, int]], world_size: int) -> list[list[str]]:
-    """The parameters (name, elements), in the model's order, cut into `world_size` contiguous ranges of about as many
-    elements each (a parameter is never split): rank r's range is the r-th. The ranges the ranks' judging is to be
-    divided by; a fault confined to one of them (tests.faulty_adapters: Rank1Range*) must be caught wherever it lies."""
-    total = sum(n for _, n in sizes)
-    out: list[list[str]] = [[] for _ in range(world_size)]
-    seen = 0
-    for name, n in sizes:
-        # the range whose share of the elements this parameter's middle falls in
-        r = min(int((seen + n / 2) * world_size / total), world_size - 1) if total else 0
-        out[r].append(name)
-        seen += n
-    return out
+from dpcompare.verify.plan import Plan, of_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,40 +56,44 @@ def of_its_shape(value: Any, shape: torch.Size) -> bool:
     return torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0 and value.shape == shape
 
 
-def owners(model: nn.Module, world_size: int) -> dict[str, int]:
-    """Trainable parameter name of `model` -> the rank that owns it (`partition` of the trainable parameters)."""
-    trainable = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
-    return {n: r for r, names in enumerate(partition(trainable, world_size)) for n in names}
+def owners(model: nn.Module, world_size: int, whole: Iterable[str] = ()) -> Plan:
+    """Which rank holds which elements of `model`'s trainable parameters (dpcompare.verify.plan: contiguous ranges
+    of as many elements each, cut inside a parameter where that balances the ranks; `whole`: never cut)."""
+    return of_model(model, world_size, whole)
 
 
-def to_owners(peers: Peers, owner: dict[str, int], model: nn.Module, raw: dict[str, torch.Tensor],
+def to_owners(peers: Peers, owner: Plan, model: nn.Module, raw: dict[str, torch.Tensor],
               order: tuple[int, ...] | list[int]) -> dict[str, torch.Tensor]:
     """Each trainable parameter's sum over the ranks in `order` of their `raw` gradients of `model` (this rank's,
-    popped as they are sent or added), at its owner, added in `order` in the copy's dtype as autograd accumulates on
-    one process: this rank's own range's sums. Every rank calls it at once, with the same `owner` and `order` (a rank
-    not in `order` sends nothing and still receives what it owns); each parameter is settled before the next, so no
-    rank waits on one that waits on it."""
+    popped as they are sent or added), at its holders (each its piece: `owner.take`), added in `order` in the copy's
+    dtype as autograd accumulates on one process: this rank's own pieces' sums. Every rank calls it at once, with the
+    same `owner` and `order` (a rank not in `order` sends nothing and still receives what it holds); each piece is
+    settled before the next, so no rank waits on one that waits on it."""
     out: dict[str, torch.Tensor] = {}
     me, group = peers.rank, peers.group
     for n, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        mine, acc = owner[n] == me, None
-        for r in order:
-            if r == me:
-                part = raw.pop(n)
-                if not mine:
-                    dist.send(part.detach().to("cpu").contiguous(), dst=owner[n], group=group)
+        given = raw.pop(n) if me in order else None
+        for piece in owner.holders(n):
+            mine, acc = piece.rank == me, None
+            for r in order:
+                if r == me:
+                    part = owner.take(n, piece.rank, given)
+                    if not mine:
+                        dist.send(part.detach().to("cpu").contiguous(), dst=piece.rank, group=group)
+                        continue
+                    part = part.clone() if part is not given and acc is None else part  # a piece: its own storage
+                elif mine:
+                    part = torch.empty(owner.shape(n, me, p.shape), dtype=p.dtype)
+                    dist.recv(part, src=r, group=group)
+                    part = part.to(p.device)
+                else:
                     continue
-            elif mine:
-                part = torch.empty(p.shape, dtype=p.dtype)
-                dist.recv(part, src=r, group=group)
-                part = part.to(p.device)
-            else:
-                continue
-            acc = part if acc is None else acc.add_(part)  # in place: the rounding of acc + part
-        if mine:
-            out[n] = acc
+                acc = part if acc is None else acc.add_(part)  # in place: the rounding of acc + part
+            if mine:
+                out[n] = acc
+        del given
     return out
 
 
@@ -111,16 +102,19 @@ class Remote(Mapping[str, torch.Tensor]):
     every other parameter sent by its owner when read, one at a time, the last kept (`fetch(name)`), read in float64
     on the CPU as a Compact is. `on_drop` is called once this mapping is let go, so that the owners let theirs go."""
 
-    __slots__ = ("_own", "_names", "_known", "_fetch", "_life", "_last", "divided_by", "key", "none")
+    __slots__ = ("_own", "_names", "_known", "_fetch", "_life", "_last", "divided_by", "key", "none", "parts")
 
     def __init__(self, own: Mapping[str, torch.Tensor], names: list[str], fetch: Callable[[str], torch.Tensor],
                  on_drop: Callable[[], None] | None, *, divided_by: Any = None, key: int = 0,
-                 none: frozenset[str] = frozenset(), life: "_Life | None" = None) -> None:
+                 none: frozenset[str] = frozenset(), life: "_Life | None" = None,
+                 parts: frozenset[str] = frozenset()) -> None:
         """`divided_by`: what holds the other ranges (its `per_parameter` reduces them where they are held: see
         dpcompare.verify.tolerance.per_parameter), and this sum's number there (`key`). `none`: the names read as
-        None (no gradient). `on_drop` is called once this mapping and every view of it (`without`) are let go."""
+        None (no gradient). `parts`: the names of which `own` holds rank 0's piece alone (a parameter cut over several
+        ranks, dpcompare.verify.plan): read whole, they are put together from their holders. `on_drop` is called once
+        this mapping and every view of it (`without`) are let go."""
         self._own, self._names, self._known, self._fetch = own, list(names), frozenset(names), fetch
-        self.divided_by, self.key, self.none = divided_by, key, frozenset(none)
+        self.divided_by, self.key, self.none, self.parts = divided_by, key, frozenset(none), frozenset(parts)
         self._life = life if life is not None else _Life(on_drop)
         self._last: tuple[str, torch.Tensor] | None = None
         """The last parameter sent, kept for a second read of it (the update check's two replays read each in turn)."""
@@ -128,7 +122,7 @@ class Remote(Mapping[str, torch.Tensor]):
     def without(self, names) -> "Remote":
         """The same values with `names` read as None, sharing (not copying) the rest and its lifetime."""
         return Remote(self._own, self._names, self._fetch, None, divided_by=self.divided_by, key=self.key,
-                      none=self.none | frozenset(names), life=self._life)
+                      none=self.none | frozenset(names), life=self._life, parts=self.parts)
 
     def key_of(self, name: str) -> int:
         return self.key
@@ -138,11 +132,19 @@ class Remote(Mapping[str, torch.Tensor]):
         if name in self.none:
             return None
         own = self._own
-        if name in own:
+        if name in own and name not in self.parts:
             return own.held(name) if hasattr(own, "held") else own[name]
         if name not in self._known:
             raise KeyError(name)
         return self._sent(name)
+
+    def part(self, name: str) -> torch.Tensor | None:
+        """Rank 0's own part of `name` as held: the whole value where rank 0 holds it whole, else its piece (None: no
+        gradient)."""
+        if name in self.none:
+            return None
+        own = self._own
+        return own.held(name) if hasattr(own, "held") else own[name]
 
     def _sent(self, name: str) -> torch.Tensor:
         """`name` from its owner, or the last one sent again within the same point of the step (outside one, a read
@@ -160,7 +162,7 @@ class Remote(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self.none:
             return None
-        if name in self._own:
+        if name in self._own and name not in self.parts:
             return self._own[name]
         if name not in self._known:
             raise KeyError(name)
@@ -209,6 +211,15 @@ class RemoteState(Mapping[str, dict]):
             if name in remote:
                 entries[key] = remote.held(name)
         self._last = (name, entries)
+        return entries
+
+    def part(self, name: str) -> dict:
+        """Parameter `name`'s entries with each held one as rank 0's own part of it (`Remote.part`): what rank 0
+        replays its piece of the update from, nothing sent."""
+        entries = dict(self._local[name])
+        for key, remote in self._remotes.items():
+            if name in remote:
+                entries[key] = remote.part(name)
         return entries
 
     def where(self, name: str) -> tuple[dict, dict[str, int]]:
@@ -302,6 +313,9 @@ class _ByName(Mapping[str, torch.Tensor]):
 
     def held(self, name: str) -> torch.Tensor:
         return self._parts[name].held(name)
+
+    def part(self, name: str) -> torch.Tensor:
+        return self._parts[name].part(name)
 
     def key_of(self, name: str) -> int:
         return self._parts[name].key

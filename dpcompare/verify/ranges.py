@@ -56,7 +56,11 @@ class Ranges:
 
     def __init__(self, peers: Peers, model: nn.Module) -> None:
         self.peers = peers
-        self.owner = owners(model, peers.world_size)
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.plan = owners(model, peers.world_size, whole=trainable)
+        """Which rank holds each trainable parameter between steps and steps it (never cut here: each copy's optimizer
+        steps whole parameters)."""
+        self.owner = {n: self.plan.sole(n) for n in trainable}
         """Trainable parameter name -> the rank that holds it between steps and steps it."""
         self.rank = peers.rank
 
@@ -125,7 +129,7 @@ class Ranges:
     def to_owners(self, model: nn.Module, raw: dict[str, torch.Tensor], order: tuple[int, ...]) -> dict[str, torch.Tensor]:
         """Each trainable parameter's sum over the ranks in `order` of their `raw` gradients, at its owner
         (dpcompare.verify.peers.to_owners): this rank's own range's sums."""
-        return to_owners(self.peers, self.owner, model, raw, order)
+        return to_owners(self.peers, self.plan, model, raw, order)
 
     def everyone(self, obj: Any) -> list[Any]:
         """`obj` from every rank, on every rank, in rank order."""

@@ -72,8 +72,8 @@ class Trajectory:
         if self.ranges is not None:  # rank 0's initial weights, whatever this rank built
             for model in (self.model64, self.model_run):
                 self.ranges.from_rank0(model)
-        self.opt64 = factory(self._stepped(self.model64))
-        self.opt_run = factory(self._stepped(self.model_run))
+        self.opt64 = _optimizer(factory, self._stepped(self.model64))
+        self.opt_run = _optimizer(factory, self._stepped(self.model_run))
         self.recipe = recipe
         if prestep:  # the backend's recipe steps its optimizer once on zero gradients before the first step
             for model, opt in ((self.model64, self.opt64), (self.model_run, self.opt_run)):
@@ -417,6 +417,35 @@ class Trajectory:
 
 class _Abandoned(Exception):
     """On a rank other than 0: a rank's share of a step failed, so no rank steps (rank 0 raises the reason)."""
+
+
+class Idle:
+    """The optimizer of a rank whose range holds no parameter (more ranks than the planner could give a piece, or a
+    model of few elements: dpcompare.verify.plan): it steps nothing and holds no state, and takes part in everything
+    else as a rank that owns parameters does."""
+
+    def __init__(self) -> None:
+        self.state: dict = {}
+        self.param_groups: list[dict] = []
+
+    def step(self) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict:
+        return {"state": {}, "param_groups": []}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("state") or state.get("param_groups"):
+            raise ValueError("a rank that owns no parameter was given an optimizer state to load")
+
+
+def _optimizer(factory: OptimizerFactory, params: list[torch.nn.Parameter]):
+    """The run's optimizer over `params`, or an Idle one where this rank's range holds none (the optimizers refuse an
+    empty list)."""
+    return factory(params) if params else Idle()
 
 
 def _norm(t: torch.Tensor) -> float:

@@ -115,6 +115,13 @@ them a piece of a parameter at a time, as a comparison reads it (`_Replay.piece`
 stepped a whole parameter at a time."""
 
 
+def elementwise(factory: OptimizerFactory) -> bool:
+    """Whether `factory`'s optimizer steps each element of a parameter alone (ELEMENTWISE, not fused): its step of a
+    piece of a parameter is the same, to the bit, as that piece of its step of the whole."""
+    probe = factory([nn.Parameter(torch.zeros(1))])
+    return type(probe) in ELEMENTWISE and not any(g.get("fused") for g in probe.param_groups)
+
+
 class _Replay:
     """`reference_step`'s optimizer, stepping a parameter when its update is read: the last one's values are kept for a
     second read of the same parameter (a comparison reads each once), the state after each where it is kept. An

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from dpcompare.contract.optim_state import OptimizerFactory, OptState
 from dpcompare.verify.held import Compact, Difference
 from dpcompare.verify.peers import Peers, Remote, RemoteState, of_its_shape
-from dpcompare.verify.tolerance import range_figures
+from dpcompare.verify.plan import Plan
+from dpcompare.verify.tolerance import merge_figures, range_figures
 from dpcompare.verify.update_check import StepResult, grad_norms, reference_step, scale_of
 
 Meta = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -115,7 +116,13 @@ def _scales(peers: Peers, request: UpdateRequest, own: dict, device: torch.devic
         return None, None, None
     parts = peers.gather(own)
     if peers.rank == 0:
-        norms = {n: t for part in parts for n, t in part.items()}
+        pieces: dict[str, list] = {}
+        for part in parts:  # in rank order: a cut parameter's pieces in their order
+            for n, t in part.items():
+                pieces.setdefault(n, []).append(t)
+        # a parameter cut over several ranks: the norm of its pieces' norms (clip_grad_norm_'s own two-level sum)
+        norms = {n: ts[0] if len(ts) == 1 else tuple(torch.linalg.vector_norm(torch.stack([t[i] for t in ts]))
+                                                     for i in range(2)) for n, ts in pieces.items()}
 
         def scale(i: int, none: frozenset[str]):
             return scale_of([norms[n][i].to(device) for n in request.names if n in norms and n not in none],
@@ -147,7 +154,7 @@ def divided(divider: Any, factory: OptimizerFactory, device: torch.device, names
     """Rank 0: every rank replays its range of the update (see the module docstring): the figures of every parameter of
     `names` (`judge_range`'s, in their order) and the state the step leaves (with `leaves`'s None's where given), held
     by the owners. `params`: the step's values, held here (sent to each owner) or by the owners already."""
-    owner, peers = divider.owner, divider.peers
+    plan, peers = divider.owner, divider.peers
     held = params.key if isinstance(params, Remote) and params.divided_by is divider else None
     request = UpdateRequest(tuple(names), grads.key, grads.none, None if leaves is None else leaves.none,
                             {n: state.where(n) for n in names if n in state}, held,
@@ -155,16 +162,24 @@ def divided(divider: Any, factory: OptimizerFactory, device: torch.device, names
                             run_dtype, u, clip)
     divider.ask(request)
     divider.updates += 1
-    for n in names:  # each owner's range of the step's values and of those it reached, in the names' order
-        if owner[n] != 0:
-            for t in ((params.held(n),) if held is None else ()) + (masters[n],):
-                dist.send(t.detach().to("cpu").contiguous(), dst=owner[n], group=peers.group)
-    mine = [n for n in names if owner[n] == 0]
-    shapes = {n: masters[n].shape for n in names}
+    for n in names:  # each holder's piece of the step's values and of those it reached, in the names' order
+        for piece in plan.holders(n):
+            if piece.rank != 0:
+                for t in ((params.held(n),) if held is None else ()) + (masters[n],):
+                    dist.send(plan.take(n, piece.rank, t).detach().to("cpu").contiguous(), dst=piece.rank,
+                              group=peers.group)
+    mine = [n for n in names if plan.holds(n, 0)]
+    shapes = {n: plan.shape(n, 0, masters[n].shape) for n in mine}
+    # rank 0's own pieces: a parameter cut over several ranks is replayed here on its piece alone
+    own_grads = _part(grads, mine)
+    own_leaves = None if leaves is None else _part(leaves, mine)
+    own_params = Compact({n: params.part(n) if held is not None else plan.take(n, 0, params.held(n)) for n in mine},
+                         copy=False)
+    own_masters = {n: plan.take(n, 0, masters[n]) for n in mine}
+    own_state = {n: state.part(n) for n in mine if n in state}
     part, after = _judged(lambda scales: judge_range(
-        factory, device, mine, Compact({n: params.held(n) for n in mine}, copy=False), masters, grads, state,
-        state.like(), run_dtype, u, scales, leaves), peers, request, grads if leaves is None else leaves, mine,
-        device, shapes)
+        factory, device, mine, own_params, own_masters, own_grads, own_state, state.like(), run_dtype, u, scales,
+        own_leaves), peers, request, own_grads if leaves is None else own_leaves, mine, device, shapes)
     parts = peers.gather(part)
     failed = next((p for p in parts if isinstance(p, str)), None)
     keys = None if failed is not None else {k: divider.new_key() for k in sorted({k for p in parts for k in p[2]})}
@@ -172,14 +187,23 @@ def divided(divider: Any, factory: OptimizerFactory, device: torch.device, names
     if failed is not None:
         raise RuntimeError(f"a rank replaying its range of the update failed: {failed}")
     figures, local, meta = {}, {}, {}
-    for p in parts:
-        figures.update(p[0])
-        local.update(p[1])
-        for k, held in p[2].items():
-            meta.setdefault(k, {}).update(held)
+    pieces: dict[str, list] = {}
+    for p in parts:  # in rank order: a cut parameter's pieces in their order
+        for n, figure in p[0].items():
+            pieces.setdefault(n, []).append(figure)
+        for n, entries in p[1].items():
+            local.setdefault(n, entries)  # a step count: the same on each piece
+        for k, kept in p[2].items():  # held whole-shaped, as rank 0 reads them
+            meta.setdefault(k, {}).update({n: (tuple(masters[n].shape), dtype) for n, (_, dtype) in kept.items()})
+    figures = {n: merge_figures("sums", pieces[n]) for n in names if n in pieces}
     remotes = {k: divider.remote(key, Compact({n: after[n][k] for n in mine if n in meta[k]}, copy=False),
                                  [n for n in names if n in meta[k]], meta[k]) for k, key in keys.items()}
     return figures, RemoteState({n: local[n] for n in names if n in local}, remotes, meta)
+
+
+def _part(remote: Remote, names: list[str]) -> Compact:
+    """Rank 0's own part of `names` of `remote` (each held whole or as rank 0's piece), its None's kept."""
+    return Compact({n: remote.part(n) for n in names}, copy=False)
 
 
 def _judged(judge: Callable[[tuple], tuple[dict, dict]], peers: Peers, request: UpdateRequest,
@@ -205,24 +229,24 @@ def _judged(judge: Callable[[tuple], tuple[dict, dict]], peers: Peers, request: 
         return f"rank {peers.rank}: {type(exc).__name__}: {exc}", {}
 
 
-def serve(request: UpdateRequest, peers: Peers, owner: Mapping[str, int], held: dict[int, Any],
+def serve(request: UpdateRequest, peers: Peers, owner: Plan, held: dict[int, Any],
           shapes: Mapping[str, torch.Size], device: torch.device, factory: OptimizerFactory | None) -> None:
     """A helper: receives its range of the step's values and of those reached, replays it (`judge_range`), sends rank 0
     its figures, and holds the state its range's step left under the numbers rank 0 gives."""
     me = peers.rank
-    mine = [n for n in request.names if owner[n] == me]
+    mine = [n for n in request.names if owner.holds(n, me)]
+    shapes = {n: owner.shape(n, me, shapes[n]) for n in mine}  # a cut parameter's: its piece's
     params, masters = {}, {}
-    for n in request.names:
-        if owner[n] == me:
-            for out, dtype in zip((params, masters), request.dtypes[n]):
-                if dtype is not None:  # None: the step's values, held here already
-                    out[n] = torch.empty(shapes[n], dtype=dtype)
-                    dist.recv(out[n], src=0, group=peers.group)
+    for n in mine:
+        for out, dtype in zip((params, masters), request.dtypes[n]):
+            if dtype is not None:  # None: the step's values, held here already
+                out[n] = torch.empty(shapes[n], dtype=dtype)
+                dist.recv(out[n], src=0, group=peers.group)
     if request.params is not None:
         params = {n: held[request.params].held(n) for n in mine}
     grads = held.get(request.grads, Compact({}))
     state = {n: {**local, **{k: held[key].held(n) for k, key in keys.items()}}
-             for n, (local, keys) in request.state.items() if owner[n] == me}
+             for n, (local, keys) in request.state.items() if owner.holds(n, me)}
     leaves = None if request.leaves_none is None else grads.without(request.leaves_none)
 
     def judge(scales: tuple) -> tuple[dict, dict]:
