@@ -509,12 +509,13 @@ class LastBlockScaledReference(_BlockScaledReference):
     BLOCK = -1
 
 
-def _rank1_range(module: torch.nn.Module, world_size: int) -> list[str]:
-    """The trainable parameters in the range rank 1 owns (dpcompare.verify.divided.partition)."""
-    from dpcompare.verify.divided import partition
+def _rank1_range(module: torch.nn.Module, world_size: int) -> list[tuple[str, slice]]:
+    """The elements rank 1 holds of the checks' ranges (dpcompare.verify.plan: pieces of the flattened parameters, a
+    parameter cut where the ranks' shares cross it), by parameter."""
+    from dpcompare.verify.plan import of_model
 
-    sizes = [(n, p.numel()) for n, p in module.named_parameters() if p.requires_grad]
-    return partition(sizes, world_size)[1]
+    plan = of_model(module, world_size)
+    return [(n, slice(p.start, p.stop)) for n in plan.names(1) for p in [plan.piece(n, 1)]]
 
 
 class Rank1RangeGradientDDP(DDPAdapter):
@@ -526,9 +527,9 @@ class Rank1RangeGradientDDP(DDPAdapter):
     def reduce(self) -> None:
         super().reduce()
         named = dict(self.wrapped.module.named_parameters())
-        for n in _rank1_range(self.wrapped.module, self.env.world_size):
+        for n, part in _rank1_range(self.wrapped.module, self.env.world_size):
             if named[n].grad is not None:
-                named[n].grad.mul_(1.05)
+                named[n].grad.view(-1)[part].mul_(1.05)
 
 
 class Rank1RangeDoubleStepDDP(DDPAdapter):
@@ -539,7 +540,7 @@ class Rank1RangeDoubleStepDDP(DDPAdapter):
 
     def step(self) -> None:
         named = dict(self.wrapped.module.named_parameters())
-        mine = [named[n] for n in _rank1_range(self.wrapped.module, self.env.world_size)]
+        mine = [named[n].view(-1)[part] for n, part in _rank1_range(self.wrapped.module, self.env.world_size)]
         before = [p.detach().clone() for p in mine]
         super().step()
         with torch.no_grad():

@@ -8,7 +8,7 @@ fixed order.
 - Faults confined to the parameters of rank 1's range (the range the ranks' judging is divided by) are caught, with
   their cause: in the gradient (Rank1RangeGradientDDP), in the update (Rank1RangeDoubleStepDDP), and at a step no
   other check sees, by the reference trajectory whose range rank 1 holds (Rank1RangeUncheckedDoubleStepDDP).
-- The partition itself: contiguous ranges of about as many elements each.
+- The ranges themselves (dpcompare.verify.plan) are tests/test_plan.py's.
 """
 
 from __future__ import annotations
@@ -17,22 +17,14 @@ import math
 
 import pytest
 
-from dpcompare.verify.divided import partition
 from test_negative import different, update_failed
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 STEPS = ["--steps", "3", "--optimizer", "adamw"]
 MLP_RANK1 = ["2.weight", "2.bias", "4.weight", "4.bias"]
-"""Rank 1's range of the mlp at two ranks (6922 elements: 0.weight and 0.bias are 2112 of them, 2.weight 4096)."""
-
-
-def test_partition_cuts_contiguous_ranges_of_about_equal_elements():
-    mlp = [("0.weight", 2048), ("0.bias", 64), ("2.weight", 4096), ("2.bias", 64), ("4.weight", 640), ("4.bias", 10)]
-    assert partition(mlp, 2) == [["0.weight", "0.bias"], MLP_RANK1]
-    assert partition([(c, 10) for c in "abcd"], 4) == [["a"], ["b"], ["c"], ["d"]]
-    assert partition([("a", 10), ("b", 10)], 4) == [[], ["a"], [], ["b"]]  # more ranks than parameters: some own none
-    assert sum(partition(mlp, 3), []) == [n for n, _ in mlp]  # every parameter once, in order
+"""Rank 1's range of the mlp at two ranks (6922 elements: 0.weight and 0.bias are 2112 of them, 2.weight 4096, cut
+after its first 1349 for the checks' ranges and held whole by rank 1 in the trajectory's)."""
 
 
 @pytest.mark.slow  # breadth: the default tier keeps this capability's other test

@@ -52,10 +52,13 @@ class Plan:
     """Trainable parameter -> its pieces in the order of their elements (so in rank order)."""
     _by_rank: dict[tuple[str, int], Piece] = field(default_factory=dict, repr=False, compare=False)
 
+    _counts: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         for n, ps in self.pieces.items():
             for p in ps:
                 self._by_rank[(n, p.rank)] = p
+                self._counts[p.rank] = self._counts.get(p.rank, 0) + p.numel
 
     # -- who holds what -----------------------------------------------------------------------------------------------
     def holds(self, name: str, rank: int) -> bool:
@@ -86,7 +89,7 @@ class Plan:
 
     def elements(self, rank: int) -> int:
         """How many elements `rank` holds."""
-        return sum(p.numel for ps in self.pieces.values() for p in ps if p.rank == rank)
+        return self._counts.get(rank, 0)
 
     def share(self) -> int:
         """The most elements an even cut gives a rank: ceil(T / N)."""
