@@ -277,6 +277,11 @@ class Divider:
         return self._key
 
     @property
+    def planned(self) -> Plan | None:
+        """The plan of the parameters' owners, None before `own` ran."""
+        return self._owner
+
+    @property
     def owner(self) -> Plan:
         """Which rank holds which elements of each trainable parameter (known once `own` ran)."""
         if self._owner is None:

@@ -203,19 +203,20 @@ def step_in_parts(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
 
 
 def paired(model: nn.Module, optimizer: torch.optim.Optimizer, base: nn.Module, base_optimizer: torch.optim.Optimizer,
-           names: list[str]) -> list[tuple[Slot, torch.Tensor]]:
+           names: list[str], pieces: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> list[tuple[Slot, torch.Tensor]]:
     """What `Offsets.hold` takes for a float64 copy `model` beside its run-precision twin `base`: each parameter of
     `names` with the twin's of the same name, and each of its optimizer state entries with the twin's entry of the
-    same key where both are tensors of the parameter's shape."""
+    same key where both are tensors of the parameter's shape; and each of `pieces` (a float64 tensor the optimizer
+    steps beside its twin's: a piece of a parameter cut over the ranks, dpcompare.verify.ranges) so too."""
     theirs = dict(base.named_parameters())
     chosen = set(names)
+    pairs = [(p, theirs[n]) for n, p in model.named_parameters() if n in chosen] + list(pieces)
     entries: list[tuple[Slot, torch.Tensor]] = []
-    for n, p in model.named_parameters():
-        if n in chosen:
-            entries.append(((p, None), theirs[n]))
-            mine, other = optimizer.state.get(p, {}), base_optimizer.state.get(theirs[n], {})
-            entries += [((mine, k), other[k]) for k, v in mine.items()
-                        if torch.is_tensor(v) and torch.is_tensor(other.get(k)) and v.shape == p.shape]
+    for p, twin in pairs:
+        entries.append(((p, None), twin))
+        mine, other = optimizer.state.get(p, {}), base_optimizer.state.get(twin, {})
+        entries += [((mine, k), other[k]) for k, v in mine.items()
+                    if torch.is_tensor(v) and torch.is_tensor(other.get(k)) and v.shape == p.shape]
     return entries
 
 

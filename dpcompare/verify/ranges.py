@@ -22,7 +22,7 @@ the trajectory's steps and judgements. Imports no adapter.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -54,30 +54,48 @@ class Ranges:
     """This rank's range of `model`'s trainable parameters and the collectives over them (see the module docstring).
     `model` is any copy of the template with its trainable parameters as the run's (the same names on every rank)."""
 
-    def __init__(self, peers: Peers, model: nn.Module) -> None:
+    def __init__(self, peers: Peers, model: nn.Module, whole: Iterable[str] = ()) -> None:
+        """`whole`: the parameters never cut (the optimizer steps them as whole tensors)."""
         self.peers = peers
-        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-        self.plan = owners(model, peers.world_size, whole=trainable)
-        """Which rank holds each trainable parameter between steps and steps it (never cut here: each copy's optimizer
-        steps whole parameters)."""
-        self.owner = {n: self.plan.sole(n) for n in trainable}
-        """Trainable parameter name -> the rank that holds it between steps and steps it."""
+        self.plan = owners(model, peers.world_size, whole)
+        """Which rank holds which elements of each trainable parameter between steps and steps them
+        (dpcompare.verify.plan): a parameter held whole by one rank, or cut, each holder stepping its piece."""
         self.rank = peers.rank
 
     def mine(self, name: str) -> bool:
-        """Whether this rank holds and steps `name` (a parameter that is not trained is every rank's)."""
-        return self.owner.get(name, self.rank) == self.rank
+        """Whether this rank holds and steps `name` whole (a parameter that is not trained is every rank's)."""
+        if name not in self.plan.sizes:
+            return True
+        return self.plan.sole(name) == self.rank
+
+    def cut(self, name: str) -> bool:
+        """Whether `name` is held in pieces by several ranks (each steps its own piece, `piece_of`)."""
+        return name in self.plan.sizes and self.plan.is_cut(name)
+
+    def piece_of(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """This rank's piece of `tensor` (a value of cut parameter `name`), None where it holds none."""
+        return self.plan.take(name, self.rank, tensor) if self.plan.holds(name, self.rank) else None
 
     def ask(self, request: TrajectoryRequest) -> None:
         """Rank 0: every other rank runs `request` beside this one."""
         self.peers.broadcast(request)
 
     # -- the copy whole, and in ranges again ---------------------------------------------------------------------
-    def gather(self, model: nn.Module) -> None:
-        """Make `model` whole on every rank: each trainable parameter from its owner, the rest from rank 0."""
+    def gather(self, model: nn.Module, pieces: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Make `model` whole on every rank: each trainable parameter from its owner (a cut one from each holder's
+        piece, this rank's in `pieces`), the rest from rank 0."""
         with torch.no_grad():
             for n, p in model.named_parameters():
-                src = self.owner.get(n, 0)
+                if self.cut(n):
+                    _allocate(p)
+                    flat = p.data.view(-1)
+                    for piece in self.plan.holders(n):
+                        part = flat[piece.start:piece.stop]
+                        if piece.rank == self.rank:
+                            part.copy_(pieces[n].detach().reshape(-1))
+                        self._broadcast(part, piece.rank)
+                    continue
+                src = self.plan.sole(n) if n in self.plan.sizes else 0
                 if src != self.rank:
                     _allocate(p)
                 self._broadcast(p, src)
@@ -95,17 +113,19 @@ class Ranges:
                              dtypes: dict[str, torch.dtype], shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
         """Rank 0's `values` of `names`, each sent to its owner: this rank's own range of them (rank 0: its own)."""
         out: dict[str, torch.Tensor] = {}
+        plan = self.plan
         for n in names:
-            owner = self.owner[n]
-            if self.rank == 0:
-                if owner == 0:
-                    out[n] = values[n]
-                else:
-                    dist.send(values[n].detach().to("cpu").contiguous(), dst=owner, group=self.peers.group)
-            elif owner == self.rank:
-                t = torch.empty(shapes[n], dtype=dtypes[n])
-                dist.recv(t, src=0, group=self.peers.group)
-                out[n] = t
+            for piece in plan.holders(n):
+                if self.rank == 0:
+                    if piece.rank == 0:
+                        out[n] = plan.take(n, 0, values[n])
+                    else:
+                        dist.send(plan.take(n, piece.rank, values[n]).detach().to("cpu").contiguous(),
+                                  dst=piece.rank, group=self.peers.group)
+                elif piece.rank == self.rank:
+                    t = torch.empty(plan.shape(n, self.rank, shapes[n]), dtype=dtypes[n])
+                    dist.recv(t, src=0, group=self.peers.group)
+                    out[n] = t
         return out
 
     def release(self, model: nn.Module) -> None:

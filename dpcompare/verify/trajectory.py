@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from dpcompare.verify import masks as mk
-from dpcompare.verify.divided import Status
+from dpcompare.verify.divided import Status, uncut
 from dpcompare.verify.peers import Peers
 from dpcompare.verify.equivalence import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Piece, accumulate_gradient,
                                           accumulate_raw, finish_gradient, same_forwards, verification_copy)
@@ -68,20 +68,11 @@ class Trajectory:
         """Non-float parameters, compared bitwise (see the module docstring)."""
         self.written: set[str] = set()
         """Of those, the ones the copies' forward writes: left to the replica fingerprints."""
-        self.ranges = Ranges(peers, self.model64) if peers is not None else None
+        self.ranges = Ranges(peers, self.model64, uncut(self.model64, factory)) if peers is not None else None
         if self.ranges is not None:  # rank 0's initial weights, whatever this rank built
             for model in (self.model64, self.model_run):
                 self.ranges.from_rank0(model)
-        self.opt64 = _optimizer(factory, self._stepped(self.model64))
-        self.opt_run = _optimizer(factory, self._stepped(self.model_run))
         self.recipe = recipe
-        if prestep:  # the backend's recipe steps its optimizer once on zero gradients before the first step
-            for model, opt in ((self.model64, self.opt64), (self.model_run, self.opt_run)):
-                for p in self._stepped(model):
-                    p.grad = torch.zeros_like(p)
-                with torch.no_grad():
-                    opt.step()
-                model.zero_grad(set_to_none=True)
         # The engine recipe's forward runs on 16-bit weights loaded from the master copy (model_run) each step.
         self.work = verification_copy(template, device, recipe.weights_dtype) if recipe.weights_dtype else None
         if self.work is not None and self.ranges is not None:
@@ -93,6 +84,23 @@ class Trajectory:
                 for p, w in zip(self.model_run.parameters(), self.work.parameters()):
                     p.copy_(w)
             releasable(self.work)  # loaded from the master copy at every step: held only while it computes
+        self.pieces: dict[int, dict[str, nn.Parameter]] = {id(self.model64): {}, id(self.model_run): {}}
+        """By copy (its id), this rank's piece of each parameter cut over the ranks (dpcompare.verify.ranges): a
+        tensor of its own that the copy's optimizer steps, copied into the whole parameter when it is gathered."""
+        if self.ranges is not None:
+            for model in (self.model64, self.model_run):
+                for n, p in model.named_parameters():
+                    if self.ranges.cut(n) and (piece := self.ranges.piece_of(n, p.detach())) is not None:
+                        self.pieces[id(model)][n] = nn.Parameter(piece.clone())
+        self.opt64 = _optimizer(factory, self._stepped(self.model64))
+        self.opt_run = _optimizer(factory, self._stepped(self.model_run))
+        if prestep:  # the backend's recipe steps its optimizer once on zero gradients before the first step
+            for model, opt in ((self.model64, self.opt64), (self.model_run, self.opt_run)):
+                for p in self._stepped(model):
+                    p.grad = torch.zeros_like(p)
+                with torch.no_grad():
+                    opt.step()
+                self._zero_grad(model)
         self.steps = self.steps_before = 0
         """The steps judged so far, counted from the run's first (a continuation's from the saved run's first); before
         this process's first."""
@@ -134,9 +142,26 @@ class Trajectory:
         self._hold()
 
     def _stepped(self, model: nn.Module) -> list[torch.nn.Parameter]:
-        """The parameters of `model` this process's optimizer steps: every trainable one, or its own range's."""
-        return [p for n, p in model.named_parameters()
-                if p.requires_grad and (self.ranges is None or self.ranges.mine(n))]
+        """The tensors of `model` this process's optimizer steps: every trainable parameter, or its own range's (a
+        parameter it holds whole, its piece of one cut over the ranks)."""
+        return [t for _, t in self._targets(model)]
+
+    def _targets(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, the tensor this process steps of it) for each trainable parameter of `model` it steps: the
+        parameter, or this rank's piece of it where it is cut."""
+        pieces = self.pieces.get(id(model), {})
+        for n, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            if n in pieces:
+                yield n, pieces[n]
+            elif self.ranges is None or self.ranges.mine(n):
+                yield n, p
+
+    def _zero_grad(self, model: nn.Module) -> None:
+        model.zero_grad(set_to_none=True)
+        for piece in self.pieces.get(id(model), {}).values():
+            piece.grad = None
 
     def _release(self) -> None:
         for model in (self.model64, self.model_run):
@@ -153,7 +178,9 @@ class Trajectory:
             self._hold()
 
     def _hold(self) -> None:
-        self.offsets.hold(paired(self.model64, self.opt64, self.model_run, self.opt_run, self.names))
+        run = self.pieces[id(self.model_run)]
+        self.offsets.hold(paired(self.model64, self.opt64, self.model_run, self.opt_run, self.names,
+                                 [(t, run[n]) for n, t in self.pieces[id(self.model64)].items()]))
 
     # -- a step ------------------------------------------------------------------------------------------------------
     def step(self, pieces: list[Piece], loss_scale: float = 1.0, skip: bool = False) -> None:
@@ -190,10 +217,10 @@ class Trajectory:
     def _step(self, own: Callable[[], list[Piece]], share: TrajectoryRequest | None, loss_scale: float) -> None:
         """Both copies' step on this process's forwards `own()` at the step's `loss_scale`, shared as `share` says
         (None: not shared). The float64 optimizer state comes back a part at a time as it steps (step_in_parts)."""
-        self.offsets.restore([(p, None) for p in self.model64.parameters()])
+        self.offsets.restore([(p, None) for p in (*self.model64.parameters(), *self.pieces[id(self.model64)].values())])
         if share is not None:
             for model in (self.model64, self.model_run):
-                self.ranges.gather(model)
+                self.ranges.gather(model, self.pieces[id(model)])
         try:
             pieces: list[Piece] | Exception = own()
         except Exception as exc:  # noqa: BLE001 - said by every rank alike, in its share's status
@@ -212,7 +239,7 @@ class Trajectory:
         self._accumulate(self.model64, pieces, share, self.replayers[0])
         self._clip(self.model64)
         step_in_parts(self.opt64, self._stepped(self.model64), self.offsets)
-        self.model64.zero_grad(set_to_none=True)  # not needed until the next step: memory for the next check
+        self._zero_grad(self.model64)  # not needed until the next step: memory for the next check
         self.written.update(n for n, p in self.model64.named_parameters()
                             if n in carried and state_distance(p, carried[n]) != 0.0)
         if not self.recipe.active:
@@ -228,8 +255,8 @@ class Trajectory:
             work.zero_grad(set_to_none=True)  # the scaled sums; the unscaled gradients are in `grads`
             if self.work is not None:
                 release(self.work)  # its buffers are read below; its weights are loaded again next step
-            for n, p in self.model_run.named_parameters():
-                p.grad = (None if (n in none or not finite) or not p.requires_grad or n not in grads
+            for n, p in self._targets(self.model_run):
+                p.grad = (None if (n in none or not finite) or n not in grads
                           else grads[n].to(p.dtype).to(p.device))
             if not finite:  # its own loss scaler would skip this step
                 return
@@ -239,7 +266,7 @@ class Trajectory:
                     b.copy_(buffers[n])
         self._clip(self.model_run)
         self.opt_run.step()
-        self.model_run.zero_grad(set_to_none=True)
+        self._zero_grad(self.model_run)
 
     def take(self, pieces: list[Piece], grads64: object, grads_run: object, models: tuple[nn.Module, nn.Module],
              private: bool) -> bool:
@@ -308,9 +335,10 @@ class Trajectory:
             raise RuntimeError(f"a rank computing its share of the reference trajectory failed: {failed.error}")
         none = frozenset.intersection(*[s.none for s in statuses if s.computed])
         sums = self.ranges.to_owners(model, raw, share.order)
-        for n, p in model.named_parameters():
-            if n in sums:
-                p.grad = None if n in none else sums[n]
+        if id(model) in self.pieces:  # the recipe's 16-bit work copy takes none: its sums are returned
+            for n, p in self._targets(model):
+                if n in sums:
+                    p.grad = None if n in none else sums[n]
         undo = 1.0 / ((share.ranks if recipe.active else 1) * loss_scale)
         return finish_gradient(sums, undo), none
 
@@ -338,13 +366,17 @@ class Trajectory:
         stacked in the parameters' order, as one process stacks them)."""
         if self.clip is None:
             return
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        grads = {n: p.grad for n, p in self._targets(model) if p.grad is not None}
         with torch.no_grad():
             if self.ranges is None:
                 clip_(list(grads.values()), self.clip)
                 return
             own = {n: torch.linalg.vector_norm(g) for n, g in grads.items()}
-            norms = {n: t for part in self.ranges.everyone(own) for n, t in part.items()}
+            pieces: dict[str, list[torch.Tensor]] = {}
+            for part in self.ranges.everyone(own):  # in rank order: a cut parameter's pieces in their order
+                for n, t in part.items():
+                    pieces.setdefault(n, []).append(t)
+            norms = {n: ts[0] if len(ts) == 1 else torch.linalg.vector_norm(torch.stack(ts)) for n, ts in pieces.items()}
             ordered = [norms[n] for n, _ in model.named_parameters() if n in norms]
             if not ordered:
                 return
@@ -361,7 +393,11 @@ class Trajectory:
             dtypes = {n: params[n].dtype for n in self.names}
             self.ranges.ask(TrajectoryRequest("judge", dtypes=tuple(dtypes[n] for n in self.names)))
             mine = self._figures(self._rank0s(params, dtypes))
-            figures = {n: f for part in self.ranges.at_rank0(mine) for n, f in part.items()}
+            pieces: dict[str, list[tuple]] = {}
+            for part in self.ranges.at_rank0(mine):  # in rank order: a cut parameter's pieces in their order
+                for n, f in part.items():
+                    pieces.setdefault(n, []).append(f)
+            figures = {n: _merged(fs) for n, fs in pieces.items()}
         else:
             figures = self._figures(params)
         if not all(figures[n][0] for n in self.names):
@@ -395,12 +431,12 @@ class Trajectory:
     def _figures(self, params: dict[str, torch.Tensor]) -> dict[str, tuple[bool, float, float, bool, float]]:
         """Per trainable parameter this process holds: (the float64 copy's finite, its norm, the run's distance from
         it, the run's finite, the run-precision copy's distance from it)."""
-        ref = dict(self.model64.named_parameters())
-        run = dict(self.model_run.named_parameters())
+        ref = {**dict(self.model64.named_parameters()), **self.pieces[id(self.model64)]}
+        run = {**dict(self.model_run.named_parameters()), **self.pieces[id(self.model_run)]}
         out = {}
         with torch.no_grad():
             for n in self.names:
-                if self.ranges is not None and not self.ranges.mine(n):
+                if self.ranges is not None and not (self.ranges.mine(n) or n in self.pieces[id(self.model64)]):
                     continue
                 mine, other = (t.detach().reshape(-1) for t in (params[n], run[n]))
                 ok = True
@@ -413,6 +449,15 @@ class Trajectory:
                     floor += _norm(other[part].to(torch.float64) - r) ** 2
                 out[n] = (ok, math.sqrt(norm), math.sqrt(apart), finite(mine), math.sqrt(floor))
         return out
+
+
+def _merged(figures: list[tuple]) -> tuple[bool, float, float, bool, float]:
+    """One parameter's `_figures` from its pieces' (a parameter cut over the ranks): finiteness combined, the norms
+    from their squares added."""
+    if len(figures) == 1:
+        return figures[0]
+    root = lambda i: math.sqrt(sum(f[i] ** 2 for f in figures))  # noqa: E731
+    return (all(f[0] for f in figures), root(1), root(2), all(f[3] for f in figures), root(4))
 
 
 class _Abandoned(Exception):

@@ -170,6 +170,26 @@ class Verifier:
         finding.record_in(self.verdict)
         self.stopped = self.stopped or finding.stop
 
+    def _ranges(self, divider) -> dict | None:
+        """How the checks' ranges were cut (dpcompare.verify.plan), for the result; a note where the ranks could not
+        be given even shares (more ranks than elements, or a parameter the optimizer steps whole above a share)."""
+        if divider.planned is None:
+            return None
+        plans = {"checks": divider.owner}
+        if self.bench.trajectory.ranges is not None:
+            plans["trajectory"] = self.bench.trajectory.ranges.plan
+        out = {}
+        for what, plan in plans.items():
+            counts = [plan.elements(r) for r in range(plan.world_size)]
+            out[what] = {"elements": sum(plan.sizes.values()), "even_share": plan.share(), "most": max(counts),
+                         "empty_ranks": sum(1 for c in counts if c == 0),
+                         "cut": [n for n in plan.sizes if plan.is_cut(n)]}
+        checks = out["checks"]
+        if checks["empty_ranks"] or checks["most"] > 1.25 * checks["even_share"]:
+            self.verdict.note("ranges_uneven", f"the checks' ranges could not be cut evenly: {divider.owner.describe()}"
+                              " (a rank holding none still takes part in every collective)")
+        return out
+
     def finish(self) -> None:
         """After the last step: `equivalent` needs at least one step whose gradient was compared. A run whose every
         checked step overflowed its loss scale (and was rightly skipped) compared none: the trajectory alone, which
@@ -178,7 +198,8 @@ class Verifier:
         divider = self.bench.divider
         if divider is not None:
             self.verdict.oracle_division = {"ranks": divider.peers.world_size, "divided": divider.requests,
-                                            "updates": divider.updates, "joined": list(self.bench.joined)}
+                                            "updates": divider.updates, "joined": list(self.bench.joined),
+                                            "ranges": self._ranges(divider)}
         reuse = {"regrouped_floor": dict(self.bench.reference.recomputed)} if self.bench.reference.recomputed else {}
         for check in self.checks:
             if (reused := getattr(check, "reused", None)) is not None:
