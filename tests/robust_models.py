@@ -17,6 +17,7 @@
   planted in step 2's global batch (in every rank's shard; in rank 1's alone at 2 ranks).
 - `torch_raises_at_step2`: the same, but the forward's own torch call raises (a shape error, a RuntimeError), as a
   user's model with a bug in one branch would.
+- `four_elements`: a linear regression of 3 features (4 trainable elements): at 8 ranks, fewer elements than ranks.
 """
 
 from __future__ import annotations
@@ -172,3 +173,15 @@ def raises_at_step2_rank1(seed: int) -> Workload:
 def torch_raises_at_step2(seed: int) -> Workload:
     torch.manual_seed(seed)
     return Workload("torch-raises-at-step2", RaisesOnPlanted(torch_op=True), _planted(seed, 2, None), _cross_entropy)
+
+
+def four_elements(seed: int) -> Workload:
+    torch.manual_seed(seed)
+    model = nn.Linear(3, 1)
+    truth = torch.randn(3, 1, generator=_generator(seed, -1))
+
+    def make_batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(global_batch, 3, generator=_generator(seed, step))
+        return x, x @ truth + 0.5
+
+    return Workload("four-elements", model, make_batch, F.mse_loss)

@@ -1,13 +1,14 @@
-"""The verifier's own process group, and the parameters cut into ranges over it: what each rank owns.
+"""The verifier's own process group, and the parameters cut into ranges over it: what each rank holds.
 
 Owns: `Peers` (the verifier's own process group: gloo, CPU tensors, made by the run layer on every rank beside the
-backend's, so nothing the checks send passes through the backend's wrapper, buckets or hooks), `partition` and
-`owners` (which rank owns which trainable parameter: contiguous ranges of about as many elements each),
-`to_owners` (the ranks' summed gradients of their own forwards sent to each parameter's owner, who adds them in a fixed
-order), `Remote` (on rank 0, a gradient summed at its owners: rank 0's own range held, every other parameter sent
-by its owner when read), `RemoteState` (an optimizer state held so) and `StateHolder` (one held so as it is computed,
-a parameter at a time). Used by dpcompare.verify.divided (the oracle's and the references' sums, the update check's
-optimizer states) and dpcompare.verify.ranges (the reference trajectory). Imports no adapter.
+backend's, so nothing the checks send passes through the backend's wrapper, buckets or hooks), `owners` (which rank
+holds which elements of each trainable parameter: dpcompare.verify.plan's ranges, cut inside a parameter where the
+ranks' shares cross it), `to_owners` (the ranks' summed gradients of their own forwards sent to each parameter's
+holders, each its piece, who add them in a fixed order), `Remote` (on rank 0, a gradient summed at its holders: rank
+0's own range held, every other parameter sent by its holders when read and put together), `RemoteState` (an
+optimizer state held so) and `StateHolder` (one held so as it is computed, a parameter at a time). Used by
+dpcompare.verify.divided (the oracle's and the references' sums, the update check's optimizer states) and
+dpcompare.verify.ranges (the reference trajectory). Imports no adapter.
 """
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
 """The reference trajectory held in ranges over the ranks: each rank keeps and steps its own range of the parameters.
 
 Owns: `Ranges` (on every rank, over the verifier's own process group, dpcompare.verify.divided.Peers): which rank
-owns which trainable parameter (dpcompare.verify.peers.owners: contiguous ranges of about as many elements each),
+holds which elements of each trainable parameter (dpcompare.verify.plan: one contiguous range of the elements a rank,
+a parameter that crosses ranges held in pieces, each holder stepping its own piece as a tensor of its own),
 and the collectives the reference trajectory (dpcompare.verify.trajectory) needs to train its float64 and run-precision
 copies as one process would, with each rank holding only its own range between steps:
-  - `gather`: before a step's forwards, every rank's copy is made whole: each trainable parameter from its owner, the
+  - `gather`: before a step's forwards, every rank's copy is made whole: each trainable parameter from its holders, the
     buffers and every other parameter (not trained: a frozen or non-float one, the ones the oracle coverage leaves
     out) from rank 0, whose forwards' semantics they follow (as the backend's replicas follow rank 0's buffers);
   - `to_owners`: the ranks' summed gradients of their own forwards go to each parameter's owner, who adds them in the
     order the ranks first appear in the step's forwards (rank 0's order when one process ran them all), in the copy's
     own dtype, as autograd would have accumulated them on one process (dpcompare.verify.divided's order);
-  - `release`: after the step, a rank frees the storage of the trainable parameters it does not own.
+  - `release`: after the step, a rank frees the storage of the trainable parameters it does not hold whole (a piece
+    lives in a tensor of its own between steps).
 Each rank's optimizer steps only its own range: the optimizers the run can use (SGD, AdamW) act element by element,
 so a range steps exactly as it would within the whole. The figures the trajectory is judged by are computed by each
 owner for its range and merged by rank 0 in the parameters' order: the same sums, in the same order, as one process's.
