@@ -74,18 +74,12 @@ def _holds_everything_once(p: Plan, sizes: list[tuple[str, int]]) -> None:
     assert sum(counts) == sum(n for _, n in sizes)
 
 
-@pytest.mark.parametrize("model", ["mlp", "mlp-wide", "cnn", "lm", "gpt-tiny", "resnet18"])
-def test_every_element_of_a_builtin_model_is_held_once_at_every_world_size(model):
-    sizes = _builtin(model)
-    for world in WORLD_SIZES:
-        p = plan(sizes, world)
-        _holds_everything_once(p, sizes)
-        assert problems(p) == [], (world, problems(p))
-
-
-@pytest.mark.parametrize("family", ["llama", "mixtral", "bert", "vit", "resnet"])
-def test_every_element_of_a_transformers_family_is_held_once_at_every_world_size(family):
-    sizes = _family(family)
+@pytest.mark.parametrize("source, name", [*(("builtin", m) for m in ("mlp", "mlp-wide", "cnn", "lm", "gpt-tiny",
+                                                                     "resnet18")),
+                                          *(("transformers", f) for f in ("llama", "mixtral", "bert", "vit", "resnet"))])
+def test_every_element_of_a_real_model_is_held_once_at_every_world_size(source, name):
+    """The built-in models and transformers families (their tiny configs' shapes, on the meta device)."""
+    sizes = _builtin(name) if source == "builtin" else _family(name)
     for world in WORLD_SIZES:
         p = plan(sizes, world)
         _holds_everything_once(p, sizes)
