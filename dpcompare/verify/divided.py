@@ -47,75 +47,15 @@ from dpcompare.verify.held import Compact, releasable, release
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
-from dpcompare.verify.update_check import elementwise
+from dpcompare.verify.messages import Request, Status, receive_into, send_state
 from dpcompare.verify.plan import Plan
-from dpcompare.verify.tolerance import merge_figures, range_figures
+from dpcompare.verify.update_check import uncut
+from dpcompare.verify import cuts
+from dpcompare.verify.tolerance import range_figures
 from dpcompare.verify.peers import (FLUSH_BYTES, Peers, Remote, RemoteState, StateHolder, of_its_shape, owners,
                                    to_owners)
 
-__all__ = ["Divider", "Helper", "Peers", "Request", "StateHolder", "Status"]
-
-SLOTS = ("64", "run")
-"""The copies a request names: the float64 one, and the one in the run's precision (its recipe's weights)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One share every rank computes: `slot`'s copy, at `state` (its keys, shapes and dtypes; the tensors follow the
-    request, a broadcast each), over the forwards at `positions` with `weights`, in that order."""
-
-    slot: str | None
-    """None: nothing more this time (the point of the step is over)."""
-    state: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
-    positions: tuple[int, ...] = ()
-    weights: tuple[float, ...] = ()
-    recipe: bool = False
-    loss_scale: float = 1.0
-    ranks: int = 1
-    key: int = 0
-    """The gradient's number: its owners hold their ranges under it until rank 0 lets it go (`drop`)."""
-    name: str | None = None
-    """slot "fetch": the parameter of gradient `key` its owner sends rank 0."""
-    reduce: tuple | None = None
-    """slot "reduce": (the sums' numbers, None for rank 0's own values sent with it; the parameters; the unit
-    roundoff; the dtypes of the values sent, by parameter) for Divider.per_parameter, its reduction in `name`."""
-    drop: tuple[int, ...] = ()
-    """The gradients rank 0 let go since its last request: their owners let their ranges go."""
-
-
-@dataclass(slots=True)
-class Status:
-    """What a rank answers a request with before its tensors: whether it computed a share, and what it left None."""
-
-    computed: bool
-    none: frozenset[str] = frozenset()
-    loss: float = 0.0
-    """Its forwards' losses, weighted as their gradients are."""
-    error: str | None = None
-    mismatch: tuple[str, str] | None = None
-    """A MaskMismatch on that rank: (module, reason)."""
-
-
-def _send_state(peers: Peers, state: dict[str, torch.Tensor]) -> None:
-    for t in state.values():
-        dist.broadcast(t.detach().to("cpu").contiguous(), src=0, group=peers.group)
-
-
-def _receive_into(peers: Peers, meta: list[tuple[str, tuple[int, ...], torch.dtype]], model: nn.Module) -> list[str]:
-    """The state rank 0 sends (`_send_state`), loaded into `model` a tensor at a time as it arrives (load_state_dict,
-    its modules' own loading included), so it is never held whole beside the copy it loads. Every tensor is received
-    whatever happens; returns the keys `model` has no entry for (none loaded), for its share's status."""
-    keys = model.state_dict().keys()
-    missing = []
-    for key, shape, dtype in meta:
-        t = torch.empty(shape, dtype=dtype)
-        dist.broadcast(t, src=0, group=peers.group)
-        if key in keys:
-            model.load_state_dict({key: t}, strict=False)
-        else:
-            missing.append(key)
-    return missing
-
+__all__ = ["Divider", "Helper", "Peers", "Request", "StateHolder", "Status", "uncut"]
 
 class Divider:
     """Rank 0's side: `gradient` divides a sum over forwards of more than one rank among the ranks (see the module
@@ -162,7 +102,7 @@ class Divider:
         self.peers.broadcast(self._with_drops(Request(slot, meta, tuple(p.position for p in pieces),
                                                       tuple(p.weight for p in pieces), recipe.active, loss_scale,
                                                       ranks, key)))
-        _send_state(self.peers, send)
+        send_state(self.peers, send)
         self.requests += 1
         if state is not None:
             model.load_state_dict(state)
@@ -210,34 +150,17 @@ class Divider:
                    for i, k in enumerate(keys) if k is None}
         self.peers.broadcast(self._with_drops(Request("reduce", name=op, reduce=(keys, tuple(names), u, shipped))))
         for i in shipped:  # each holder's piece of rank 0's own values, in the names' order
-            for n in names:
-                for piece in plan.holders(n):
-                    if piece.rank != 0:
-                        dist.send(plan.take(n, piece.rank, _as_held(mappings[i], n)).detach().to("cpu").contiguous(),
-                                  dst=piece.rank, group=self.peers.group)
+            for n in shipped[i]:
+                cuts.send(plan, n, _as_held(mappings[i], n), self.peers.group)
         whole = [n for n in names if plan.sole(n) == 0]
-        out = range_figures(op, tuple(m if k is None else m.own for m, k in zip(mappings, keys)), whole, u)
-        cut = [n for n in names if plan.is_cut(n)]
-        parts: dict[str, dict[int, Any]] = {n: {} for n in cut}
-        if any(plan.holds(n, 0) for n in cut):  # rank 0's pieces of the parameters cut over several ranks
-            mine = [n for n in cut if plan.holds(n, 0)]
-            pieces: dict[int, Compact] = {}
-            for m, k in zip(mappings, keys):
-                if k is None and id(m) not in pieces:
-                    pieces[id(m)] = Compact({n: plan.take(n, 0, _as_held(m, n)) for n in mine}, copy=False)
-            local = tuple(pieces[id(m)] if k is None else m.own for m, k in zip(mappings, keys))
-            for n, figure in range_figures(op, local, mine, u).items():
-                parts[n][0] = figure
-        for rank, part in enumerate(self.peers.gather(None)[1:], start=1):
+        cut = [n for n in names if plan.is_cut(n) and plan.holds(n, 0)]  # rank 0's pieces of them
+        parts = [{**range_figures(op, tuple(m if k is None else m.own for m, k in zip(mappings, keys)), whole, u),
+                  **range_figures(op, _pieces_of(plan, mappings, keys, cut), cut, u)}]
+        for part in self.peers.gather(None)[1:]:
             if isinstance(part, str):
                 raise RuntimeError(f"a rank reducing its range of the oracle's sums failed: {part}")
-            for n, figure in part.items():
-                if n in parts:
-                    parts[n][rank] = figure
-                else:
-                    out[n] = figure
-        for n in cut:  # each cut parameter's figures from its pieces', in their order
-            out[n] = merge_figures(op, [parts[n][r] for r in plan.ranks(n)])
+            parts.append(part)
+        out = {n: cuts.merge_figures(op, fs) for n, fs in cuts.by_parameter(parts).items()}
         return {n: out[n] for n in names}
 
     def hold(self, tensors: Mapping[str, torch.Tensor], none: frozenset[str] = frozenset()) -> Remote:
@@ -248,12 +171,8 @@ class Divider:
         meta = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
         away = {n: meta[n][1] for n in names if plan.ranks(n) != (0,)}
         self.ask(Request("hold", key=key, reduce=(tuple(names), away)))
-        for n in names:
-            if n in away:
-                for piece in plan.holders(n):
-                    if piece.rank != 0:
-                        dist.send(plan.take(n, piece.rank, tensors[n]).detach().to("cpu").contiguous(),
-                                  dst=piece.rank, group=self.peers.group)
+        for n in away:
+            cuts.send(plan, n, tensors[n], self.peers.group)
         own = Compact({n: plan.take(n, 0, tensors[n]) for n in names if plan.holds(n, 0)})
         return self.remote(key, own, names, meta, none)
 
@@ -338,15 +257,8 @@ class Divider:
             raise RuntimeError(f"the divided gradient of {name} was read where the other ranks do not serve rank 0 "
                                "(outside a point of the step): they hold it, and would never send it")
         self.peers.broadcast(self._with_drops(Request("fetch", key=key, name=name)))
-        plan, parts = self.owner, []
-        for piece in plan.holders(name):
-            if piece.rank == 0:
-                parts.append(_as_held(own, name).to(dtype))
-                continue
-            t = torch.empty(plan.shape(name, piece.rank, shape), dtype=dtype)
-            dist.recv(t, src=piece.rank, group=self.peers.group)
-            parts.append(t)
-        return plan.join(name, parts, shape)
+        mine = _as_held(own, name) if self.owner.holds(name, 0) else None
+        return cuts.receive_whole(self.owner, name, shape, dtype, mine, self.peers.group)
 
     def _with_drops(self, request: Request) -> Request:
         drop, self._dropped[:] = tuple(self._dropped), []
@@ -364,15 +276,14 @@ class Divider:
         self.serving = False
 
 
-def uncut(model: nn.Module, factory: Any) -> list[str]:
-    """The trainable parameters of `model` the plan may not cut (dpcompare.verify.plan): every one where the run's
-    optimizer steps a parameter as a whole (a factored or normalised update: its piece would step apart from the rest,
-    as no single process does), none where it steps each element alone (SGD, Adam, AdamW: the update check's replay,
-    the copies' steps and their states are the same on a piece). The same on every rank: it depends on the optimizer's
-    type alone."""
-    if factory is None or elementwise(factory):
-        return []
-    return [n for n, p in model.named_parameters() if p.requires_grad]
+def _pieces_of(plan: Plan, mappings: tuple, keys: tuple, names: list[str]) -> tuple:
+    """Rank 0's own part of each of `mappings` for `names` (parameters cut over the ranks): its piece of its own
+    values (a mapping given twice, one Compact), the range held of a divided sum (`keys`: not None)."""
+    taken: dict[int, Compact] = {}
+    for m, k in zip(mappings, keys):
+        if k is None and id(m) not in taken:
+            taken[id(m)] = Compact({n: plan.take(n, 0, _as_held(m, n)) for n in names}, copy=False)
+    return tuple(taken[id(m)] if k is None else m.own for m, k in zip(mappings, keys))
 
 
 def _as_held(m, name: str) -> torch.Tensor:
@@ -476,7 +387,7 @@ class Helper:
     def _answer(self, request: Request, batch, masks: Callable[[], list | None]) -> None:
         model, replayer = self.models[request.slot], self.replayers[request.slot]
         # loaded at every request, as rank 0 reloads its copy (a forward in training mode moves buffers)
-        missing = _receive_into(self.peers, request.state, model)
+        missing = receive_into(self.peers, request.state, model)
         status, raw = Status(False), None
         try:
             if missing:

@@ -106,6 +106,13 @@ class Piece:
     run as such (the global batch in one forward), which one process computes whole."""
 
 
+def computed_by(grads: object, slot: str, pieces: list[Piece]) -> bool:
+    """Whether `grads` were computed by the oracle's `slot` copy ("64", "run") from the forwards `pieces` (their
+    `source`, which Oracle sets)."""
+    source = getattr(grads, "source", None)
+    return source is not None and source[0] == slot and same_forwards(source[2], pieces)
+
+
 def same_forwards(a: list[Piece], b: list[Piece]) -> bool:
     """Whether `a` and `b` are the same forwards, summed in the same order: equal inputs, targets, weights and draws,
     piece by piece. Two gradients computed from them at the same weights by the same copy are the same computation."""

@@ -24,12 +24,13 @@ the trajectory's steps and judgements. Imports no adapter.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dpcompare.verify import cuts
 from dpcompare.verify.peers import Peers, owners, to_owners
 
 
@@ -74,9 +75,18 @@ class Ranges:
         """Whether `name` is held in pieces by several ranks (each steps its own piece, `piece_of`)."""
         return name in self.plan.sizes and self.plan.is_cut(name)
 
-    def piece_of(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
-        """This rank's piece of `tensor` (a value of cut parameter `name`), None where it holds none."""
-        return self.plan.take(name, self.rank, tensor) if self.plan.holds(name, self.rank) else None
+    def pieces_of(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        """This rank's piece of each parameter of `model` cut over the ranks, as a tensor of its own (copied from the
+        parameter's values now): what the copy's optimizer steps in its place, and `gather` copies back into it."""
+        return {n: nn.Parameter(self.plan.take(n, self.rank, p.detach()).clone()) for n, p in model.named_parameters()
+                if self.cut(n) and self.plan.holds(n, self.rank)}
+
+    def targets(self, model: nn.Module, pieces: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, the tensor this rank steps of it) for each trainable parameter of `model` in its range: the
+        parameter it holds whole, or its piece of one cut over the ranks (`pieces`, from `pieces_of`)."""
+        for n, p in model.named_parameters():
+            if p.requires_grad and (n in pieces or self.mine(n)):
+                yield n, pieces.get(n, p)
 
     def ask(self, request: TrajectoryRequest) -> None:
         """Rank 0: every other rank runs `request` beside this one."""
@@ -115,19 +125,15 @@ class Ranges:
                              dtypes: dict[str, torch.dtype], shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
         """Rank 0's `values` of `names`, each sent to its owner: this rank's own range of them (rank 0: its own)."""
         out: dict[str, torch.Tensor] = {}
-        plan = self.plan
+        plan, me = self.plan, self.rank
         for n in names:
-            for piece in plan.holders(n):
-                if self.rank == 0:
-                    if piece.rank == 0:
-                        out[n] = plan.take(n, 0, values[n])
-                    else:
-                        dist.send(plan.take(n, piece.rank, values[n]).detach().to("cpu").contiguous(),
-                                  dst=piece.rank, group=self.peers.group)
-                elif piece.rank == self.rank:
-                    t = torch.empty(plan.shape(n, self.rank, shapes[n]), dtype=dtypes[n])
-                    dist.recv(t, src=0, group=self.peers.group)
-                    out[n] = t
+            if me == 0:
+                cuts.send(plan, n, values[n], self.peers.group)
+                if plan.holds(n, 0):
+                    out[n] = plan.take(n, 0, values[n])
+            elif plan.holds(n, me):
+                out[n] = torch.empty(plan.shape(n, me, shapes[n]), dtype=dtypes[n])
+                dist.recv(out[n], src=0, group=self.peers.group)
         return out
 
     def release(self, model: nn.Module) -> None:
@@ -153,6 +159,19 @@ class Ranges:
         (dpcompare.verify.peers.to_owners): this rank's own range's sums."""
         return to_owners(self.peers, self.plan, model, raw, order)
 
+    def global_norm(self, own: dict[str, torch.Tensor], order: list[str]) -> torch.Tensor | None:
+        """The norm of every range's per-tensor norms (`own`: this rank's, by parameter; a cut parameter's from its
+        pieces' norms), stacked in `order` as one process stacks them; None where no parameter has a gradient."""
+        norms = {n: cuts.norm_of(ts) for n, ts in cuts.by_parameter(self.everyone(own)).items()}
+        ordered = [norms[n] for n in order if n in norms]
+        return torch.linalg.vector_norm(torch.stack(ordered)) if ordered else None
+
+    def figures_at_rank0(self, mine: dict[str, tuple]) -> dict[str, tuple] | None:
+        """Every range's drift figures (`mine`: this rank's), merged on rank 0 by parameter (a cut parameter's from
+        its pieces'); None on the other ranks."""
+        parts = self.at_rank0(mine)
+        return None if parts is None else {n: cuts.merge_drift(fs) for n, fs in cuts.by_parameter(parts).items()}
+
     def everyone(self, obj: Any) -> list[Any]:
         """`obj` from every rank, on every rank, in rank order."""
         out: list[Any] = [None] * self.peers.world_size
@@ -169,3 +188,32 @@ def _allocate(p: torch.Tensor) -> None:
     need = (p.storage_offset() + p.numel()) * p.element_size()
     if storage.nbytes() < need:
         storage.resize_(need)
+
+
+class Idle:
+    """The optimizer of a rank whose range holds no parameter (more ranks than elements, or parameters the plan may not
+    cut: dpcompare.verify.plan): it steps nothing and holds no state, and the rank takes part in everything else as a
+    rank that holds parameters does."""
+
+    def __init__(self) -> None:
+        self.state: dict = {}
+        self.param_groups: list[dict] = []
+
+    def step(self) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict:
+        return {"state": {}, "param_groups": []}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("state") or state.get("param_groups"):
+            raise ValueError("a rank that holds no parameter was given an optimizer state to load")
+
+
+def optimizer(factory: Any, params: list[torch.Tensor]) -> Any:
+    """The run's optimizer over `params`, or an Idle one where this rank's range holds none (the optimizers refuse an
+    empty list)."""
+    return factory(params) if params else Idle()

@@ -136,29 +136,6 @@ def range_figures(op: str, mappings: tuple[Mapping[str, torch.Tensor], ...], nam
     raise ValueError(f"unknown reduction {op!r}")
 
 
-def merge_figures(op: str, parts: list) -> object:
-    """One parameter's `range_figures` from those of its pieces (a parameter cut over several ranks,
-    dpcompare.verify.plan), in their order: squared norms add, maxima and finiteness combine. The relative error's
-    scale is each piece's own max |o| (reported, never judged): at most the whole parameter's, so the merged maximum
-    relative error is never below the whole parameter's."""
-    if len(parts) == 1:
-        return parts[0]
-    if op == "finite":
-        return all(parts)
-    if op == "norm":
-        return math.sqrt(sum(x * x for x in parts))
-    if op == "fro":
-        return tuple(math.sqrt(sum(p[i] ** 2 for p in parts)) for i in range(2))
-    if op == "sums":
-        sums = [p[0] for p in parts]
-        rels = [s.max_rel for s in sums if not math.isnan(s.max_rel)]
-        merged = _Sums(*(sum(getattr(s, f) for s in sums) for f in ("o2", "a2", "go2", "ga2", "fo2", "oa2")),
-                       functools.reduce(_fmax, (s.max_abs for s in sums)), max(rels) if rels else math.nan,
-                       all(s.finite for s in sums), sum(s.g2 for s in sums))
-        return merged, sum(p[1] for p in parts)
-    raise ValueError(f"unknown reduction {op!r}")
-
-
 def per_parameter(op: str, mappings: tuple[Mapping[str, torch.Tensor], ...], names: list[str],
                   u: float = 0.0) -> dict:
     """`range_figures` over `names` where the sums are held: by each owner for its range where `mappings` are held

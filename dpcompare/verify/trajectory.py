@@ -33,18 +33,19 @@ import torch
 from torch import nn
 
 from dpcompare.verify import masks as mk
-from dpcompare.verify.divided import Status, uncut
+from dpcompare.verify.messages import Status
+from dpcompare.verify.update_check import uncut
 from dpcompare.verify.peers import Peers
 from dpcompare.verify.equivalence import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Piece, accumulate_gradient,
-                                          accumulate_raw, finish_gradient, same_forwards, verification_copy)
+                                          accumulate_raw, computed_by, finish_gradient, verification_copy)
 from dpcompare.verify.clipping import clip_, clip_scale
 from dpcompare.verify.held import releasable, release
-from dpcompare.verify.tolerance import CHUNK, finite, rel_ratio
+from dpcompare.verify.tolerance import CHUNK, _norm, finite, rel_ratio
 from dpcompare.verify.dtypes import is_float, non_float_divergence, state_distance
 from dpcompare.verify.verdict import Divergence
 from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.offsets import Offsets, paired, step_in_parts
-from dpcompare.verify.ranges import Ranges, TrajectoryRequest
+from dpcompare.verify.ranges import Ranges, TrajectoryRequest, optimizer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
 from dpcompare.contract.optim_state import OptimizerFactory
@@ -57,8 +58,7 @@ class Trajectory:
         """`peers`: the verifier's group where the ranks share the forwards; every rank then builds its Trajectory
         alike and holds, steps and judges its own range of the parameters (dpcompare.verify.ranges), rank 0 asking
         the others for each step and judgement (None: this process holds and runs all of it)."""
-        self.loss_fn, self.device, self.depth = loss_fn, device, depth
-        self.clip = clip
+        self.loss_fn, self.device, self.depth, self.clip = loss_fn, device, depth, clip
         self.u = UNIT_ROUNDOFF[dtype]
         self.u_wire = self.u if u_wire is None else u_wire
         self.model64 = verification_copy(template, device, torch.float64)
@@ -84,16 +84,10 @@ class Trajectory:
                 for p, w in zip(self.model_run.parameters(), self.work.parameters()):
                     p.copy_(w)
             releasable(self.work)  # loaded from the master copy at every step: held only while it computes
-        self.pieces: dict[int, dict[str, nn.Parameter]] = {id(self.model64): {}, id(self.model_run): {}}
-        """By copy (its id), this rank's piece of each parameter cut over the ranks (dpcompare.verify.ranges): a
-        tensor of its own that the copy's optimizer steps, copied into the whole parameter when it is gathered."""
-        if self.ranges is not None:
-            for model in (self.model64, self.model_run):
-                for n, p in model.named_parameters():
-                    if self.ranges.cut(n) and (piece := self.ranges.piece_of(n, p.detach())) is not None:
-                        self.pieces[id(model)][n] = nn.Parameter(piece.clone())
-        self.opt64 = _optimizer(factory, self._stepped(self.model64))
-        self.opt_run = _optimizer(factory, self._stepped(self.model_run))
+        # by copy (its id), this rank's pieces of the parameters cut over the ranks (Ranges.pieces_of)
+        self.pieces = {id(m): self.ranges.pieces_of(m) if self.ranges else {} for m in (self.model64, self.model_run)}
+        self.opt64 = optimizer(factory, self._stepped(self.model64))
+        self.opt_run = optimizer(factory, self._stepped(self.model_run))
         if prestep:  # the backend's recipe steps its optimizer once on zero gradients before the first step
             for model, opt in ((self.model64, self.opt64), (self.model_run, self.opt_run)):
                 for p in self._stepped(model):
@@ -142,21 +136,15 @@ class Trajectory:
         self._hold()
 
     def _stepped(self, model: nn.Module) -> list[torch.nn.Parameter]:
-        """The tensors of `model` this process's optimizer steps: every trainable parameter, or its own range's (a
-        parameter it holds whole, its piece of one cut over the ranks)."""
+        """The tensors of `model` this process's optimizer steps (`_targets`)."""
         return [t for _, t in self._targets(model)]
 
     def _targets(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, the tensor this process steps of it) for each trainable parameter of `model` it steps: the
-        parameter, or this rank's piece of it where it is cut."""
-        pieces = self.pieces.get(id(model), {})
-        for n, p in model.named_parameters():
-            if not p.requires_grad:
-                continue
-            if n in pieces:
-                yield n, pieces[n]
-            elif self.ranges is None or self.ranges.mine(n):
-                yield n, p
+        """(name, the tensor this process steps of it) for each trainable parameter of `model` it steps: every one, or
+        its own range's (a parameter it holds whole, its piece of one cut over the ranks)."""
+        if self.ranges is None:
+            return ((n, p) for n, p in model.named_parameters() if p.requires_grad)
+        return self.ranges.targets(model, self.pieces.get(id(model), {}))
 
     def _zero_grad(self, model: nn.Module) -> None:
         model.zero_grad(set_to_none=True)
@@ -210,7 +198,7 @@ class Trajectory:
             except _Abandoned:  # a rank could not compute its share: none stepped, and rank 0 says why
                 pass
         elif request.op == "judge":
-            self.ranges.at_rank0(self._figures(self._rank0s(None, dict(zip(self.names, request.dtypes)))))
+            self.ranges.figures_at_rank0(self._figures(self._rank0s(None, dict(zip(self.names, request.dtypes)))))
         else:
             raise ValueError(f"unknown trajectory request {request.op!r}")
 
@@ -278,7 +266,7 @@ class Trajectory:
         parameter. Returns whether it stepped (False: nothing was done; the step computes its own). `private`:
         the gradients are read after this (copied before the optimizer may change them in place)."""
         if (self.ranges is not None or self.recipe.active or self.carried or self.steps or self.steps_before
-                or not _computed(grads64, "64", pieces) or not _computed(grads_run, "run", pieces)):
+                or not computed_by(grads64, "64", pieces) or not computed_by(grads_run, "run", pieces)):
             return False
         state = grads64.source[1]
         if grads_run.source[1] is not state:
@@ -372,15 +360,10 @@ class Trajectory:
                 clip_(list(grads.values()), self.clip)
                 return
             own = {n: torch.linalg.vector_norm(g) for n, g in grads.items()}
-            pieces: dict[str, list[torch.Tensor]] = {}
-            for part in self.ranges.everyone(own):  # in rank order: a cut parameter's pieces in their order
-                for n, t in part.items():
-                    pieces.setdefault(n, []).append(t)
-            norms = {n: ts[0] if len(ts) == 1 else torch.linalg.vector_norm(torch.stack(ts)) for n, ts in pieces.items()}
-            ordered = [norms[n] for n, _ in model.named_parameters() if n in norms]
-            if not ordered:
+            norm = self.ranges.global_norm(own, [n for n, _ in model.named_parameters()])
+            if norm is None:
                 return
-            coefficient = clip_scale(torch.linalg.vector_norm(torch.stack(ordered)), self.clip)
+            coefficient = clip_scale(norm, self.clip)
             for g in grads.values():
                 g.mul_(coefficient.to(g.dtype))
 
@@ -392,12 +375,7 @@ class Trajectory:
         if self.ranges is not None:  # each owner judges its range of rank 0's parameters
             dtypes = {n: params[n].dtype for n in self.names}
             self.ranges.ask(TrajectoryRequest("judge", dtypes=tuple(dtypes[n] for n in self.names)))
-            mine = self._figures(self._rank0s(params, dtypes))
-            pieces: dict[str, list[tuple]] = {}
-            for part in self.ranges.at_rank0(mine):  # in rank order: a cut parameter's pieces in their order
-                for n, f in part.items():
-                    pieces.setdefault(n, []).append(f)
-            figures = {n: _merged(fs) for n, fs in pieces.items()}
+            figures = self.ranges.figures_at_rank0(self._figures(self._rank0s(params, dtypes)))
         else:
             figures = self._figures(params)
         if not all(figures[n][0] for n in self.names):
@@ -451,56 +429,8 @@ class Trajectory:
         return out
 
 
-def _merged(figures: list[tuple]) -> tuple[bool, float, float, bool, float]:
-    """One parameter's `_figures` from its pieces' (a parameter cut over the ranks): finiteness combined, the norms
-    from their squares added."""
-    if len(figures) == 1:
-        return figures[0]
-    root = lambda i: math.sqrt(sum(f[i] ** 2 for f in figures))  # noqa: E731
-    return (all(f[0] for f in figures), root(1), root(2), all(f[3] for f in figures), root(4))
-
-
 class _Abandoned(Exception):
     """On a rank other than 0: a rank's share of a step failed, so no rank steps (rank 0 raises the reason)."""
-
-
-class Idle:
-    """The optimizer of a rank whose range holds no parameter (more ranks than the planner could give a piece, or a
-    model of few elements: dpcompare.verify.plan): it steps nothing and holds no state, and takes part in everything
-    else as a rank that owns parameters does."""
-
-    def __init__(self) -> None:
-        self.state: dict = {}
-        self.param_groups: list[dict] = []
-
-    def step(self) -> None:
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return None
-
-    def state_dict(self) -> dict:
-        return {"state": {}, "param_groups": []}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("state") or state.get("param_groups"):
-            raise ValueError("a rank that owns no parameter was given an optimizer state to load")
-
-
-def _optimizer(factory: OptimizerFactory, params: list[torch.nn.Parameter]):
-    """The run's optimizer over `params`, or an Idle one where this rank's range holds none (the optimizers refuse an
-    empty list)."""
-    return factory(params) if params else Idle()
-
-
-def _norm(t: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(t.detach()))
-
-
-def _computed(grads: object, slot: str, pieces: list[Piece]) -> bool:
-    """Whether `grads` were computed by the oracle's `slot` copy ("64", "run") from the forwards `pieces`."""
-    source = getattr(grads, "source", None)
-    return source is not None and source[0] == slot and same_forwards(source[2], pieces)
 
 
 def _holds(model: nn.Module, state: dict) -> bool:

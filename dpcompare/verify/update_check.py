@@ -122,6 +122,17 @@ def elementwise(factory: OptimizerFactory) -> bool:
     return type(probe) in ELEMENTWISE and not any(g.get("fused") for g in probe.param_groups)
 
 
+def uncut(model: nn.Module, factory: OptimizerFactory | None) -> list[str]:
+    """The trainable parameters of `model` the checks' ranges may not cut (dpcompare.verify.plan): every one where the
+    run's optimizer steps a parameter as a whole (a factored or normalised update: a piece would step apart from the
+    rest, as no single process does), none where it steps each element alone (SGD, Adam, AdamW: the update check's
+    replay, the copies' steps and their states are the same on a piece; None: the run's default, SGD). The same on
+    every rank: it depends on the optimizer's type alone."""
+    if factory is None or elementwise(factory):
+        return []
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
 class _Replay:
     """`reference_step`'s optimizer, stepping a parameter when its update is read: the last one's values are kept for a
     second read of the same parameter (a comparison reads each once), the state after each where it is kept. An

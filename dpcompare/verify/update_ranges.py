@@ -30,7 +30,8 @@ from dpcompare.contract.optim_state import OptimizerFactory, OptState
 from dpcompare.verify.held import Compact, Difference
 from dpcompare.verify.peers import Peers, Remote, RemoteState, of_its_shape
 from dpcompare.verify.plan import Plan
-from dpcompare.verify.tolerance import merge_figures, range_figures
+from dpcompare.verify import cuts
+from dpcompare.verify.tolerance import range_figures
 from dpcompare.verify.update_check import StepResult, grad_norms, reference_step, scale_of
 
 Meta = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -116,13 +117,9 @@ def _scales(peers: Peers, request: UpdateRequest, own: dict, device: torch.devic
         return None, None, None
     parts = peers.gather(own)
     if peers.rank == 0:
-        pieces: dict[str, list] = {}
-        for part in parts:  # in rank order: a cut parameter's pieces in their order
-            for n, t in part.items():
-                pieces.setdefault(n, []).append(t)
-        # a parameter cut over several ranks: the norm of its pieces' norms (clip_grad_norm_'s own two-level sum)
-        norms = {n: ts[0] if len(ts) == 1 else tuple(torch.linalg.vector_norm(torch.stack([t[i] for t in ts]))
-                                                     for i in range(2)) for n, ts in pieces.items()}
+        # a parameter cut over several ranks: the norm of its pieces' norms, in float64 and in the run dtype
+        norms = {n: tuple(cuts.norm_of([t[i] for t in ts]) for i in range(2))
+                 for n, ts in cuts.by_parameter(parts).items()}
 
         def scale(i: int, none: frozenset[str]):
             return scale_of([norms[n][i].to(device) for n in request.names if n in norms and n not in none],
@@ -166,8 +163,7 @@ def divided(divider: Any, factory: OptimizerFactory, device: torch.device, names
         for piece in plan.holders(n):
             if piece.rank != 0:
                 for t in ((params.held(n),) if held is None else ()) + (masters[n],):
-                    dist.send(plan.take(n, piece.rank, t).detach().to("cpu").contiguous(), dst=piece.rank,
-                              group=peers.group)
+                    cuts.send_to(plan, n, t, piece.rank, peers.group)
     mine = [n for n in names if plan.holds(n, 0)]
     shapes = {n: plan.shape(n, 0, masters[n].shape) for n in mine}
     # rank 0's own pieces: a parameter cut over several ranks is replayed here on its piece alone
@@ -186,16 +182,14 @@ def divided(divider: Any, factory: OptimizerFactory, device: torch.device, names
     peers.broadcast(keys)
     if failed is not None:
         raise RuntimeError(f"a rank replaying its range of the update failed: {failed}")
-    figures, local, meta = {}, {}, {}
-    pieces: dict[str, list] = {}
-    for p in parts:  # in rank order: a cut parameter's pieces in their order
-        for n, figure in p[0].items():
-            pieces.setdefault(n, []).append(figure)
+    local, meta = {}, {}
+    for p in parts:
         for n, entries in p[1].items():
             local.setdefault(n, entries)  # a step count: the same on each piece
         for k, kept in p[2].items():  # held whole-shaped, as rank 0 reads them
             meta.setdefault(k, {}).update({n: (tuple(masters[n].shape), dtype) for n, (_, dtype) in kept.items()})
-    figures = {n: merge_figures("sums", pieces[n]) for n in names if n in pieces}
+    pieces = cuts.by_parameter(p[0] for p in parts)  # in rank order: a cut parameter's pieces in their order
+    figures = {n: cuts.merge_figures("sums", pieces[n]) for n in names if n in pieces}
     remotes = {k: divider.remote(key, Compact({n: after[n][k] for n in mine if n in meta[k]}, copy=False),
                                  [n for n in names if n in meta[k]], meta[k]) for k, key in keys.items()}
     return figures, RemoteState({n: local[n] for n in names if n in local}, remotes, meta)

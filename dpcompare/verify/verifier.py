@@ -184,8 +184,9 @@ class Verifier:
             out[what] = {"elements": sum(plan.sizes.values()), "even_share": plan.share(), "most": max(counts),
                          "empty_ranks": sum(1 for c in counts if c == 0),
                          "cut": [n for n in plan.sizes if plan.is_cut(n)]}
-        checks = out["checks"]
-        if checks["empty_ranks"] or checks["most"] > 1.25 * checks["even_share"]:
+        plan = divider.owner
+        most = max(plan.elements(r) for r in range(plan.world_size))
+        if most == 0 or any(plan.elements(r) == 0 for r in range(plan.world_size)) or most > 1.25 * plan.share():
             self.verdict.note("ranges_uneven", f"the checks' ranges could not be cut evenly: {divider.owner.describe()}"
                               " (a rank holding none still takes part in every collective)")
         return out
