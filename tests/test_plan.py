@@ -19,9 +19,14 @@ import torch
 from torch import nn
 
 from dpcompare.run.registry import MODELS, load
-from dpcompare.verify.plan import Piece, Plan, bytes_per_param, of_model, plan, problems
+from dpcompare.verify.plan import Piece, Plan, of_model, plan, problems
 
 WORLD_SIZES = list(range(1, 1025))
+
+
+def bytes_per_param(p: Plan, rank: int, per_element: float) -> float:
+    """What `rank` holds at `per_element` bytes an element, per parameter of the whole model."""
+    return per_element * p.elements(rank) / sum(p.sizes.values())
 
 
 def _sizes(model: nn.Module) -> list[tuple[str, int]]:

@@ -20,7 +20,6 @@ parameters) are normal ranks: they take part in every collective and hold nothin
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -212,9 +211,3 @@ def problems(p: Plan, whole: Iterable[str] = ()) -> list[str]:
             out.append(f"rank {r} holds {held} elements, more than its share {p.share()} by {held - p.share()}"
                        + (f" (the largest uncut parameter has {slack})" if slack else ""))
     return out
-
-
-def bytes_per_param(p: Plan, rank: int, per_element: float) -> float:
-    """What `rank` holds, at `per_element` bytes for each element it holds, per parameter of the whole model."""
-    total = sum(p.sizes.values())
-    return per_element * p.elements(rank) / total if total else math.nan

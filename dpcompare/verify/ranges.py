@@ -72,7 +72,7 @@ class Ranges:
         return self.plan.sole(name) == self.rank
 
     def cut(self, name: str) -> bool:
-        """Whether `name` is held in pieces by several ranks (each steps its own piece, `piece_of`)."""
+        """Whether `name` is held in pieces by several ranks (each steps its own piece, `pieces_of`)."""
         return name in self.plan.sizes and self.plan.is_cut(name)
 
     def pieces_of(self, model: nn.Module) -> dict[str, nn.Parameter]:
