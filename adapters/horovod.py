@@ -184,6 +184,9 @@ class HorovodAdapter(Adapter):
         self.hvd.broadcast_parameters(self.wrapped.module.state_dict(), root_rank=0)
         self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
+    def all_reduce_sum(self, tensor):
+        return self.hvd.allreduce(tensor, op=self.hvd.Sum, name="dpcompare.items")
+
     def all_gather_object(self, obj):
         # One fixed name: by default Horovod names the collective after type(obj), so ranks sending objects
         # of different types (rank 0's answer, the others' None) would wait on differently named tensors forever.

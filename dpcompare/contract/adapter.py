@@ -55,6 +55,8 @@ class ModelFacts:
     code reads a tensor's value into Python (`if t.any():`): the parameters it uses can change with the data."""
     left_out_by_parts: tuple[str, ...] = ()
     """Trainable parameters the whole first batch uses but some part of it (a rank's shard, say) leaves out."""
+    sparse_grads: tuple[str, ...] = ()
+    """Parameters whose gradient is sparse (nn.Embedding(sparse=True); dpcompare.contract.sparse)."""
 
     def varying_use(self) -> str | None:
         """Why the parameters one rank's forward uses can differ from another's at a step, as the probe saw it (parts of
@@ -105,6 +107,13 @@ class Adapter:
     def precision_refusal(cls, amp: str, options: Mapping[str, Any]) -> str | None:
         """Why this backend, with these `--opt` values (typed), cannot run `--amp amp` on this machine (None: it can).
         The run refuses it before it starts; compare leaves that job out and says why."""
+        return None
+
+    @classmethod
+    def sparse_gradient_refusal(cls, options: Mapping[str, Any]) -> str | None:
+        """Why this backend, with these `--opt` values (typed), cannot take a parameter's sparse gradient
+        (nn.Embedding(sparse=True)), as a clause (None: it can). The run refuses such a model before it trains, in one
+        line naming the parameter (dpcompare.contract.sparse.refusal)."""
         return None
 
     @classmethod
@@ -386,6 +395,11 @@ class Adapter:
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Gather a small picklable object from every rank, in rank order."""
         return [obj]
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A small tensor summed over the ranks by the backend's own collective (the loss's item count under
+        --loss-normalisation global, as a training loop sums transformers' num_items_in_batch); one process: itself."""
+        return tensor
 
     def rng_replay_reason(self) -> str | None:
         """Why rank 0 cannot check this backend's random numbers: they are drawn somewhere the dropout modules'

@@ -67,6 +67,11 @@ class ProcessGroupMixin:
     def allreduce_sum_autograd(self):
         return syncbn.process_group_allreduce_sum()
 
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         out = [None] * self.env.world_size
         dist.all_gather_object(out, obj)

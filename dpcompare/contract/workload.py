@@ -8,7 +8,7 @@ recomputes one by one). The built-in models are in `dpcompare.run.workloads`; a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -22,11 +22,19 @@ class Workload:
     model: nn.Module
     make_batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
     """(step, global_batch) -> (inputs, targets) of the whole global batch, identical on every rank."""
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    """Mean loss over the samples given: the mean of equal shards' losses is the global-batch loss."""
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], Any]
+    """The loss of the samples given: their mean (the mean of equal shards' losses is the global-batch loss); or, for
+    a loss normalised over items (tokens not ignored, masked positions), the mean over the items, or `(sum, count)`,
+    the sum over the items and their count (dpcompare.contract.normalisation)."""
     tokens_per_sample: int = 1
     source: str = "dpcompare"
     """Where the network's definition comes from (e.g. "torchvision 0.26.0"): recorded in the result."""
+    ignore_index: int | None = None
+    """The target value of positions the loss leaves out (-100: F.cross_entropy's and transformers' convention): the
+    loss is the mean over the other positions, its items. None: a mean over samples, or a loss returning (sum, count)."""
+    items: Callable[[torch.Tensor], Any] | None = None
+    """How many items a forward's targets hold, where not by `ignore_index` (None: by `ignore_index`, or as the loss
+    returns them)."""
 
 
 def shard(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:

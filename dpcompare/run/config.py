@@ -16,14 +16,17 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 from dpcompare.run import flags, registry
+from dpcompare.run.faults import CHECKPOINT_FAULTS, fault_ok as _fault_ok  # noqa: F401 - the run's, named here
 # CommandLineError is the flags' own; the rest of the run imports it from here, beside RunConfig.
-from dpcompare.run.flags import CommandLineError, Forwarded, Rule, above, at_least, run_flag  # noqa: F401
+from dpcompare.run.flags import CommandLineError, Forwarded, Rule, above, at_least, coverage_ok, power_of_two, run_flag  # noqa: F401,E501
 
 Optimizer = Literal["sgd", "adamw"]
 Dtype = Literal["float32", "float64", "bfloat16"]
 Compression = Literal["none", "fp16", "bf16"]
 Amp = Literal["none", "bf16", "fp16"]
 Scaling = Literal["strong", "weak"]
+LossNormalisation = Literal["local", "global"]
+TokenData = Literal["padded", "packed"]
 OracleRanks = Literal["all", "rank0"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 
@@ -72,36 +75,9 @@ def _env_number(name: str, default: float) -> Callable[[], float]:
     return read
 
 
-def _coverage_ok(text: str, _: Any) -> bool:
-    if text in ("auto", "full"):
-        return True
-    try:
-        return 0 < float(text) <= 1
-    except ValueError:
-        return False
-
-
 FORMATS = ("torch", "dcp", "deepspeed", "universal")
 """--checkpoint-format's values: dpcompare.contract.checkpoints.FORMATS, named here so that parsing the flags never
 imports the contract (and torch)."""
-CHECKPOINT_FAULTS = ("ckpt-optimizer", "ckpt-step", "ckpt-shards", "ckpt-scale", "ckpt-data", "ckpt-rng")
-"""Planted faults of a checkpoint's load (--load-checkpoint): the optimizer state dropped, its step counts reset, ranks
-0 and 1's shards swapped, the loss scaler not restored, the data restarted at step 0, a rank's generator not
-restored (ckpt-rng:RANK)."""
-
-
-def _fault_ok(text: str, _: Any) -> bool:
-    parts = text.split(":")
-    if parts[0] in CHECKPOINT_FAULTS:
-        return len(parts) == 1 or (parts[0] == "ckpt-rng" and len(parts) == 2 and parts[1].isdigit())
-    return parts == ["dupdata"] or (len(parts) == 3 and parts[0] in ("crash", "kill", "stop", "hang")
-                                    and parts[1].isdigit() and parts[2].isdigit())
-
-
-def _power_of_two(scale: float, _: Any) -> bool:
-    return math.isfinite(scale) and scale >= 1 and math.frexp(scale)[0] == 0.5
-
-
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
     """A run's settings, one field per run flag. Adding a flag is adding a field here (plus a `Settings` field where
@@ -132,6 +108,15 @@ class RunConfig:
         compare=Forwarded("hf: causal language models: tokens per sample of every run (default: 128, at most the "
                           "config's context)"))
     """Tokens per sample of an `hf:` causal language model (default: 128, at most the config's context)."""
+    token_data: TokenData = run_flag(
+        "padded", help="a token model's data (the built-ins lm and gpt-*, hf: language models): padded (sequences of "
+                       "varying length padded at the end, targets -100 there; masked LMs mask 15%% of each sample at "
+                       "random, 80/10/10) or packed (every sample full length)",
+        compare=Forwarded("a token model's data: padded (varying lengths padded at the end, -100 targets there) or "
+                          "packed (full-length samples)"))
+    """A token workload's data (dpcompare.run.workloads.token_stream, dpcompare.run.hf_tasks): `padded`, sequences of
+    varying length padded at the end, their padding's targets -100 (the loss's ignore index), as a collator pads
+    them; `packed`, every sample the full context."""
     device: DeviceChoice = run_flag("auto", help="auto: CUDA when present (NCCL process group), else CPU (gloo)")
     """auto: CUDA when available (process group NCCL), else CPU (gloo)."""
     global_batch: int | None = run_flag(
@@ -239,7 +224,7 @@ class RunConfig:
              "the first steps overflow, which every backend must skip)",
         checks=(Rule(lambda v, c: c.amp == "fp16", "a loss scale applies to --amp fp16 only (bf16 has float32's range "
                      "and is not scaled); add --amp fp16 or drop --loss-scale"),
-                Rule(_power_of_two, "use a power of two of at least 1, e.g. 65536 (2^16) or 16777216 (2^24)")))
+                Rule(power_of_two, "use a power of two of at least 1, e.g. 65536 (2^16) or 16777216 (2^24)")))
     """--amp fp16: the initial dynamic loss scale, a power of two (None: 2^16, the default of torch.amp.GradScaler and
     of DeepSpeed). 2^24 makes the first steps overflow: every backend must skip them alike. Settings carries the
     scale the run starts from (initial_loss_scale)."""
@@ -252,6 +237,14 @@ class RunConfig:
                                checks=(at_least(1, "use 1 (no accumulation) or more micro-batches per step"),))
     """Micro-batches per optimizer step; gradient synchronisation is switched off for all but the last
     and each micro-batch's loss is scaled by 1/grad_accum, so the step's gradient is the global mean."""
+    loss_normalisation: LossNormalisation = run_flag(
+        "local", help="a loss normalised over items (tokens not ignored): local (each rank and micro-batch divides by "
+                      "its own count, as a plain training loop does) or global (the count summed over the ranks and "
+                      "micro-batches first, as transformers' num_items_in_batch)",
+        compare=Forwarded("a loss normalised over items: local (each rank's and micro-batch's own count), global (the "
+                          "count summed over the ranks and micro-batches first)"))
+    """How a loss over items is normalised (dpcompare.contract.normalisation): `local`, by each forward's own count;
+    `global`, by the step's count, all-reduced over the ranks and summed over the micro-batches before the backward."""
     compression: Compression = run_flag("none", help="gradient compression on the wire", settings=True)
     """Gradient compression on the wire (DDP fp16/bf16 comm hook, Horovod Compression.fp16, DeepSpeed
     communication_data_type); the tolerance widens by the compressed dtype's unit roundoff."""
@@ -279,7 +272,7 @@ class RunConfig:
         "auto", metavar="auto|full|SHARE",
         help="what the float64 oracle checks: auto (every parameter where its memory fits on rank 0, else as many "
              "whole blocks as fit, stated), full (all or a one-line refusal), or a share in (0, 1]",
-        checks=(Rule(_coverage_ok, "use auto, full or a share of the parameters in (0, 1], e.g. 0.25"),),
+        checks=(Rule(coverage_ok, "use auto, full or a share of the parameters in (0, 1], e.g. 0.25"),),
         compare=Forwarded("what each run's float64 oracle checks: auto (every parameter where its memory fits, else "
                           "the whole blocks that fit, stated), full, or a share of the parameters in (0, 1]"))
     """What the float64 oracle checks (dpcompare.verify.oracle_coverage): `auto`, every parameter where its memory

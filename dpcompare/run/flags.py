@@ -54,6 +54,19 @@ FINITE = Rule(lambda v, _: math.isfinite(v), "use a finite number")
 """Checked first for every float flag."""
 
 
+def coverage_ok(text: str, _: Any) -> bool:
+    if text in ("auto", "full"):
+        return True
+    try:
+        return 0 < float(text) <= 1
+    except ValueError:
+        return False
+
+
+def power_of_two(scale: float, _: Any) -> bool:
+    return math.isfinite(scale) and scale >= 1 and math.frexp(scale)[0] == 0.5
+
+
 @dataclass(frozen=True, slots=True)
 class Forwarded:
     """compare offers the flag and passes its value to every run, with its own help (and default, where compare's

@@ -133,8 +133,9 @@ def _router_aux(cls: type, config: Any) -> float:
     return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
-def build(spec: str, seed: int, seq_len: int | None = None) -> Workload:
-    """The workload of `hf:NAME_OR_PATH`: the config's model with random weights from `seed` and synthetic data."""
+def build(spec: str, seed: int, seq_len: int | None = None, token_data: str = "padded") -> Workload:
+    """The workload of `hf:NAME_OR_PATH`: the config's model with random weights from `seed` and synthetic data
+    (`token_data`, a language model's: padded or packed, dpcompare.run.hf_tasks)."""
     config = load_config(spec)
     cls, task = hf_classes.resolve(spec, config)
     import transformers
@@ -163,15 +164,19 @@ def build(spec: str, seed: int, seq_len: int | None = None) -> Workload:
     seq = _sequence_length(spec, config, seq_len)
     if task == "masked_lm":
         mask_id = hf_tasks.mask_token(config)
-        return Workload(spec, model, hf_tasks.masked_tokens(seed, vocab, seq, mask_id), hf_tasks.cross_entropy,
-                        tokens_per_sample=seq,
-                        source=f"{source}, masked LM: {hf_tasks.masked_per_sample(seq)} of {seq} tokens per sample "
-                               f"masked (token {mask_id}), positions drawn from (seed, step)")
+        masking = (f"{hf_tasks.masked_per_sample(seq)} of {seq} tokens per sample masked (token {mask_id})"
+                   if token_data == "packed" else
+                   f"each of {seq} tokens chosen with probability {hf_tasks.MASKED_SHARE:g} (at least one a sample), "
+                   f"80% of them masked (token {mask_id}), 10% a random token, 10% kept, as transformers' collator")
+        return Workload(spec, model, hf_tasks.masked_tokens(seed, vocab, seq, mask_id, token_data),
+                        hf_tasks.cross_entropy, tokens_per_sample=seq, ignore_index=hf_tasks.IGNORED,
+                        source=f"{source}, masked LM: {masking}, positions drawn from (seed, step)")
     loss_fn = hf_tasks.with_router_aux(aux) if aux else hf_tasks.cross_entropy
     aux_note = (f"; load-balancing loss {aux:g} x the routers' auxiliary loss of each forward's own tokens (per rank: "
                 "its value depends on how the batch is split)" if aux else "")
-    return Workload(spec, model, hf_tasks.causal_tokens(seed, vocab, seq), loss_fn, tokens_per_sample=seq,
-                    source=f"{source}, {seq} tokens per sample{aux_note}")
+    lengths = "padded at the end to lengths drawn from (seed, step), -100 targets there" if token_data != "packed" else "packed"
+    return Workload(spec, model, hf_tasks.causal_tokens(seed, vocab, seq, token_data), loss_fn, tokens_per_sample=seq,
+                    ignore_index=hf_tasks.IGNORED, source=f"{source}, {seq} tokens per sample ({lengths}){aux_note}")
 
 
 def _sequence_length(spec: str, config: Any, seq_len: int | None) -> int:

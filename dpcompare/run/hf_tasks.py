@@ -3,10 +3,12 @@
 Owns: the class swap that gives a transformers model the forward the trainer calls (`forward(batch)` returning the
 logits, or the logits and the routers' load-balancing loss where the config asks for it), the recomputation the
 verification copies switch on (`recompute_activations`), and each task's data and loss:
-  - causal LM: token streams of `seq` tokens, next-token targets (dpcompare.run.workloads.token_stream);
-  - masked LM: the same streams with the same number of positions masked in every sample, drawn from (seed, step),
-    so every rank rebuilds the same global batch, and the mean over masked tokens is the mean over samples (the
-    workload contract: a loss that is a mean over the samples it is given);
+  - causal LM: token streams of `seq` tokens, next-token targets, padded at the end to lengths of their own with
+    IGNORED targets there (dpcompare.run.workloads.token_batch), or packed;
+  - masked LM: the same streams masked as transformers' collator masks them (15% of the positions at random, 80/10/10),
+    or packed: the same number of positions masked in every sample; drawn from (seed, step), so every rank rebuilds
+    the same global batch;
+  the loss the mean over the targets not IGNORED (the workload's ignore_index: dpcompare.contract.normalisation);
   - image classifier: Gaussian pixels and random labels.
 Imports transformers lazily; of dpcompare only the contract and the built-in workloads' data helpers.
 """
@@ -22,7 +24,7 @@ from torch.nn import functional as F
 
 from dpcompare.contract.checkpointing import checkpoint_blocks
 from dpcompare.contract.workload import block_modules
-from dpcompare.run.workloads import _generator, token_stream
+from dpcompare.run.workloads import _generator, token_batch, token_stream
 
 MASKED_SHARE = 0.15
 """The share of a masked LM's positions masked per sample (BERT's), at least one."""
@@ -87,9 +89,9 @@ def recompute(model: nn.Module) -> None:
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def causal_tokens(seed: int, vocab: int, seq: int) -> Callable[[int, int], Batch]:
+def causal_tokens(seed: int, vocab: int, seq: int, token_data: str = "padded") -> Callable[[int, int], Batch]:
     def make_batch(step: int, global_batch: int) -> Batch:
-        return token_stream(seed, step, global_batch, vocab, seq, MAX_STRIDE)
+        return token_batch(seed, step, global_batch, vocab, seq, MAX_STRIDE, token_data)
 
     return make_batch
 
@@ -105,9 +107,13 @@ def masked_per_sample(seq: int) -> int:
     return max(1, round(MASKED_SHARE * seq))
 
 
-def masked_tokens(seed: int, vocab: int, seq: int, mask_id: int) -> Callable[[int, int], Batch]:
-    """Token streams (never holding `mask_id`) with `masked_per_sample(seq)` positions of each sample replaced by
-    `mask_id`; the targets are the original tokens there and IGNORED elsewhere."""
+def masked_tokens(seed: int, vocab: int, seq: int, mask_id: int, token_data: str = "padded"
+                  ) -> Callable[[int, int], Batch]:
+    """Token streams (never holding `mask_id`) with positions chosen for the loss, the targets the original tokens
+    there and IGNORED elsewhere. `packed`: `masked_per_sample(seq)` positions of each sample, replaced by `mask_id`.
+    Else as transformers' DataCollatorForLanguageModeling: each position chosen with probability MASKED_SHARE (at
+    least one a sample), 80% of the chosen replaced by `mask_id`, 10% by a random token, 10% kept, so the count differs
+    from sample to sample and from rank to rank. Drawn from (seed, step) alone: every rank rebuilds the same batch."""
     per_sample = masked_per_sample(seq)
 
     def make_batch(step: int, global_batch: int) -> Batch:
@@ -115,9 +121,18 @@ def masked_tokens(seed: int, vocab: int, seq: int, mask_id: int) -> Callable[[in
         tokens = tokens + (tokens >= mask_id).long()  # the stream skips the mask id
         # a generator of its own, from (seed, step) alone: every rank draws the same positions
         g = torch.Generator().manual_seed((seed * 1_000_003 + step) ^ (1 << 62))
-        where = torch.rand(global_batch, seq, generator=g).argsort(dim=1)[:, :per_sample]
-        targets = torch.full_like(tokens, IGNORED).scatter_(1, where, tokens.gather(1, where))
-        return tokens.scatter(1, where, mask_id), targets
+        draw = torch.rand(global_batch, seq, generator=g)
+        if token_data == "packed":
+            where = draw.argsort(dim=1)[:, :per_sample]
+            targets = torch.full_like(tokens, IGNORED).scatter_(1, where, tokens.gather(1, where))
+            return tokens.scatter(1, where, mask_id), targets
+        chosen = draw < MASKED_SHARE
+        chosen[torch.arange(global_batch), draw.argmin(dim=1)] = True  # at least one position a sample
+        targets = tokens.masked_fill(~chosen, IGNORED)
+        kind = torch.rand(global_batch, seq, generator=g)
+        random = torch.randint(0, vocab, (global_batch, seq), generator=g)
+        inputs = torch.where(chosen & (kind < 0.8), torch.full_like(tokens, mask_id), tokens)
+        return torch.where(chosen & (kind >= 0.8) & (kind < 0.9), random, inputs), targets
 
     return make_batch
 

@@ -28,8 +28,16 @@ def _semantic_facts(e: Equivalence) -> list[str]:
         facts.append(f"per-replica BatchNorm over {bn['local_batch']} samples: {distance} (--sync-bn makes it one "
                      "computation)")
     split = e.section("split")
-    if split.get("semantics") == "per_replica":
-        facts.append(f"the forward depends on how the batch is split: judged as the ranks' forwards, "
+    cause = (split.get("cause") or {}).get("name")
+    if split.get("semantics") == "per_replica" and cause == "normalisation":
+        facts.append(f"the loss is normalised per rank: compared with the ranks' own normalisation, "
+                     f"{split['distance_rel_fro']:.3g} (relative) from the global batch's gradient "
+                     "(--loss-normalisation global divides by the step's count)")
+    elif split.get("semantics") == "per_replica" and cause != "rounding":
+        why = {"statistic": "a statistic of each forward's own samples", "samples_interact": "the loss couples a "
+               "forward's samples", "control_flow": "control flow on the local batch",
+               "model_interaction": "the model mixes a forward's samples"}.get(cause, "no tested cause")
+        facts.append(f"the forward depends on how the batch is split ({why}): judged as the ranks' forwards, "
                      f"{split['distance_rel_fro']:.3g} (relative) from the global batch's gradient")
     elif split.get("semantics") == "loss_not_mean":
         facts.append(f"the loss is not a mean over its samples: the ranks' split computes {split['scale']:.4g}x the "

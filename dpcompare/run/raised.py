@@ -41,6 +41,7 @@ def model_files(model: nn.Module, loss_fn: Callable) -> frozenset[str]:
     subclass of its own; torch's own layers aside, see _TORCH_LAYERS) and its loss function."""
     files = {_file_of(cls) for m in model.modules() for cls in type(m).__mro__
              if cls is not object and not cls.__module__.startswith("torch.")}
+    loss_fn = inspect.unwrap(loss_fn)  # the workload's own, inside dpcompare's normalisation (Counted)
     files.add(_file_of(getattr(loss_fn, "func", loss_fn)))  # a functools.partial's function
     return frozenset(f for f in files if f)
 

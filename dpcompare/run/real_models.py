@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dpcompare.run.workloads import Workload, _cross_entropy, _generator
+from dpcompare.run.workloads import IGNORE_INDEX, Workload, _cross_entropy, _generator, token_batch
 
 
 # -- ResNet ------------------------------------------------------------------------------------------------
@@ -233,19 +233,16 @@ class GPT(nn.Module):
 def _gpt(size: str) -> Callable[[int], Workload]:
     c = GPT_SIZES[size]
 
-    def factory(seed: int) -> Workload:
+    def factory(seed: int, token_data: str = "padded") -> Workload:
         torch.manual_seed(seed)
         model = GPT(c)
 
         def make_batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-            # A learnable stream: each token is the previous one plus a per-sequence stride, mod vocab.
-            g = _generator(seed, step)
-            start = torch.randint(0, c.vocab, (global_batch, 1), generator=g)
-            stride = torch.randint(1, 8, (global_batch, 1), generator=g)
-            stream = (start + stride * torch.arange(c.context + 1)) % c.vocab
-            return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+            # A learnable stream: each token is the previous one plus a per-sequence stride, mod vocab; padded at
+            # the end to lengths of its own unless packed.
+            return token_batch(seed, step, global_batch, c.vocab, c.context, 8, token_data)
 
-        return Workload(size, model, make_batch, _cross_entropy, tokens_per_sample=c.context,
+        return Workload(size, model, make_batch, _cross_entropy, tokens_per_sample=c.context, ignore_index=IGNORE_INDEX,
                         source=f"dpcompare GPT-2 architecture ({c.layers} layers, {c.heads} heads, {c.dim} wide, "
                                f"context {c.context}, vocab {c.vocab}, dropout {c.dropout:g})")
 

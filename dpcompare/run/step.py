@@ -35,7 +35,7 @@ class StepRunner:
                  grad_accum: int, watchdog: Watchdog, rank: int, world_size: int, global_batch: int,
                  clip_grad_norm: float | None = None, inject_fault: str | None = None,
                  inject_slowdown: float = 0.0, compile_log: CompileLog | None = None,
-                 slow_rank: int | None = None) -> None:
+                 slow_rank: int | None = None, loss_normalisation: str = "local") -> None:
         self.adapter, self.workload, self.device, self.dtype = adapter, workload, device, dtype
         self.marking = False
         """Mark the step's phases for torch.profiler (MeasurementPhase's --profile steps)."""
@@ -60,6 +60,11 @@ class StepRunner:
         self._part = "forward"
         """The part of the step running: forward (the forward and the loss) or backward (for ModelRaised)."""
         self._code: tuple[frozenset[str], frozenset[str]] | None = None
+        self.global_count = loss_normalisation == "global"
+        """--loss-normalisation global: each micro-batch's loss is its sum over items divided by the step's count, summed
+        over the micro-batches and all-reduced over the ranks before the first backward."""
+        self.items: int | None = None
+        """The last step's count of items over every rank and micro-batch (--loss-normalisation global)."""
 
     # -- data --------------------------------------------------------------------------------------
     def batch(self, step: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -167,16 +172,41 @@ class StepRunner:
     def _micro_batches(self, x: torch.Tensor, y: torch.Tensor, context) -> None:
         wrapped = self.adapter.wrapped
         k = self.grad_accum
+        count = self._step_count(y) if self.global_count else None
         for j, (xj, yj) in enumerate(zip(x.chunk(k), y.chunk(k))):
             with context(j == k - 1):
                 started = self._host_time()
                 self._part = "forward"
                 with self.mark("forward"), self.adapter.autocast():
-                    loss = self.workload.loss_fn(wrapped.model(xj), yj)
+                    loss = self._loss(wrapped.model(xj), yj, count)
                 self.forward_s += self._host_time() - started
                 self._part = "backward"
                 with self.mark("backward"):
-                    self.adapter.backward(loss / k if k > 1 else loss)
+                    self.adapter.backward(loss / k if k > 1 and count is None else loss)
+
+    def _step_count(self, y: torch.Tensor) -> float:
+        """The step's items over every micro-batch of every rank: this rank's counted from its targets, then summed over
+        the ranks by the backend's own all-reduce (as transformers sums num_items_in_batch), before any backward."""
+        loss = self.workload.loss_fn
+        own = loss.items_of(y) if hasattr(loss, "items_of") else None
+        local = torch.tensor([float(own if own is not None else len(y))], dtype=torch.float64, device=self.device)
+        self.items = float(self.adapter.all_reduce_sum(local).item())
+        return self.items
+
+    def _loss(self, output, target: torch.Tensor, count: float | None) -> torch.Tensor:
+        """The micro-batch's loss as the backward takes it: its own mean (the backward then divides by grad_accum), or
+        with the step's `count`, its sum over items times world_size over `count`: the backend's mean over the ranks
+        then makes the step's gradient the global batch's sum over its count."""
+        loss = self.workload.loss_fn
+        if count is None:
+            return loss(output, target)
+        total, own = loss.sum_and_count(output, target)
+        if own is not None and loss.items_of(target) is None:
+            raise ValueError(f"--loss-normalisation global: --model {self.workload.name}'s loss returns (sum, count), "
+                             "whose count only its forward knows, so the step's count cannot be summed before the first "
+                             "backward; give the Workload ignore_index or items (the count from the targets), or use "
+                             "--loss-normalisation local")
+        return total * (self.world_size / count)
 
     def _inject(self, step: int) -> None:
         """--inject-fault KIND:RANK:STEP (failure tests): at that step this rank exits 17 (crash), is killed by

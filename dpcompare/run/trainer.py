@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,6 +23,8 @@ from torch import nn
 from dpcompare.contract import Adapter, Note
 from dpcompare.contract import checkpointing
 from dpcompare.contract import launch_env as launch
+from dpcompare.contract import sparse
+from dpcompare.contract.normalisation import counted
 from dpcompare.contract.workload import block_modules
 from dpcompare.measure import link
 from dpcompare.run import backend, checkpoint, compilation, hf_models, leave, raised, registry, result
@@ -42,14 +45,14 @@ FLIGHT_RECORDER_ENTRIES = 2000
 
 def load_workload(cfg: RunConfig) -> Workload:
     if hf_models.is_hf(cfg.model):
-        workload = hf_models.build(cfg.model, cfg.seed, cfg.seq_len)
+        workload = hf_models.build(cfg.model, cfg.seed, cfg.seq_len, cfg.token_data)
         _check_workload_flags(cfg, workload)
         return workload
     factory = registry.load(cfg.model, registry.MODELS, "model")
     if not callable(factory):
         raise ValueError(f"--model {cfg.model}: {type(factory).__name__} is not callable; give a function (seed) -> Workload")
     try:
-        workload = factory(cfg.seed)
+        workload = factory(cfg.seed, **_token_data(cfg, factory))
     except Exception as exc:
         if cfg.model in registry.MODELS:
             raise
@@ -59,6 +62,24 @@ def load_workload(cfg: RunConfig) -> Workload:
         raise ValueError(f"--model {cfg.model}: the function must return dpcompare.Workload, got {type(workload).__name__}")
     _check_workload_flags(cfg, workload)
     return workload
+
+
+def counting(workload: Workload) -> Workload:
+    """`workload` with its loss as the trainer and the checks call it (dpcompare.contract.normalisation.Counted)."""
+    workload.loss_fn = counted(workload.loss_fn, workload.ignore_index, workload.items)
+    return workload
+
+
+def _token_data(cfg: RunConfig, factory: Any) -> dict[str, str]:
+    """--token-data for a built-in token model (its factory takes `token_data`); refused for any other model."""
+    takes = cfg.model in registry.MODELS and "token_data" in inspect.signature(factory).parameters
+    if takes:
+        return {"token_data": cfg.token_data}
+    if cfg.token_data != "padded":
+        raise CommandLineError(f"--token-data {cfg.token_data} is invalid for --model {cfg.model}: it sets the data of "
+                               "the built-in token models (lm, gpt-*) and of hf: language models, and --model "
+                               f"{cfg.model} makes batches of its own: drop --token-data")
+    return {}
 
 
 def _check_workload_flags(cfg: RunConfig, workload: Workload) -> None:
@@ -102,7 +123,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                                    f"{env.world_size - 1}")
     if cfg.compile:
         compilation.require_compiler()  # every rank: the compiler is this host's
-    workload = load_workload(cfg)
+    workload = counting(load_workload(cfg))
     device = launch.pick_device(cfg.device, env.local_rank)
     adapter = adapter_cls(env, device, settings)
     watchdog: Watchdog | None = None
@@ -124,7 +145,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                             grad_accum=cfg.grad_accum, watchdog=watchdog, rank=env.rank, world_size=env.world_size,
                             global_batch=global_batch, clip_grad_norm=cfg.clip_grad_norm, inject_fault=cfg.inject_fault,
                             inject_slowdown=cfg.inject_slowdown, slow_rank=cfg.inject_slowdown_rank,
-                            compile_log=compilation.CompileLog() if cfg.compile else None)
+                            compile_log=compilation.CompileLog() if cfg.compile else None,
+                            loss_normalisation=cfg.loss_normalisation)
         verification = VerificationPhase(cfg, adapter, runner, template, env.is_rank0)
         verdict = verification.run()
         metrics = MeasurementPhase(cfg, adapter, runner, local_batch, env.is_rank0, template, nccl_log).run()
@@ -215,6 +237,12 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
     if env.is_rank0:
         facts = verifier.probe(template, workload.loss_fn, workload.make_batch(0, global_batch), device)
     facts = dataclasses.replace(adapter.all_gather_object(facts)[0], built_apart=tuple(built.values.items()))
+    # A sparse gradient (nn.Embedding(sparse=True)) the backend or torch cannot take: refused before anything trains.
+    refused = sparse.refusal(facts.sparse_grads, sparse.tables(template), cfg.backend,
+                             adapter.sparse_gradient_refusal(adapter.settings.options), cfg.optimizer, cfg.weight_decay,
+                             cfg.clip_grad_norm)
+    if refused is not None:
+        raise CommandLineError(refused)
     # Same seed for the weights (above), a seed of its own per rank for what the forward draws (seed 000).
     stochastic.seed_rank(cfg.seed, env.rank)
     module = workload.model.to(device=device, dtype=eq.DTYPES[cfg.dtype])

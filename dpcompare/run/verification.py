@@ -17,7 +17,7 @@ import contextlib
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -130,7 +130,7 @@ class VerificationPhase:
         """Rank 0's verifier (initial weights against the workload's), then every rank's initial weights."""
         if self.cfg.check_every:
             ctx = check_context(self.cfg, self.adapter, self.template, self.runner.device, self.runner.world_size,
-                                coverage)
+                                coverage, getattr(self.runner.workload.loss_fn, "count", None))
             if self.rank0:
                 self.divider = divided.Divider(self.peers, ctx.layout) if self.peers is not None else None
                 self.check = verifier.Verifier(ctx, template=self.template, loss_fn=self.runner.workload.loss_fn,
@@ -298,9 +298,10 @@ class VerificationPhase:
 
 
 def check_context(cfg: RunConfig, adapter: Adapter, template: torch.nn.Module, device: torch.device, world_size: int,
-                  coverage: oc.OracleCoverage | None) -> CheckContext:
+                  coverage: oc.OracleCoverage | None, items: Callable[[torch.Tensor], int] | None = None) -> CheckContext:
     """What every check of this run is judged with, built once on rank 0 after wrapping (the backend's precision recipe
-    and its wire are known then): the run's settings the checks read, typed, and the facts of the run."""
+    and its wire are known then): the run's settings the checks read, typed, and the facts of the run. `items`: how
+    many items a forward's targets hold, for a loss over items (dpcompare.contract.normalisation)."""
     settings = CheckSettings(dtype=cfg.dtype, amp=cfg.amp, sync_bn=cfg.sync_bn, compile=cfg.compile,
                              clip_grad_norm=cfg.clip_grad_norm, grad_accum=cfg.grad_accum, lr=cfg.lr,
                              weight_decay=cfg.weight_decay, check_every=cfg.check_every, dump_grads=cfg.dump_grads)
@@ -311,7 +312,8 @@ def check_context(cfg: RunConfig, adapter: Adapter, template: torch.nn.Module, d
         settings=settings, world_size=world_size, depth=eq.depth_of(template),
         names=tuple(n for n, p in named if p.requires_grad and n not in unchecked),
         all_names=tuple(n for n, _ in named), factory=optimizer_factory(cfg), device=device,
-        layout=eq.Layout(world_size, cfg.grad_accum, adapter.replicas_per_process()), facts=adapter.model_facts,
+        layout=eq.Layout(world_size, cfg.grad_accum, adapter.replicas_per_process(), items,
+                         cfg.loss_normalisation == "global"), facts=adapter.model_facts,
         batchnorms=batchnorms, oracle_coverage=coverage, recipe=Recipe(adapter.amp_recipe(), cfg.amp, device.type, adapter.gathered_parameters,
                                                                  adapter.wraps_module_boundaries()),
         wire=adapter.gradient_wire(), wired=adapter.gradient_wire_parameters(), prestep=adapter.optimizer_prestep(),

@@ -31,6 +31,31 @@ def token_stream(seed: int, step: int, global_batch: int, vocab: int, seq: int, 
     return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
 
 
+IGNORE_INDEX = -100
+"""The target of a position the loss leaves out (F.cross_entropy's default ignore_index, transformers' convention)."""
+PAD_ID = 0
+"""The input token of a padded position (its output is never a target: the causal models never read it for an earlier
+position)."""
+
+
+def pad_at_end(tokens: torch.Tensor, targets: torch.Tensor, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample of a next-token batch cut to a length drawn from (seed, step) alone (every rank draws the same), at
+    least 2 and at most the context, the rest padded with PAD_ID; the targets IGNORE_INDEX from the last real token on
+    (its next token is padding), as a collator pads a batch of varying lengths."""
+    n, seq = tokens.shape
+    g = torch.Generator().manual_seed((seed * 1_000_003 + step) ^ (1 << 61))
+    lengths = torch.randint(min(seq, max(2, seq // 4)), seq + 1, (n, 1), generator=g)
+    where = torch.arange(seq)
+    return tokens.masked_fill(where >= lengths, PAD_ID), targets.masked_fill(where >= lengths - 1, IGNORE_INDEX)
+
+
+def token_batch(seed: int, step: int, global_batch: int, vocab: int, seq: int, max_stride: int, token_data: str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_stream`'s batch, padded at the end (`pad_at_end`) unless `token_data` is "packed"."""
+    x, y = token_stream(seed, step, global_batch, vocab, seq, max_stride)
+    return (x, y) if token_data == "packed" else pad_at_end(x, y, seed, step)
+
+
 def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
@@ -144,12 +169,14 @@ class TinyLM(nn.Module):
         return self.ln(x) @ self.tok.weight.t()
 
 
-def lm(seed: int) -> Workload:
+def lm(seed: int, token_data: str = "padded") -> Workload:
+    """TinyLM on token streams (`token_data`: padded at the end, or packed); the loss the mean over the targets not
+    IGNORE_INDEX."""
     torch.manual_seed(seed)
     vocab, seq = 64, 16
     model = TinyLM(vocab=vocab, seq=seq)
 
     def make_batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_stream(seed, step, global_batch, vocab, seq, 4)
+        return token_batch(seed, step, global_batch, vocab, seq, 4, token_data)
 
-    return Workload("lm", model, make_batch, _cross_entropy, tokens_per_sample=seq)
+    return Workload("lm", model, make_batch, _cross_entropy, tokens_per_sample=seq, ignore_index=IGNORE_INDEX)

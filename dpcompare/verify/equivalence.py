@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dpcompare.contract.compiling import compile_forward
+from dpcompare.contract.sparse import make_dense
 from dpcompare.verify.boundaries import module_boundaries
 from dpcompare.verify import float64_paths
 from dpcompare.verify.dtypes import as_input, float_dtype
@@ -152,6 +153,11 @@ class Layout:
     world_size: int = 1
     grad_accum: int = 1
     replicas: int = 1
+    items: Callable[[torch.Tensor], int] | None = None
+    """How many items a forward's targets hold, for a loss that is a mean over items (tokens not ignored:
+    dpcompare.contract.normalisation); None: a mean over samples."""
+    global_count: bool = False
+    """--loss-normalisation global: every forward's sum over items is divided by the step's count, not its own."""
 
     def positions(self, batch_size: int) -> list[tuple[int, int, int, torch.Tensor]]:
         """(rank, micro-batch, replica, positions in the global batch) of every forward, in the order each
@@ -163,6 +169,38 @@ class Layout:
                 for replica, piece in enumerate(part.chunk(self.replicas)):
                     out.append((rank, micro, replica, piece))
         return out
+
+    def shares(self, y: torch.Tensor, chosen: list[tuple[int, int, int, torch.Tensor]]) -> list[float]:
+        """The weight of each forward of `chosen` (entries of `positions`) in the step's gradient, the forward's loss
+        being its own mean: its share of the chosen samples (a mean over samples); for a loss over items, normalised as
+        the run normalises it: by each rank's micro-batch's own count (its replicas' parts by their items, since the
+        loss sees the micro-batch gathered), or with `global_count` by the step's count over every forward. Chosen
+        forwards of some ranks only: weighted as those ranks' own gradient is before the backend averages them."""
+        n_chosen = sum(len(p[3]) for p in chosen)
+        if self.items is None or (self.replicas == 1 and not self.global_count):
+            return [len(p[3]) / n_chosen for p in chosen]
+        count = {(p[0], p[1], p[2]): self.items(y[p[3]]) for p in self.positions(len(y))}
+        if self.global_count:
+            total = sum(count.values())
+            ranks = len({p[0] for p in chosen})
+            return [count[p[:3]] * self.world_size / (total * ranks) if total else 0.0 for p in chosen]
+        micro: dict[tuple[int, int], int] = {}
+        for (rank, j, _), c in count.items():
+            micro[rank, j] = micro.get((rank, j), 0) + c
+        micro_samples = {(p[0], p[1]): 0 for p in chosen}
+        for p in chosen:
+            micro_samples[p[0], p[1]] += len(p[3])
+        return [micro_samples[p[0], p[1]] / n_chosen * (count[p[:3]] / micro[p[0], p[1]] if micro[p[0], p[1]] else 0.0)
+                for p in chosen]
+
+    def share_of(self, y: torch.Tensor, idx: torch.Tensor) -> float:
+        """The weight of one forward of the samples `idx` of the step's targets `y` whose loss is its own mean, where
+        the ranks' forwards of those samples are joined into it: their share of the samples, or of the step's items
+        (a loss over items)."""
+        if self.items is None:
+            return len(idx) / len(y)
+        total = self.items(y)
+        return self.items(y[idx]) / total if total else 0.0
 
     @property
     def splits_the_batch(self) -> bool:
@@ -187,9 +225,10 @@ def replica_pieces(batch: tuple[torch.Tensor, torch.Tensor], layout: Layout,
     n = x.shape[0]
     chosen = None if ranks is None else set(ranks)
     positions = [(i, p) for i, p in enumerate(layout.positions(n)) if chosen is None or p[0] in chosen]
-    total = sum(len(p[3]) for _, p in positions)
-    return [Piece(x[idx], y[idx], len(idx) / total, masks[i] if masks else None, rank, i)
-            for i, (rank, _, _, idx) in positions]
+    weights = layout.shares(y, [p for _, p in positions])
+    # a forward holding no item adds nothing (and its own mean, 0/0, is no number)
+    return [Piece(x[idx], y[idx], w, masks[i] if masks else None, rank, i)
+            for (i, (rank, _, _, idx)), w in zip(positions, weights) if w > 0 or layout.items is None]
 
 
 def accumulate_gradient(model: nn.Module, loss_fn: Callable, pieces: list[Piece], device: torch.device,
@@ -268,12 +307,14 @@ def _through(g: torch.Tensor, dtype: torch.dtype, loss_scale: float) -> torch.Te
 
 
 def verification_copy(template: nn.Module, device: torch.device, dtype: torch.dtype,
-                      alternatives: bool = True) -> nn.Module:
+                      alternatives: bool = True, sparse: bool = False) -> nn.Module:
     """A plain copy of the workload's model for checking, its floating parameters and buffers in `dtype` (integer and
     bool ones as the model built them) on `device`, recomputing activations in backward where the model offers it
     (`RECOMPUTE_ATTRIBUTE`). A float64 copy computes an op with no float64 kernel on the model's own alternative path,
-    or else in float32 (dpcompare.verify.float64_paths); `alternatives` False: always the latter."""
+    or else in float32 (dpcompare.verify.float64_paths); `alternatives` False: always the latter. Its tables' gradients
+    are dense (contract.sparse.make_dense), unless `sparse` (the probe's copy, which finds the model's sparse ones)."""
     model = copy.deepcopy(template).to(device=device, dtype=dtype)
+    model = model if sparse else make_dense(model)
     for m in model.modules():
         if isinstance(getattr(m, RECOMPUTE_ATTRIBUTE, None), bool):
             setattr(m, RECOMPUTE_ATTRIBUTE, True)

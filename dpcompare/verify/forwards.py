@@ -63,7 +63,7 @@ class Forwards:
         idx = torch.sort(torch.cat([samples for _, samples in chosen])).values
         joined = None if masks is None else mk.combine(
             [masks[i] for i, _ in chosen], [torch.searchsorted(idx, samples) for _, samples in chosen], len(idx))
-        return [Piece(batch[0][idx], batch[1][idx], len(idx) / n, joined)]
+        return [Piece(batch[0][idx], batch[1][idx], self.layout.share_of(batch[1], idx), joined)]
 
     def masks(self, batch_size: int, records: list[mk.MaskRecord]) -> list[Masks]:
         """Each forward's masks, in the order of `layout.positions`: a rank's masks split by micro-batch. Unpacked

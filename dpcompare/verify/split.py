@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Literal, Mapping
+from typing import Callable, Literal, Mapping
 
 import torch
 
 from dpcompare.verify import masks as mk
 from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, replica_pieces
 from dpcompare.verify.forwards import Forwards
+from dpcompare.verify.split_causes import find_cause
 from dpcompare.verify.streamed import distance_of
 from dpcompare.verify.tolerance import TOLERANCE_FACTOR, UNIT_ROUNDOFF, rel_fro_of
 from dpcompare.verify.verdict import Verdict
@@ -70,6 +71,9 @@ class SplitFinding:
     ranks: list[int] | None = None
     """The ranks whose forwards it was measured on, joined into one forward against their shards (`measure_pair`);
     None: the global batch."""
+    cause: dict | None = None
+    """per_replica: why, as its test found it (dpcompare.verify.split_causes: the name, None where no test held, and
+    every test's figures), or {"name": "rounding"} where the distance is below the run's noise floor."""
 
     def to_dict(self) -> dict:
         return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in asdict(self).items()}
@@ -156,7 +160,8 @@ class SplitCheck:
             self.unmeasured = True
             return pieces, oracle
         split = replica_pieces(batch, self.layout, masks)
-        finding = self.measure(step, state, split, whole, oracle, known_is_whole=len(pieces) == 1)
+        finding = self.measure(step, state, split, whole, oracle, known_is_whole=len(pieces) == 1, batch=batch,
+                               masks=masks)
         self.forwards.per_replica = finding.semantics == "per_replica"
         self.forwards.joined = finding.semantics == "loss_not_mean"
         now = self.forwards.pieces(batch, records)
@@ -194,10 +199,11 @@ class SplitCheck:
         return out[1] if out is not None and out[0] == step else None
 
     def measure(self, step: int, state: dict, split: list[Piece], whole: list[Piece], known: Grads,
-                known_is_whole: bool) -> SplitFinding:
+                known_is_whole: bool, batch=None, masks: list[Masks] | None = None) -> SplitFinding:
         """The finding at `step` from the run's `state`: `split`, the ranks' forwards; `whole`, the global batch in one
         forward (the ranks' masks joined); `known`, the float64 gradient of one of the two (`known_is_whole`), already
-        computed. Records it (`finding`); the oracle's `none` is left as it was."""
+        computed. Records it (`finding`), with the cause its test found where the split moves the gradient (`batch`,
+        the step's global batch, and `masks`, each forward's draws, given); the oracle's `none` is left as it was."""
         none = self.oracle.none
         names = self.oracle.names
         # Every figure reduced parameter by parameter: the two gradients are never concatenated, and the one computed
@@ -227,6 +233,10 @@ class SplitCheck:
                 finding.semantics, finding.scale = "loss_not_mean", scale
             else:
                 finding.semantics = "per_replica"
+                if batch is not None:
+                    finding.cause = find_cause(self.oracle, self.layout, state, batch, w, finding.agreement,
+                                               masks).to_dict()
+                    self.oracle.none = none
         self.finding = finding
         self.verdict.split = finding.to_dict()
         return finding
@@ -248,18 +258,77 @@ class SplitCheck:
                               "run is judged against what a single process computes; reduce the loss with mean")
             return
         f.floors = f.distance_rel_fro / floor_rel if floor_rel > 0 else None
+        if f.floors is not None and f.floors < 1.0:
+            # below what the run's own precision rounds: no split a check could see, and no note
+            f.cause = {"name": "rounding", "evidence": {"floors": f.floors, **((f.cause or {}).get("evidence") or {})}}
+            self.verdict.split = f.to_dict()
+            return
         self.verdict.split = f.to_dict()
         ws, k, r = self.layout.world_size, self.layout.grad_accum, self.layout.replicas
         split = " x ".join([f"{ws} rank(s)"] + ([f"{k} micro-batches"] if k > 1 else []) +
                            ([f"{r} device replicas"] if r > 1 else []))
         floors = f", {f.floors:.3g}x the noise floor" if f.floors is not None else ""
+        away = (f"at step {f.step} the global batch's gradient is {f.distance_rel_fro:.3g} away (relative, in float64)"
+                f"{floors}{rounding}")
+        cause = f.cause or {}
+        name, evidence = cause.get("name"), cause.get("evidence") or {}
+        if name == "normalisation":
+            counts = evidence["normalisation"]
+            self.verdict.note("split_normalisation",
+                              f"the loss is normalised per rank{' and per micro-batch' if k > 1 else ''} (items per "
+                              f"rank at step {f.step}: {', '.join(map(str, counts['items_per_rank']))}): each of the "
+                              f"{split} divides its loss by its own count, and the oracle and the reference compute "
+                              f"exactly that; {away}; weighted by their share of the step's items, the same forwards "
+                              f"are {counts['reweighted_distance_rel_fro']:.3g} from it, so the normalisation is the "
+                              "cause: --loss-normalisation global divides every forward by the step's count, summed "
+                              "over the ranks and micro-batches (transformers' num_items_in_batch)")
+            return
         self.verdict.note("split_dependent_forward",
-                          f"the forward depends on how the batch is split (its result on a rank's samples is not those "
-                          f"samples' own: control flow on the local batch's size or content, or samples that interact): "
-                          f"each of the {split} computes its own forwards, and the oracle and the reference compute "
-                          f"exactly those; at step {f.step} that gradient is {f.distance_rel_fro:.3g} (relative, in "
-                          f"float64) from the single-process global-batch gradient{floors}{rounding}; not a scalar "
-                          "multiple of it, so not a loss that is not a mean")
+                          f"{_CAUSES.get(name, _NO_CAUSE)(evidence)}: each of the {split} computes its own forwards, "
+                          f"and the oracle and the reference compute exactly those; {away}")
+
+
+def _statistic(evidence: dict) -> str:
+    stat = evidence["statistic"]
+    return (f"each forward computes a statistic of its own samples ({stat['taken_out']} brings the split to "
+            f"{stat['distance_rel_fro']:.3g} from the global batch): the ranks normalise or balance over their own "
+            "samples (--sync-bn synchronises BatchNorm; a router's load-balancing loss is each rank's own)")
+
+
+def _interact(evidence: dict) -> str:
+    rows = evidence["samples"]["rows_distance_rel"]
+    return (f"the samples interact in the loss: the model computes each sample's output alone (a rank's outputs are "
+            f"the global forward's rows within {rows:.3g}), so the loss couples the samples of a forward (in-batch "
+            "negatives, a loss over the batch), and each rank's couples only its own")
+
+
+def _control_flow(evidence: dict) -> str:
+    samples = evidence["samples"]
+    read = samples.get("own_read")
+    where = (f"the model's own code reads a tensor's value into Python ({read}): it branches on the local batch's "
+             "content" if read else
+             "a sample's output depends on the batch it is in but not on the other samples' values (replacing them "
+             f"moves it {samples.get('first_row_moved_rel', 0.0):.3g}): the forward branches on the local batch's size")
+    return f"control flow on the local batch: {where}"
+
+
+def _model_interaction(evidence: dict) -> str:
+    samples = evidence["samples"]
+    return (f"the model mixes the samples of a forward: a sample's output moves {samples['first_row_moved_rel']:.3g} "
+            "(relative) when the other samples of its forward are replaced (attention, pooling or statistics across "
+            "the batch)")
+
+
+def _no_cause(evidence: dict) -> str:
+    tried = ", ".join(k for k in evidence) or "none"
+    return (f"the forward depends on how the batch is split, and no tested cause holds (tested: {tried}; their figures "
+            "are in the result's split.cause)")
+
+
+_CAUSES: dict[str | None, Callable[[dict], str]] = {"statistic": _statistic, "samples_interact": _interact,
+                                                    "control_flow": _control_flow,
+                                                    "model_interaction": _model_interaction}
+_NO_CAUSE = _no_cause
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -85,7 +85,7 @@ def _failed_job_rows(runs: list[RunResult], compare: dict[str, Any] | None) -> l
             and (job["label"] not in have if job.get("label") else (job.get("backend"), job.get("world_size")) not in have)]
 
 
-SEMANTIC_NOTES = ("per_replica_batchnorm", "split_dependent_forward", "buffers_per_rank", "initial_weights_built_apart")
+SEMANTIC_NOTES = ("per_replica_batchnorm", "split_dependent_forward", "split_normalisation", "buffers_per_rank", "initial_weights_built_apart")
 """Notes that say what a backend computes that a single process does not: listed under the verdicts."""
 
 

@@ -1,0 +1,81 @@
+"""How a workload's loss is normalised: over the samples of a forward, or over its items (tokens not ignored, masked
+positions), and, with --loss-normalisation global, over the items of the whole step.
+
+Owns: `Counted`, the workload's loss as the trainer and the checks call it. A workload says its loss is a sum over
+items divided by their count in one of two ways:
+  - `Workload.ignore_index`: targets equal to it are no item, and the loss is the mean over the others (what
+    F.cross_entropy(ignore_index=-100) and transformers' losses compute); `Workload.items` counts another way;
+  - `loss_fn` returns `(sum, count)`: the sum over the forward's items and their count.
+Called as `loss(output, target)`, `Counted` returns the forward's own mean (sum / count) in either case: what a rank
+computes when each rank and each micro-batch normalises by its own count (`local`, the default, what a training loop
+that calls the loss on its micro-batch computes). `global`: every forward's sum is divided by the step's count over
+all ranks and micro-batches (transformers' `num_items_in_batch`, summed over the accumulation window and the ranks),
+which makes the ranks' split compute the global batch's loss. Imports nothing of dpcompare's.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Literal
+
+import torch
+
+Normalisation = Literal["local", "global"]
+NORMALISATIONS: tuple[str, ...] = ("local", "global")
+
+
+def counter(ignore_index: int | None, items: Callable[[torch.Tensor], Any] | None) -> Callable[[torch.Tensor], int] | None:
+    """How many items targets hold: `items` where given, else the targets not equal to `ignore_index`; None where the
+    workload names neither (a plain mean over samples, or a `(sum, count)` loss whose count only the forward knows)."""
+    if items is not None:
+        return lambda y: int(items(y))
+    if ignore_index is not None:
+        return lambda y: int((y != ignore_index).sum())
+    return None
+
+
+class Counted:
+    """A workload's loss (`loss_fn`), normalised as the run asks. See the module docstring."""
+
+    def __init__(self, loss_fn: Callable, count: Callable[[torch.Tensor], int] | None) -> None:
+        self.loss_fn, self.count = loss_fn, count
+        functools.update_wrapper(self, loss_fn, updated=())
+        self.returns_count = False
+        """The loss returned (sum, count) at least once."""
+
+    @property
+    def counts_items(self) -> bool:
+        """The loss is normalised over items the checks can count (from the targets, or as the loss returns them)."""
+        return self.count is not None or self.returns_count
+
+    def sum_and_count(self, output: Any, target: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        """The forward's loss as the sum over its items and their count (None: a mean over samples; its sum is then
+        the mean times the samples)."""
+        out = self.loss_fn(output, target)
+        if isinstance(out, tuple):
+            if len(out) != 2:
+                raise ValueError(f"the loss returned a tuple of {len(out)}: return the loss (a tensor) or (sum, count)")
+            self.returns_count = True
+            total, count = out
+            return total, int(count)
+        count = self.count(target) if self.count is not None else None
+        return out * (count if count is not None else len(target)), count
+
+    def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """The forward's own mean: over its items, or over its samples."""
+        out = self.loss_fn(output, target)
+        if isinstance(out, tuple):
+            self.returns_count = True
+            total, count = out
+            return total / count
+        return out
+
+    def items_of(self, target: torch.Tensor) -> int | None:
+        """The items the targets hold, where they say (None where the loss alone counts them)."""
+        return self.count(target) if self.count is not None else None
+
+
+def counted(loss_fn: Callable, ignore_index: int | None = None,
+            items: Callable[[torch.Tensor], Any] | None = None) -> Counted:
+    """`loss_fn` as a Counted (once: a Counted is returned as it is)."""
+    return loss_fn if isinstance(loss_fn, Counted) else Counted(loss_fn, counter(ignore_index, items))

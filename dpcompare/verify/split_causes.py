@@ -1,0 +1,202 @@
+"""Why the ranks' split of a batch computes another gradient than the global batch: each cause tested, none assumed.
+
+Owns: `find_cause`, run on rank 0 in float64 where dpcompare.verify.split finds that the split moves the gradient.
+Each test changes one thing and measures again, and a cause is named only where its test holds:
+
+  normalisation  the loss is a mean over items (tokens not ignored) and each forward divided by its own count: the
+                 split weighted by each forward's share of the step's items (what --loss-normalisation global
+                 computes) is the global batch's gradient;
+  statistic      a statistic of each forward's own samples (BatchNorm's batch statistics, an MoE router's
+                 load-balancing loss): with it taken out (BatchNorm on its running statistics, the loss without the
+                 term the workload names `per_forward_term`) the split is the global batch's gradient;
+  samples_interact  the model computes each sample's output alone (the ranks' outputs are the global forward's rows),
+                 so the loss couples the samples (in-batch negatives of a contrastive loss);
+  control_flow   a sample's output depends on the batch it is in, but not on the other samples' values (replacing them
+                 leaves it unchanged): the forward branches on the local batch's size; or the model's own code reads a
+                 tensor's value into Python (its branch on the content, where it read);
+  model_interaction  a sample's output moves when the other samples of its forward are replaced: the model mixes
+                 samples (attention or pooling across the batch).
+Where no test holds, the cause is None and the note says so. Every figure is kept (`Cause.evidence`). Imports no
+adapter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from dpcompare.verify import data_dependence
+from dpcompare.verify.dtypes import as_input
+from dpcompare.verify.equivalence import Grads, Layout, Oracle, Piece, replica_pieces
+from dpcompare.verify.tolerance import rel_fro_of
+
+PER_FORWARD_TERM = "per_forward_term"
+"""A loss function's attribute: the same loss without its terms computed from each forward's own statistics (an MoE
+router's load-balancing loss: dpcompare.run.hf_tasks.with_router_aux)."""
+
+
+@dataclass(slots=True)
+class Cause:
+    name: str | None
+    """normalisation, statistic, samples_interact, control_flow, model_interaction, or None (no test held)."""
+    evidence: dict[str, Any] = field(default_factory=dict)
+    """Each test run, its figures and whether it held."""
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "evidence": self.evidence}
+
+
+def find_cause(oracle: Oracle, layout: Layout, state: dict, batch, whole: Grads, agreement: float,
+               masks: list | None) -> Cause:
+    """The first cause whose test holds (see the module docstring), against the global batch's float64 gradient
+    `whole` at the run's `state`, within `agreement` (the split finding's)."""
+    evidence: dict[str, Any] = {}
+    names = oracle.names
+    counts = _counts(layout, batch)
+    if counts is not None:
+        reweighted = oracle.oracle_of(state, replica_pieces(batch, dataclasses.replace(layout, global_count=True), masks))
+        distance = rel_fro_of(reweighted, whole, names)
+        del reweighted
+        evidence["normalisation"] = {"items_per_rank": counts[0], "items_per_forward": counts[1],
+                                     "reweighted_distance_rel_fro": distance, "holds": distance <= agreement}
+        if distance <= agreement:
+            return Cause("normalisation", evidence)
+    statistic = _without_statistic(oracle, layout, state, batch, masks, agreement)
+    if statistic is not None:
+        evidence["statistic"] = statistic
+        if statistic["holds"]:
+            return Cause("statistic", evidence)
+    if masks:
+        evidence["samples"] = {"tested": False, "why": "the forwards draw random numbers: a forward run again here "
+                                                       "would draw others"}
+        return Cause(None, evidence)
+    samples = _samples(oracle, layout, state, batch, agreement)
+    evidence["samples"] = samples
+    return Cause(samples.pop("cause", None), evidence)
+
+
+def _counts(layout: Layout, batch) -> tuple[list[int], list[int]] | None:
+    """(items per rank, items per forward) where the loss counts items from its targets."""
+    if layout.items is None:
+        return None
+    y = batch[1]
+    forwards = [(p[0], layout.items(y[p[3]])) for p in layout.positions(len(y))]
+    return [sum(c for r, c in forwards if r == rank) for rank in range(layout.world_size)], [c for _, c in forwards]
+
+
+@contextlib.contextmanager
+def _statistics_out(model: nn.Module) -> Iterator[list[str]]:
+    """`model`'s BatchNorm layers on their running statistics (eval mode) while inside; yields their names."""
+    layers = [(n, m) for n, m in model.named_modules()
+              if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    for _, m in layers:
+        m.eval()
+    try:
+        yield [n for n, _ in layers]
+    finally:
+        for _, m in layers:
+            m.train()
+
+
+def _without_statistic(oracle: Oracle, layout: Layout, state: dict, batch, masks, agreement: float) -> dict | None:
+    """The split against the global batch with the per-forward statistics taken out; None where the model has none."""
+    loss = getattr(oracle.loss_fn, "loss_fn", oracle.loss_fn)
+    term_free = getattr(loss, PER_FORWARD_TERM, None)
+    model = oracle.model64
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats for m in model.modules())
+    if term_free is None and not has_bn:
+        return None
+    loss_fn = term_free if term_free is not None else oracle.loss_fn
+    split = replica_pieces(batch, layout, masks)
+    with _statistics_out(model) as layers:
+        distance = _local_distance(oracle, state, split, batch, loss_fn, layout)
+    what = ([f"BatchNorm on its running statistics ({len(layers)} layers)"] if layers else []) + (
+        ["the loss without its per-forward term (the routers' load-balancing loss)"] if term_free is not None else [])
+    return {"taken_out": "; ".join(what), "distance_rel_fro": distance, "holds": distance <= agreement}
+
+
+def _local_distance(oracle: Oracle, state: dict, split: list[Piece], batch, loss_fn: Callable, layout: Layout) -> float:
+    """The split's float64 gradient from the global batch's, both computed here on rank 0's float64 copy with
+    `loss_fn` (the copy as it is set: its modules' modes kept)."""
+    model = oracle.model64
+    model.load_state_dict(state)
+    names = oracle.names
+
+    def gradient(pieces: list[Piece]) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        for p in pieces:
+            out = loss_fn(model(as_input(p.x, model, oracle.device)), p.y.to(oracle.device))
+            (p.weight * (out[0] / out[1] if isinstance(out, tuple) else out)).backward()
+        got = dict(model.named_parameters())
+        return {n: (got[n].grad.detach().clone() if got[n].grad is not None else torch.zeros_like(got[n]))
+                for n in names}
+
+    training = [m for m in model.modules() if m.training]
+    try:
+        split_grad = gradient(split)
+        whole_grad = gradient([Piece(batch[0], batch[1], 1.0)])
+    finally:
+        model.zero_grad(set_to_none=True)
+        for m in training:
+            m.train()
+        model.load_state_dict(state)
+    return rel_fro_of(split_grad, whole_grad, names)
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    if torch.is_tensor(out):
+        return out
+    if isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):
+        return out[0]
+    logits = getattr(out, "logits", None)
+    return logits if torch.is_tensor(logits) else None
+
+
+def _samples(oracle: Oracle, layout: Layout, state: dict, batch, agreement: float) -> dict[str, Any]:
+    """Rank 0's first forward against the same samples' rows of the global batch's forward; where they differ, the
+    forward again with the other samples replaced by others of the batch (the same count)."""
+    model = oracle.model64
+    model.load_state_dict(state)
+    x, y = batch
+    n = x.shape[0]
+    idx = layout.positions(n)[0][3]
+    if len(idx) < 2 or len(idx) == n:
+        return {"tested": False, "why": "a forward of fewer than two samples, or of the whole batch"}
+    with torch.no_grad(), data_dependence.watch(model) as reads:
+        own = _first_tensor(model(as_input(x[idx], model, oracle.device)))
+    with torch.no_grad():
+        full = _first_tensor(model(as_input(x, model, oracle.device)))
+    model.load_state_dict(state)  # a forward in training mode moves buffers
+    if own is None or full is None or own.shape[:1] != idx.shape or full.shape[0] != n:
+        return {"tested": False, "why": "the model's output is not a tensor with one row a sample"}
+    rows = _rel(own, full[idx.to(full.device)])
+    out: dict[str, Any] = {"tested": True, "rows_distance_rel": rows, "own_read": reads.own_read}
+    if rows <= agreement:
+        out["cause"] = "samples_interact"
+        return out
+    others = torch.tensor([i for i in range(n) if i not in set(idx.tolist())][: len(idx) - 1])
+    if len(others) < len(idx) - 1:
+        out["cause"] = "control_flow" if reads.own_read else None
+        return out
+    # a sample's output from a forward of other samples: moved by their values (the model mixes samples), or only by
+    # how many there are (a branch on the batch's size)
+    swapped = torch.cat([idx[:1], others])
+    with torch.no_grad():
+        again = _first_tensor(model(as_input(x[swapped], model, oracle.device)))
+    model.load_state_dict(state)
+    moved = _rel(again[:1], own[:1])
+    out["first_row_moved_rel"] = moved
+    # the model's own read of a value is a branch on the content, whatever the replaced samples moved
+    out["cause"] = "control_flow" if reads.own_read or moved <= agreement else "model_interaction"
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    scale = max(float(torch.linalg.vector_norm(b)), 1e-300)
+    return float(torch.linalg.vector_norm(a - b)) / scale
