@@ -560,3 +560,14 @@ class Rank1RangeUncheckedDoubleStepDDP(Rank1RangeDoubleStepDDP):
             super().step()
         else:
             DDPAdapter.step(self)
+
+
+class LocalCountDDP(DDPAdapter):
+    """DDP whose training loop leaves out the item count's all-reduce under --loss-normalisation global: each rank
+    takes its own count for every rank's (its count times the world size), so each rank divides its loss by its own
+    items, and the step's gradient is the mean of the ranks' own means (transformers#34191's class of bug)."""
+
+    name = "local-count-ddp"
+
+    def all_reduce_sum(self, tensor):
+        return tensor * self.env.world_size

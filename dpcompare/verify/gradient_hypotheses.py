@@ -11,6 +11,7 @@ normalises, whether the loss is a sum. The wire's hypotheses simulate the all-re
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 
@@ -43,7 +44,8 @@ class _GradientHypotheses:
 
     def ordered(self) -> list[_Hypothesis]:
         return [self.no_gradient, self.redrawn_masks, self.ranks_disagree, self.wire_range, self.non_finite, self.data, self.swapped,
-                self.scaled, self.zeroed, self.unsynchronised, self.replica_group, self.stale, self.rank_scaled,
+                self.scaled, self.zeroed, self.unsynchronised, self.replica_group, self.stale, self.local_count,
+                self.rank_scaled,
                 self.batchnorm, self.wire]
 
     def none_reason(self) -> str:
@@ -286,6 +288,27 @@ class _GradientHypotheses:
             return []
         return [Diagnosis("stale", f"the reduced gradient is step {prev_step}'s: a stale gradient (the reduction did not "
                           "wait for this step's all-reduce, or a buffer from the previous step was used)", explained)]
+
+    def local_count(self, remaining: list[str]) -> list[Diagnosis]:
+        """Under --loss-normalisation global, each forward divided by its own item count: the step's count was not
+        summed over the ranks and micro-batches (transformers#34191's class of bug)."""
+        ev, layout = self.ev, self.ev.layout
+        if not layout.global_count or layout.items is None or not layout.splits_the_batch:
+            return []
+        own = dataclasses.replace(layout, global_count=False)
+        explained = self.match(self.candidate("local_count", lambda: ev.compute(
+            replica_pieces(ev.batch, own, ev.masks))), remaining)
+        if not explained:
+            return []
+        y = ev.batch[1]
+        per_rank = [sum(layout.items(y[p[3]]) for p in layout.positions(len(y)) if p[0] == r)
+                    for r in range(layout.world_size)]
+        micro = " and micro-batch" if layout.grad_accum > 1 else ""
+        return [Diagnosis("local_normalisation", f"each rank{micro} divided its loss by its own item count (items per "
+                          f"rank: {', '.join(map(str, per_rank))}) though --loss-normalisation global asks for the "
+                          "step's count: the count's all-reduce over the ranks (and its sum over the micro-batches) is "
+                          "missing before the backward; sum it as transformers' num_items_in_batch is summed",
+                          explained)]
 
     def rank_scaled(self, remaining: list[str]) -> list[Diagnosis]:
         """The mean of the ranks' local gradients, each multiplied by a factor of its own: each rank clipped its local
