@@ -79,3 +79,19 @@ def counted(loss_fn: Callable, ignore_index: int | None = None,
             items: Callable[[torch.Tensor], Any] | None = None) -> Counted:
     """`loss_fn` as a Counted (once: a Counted is returned as it is)."""
     return loss_fn if isinstance(loss_fn, Counted) else Counted(loss_fn, counter(ignore_index, items))
+
+
+def refusal(normalisation: str, loss: Counted, targets: torch.Tensor, model: str) -> str | None:
+    """Why --loss-normalisation global cannot count this workload's items before its forwards (after one forward of
+    `loss`, which says whether it returns its own count), or None."""
+    if normalisation != "global" or loss.count is not None:
+        return None
+    if loss.returns_count:
+        return (f"--loss-normalisation global: --model {model}'s loss returns (sum, count), whose count only its "
+                "forward knows, so the step's count cannot be summed before the first backward; give the Workload "
+                "ignore_index or items (the count from the targets), or use --loss-normalisation local")
+    if not targets.is_floating_point() and bool((targets == -100).any()):
+        return (f"--loss-normalisation global: --model {model}'s targets hold -100 (F.cross_entropy's ignore index) "
+                "but its Workload names no ignore_index, so its items cannot be counted; give the Workload "
+                "ignore_index=-100 (or items)")
+    return None

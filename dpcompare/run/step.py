@@ -200,12 +200,7 @@ class StepRunner:
         loss = self.workload.loss_fn
         if count is None:
             return loss(output, target)
-        total, own = loss.sum_and_count(output, target)
-        if own is not None and loss.items_of(target) is None:
-            raise ValueError(f"--loss-normalisation global: --model {self.workload.name}'s loss returns (sum, count), "
-                             "whose count only its forward knows, so the step's count cannot be summed before the first "
-                             "backward; give the Workload ignore_index or items (the count from the targets), or use "
-                             "--loss-normalisation local")
+        total, _ = loss.sum_and_count(output, target)  # a count only the forward knows is refused before the run
         return total * (self.world_size / count)
 
     def _inject(self, step: int) -> None:

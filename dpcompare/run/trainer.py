@@ -24,6 +24,7 @@ from dpcompare.contract import Adapter, Note
 from dpcompare.contract import checkpointing
 from dpcompare.contract import launch_env as launch
 from dpcompare.contract import sparse
+from dpcompare.contract import normalisation
 from dpcompare.contract.normalisation import counted
 from dpcompare.contract.workload import block_modules
 from dpcompare.measure import link
@@ -233,10 +234,15 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
     template = copy.deepcopy(workload.model)
     # Rank 0 probes the model before wrapping (unused parameters decide DDP's find_unused_parameters);
     # every rank takes rank 0's answer.
-    facts = None
+    facts = refused = None
     if env.is_rank0:
-        facts = verifier.probe(template, workload.loss_fn, workload.make_batch(0, global_batch), device)
-    facts = dataclasses.replace(adapter.all_gather_object(facts)[0], built_apart=tuple(built.values.items()))
+        first = workload.make_batch(0, global_batch)
+        facts = verifier.probe(template, workload.loss_fn, first, device)
+        refused = normalisation.refusal(cfg.loss_normalisation, workload.loss_fn, first[1], cfg.model)
+    facts, refused = adapter.all_gather_object((facts, refused))[0]
+    if refused is not None:
+        raise CommandLineError(refused)
+    facts = dataclasses.replace(facts, built_apart=tuple(built.values.items()))
     # A sparse gradient (nn.Embedding(sparse=True)) the backend or torch cannot take: refused before anything trains.
     refused = sparse.refusal(facts.sparse_grads, sparse.tables(template), cfg.backend,
                              adapter.sparse_gradient_refusal(adapter.settings.options), cfg.optimizer, cfg.weight_decay,

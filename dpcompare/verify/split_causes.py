@@ -57,16 +57,22 @@ def find_cause(oracle: Oracle, layout: Layout, state: dict, batch, whole: Grads,
     `whole` at the run's `state`, within `agreement` (the split finding's)."""
     evidence: dict[str, Any] = {}
     names = oracle.names
-    counts = _counts(layout, batch)
-    if counts is not None:
-        reweighted = oracle.oracle_of(state, replica_pieces(batch, dataclasses.replace(layout, global_count=True), masks))
+    split = replica_pieces(batch, layout, masks)
+    counted = _counts(oracle, layout, state, split)
+    if counted is not None:
+        counts, how = counted
+        total = sum(counts)
+        reweighted = oracle.oracle_of(state, [dataclasses.replace(p, weight=c / total) for p, c in zip(split, counts)
+                                              if c > 0])
         distance = rel_fro_of(reweighted, whole, names)
         del reweighted
-        evidence["normalisation"] = {"items_per_rank": counts[0], "items_per_forward": counts[1],
-                                     "reweighted_distance_rel_fro": distance, "holds": distance <= agreement}
+        evidence["normalisation"] = {
+            "items_per_rank": [sum(c for p, c in zip(split, counts) if p.rank == r) for r in range(layout.world_size)],
+            "items_per_forward": counts, "counted": how, "reweighted_distance_rel_fro": distance,
+            "holds": distance <= agreement}
         if distance <= agreement:
             return Cause("normalisation", evidence)
-    statistic = _without_statistic(oracle, layout, state, batch, masks, agreement)
+    statistic = _without_statistic(oracle, state, split, batch, agreement)
     if statistic is not None:
         evidence["statistic"] = statistic
         if statistic["holds"]:
@@ -80,13 +86,33 @@ def find_cause(oracle: Oracle, layout: Layout, state: dict, batch, whole: Grads,
     return Cause(samples.pop("cause", None), evidence)
 
 
-def _counts(layout: Layout, batch) -> tuple[list[int], list[int]] | None:
-    """(items per rank, items per forward) where the loss counts items from its targets."""
-    if layout.items is None:
-        return None
-    y = batch[1]
-    forwards = [(p[0], layout.items(y[p[3]])) for p in layout.positions(len(y))]
-    return [sum(c for r, c in forwards if r == rank) for rank in range(layout.world_size)], [c for _, c in forwards]
+VISIBLE_IGNORE_INDEX = -100
+"""A target value that says the loss leaves the position out, where the workload names no ignore index: the default
+ignore_index of F.cross_entropy and transformers' losses."""
+
+
+def _counts(oracle: Oracle, layout: Layout, state: dict, split: list[Piece]) -> tuple[list[int], str] | None:
+    """Each forward's items and how they were counted: by the workload's count of its targets; as the loss returns
+    them (`(sum, count)`, counted by a float64 forward of each); or, where the workload says neither, by the targets
+    VISIBLE_IGNORE_INDEX marks (a plain mean over the other positions, as F.cross_entropy computes, recognised: the
+    test then says whether that is the loss's normalisation). None: a loss over samples."""
+    if layout.items is not None:
+        return [layout.items(p.y) for p in split], "the workload's count of its targets"
+    loss = oracle.loss_fn
+    if getattr(loss, "returns_count", False):
+        model = oracle.model64
+        model.load_state_dict(state)
+        with torch.no_grad():
+            counts = [loss.sum_and_count(model(as_input(p.x, model, oracle.device)), p.y.to(oracle.device))[1]
+                      for p in split]
+        model.load_state_dict(state)
+        return [int(c) for c in counts], "as the loss returns them (sum, count)"
+    ys = [p.y for p in split]
+    if all(not y.is_floating_point() for y in ys) and any(bool((y == VISIBLE_IGNORE_INDEX).any()) for y in ys):
+        return ([int((y != VISIBLE_IGNORE_INDEX).sum()) for y in ys],
+                f"the targets not {VISIBLE_IGNORE_INDEX} (the workload names no ignore_index; its targets hold "
+                f"{VISIBLE_IGNORE_INDEX}, F.cross_entropy's default)")
+    return None
 
 
 @contextlib.contextmanager
@@ -103,7 +129,7 @@ def _statistics_out(model: nn.Module) -> Iterator[list[str]]:
             m.train()
 
 
-def _without_statistic(oracle: Oracle, layout: Layout, state: dict, batch, masks, agreement: float) -> dict | None:
+def _without_statistic(oracle: Oracle, state: dict, split: list[Piece], batch, agreement: float) -> dict | None:
     """The split against the global batch with the per-forward statistics taken out; None where the model has none."""
     loss = getattr(oracle.loss_fn, "loss_fn", oracle.loss_fn)
     term_free = getattr(loss, PER_FORWARD_TERM, None)
@@ -112,15 +138,14 @@ def _without_statistic(oracle: Oracle, layout: Layout, state: dict, batch, masks
     if term_free is None and not has_bn:
         return None
     loss_fn = term_free if term_free is not None else oracle.loss_fn
-    split = replica_pieces(batch, layout, masks)
     with _statistics_out(model) as layers:
-        distance = _local_distance(oracle, state, split, batch, loss_fn, layout)
+        distance = _local_distance(oracle, state, split, batch, loss_fn)
     what = ([f"BatchNorm on its running statistics ({len(layers)} layers)"] if layers else []) + (
         ["the loss without its per-forward term (the routers' load-balancing loss)"] if term_free is not None else [])
     return {"taken_out": "; ".join(what), "distance_rel_fro": distance, "holds": distance <= agreement}
 
 
-def _local_distance(oracle: Oracle, state: dict, split: list[Piece], batch, loss_fn: Callable, layout: Layout) -> float:
+def _local_distance(oracle: Oracle, state: dict, split: list[Piece], batch, loss_fn: Callable) -> float:
     """The split's float64 gradient from the global batch's, both computed here on rank 0's float64 copy with
     `loss_fn` (the copy as it is set: its modules' modes kept)."""
     model = oracle.model64
@@ -191,9 +216,27 @@ def _samples(oracle: Oracle, layout: Layout, state: dict, batch, agreement: floa
     model.load_state_dict(state)
     moved = _rel(again[:1], own[:1])
     out["first_row_moved_rel"] = moved
+    if moved > agreement and not reads.own_read and x.is_floating_point():
+        # moved by the others' values: through a differentiable path (mixing), or only through which branch they
+        # chose (capacity routing made of tensor ops: its mask carries no gradient)
+        out["cross_sample_gradient_rel"] = cross = _cross_gradient(model, x[swapped], oracle.device)
+        model.load_state_dict(state)
+        out["cause"] = "model_interaction" if cross > agreement else "control_flow"
+        return out
     # the model's own read of a value is a branch on the content, whatever the replaced samples moved
     out["cause"] = "control_flow" if reads.own_read or moved <= agreement else "model_interaction"
     return out
+
+
+def _cross_gradient(model: nn.Module, x: torch.Tensor, device: torch.device) -> float:
+    """The gradient of the first sample's output with respect to the other samples' inputs, relative to its gradient
+    with respect to its own."""
+    inputs = as_input(x, model, device).detach().requires_grad_(True)
+    first = _first_tensor(model(inputs))[0]
+    (grad,) = torch.autograd.grad(first.sum(), inputs)
+    model.zero_grad(set_to_none=True)
+    own = float(torch.linalg.vector_norm(grad[0]))
+    return float(torch.linalg.vector_norm(grad[1:])) / max(own, 1e-300)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

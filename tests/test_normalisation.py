@@ -1,0 +1,167 @@
+"""The loss's normalisation, and every cause of a split that moves the gradient, against what one process computes.
+
+- A loss over items (tokens not ignored) is counted as the workload says (ignore_index, items, or a loss returning
+  (sum, count)), or recognised from -100 targets; each forward's weight in the step's gradient is its share of the
+  samples (each forward divides by its own count, `local`) or of the step's items (`global`).
+- The padded token data of the built-in token models: lengths of their own, -100 targets on the padding; the masked
+  LM's collator masking (15 %, 80/10/10).
+- The split's cause (dpcompare.verify.split_causes), each a test with a twin whose cause is another: the
+  normalisation (a padded LM), a per-forward statistic (BatchNorm), samples that interact in the loss (in-batch
+  negatives), control flow on the local batch's size and content, and rounding alone (no note).
+- Under torchrun: a padded LM at 2 ranks is `equivalent` with the normalisation named (local) and with no note
+  (global), and a backend that leaves the count out of the all-reduce is `different`, its cause named. The slow tier
+  runs every backend both ways, with --grad-accum 4, and the loss returning (sum, count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import normalisation_models as nm
+import semantics_workloads as sw
+from dpcompare.contract.normalisation import counted, refusal
+from dpcompare.run import hf_tasks, workloads
+from dpcompare.run.trainer import counting
+from dpcompare.verify import equivalence as eq
+from dpcompare.verify.forwards import Forwards
+from dpcompare.verify.split import SplitCheck
+
+WS = 2
+
+
+# -- counting ------------------------------------------------------------------------------------------------------
+def test_a_loss_over_items_is_counted_as_the_workload_says_and_its_mean_is_the_forwards_own():
+    logits, y = torch.randn(3, 5, 7), torch.randint(0, 7, (3, 5))
+    y[0, 2:] = workloads.IGNORE_INDEX
+    mean = counted(lambda o, t: torch.nn.functional.cross_entropy(o.reshape(-1, 7), t.reshape(-1)), -100)
+    pair = counted(nm._token_sum_and_count)
+    assert mean.items_of(y) == 12 and pair.items_of(y) is None
+    total, count = pair.sum_and_count(logits, y)
+    assert count == 12 and pair.returns_count
+    assert torch.allclose(pair(logits, y), total / 12) and torch.allclose(mean(logits, y), total / 12)
+    assert torch.allclose(mean.sum_and_count(logits, y)[0], total)
+    # a loss over samples: no count; its sum is the mean times the samples
+    plain = counted(lambda o, t: o.mean())
+    assert plain.items_of(y) is None and plain.sum_and_count(logits, y)[1] is None
+
+
+def test_global_normalisation_refuses_a_count_it_cannot_make_before_the_forward():
+    lm = counting(nm.padded_lm_sum_count(0))
+    x, y = lm.make_batch(0, 4)
+    lm.loss_fn(lm.model(x), y)
+    assert "returns (sum, count)" in refusal("global", lm.loss_fn, y, "m") and refusal("local", lm.loss_fn, y, "m") is None
+    undeclared = counting(nm.padded_lm_undeclared(0))
+    assert "names no ignore_index" in refusal("global", undeclared.loss_fn, y, "m")
+    assert refusal("global", counting(workloads.lm(0)).loss_fn, y, "m") is None
+
+
+def test_each_forward_weighs_its_share_of_the_samples_or_of_the_steps_items():
+    y = torch.full((8, 4), 1)
+    y[0::2, 1:] = -100  # rank 0's samples hold 1 item each, rank 1's 4
+    count = counted(lambda o, t: o, -100).count
+    local, ranks = eq.Layout(2, 2, 1, count), eq.Layout(2, 1, 1, count)
+    x = torch.zeros(8, 4)
+    assert [p.weight for p in eq.replica_pieces((x, y), local)] == [0.25] * 4
+    glob = dataclasses.replace(local, global_count=True)
+    assert [p.weight for p in eq.replica_pieces((x, y), glob)] == pytest.approx([2 / 20, 2 / 20, 8 / 20, 8 / 20])
+    # one rank's forwards weighted as that rank's own gradient before the backend averages: their mean is the step's
+    per_rank = [[p.weight for p in eq.replica_pieces((x, y), dataclasses.replace(ranks, global_count=True), ranks=[r])]
+                for r in range(2)]
+    assert per_rank == [pytest.approx([2 * 4 / 20]), pytest.approx([2 * 16 / 20])]
+    # nn.DataParallel's replicas: the loss sees the micro-batch gathered, so its replicas weigh their items in it
+    replicas = eq.Layout(1, 1, 2, count)
+    assert [p.weight for p in eq.replica_pieces((x[:2], y[:2]), replicas)] == pytest.approx([1 / 5, 4 / 5])
+
+
+def test_the_built_in_token_data_is_padded_at_the_end_and_the_masked_lm_masks_as_the_collator():
+    x, y = workloads.lm(0).make_batch(0, 64)
+    packed = workloads.lm(0, token_data="packed").make_batch(0, 64)
+    lengths = (y != -100).sum(dim=1) + 1
+    assert lengths.min() >= 2 and lengths.max() <= 16 and len(set(lengths.tolist())) > 5
+    real = torch.arange(16) < lengths.unsqueeze(1)
+    assert torch.equal(x[real], packed[0][real]) and bool((x[~real] == workloads.PAD_ID).all())
+    assert bool((packed[1] != -100).all())
+    tokens, targets = hf_tasks.masked_tokens(0, 100, 64, 99)(0, 256)
+    chosen = targets != -100
+    share = float(chosen.float().mean())
+    assert 0.13 < share < 0.18 and len(set(chosen.sum(dim=1).tolist())) > 5
+    masked = float((tokens[chosen] == 99).float().mean())
+    kept = float((tokens[chosen] == targets[chosen]).float().mean())
+    assert 0.75 < masked < 0.85 and 0.07 < kept < 0.14
+
+
+# -- the split's cause -------------------------------------------------------------------------------------------------
+def _finding(workload, *, global_count: bool = False, grad_accum: int = 1):
+    """The split's finding at 2 ranks on the workload's initial weights and step 0, as rank 0's verifier settles it."""
+    workload = counting(workload)
+    model = workload.model
+    layout = eq.Layout(WS, grad_accum, 1, workload.loss_fn.count, global_count)
+    verdict = eq.Verdict()
+    oracle = eq.Oracle(model, workload.loss_fn, "float32", torch.device("cpu"))
+    forwards = Forwards(layout, oracle, batchnorms=[], per_replica=False, stochastic=False, dtype="float32",
+                        depth=eq.depth_of(model), verdict=verdict)
+    check = SplitCheck(oracle, forwards, depth=eq.depth_of(model), applies=True, verdict=verdict)
+    state = model.state_dict()
+    batch = workload.make_batch(0, 24)
+    workload.loss_fn(model(batch[0][:2]), batch[1][:2])  # the probe's forward: a loss returning its count says so
+    pieces = forwards.pieces(batch, None)
+    check.settle(0, state, batch, None, None, pieces, oracle.oracle_of(state, pieces))
+    check.note(1e-7)
+    return check.finding, {n.code: n.text for n in verdict.notes}
+
+
+@pytest.mark.parametrize("build", [workloads.lm, nm.padded_lm_sum_count, nm.padded_lm_undeclared],
+                         ids=["ignore-index", "sum-count", "undeclared"])
+def test_a_padded_lm_normalised_per_rank_is_named_with_its_counts(build):
+    f, notes = _finding(build(1234))
+    assert f.semantics == "per_replica" and f.distance_rel_fro > 0.01, f
+    ev = f.cause["evidence"]["normalisation"]
+    assert f.cause["name"] == "normalisation" and ev["holds"] and ev["reweighted_distance_rel_fro"] < 1e-12, f.cause
+    assert sum(ev["items_per_rank"]) == int((build(1234).make_batch(0, 24)[1] != -100).sum())
+    assert ev["items_per_rank"][0] != ev["items_per_rank"][1]
+    text = notes["split_normalisation"]
+    assert f"items per rank at step 0: {ev['items_per_rank'][0]}, {ev['items_per_rank'][1]}" in text
+    assert f"{f.distance_rel_fro:.3g} away" in text and "--loss-normalisation global" in text
+    assert "split_dependent_forward" not in notes and "control flow" not in text
+
+
+def test_a_padded_lm_normalised_over_the_steps_items_computes_the_global_batch():
+    for k in (1, 4):
+        f, notes = _finding(workloads.lm(1234), global_count=True, grad_accum=k)
+        assert f.semantics == "global" and f.distance_rel_fro < 1e-12 and not notes, (k, f, notes)
+    f, notes = _finding(workloads.lm(1234), grad_accum=4)
+    assert f.cause["name"] == "normalisation" and len(f.cause["evidence"]["normalisation"]["items_per_forward"]) == 8
+    assert "per rank and per micro-batch" in notes["split_normalisation"]
+
+
+def test_packed_token_data_is_split_free():
+    f, notes = _finding(workloads.lm(1234, token_data="packed"))
+    assert f.semantics == "global" and not notes
+
+
+def test_samples_that_interact_in_the_loss_are_named_and_a_per_sample_loss_is_not():
+    f, notes = _finding(nm.in_batch_negatives(1234))
+    samples = f.cause["evidence"]["samples"]
+    assert f.cause["name"] == "samples_interact" and samples["rows_distance_rel"] < 1e-12, f.cause
+    assert "normalisation" not in f.cause["evidence"]  # a loss over samples: no count to test
+    assert "the samples interact in the loss" in notes["split_dependent_forward"]
+    f, notes = _finding(nm.prototype_towers(1234))
+    assert f.semantics == "global" and not notes
+
+
+@pytest.mark.parametrize(("build", "said"), [(sw.split_by_size_mlp, "branches on the local batch's size"),
+                                             (sw.split_by_content_mlp, "control flow on the local batch")],
+                         ids=["size", "content"])
+def test_control_flow_on_the_local_batch_is_named_not_an_interaction(build, said):
+    f, notes = _finding(build(1234))
+    assert f.cause["name"] == "control_flow", f.cause
+    text = notes["split_dependent_forward"]
+    assert said in text and "interact" not in text and "normalised" not in text
+
+
+def test_rounding_below_the_floor_is_no_note():
+    f, notes = _finding(sw.float32_norm_mlp(1234))
+    assert f.semantics == "global" and not notes
