@@ -165,3 +165,41 @@ def test_control_flow_on_the_local_batch_is_named_not_an_interaction(build, said
 def test_rounding_below_the_floor_is_no_note():
     f, notes = _finding(sw.float32_norm_mlp(1234))
     assert f.semantics == "global" and not notes
+
+
+def test_batchnorm_per_replica_is_tested_as_its_cause():
+    """BatchNorm without --sync-bn: on its running statistics the ranks' split is the global batch's gradient."""
+    w = counting(workloads.cnn(1234))
+    model = w.model
+    verdict = eq.Verdict()
+    oracle = eq.Oracle(model, w.loss_fn, "float32", torch.device("cpu"))
+    bns = [n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    forwards = Forwards(eq.Layout(WS), oracle, batchnorms=bns, per_replica=True, stochastic=False, dtype="float32",
+                        depth=eq.depth_of(model), verdict=verdict)
+    state, batch = model.state_dict(), w.make_batch(0, 24)
+    pieces = forwards.pieces(batch, None)
+    forwards.note_per_replica(0, state, batch, oracle.oracle_of(state, pieces), oracle.floor_of(state, pieces), pieces)
+    bn = verdict.batchnorm
+    assert bn["distance_rel_fro"] > 1e-3 and bn["cause"]["name"] == "statistic", bn
+    assert bn["cause"]["evidence"]["statistic"]["distance_rel_fro"] < 1e-12
+    assert "with BatchNorm on its running statistics the split is" in verdict.notes[0].text
+
+
+def test_mixtrals_load_balancing_loss_is_a_per_forward_statistic_beside_the_normalisation(tmp_path):
+    """Mixtral's routers' loss is each forward's own: with it left out (and the forwards weighted by their items, the
+    padded data's normalisation taken out too) the split is the global batch's."""
+    pytest.importorskip("transformers")
+    import hf_families
+    from dpcompare.run import hf_models
+
+    folder = hf_families.write_family(tmp_path, "mixtral", {"experts_implementation": "eager"})
+    f, notes = _finding(hf_models.build(f"hf:{folder}", 1234, 16))
+    ev = f.cause["evidence"]
+    assert f.cause["name"] == "statistic" and not ev["normalisation"]["holds"], f.cause
+    assert ev["statistic"]["distance_rel_fro"] < 1e-9 and "load-balancing" in ev["statistic"]["taken_out"]
+    text = notes["split_dependent_forward"]
+    assert "a statistic of its own samples" in text and "normalised per rank too" in text
+    # packed, the routers' loss alone
+    f, notes = _finding(hf_models.build(f"hf:{folder}", 1234, 16, token_data="packed"))
+    assert f.cause["name"] == "statistic" and not f.cause["evidence"]["normalisation"]["tested"], f.cause
+    assert "normalised per rank too" not in notes["split_dependent_forward"]

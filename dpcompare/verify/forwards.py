@@ -15,6 +15,7 @@ import torch
 
 from dpcompare.verify import masks as mk
 from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, global_pieces, replica_pieces
+from dpcompare.verify.split_causes import SPLIT_AGREEMENT, without_statistic
 from dpcompare.verify.tolerance import UNIT_ROUNDOFF, rel_fro_of
 from dpcompare.verify.verdict import Verdict
 
@@ -105,9 +106,17 @@ class Forwards:
         measured = (f"at step {step} that gradient is {distance:.3g} (relative) from the single-process global-batch "
                     f"gradient, {distance / floor_rel:.3g}x the {self.dtype} noise floor" if distance is not None else
                     "its distance from the global-batch gradient was not measured (the captured masks are not batch-first)")
+        # the cause tested, not assumed: BatchNorm on its running statistics makes the split the global batch
+        tested = (without_statistic(self.oracle, state, replica_pieces(batch, self.layout), batch, SPLIT_AGREEMENT)
+                  if distance is not None and not self.stochastic else None)
+        if tested is not None:
+            measured += (f"; with BatchNorm on its running statistics the split is {tested['distance_rel_fro']:.3g} "
+                         f"from the global batch ({'the' if tested['holds'] else 'not the only'} cause)")
         self.verdict.batchnorm = {"semantics": "per_replica", "modules": list(self.batchnorms), "local_batch": local,
                                   "forwards": forwards, "step": step, "distance_rel_fro": distance,
-                                  "floors": distance / floor_rel if distance is not None else None}
+                                  "floors": distance / floor_rel if distance is not None else None,
+                                  "cause": {"name": "statistic" if tested and tested["holds"] else None,
+                                            "evidence": {"statistic": tested}} if tested is not None else None}
         self.verdict.note("per_replica_batchnorm",
                           f"BatchNorm without --sync-bn ({len(self.batchnorms)} module(s): {shown}): each of the {split} "
                           f"normalises its own {local} samples, so the run computes the mean of those forwards' losses, "

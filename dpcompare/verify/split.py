@@ -37,14 +37,11 @@ import torch
 from dpcompare.verify import masks as mk
 from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, replica_pieces
 from dpcompare.verify.forwards import Forwards
-from dpcompare.verify.split_causes import find_cause
+from dpcompare.verify.split_causes import SPLIT_AGREEMENT, find_cause
 from dpcompare.verify.streamed import distance_of
 from dpcompare.verify.tolerance import TOLERANCE_FACTOR, UNIT_ROUNDOFF, rel_fro_of
 from dpcompare.verify.verdict import Verdict
 
-SPLIT_AGREEMENT = 1e-9
-"""The least agreement asked of the split and the global batch in float64: a mean over independent samples computed
-in float64 throughout puts them about 1e-15 apart."""
 
 Semantics = Literal["global", "loss_not_mean", "per_replica"]
 
@@ -290,7 +287,9 @@ class SplitCheck:
 
 def _statistic(evidence: dict) -> str:
     stat = evidence["statistic"]
-    return (f"each forward computes a statistic of its own samples ({stat['taken_out']} brings the split to "
+    also = (", and the loss is normalised per rank too: the forwards weighted by their share of the step's items"
+            if (evidence.get("normalisation") or {}).get("tested", True) and "normalisation" in evidence else "")
+    return (f"each forward computes a statistic of its own samples ({stat['taken_out']}{also} brings the split to "
             f"{stat['distance_rel_fro']:.3g} from the global batch): the ranks normalise or balance over their own "
             "samples (--sync-bn synchronises BatchNorm; a router's load-balancing loss is each rank's own)")
 

@@ -35,6 +35,9 @@ from dpcompare.verify.dtypes import as_input
 from dpcompare.verify.equivalence import Grads, Layout, Oracle, Piece, replica_pieces
 from dpcompare.verify.tolerance import rel_fro_of
 
+SPLIT_AGREEMENT = 1e-9
+"""The least agreement asked of the split and the global batch in float64: a mean over independent samples computed
+in float64 throughout puts them about 1e-15 apart."""
 PER_FORWARD_TERM = "per_forward_term"
 """A loss function's attribute: the same loss without its terms computed from each forward's own statistics (an MoE
 router's load-balancing loss: dpcompare.run.hf_tasks.with_router_aux)."""
@@ -59,11 +62,17 @@ def find_cause(oracle: Oracle, layout: Layout, state: dict, batch, whole: Grads,
     names = oracle.names
     split = replica_pieces(batch, layout, masks)
     counted = _counts(oracle, layout, state, split)
+    samples = sum(len(p.y) for p in split)
+    if counted is not None and all(c * samples == sum(counted[0]) * len(p.y) for p, c in zip(split, counted[0])):
+        # every forward holds the step's items in proportion to its samples: its own count divides as the step's
+        evidence["normalisation"] = {"items_per_forward": counted[0], "counted": counted[1], "holds": False,
+                                     "tested": False, "why": "every forward's share of the items is its share of the samples"}
+        counted = None
     if counted is not None:
         counts, how = counted
         total = sum(counts)
-        reweighted = oracle.oracle_of(state, [dataclasses.replace(p, weight=c / total) for p, c in zip(split, counts)
-                                              if c > 0])
+        by_items = [dataclasses.replace(p, weight=c / total) for p, c in zip(split, counts) if c > 0]
+        reweighted = oracle.oracle_of(state, by_items)
         distance = rel_fro_of(reweighted, whole, names)
         del reweighted
         evidence["normalisation"] = {
@@ -72,7 +81,8 @@ def find_cause(oracle: Oracle, layout: Layout, state: dict, batch, whole: Grads,
             "holds": distance <= agreement}
         if distance <= agreement:
             return Cause("normalisation", evidence)
-    statistic = _without_statistic(oracle, state, split, batch, agreement)
+        split = by_items  # the normalisation taken out of every test that follows: a cause beside it shows alone
+    statistic = without_statistic(oracle, state, split, batch, agreement)
     if statistic is not None:
         evidence["statistic"] = statistic
         if statistic["holds"]:
@@ -129,8 +139,9 @@ def _statistics_out(model: nn.Module) -> Iterator[list[str]]:
             m.train()
 
 
-def _without_statistic(oracle: Oracle, state: dict, split: list[Piece], batch, agreement: float) -> dict | None:
-    """The split against the global batch with the per-forward statistics taken out; None where the model has none."""
+def without_statistic(oracle: Oracle, state: dict, split: list[Piece], batch, agreement: float) -> dict | None:
+    """The split against the global batch with the per-forward statistics taken out; None where the model has none.
+    BatchNorm's own note (dpcompare.verify.forwards) holds it as its cause's test."""
     loss = getattr(oracle.loss_fn, "loss_fn", oracle.loss_fn)
     term_free = getattr(loss, PER_FORWARD_TERM, None)
     model = oracle.model64
