@@ -203,3 +203,84 @@ def test_mixtrals_load_balancing_loss_is_a_per_forward_statistic_beside_the_norm
     f, notes = _finding(hf_models.build(f"hf:{folder}", 1234, 16, token_data="packed"))
     assert f.cause["name"] == "statistic" and not f.cause["evidence"]["normalisation"]["tested"], f.cause
     assert "normalised per rank too" not in notes["split_dependent_forward"]
+
+
+# -- under the launchers -------------------------------------------------------------------------------------------
+CELLS = {"ddp": ("ddp", []), "fsdp": ("fsdp", []), "horovod": ("horovod", []),
+         **{f"zero{s}": ("deepspeed", ["--opt", f"zero_stage={s}"]) for s in range(4)}}
+"""Each cell's backend and what selects its variant."""
+QUICK = ["--steps", "4", "--measure-steps", "0"]
+
+
+def _notes(result: dict) -> dict[str, str]:
+    return {n["code"]: n["text"] for n in result["equivalence"]["notes"]}
+
+
+def _assert_normalised_per_rank(proc, result, label) -> None:
+    assert proc.returncode == 0 and result is not None, proc.output[-4000:]
+    e = result["equivalence"]
+    assert e["verdict"] == "equivalent", (label, e["first_divergence"], e["notes"])
+    split = e["split"]
+    assert split["semantics"] == "per_replica" and split["cause"]["name"] == "normalisation", (label, split)
+    notes = _notes(result)
+    assert "split_normalisation" in notes and "split_dependent_forward" not in notes, (label, notes)
+    counts = split["cause"]["evidence"]["normalisation"]["items_per_rank"]
+    assert f"items per rank at step 0: {counts[0]}, {counts[1]}" in notes["split_normalisation"]
+    assert "the loss is normalised per rank: compared with the ranks' own normalisation" in proc.stdout
+
+
+def _assert_global(proc, result, label) -> None:
+    assert proc.returncode == 0 and result is not None, proc.output[-4000:]
+    e = result["equivalence"]
+    assert e["verdict"] == "equivalent", (label, e["first_divergence"], e["notes"])
+    assert e["split"] is None or e["split"]["semantics"] == "global", (label, e["split"])
+    assert not any(c.startswith("split_") for c in _notes(result)), (label, e["notes"])
+    for check in ("gradient", "update", "trajectory"):
+        assert e["checks"][check]["status"] == "pass", (label, check, e["checks"][check])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
+def test_a_padded_lm_under_ddp_is_named_per_rank_equivalent_globally_and_a_count_left_local_is_caught(launch):
+    proc, result = launch("ddp", WS, "lm", QUICK, "torchrun")
+    _assert_normalised_per_rank(proc, result, "ddp local")
+    proc, result = launch("ddp", WS, "lm", [*QUICK, "--loss-normalisation", "global"], "torchrun")
+    _assert_global(proc, result, "ddp global")
+    # the twin: the count's all-reduce left out of the training loop
+    proc, result = launch("tests.faulty_adapters:LocalCountDDP", WS, "lm", [*QUICK, "--loss-normalisation", "global"],
+                          "torchrun")
+    assert result is not None, proc.output[-4000:]
+    e = result["equivalence"]
+    assert e["verdict"] == "different" and e["first_divergence"]["step"] == 0, e["first_divergence"]
+    assert e["first_divergence"]["cause"] == "local_normalisation", e["first_divergence"]
+    assert "divided its loss by its own item count" in proc.stdout
+
+
+def _matrix():
+    for cell in CELLS:
+        for k in (1, 4):
+            if k == 4 and cell not in ("ddp", "zero0", "zero2"):
+                continue
+            for model in ("lm", "tests.normalisation_models:padded_lm_sum_count"):
+                if model != "lm" and (k == 4 or cell not in ("ddp", "zero3", "horovod")):
+                    continue
+                yield pytest.param(cell, k, model, marks=[pytest.mark.slow],
+                                   id=f"{cell}-ga{k}-{model.rsplit(':', 1)[-1]}")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(540)
+@pytest.mark.parametrize(("cell", "grad_accum", "model"), list(_matrix()))
+def test_every_backend_names_the_normalisation_and_is_equivalent_under_global_normalisation(launch, cell,
+                                                                                           grad_accum, model):
+    backend, extra = CELLS[cell]
+    args = [*QUICK, *extra, "--grad-accum", str(grad_accum)]
+    launcher = "horovodrun" if backend == "horovod" else "torchrun"
+    proc, result = launch(backend, WS, model, args, launcher)
+    _assert_normalised_per_rank(proc, result, f"{cell} local")
+    if model != "lm":  # its count only its forward knows: refused in one line
+        proc, _ = launch(backend, WS, model, [*args, "--loss-normalisation", "global"], launcher)
+        assert proc.returncode == 2 and "returns (sum, count)" in proc.output and "Traceback" not in proc.output
+        return
+    proc, result = launch(backend, WS, model, [*args, "--loss-normalisation", "global"], launcher)
+    _assert_global(proc, result, f"{cell} global")

@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-bucket-mb", default="0.01,25", help="bucket sizes (MiB) for --sweep")
     p.add_argument("--sweep-accum", default="4", help="gradient accumulation steps for --sweep")
     p.add_argument("--sweep-compression", default="fp16", help="compressions for --sweep")
+    p.add_argument("--both-normalisations", action="store_true",
+                   help="run every cell twice, side by side: --loss-normalisation local and global (a loss over items: "
+                        "each rank's own count, and the step's count all-reduced first)")
     p.add_argument("--no-report", dest="report", action="store_false", help="skip report.md and the plots")
     p.add_argument("--out", default="results", help="directory; each compare writes OUT/<timestamp>/")
     p.add_argument("--timeout-s", type=float, default=600.0,

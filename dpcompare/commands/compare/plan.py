@@ -108,6 +108,11 @@ def plan(spec: CompareSpec, run_dir: Path) -> Plan:
     for entry, ws in baseline:
         add(entry, ws, "baseline", {})
     result.sweep_skipped = amp_recipes(config.amp, baseline, add)
+    if spec.both_normalisations:
+        if config.loss_normalisation == "global":
+            raise ValueError("--both-normalisations runs local and global side by side: drop --loss-normalisation global")
+        for entry, ws in baseline:  # each cell beside itself, its loss normalised over the step's items
+            add(entry, ws, "loss_normalisation=global", {"loss_normalisation": "global"})
     if spec.sweep:
         result.sweep_skipped += sweep(spec, available, max(spec.world_sizes), add)
     return result

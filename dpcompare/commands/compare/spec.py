@@ -59,6 +59,8 @@ class CompareSpec:
     run_arg_values: tuple[tuple[str, Any], ...]
     """What --run-arg says, as run flags by field (only those it gives); applied after every other setting of a
     job."""
+    both_normalisations: bool = False
+    """--both-normalisations: every cell also runs with --loss-normalisation global (the baseline's is local)."""
 
     @property
     def questions(self) -> bool:
@@ -106,6 +108,7 @@ def parse(ns: argparse.Namespace) -> CompareSpec:
     return CompareSpec(run=template, suite=ns.suite, backends=read["backends"], entries=tuple(entries),
                        missing=tuple(missing), world_sizes=world_sizes, global_batch=global_batch,
                        picked_global_batch=picked, collectives=read["collectives"], sweep=sweep,
+                       both_normalisations=bool(read.get("both_normalisations")),
                        report=read["report"], out=read["out"], timeout_s=read["timeout_s"],
                        run_args=tuple(read["run_arg"]), run_arg_values=tuple(run_arg_values.items()))
 
