@@ -7,7 +7,9 @@ ZeRO-3 at world size 2 on CPU, in float32 and under --amp bf16, with dropout whe
 
 Each cell is one `torchrun --nproc_per_node=2 -m dpcompare --model hf:tiny-FAMILY` with the run's defaults (4
 checked steps, SGD with momentum), `--seq-len 16` for language models and `--measure-steps 0` (the verdict is the
-point here, not the timing). A cell holds the verdict with its first divergence's cause or the reason it is
+point here, not the timing), on the padded token data (`--token-data padded`, the default); the columns
+`float32-global` and `float32-packed` add `--loss-normalisation global` and `--token-data packed` to a language
+model's run. An `equivalent` cell whose split moved the gradient names the cause its test found. A cell holds the verdict with its first divergence's cause or the reason it is
 unverifiable, the one-line refusal of a run that exits 2, or how a run failed otherwise (its exit status and last
 line, or the timeout; a run that wrote its result and then never exited is marked as such). Writes matrix.json and matrix.md (the table docs/results quotes) under --out; exit status 1
 when a cell is not `equivalent`. `--eager-experts` builds Mixtral with transformers' eager expert loop
@@ -32,15 +34,20 @@ from dpcompare.run import launchers  # noqa: E402
 
 BACKENDS = {"ddp": ["--backend", "ddp"], "fsdp": ["--backend", "fsdp"],
             "zero3": ["--backend", "deepspeed", "--opt", "zero_stage=3"]}
-PRECISIONS = {"float32": [], "bf16": ["--amp", "bf16"]}
+PRECISIONS = {"float32": [], "bf16": ["--amp", "bf16"], "float32-global": ["--loss-normalisation", "global"],
+              "float32-packed": ["--token-data", "packed"]}
+"""Each column's flags: the precision, and where a token model's loss is normalised over the step's items
+(`-global`) or trained on full-length samples (`-packed`)."""
 
 
 def run_cell(folder: Path, family: str, backend: str, precision: str, out: Path, timeout_s: float) -> dict[str, Any]:
     """One run; returns its cell: verdict, detail, seconds."""
     cell_out = out / "runs" / f"{family}-{backend}-{precision}"
     cell_out.mkdir(parents=True, exist_ok=True)
-    args = [*BACKENDS[backend], "--model", f"hf:{folder}", *PRECISIONS[precision], "--measure-steps", "0",
-            "--out", str(cell_out), *([] if family in IMAGE_FAMILIES else ["--seq-len", "16"])]
+    token = family not in IMAGE_FAMILIES
+    flags = PRECISIONS[precision] if token or precision in ("float32", "bf16") else []
+    args = [*BACKENDS[backend], "--model", f"hf:{folder}", *flags, "--measure-steps", "0",
+            "--out", str(cell_out), *(["--seq-len", "16"] if token else [])]
     done = launchers.run_process(launchers.native_command("torchrun", 2, args), timeout_s=timeout_s,
                                  log=cell_out / "log.txt", cwd=REPO,
                                  env=launchers.child_env({"PYTHONPATH": str(REPO)}))
@@ -55,7 +62,11 @@ def run_cell(folder: Path, family: str, backend: str, precision: str, out: Path,
             if first else "")
         if done.timed_out:  # issue 39 item 7: a finished run whose launch never exits
             detail = f"{detail}; the launch did not exit after writing its result (killed at {timeout_s:.0f} s)"
-        return {**cell, "verdict": e["verdict"], "detail": detail.lstrip("; "), "hung": done.timed_out}
+        split = e.get("split") or {}
+        cause = ((split.get("cause") or {}).get("name") or "no tested cause") if split.get("semantics") == "per_replica" else None
+        return {**cell, "verdict": e["verdict"], "detail": detail.lstrip("; "), "hung": done.timed_out,
+                "split": cause if cause != "rounding" else None,
+                "notes": [n["code"] for n in e.get("notes") or [] if n["code"].startswith("split_")]}
     if done.timed_out:
         return {**cell, "verdict": "timeout", "detail": f"no result in {timeout_s:.0f} s"}
     lines = [line.strip() for line in (cell_out / "log.txt").read_text().splitlines() if line.strip()]
@@ -81,7 +92,7 @@ def table(cells: list[dict[str, Any]], backends: list[str], precisions: list[str
                 marks.append("")
                 continue
             if cell["verdict"] == "equivalent" and not cell.get("hung"):
-                marks.append("equivalent")
+                marks.append(f"equivalent ({cell['split']})" if cell.get("split") else "equivalent")
                 continue
             if cell["detail"] not in numbers:
                 numbers[cell["detail"]] = len(notes) + 1
@@ -109,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = {"experts_implementation": "eager"} if args.eager_experts and family == "mixtral" else None
         folder = write_family(configs, family, extra)
         for precision in precisions:
+            if family in IMAGE_FAMILIES and "-" in precision:
+                continue  # no tokens to count or pack: the float32 column is its run
             for backend in backends:
                 cell = run_cell(folder, family, backend, precision, args.out, args.timeout_s)
                 cells.append(cell)
