@@ -45,11 +45,13 @@ import torch
 from torch import nn
 
 from dpcompare import (AMP_NAMES, DIST_BACKEND, Adapter, Capabilities, CommCounter, CommCounts, Note, Option, ProcessGroupMixin,
-                       ScalerState, Wrapped, ensure_rendezvous)
+                       ScalerState, Settings, Wrapped, ensure_rendezvous)
 
 from .deepspeed_autocast import GatherWatch, narrow_parameters
-from .deepspeed_config import WIRE_NAMES, check_precision, engine_config, precision_notes, setting_notes
+from .deepspeed_config import (WIRE_NAMES, check_precision, check_scalar_parameters, engine_config, precision_notes,
+                               setting_notes)
 from .deepspeed_config import precision_refusal as _precision_refusal
+from .deepspeed_config import sparse_gradient_refusal as _sparse_gradient_refusal
 from .deepspeed_host import remove_shm_segment, stale_build_lock
 from .deepspeed_state import ZeroStateReader
 STAGE_SHARDS = {0: "none", 1: "optimizer", 2: "gradients", 3: "parameters"}
@@ -140,6 +142,7 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
             raise ValueError(f"--backend deepspeed --opt zero_stage={self.stage} cannot run this model: {varying}, "
                              "and ZeRO reduces in buckets every rank fills alike: use --opt zero_stage=0, --backend "
                              "ddp or horovod")
+        check_scalar_parameters(module, self.stage)
         config = engine_config(self.settings, self.stage, self.clip, module, local_batch, global_batch)
         self._untested = self.stage > 0 and not self._zero_tested(optimizer)
         if self._untested:
@@ -187,6 +190,10 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
     @classmethod
     def precision_refusal(cls, amp: str, options: Mapping[str, Any]) -> str | None:
         return _precision_refusal(amp, options)
+
+    @classmethod
+    def sparse_gradient_refusal(cls, settings: Settings) -> str | None:
+        return _sparse_gradient_refusal(settings)
 
     def save_checkpoint(self, directory: str, fmt: str) -> None:
         """The engine's save_checkpoint under the tag CHECKPOINT_TAG; a universal checkpoint is converted from it

@@ -47,6 +47,71 @@ def precision_refusal(amp: str, options: Mapping[str, Any]) -> str | None:
             "(is_fp16_supported() is False)")
 
 
+def sparse_gradient_refusal(settings: Settings) -> str | None:
+    """Why this DeepSpeed configuration cannot take a sparse gradient (nn.Embedding(sparse=True)); None: it can. Stage 0
+    all-gathers one's rows and values (DeepSpeedEngine.sparse_allreduce; 0.19.8, found running it)."""
+    stage = int(settings.options.get("zero_stage", 0))
+    if stage in (1, 2):
+        return (f"ZeRO-{stage} (--opt zero_stage={stage}) views every gradient into its flat dense buckets "
+                "(stage_1_and_2.py, reduce_independent_p_g_buckets_and_remove_grads: no sparse view; stage 0 "
+                "all-gathers a sparse one: --opt zero_stage=0)")
+    if stage == 3:
+        return ("ZeRO-3 (--opt zero_stage=3) copies every gradient into its flat dense bucket (stage3.py, "
+                "__add_grad_to_ipg_bucket: no copy_ from a sparse tensor; stage 0 all-gathers a sparse one: "
+                "--opt zero_stage=0)")
+    if settings.amp != "none" and settings.options.get("amp_recipe") == "engine":
+        return (f"its engine recipe (--opt amp_recipe=engine) keeps the gradient in {settings.amp}, and a 16-bit sparse "
+                "gradient rounds each repeated row apart and sums the rows when coalesced, unlike the dense reference "
+                "the checks hold it against (the autocast recipe keeps float32 gradients)")
+    if settings.clip_grad_norm is not None or float(settings.options.get("gradient_clipping", 0.0)):
+        return ("its gradient clipping at stage 0 (runtime/utils.py clip_grad_norm_, for --clip-grad-norm or --opt "
+                "gradient_clipping) scales `p.grad.data`, which leaves a sparse gradient unclipped while its norm "
+                "counts it (drop the clipping)")
+    return None
+
+
+def check_scalar_parameters(module: nn.Module, stage: int) -> None:
+    """Refuse, before DeepSpeed builds the engine, a model with a 0-dim parameter (CLIP's logit_scale) where this
+    DeepSpeed broadcasts every parameter as bytes while it builds the engine (`p.data.view(torch.uint8)`, which torch
+    refuses for a 0-dim tensor: "self.dim() cannot be 0 to view Float as Byte", raised inside DeepSpeed at any world
+    size): DeepSpeedEngine._broadcast_model at every stage, zero.Init's _zero_init_param at stage 3 (0.19.8 does both).
+    One line, exit 2, naming the parameters and what to do."""
+    scalars = [n for n, p in module.named_parameters() if p.dim() == 0]
+    sites = byte_broadcasts(stage) if scalars else []
+    if not sites:
+        return
+    import deepspeed
+
+    shown = ", ".join(scalars[:3]) + (f" and {len(scalars) - 3} more" if len(scalars) > 3 else "")
+    raise ValueError(f"--backend deepspeed --opt zero_stage={stage} cannot run this model: {shown} "
+                     f"{'is a 0-dim parameter' if len(scalars) == 1 else 'are 0-dim parameters'} (shape []), and "
+                     f"DeepSpeed {deepspeed.__version__} broadcasts every parameter as bytes when it builds the engine "
+                     f"(p.data.view(torch.uint8) in {' and '.join(sites)}), which torch refuses for a 0-dim tensor: "
+                     "hold it as a 1-element tensor (torch.ones(1), not torch.ones([])), or use --backend ddp or "
+                     "horovod")
+
+
+def byte_broadcasts(stage: int) -> list[str]:
+    """The places this DeepSpeed broadcasts each parameter viewed as bytes while it builds the engine at ZeRO `stage`
+    (a 0-dim parameter cannot be so viewed), read from its source; none where the source cannot be read."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    methods = {"DeepSpeedEngine._broadcast_model": DeepSpeedEngine._broadcast_model}
+    if stage == 3:
+        from deepspeed.runtime.zero.partition_parameters import Init
+
+        methods["zero.Init._zero_init_param"] = Init._zero_init_param
+    found = []
+    for name, method in methods.items():
+        try:
+            source = inspect.getsource(inspect.unwrap(method))
+        except (OSError, TypeError):
+            continue
+        if ".view(torch.uint8)" in source:
+            found.append(name)
+    return found
+
+
 def engine_config(settings: Settings, stage: int, clip: float, module: nn.Module, local_batch: int,
                   global_batch: int) -> dict:
     """What `deepspeed.initialize` is handed for this run."""

@@ -28,6 +28,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from dpcompare.contract.optim_state import per_element
 from dpcompare.result_view import STATE_COMPONENTS
 
 COMPONENTS = tuple(STATE_COMPONENTS)
@@ -142,7 +143,7 @@ def read(adapter: Any, forward: dict[str, Any] | None, grads: dict[str, Any] | N
         entries: dict[str, list[torch.Tensor]] = {}
         for per_param in (optimizer.state.values() if optimizer is not None else []):
             for key, value in per_param.items():
-                if torch.is_tensor(value) and value.dim() > 0:
+                if per_element(key, value):  # a 0-dim parameter's momentum too, not a step count
                     entries.setdefault(key, []).append(value)
         return {key: summary(tensors) for key, tensors in entries.items()}
 

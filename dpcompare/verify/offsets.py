@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dpcompare.contract.optim_state import per_element
 from dpcompare.verify.held import give_back_freed
 
 MARGIN = 2.0 ** -8
@@ -206,8 +207,10 @@ def paired(model: nn.Module, optimizer: torch.optim.Optimizer, base: nn.Module, 
            names: list[str], pieces: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> list[tuple[Slot, torch.Tensor]]:
     """What `Offsets.hold` takes for a float64 copy `model` beside its run-precision twin `base`: each parameter of
     `names` with the twin's of the same name, and each of its optimizer state entries with the twin's entry of the
-    same key where both are tensors of the parameter's shape; and each of `pieces` (a float64 tensor the optimizer
-    steps beside its twin's: a piece of a parameter cut over the ranks, dpcompare.verify.ranges) so too."""
+    same key where both are tensors of the parameter's shape and of its elements (a momentum, a moment: told by the
+    entry's key, not its shape, since a 0-dim parameter's step count is of its shape too); and each of `pieces` (a
+    float64 tensor the optimizer steps beside its twin's: a piece of a parameter cut over the ranks,
+    dpcompare.verify.ranges) so too."""
     theirs = dict(base.named_parameters())
     chosen = set(names)
     pairs = [(p, theirs[n]) for n, p in model.named_parameters() if n in chosen] + list(pieces)
@@ -216,7 +219,7 @@ def paired(model: nn.Module, optimizer: torch.optim.Optimizer, base: nn.Module, 
         entries.append(((p, None), twin))
         mine, other = optimizer.state.get(p, {}), base_optimizer.state.get(twin, {})
         entries += [((mine, k), other[k]) for k, v in mine.items()
-                    if torch.is_tensor(v) and torch.is_tensor(other.get(k)) and v.shape == p.shape]
+                    if per_element(k, v) and torch.is_tensor(other.get(k)) and v.shape == p.shape]
     return entries
 
 

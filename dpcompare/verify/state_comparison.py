@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dpcompare.contract.optim_state import OptState
+from dpcompare.contract.optim_state import OptState, per_element
 from dpcompare.verify.tolerance import CHUNK
 
 
@@ -30,7 +30,7 @@ def _same_state(a: OptState, b: OptState) -> bool:
             va, vb = ea.get(key), eb.get(key)
             if va is None or vb is None:
                 present = va if vb is None else vb
-                if not (torch.is_tensor(present) and present.dim() > 0 and not bool(present.any())):
+                if not (per_element(key, present) and not bool(present.any())):
                     return False
                 continue
             if torch.is_tensor(va) and torch.is_tensor(vb):
@@ -71,7 +71,7 @@ def state_difference(backend: OptState, expected: OptState, names: list[str]) ->
 
 def _entry_difference(name: str, key: str, have: Any, want: Any) -> str | None:
     def zero(v: Any) -> bool:
-        return torch.is_tensor(v) and v.dim() > 0 and not bool(v.any())
+        return per_element(key, v) and not bool(v.any())
 
     if have is None or want is None:
         present = have if want is None else want

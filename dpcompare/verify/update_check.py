@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from dpcompare.contract.optim_state import OptimizerFactory, OptState, read_state
+from dpcompare.contract.optim_state import OptimizerFactory, OptState, per_element, read_state
 from dpcompare.verify.clipping import clip_scale
 from dpcompare.verify.held import Difference, give_back_freed
 
@@ -166,7 +166,7 @@ class _Replay:
         dtype, device = self.dtype, self.device
         live = nn.Parameter(self.params[n].detach().to(device=device, dtype=dtype, copy=True))  # one copy, not two
         start = None if n not in self.start else {
-            k: (v.to(device=device, dtype=dtype if v.is_floating_point() and v.dim() > 0 else v.dtype, copy=True)
+            k: (v.to(device=device, dtype=dtype if v.is_floating_point() and per_element(k, v) else v.dtype, copy=True)
                 if torch.is_tensor(v) else v)
             for k, v in self.start[n].items()}
         g = self.grads.get(n)
@@ -222,8 +222,8 @@ class _Replay:
         param, g, start = self._sources(n)
         live = nn.Parameter(self._buffer("param", size).copy_(param[part]))
         if start is not None:
-            start = {k: ((self._buffer(k, size).copy_(v[part]) if v.dim() > 0 else v.to(device=self.device, copy=True))
-                         if torch.is_tensor(v) else v)
+            start = {k: (self._buffer(k, size).copy_(v[part]) if per_element(k, v)
+                         else v.to(device=self.device, copy=True) if torch.is_tensor(v) else v)
                      for k, v in start.items()}
         optimizer = self._step(live, start, None if g is None else self._buffer("grad", size).copy_(g[part]))
         if self.keep_state and not self._kept(n):
@@ -240,8 +240,8 @@ class _Replay:
             g = _held(self.grads, n)
             start = self.start.get(n)
             self._read = (n, _held(self.params, n).detach().reshape(-1), None if g is None else g.detach().reshape(-1),
-                          None if start is None else {k: v.detach().reshape(-1) if torch.is_tensor(v) and v.dim() > 0
-                                                      else v for k, v in start.items()})
+                          None if start is None else {k: v.detach().reshape(-1) if per_element(k, v) else v
+                                                      for k, v in start.items()})
         return self._read[1:]
 
     def _buffer(self, role: str, size: int) -> torch.Tensor:
@@ -258,10 +258,10 @@ class _Replay:
             have = (self.state_like or {}).get(n, {})
             self._filling[n] = ({k: (torch.empty(shape, dtype=_as_dtype(v.dtype, have.get(k), otherwise)
                                                  if self.state_like is not None else v.dtype)
-                                     if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in entries.items()}, {})
+                                     if per_element(k, v) else v) for k, v in entries.items()}, {})
         held, written = self._filling[n]
         for k, v in entries.items():
-            if torch.is_tensor(v) and v.dim() > 0:
+            if per_element(k, v):
                 held[k].view(-1)[part].copy_(v.detach())
             else:
                 held[k] = v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
@@ -341,12 +341,12 @@ def held_as(expected: OptState, backend: OptState, otherwise: torch.dtype | None
     out: OptState = {}
     for name, entries in expected.items():
         have = backend.get(name, {})
-        out[name] = {k: _as(v, have.get(k), otherwise) for k, v in entries.items()}
+        out[name] = {k: _as(v, have.get(k), otherwise) if per_element(k, v) else v for k, v in entries.items()}
     return out
 
 
 def _as(value: Any, have: Any, otherwise: torch.dtype | None) -> Any:
-    if not (torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0):
+    if not value.is_floating_point():
         return value
     return value.to(_as_dtype(value.dtype, have, otherwise))
 

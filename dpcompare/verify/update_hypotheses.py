@@ -42,6 +42,13 @@ class _UpdateHypotheses:
         return [self.non_finite, self.skipped, self.lr_scaled, self.double_step, self.state, self.unused_zero_grad,
                 self.weight_decay, self.clipped, self.clipped_in_parts, self.scale, self.unapplied]
 
+    def determined(self, names: list[str]) -> bool:
+        """Whether a mechanism fitted to the updates of `names` (a weight decay, a clipping coefficient) says anything
+        of them: they hold two elements or more. One coefficient fits any one value (a 0-dim parameter alone, CLIP's
+        logit_scale: any wrong update of it is some weight decay), so there a fit names no cause. The step-size ratio
+        (`scale`) is still said: of one element it is what the update measured, not a fitted mechanism."""
+        return sum(self.ref[p].numel() for p in names) > 1
+
     def match(self, candidate: Grads, remaining: list[str]) -> list[str]:
         return _matching(self.d, candidate, self.ref, remaining, self.ev.tolerance, self.share)
 
@@ -125,6 +132,8 @@ class _UpdateHypotheses:
         if ev.weight_decay > 0:
             out.append(Diagnosis("weight_decay", f"weight decay was not applied (--weight-decay is {ev.weight_decay:g})",
                                  self.match(ev.step_with(weight_decay=0.0), remaining)))
+        if not self.determined(remaining):
+            return out
         theta = flat(ev.params, remaining)
         resid = flat(d, remaining) - flat(ref, remaining)
         denom = float(theta @ theta)
@@ -159,6 +168,8 @@ class _UpdateHypotheses:
                 return [Diagnosis("not_clipped", f"the gradient was not clipped: --clip-grad-norm {ev.clip:g} caps its "
                                   f"total norm {total:.4g} (x{clip_coefficient(total, ev.clip):.4g}), and the update is "
                                   "the unclipped gradient's: the backend ignored the clipping", unclipped)]
+        if not self.determined(remaining):
+            return []
         # Fit on a log scale: the match needs the scale to a relative precision near the tolerance.
         from scipy.optimize import minimize_scalar  # scipy takes seconds to import: only where it is used
 
