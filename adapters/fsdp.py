@@ -62,8 +62,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpcompare import (DIST_BACKEND, Adapter, Capabilities, Note, Option, ProcessGroupMixin, Wrapped, block_modules,
-                       ensure_rendezvous)
+from dpcompare import (DIST_BACKEND, Adapter, Capabilities, Note, Option, ProcessGroupMixin, Settings, Wrapped,
+                       block_modules, ensure_rendezvous)
 
 def _dtensor():
     from torch.distributed.tensor import DTensor
@@ -111,6 +111,12 @@ class FSDPAdapter(ProcessGroupMixin, Adapter):
         return (f"--opt replicas={replicas} is invalid at world size {world_size}: replicas must divide the world size "
                 f"(HSDP puts world_size / replicas ranks in every shard group); use one of {divisors} (1: plain FSDP), "
                 f"or start a world size that {replicas} divides")
+
+    @classmethod
+    def sparse_gradient_refusal(cls, settings: Settings) -> str:
+        # torch 2.13: the post-backward reduce-scatter copies every gradient into one flat buffer (fsdp::chunk_cat,
+        # foreach_reduce_scatter_copy_in), which has no sparse kernel; a sparse DTensor shard does not exist either
+        return "FSDP2 shards every gradient by copying it into a flat dense buffer for its reduce-scatter"
 
     @classmethod
     def shared_device_refusal(cls) -> str:

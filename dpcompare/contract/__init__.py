@@ -13,6 +13,7 @@ layers above share (docs/ARCHITECTURE.md).
   syncbn         BatchNorm over the global batch through any all-reduce
   amp            the mixed-precision recipes (autocast, loss-scaler state)
   optim_state    reading a torch optimizer's state by parameter name
+  sparse         sparse gradients (nn.Embedding(sparse=True)): found, read densified, refused where they cannot run
 
 It imports nothing from the layers above it (run, verify, measure, commands): checked by import-linter
 (pyproject.toml, tests/test_layers.py). The public API (`dpcompare.__all__`) re-exports from here.

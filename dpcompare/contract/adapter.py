@@ -110,10 +110,10 @@ class Adapter:
         return None
 
     @classmethod
-    def sparse_gradient_refusal(cls, options: Mapping[str, Any]) -> str | None:
-        """Why this backend, with these `--opt` values (typed), cannot take a parameter's sparse gradient
-        (nn.Embedding(sparse=True)), as a clause (None: it can). The run refuses such a model before it trains, in one
-        line naming the parameter (dpcompare.contract.sparse.refusal)."""
+    def sparse_gradient_refusal(cls, settings: Settings) -> str | None:
+        """Why this backend, with these settings, cannot take a parameter's sparse gradient (nn.Embedding(sparse=True)),
+        as a clause (None: it can). The run refuses such a model before it trains, in one line naming the parameter
+        (dpcompare.contract.sparse.refusal)."""
         return None
 
     @classmethod

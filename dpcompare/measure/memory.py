@@ -28,6 +28,19 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def held_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The strided tensors that hold `t`'s elements: a sparse tensor's indices and values (a sparse gradient of
+    nn.Embedding(sparse=True), SGD's momentum of one), else `t` itself (a DTensor's local shard)."""
+    t = local_tensor(t)
+    if t.layout == torch.sparse_coo:
+        return t._indices(), t._values()
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return t.crow_indices(), t.col_indices(), t.values()
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return t.ccol_indices(), t.row_indices(), t.values()
+    return (t,)
+
+
 def byte_range(t: torch.Tensor) -> tuple[Any, int, int] | None:
     """(the storage's identity, first byte, one past the last byte) the tensor's elements span in its storage, or
     None for a tensor without elements. A strided view spans from its first to its last element."""
@@ -55,16 +68,14 @@ def census_bytes(components: Mapping[str, Sequence[torch.Tensor | None]]) -> dic
     """Bytes per component of the tensors listed, every byte of a storage counted once: views of one flat buffer
     count the bytes they cover together (not once per view, not the buffer's unlisted rest), a tensor listed in
     two components counts in the first of COMPONENTS (then any other key, in its order), a DTensor counts its
-    local shard. None entries and empty tensors count 0. Returns every key of COMPONENTS (0 when absent) plus the
-    keys given."""
+    local shard, a sparse tensor its indices and values. None entries and empty tensors count 0. Returns every key of
+    COMPONENTS (0 when absent) plus the keys given."""
     order = [c for c in COMPONENTS] + [c for c in components if c not in COMPONENTS]
     claimed: dict[Any, list[tuple[int, int]]] = {}
     out: dict[str, int] = {}
     for name in order:
         total = 0
-        for t in components.get(name) or ():
-            if t is None:
-                continue
+        for t in (part for listed in components.get(name) or () if listed is not None for part in held_parts(listed)):
             found = byte_range(t)
             if found is None:
                 continue

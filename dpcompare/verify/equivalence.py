@@ -32,6 +32,7 @@ from dpcompare.verify.masks import MaskReplayer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
 from dpcompare.verify.held import Compact, releasable, release
+from dpcompare.verify.stochastic import each_rank_from_start
 from dpcompare.verify.tolerance import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, ParamError, compare, coverage,
                                         flat, min_detectable, rel_fro, wire_roundoff)
 from dpcompare.verify.verdict import Divergence, StepCheck, UpdateCheck, Verdict, tolerance_policy
@@ -258,7 +259,7 @@ def accumulate_raw(model: nn.Module, loss_fn: Callable, pieces: list[Piece], dev
     model.zero_grad(set_to_none=True)
     loss = 0.0
     with recipe.gathering(model), module_boundaries(model, recipe.module_boundaries):
-        for piece in pieces:
+        for piece in each_rank_from_start(model, pieces):  # a forward that moves its buffers: each rank from its own
             loss += piece.weight * accumulate_piece(model, loss_fn, piece, device, replayer, recipe,
                                                     piece.weight * ranks * loss_scale)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

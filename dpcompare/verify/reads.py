@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from dpcompare.contract.optim_state import OptState
+from dpcompare.contract.sparse import densified, densified_state
 from dpcompare.verify.equivalence import Grads
 from dpcompare.verify.precision import ScaleStep
 
@@ -27,6 +28,11 @@ class Reads:
     grads: dict[str, torch.Tensor | None]
     masters: dict[str, torch.Tensor]
     state: OptState | None
+
+    def __post_init__(self) -> None:
+        # A sparse gradient (nn.Embedding(sparse=True)), and SGD's momentum of one, read densified: the checks compare
+        # them with the dense ones of the oracle's copies (dpcompare.contract.sparse); the run's own stay sparse.
+        self.grads, self.state = densified(self.grads), densified_state(self.state)
 
 
 @dataclass(slots=True)
