@@ -94,7 +94,7 @@ def test_the_built_in_token_data_is_padded_at_the_end_and_the_masked_lm_masks_as
 
 
 # -- the split's cause -------------------------------------------------------------------------------------------------
-def _finding(workload, *, global_count: bool = False, grad_accum: int = 1):
+def _finding(workload, *, global_count: bool = False, grad_accum: int = 1, step: int = 0):
     """The split's finding at 2 ranks on the workload's initial weights and step 0, as rank 0's verifier settles it."""
     workload = counting(workload)
     model = workload.model
@@ -105,10 +105,10 @@ def _finding(workload, *, global_count: bool = False, grad_accum: int = 1):
                         depth=eq.depth_of(model), verdict=verdict)
     check = SplitCheck(oracle, forwards, depth=eq.depth_of(model), applies=True, verdict=verdict)
     state = model.state_dict()
-    batch = workload.make_batch(0, 24)
+    batch = workload.make_batch(step, 24)
     workload.loss_fn(model(batch[0][:2]), batch[1][:2])  # the probe's forward: a loss returning its count says so
     pieces = forwards.pieces(batch, None)
-    check.settle(0, state, batch, None, None, pieces, oracle.oracle_of(state, pieces))
+    check.settle(step, state, batch, None, None, pieces, oracle.oracle_of(state, pieces))
     check.note(1e-7)
     return check.finding, {n.code: n.text for n in verdict.notes}
 
@@ -152,14 +152,34 @@ def test_samples_that_interact_in_the_loss_are_named_and_a_per_sample_loss_is_no
     assert f.semantics == "global" and not notes
 
 
-@pytest.mark.parametrize(("build", "said"), [(sw.split_by_size_mlp, "branches on the local batch's size"),
-                                             (sw.split_by_content_mlp, "control flow on the local batch")],
-                         ids=["size", "content"])
-def test_control_flow_on_the_local_batch_is_named_not_an_interaction(build, said):
-    f, notes = _finding(build(1234))
-    assert f.cause["name"] == "control_flow", f.cause
+@pytest.mark.parametrize(("build", "branch", "said"), [
+    (sw.split_by_size_mlp, "size", "branches on the local batch's size"),
+    (sw.split_by_content_mlp, "content", "branches on the local batch's content in tensor ops"),
+    (sw.split_later_mlp, "content", "reads a tensor's value into Python")], ids=["size", "content", "read"])
+def test_control_flow_on_the_local_batch_is_named_not_an_interaction(build, branch, said):
+    f, notes = _finding(build(1234), step=3 if build is sw.split_later_mlp else 0)
+    samples = f.cause["evidence"]["samples"]
+    assert f.cause["name"] == "control_flow" and samples["branch"] == branch, f.cause
     text = notes["split_dependent_forward"]
-    assert said in text and "interact" not in text and "normalised" not in text
+    assert said in text and "interact" not in text and "normalised" not in text and "mixes" not in text
+
+
+class _Mixing(torch.nn.Module):
+    """Each sample's features plus the mean over its batch: the model mixes the samples, with a gradient."""
+
+    def forward(self, x):
+        return x + x.mean(dim=0, keepdim=True)
+
+
+def test_a_model_that_mixes_samples_is_named_so_not_control_flow():
+    base = workloads.mlp(1234)
+    layers = list(base.model.children())
+    mixing = workloads.Workload("mixing", torch.nn.Sequential(layers[0], _Mixing(), *layers[1:]), base.make_batch,
+                                base.loss_fn)
+    f, notes = _finding(mixing)
+    samples = f.cause["evidence"]["samples"]
+    assert f.cause["name"] == "model_interaction" and samples["cross_sample_gradient_rel"] > 1e-3, f.cause
+    assert "the model mixes the samples" in notes["split_dependent_forward"]
 
 
 def test_rounding_below_the_floor_is_no_note():

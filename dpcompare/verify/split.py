@@ -303,19 +303,28 @@ def _interact(evidence: dict) -> str:
 
 def _control_flow(evidence: dict) -> str:
     samples = evidence["samples"]
-    read = samples.get("own_read")
-    where = (f"the model's own code reads a tensor's value into Python ({read}): it branches on the local batch's "
-             "content" if read else
-             "a sample's output depends on the batch it is in but not on the other samples' values (replacing them "
-             f"moves it {samples.get('first_row_moved_rel', 0.0):.3g}): the forward branches on the local batch's size")
+    read, moved, n = samples.get("own_read"), samples.get("kept_rows_moved_rel"), samples.get("replacements")
+    if read:
+        where = f"the model's own code reads a tensor's value into Python ({read}): it branches on the local batch's content"
+    elif samples.get("branch") == "size":
+        where = (f"a sample's output depends on the batch it is in, but in {n} batches of the same size holding other "
+                 f"samples it moved {moved:.3g}: the forward branches on the local batch's size")
+    elif samples.get("branch") == "content":
+        where = (f"the other samples' values move a sample's output ({moved:.3g}) with no gradient through them "
+                 f"({samples.get('cross_sample_gradient_rel', 0.0):.3g}): the forward branches on the local batch's "
+                 "content in tensor ops (capacity routing, a top-k)")
+    else:
+        where = "a sample's output depends on the batch it is in"
     return f"control flow on the local batch: {where}"
 
 
 def _model_interaction(evidence: dict) -> str:
     samples = evidence["samples"]
-    return (f"the model mixes the samples of a forward: a sample's output moves {samples['first_row_moved_rel']:.3g} "
-            "(relative) when the other samples of its forward are replaced (attention, pooling or statistics across "
-            "the batch)")
+    cross = samples.get("cross_sample_gradient_rel")
+    through = f", and its gradient reaches the other samples' inputs ({cross:.3g})" if cross is not None else ""
+    return (f"the model mixes the samples of a forward: a sample's output moves {samples['kept_rows_moved_rel']:.3g} "
+            f"(relative) when the other samples of its forward are replaced{through} (attention, pooling or "
+            "statistics across the batch)")
 
 
 def _no_cause(evidence: dict) -> str:

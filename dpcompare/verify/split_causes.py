@@ -11,11 +11,13 @@ Each test changes one thing and measures again, and a cause is named only where 
                  term the workload names `per_forward_term`) the split is the global batch's gradient;
   samples_interact  the model computes each sample's output alone (the ranks' outputs are the global forward's rows),
                  so the loss couples the samples (in-batch negatives of a contrastive loss);
-  control_flow   a sample's output depends on the batch it is in, but not on the other samples' values (replacing them
-                 leaves it unchanged): the forward branches on the local batch's size; or the model's own code reads a
-                 tensor's value into Python (its branch on the content, where it read);
-  model_interaction  a sample's output moves when the other samples of its forward are replaced: the model mixes
-                 samples (attention or pooling across the batch).
+  control_flow   a sample's output depends on the batch it is in, but not on the other samples' values (in batches
+                 of its size with half its samples replaced by others, scaled up and down, the kept ones do not move):
+                 a branch on the local batch's size; or they move with no gradient through the others' inputs (a
+                 branch on the content in tensor ops: capacity routing, a top-k); or the model's own code reads a
+                 tensor's value into Python (a branch on the content, where it read);
+  model_interaction  the kept samples' outputs move with the others' values, and their gradient reaches the others'
+                 inputs: the model mixes samples (attention or pooling across the batch).
 Where no test holds, the cause is None and the note says so. Every figure is kept (`Cause.evidence`). Imports no
 adapter.
 """
@@ -96,6 +98,9 @@ def find_cause(oracle: Oracle, layout: Layout, state: dict, batch, whole: Grads,
     return Cause(samples.pop("cause", None), evidence)
 
 
+REPLACEMENTS = (1.0, 2.0, 0.5)
+"""The batches of a forward's size that test what moves the samples it keeps: half its samples kept, the rest others of
+the batch, their inputs (where floating) scaled by each factor."""
 VISIBLE_IGNORE_INDEX = -100
 """A target value that says the loss leaves the position out, where the workload names no ignore index: the default
 ignore_index of F.cross_entropy and transformers' losses."""
@@ -215,39 +220,51 @@ def _samples(oracle: Oracle, layout: Layout, state: dict, batch, agreement: floa
     if rows <= agreement:
         out["cause"] = "samples_interact"
         return out
-    others = torch.tensor([i for i in range(n) if i not in set(idx.tolist())][: len(idx) - 1])
-    if len(others) < len(idx) - 1:
+    outside = torch.tensor([i for i in range(n) if i not in set(idx.tolist())])
+    half = len(idx) // 2
+    if len(outside) < len(idx) - half:
         out["cause"] = "control_flow" if reads.own_read else None
         return out
-    # a sample's output from a forward of other samples: moved by their values (the model mixes samples), or only by
-    # how many there are (a branch on the batch's size)
-    swapped = torch.cat([idx[:1], others])
-    with torch.no_grad():
-        again = _first_tensor(model(as_input(x[swapped], model, oracle.device)))
-    model.load_state_dict(state)
-    moved = _rel(again[:1], own[:1])
-    out["first_row_moved_rel"] = moved
-    if moved > agreement and not reads.own_read and x.is_floating_point():
+    # the forward again, half its samples kept and the rest replaced by others of the batch (the same count), a few
+    # times: the kept samples' outputs move with the others' values (the model mixes samples, or branches on their
+    # content), or with none of them (a branch on the batch's size)
+    g = torch.Generator().manual_seed(0)
+    moved, swapped = 0.0, idx
+    for scale in REPLACEMENTS:
+        swapped = torch.cat([idx[:half], outside[torch.randperm(len(outside), generator=g)[: len(idx) - half]]])
+        inputs = x[swapped].clone()
+        if inputs.is_floating_point():  # the others' values scaled too: larger or smaller than the kept samples'
+            inputs[half:] *= scale
+        with torch.no_grad():
+            again = _first_tensor(model(as_input(inputs, model, oracle.device)))
+        model.load_state_dict(state)
+        moved = max(moved, _rel(again[:half], own[:half]))
+    out.update(kept_rows_moved_rel=moved, replacements=len(REPLACEMENTS))
+    if reads.own_read:
+        out.update(cause="control_flow", branch="content")  # the model's own read of a value is a branch on it
+    elif moved <= agreement:
+        out.update(cause="control_flow", branch="size")
+    elif x.is_floating_point():
         # moved by the others' values: through a differentiable path (mixing), or only through which branch they
         # chose (capacity routing made of tensor ops: its mask carries no gradient)
-        out["cross_sample_gradient_rel"] = cross = _cross_gradient(model, x[swapped], oracle.device)
+        out["cross_sample_gradient_rel"] = cross = _cross_gradient(model, x[swapped], half, oracle.device)
         model.load_state_dict(state)
-        out["cause"] = "model_interaction" if cross > agreement else "control_flow"
-        return out
-    # the model's own read of a value is a branch on the content, whatever the replaced samples moved
-    out["cause"] = "control_flow" if reads.own_read or moved <= agreement else "model_interaction"
+        out.update(cause="model_interaction") if cross > agreement else out.update(cause="control_flow",
+                                                                                    branch="content")
+    else:
+        out["cause"] = "model_interaction"
     return out
 
 
-def _cross_gradient(model: nn.Module, x: torch.Tensor, device: torch.device) -> float:
-    """The gradient of the first sample's output with respect to the other samples' inputs, relative to its gradient
-    with respect to its own."""
+def _cross_gradient(model: nn.Module, x: torch.Tensor, kept: int, device: torch.device) -> float:
+    """The gradient of the first `kept` samples' outputs with respect to the other samples' inputs, relative to their
+    gradient with respect to their own."""
     inputs = as_input(x, model, device).detach().requires_grad_(True)
-    first = _first_tensor(model(inputs))[0]
+    first = _first_tensor(model(inputs))[:kept]
     (grad,) = torch.autograd.grad(first.sum(), inputs)
     model.zero_grad(set_to_none=True)
-    own = float(torch.linalg.vector_norm(grad[0]))
-    return float(torch.linalg.vector_norm(grad[1:])) / max(own, 1e-300)
+    own = float(torch.linalg.vector_norm(grad[:kept]))
+    return float(torch.linalg.vector_norm(grad[kept:])) / max(own, 1e-300)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
