@@ -6,13 +6,16 @@ torch.distributed, torch.nn.parallel, DeepSpeed, Horovod and the adapter's own c
 when a frame of the model's code is deeper in its traceback than any frame of communication: a shape error in a user's
 branch raises under DDP's forward (shallower), while an all-gather that lost its peer under FSDP's or ZeRO-3's hooks
 raises under the model's forward (deeper). torch.distributed's own errors and running out of memory are never the
-model's. Imports no adapter.
+model's. Also `collective_failed(exc)`: whether an error that is not the model's is a collective that lost its peer or
+timed out (then a stalled or lost rank is named: the culprit) rather than this rank's own failure in torch or the
+backend (said in its own line, with no culprit: nothing stalled). Imports no adapter.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import re
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -26,6 +29,10 @@ _TORCH_LAYERS = (str(_TORCH / "nn" / "modules") + os.sep, str(_TORCH / "nn" / "f
 _COMMUNICATION = (str(_TORCH / "distributed") + os.sep, str(_TORCH / "nn" / "parallel") + os.sep,
                   f"{os.sep}deepspeed{os.sep}", f"{os.sep}horovod{os.sep}")
 _NEVER_THE_MODELS = (torch.OutOfMemoryError, MemoryError)
+_LOST_PEER = re.compile(r"connection (reset|closed|refused|lost)|(reset|closed) by peer|broken pipe|timed? ?out|"
+                        r"socket|nccl|communicator|shut ?down|heartbeat|no response", re.IGNORECASE)
+"""What gloo, NCCL and Horovod say when a collective lost its peer or waited past its timeout (gloo raises a plain
+RuntimeError: "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:8886. ...")."""
 
 
 def _file_of(obj: Any) -> str | None:
@@ -67,6 +74,23 @@ def model_raised(exc: BaseException, model_code: frozenset[str], communication: 
         elif name in model_code or name.startswith(_TORCH_LAYERS):
             deepest_model = depth
     return deepest_model > deepest_comm
+
+
+def collective_failed(exc: BaseException) -> bool:
+    """Whether `exc` is a collective that failed on a lost or silent peer: torch.distributed's own errors (DistError:
+    NCCL's, the store's, a timeout), Horovod's HorovodInternalError, or what gloo says of a lost connection or a
+    timeout. Any other error (torch's, the backend's own, a check's) is this rank's own failure."""
+    if isinstance(exc, getattr(torch.distributed, "DistError", ())):
+        return True
+    if any(cls.__name__ == "HorovodInternalError" for cls in type(exc).__mro__):
+        return True
+    return bool(_LOST_PEER.search(str(exc)))
+
+
+def part_of(exc: BaseException) -> str:
+    """The part of a forward-and-backward `exc` left: "backward" where autograd's engine ran it, else "forward"."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return "backward" if any(f.name == "_engine_run_backward" for f in frames) else "forward"
 
 
 class ModelRaised(Exception):

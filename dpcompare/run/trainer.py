@@ -173,15 +173,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     except ValueError as exc:  # a setting the run refused on its way (e.g. DDP's find_unused_parameters=false)
         _said_by_this_rank(watchdog, env, exc)
         raise
-    except RuntimeError as exc:
-        # A collective that timed out or lost a peer: say which rank fell behind, not only what broke.
-        if watchdog is not None and env.world_size > 1:
-            if watchdog.peer_said() is not None:  # lost the peer that has said why the run ends: nothing to add
-                raise SaidByAnotherRank() from exc
-            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            culprit = watchdog.culprits_after_failure()
-            watchdog.end_stopped_peers()  # the launcher could not end a suspended rank; the run is over
-            raise RuntimeError(f"{first_line}; culprit: {culprit}") from exc
+    except RuntimeError as exc:  # a collective that lost a peer names the culprit; this rank's own failure does not
+        _failed(watchdog, env, exc)
         raise
     finally:
         if watchdog is not None:
@@ -207,6 +200,37 @@ def _said_by_this_rank(watchdog: Watchdog | None, env: launch.LaunchEnv, error: 
         if watchdog.wait_for_said(0, RANK0_SAYS_WITHIN_S):
             raise SaidByAnotherRank(wait_for_launcher=True) from error
         error.rank0_silent = True  # type: ignore[attr-defined]
+
+
+def _failed(watchdog: Watchdog | None, env: launch.LaunchEnv, exc: RuntimeError) -> None:
+    """This rank fails on `exc`, not the model's code nor a setting. A collective that lost its peer or timed out
+    (raised.collective_failed), or any failure while a peer is visibly gone: the line names the rank that stalled or
+    was lost (the culprit), or none where that peer has said why the run ends (SaidByAnotherRank). Any other error is
+    this rank's own (torch's, the backend's; nothing stalled): `exc` is its line, with no culprit, said as the model's
+    errors are (`_said_by_this_rank`). Returns where `exc` is to be raised as it is."""
+    if watchdog is None or env.world_size == 1:
+        return
+    if watchdog.peer_said() is not None:  # lost the peer that has said why the run ends: nothing to add
+        raise SaidByAnotherRank() from exc
+    if not raised.collective_failed(exc) and not watchdog.lost_peers():
+        _said_by_this_rank(watchdog, env, exc)
+        return
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    culprit = watchdog.culprits_after_failure()
+    watchdog.end_stopped_peers()  # the launcher could not end a suspended rank; the run is over
+    raise RuntimeError(f"{first_line}; culprit: {culprit}") from exc
+
+
+def _probe(template: nn.Module, workload: Workload, batch, device, env: launch.LaunchEnv):
+    """Rank 0's probe of the model (verifier.probe): the model's own code raising in its float64 forward or backward
+    of the first global batch is the model's error (raised.ModelRaised), said as in a step."""
+    try:
+        return verifier.probe(template, workload.loss_fn, batch, device)
+    except Exception as exc:
+        if raised.model_raised(exc, raised.model_files(template, workload.loss_fn), frozenset()):
+            raise raised.ModelRaised(exc, step=0, phase="probe, in float64 before wrapping", part=raised.part_of(exc),
+                                     rank=env.rank, world_size=env.world_size) from exc
+        raise
 
 
 def _release(adapter: Adapter) -> None:
@@ -237,16 +261,17 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
     facts = refused = None
     if env.is_rank0:
         first = workload.make_batch(0, global_batch)
-        facts = verifier.probe(template, workload.loss_fn, first, device)
+        facts = _probe(template, workload, first, device, env)
         refused = normalisation.refusal(cfg.loss_normalisation, workload.loss_fn, first[1], cfg.model)
     facts, refused = adapter.all_gather_object((facts, refused))[0]
     if refused is not None:
         raise CommandLineError(refused)
     facts = dataclasses.replace(facts, built_apart=tuple(built.values.items()))
     # A sparse gradient (nn.Embedding(sparse=True)) the backend or torch cannot take: refused before anything trains.
-    refused = sparse.refusal(facts.sparse_grads, sparse.tables(template), cfg.backend,
-                             adapter.sparse_gradient_refusal(adapter.settings.options), cfg.optimizer, cfg.weight_decay,
-                             cfg.clip_grad_norm)
+    refused = sparse.refusal(
+        facts.sparse_grads, sparse.tables(template), cfg.backend, adapter.sparse_gradient_refusal(adapter.settings),
+        optimizer=cfg.optimizer, weight_decay=cfg.weight_decay, clip_grad_norm=cfg.clip_grad_norm, dtype=cfg.dtype,
+        compression=cfg.compression) if facts.sparse_grads else None
     if refused is not None:
         raise CommandLineError(refused)
     # Same seed for the weights (above), a seed of its own per rank for what the forward draws (seed 000).
@@ -267,6 +292,8 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
         adapter.compile()
     if cfg.no_dropout:
         wrapped.notes.append(Note("dropout_off", stochastic.no_dropout_note(switched, facts)))
+    if facts.sparse_grads:
+        wrapped.notes.append(Note("sparse_gradients", sparse.note(facts.sparse_grads, sparse.tables(template))))
     wrapped.model.train()  # once: every step trains (the oracle and the shadow have their own copies)
     return template
 

@@ -158,6 +158,10 @@ class Watchdog:
                 out[r] = why
         return out
 
+    def lost_peers(self) -> dict[int, str]:
+        """The peers not ahead of this rank that are visibly not running now (gone, exited, suspended), with why."""
+        return self._not_running_peers({r: p for r, p in self.peers().items() if p is not None})
+
     def culprits_after_failure(self, settle_s: float = 3.0, poll_s: float = 0.05) -> str:
         """`culprits()` for a collective that just failed on a lost peer. The peer that broke it may still be
         dying: its sockets close before its process is gone, so the failure can reach this rank first. Wait up

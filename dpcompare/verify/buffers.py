@@ -72,11 +72,16 @@ class _Entry:
     unexplained: dict | None = None
     """The first step where no semantics matched: the distances to each, and whether the prediction was
     reproducible (then it failed the verdict)."""
+    from_samples: bool | None = None
+    """Whether the forward's update of it reads the samples (BatchNorm's statistics: True) or the model's state
+    alone (spectral_norm's power iteration, a count of forwards: False), as rank 0's buffers updated by each rank's
+    shard and by the global batch show; None until a checked step with two ranks or more updated it."""
 
     def to_dict(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "steps": self.steps, "ranks_agree": self.ranks_agree,
                 "max_rel_diff_between_ranks": self.max_rel_diff_between_ranks, "updated_by_forward": self.updated,
-                "semantics": self.semantics or [], "nearest": self.nearest or [], "tried": list(SEMANTICS), "unexplained": self.unexplained}
+                "semantics": self.semantics or [], "nearest": self.nearest or [], "tried": list(SEMANTICS), "unexplained": self.unexplained,
+                "from_samples": self.from_samples}
 
 
 class BufferCheck:
@@ -163,6 +168,8 @@ class BufferCheck:
                 if entry.unexplained is None:
                     entry.unexplained = {"step": step, "distances": None, "tolerance": None, "reproducible": False}
                 continue
+            if entry.updated and ws > 1:
+                entry.from_samples = bool(entry.from_samples) or _of_the_samples(name, predicted)
             floor = state_distance(run_dtype[name], own[0][name]) if is_float(mine) else 0.0
             tol = TOLERANCE_FACTOR * (max(floor, self.depth * self.u) + ws * self.u) if is_float(mine) else 0.0
             matched, distances = [], {}
@@ -270,6 +277,27 @@ class BufferCheck:
         return (f"module buffers differ across ranks after the step: {shown}{how}; evaluation and checkpoints taken on "
                 "different ranks differ: broadcast rank 0's buffers (or average them) before evaluating or saving, or "
                 "use --sync-bn for BatchNorm statistics")
+
+    def weights_note(self) -> str | None:
+        """The `buffers_from_weights` note: floating buffers the forward updates from the model's state alone, in
+        which every rank agrees (spectral_norm's u and v)."""
+        names = [n for n, e in self._entries.items() if e.from_samples is False and e.ranks_agree and e.semantics
+                 and e.dtype.startswith(("float", "bfloat"))]
+        if not names:
+            return None
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        return (f"module buffers the training forward updates from the model's own state, not from its samples (each "
+                f"rank's shard and the global batch move them alike): {shown}; each rank updates its own copy at every "
+                "forward (a spectral_norm layer runs its power iteration on its replica of the weight), and as every "
+                "rank holds the same weights, every rank computes the values one process computes in as many "
+                "forwards, with no broadcast")
+
+
+def _of_the_samples(name: str, predicted: dict[str, list[Buffers | None]]) -> bool:
+    """Whether rank 0's buffers updated by each rank's shard and by the global batch (every one of these float64
+    predictions starts from rank 0's buffers) part: the update reads the samples, not the model's state alone."""
+    values = [p[name] for p in (*predicted["rank0_broadcast"], *predicted["global_batch"]) if p is not None]
+    return any(state_distance(v, values[0]) > (REPRODUCIBLE if is_float(v) else 0.0) for v in values[1:])
 
 
 def _unmoved(now: Buffers, then: Buffers) -> bool:

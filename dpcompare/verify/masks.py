@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dpcompare.contract.checkpointing import checkpointed_blocks
-from dpcompare.verify import draws
+from dpcompare.verify import draws, stochastic
 from dpcompare.verify.mask_transit import MaskRecord, PackedDraw
 
 __all__ = ["MaskMismatch", "MaskRecord", "MaskRecorder", "MaskReplayer", "PackedDraw", "combine", "uncaptured"]
@@ -375,7 +375,8 @@ def _watching(model: nn.Module) -> Iterator[list[tuple[str, list[Summary], list[
 def uncaptured(model: nn.Module, x: torch.Tensor) -> str | None:
     """Does `model`'s training-mode forward draw random numbers that recording its random ops does not replay? Runs the
     forward on `x` twice: first recording its draws with a MaskRecorder, then replaying them with a MaskReplayer (both
-    on this same model, generator not reset between). Returns None when the two outputs are equal; else what draws,
+    on this same model, generator not reset between, each from the same buffers: stochastic.buffers_restorer). Returns
+    None when the two outputs are equal; else what draws,
     naming the module with its type, e.g. "blocks.0.attn (Attention) calls aten._scaled_dot_product_flash_attention
     with dropout 0.1, ...": a call the recorder found unreplayable, a replay that failed, or else the module whose
     output differs although its inputs did not (the first such to finish; "the model's own forward (Net)" for the root)
@@ -394,12 +395,14 @@ def uncaptured(model: nn.Module, x: torch.Tensor) -> str | None:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             model.train()
             recorder = MaskRecorder(model)
+            restore = stochastic.buffers_restorer(model)  # the second forward starts from the first's buffers
             with recorder.recording(), _watching(model) as first:
                 out1 = model(x)
             record = recorder.take()
             if record.problems:
                 name, why = next(iter(record.problems.items()))
                 return f"{describe(name)} {why}"
+            restore()
             try:
                 with MaskReplayer(model).applying(record.calls()), _watching(model) as second:
                     out2 = model(x)

@@ -1,9 +1,10 @@
 """What the model is, found before it is wrapped, and what the verdict says of the randomness its forward draws.
 
 Owns: the model probe before wrapping (`probe`: one float64 forward/backward of the first global batch, for the
-unused, frozen and random parts of the model: which module draws with which random op, and whether replaying the
-recorded draws accounts for every random number the forward draws), and the verdict's account of that randomness
-before the first step (`judge_randomness`): replayed, or the reason the run cannot be checked against an oracle.
+unused, frozen, sparse (a sparse `.grad`: nn.Embedding(sparse=True)) and random parts of the model: which module draws
+with which random op, and whether replaying the recorded draws accounts for every random number the forward draws),
+and the verdict's account of that randomness before the first step (`judge_randomness`): replayed, or the reason the
+run cannot be checked against an oracle.
 Everything here runs on generators forked from the run's. Imports no adapter.
 """
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from dpcompare.contract import ModelFacts
+from dpcompare.contract.sparse import sparse_grads
 from dpcompare.verify import data_dependence
 from dpcompare.verify import masks as mk
 from dpcompare.verify import stochastic
@@ -34,22 +36,27 @@ def _flat(output: torch.Tensor | tuple) -> torch.Tensor:
 
 
 def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> ModelFacts:
-    """One float64 forward/backward of the first global batch (which parameters get no gradient), its random ops
+    """One float64 forward/backward of the first global batch (which parameters get no gradient, which a sparse one,
+    as the model built them), its random ops
     recorded at the dispatcher (which module draws with which op), a second forward of the same input (does the
     forward draw random numbers?) and, when it does, whether replaying the recorded draws accounts for all of it
     (which module draws where no replay reaches, and with what); where the forward reads the data into Python
     (data_dependence), the parameters that parts of the batch leave out."""
     # the run's own path (no switch to an alternative with float64 kernels): which parameters a part of the batch uses
     # is the run's question (an eager expert loop skips experts that a grouped matmul computes with no token)
-    model = verification_copy(template, device, torch.float64, alternatives=False).train()
+    model = verification_copy(template, device, torch.float64, alternatives=False, sparse=True).train()
     x, y = batch
     x = x.to(device)
     x = x.double() if x.is_floating_point() else x
     recorder = mk.MaskRecorder(model)
+    restore_buffers = stochastic.buffers_restorer(model)
     with stochastic.isolated(device):
         with recorder.recording():
             with data_dependence.watch(model) as reads:
                 first = model(x)
+            # from the buffers the first forward started from: a forward that updates its buffers (spectral_norm's
+            # power iteration) draws nothing; only what the forward draws may part the two
+            restore_buffers()
             with torch.no_grad():
                 second = model(x)  # its own draws (only the list of what draws is read from the record)
             # backward inside: a recomputing copy runs its forward again there, on the same attention path
@@ -64,6 +71,7 @@ def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, tor
         with stochastic.isolated(device):
             uncaptured = mk.uncaptured(verification_copy(template, device, torch.float64), x)
     unused = tuple(n for n, p in named if p.requires_grad and p.grad is None)
+    sparse = sparse_grads(model)  # before left_out_by_parts sets the gradients to None
     left_out = ()
     if reads.first is not None:  # only a forward that reads the data can leave out a part of itself by the data
         with stochastic.isolated(device):
@@ -77,6 +85,7 @@ def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, tor
         stochastic=drawn,
         uncaptured=uncaptured,
         data_reads=reads.first, branches_on_data=reads.branch is not None, left_out_by_parts=left_out,
+        sparse_grads=sparse,
     )
     # The copy is in a reference cycle (its recorder's dispatch mode refers back to the recorder): freed only by a
     # collection, which a run that allocates few Python objects may not start before its checks' peak (a float64 copy

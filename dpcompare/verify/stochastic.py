@@ -6,7 +6,10 @@ the per-rank seed (seed 000: the same seed for the weights, a different one per 
 augmentation), and the capture of a rank's generator state before its forward, whose digest tells ranks that would
 draw the same numbers (the numbers themselves are recorded by dpcompare.verify.masks). Also `isolated()`: rank 0's
 verification work runs on a forked generator, so checking a run never changes the random numbers the run itself
-draws. Imports no adapter.
+draws. Also what is not randomness though two forwards differ: a forward that moves buffers it reads, without drawing
+(spectral_norm's power iteration moves its `_u` and `_v` at every training-mode forward): `buffers_restorer` starts a
+second forward from the first's buffers, and `each_rank_from_start` runs the ranks' forwards of one step on one copy
+each from the buffers the step started from, as each rank's own forward starts from its own. Imports no adapter.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import contextlib
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -135,3 +138,51 @@ def no_dropout_note(switched: list[str], facts: ModelFacts) -> str:
     fate = (f"not replayable ({facts.uncaptured})" if facts.uncaptured else
             "recorded on every rank and replayed in the oracle")
     return f"{text}; the forward still draws random numbers: {still}, {fate}"
+
+
+def buffers_restorer(model: nn.Module) -> Callable[[], list[str]]:
+    """A copy of `model`'s buffers now; calling what is returned puts a copy of it in the place of each buffer that
+    has moved since (a new tensor, not written into the old: a backward still to run may have saved the old one, as
+    BatchNorm's saves its running statistics) and returns their names; one that has not moved is left as it is. Two
+    forwards of one input that start from the same buffers differ only by what they draw."""
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+
+    def restore() -> list[str]:
+        moved = [n for n, b in model.named_buffers() if n in saved and not torch.equal(b, saved[n])]
+        for name in moved:
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = saved[name].clone()
+        return moved
+
+    return restore
+
+
+def each_rank_from_start(model: nn.Module, pieces: list[Any]) -> Iterator[Any]:
+    """`pieces` (forwards with a `rank`) in their order, `model` holding each rank's own buffers at its forwards: a
+    rank's first forward starts from the buffers the first piece started from (every rank holds the step's buffers
+    before its forward, as rank 0's state says; a forward of the global batch alike), its later ones (its micro-batches)
+    from what its own last forward left; after the last piece, `model` holds the first rank's buffers as its forwards
+    left them, as rank 0 does. Of one rank, or a model without buffers: the pieces as they are, nothing copied."""
+    ranks = list(dict.fromkeys(p.rank for p in pieces))
+    if len(ranks) < 2 or next(model.buffers(), None) is None:
+        yield from pieces
+        return
+    start = {name: b.detach().clone() for name, b in model.named_buffers()}
+    held: dict[int, dict[str, torch.Tensor]] = {}
+    current = ranks[0]
+    for piece in pieces:
+        if piece.rank != current:  # what the rank's forwards moved is kept (a constant buffer is not copied again)
+            held[current] = {n: b.detach().clone() for n, b in model.named_buffers()
+                             if n not in start or not torch.equal(b, start[n])}
+            _load_buffers(model, {**start, **held.pop(piece.rank, {})})
+            current = piece.rank
+        yield piece
+    if current != ranks[0]:
+        _load_buffers(model, {**start, **held[ranks[0]]})
+
+
+def _load_buffers(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in values and not torch.equal(b, values[name]):
+                b.copy_(values[name])

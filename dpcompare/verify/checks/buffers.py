@@ -1,9 +1,9 @@
 """The buffers check: the module buffers across ranks, and against what each known semantics predicts.
 
 Owns: the check's place in the list and what it records at every checked step: the buffer entries
-(`Verdict.buffers`) and the `buffers_per_rank` note, from dpcompare.verify.buffers' predictions (which own the
-semantics, the tolerance and the failure). After the gradient check in the list: of two failed checks at one step,
-the gradient's is the run's first divergence. Imports no adapter.
+(`Verdict.buffers`), the `buffers_per_rank` and `buffers_from_weights` notes, from dpcompare.verify.buffers'
+predictions (which own the semantics, the tolerance and the failure). After the gradient check in the list: of two
+failed checks at one step, the gradient's is the run's first divergence. Imports no adapter.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ class Buffers:
         if (text := self.buffers.note()) is not None:
             self.verdict.notes = [n for n in self.verdict.notes if n.code != "buffers_per_rank"]
             self.verdict.note("buffers_per_rank", text)
+        self.verdict.notes = [n for n in self.verdict.notes if n.code != "buffers_from_weights"]
+        if (text := self.buffers.weights_note()) is not None:
+            self.verdict.note("buffers_from_weights", text)
         return Finding(failure) if failure is not None else None
 
     def reused(self) -> dict:
