@@ -223,8 +223,8 @@ def test_a_forward_that_depends_on_the_split_is_judged_per_replica_and_a_sum_is_
         assert check.forwards.per_replica and len(now) == WS, control
         check.note(1e-7)
         text = next(n.text for n in check.verdict.notes if n.code == "split_dependent_forward")
-        assert "depends on how the batch is split" in text and f"{f.distance_rel_fro:.3g} (relative" in text
-        assert "not a scalar multiple" in text
+        assert "control flow on the local batch" in text and f"{f.distance_rel_fro:.3g} away (relative" in text
+        assert f.cause["name"] == "control_flow", f.cause  # each cause's own test: tests/test_normalisation.py
     # a loss reduced with sum: the split's gradient is 1/2 of the global one; the global batch stays the oracle
     base = workloads.mlp(1234)
     summed = workloads.Workload("sum", base.model, base.make_batch,

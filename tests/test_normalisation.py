@@ -27,6 +27,7 @@ from dpcompare.run import hf_tasks, workloads
 from dpcompare.run.trainer import counting
 from dpcompare.verify import equivalence as eq
 from dpcompare.verify.forwards import Forwards
+from dpcompare.verify.masks import MaskMismatch
 from dpcompare.verify.split import SplitCheck
 
 WS = 2
@@ -94,7 +95,7 @@ def test_the_built_in_token_data_is_padded_at_the_end_and_the_masked_lm_masks_as
 
 
 # -- the split's cause -------------------------------------------------------------------------------------------------
-def _finding(workload, *, global_count: bool = False, grad_accum: int = 1, step: int = 0):
+def _finding(workload, *, global_count: bool = False, grad_accum: int = 1, step: int = 0, unjoinable: bool = False):
     """The split's finding at 2 ranks on the workload's initial weights and step 0, as rank 0's verifier settles it."""
     workload = counting(workload)
     model = workload.model
@@ -108,6 +109,8 @@ def _finding(workload, *, global_count: bool = False, grad_accum: int = 1, step:
     batch = workload.make_batch(step, 24)
     workload.loss_fn(model(batch[0][:2]), batch[1][:2])  # the probe's forward: a loss returning its count says so
     pieces = forwards.pieces(batch, None)
+    if unjoinable:  # the ranks' draws cannot be joined into the global batch's forward (OPT's masks)
+        forwards.whole = _unjoinable
     check.settle(step, state, batch, None, None, pieces, oracle.oracle_of(state, pieces))
     check.note(1e-7)
     return check.finding, {n.code: n.text for n in verdict.notes}
@@ -307,3 +310,18 @@ def test_every_backend_names_the_normalisation_and_is_equivalent_under_global_no
         return
     proc, result = launch(backend, WS, model, [*args, "--loss-normalisation", "global"], launcher)
     _assert_global(proc, result, f"{cell} global")
+
+
+def _unjoinable(batch, masks):
+    raise MaskMismatch("drop", "not batch-first")
+
+
+def test_where_the_draws_cannot_be_joined_the_normalisation_is_still_measured_on_the_ranks_forwards():
+    """OPT's dropout masks are not batch-first: no global batch to hold the split to, but weighting the ranks' own
+    forwards by their items measures what the normalisation changes; a packed batch has nothing to say."""
+    f, notes = _finding(workloads.lm(1234), unjoinable=True)
+    ev = f.cause["evidence"]["normalisation"]
+    assert f.semantics == "per_replica" and f.cause["name"] == "normalisation" and ev["weighted_by_items_distance_rel_fro"] > 0.01
+    assert "the global batch itself is not measured" in notes["split_normalisation"]
+    f, notes = _finding(workloads.lm(1234, token_data="packed"), unjoinable=True)
+    assert f is None and not notes

@@ -30,8 +30,9 @@ def _semantic_facts(e: Equivalence) -> list[str]:
     split = e.section("split")
     cause = (split.get("cause") or {}).get("name")
     if split.get("semantics") == "per_replica" and cause == "normalisation":
-        facts.append(f"the loss is normalised per rank: compared with the ranks' own normalisation, "
-                     f"{split['distance_rel_fro']:.3g} (relative) from the global batch's gradient "
+        away = (f"{split['distance_rel_fro']:.3g} (relative) from the global batch's gradient"
+                if split.get("distance_rel_fro") is not None else "the global batch not measured")
+        facts.append(f"the loss is normalised per rank: compared with the ranks' own normalisation, {away} "
                      "(--loss-normalisation global divides by the step's count)")
     elif split.get("semantics") == "per_replica" and cause != "rounding":
         why = {"statistic": "a statistic of each forward's own samples", "samples_interact": "the loss couples a "

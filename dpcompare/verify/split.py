@@ -28,6 +28,7 @@ adapter.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Literal, Mapping
@@ -37,7 +38,7 @@ import torch
 from dpcompare.verify import masks as mk
 from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, replica_pieces
 from dpcompare.verify.forwards import Forwards
-from dpcompare.verify.split_causes import SPLIT_AGREEMENT, find_cause
+from dpcompare.verify.split_causes import SPLIT_AGREEMENT, counts_of, find_cause
 from dpcompare.verify.streamed import distance_of
 from dpcompare.verify.tolerance import TOLERANCE_FACTOR, UNIT_ROUNDOFF, rel_fro_of
 from dpcompare.verify.verdict import Verdict
@@ -155,6 +156,7 @@ class SplitCheck:
             whole = self.forwards.whole(batch, masks)
         except mk.MaskMismatch:
             self.unmeasured = True
+            self._normalisation_alone(step, state, batch, masks)
             return pieces, oracle
         split = replica_pieces(batch, self.layout, masks)
         finding = self.measure(step, state, split, whole, oracle, known_is_whole=len(pieces) == 1, batch=batch,
@@ -165,6 +167,34 @@ class SplitCheck:
         if len(now) != len(pieces):
             oracle = self.oracle.oracle_of(state, now)
         return now, oracle
+
+    def _normalisation_alone(self, step: int, state: dict, batch, masks: list[Masks] | None) -> None:
+        """Where the ranks' draws cannot be joined into the global batch's forward (not batch-first), the global batch
+        is not measured; but the loss's normalisation still is, on the ranks' own forwards: weighted by their share of
+        the samples (what each rank's own count computes) against their share of the step's items (what the step's
+        count computes). Recorded as a per-replica finding without a distance from the global batch."""
+        split = replica_pieces(batch, self.layout, masks)
+        counted = counts_of(self.oracle, self.layout, state, split)
+        samples = sum(len(p.y) for p in split)
+        if counted is None or all(c * samples == sum(counted[0]) * len(p.y) for p, c in zip(split, counted[0])):
+            return
+        counts, how = counted
+        none = self.oracle.none
+        own = self.oracle.oracle_of(state, split)
+        total = sum(counts)
+        by_items = self.oracle.oracle_of(state, [dataclasses.replace(p, weight=c / total)
+                                                 for p, c in zip(split, counts) if c > 0])
+        self.oracle.none = none
+        distance = rel_fro_of(own, by_items, self.oracle.names)
+        evidence = {"normalisation": {
+            "items_per_rank": [sum(c for p, c in zip(split, counts) if p.rank == r) for r in range(self.layout.world_size)],
+            "items_per_forward": counts, "counted": how, "weighted_by_items_distance_rel_fro": distance,
+            "global_batch": "not measured: the ranks' draws cannot be joined into one forward (not batch-first)"}}
+        self.finding = SplitFinding("per_replica", step, math.nan, None, SPLIT_AGREEMENT,
+                                    forwards=self.layout.world_size * self.layout.grad_accum * self.layout.replicas,
+                                    cause={"name": "normalisation" if distance > SPLIT_AGREEMENT else None,
+                                           "evidence": evidence})
+        self.verdict.split = self.finding.to_dict()
 
     def measure_pair(self, step: int, state: dict, joined: list[Piece], split: list[Piece], ranks: list[int]) -> bool:
         """At the first checked step, where three ranks or more share the oracle: the split measured on two ranks'
@@ -269,6 +299,17 @@ class SplitCheck:
                 f"{floors}{rounding}")
         cause = f.cause or {}
         name, evidence = cause.get("name"), cause.get("evidence") or {}
+        if name == "normalisation" and not math.isfinite(f.distance_rel_fro):
+            counts = evidence["normalisation"]
+            self.verdict.note("split_normalisation",
+                              f"the loss is normalised per rank{' and per micro-batch' if k > 1 else ''} (items per "
+                              f"rank at step {f.step}: {', '.join(map(str, counts['items_per_rank']))}): each of the "
+                              f"{split} divides its loss by its own count, and the oracle and the reference compute "
+                              f"exactly that; weighted by their share of the step's items instead, the same forwards' "
+                              f"gradient is {counts['weighted_by_items_distance_rel_fro']:.3g} away (relative, in "
+                              "float64): what --loss-normalisation global changes (the global batch itself is not "
+                              "measured: the ranks' random draws cannot be joined into one forward)")
+            return
         if name == "normalisation":
             counts = evidence["normalisation"]
             self.verdict.note("split_normalisation",

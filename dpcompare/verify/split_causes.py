@@ -63,7 +63,7 @@ def find_cause(oracle: Oracle, layout: Layout, state: dict, batch, whole: Grads,
     evidence: dict[str, Any] = {}
     names = oracle.names
     split = replica_pieces(batch, layout, masks)
-    counted = _counts(oracle, layout, state, split)
+    counted = counts_of(oracle, layout, state, split)
     samples = sum(len(p.y) for p in split)
     if counted is not None and all(c * samples == sum(counted[0]) * len(p.y) for p, c in zip(split, counted[0])):
         # every forward holds the step's items in proportion to its samples: its own count divides as the step's
@@ -106,7 +106,7 @@ VISIBLE_IGNORE_INDEX = -100
 ignore_index of F.cross_entropy and transformers' losses."""
 
 
-def _counts(oracle: Oracle, layout: Layout, state: dict, split: list[Piece]) -> tuple[list[int], str] | None:
+def counts_of(oracle: Oracle, layout: Layout, state: dict, split: list[Piece]) -> tuple[list[int], str] | None:
     """Each forward's items and how they were counted: by the workload's count of its targets; as the loss returns
     them (`(sum, count)`, counted by a float64 forward of each); or, where the workload says neither, by the targets
     VISIBLE_IGNORE_INDEX marks (a plain mean over the other positions, as F.cross_entropy computes, recognised: the
