@@ -55,7 +55,7 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_a_config_folder_builds_the_model_with_its_own_names_blocks_and_shapes(configs: dict[str, Path]) -> None:
-    w = hf_models.build(f"hf:{configs['llama']}", seed=3, seq_len=16)
+    w = hf_models.build(f"hf:{configs['llama']}", seed=3, seq_len=16, token_data="packed")  # full-length streams
     assert isinstance(w.model, transformers.LlamaForCausalLM)
     names = [n for n, _ in w.model.named_parameters()]
     assert "model.layers.0.self_attn.q_proj.weight" in names and "lm_head.weight" in names
@@ -200,7 +200,9 @@ def test_a_class_dpcompare_cannot_train_is_refused_in_one_line(model_type: str, 
 # -- the masked LM ---------------------------------------------------------------------------------------------
 def test_a_masked_lm_masks_positions_drawn_from_seed_and_step_and_its_loss_is_a_mean_over_samples(
         families: dict[str, Path]) -> None:
-    w = _build(families["bert"], "bert")
+    """--token-data packed: the same number of positions masked in every sample (the collator's random masking, the
+    default, is tests/test_normalisation.py's)."""
+    w = hf_models.build(f"hf:{families['bert']}", 0, 16, token_data="packed")
     mask_id, per_sample = hf_tasks.mask_token(w.model.config), hf_tasks.masked_per_sample(16)
     x, y = w.make_batch(3, 8)
     again_x, again_y = w.make_batch(3, 8)
