@@ -372,7 +372,9 @@ def test_a_forward_that_depends_on_the_split_is_named_and_judged_as_the_ranks_ra
     split = result["equivalence"]["split"]
     assert split["semantics"] == "per_replica" and split["step"] == 0 and split["distance_rel_fro"] > 0.05, split
     assert any(n["code"] == "split_dependent_forward" for n in result["equivalence"]["notes"])
-    assert "the forward depends on how the batch is split: judged as the ranks' forwards" in proc.stdout
+    assert split["cause"]["name"] == "control_flow", split["cause"]
+    assert ("the forward depends on how the batch is split (control flow on the local batch): judged as the ranks' "
+            "forwards") in proc.stdout
 
 
 @pytest.mark.slow
