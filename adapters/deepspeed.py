@@ -50,6 +50,7 @@ from dpcompare import (AMP_NAMES, DIST_BACKEND, Adapter, Capabilities, CommCount
 from .deepspeed_autocast import GatherWatch, narrow_parameters
 from .deepspeed_config import (WIRE_NAMES, check_precision, check_scalar_parameters, engine_config, precision_notes,
                                setting_notes)
+from .deepspeed_config import optimizer_refusal as _optimizer_refusal
 from .deepspeed_config import precision_refusal as _precision_refusal
 from .deepspeed_config import sparse_gradient_refusal as _sparse_gradient_refusal
 from .deepspeed_host import remove_shm_segment, stale_build_lock
@@ -151,7 +152,11 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
         # DeepSpeed puts the engine on cuda:LOCAL_RANK unless told the device: several ranks sharing one GPU
         # (--opt dist_backend=gloo) would reach for a device that does not exist.
         args = argparse.Namespace(device_rank=self.device.index) if self.device.type == "cuda" else None
-        engine, ds_optimizer, _, _ = self.deepspeed.initialize(args=args, model=module, optimizer=optimizer, config=config)
+        # The run's scheduler, as DeepSpeed takes a client's: a callable it builds over its basic optimizer (the client
+        # optimizer, whose groups ZeRO's wrapper steps), stepped by engine.step() after each update it applies.
+        engine, ds_optimizer, _, scheduler = self.deepspeed.initialize(args=args, model=module, optimizer=optimizer,
+                                                                       config=config, lr_scheduler=self.scheduler_factory)
+        self.scheduler, self.scheduler_steps_in_step = scheduler, scheduler is not None
         timers = engine.timers
 
         def reset_quietly(names, normalizer=1.0, reset=True, **_):
@@ -194,6 +199,10 @@ class DeepSpeedAdapter(ZeroStateReader, ProcessGroupMixin, Adapter):
     @classmethod
     def sparse_gradient_refusal(cls, settings: Settings) -> str | None:
         return _sparse_gradient_refusal(settings)
+
+    @classmethod
+    def optimizer_refusal(cls, settings: Settings, optimizer, scheduled: bool) -> str | None:
+        return _optimizer_refusal(settings, optimizer, scheduled)
 
     def save_checkpoint(self, directory: str, fmt: str) -> None:
         """The engine's save_checkpoint under the tag CHECKPOINT_TAG; a universal checkpoint is converted from it

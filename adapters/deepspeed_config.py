@@ -47,6 +47,26 @@ def precision_refusal(amp: str, options: Mapping[str, Any]) -> str | None:
             "(is_fp16_supported() is False)")
 
 
+def optimizer_refusal(settings: Settings, optimizer: Any, scheduled: bool) -> str | None:
+    """Why this DeepSpeed configuration cannot take the run's optimizer or a scheduler (None: it can): ZeRO-1/2 type
+    their flat buffers by the first parameter of the first group (stage_1_and_2.py: `self.dtype =
+    optimizer.param_groups[0]['params'][0].dtype`), so a non-float one there makes them integer; and where the engine's
+    optimizer keeps an overflow flag (ZeRO 1-3, the fp16 engine), engine.step() leaves the scheduler unstepped on a step
+    the loss scaler skips (DeepSpeedEngine._take_model_step), where a training loop steps it every step."""
+    stage = int(settings.options.get("zero_stage", 0))
+    groups = [g["params"] for g in optimizer.param_groups if g["params"]]
+    first = groups[0][0] if groups else None
+    if stage in (1, 2) and first is not None and not first.is_floating_point():
+        return (f"ZeRO-{stage} types its flat buffers by the first parameter of the first group, here a {first.dtype} "
+                "one: leave the non-float parameters out of the optimizer (no step moves them), or use --opt "
+                "zero_stage=0 or 3")
+    if scheduled and settings.amp == "fp16" and (stage or settings.options.get("amp_recipe") == "engine"):
+        return ("under --amp fp16 its engine leaves the scheduler unstepped on a step its loss scaler skips "
+                "(DeepSpeedEngine._take_model_step), where a training loop steps it every step, so its schedule would "
+                "fall behind: use --amp bf16, or --opt zero_stage=0 with the autocast recipe, or no scheduler")
+    return None
+
+
 def sparse_gradient_refusal(settings: Settings) -> str | None:
     """Why this DeepSpeed configuration cannot take a sparse gradient (nn.Embedding(sparse=True)); None: it can. Stage 0
     all-gathers one's rows and values (DeepSpeedEngine.sparse_allreduce; 0.19.8, found running it)."""

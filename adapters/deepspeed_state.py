@@ -87,6 +87,14 @@ class ZeroStateReader:
         entries = [e for e in inner.state.values() if e]
         if not entries:
             return {}  # a fresh optimizer's
+        optimizer = getattr(getattr(self.wrapped, "model", None), "optimizer", None)  # the ZeRO optimizer
+        if self.stage in (1, 2) and hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+            # ZeRO-1/2 link each parameter to its group's optimizer state once, in the first step right after the first
+            # group's own step (stage_1_and_2.py `_optimizer_step`, DeepSpeed 0.19.8): the groups after it are linked
+            # to a state they do not hold yet and are never linked again ("exp_avg not found in optimizer state
+            # fragment"). Linked again here, every group's state held by now.
+            optimizer._hp_optimizer_states_linked = False
+            optimizer._lazy_init_hp_params_optimizer_state()
         # Sorted: every rank must ask for the keys in one order (each read is an all-reduce). A universal load fills
         # the state from a set of keys, so its order differs between processes (string hashing), and in the state's
         # own order one rank's exp_avg was summed with another's exp_avg_sq.

@@ -21,6 +21,8 @@ _EXPORTS = {
     "Workload": "dpcompare.contract.workload",
     "shard": "dpcompare.contract.workload",
     "block_modules": "dpcompare.contract.workload",
+    # a workload's batches from a torch Dataset, in DistributedSampler's order
+    "from_dataset": "dpcompare.data",
     # --activation-checkpointing: each block recomputes its forward in backward
     "checkpoint_blocks": "dpcompare.contract.checkpointing",
     # a custom backend: the adapter contract
@@ -63,6 +65,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from dpcompare.contract.syncbn import GlobalBatchNorm, convert_global_batchnorm, has_batchnorm
     from dpcompare.contract.checkpointing import checkpoint_blocks
     from dpcompare.contract.workload import Workload, block_modules, shard
+    from dpcompare.data import from_dataset
     from dpcompare.run.config import RunConfig
 
 

@@ -170,27 +170,34 @@ def split_by_content_mlp(seed: int) -> Workload:
 
 # -- float32 computed inside the model -------------------------------------------------------------------------
 class Float32RMSNorm(nn.Module):
-    """Gemma's RMSNorm: computed in float32 whatever the input's dtype, the weight applied as (1 + w) in float32,
-    the result cast back. In a float64 copy of the model these ops still round like float32."""
+    """Gemma's RMSNorm: computed in float32, the weight applied as (1 + w) in float32, the result cast back. `forced`
+    (the default): cast to the dtype of a float32 tensor the forward makes, which a float64 copy cannot tell from a
+    computation that must be float32, so these ops still round like float32 there. Otherwise the upcast written for
+    half precision (`x.float()`, as Gemma writes it), which the float64 copies keep in float64."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, forced: bool = True) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.forced = eps, forced
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x):
-        h = x.float()
+        if self.forced:
+            anchor = torch.empty((), dtype=torch.float32, device=x.device)
+            h, w = x.to(anchor), self.weight.to(anchor)
+        else:
+            h, w = x.float(), self.weight.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return (h * (1.0 + w)).type_as(x)
 
 
 class NormedMLP(nn.Module):
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, forced: bool = True) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.inp = nn.Linear(32, 64)
-        self.blocks = nn.ModuleList([nn.Sequential(Float32RMSNorm(64), nn.Linear(64, 64), nn.GELU()) for _ in range(3)])
-        self.norm = Float32RMSNorm(64)
+        self.blocks = nn.ModuleList([nn.Sequential(Float32RMSNorm(64, forced=forced), nn.Linear(64, 64), nn.GELU())
+                                     for _ in range(3)])
+        self.norm = Float32RMSNorm(64, forced=forced)
         self.head = nn.Linear(64, 10)
         with torch.no_grad():  # norms that are not the identity, so their float32 rounding reaches every gradient
             for module in self.modules():
@@ -207,3 +214,9 @@ class NormedMLP(nn.Module):
 def float32_norm_mlp(seed: int) -> Workload:
     base = mlp(seed)
     return Workload("float32-norm-mlp", NormedMLP(seed), base.make_batch, base.loss_fn)
+
+
+def upcast_norm_mlp(seed: int) -> Workload:
+    """The same norms upcast as written for half precision (`x.float()`): float64 in the float64 copies."""
+    base = mlp(seed)
+    return Workload("upcast-norm-mlp", NormedMLP(seed, forced=False), base.make_batch, base.loss_fn)

@@ -24,7 +24,7 @@ from dpcompare import cli
 from dpcompare.run.config import RUN_GLOBAL_BATCH_TARGET, RunConfig, default_global_batch
 from dpcompare.run.trainer import summary_line
 
-PUBLIC = {"Workload", "shard", "block_modules", "checkpoint_blocks", "Adapter", "Capabilities", "Option", "Settings", "Note", "Wrapped", "ModelFacts",
+PUBLIC = {"Workload", "shard", "block_modules", "from_dataset", "checkpoint_blocks", "Adapter", "Capabilities", "Option", "Settings", "Note", "Wrapped", "ModelFacts",
           "CommCounter", "CommCounts", "CounterWindow", "ScalerState", "LaunchEnv", "ProcessGroupMixin", "DIST_BACKEND", "RunConfig",
           "ensure_rendezvous", "AMP_DTYPES", "AMP_NAMES", "GlobalBatchNorm", "convert_global_batchnorm", "has_batchnorm",
           "__version__", "SCHEMA_VERSION"}

@@ -30,7 +30,7 @@ import semantics_workloads as sw
 from conftest import torchrun_rank_logs
 from dpcompare import results
 from dpcompare.run import workloads
-from dpcompare.verify import equivalence as eq
+from dpcompare.verify import float64_paths, equivalence as eq
 from dpcompare.verify import initial
 from dpcompare.verify.forwards import Forwards
 from dpcompare.verify.split import SPLIT_AGREEMENT, SplitCheck
@@ -248,6 +248,17 @@ def test_float32_inside_the_model_is_allowed_for_as_measured_and_a_split_is_stil
     assert sizes == [24, 24], sizes  # the split, then the global batch reordered
     assert f.semantics == "global" and f.agreement == pytest.approx(10 * f.rounding_rel_fro), f
     assert not check.forwards.per_replica and len(check.forwards.pieces(batch, None)) == 1
+    # the same norms upcast as written for half precision (x.float()): the float64 copies keep them float64, so the
+    # split is the global batch's within float64's own agreement, and the casts kept are named
+    check, state, batch, pieces, oracle = _split_check(sw.upcast_norm_mlp(1234))
+    check.settle(0, state, batch, None, None, pieces, oracle)
+    f = check.finding
+    assert f.semantics == "global" and f.distance_rel_fro < SPLIT_AGREEMENT and f.agreement == SPLIT_AGREEMENT, f
+    kept = float64_paths.report(check.oracle.model64)["float32_casts_kept_float64"]
+    assert [k["op"] for k in kept] == ["Tensor.float"] and len(kept[0]["modules"]) == 4, kept
+    forced, state, batch, pieces, oracle = _split_check(sw.float32_norm_mlp(1234))
+    forced.settle(0, state, batch, None, None, pieces, oracle)  # a cast to a float32 tensor's dtype: not lifted
+    assert float64_paths.report(forced.oracle.model64) is None
     # twin: the same float32 norms with a split-dependent forward are still found
     model = sw.float32_norm_mlp(1234)
     model.model.blocks[0].append(sw._BySize())

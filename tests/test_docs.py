@@ -12,8 +12,9 @@ with a command):
   marker a pytest command selects with `-m` is declared in pyproject.toml;
 - every relative link points at a file that exists, and a `#anchor` into a Markdown file at one of its headings;
 - the checker can fail: given a made-up flag, marker or link, it reports it (the negative twin);
-- the README's own-model example and docs/extending.md's custom backend run as written (torchrun, 2 ranks, with
-  only `--out` added) and come out `equivalent`.
+- the README's own-model examples (its own batches, and a torch Dataset's through `from_dataset`) and
+  docs/extending.md's custom backend run as written (torchrun, 2 ranks, with only `--out` added) and come out
+  `equivalent`.
 """
 
 from __future__ import annotations
@@ -332,11 +333,12 @@ def test_the_checker_reports_what_does_not_exist(text: str, expected: str):
 
 
 # -- the examples run as written -----------------------------------------------------------------------------------
-def example(path: Path, flag: str) -> tuple[str, list[str]]:
-    """The first command in `path` that runs dpcompare with `flag package.module:Name` (a file of the user's), and
-    the last Python block before it: (that file's text, the command's words)."""
+def example(path: Path, flag: str, which: int = 0) -> tuple[str, list[str]]:
+    """The command in `path` that runs dpcompare with `flag package.module:Name` (a file of the user's), the first
+    (`which` 0) or a later one, and the last Python block before it: (that file's text, the command's words)."""
     blocks, _ = split_markdown(path.read_text())
     code = None
+    found = 0
     for block in blocks:
         if block.lang == "python":
             code = block.text
@@ -348,12 +350,14 @@ def example(path: Path, flag: str) -> tuple[str, list[str]]:
                 args = dpcompare_args(words)
                 if args and flag in args and ":" in args[args.index(flag) + 1]:
                     assert code is not None, f"{path.name}: no Python block before {' '.join(words)}"
-                    return code, words
-    raise AssertionError(f"{path.name}: no command with {flag} package.module:Name")
+                    if found == which:
+                        return code, words
+                    found += 1
+    raise AssertionError(f"{path.name}: no command #{which} with {flag} package.module:Name")
 
 
-def run_example(path: Path, flag: str, tmp_path: Path, extra: tuple[str, ...] = ()) -> str:
-    code, words = example(path, flag)
+def run_example(path: Path, flag: str, tmp_path: Path, extra: tuple[str, ...] = (), which: int = 0) -> str:
+    code, words = example(path, flag, which)
     words = [*words, *extra]
     module, _, name = words[words.index(flag) + 1].partition(":")
     assert re.search(rf"^(def|class) {name}\b", code, re.MULTILINE), f"the Python block defines no {name}"
@@ -372,6 +376,15 @@ def run_example(path: Path, flag: str, tmp_path: Path, extra: tuple[str, ...] = 
 def test_the_readme_own_model_example_runs_as_written(tmp_path: Path):
     out = run_example(REPO_ROOT / "README.md", "--model", tmp_path)
     assert "ws=2" in out
+
+
+@pytest.mark.multiproc
+def test_the_readme_dataset_example_runs_as_written(tmp_path: Path):
+    """The second own-model example: its batches from a torch Dataset (dpcompare.from_dataset, scikit-learn's digits)."""
+    code, _ = example(REPO_ROOT / "README.md", "--model", which=1)
+    assert "from_dataset(" in code and "load_digits()" in code
+    out = run_example(REPO_ROOT / "README.md", "--model", tmp_path, which=1)
+    assert "ws=2 digits" in out
 
 
 @pytest.mark.slow  # the README's own-model example keeps a docs example run in the default tier

@@ -129,7 +129,8 @@ def _sample(f: dataclasses.Field, default: Any) -> Any:
     if get_origin(kind) is Literal:
         return next(c for c in get_args(kind) if c != default)
     if kind is str:
-        return {"model": "cnn", "check_coverage": "0.5"}[f.name]  # a new forwarded text flag: add a value it takes
+        return {"model": "cnn", "check_coverage": "0.5", "optimizer": "adamw",  # a new forwarded text flag: add a value
+                "scheduler": "tests.optim_workloads:warmup_cosine"}[f.name]  # it takes
     return (default or 0) + (3 if kind is int else 0.5)
 
 

@@ -3,18 +3,25 @@ float64 oracle.
 
 Checked against: transformers itself (the class the config's `architectures` names, its parameter names and
 `_no_split_modules` kept; the same seed builds the same weights; sdpa asked for only where the class declares it, so
-Gemma 2, Bloom, ResNet and ConvNeXt build, where asking for sdpa is refused), the config's shapes (tokens of
---seq-len below the vocabulary, logits of the vocabulary's width, pixels of its image size or the stated default
-where it gives none), the workload contract (a masked LM's loss is a mean over samples because every sample masks
-as many positions; unequal counts would break it), the verification copies (their recomputation gives the very
-gradient, and is left off where BatchNorm would count a recomputed forward twice), dpcompare's eager attention
-(transformers' eager attention's numbers, Gemma 2's soft-capping included), Mixtral's load-balancing loss (it
-reaches the router's gradient, and its value depends on how the batch is split), the mask capture (GPT-2's and
-BERT's attention dropout drawn by their nn.Dropout modules) and real runs (tiny configs of tests/hf_families.py):
-ResNet and the BERT masked LM on the reference (default tier), a handful under ddp, ZeRO-3 and FSDP (slow tier), the
-family matrix (deep tier). Negatives: a missing folder, an uncached hub name, a --seq-len past the context,
-an encoder-decoder, a class of another task or one transformers lacks, an encoder's LM head on a config that is
-no decoder and transformers missing are each one line, exit 2, no traceback.
+Gemma 2, Bloom, ResNet and ConvNeXt build, where asking for sdpa is refused), the batch as transformers trains on it
+(one dict, `model(**batch)` returning the model's output, the workload's loss the model's own: every family's the
+task's cross entropy of its logits), the config's shapes (tokens of --seq-len below the vocabulary, logits of the
+vocabulary's width, pixels of its image size or the stated default where it gives none), every causal LM family's
+padded batch (padded at the end, attention_mask 0 exactly where the labels are -100, the labels the ids; the model's
+own loss, float64 in the float64 copy, the shifted cross entropy over the labels not -100, the sum divided by
+num_items_in_batch where the model takes it; the padding changes no real token's logits, which are the sample's alone
+unpadded, while other tokens there change the padding's own; the loss unshifted differs), the workload contract (a
+masked LM's loss is a mean over samples because every sample masks as many positions; unequal counts would break it),
+the verification copies (their recomputation gives the very gradient, and is left off where BatchNorm would count a
+recomputed forward twice), dpcompare's eager attention (transformers' eager attention's numbers, Gemma 2's
+soft-capping included), Mixtral's load-balancing loss (the model's loss is the shifted cross entropy plus its
+coefficient times it, it reaches the router's gradient, and its value depends on how the batch is split), the mask
+capture (GPT-2's and BERT's attention dropout drawn by their nn.Dropout modules) and real runs (tiny configs of
+tests/hf_families.py): ResNet and the BERT masked LM on the reference (default tier), a handful under ddp, ZeRO-3 and
+FSDP (slow tier), the family matrix (deep tier).
+Negatives: a missing folder, an uncached hub name, a --seq-len past the context, an encoder-decoder, a class of
+another task or one transformers lacks, an encoder's LM head on a config that is no decoder and transformers missing
+are each one line, exit 2, no traceback.
 """
 
 from __future__ import annotations
@@ -26,16 +33,34 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 import hf_families
 from conftest import child_env
 from dpcompare import block_modules
+from dpcompare.contract import batches
 from dpcompare.run import hf_attention, hf_classes, hf_models, hf_tasks
 from dpcompare.run.config import CommandLineError, RunConfig
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'dpcompare[hf]')")
 
 WIDTH = 64
+CAUSAL_FAMILIES = [f for f in hf_families.FAMILIES if f not in hf_families.IMAGE_FAMILIES and f != "bert"]
+
+
+def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A causal LM's loss as transformers defines it, computed here: each position's logits predict the next position's
+    label, the mean over the labels after the first that are not -100."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                           ignore_index=hf_tasks.IGNORED)
+
+
+def own_cross_entropy(task: str, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The task's cross entropy computed here: shifted for a causal LM, over the labels not -100 for a masked LM, over
+    the samples for an image classifier."""
+    if task == "causal_lm":
+        return shifted_cross_entropy(logits, labels)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=hf_tasks.IGNORED)
 
 
 def write_configs(root: Path) -> dict[str, Path]:
@@ -60,9 +85,21 @@ def test_a_config_folder_builds_the_model_with_its_own_names_blocks_and_shapes(c
     names = [n for n, _ in w.model.named_parameters()]
     assert "model.layers.0.self_attn.q_proj.weight" in names and "lm_head.weight" in names
     assert [n for n, _ in block_modules(w.model)] == ["model.layers.0", "model.layers.1"]  # its _no_split_modules
-    x, y = w.make_batch(0, 4)
-    assert x.shape == y.shape == (4, 16) and int(x.max()) < 256 and torch.equal(x[:, 1:], y[:, :-1])
-    assert w.model(x).shape == (4, 16, 256) and w.tokens_per_sample == 16
+    batch = w.make_batch(0, 4)  # a dict, as transformers' Trainer passes it: the model's inputs and its labels
+    inputs, targets = batches.pair(batch)
+    assert set(batch) == {"input_ids", "attention_mask", "labels"} and inputs is batch and targets is batch
+    ids = batch["input_ids"]
+    assert all(t.shape == (4, 16) for t in batch.values()) and int(ids.max()) < 256 and int(ids.min()) >= 0
+    # packed: every position attended and a label; the labels are the ids themselves (the model shifts them)
+    assert bool((batch["attention_mask"] == 1).all()) and torch.equal(batch["labels"], ids)
+    steps = (ids[:, 1:] - ids[:, :-1]) % 256  # the learnable stream: each token the last plus the sample's stride
+    assert bool((steps == steps[:, :1]).all()) and bool((steps > 0).all())
+    assert w.items(batch) == 4 * 15 and w.ignore_index == hf_tasks.IGNORED  # the first position predicts nothing
+    assert w.num_items_kwarg == "num_items_in_batch"  # LlamaForCausalLM's loss is transformers' loss_function
+    out = w.model(**batch)
+    assert out.logits.shape == (4, 16, 256) and w.tokens_per_sample == 16
+    assert w.loss_fn(out, batch) is out.loss and out.loss.ndim == 0
+    assert torch.allclose(out.loss, shifted_cross_entropy(out.logits, batch["labels"]), rtol=1e-6, atol=0)
     again = hf_models.build(f"hf:{configs['llama']}", seed=3, seq_len=16)
     other = hf_models.build(f"hf:{configs['llama']}", seed=4, seq_len=16)
     same = [torch.equal(a, b) for a, b in zip(w.model.parameters(), again.model.parameters())]
@@ -77,13 +114,13 @@ def test_gpt2_attention_dropout_is_drawn_by_its_module_so_its_masks_are_captured
     assert w.model.config._attn_implementation == hf_models.ATTENTION
     assert "dropout 0.1 drawn by each attention module's nn.Dropout" in w.source and "captured" not in w.source
     assert w.model.lm_head.weight is w.model.transformer.wte.weight  # the tied head stays tied
-    x, _ = w.make_batch(0, 2)
-    assert masks.uncaptured(w.model.train().double(), x) is None  # every random number is a captured module's
+    batch = w.make_batch(0, 2)
+    assert masks.uncaptured(w.model.train().double(), batch) is None  # every random number is a captured module's
     # transformers' stock attention drops out in a functional call: recorded at the dispatcher, captured as well
     stock = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(configs["gpt2"]),
                                                           attn_implementation="eager")
     stock.__class__ = hf_tasks.task_class(type(stock), "causal_lm", False)
-    assert masks.uncaptured(stock.train().double(), x) is None
+    assert masks.uncaptured(stock.train().double(), batch) is None
 
 
 def test_an_attention_that_drops_out_functionally_is_given_a_dropout_module_of_its_own(tmp_path: Path) -> None:
@@ -94,16 +131,18 @@ def test_an_attention_that_drops_out_functionally_is_given_a_dropout_module_of_i
     added = [n for n, m in w.model.named_modules() if n.endswith(hf_attention.ADDED_DROPOUT)]
     assert added == [f"model.layers.{i}.self_attn.{hf_attention.ADDED_DROPOUT}" for i in range(2)]
     assert "drawn by each attention module's nn.Dropout" in w.source
-    x, _ = w.make_batch(0, 2)
-    assert masks.uncaptured(w.model.train().double(), x) is None
+    batch = w.make_batch(0, 2)
+    assert masks.uncaptured(w.model.train().double(), batch) is None
     assert all(hf_attention.ADDED_DROPOUT not in key for key in w.model.state_dict())  # the state dict unchanged
     switched = copy.deepcopy(w.model)
     stochastic.switch_off_dropout(switched)  # --no-dropout: the module it was given is switched off with the others
     with torch.no_grad():
-        assert torch.equal(switched(x), switched(x))
+        first, second = switched(**batch), switched(**batch)
+        assert torch.equal(first.logits, second.logits) and torch.equal(first.loss, second.loss)
     # the negative: with dropout on, two forwards differ (the module draws)
     with torch.no_grad():
-        assert not torch.equal(w.model.train()(x), w.model(x))
+        first, second = w.model.train()(**batch), w.model(**batch)
+        assert not torch.equal(first.logits, second.logits) and not torch.equal(first.loss, second.loss)
 
 
 # -- every family: the class its config names, the attention its class supports -----------------------------------
@@ -131,9 +170,18 @@ def test_every_family_builds_the_class_its_config_names_with_an_attention_its_cl
         assert (used == "sdpa") == cls._supports_sdpa
     assert "captured" not in w.source and "checked" not in w.source  # the verdict's to say
     assert hf_models.parameter_count(f"hf:{families[family]}") == sum(p.numel() for p in w.model.parameters())
-    x, y = w.make_batch(0, 2)
-    loss = w.loss_fn(w.model(x), y)
-    assert loss.ndim == 0 and bool(loss.isfinite())
+    batch = w.make_batch(0, 2)
+    _, task = hf_classes.resolve("hf:x", w.model.config)
+    assert set(batch) == ({"pixel_values", "labels"} if task == "image_classification" else
+                          {"input_ids", "attention_mask", "labels"})
+    inputs, targets = batches.pair(batch)
+    out = batches.call(w.model, inputs)  # model(**batch), as the trainer calls it
+    loss = w.loss_fn(out, targets)
+    assert loss is out.loss and loss.ndim == 0 and bool(loss.isfinite())
+    # the model's own loss is the task's cross entropy of its logits (Mixtral's plus its routers' term)
+    routers = getattr(w.loss_fn, "per_forward_term", None)
+    own = routers(out, batch) if routers else loss
+    assert torch.allclose(own, own_cross_entropy(task, out.logits, batch["labels"]), rtol=1e-5, atol=0)
     loss.backward()
     assert sum(p.grad is not None for p in w.model.parameters()) > 0
 
@@ -145,11 +193,14 @@ def test_models_without_attention_ask_for_none_and_a_config_without_image_size_g
         assert "no attention" in w.source
     resnet = _build(families["resnet"], "resnet")
     assert not hasattr(resnet.model.config, "image_size")
-    x, y = resnet.make_batch(0, 2)
+    batch = resnet.make_batch(0, 2)
     side = hf_tasks.DEFAULT_IMAGE_SIZE
-    assert x.shape == (2, 3, side, side) and f"3x{side}x{side} pixels (the config gives no image_size" in resnet.source
+    assert batch["pixel_values"].shape == (2, 3, side, side) and batch["labels"].shape == (2,)
+    assert f"3x{side}x{side} pixels (the config gives no image_size" in resnet.source
+    assert resnet.model(**batch).logits.shape == (2, resnet.model.config.num_labels)
     vit = _build(families["vit"], "vit")
-    assert vit.make_batch(0, 2)[0].shape[-1] == vit.model.config.image_size and "the config's image_size" in vit.source
+    assert vit.make_batch(0, 2)["pixel_values"].shape[-1] == vit.model.config.image_size
+    assert "the config's image_size" in vit.source
     # the negative: asking every class for sdpa, as the runs did, is refused by transformers for these
     for family in ("resnet", "gemma2", "bloom"):
         config = hf_families.family_config(family)
@@ -166,6 +217,59 @@ def test_a_declared_block_whose_weight_a_module_outside_it_shares_is_no_block(fa
     # the negative: untied, the embeddings are a block of their own (FSDP sharding them alone would untie a tie)
     untied = hf_models.build(f"hf:{hf_families.write_family(tmp_path, 'bert', tie_word_embeddings=False)}", 0, 16)
     assert [n for n, _ in block_modules(untied.model)][0] == "bert.embeddings"
+
+
+# -- the causal LM's batch: padded at the end as a collator pads it, the model's own loss ------------------------
+@pytest.mark.parametrize("family", CAUSAL_FAMILIES)
+def test_a_causal_lms_padding_is_masked_left_out_of_its_own_shifted_loss_and_changes_no_real_logit(
+        families: dict[str, Path], family: str) -> None:
+    from dpcompare.verify.equivalence import verification_copy
+
+    w = _build(families[family], family)
+    batch = w.make_batch(0, 8)
+    ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    padding = labels == hf_tasks.IGNORED
+    assert torch.equal(mask == 0, padding)  # the attention mask is 0 exactly where the labels are -100
+    lengths = mask.sum(dim=1)
+    assert torch.equal(mask, (torch.arange(16) < lengths[:, None]).long())  # padded at the end
+    assert int(lengths.min()) >= 2 and len(set(lengths.tolist())) > 1  # lengths of their own
+    assert torch.equal(labels[~padding], ids[~padding])  # the labels are the ids (the model shifts them itself)
+    assert w.items(batch) == int((lengths - 1).sum()) == int((labels[:, 1:] != hf_tasks.IGNORED).sum())
+    assert w.ignore_index == hf_tasks.IGNORED
+    vocab = w.model.config.vocab_size
+    model = verification_copy(w.model, torch.device("cpu"), torch.float64).eval()  # no dropout
+    routers = getattr(w.loss_fn, "per_forward_term", None)  # Mixtral: its own loss adds the routers' term
+
+    def cross_entropy_of(out) -> torch.Tensor:
+        return routers(out, batch) if routers else out.loss
+
+    with torch.no_grad():
+        out = model(**batch)
+        assert out.loss.dtype == torch.float64  # the float64 copy keeps the loss in float64
+        # the model's own loss: the shifted cross entropy over the labels not -100
+        ours = cross_entropy_of(out)
+        assert float(abs(ours - shifted_cross_entropy(out.logits, labels))) < 1e-12 * float(ours)
+        # the negative: unshifted, each position would score its own token
+        unshifted = F.cross_entropy(out.logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=hf_tasks.IGNORED)
+        assert float(abs(ours - unshifted)) > 1e-6 * float(ours)
+        if w.num_items_kwarg:  # given the step's count, the loss is the sum over the labels divided by it
+            items = w.items(batch)
+            for count in (items, 2 * items):
+                given = cross_entropy_of(model(**batch, **{w.num_items_kwarg: torch.tensor(count)}))
+                assert float(abs(given * count - ours * items)) < 1e-12 * float(ours * items)
+        # the padding changes no real token's logits: other tokens there, the real tokens' logits the same ...
+        g = torch.Generator().manual_seed(1)
+        other = {**batch, "input_ids": torch.where(padding, torch.randint(0, vocab, ids.shape, generator=g), ids)}
+        repadded = model(**other)
+        real = ~padding
+        scale = float(out.logits[real].abs().max())
+        assert torch.allclose(repadded.logits[real], out.logits[real], rtol=0, atol=1e-12 * scale)
+        assert not torch.allclose(repadded.logits[padding], out.logits[padding], rtol=0, atol=1e-6 * scale)
+        assert float(abs(cross_entropy_of(repadded) - ours)) < 1e-12 * float(ours)  # ... and the same loss
+        # ... and each sample's real tokens' logits those of the sample alone, unpadded
+        for i, n in enumerate(lengths.tolist()):
+            alone = model(input_ids=ids[i:i + 1, :n]).logits[0]  # no mask: all of it attended
+            assert torch.allclose(alone, out.logits[i, :n], rtol=0, atol=1e-12 * scale), (i, n)
 
 
 # -- the class: what architectures names, or the model type's; refusals in one line ---------------------------
@@ -204,23 +308,31 @@ def test_a_masked_lm_masks_positions_drawn_from_seed_and_step_and_its_loss_is_a_
     default, is tests/test_normalisation.py's)."""
     w = hf_models.build(f"hf:{families['bert']}", 0, 16, token_data="packed")
     mask_id, per_sample = hf_tasks.mask_token(w.model.config), hf_tasks.masked_per_sample(16)
-    x, y = w.make_batch(3, 8)
-    again_x, again_y = w.make_batch(3, 8)
-    assert torch.equal(x, again_x) and torch.equal(y, again_y)  # every rank rebuilds the same global batch
-    assert not torch.equal(y, w.make_batch(4, 8)[1])  # another step masks elsewhere
+    batch = w.make_batch(3, 8)
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    assert batches.equal(batch, w.make_batch(3, 8))  # every rank rebuilds the same global batch
+    assert not torch.equal(batch["labels"], w.make_batch(4, 8)["labels"])  # another step masks elsewhere
+    x, y = batch["input_ids"], batch["labels"]
+    assert bool((batch["attention_mask"] == 1).all())  # no padding: every position attended
     masked = y != hf_tasks.IGNORED
     assert masked.sum(dim=1).tolist() == [per_sample] * 8 and torch.equal(masked, x == mask_id)
     assert int(y[masked].max()) < w.model.config.vocab_size and int(y[masked].min()) >= 0
+    # BERT's masked LM takes its own mean (no loss_function): nothing to give it the step's count with
+    assert w.num_items_kwarg is None and not hf_tasks.takes_num_items(type(w.model).__mro__[1])
     model = w.model.double().eval()  # no dropout: the loss as a function of the batch
     with torch.no_grad():
-        whole = w.loss_fn(model(x), y)
-        shards = [w.loss_fn(model(x[r::2]), y[r::2]) for r in range(2)]
+        out = model(**batch)
+        whole = w.loss_fn(out, batch)
+        # the model's own loss: the mean cross entropy over the labels not -100 (unshifted: a masked LM's own positions)
+        assert float(abs(whole - F.cross_entropy(out.logits[masked], y[masked]))) < 1e-12 * float(whole)
+        shards = [w.loss_fn(model(**part), part) for part in (batches.stride(batch, r, 2) for r in range(2))]
         assert float(abs(whole - sum(shards) / 2)) < 1e-12 * float(whole)  # the workload contract
         # the negative: were one sample to mask fewer positions, the mean over masked tokens would not be over samples
         y_short = y.clone()
         y_short[0, masked[0].nonzero()[0]] = hf_tasks.IGNORED
-        whole = w.loss_fn(model(x), y_short)
-        shards = [w.loss_fn(model(x[r::2]), y_short[r::2]) for r in range(2)]
+        short = {**batch, "labels": y_short}
+        whole = w.loss_fn(model(**short), short)
+        shards = [w.loss_fn(model(**part), part) for part in (batches.stride(short, r, 2) for r in range(2))]
         assert float(abs(whole - sum(shards) / 2)) > 1e-6 * float(whole)
 
 
@@ -232,13 +344,12 @@ def test_verification_copies_recompute_where_the_model_can_and_give_the_very_gra
     from dpcompare.verify.equivalence import verification_copy
 
     w = _build(families[family], family)
-    x, y = w.make_batch(0, 2)
-    x = x.double() if x.is_floating_point() else x
+    batch = batches.to(w.make_batch(0, 2), "cpu", torch.float64)  # pixels in float64, token ids and labels as they are
     grads = []
     for recompute in (False, True):
         model = verification_copy(w.model, torch.device("cpu"), torch.float64)
         model.recompute_activations = recompute
-        w.loss_fn(model(x), y).backward()
+        w.loss_fn(model(**batch), batch).backward()
         grads.append([p.grad for p in model.parameters()])
     assert getattr(model, "_dpcompare_recomputes") == how
     assert all(torch.equal(a, b) for a, b in zip(*grads))
@@ -248,7 +359,7 @@ def test_verification_copies_recompute_where_the_model_can_and_give_the_very_gra
     if how == "none":  # the negative: recomputing a block that holds BatchNorm counts its batch twice
         model = verification_copy(w.model, torch.device("cpu"), torch.float64)
         checkpointing.checkpoint_blocks(model)
-        w.loss_fn(model(x), y).backward()
+        w.loss_fn(model(**batch), batch).backward()
         counts = {int(b) for n, b in model.named_buffers() if n.endswith("num_batches_tracked")}
         assert counts == {2}
 
@@ -278,30 +389,45 @@ def test_dpcompare_eager_attention_computes_what_transformers_eager_attention_do
 
 # -- Mixtral's load-balancing loss -------------------------------------------------------------------------------
 def test_mixtral_adds_its_load_balancing_loss_of_each_forwards_own_tokens(tmp_path: Path) -> None:
+    from dpcompare.verify.equivalence import verification_copy
+
     eager = {"experts_implementation": "eager"}  # transformers' grouped-matmul experts have no float64 kernel
     with_aux = hf_models.build(f"hf:{hf_families.write_family(tmp_path / 'a', 'mixtral', eager)}", 0, 16)
     plain_folder = hf_families.write_family(tmp_path / "b", "mixtral", eager, output_router_logits=False)
     without = hf_models.build(f"hf:{plain_folder}", 0, 16)
     coefficient = with_aux.model.config.router_aux_loss_coef
     assert "load-balancing loss 0.02" in with_aux.source and "per rank" in with_aux.source
-    x, y = with_aux.make_batch(0, 4)
-    model = with_aux.model.double()
-    logits, aux = model(x)
-    assert torch.equal(with_aux.loss_fn((logits, aux), y), hf_tasks.cross_entropy(logits, y) + coefficient * aux)
-    with_aux.loss_fn((logits, aux), y).backward()
+    batch = with_aux.make_batch(0, 4)
+    labels = batch["labels"]
+    assert bool((labels == hf_tasks.IGNORED).any())  # padded: the routers' loss leaves the padding out too
+    # float64 copies, whose loss stays in float64 where transformers' loss_function casts it to float32
+    model = verification_copy(with_aux.model, torch.device("cpu"), torch.float64)
+    out = model(**batch)
+    aux = out.aux_loss
+    assert out.loss.dtype == aux.dtype == torch.float64 and aux.ndim == 0
+    # the model's own loss: the shifted cross entropy over the labels not -100, plus the coefficient times the routers'
+    loss = with_aux.loss_fn(out, batch)
+    expected = (shifted_cross_entropy(out.logits, labels) + coefficient * aux).detach()
+    assert loss is out.loss and float(abs(loss.detach() - expected)) < 1e-12 * float(expected)
+    term = with_aux.loss_fn.per_forward_term(out, batch).detach()  # the loss without the routers' term
+    assert float(abs(term - shifted_cross_entropy(out.logits, labels).detach())) < 1e-12 * float(term)
+    loss.backward()
     gate = model.model.layers[0].mlp.gate.weight.grad.clone()
-    plain = without.model.double()
-    assert isinstance(plain(x), torch.Tensor)  # the negative: a config that does not ask for it returns the logits
-    without.loss_fn(plain(x), y).backward()
+    plain = verification_copy(without.model, torch.device("cpu"), torch.float64)
+    plain_out = plain(**batch)
+    assert plain_out.aux_loss is None  # the negative: a config that does not ask for it computes no routers' loss
+    assert torch.equal(plain_out.logits, out.logits)  # the same weights from the same seed: the same logits
+    assert float(abs(plain_out.loss.detach() - term)) < 1e-12 * float(term)  # its loss is the cross entropy alone
+    without.loss_fn(plain_out, batch).backward()
     # it reaches the router's gradient
     assert not torch.allclose(gate, plain.model.layers[0].mlp.gate.weight.grad, rtol=1e-6, atol=0)
     with torch.no_grad():  # its value depends on how the batch is split: each rank's is its own tokens'
-        halves = [model(x[r::2])[1] for r in range(2)]
-        assert float(abs(aux - sum(halves) / 2)) > 1e-9
-    # the float64 probe reads a forward that returns logits and the loss term
+        halves = [model(**batches.stride(batch, r, 2)).aux_loss for r in range(2)]
+        assert float(abs(aux.detach() - sum(halves) / 2)) > 1e-9
+    # the float64 probe reads a forward that returns the model's output with its loss and the routers' loss
     from dpcompare.verify import probe
 
-    facts = probe.probe(with_aux.model, with_aux.loss_fn, (x, y), torch.device("cpu"))
+    facts = probe.probe(with_aux.model, with_aux.loss_fn, batch, torch.device("cpu"))
     assert not facts.stochastic and not facts.unused
 
 
@@ -312,7 +438,9 @@ def test_router_settings_are_read_where_the_model_has_routers(tmp_path: Path) ->
     assert "\n" not in str(caught.value)
     folder = hf_families.write_family(tmp_path / "llama", "llama", {"output_router_logits": True})
     w = hf_models.build(f"hf:{folder}", 0, 16)  # no router: the flag asks for nothing
-    assert isinstance(w.model(w.make_batch(0, 2)[0]), torch.Tensor) and "load-balancing" not in w.source
+    out = w.model(**w.make_batch(0, 2))
+    assert getattr(out, "aux_loss", None) is None and getattr(out, "router_logits", None) is None
+    assert w.loss_fn is hf_tasks.model_loss and "load-balancing" not in w.source
 
 
 @pytest.mark.parametrize(("family", "fields", "says"), [

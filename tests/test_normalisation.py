@@ -22,6 +22,7 @@ import torch
 
 import normalisation_models as nm
 import semantics_workloads as sw
+from dpcompare.contract import batches
 from dpcompare.contract.normalisation import counted, refusal
 from dpcompare.run import hf_tasks, workloads
 from dpcompare.run.trainer import counting
@@ -85,7 +86,9 @@ def test_the_built_in_token_data_is_padded_at_the_end_and_the_masked_lm_masks_as
     real = torch.arange(16) < lengths.unsqueeze(1)
     assert torch.equal(x[real], packed[0][real]) and bool((x[~real] == workloads.PAD_ID).all())
     assert bool((packed[1] != -100).all())
-    tokens, targets = hf_tasks.masked_tokens(0, 100, 64, 99)(0, 256)
+    collated = hf_tasks.masked_tokens(0, 100, 64, 99)(0, 256)
+    assert set(collated) == {"input_ids", "attention_mask", "labels"} and bool((collated["attention_mask"] == 1).all())
+    tokens, targets = collated["input_ids"], collated["labels"]
     chosen = targets != -100
     share = float(chosen.float().mean())
     assert 0.13 < share < 0.18 and len(set(chosen.sum(dim=1).tolist())) > 5
@@ -106,8 +109,9 @@ def _finding(workload, *, global_count: bool = False, grad_accum: int = 1, step:
                         depth=eq.depth_of(model), verdict=verdict)
     check = SplitCheck(oracle, forwards, depth=eq.depth_of(model), applies=True, verdict=verdict)
     state = model.state_dict()
-    batch = workload.make_batch(step, 24)
-    workload.loss_fn(model(batch[0][:2]), batch[1][:2])  # the probe's forward: a loss returning its count says so
+    batch = batches.pair(workload.make_batch(step, 24))  # (inputs, targets), as the run holds it
+    inputs, targets = batch  # the probe's forward: a loss returning its count says so
+    workload.loss_fn(batches.call(model, batches.take(inputs, slice(0, 2))), batches.take(targets, slice(0, 2)))
     pieces = forwards.pieces(batch, None)
     if unjoinable:  # the ranks' draws cannot be joined into the global batch's forward (OPT's masks)
         forwards.whole = _unjoinable
@@ -216,9 +220,15 @@ def test_mixtrals_load_balancing_loss_is_a_per_forward_statistic_beside_the_norm
     from dpcompare.run import hf_models
 
     folder = hf_families.write_family(tmp_path, "mixtral", {"experts_implementation": "eager"})
-    f, notes = _finding(hf_models.build(f"hf:{folder}", 1234, 16))
+    padded = hf_models.build(f"hf:{folder}", 1234, 16)
+    batch = padded.make_batch(0, 24)  # one dict: input_ids, attention_mask (0 on the padding), labels (-100 there)
+    assert torch.equal(batch["attention_mask"] == 0, batch["labels"] == -100)
+    f, notes = _finding(padded)
     ev = f.cause["evidence"]
     assert f.cause["name"] == "statistic" and not ev["normalisation"]["holds"], f.cause
+    # counted as the model's loss counts: the labels after the first position not -100 (it shifts them itself)
+    assert sum(ev["normalisation"]["items_per_rank"]) == hf_tasks.shifted_items(batch)
+    assert ev["normalisation"]["items_per_rank"][0] != ev["normalisation"]["items_per_rank"][1]
     assert ev["statistic"]["distance_rel_fro"] < 1e-9 and "load-balancing" in ev["statistic"]["taken_out"]
     text = notes["split_dependent_forward"]
     assert "a statistic of its own samples" in text and "normalised per rank too" in text
@@ -325,3 +335,7 @@ def test_where_the_draws_cannot_be_joined_the_normalisation_is_still_measured_on
     assert "the global batch itself is not measured" in notes["split_normalisation"]
     f, notes = _finding(workloads.lm(1234, token_data="packed"), unjoinable=True)
     assert f is None and not notes
+    # divided by the step's count, the ranks' forwards are weighted by their items already: nothing to say (the run's
+    # line once failed on the finding's unmeasured distance: OPT under --loss-normalisation global)
+    f, notes = _finding(workloads.lm(1234), unjoinable=True, global_count=True)
+    assert f is None and not any(code.startswith("split_") for code in notes), (f, notes)

@@ -24,6 +24,7 @@ from dpcompare.contract.amp import ScalerState
 from dpcompare.contract.capabilities import Capabilities, Note, Option, Settings
 from dpcompare.contract.comm_counter import CommCounter, CommCounts, CounterWindow
 from dpcompare.contract.compiling import compile_forward
+from dpcompare.contract.scheduling import then_scheduler, wrap_step_override
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +118,16 @@ class Adapter:
         return None
 
     @classmethod
+    def optimizer_refusal(cls, settings: Settings, optimizer: torch.optim.Optimizer, scheduled: bool) -> str | None:
+        """Why this backend, with these settings, cannot take the run's optimizer (a throwaway build over a copy of the
+        model) or a learning-rate scheduler (`scheduled`), as a clause saying what to change (None: it can)."""
+        return None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        wrap_step_override(cls)  # the scheduler steps once per training step, whatever the override does
+
+    @classmethod
     def shared_device_refusal(cls) -> str | None:
         """Why this backend cannot run with several ranks on one GPU (None: it can, where it declares --opt
         dist_backend=gloo). compare leaves such jobs out on a node with fewer GPUs than ranks and says why."""
@@ -129,7 +140,14 @@ class Adapter:
         self.wrapped: Wrapped | None = None
         self.model_facts = ModelFacts()
         """Set by the trainer before `wrap` (DDP needs `unused` for find_unused_parameters)."""
+        self.scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None
+        """Set by the trainer before `wrap`: scheduler(optimizer) -> the run's learning-rate scheduler (None: none)."""
+        self.scheduler: Any = None
+        """The run's scheduler, built by `wrap` (DeepSpeed's `lr_scheduler=`) or `start_scheduler()`; None: none."""
+        self.scheduler_steps_in_step = False
+        """The backend's own step steps the scheduler (DeepSpeed's engine.step()): `step()` leaves it alone."""
         self._scaling: precision.GradScaling | None = None
+        self._step_depth = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
     def setup(self, timeout_s: float) -> None:
@@ -148,6 +166,13 @@ class Adapter:
     def wrap(self, module: nn.Module, optimizer: torch.optim.Optimizer, local_batch: int, global_batch: int) -> Wrapped:
         self.wrapped = Wrapped(module, module, optimizer)
         return self.wrapped
+
+    def start_scheduler(self) -> None:
+        """After `wrap`: the run's scheduler, `scheduler_factory(wrapped.optimizer)`, unless `wrap` built it (the
+        optimizer the training loop steps: DDP's and FSDP2's torch optimizer, Horovod's DistributedOptimizer)."""
+        if self.scheduler is None and self.scheduler_factory is not None:
+            assert self.wrapped is not None
+            self.scheduler = self.scheduler_factory(self.wrapped.optimizer)
 
     def sync(self, enabled: bool) -> ContextManager[None]:
         """Context for forward+backward; enabled=False around every micro-batch of a step but its last (gradient
@@ -188,7 +213,9 @@ class Adapter:
             self.grad_scaling.unscale(self.wrapped.optimizer)
 
     def step(self) -> None:
-        """The optimizer step; under a loss scale the scaler's, which skips it when the gradients hold inf or NaN."""
+        """The optimizer step; under a loss scale the scaler's, which skips it when the gradients hold inf or NaN.
+        Then (any override's too: `__init_subclass__`) the scheduler's step, once, unless the backend's own step took
+        it (`scheduler_steps_in_step`)."""
         assert self.wrapped is not None
         if self.grad_scaling is not None:
             self.grad_scaling.step(self.wrapped.optimizer)
@@ -414,6 +441,9 @@ class Adapter:
     def allreduce_sum_autograd(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """A differentiable all-reduce(sum), for global BatchNorm; None when there is one replica."""
         return None
+
+
+Adapter.step = then_scheduler(Adapter.step)  # type: ignore[method-assign]
 
 
 __all__ = ["Adapter", "Capabilities", "CommCounter", "CommCounts", "CounterWindow", "ModelFacts", "Note", "Option",

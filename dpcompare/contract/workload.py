@@ -1,5 +1,6 @@
-"""What a workload is: a model, its synthetic global batch and its loss (`Workload`), how a global batch
-is sharded across ranks (`shard`, DistributedSampler's rule: rank r takes samples r, r+N, r+2N, ...), and which of
+"""What a workload is: a model, its global batch and its loss, and optionally its own forward call, optimizer and
+learning-rate schedule (`Workload`), how a global batch is sharded across ranks (`shard`, DistributedSampler's rule:
+rank r takes samples r, r+N, r+2N, ... of every tensor: dpcompare.contract.batches), and which of
 its modules are its blocks (`block_modules`: the units FSDP shards one by one and --activation-checkpointing
 recomputes one by one). The built-in models are in `dpcompare.run.workloads`; a user workload is a function
 `(seed: int) -> Workload`.
@@ -13,6 +14,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from dpcompare.contract import batches
+
 CONTAINERS = (nn.Sequential, nn.ModuleList)
 
 
@@ -20,10 +23,13 @@ CONTAINERS = (nn.Sequential, nn.ModuleList)
 class Workload:
     name: str
     model: nn.Module
-    make_batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
-    """(step, global_batch) -> (inputs, targets) of the whole global batch, identical on every rank."""
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], Any]
-    """The loss of the samples given: their mean (the mean of equal shards' losses is the global-batch loss); or, for
+    make_batch: Callable[[int, int], Any]
+    """(step, global_batch) -> (inputs, targets) of the whole global batch, identical on every rank: each a tensor or
+    any structure of tensors (dict, tuple, list, dataclass), or one dict alone (inputs and what the loss receives:
+    dpcompare.contract.batches). dpcompare.data.from_dataset makes one from a torch Dataset."""
+    loss_fn: Callable[[Any, Any], Any]
+    """loss_fn(output, targets): the loss of the samples given: their mean (the mean of equal shards' losses is the
+    global-batch loss); or, for
     a loss normalised over items (tokens not ignored, masked positions), the mean over the items, or `(sum, count)`,
     the sum over the items and their count (dpcompare.contract.normalisation)."""
     tokens_per_sample: int = 1
@@ -35,12 +41,25 @@ class Workload:
     items: Callable[[torch.Tensor], Any] | None = None
     """How many items a forward's targets hold, where not by `ignore_index` (None: by `ignore_index`, or as the loss
     returns them)."""
+    forward: Callable[[nn.Module, Any], Any] | None = None
+    """forward(model, inputs) -> output: how the model is called (None: `model(**inputs)` for a dict, `model(*inputs)`
+    for a tuple or list, `model(inputs)` otherwise)."""
+    sample_dim: int = 0
+    """The dimension of every batch tensor that counts samples (1 for sequence-first tensors)."""
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None
+    """optimizer(model) -> the training optimizer over the model's parameters, parameter groups and all (None: the
+    run's --optimizer). Called on every copy that trains: each backend's, and the checks' references."""
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    """scheduler(optimizer) -> a learning-rate scheduler stepped once after every optimizer step (None: none)."""
+    num_items_kwarg: str | None = None
+    """The keyword the model's forward takes the step's count of items by under --loss-normalisation global
+    (transformers' "num_items_in_batch"), its own loss then the sum over the forward's items divided by it."""
 
 
-def shard(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank's shard of a global batch, strided like DistributedSampler (rank::world_size)."""
-    x, y = batch
-    return x[rank::world_size], y[rank::world_size]
+def shard(batch: Any, rank: int, world_size: int) -> tuple[Any, Any]:
+    """Rank's (inputs, targets) of a global batch, strided like DistributedSampler (rank::world_size), every tensor."""
+    x, y = batches.pair(batch)
+    return batches.stride(x, rank, world_size), batches.stride(y, rank, world_size)
 
 
 def _holds_parameters(module: nn.Module) -> bool:

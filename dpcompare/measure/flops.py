@@ -21,6 +21,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from dpcompare.contract import batches
+
 DATASHEET_TFLOPS: dict[str, dict[str, float]] = {
     # dense (without 2:4 sparsity), from each vendor datasheet; fp32 is the non-tensor-core rate
     "H100 SXM": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
@@ -107,22 +109,22 @@ def meta_copy(template: nn.Module) -> nn.Module:
     return copy.deepcopy(template, memo)
 
 
-def model_flops(template: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                x: torch.Tensor, y: torch.Tensor) -> int:
-    """FLOPs of one forward and backward of `template` on the batch (x, y), counted on a meta copy."""
+def model_flops(template: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], x: Any, y: Any) -> int:
+    """FLOPs of one forward and backward of `template` on the batch (x, y: tensors or any structure of them), counted
+    on a meta copy."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model = meta_copy(template)
     model.train()
     counter = FlopCounterMode(display=False)
     with counter:
-        loss = loss_fn(model(x.to("meta")), y.to("meta"))
+        loss = loss_fn(batches.call(model, batches.to(x, "meta")), batches.to(y, "meta"))
         loss.backward()
     return int(counter.get_total_flops())
 
 
-def facts(template: nn.Module | None, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-          x: torch.Tensor | None, y: torch.Tensor | None, amp: str, device: torch.device) -> dict[str, Any]:
+def facts(template: nn.Module | None, loss_fn: Callable[[Any, Any], torch.Tensor] | None, x: Any, y: Any, amp: str,
+          device: torch.device) -> dict[str, Any]:
     """{dtype, flops (per sample, forward and backward, on the local batch x, y), measured, datasheet (the device's
     peak in TFLOP/s), why: {name: reason} for each one missing}."""
     dtype = compute_dtype(amp, device)
@@ -131,7 +133,7 @@ def facts(template: nn.Module | None, loss_fn: Callable[[torch.Tensor, torch.Ten
         found["why"]["flops"] = "no template given"
     else:
         try:
-            found["flops"] = model_flops(template, loss_fn, x, y) / max(len(x), 1)
+            found["flops"] = model_flops(template, loss_fn, x, y) / max(batches.rows(x), 1)
         except Exception as exc:  # a model that cannot run on meta tensors: MFU unmeasured, said why
             found["why"]["flops"] = (f"FlopCounterMode on a meta copy of the model raised {type(exc).__name__}: "
                                      f"{str(exc)[:200]}")

@@ -20,7 +20,6 @@ from dpcompare.run.faults import CHECKPOINT_FAULTS, fault_ok as _fault_ok  # noq
 # CommandLineError is the flags' own; the rest of the run imports it from here, beside RunConfig.
 from dpcompare.run.flags import CommandLineError, Forwarded, Rule, above, at_least, coverage_ok, power_of_two, run_flag  # noqa: F401,E501
 
-Optimizer = Literal["sgd", "adamw"]
 Dtype = Literal["float32", "float64", "bfloat16"]
 Compression = Literal["none", "fp16", "bf16"]
 Amp = Literal["none", "bf16", "fp16"]
@@ -167,10 +166,17 @@ class RunConfig:
     """A bench-collectives JSON: its busbw at this run's message size is reported beside the run's."""
     lr: float = run_flag(0.05, help="learning rate",
                          checks=(Rule(lambda v, _: 0 < v < 1e3, "use a positive learning rate below 1000"),))
-    optimizer: Optimizer = run_flag(
-        "sgd", help="optimizer",
-        compare=Forwarded("every run's optimizer (adamw keeps two moments per parameter: the state ZeRO and FSDP "
-                          "shard)"))
+    optimizer: str = run_flag(
+        "sgd", help="optimizer: sgd, adamw, or package.module:function (model) -> torch.optim.Optimizer",
+        checks=(Rule(lambda v, _: v in ("sgd", "adamw") or ":" in v, "use sgd, adamw or package.module:function"),),
+        compare=Forwarded("every run's optimizer: sgd, adamw (two moments per parameter: the state ZeRO and FSDP "
+                          "shard) or package.module:function"))
+    """sgd, adamw, or `package.module:function` returning the optimizer over the model it is given, parameter groups
+    and all (dpcompare.run.optim; --lr, --momentum and --weight-decay then set nothing)."""
+    scheduler: str | None = run_flag(
+        None, help="learning-rate schedule: package.module:function (optimizer) -> scheduler, stepped after every "
+                   "optimizer step", checks=(Rule(lambda v, _: ":" in v, "give package.module:function"),),
+        compare=Forwarded("every run's learning-rate schedule: package.module:function (optimizer) -> scheduler"))
     momentum: float = run_flag(0.9, help="SGD momentum",
                                checks=(Rule(lambda v, _: 0 <= v < 1, "use a value in [0, 1)"),))
     """SGD momentum (ignored by AdamW)."""

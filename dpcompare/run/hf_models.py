@@ -8,7 +8,8 @@ dpcompare.run.hf_attention chooses, and the workload of its task (dpcompare.run.
 optional extra (`pip install "dpcompare[hf]"`).
 
 The model keeps its own class and parameter names (`model.layers.0.self_attn.q_proj.weight`): its class is swapped
-for a subclass whose forward takes the batch's tensor and returns the logits, as the trainer's loss expects. Its
+for a subclass whose forward takes the batch dict (`model(**batch)`, as transformers' Trainer calls it) and returns
+the model's output with its own loss. Its
 `_no_split_modules` name the blocks FSDP shards and `--activation-checkpointing` recomputes
 (dpcompare.contract.workload.block_modules). `model_info.source` says what was built and what runs (the attention,
 where its dropout is drawn, the data), never whether it was checked: that is the verdict's. Imports transformers
@@ -158,10 +159,14 @@ def build(spec: str, seed: int, seq_len: int | None = None, token_data: str = "p
     if task == "image_classification":
         channels, height, width, origin = hf_tasks.pixel_shape(config)
         classes = int(config.num_labels)
-        return Workload(spec, model, hf_tasks.pixels(seed, (channels, height, width), classes), hf_tasks.cross_entropy,
-                        source=f"{source}, {channels}x{height}x{width} pixels ({origin}), {classes} classes")
+        return Workload(spec, model, hf_tasks.pixels(seed, (channels, height, width), classes), hf_tasks.model_loss,
+                        source=f"{source}, {channels}x{height}x{width} pixels ({origin}), {classes} classes, "
+                               "its own loss")
     vocab = int(config.vocab_size)
     seq = _sequence_length(spec, config, seq_len)
+    num_items = "num_items_in_batch" if hf_tasks.takes_num_items(cls) else None
+    said = (", its own loss (num_items_in_batch under --loss-normalisation global)" if num_items else
+            ", its own loss (its own mean: --loss-normalisation global scales it by the items)")
     if task == "masked_lm":
         mask_id = hf_tasks.mask_token(config)
         masking = (f"{hf_tasks.masked_per_sample(seq)} of {seq} tokens per sample masked (token {mask_id})"
@@ -169,14 +174,17 @@ def build(spec: str, seed: int, seq_len: int | None = None, token_data: str = "p
                    f"each of {seq} tokens chosen with probability {hf_tasks.MASKED_SHARE:g} (at least one a sample), "
                    f"80% of them masked (token {mask_id}), 10% a random token, 10% kept, as transformers' collator")
         return Workload(spec, model, hf_tasks.masked_tokens(seed, vocab, seq, mask_id, token_data),
-                        hf_tasks.cross_entropy, tokens_per_sample=seq, ignore_index=hf_tasks.IGNORED,
-                        source=f"{source}, masked LM: {masking}, positions drawn from (seed, step)")
-    loss_fn = hf_tasks.with_router_aux(aux) if aux else hf_tasks.cross_entropy
+                        hf_tasks.model_loss, tokens_per_sample=seq, ignore_index=hf_tasks.IGNORED,
+                        num_items_kwarg=num_items,
+                        source=f"{source}, masked LM: {masking}, positions drawn from (seed, step){said}")
+    loss_fn = hf_tasks.with_router_aux(aux) if aux else hf_tasks.model_loss
     aux_note = (f"; load-balancing loss {aux:g} x the routers' auxiliary loss of each forward's own tokens (per rank: "
                 "its value depends on how the batch is split)" if aux else "")
-    lengths = "padded at the end to lengths drawn from (seed, step), -100 targets there" if token_data != "packed" else "packed"
+    lengths = ("padded at the end to lengths drawn from (seed, step), attention_mask 0 and labels -100 there"
+               if token_data != "packed" else "packed")
     return Workload(spec, model, hf_tasks.causal_tokens(seed, vocab, seq, token_data), loss_fn, tokens_per_sample=seq,
-                    ignore_index=hf_tasks.IGNORED, source=f"{source}, {seq} tokens per sample ({lengths}){aux_note}")
+                    ignore_index=hf_tasks.IGNORED, items=hf_tasks.shifted_items, num_items_kwarg=num_items,
+                    source=f"{source}, {seq} tokens per sample ({lengths}){said}{aux_note}")
 
 
 def _sequence_length(spec: str, config: Any, seq_len: int | None) -> int:

@@ -1,21 +1,24 @@
-"""What a `--model hf:` model is trained on: its forward, its synthetic batches and its loss, per task.
+"""What a `--model hf:` model is trained on: its forward, its batches and its loss, per task, as transformers trains it.
 
-Owns: the class swap that gives a transformers model the forward the trainer calls (`forward(batch)` returning the
-logits, or the logits and the routers' load-balancing loss where the config asks for it), the recomputation the
-verification copies switch on (`recompute_activations`), and each task's data and loss:
-  - causal LM: token streams of `seq` tokens, next-token targets, padded at the end to lengths of their own with
-    IGNORED targets there (dpcompare.run.workloads.token_batch), or packed;
+Owns: the class swap that gives a transformers model the forward the trainer calls (`model(**batch)`, the batch a
+dict as transformers' Trainer passes it, returning the model's output with its own loss; with the routers'
+load-balancing loss where the config asks for it), the recomputation the verification copies switch on
+(`recompute_activations`), and each task's data and loss:
+  - causal LM: token streams of `seq` tokens, padded at the end to lengths of their own (dpcompare.run.workloads.
+    token_batch), or packed: `input_ids`, `attention_mask` (0 on the padding) and `labels` (IGNORED on the padding,
+    shifted by the model itself: its items are the labels after the first position, `shifted_items`);
   - masked LM: the same streams masked as transformers' collator masks them (15% of the positions at random, 80/10/10),
     or packed: the same number of positions masked in every sample; drawn from (seed, step), so every rank rebuilds
     the same global batch;
-  the loss the mean over the targets not IGNORED (the workload's ignore_index: dpcompare.contract.normalisation);
-  - image classifier: Gaussian pixels and random labels.
+  the loss the model's own, the mean over the labels not IGNORED; under --loss-normalisation global a model whose loss
+  is transformers' `loss_function` is given the step's count as `num_items_in_batch` (`takes_num_items`);
+  - image classifier: Gaussian `pixel_values` and random `labels`.
 Imports transformers lazily; of dpcompare only the contract and the built-in workloads' data helpers.
 """
-
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -37,26 +40,35 @@ MAX_STRIDE = 8
 
 @functools.cache
 def task_class(cls: type, task: str, router_aux: bool) -> type:
-    """`cls` with a forward that takes the batch tensor alone and returns the logits (module and parameter names
-    unchanged); with `router_aux`, the logits and the routers' load-balancing loss of this forward's own tokens.
-    `recompute_activations`: set by dpcompare's float64 verification copies, which then recompute each block in
-    backward (`recompute`) to hold one block's activations at a time."""
+    """`cls` with a forward that takes the batch dict as transformers' Trainer passes it (`input_ids`,
+    `attention_mask`, `labels`; `pixel_values`, `labels`) and returns the model's own output, its loss the model's own
+    (module and parameter names unchanged); with `router_aux`, the routers' load-balancing loss asked for and added as
+    the model adds it. `recompute_activations`: set by dpcompare's float64 verification copies, which then recompute
+    each block in backward (`recompute`) to hold one block's activations at a time."""
 
-    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self: nn.Module, **batch: Any) -> Any:
         if getattr(self, "recompute_activations", False):
             recompute(self)
-        if task == "image_classification":
-            return cls.forward(self, pixel_values=x).logits
-        kwargs: dict[str, Any] = {"use_cache": False} if task == "causal_lm" else {}
-        if not router_aux:
-            return cls.forward(self, input_ids=x, **kwargs).logits
-        out = cls.forward(self, input_ids=x, output_router_logits=True, **kwargs)
-        if out.aux_loss is None:
+        extra: dict[str, Any] = {"use_cache": False} if task == "causal_lm" else {}
+        if router_aux:
+            extra["output_router_logits"] = True
+        out = cls.forward(self, **batch, **extra)
+        if router_aux and out.aux_loss is None:
             raise RuntimeError(f"{cls.__name__} returned no aux_loss though output_router_logits was asked for")
-        return out.logits, out.aux_loss
+        return out
 
     return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                       "__doc__": f"{cls.__name__}: forward(batch) -> logits (dpcompare --model hf:)"})
+                                       "__doc__": f"{cls.__name__}: forward(**batch) -> its output with its loss "
+                                                  "(dpcompare --model hf:)"})
+
+
+def takes_num_items(cls: type) -> bool:
+    """Whether `cls`'s forward computes its loss with transformers' `loss_function`, which divides the sum by the
+    `num_items_in_batch` it is given (BERT's masked LM, for one, takes the mean of its own)."""
+    try:
+        return "self.loss_function(" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
 
 
 def _outermost(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -86,14 +98,26 @@ def recompute(model: nn.Module) -> None:
 
 
 # -- data and loss ----------------------------------------------------------------------------------------
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = dict[str, torch.Tensor]
 
 
 def causal_tokens(seed: int, vocab: int, seq: int, token_data: str = "padded") -> Callable[[int, int], Batch]:
+    """The causal LM's batch as a collator makes it: `input_ids` padded at the end (dpcompare.run.workloads.token_batch),
+    `attention_mask` 0 on the padding, `labels` the ids with IGNORED on the padding (the model shifts them itself)."""
     def make_batch(step: int, global_batch: int) -> Batch:
-        return token_batch(seed, step, global_batch, vocab, seq, MAX_STRIDE, token_data)
+        ids, targets = token_batch(seed, step, global_batch, vocab, seq, MAX_STRIDE, token_data)
+        # the padding starts after the last position whose next token is a target
+        lengths = (targets != IGNORED).sum(dim=1, keepdim=True) + 1
+        mask = (torch.arange(seq)[None, :] < lengths).long()
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORED)}
 
     return make_batch
+
+
+def shifted_items(batch: Batch) -> int:
+    """A causal LM's items: the labels after the first position not IGNORED (the model predicts each from the ones
+    before it)."""
+    return int((batch["labels"][:, 1:] != IGNORED).sum())
 
 
 def mask_token(config: Any) -> int:
@@ -109,11 +133,11 @@ def masked_per_sample(seq: int) -> int:
 
 def masked_tokens(seed: int, vocab: int, seq: int, mask_id: int, token_data: str = "padded"
                   ) -> Callable[[int, int], Batch]:
-    """Token streams (never holding `mask_id`) with positions chosen for the loss, the targets the original tokens
-    there and IGNORED elsewhere. `packed`: `masked_per_sample(seq)` positions of each sample, replaced by `mask_id`.
-    Else as transformers' DataCollatorForLanguageModeling: each position chosen with probability MASKED_SHARE (at
-    least one a sample), 80% of the chosen replaced by `mask_id`, 10% by a random token, 10% kept, so the count differs
-    from sample to sample and from rank to rank. Drawn from (seed, step) alone: every rank rebuilds the same batch."""
+    """Token streams (never holding `mask_id`) with positions chosen for the loss, `labels` the original tokens there
+    and IGNORED elsewhere. `packed`: `masked_per_sample(seq)` positions of each sample, replaced by `mask_id`. Else as
+    transformers' DataCollatorForLanguageModeling: each position chosen with probability MASKED_SHARE (at least one a
+    sample), 80% of the chosen replaced by `mask_id`, 10% by a random token, 10% kept, so the count differs from sample
+    to sample and from rank to rank. Drawn from (seed, step) alone: every rank rebuilds the same batch."""
     per_sample = masked_per_sample(seq)
 
     def make_batch(step: int, global_batch: int) -> Batch:
@@ -122,17 +146,19 @@ def masked_tokens(seed: int, vocab: int, seq: int, mask_id: int, token_data: str
         # a generator of its own, from (seed, step) alone: every rank draws the same positions
         g = torch.Generator().manual_seed((seed * 1_000_003 + step) ^ (1 << 62))
         draw = torch.rand(global_batch, seq, generator=g)
+        mask = torch.ones_like(tokens)
         if token_data == "packed":
             where = draw.argsort(dim=1)[:, :per_sample]
-            targets = torch.full_like(tokens, IGNORED).scatter_(1, where, tokens.gather(1, where))
-            return tokens.scatter(1, where, mask_id), targets
+            labels = torch.full_like(tokens, IGNORED).scatter_(1, where, tokens.gather(1, where))
+            return {"input_ids": tokens.scatter(1, where, mask_id), "attention_mask": mask, "labels": labels}
         chosen = draw < MASKED_SHARE
         chosen[torch.arange(global_batch), draw.argmin(dim=1)] = True  # at least one position a sample
-        targets = tokens.masked_fill(~chosen, IGNORED)
+        labels = tokens.masked_fill(~chosen, IGNORED)
         kind = torch.rand(global_batch, seq, generator=g)
         random = torch.randint(0, vocab, (global_batch, seq), generator=g)
         inputs = torch.where(chosen & (kind < 0.8), torch.full_like(tokens, mask_id), tokens)
-        return torch.where(chosen & (kind >= 0.8) & (kind < 0.9), random, inputs), targets
+        inputs = torch.where(chosen & (kind >= 0.8) & (kind < 0.9), random, inputs)
+        return {"input_ids": inputs, "attention_mask": mask, "labels": labels}
 
     return make_batch
 
@@ -153,23 +179,27 @@ def pixels(seed: int, shape: tuple[int, int, int], classes: int) -> Callable[[in
     def make_batch(step: int, global_batch: int) -> Batch:
         g = _generator(seed, step)
         x = torch.randn(global_batch, *shape, generator=g)
-        return x, torch.randint(0, classes, (global_batch,), generator=g)
+        return {"pixel_values": x, "labels": torch.randint(0, classes, (global_batch,), generator=g)}
 
     return make_batch
 
 
-def with_router_aux(coefficient: float) -> Callable[[tuple[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor]:
-    """The loss of a forward that returns (logits, load-balancing loss): cross entropy plus `coefficient` times the
-    routers' loss, as transformers' MoE models add it with labels. The routers' loss is computed from the tokens of
-    the forward that returned it, so under data parallelism it is each rank's own: the one part of MoE training that
-    depends on how the batch is split. (nn.DataParallel gathers one per replica: their mean.)"""
+def model_loss(output: Any, batch: Batch) -> torch.Tensor:
+    """The model's own loss of the batch (the mean over its labels not IGNORED, or over its samples)."""
+    return output.loss
 
-    def loss_fn(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
-        logits, aux = output
-        return cross_entropy(logits, target) + coefficient * aux.mean()
+
+def with_router_aux(coefficient: float) -> Callable[[Any, Batch], torch.Tensor]:
+    """The model's own loss of a forward that asked for its routers' load-balancing loss: cross entropy plus
+    `coefficient` times the routers' loss, as transformers' MoE models add it with labels. The routers' loss is computed
+    from the tokens of the forward that returned it, so under data parallelism it is each rank's own: the one part of
+    MoE training that depends on how the batch is split. (nn.DataParallel gathers one per replica: their mean.)"""
+
+    def loss_fn(output: Any, batch: Batch) -> torch.Tensor:
+        return output.loss
 
     # the loss without the routers' term: what dpcompare.verify.split_causes tests the split with
-    loss_fn.per_forward_term = lambda output, target: cross_entropy(output[0], target)
+    loss_fn.per_forward_term = lambda output, batch: output.loss - coefficient * output.aux_loss.to(output.loss.device)
     return loss_fn
 
 
@@ -178,5 +208,5 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORED)
 
 
-__all__ = ["causal_tokens", "cross_entropy", "mask_token", "masked_tokens", "pixel_shape", "pixels", "recompute",
-           "task_class", "with_router_aux"]
+__all__ = ["causal_tokens", "cross_entropy", "mask_token", "masked_tokens", "model_loss", "pixel_shape", "pixels",
+           "recompute", "shifted_items", "takes_num_items", "task_class", "with_router_aux"]

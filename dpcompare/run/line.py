@@ -38,8 +38,9 @@ def _semantic_facts(e: Equivalence) -> list[str]:
         why = {"statistic": "a statistic of each forward's own samples", "samples_interact": "the loss couples a "
                "forward's samples", "control_flow": "control flow on the local batch",
                "model_interaction": "the model mixes a forward's samples"}.get(cause, "no tested cause")
-        facts.append(f"the forward depends on how the batch is split ({why}): judged as the ranks' forwards, "
-                     f"{split['distance_rel_fro']:.3g} (relative) from the global batch's gradient")
+        away = (f"{split['distance_rel_fro']:.3g} (relative) from the global batch's gradient"
+                if split.get("distance_rel_fro") is not None else "the global batch not measured")
+        facts.append(f"the forward depends on how the batch is split ({why}): judged as the ranks' forwards, {away}")
     elif split.get("semantics") == "loss_not_mean":
         facts.append(f"the loss is not a mean over its samples: the ranks' split computes {split['scale']:.4g}x the "
                      "global batch's gradient")

@@ -23,6 +23,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from dpcompare.contract import batches
+
 _TORCH = Path(torch.__file__).resolve().parent
 _TORCH_LAYERS = (str(_TORCH / "nn" / "modules") + os.sep, str(_TORCH / "nn" / "functional.py"),
                  str(_TORCH / "functional.py"))
@@ -50,6 +52,8 @@ def model_files(model: nn.Module, loss_fn: Callable) -> frozenset[str]:
              if cls is not object and not cls.__module__.startswith("torch.")}
     loss_fn = inspect.unwrap(loss_fn)  # the workload's own, inside dpcompare's normalisation (Counted)
     files.add(_file_of(getattr(loss_fn, "func", loss_fn)))  # a functools.partial's function
+    if (forward := batches.current().forward) is not None:  # the workload's own forward(model, inputs)
+        files.add(_file_of(getattr(forward, "func", forward)))
     return frozenset(f for f in files if f)
 
 

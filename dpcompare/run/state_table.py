@@ -14,7 +14,8 @@ keeps it, never from what dpcompare asked for:
   wire         the dtype the gradients are reduced in (Adapter.gradient_wire: DeepSpeed reads its engine's
                communication_data_type; none: the gradients' own), and for how many parameters where only some
                travel in it (Adapter.gradient_wire_parameters: DeepSpeed's lower_precision_safe_modules);
-  optimizer    the optimizer's state entries (each key's dtype and elements on this rank);
+  optimizer    the optimizer's state entries (each key's dtype and elements on this rank), and the torch optimizer's
+               class and parameter groups (how many, and the hyper-parameters that differ between them);
   loss_scale   the loss scaler's scale and whose scaler it is (Adapter.scaler_state), or none.
 
 A component is summarised as {dtype: elements} with the device and the tensor count, per rank; `cell` is the one
@@ -28,8 +29,9 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from dpcompare.contract.optim_state import per_element
+from dpcompare.contract.optim_state import per_element, read_hparams
 from dpcompare.result_view import STATE_COMPONENTS
+from dpcompare.verify.optim_reference import differing
 
 COMPONENTS = tuple(STATE_COMPONENTS)
 """The rows of the table, in the order they are printed (titles: dpcompare.result_view.STATE_COMPONENTS)."""
@@ -156,6 +158,8 @@ def read(adapter: Any, forward: dict[str, Any] | None, grads: dict[str, Any] | N
         "grads": grads if grads is not None else summary(held.get("grads") or []),
         "wire": None if wire in (None, "none") else {"fp16": "float16", "bf16": "bfloat16"}.get(wire, wire),
         "optimizer": safely("optimizer", state) or {},
+        "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
+        "optimizer_groups": safely("optimizer", lambda: _groups(optimizer)),
         "loss_scale": None if scaler is None else {"scale": float(scaler.scale), "method": scaler.method},
     }
     if subset is not None and out["wire"] is not None:
@@ -163,6 +167,16 @@ def read(adapter: Any, forward: dict[str, Any] | None, grads: dict[str, Any] | N
     if unread:
         out["unread"] = unread
     return out
+
+
+def _groups(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
+    """The optimizer's parameter groups: how many, and each hyper-parameter whose value differs between them (its value
+    in every group, JSON-ready)."""
+    if optimizer is None:
+        return None
+    tables = read_hparams(optimizer)
+    return {"count": len(tables), "differing": {k: [list(v) if isinstance(v, tuple) else v for v in values]
+                                                for k, values in differing(tables).items()}}
 
 
 def grads_now(adapter: Any) -> dict[str, Any] | None:
@@ -204,9 +218,8 @@ def cell(component: str, per_rank: list[dict[str, Any]]) -> str:
     if component == "loss_scale":
         return "none" if not value else f"{value['scale']:g} ({value['method']})"
     if component == "optimizer":
-        if not value:
-            return "none"
-        return ", ".join(f"{k} {_dtypes_text(v)}" for k, v in sorted(value.items()))
+        entries = ", ".join(f"{k} {_dtypes_text(v)}" for k, v in sorted(value.items())) if value else "none"
+        return f"{_optimizer_text(first)}: {entries}" if first.get("optimizer_class") else entries
     if not value:
         return "not read" if component == "forward" else "none"
     text = _dtypes_text(value)
@@ -216,6 +229,17 @@ def cell(component: str, per_rank: list[dict[str, Any]]) -> str:
     sizes = [sum((r.get(component) or {}).get("dtypes", {}).values()) for r in per_rank]
     sharded = len(set(sizes)) > 1 or (len(per_rank) > 1 and component != "forward" and _sharded(per_rank, component))
     return f"{text}, {devices}" + (", sharded" if sharded else "")
+
+
+def _optimizer_text(reading: dict[str, Any]) -> str:
+    """The optimizer's class, and its groups where it has several (their count and the values that differ)."""
+    groups = reading.get("optimizer_groups") or {}
+    text = reading["optimizer_class"]
+    if groups.get("count", 1) > 1:
+        shown = "; ".join(f"{k} {' / '.join(f'{v:g}' if isinstance(v, float) else str(v) for v in vs)}"
+                          for k, vs in groups.get("differing", {}).items())
+        text += f", {groups['count']} groups" + (f" ({shown})" if shown else "")
+    return text
 
 
 def _sharded(per_rank: list[dict[str, Any]], component: str) -> bool:

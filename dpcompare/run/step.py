@@ -15,11 +15,11 @@ import contextlib
 import os
 import signal
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from dpcompare.contract import Adapter
+from dpcompare.contract import Adapter, batches
 from dpcompare.run import raised
 from dpcompare.run.compilation import CompileLog
 from dpcompare.run.watchdog import Watchdog
@@ -67,19 +67,19 @@ class StepRunner:
         """The last step's count of items over every rank and micro-batch (--loss-normalisation global)."""
 
     # -- data --------------------------------------------------------------------------------------
-    def batch(self, step: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """(the step's global batch, this rank's shard as model inputs on the device)."""
-        batch = self.workload.make_batch(step, self.global_batch)
+    def batch(self, step: int) -> tuple[tuple[Any, Any], Any, Any]:
+        """(the step's global batch as (inputs, targets), this rank's shard of them on the device, floating inputs in
+        the weights' dtype). Inputs and targets are any structure of tensors (dpcompare.contract.batches)."""
+        batch = batches.pair(self.workload.make_batch(step, self.global_batch))
         x, y = shard(batch, self.sample_rank, self.world_size)
         x, y = self.inputs(x, y)
         return batch, x, y
 
-    def inputs(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x.to(self.device)
-        return (x.to(self.input_dtype) if x.is_floating_point() else x), y.to(self.device)
+    def inputs(self, x: Any, y: Any) -> tuple[Any, Any]:
+        return batches.to(x, self.device, self.input_dtype), batches.to(y, self.device)
 
     # -- the step ------------------------------------------------------------------------------------
-    def step(self, step: int, x: torch.Tensor, y: torch.Tensor, *, phase: str = "train", sync: bool = True,
+    def step(self, step: int, x: Any, y: Any, *, phase: str = "train", sync: bool = True,
              update: bool = True, after_reduce: Hook = None, after_update: Hook = None,
              recording: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
         """One step: forward and backward (sync=False: the ablation's unsynced arm, no communication), reduce,
@@ -156,7 +156,7 @@ class StepRunner:
     def beat(self, phase: str, step: int) -> None:
         self.watchdog.beat(phase, step)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, comm: bool = True) -> None:
+    def forward_backward(self, x: Any, y: Any, comm: bool = True) -> None:
         """Forward and backward over the rank's shard in `grad_accum` equal micro-batches. Only the last one
         synchronises (when the backend can switch sync off); each loss is scaled by 1/grad_accum so the
         accumulated gradient is the mean over the shard. comm=False runs the whole step inside the adapter's
@@ -169,36 +169,49 @@ class StepRunner:
         # really sends nothing is `capabilities.can_disable_sync`, which only the ablation relies on).
         self._micro_batches(x, y, lambda last: self.adapter.sync(last))
 
-    def _micro_batches(self, x: torch.Tensor, y: torch.Tensor, context) -> None:
-        wrapped = self.adapter.wrapped
+    def _micro_batches(self, x: Any, y: Any, context) -> None:
         k = self.grad_accum
         count = self._step_count(y) if self.global_count else None
-        for j, (xj, yj) in enumerate(zip(x.chunk(k), y.chunk(k))):
+        for j, (xj, yj) in enumerate(zip(batches.chunk(x, k), batches.chunk(y, k))):
             with context(j == k - 1):
                 started = self._host_time()
                 self._part = "forward"
                 with self.mark("forward"), self.adapter.autocast():
-                    loss = self._loss(wrapped.model(xj), yj, count)
+                    loss = self._loss(self._forward(xj, count), yj, count)
                 self.forward_s += self._host_time() - started
                 self._part = "backward"
                 with self.mark("backward"):
                     self.adapter.backward(loss / k if k > 1 and count is None else loss)
 
-    def _step_count(self, y: torch.Tensor) -> float:
+    def _forward(self, inputs: Any, count: float | None) -> Any:
+        """The wrapped model's forward of a micro-batch; under --loss-normalisation global, to a model whose own loss
+        takes the step's count (Workload.num_items_kwarg: transformers' num_items_in_batch), that count over the ranks
+        (the backend's mean over the ranks then makes the step's gradient the global batch's sum over its count)."""
+        keyword = self.workload.num_items_kwarg
+        if count is None or keyword is None:
+            return batches.call(self.adapter.wrapped.model, inputs)
+        items = torch.tensor(count / self.world_size, dtype=torch.float32, device=self.device)
+        if isinstance(inputs, dict):
+            return batches.call(self.adapter.wrapped.model, {**inputs, keyword: items})
+        return self.adapter.wrapped.model(*(inputs if isinstance(inputs, (tuple, list)) else (inputs,)), **{keyword: items})
+
+    def _step_count(self, y: Any) -> float:
         """The step's items over every micro-batch of every rank: this rank's counted from its targets, then summed over
         the ranks by the backend's own all-reduce (as transformers sums num_items_in_batch), before any backward."""
         loss = self.workload.loss_fn
         own = loss.items_of(y) if hasattr(loss, "items_of") else None
-        local = torch.tensor([float(own if own is not None else len(y))], dtype=torch.float64, device=self.device)
+        local = torch.tensor([float(own if own is not None else batches.rows(y))], dtype=torch.float64,
+                             device=self.device)
         self.items = float(self.adapter.all_reduce_sum(local).item())
         return self.items
 
-    def _loss(self, output, target: torch.Tensor, count: float | None) -> torch.Tensor:
+    def _loss(self, output, target: Any, count: float | None) -> torch.Tensor:
         """The micro-batch's loss as the backward takes it: its own mean (the backward then divides by grad_accum), or
-        with the step's `count`, its sum over items times world_size over `count`: the backend's mean over the ranks
-        then makes the step's gradient the global batch's sum over its count."""
+        with the step's `count`, its sum over items times world_size over `count` (a model whose loss took the count
+        returns that itself): the backend's mean over the ranks then makes the step's gradient the global batch's sum
+        over its count."""
         loss = self.workload.loss_fn
-        if count is None:
+        if count is None or self.workload.num_items_kwarg is not None:
             return loss(output, target)
         total, _ = loss.sum_and_count(output, target)  # a count only the forward knows is refused before the run
         return total * (self.world_size / count)

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 from torch import nn
 
 from dpcompare.contract import Adapter, Note
-from dpcompare.contract import checkpointing
+from dpcompare.contract import batches, checkpointing
 from dpcompare.contract import launch_env as launch
 from dpcompare.contract import sparse
 from dpcompare.contract import normalisation
@@ -32,7 +32,7 @@ from dpcompare.run import backend, checkpoint, compilation, hf_models, leave, ra
 from dpcompare.run.config import CommandLineError, RunConfig, SaidByAnotherRank
 from dpcompare.run.line import summary_line  # noqa: F401 - the run's line, printed by the command line
 from dpcompare.run.measurement import MeasurementPhase
-from dpcompare.run.optim import make_optimizer
+from dpcompare.run import optim
 from dpcompare.run.step import StepRunner
 from dpcompare.run.verification import VerificationPhase
 from dpcompare.run.watchdog import Watchdog
@@ -125,6 +125,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if cfg.compile:
         compilation.require_compiler()  # every rank: the compiler is this host's
     workload = counting(load_workload(cfg))
+    with batches.convention(workload.forward, workload.sample_dim):  # every copy of the model called as the run calls it
+        return _run(cfg, env, adapter_cls, settings, workload, global_batch, local_batch)
+
+
+def _run(cfg: RunConfig, env: launch.LaunchEnv, adapter_cls: type[Adapter], settings, workload: Workload,
+         global_batch: int, local_batch: int) -> dict[str, Any]:
     device = launch.pick_device(cfg.device, env.local_rank)
     adapter = adapter_cls(env, device, settings)
     watchdog: Watchdog | None = None
@@ -233,6 +239,19 @@ def _probe(template: nn.Module, workload: Workload, batch, device, env: launch.L
         raise
 
 
+def batch_refusal(model: str, batch: Any, global_batch: int) -> str | None:
+    """Why the first global batch cannot be split by samples (its structure, tensors that disagree on the number of
+    samples, or not the global batch's number), or None."""
+    try:
+        n = batches.rows(*batches.pair(batch))
+    except batches.BatchError as exc:
+        return f"--model {model}: {exc}"
+    if n != global_batch:
+        return (f"--model {model}: make_batch(0, {global_batch}) returned {n} samples; it returns the whole global "
+                f"batch of the step ({global_batch} samples), from which every rank takes its own")
+    return None
+
+
 def _release(adapter: Adapter) -> None:
     """A backend of one process for all replicas (reference, dp): its full teardown. A backend of one process per
     replica (a process group, Horovod's runtime), one rank or several: only what must happen before a process leaves
@@ -261,8 +280,14 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
     facts = refused = None
     if env.is_rank0:
         first = workload.make_batch(0, global_batch)
-        facts = _probe(template, workload, first, device, env)
-        refused = normalisation.refusal(cfg.loss_normalisation, workload.loss_fn, first[1], cfg.model)
+        refused = batch_refusal(cfg.model, first, global_batch)
+        if refused is None:
+            try:
+                facts = _probe(template, workload, first, device, env)
+                refused = normalisation.refusal(cfg.loss_normalisation, workload.loss_fn, batches.pair(first)[1],
+                                                cfg.model)
+            except normalisation.LossError as exc:  # what the loss returned: said before anything trains
+                refused = f"--model {cfg.model}: {exc}"
     facts, refused = adapter.all_gather_object((facts, refused))[0]
     if refused is not None:
         raise CommandLineError(refused)
@@ -274,18 +299,23 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
         compression=cfg.compression) if facts.sparse_grads else None
     if refused is not None:
         raise CommandLineError(refused)
+    with _said_by_rank0():
+        choice = optim.choose(cfg, workload)
+    if (refused := optim.refusal(cfg, choice, template, adapter)) is not None:
+        raise CommandLineError(refused)
     # Same seed for the weights (above), a seed of its own per rank for what the forward draws (seed 000).
     stochastic.seed_rank(cfg.seed, env.rank)
     module = workload.model.to(device=device, dtype=eq.DTYPES[cfg.dtype])
     if cfg.sync_bn:
         module = adapter.sync_batchnorm(module)
-    # The trainable parameters alone: torch never steps a parameter without a gradient, and DeepSpeed's ZeRO 1/2 take
-    # their gradient buffers' dtype from the first parameter of the first group (stage_1_and_2.py, `self.dtype`): an
-    # integer parameter listed first (an index kept as a parameter) would make them integer.
-    optimizer = make_optimizer(cfg, [p for p in module.parameters() if p.requires_grad])
+    # The run's optimizer (--optimizer, or the workload's) and schedule, refused on every rank alike where they cannot
+    # run (probed on throwaway builds over copies of the template); each backend builds the scheduler its own way.
+    optimizer = optim.build(cfg, choice, module)
+    adapter.scheduler_factory = choice.scheduler
     adapter.model_facts = facts
     blocks = adapter.checkpoint_activations(module) if cfg.activation_checkpointing else []
     wrapped = adapter.wrap(module, optimizer, local_batch, global_batch)
+    adapter.start_scheduler()
     if blocks:
         wrapped.notes.append(Note("activation_checkpointing", checkpointing.describe(wrapped.module)))
     if cfg.compile:

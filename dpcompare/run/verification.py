@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from dpcompare import results
+from dpcompare.contract import batches
 from dpcompare.contract import Adapter, Note
 from dpcompare.measure import clocks, memory
 from dpcompare.run.config import CommandLineError, RunConfig
@@ -130,7 +131,8 @@ class VerificationPhase:
         """Rank 0's verifier (initial weights against the workload's), then every rank's initial weights."""
         if self.cfg.check_every:
             ctx = check_context(self.cfg, self.adapter, self.template, self.runner.device, self.runner.world_size,
-                                coverage, getattr(self.runner.workload.loss_fn, "count", None))
+                                coverage, getattr(self.runner.workload.loss_fn, "count", None),
+                                workload=self.runner.workload)
             if self.rank0:
                 self.divider = divided.Divider(self.peers, ctx.layout) if self.peers is not None else None
                 self.check = verifier.Verifier(ctx, template=self.template, loss_fn=self.runner.workload.loss_fn,
@@ -251,7 +253,7 @@ class VerificationPhase:
         if not self.facts.stochastic or not records or any(r is None for r in records):
             return lambda: None
         return lambda: split_masks(eq.Layout(self.runner.world_size, self.cfg.grad_accum,
-                                             self.adapter.replicas_per_process()), batch[0].shape[0], records)
+                                             self.adapter.replicas_per_process()), batches.rows(batch[0]), records)
 
     @contextlib.contextmanager
     def _costed(self, setup: bool = False):
@@ -298,7 +300,8 @@ class VerificationPhase:
 
 
 def check_context(cfg: RunConfig, adapter: Adapter, template: torch.nn.Module, device: torch.device, world_size: int,
-                  coverage: oc.OracleCoverage | None, items: Callable[[torch.Tensor], int] | None = None) -> CheckContext:
+                  coverage: oc.OracleCoverage | None, items: Callable[[torch.Tensor], int] | None = None,
+                  workload: Any = None) -> CheckContext:
     """What every check of this run is judged with, built once on rank 0 after wrapping (the backend's precision recipe
     and its wire are known then): the run's settings the checks read, typed, and the facts of the run. `items`: how
     many items a forward's targets hold, for a loss over items (dpcompare.contract.normalisation)."""
@@ -311,7 +314,7 @@ def check_context(cfg: RunConfig, adapter: Adapter, template: torch.nn.Module, d
     return CheckContext(
         settings=settings, world_size=world_size, depth=eq.depth_of(template),
         names=tuple(n for n, p in named if p.requires_grad and n not in unchecked),
-        all_names=tuple(n for n, _ in named), factory=optimizer_factory(cfg), device=device,
+        all_names=tuple(n for n, _ in named), factory=optimizer_factory(cfg, template, workload), device=device,
         layout=eq.Layout(world_size, cfg.grad_accum, adapter.replicas_per_process(), items,
                          cfg.loss_normalisation == "global"), facts=adapter.model_facts,
         batchnorms=batchnorms, oracle_coverage=coverage, recipe=Recipe(adapter.amp_recipe(), cfg.amp, device.type, adapter.gathered_parameters,

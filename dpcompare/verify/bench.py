@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dpcompare.contract import batches
 from dpcompare.contract import Adapter, Wrapped
 from dpcompare.verify import equivalence as eq
 from dpcompare.verify import masks as mk
@@ -140,7 +141,7 @@ class Bench:
         first = len(self.joined) % ranks
         pair = sorted({first, (first + 1) % ranks})
         pieces = self.forwards.join(batch, forward_masks, pair)
-        self.joined.append({"ranks": pair, "samples": int(pieces[0].x.shape[0])})
+        self.joined.append({"ranks": pair, "samples": int(batches.rows(pieces[0].x))})
         return pieces, sum(self.divider.last_losses.get(r, 0.0) for r in pair)
 
     def mask_failure(self, step: int, exc: mk.MaskMismatch) -> Finding:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dpcompare.contract import batches
 from dpcompare.verify.boundaries import module_boundaries
 from dpcompare.verify.equivalence import TOLERANCE_FACTOR, UNIT_ROUNDOFF, Divergence, Layout, Masks, Oracle, Piece
 from dpcompare.verify.dtypes import as_input, is_float, state_distance
@@ -121,7 +122,7 @@ class BufferCheck:
                     bounded = module_boundaries(model, run and self.oracle.recipe.module_boundaries)
                     with replayer.applying(piece.masks) if piece.masks else contextlib.nullcontext(), recipe, gathered, \
                             bounded:
-                        model(x)
+                        batches.call(model, x)
             after = snapshot(model)
         if model is self.oracle.model64 or model is self.oracle.model_run:
             release(model)  # loaded again before its next use
@@ -140,11 +141,11 @@ class BufferCheck:
             return None
         self.step = step
         x, y = batch
-        positions = layout.positions(x.shape[0])
+        positions = layout.positions(batches.rows(x))
         k, ws = layout.grad_accum, layout.world_size
 
         def pieces_of(rank: int, micros: range) -> list[Piece]:
-            return [Piece(x[idx], y[idx], 1.0, masks[i] if masks else None)
+            return [Piece(batches.take(x, idx), batches.take(y, idx), 1.0, masks[i] if masks else None)
                     for i, (r, j, d, idx) in enumerate(positions) if r == rank and j in micros and d == 0]
 
         predicted, own, again, run_dtype = self._predictions(state, before, after, x, y, positions, masks, k, ws,
@@ -245,7 +246,7 @@ class BufferCheck:
                     joined_masks = combine([masks[i] for i, _ in chosen], local, len(joined))
                 except RuntimeError:
                     return None
-            pieces.append(Piece(x[joined], y[joined], 1.0, joined_masks))
+            pieces.append(Piece(batches.take(x, joined), batches.take(y, joined), 1.0, joined_masks))
         return self._f64(state, start, pieces)
 
     def _failure(self, step: int, name: str, distances: dict, tol: float, floor: float, state: dict,

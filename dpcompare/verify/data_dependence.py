@@ -19,11 +19,12 @@ import inspect
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from dpcompare.contract import batches
 
 _READS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__"})
 """Tensor methods that bring a tensor's value into Python."""
@@ -148,19 +149,19 @@ MAX_PARTS = 8
 """`left_out_by_parts` splits a batch into at most this many parts."""
 
 
-def left_out_by_parts(model: nn.Module, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor) -> tuple[str, ...]:
+def left_out_by_parts(model: nn.Module, loss_fn: Callable, x: Any, y: Any) -> tuple[str, ...]:
     """The trainable parameters of `model` that some part of the batch (x, y) leaves without a gradient: up to
     MAX_PARTS strided parts of at least two samples each (as ranks take their shards; two, so that BatchNorm still
     trains). A part whose forward fails (a model that refuses small batches) is passed over: this looks for evidence,
     it does not judge. `model`'s gradients are left cleared."""
-    parts = min(MAX_PARTS, x.shape[0] // 2)
+    parts = min(MAX_PARTS, batches.rows(x) // 2)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     left_out: dict[str, None] = {}
     for k in range(parts if parts >= 2 else 0):
         for _, p in named:
             p.grad = None
         try:
-            loss_fn(model(x[k::parts]), y[k::parts]).backward()
+            loss_fn(batches.call(model, batches.stride(x, k, parts)), batches.stride(y, k, parts)).backward()
         except Exception:  # noqa: BLE001 - evidence only; the run itself meets what this part met
             continue
         left_out.update((n, None) for n, p in named if p.grad is None)

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dpcompare.contract import batches
 from dpcompare.contract.optim_state import OptState
 from dpcompare.verify import masks as mk
 from dpcompare.verify import stochastic, update_ranges
@@ -379,9 +380,9 @@ class Helper:
 
     def _own(self, request: Any, batch, drawn: list | None) -> list[Piece]:
         """This rank's forwards among `request`'s positions, with their weights and draws."""
-        positions = self.layout.positions(batch[0].shape[0])
-        return [Piece(batch[0][positions[i][3]], batch[1][positions[i][3]], w, drawn[i] if drawn else None,
-                      self.peers.rank, i)
+        positions = self.layout.positions(batches.rows(batch[0]))
+        return [Piece(batches.take(batch[0], positions[i][3]), batches.take(batch[1], positions[i][3]), w,
+                      drawn[i] if drawn else None, self.peers.rank, i)
                 for i, w in zip(request.positions, request.weights) if positions[i][0] == self.peers.rank]
 
     def _answer(self, request: Request, batch, masks: Callable[[], list | None]) -> None:
@@ -405,7 +406,7 @@ class Helper:
         self.peers.gather(status)
         model.zero_grad(set_to_none=True)  # `raw` holds this rank's share: freed as it is sent or added into
         if self.peers.broadcast(None):  # every rank computed its own: the sums go to their owners
-            positions = self.layout.positions(batch[0].shape[0])
+            positions = self.layout.positions(batches.rows(batch[0]))
             order = list(dict.fromkeys(positions[i][0] for i in request.positions))
             sums = to_owners(self.peers, self._owner, model, raw if raw is not None else {}, order)
             self._held[request.key] = finish_gradient(sums, 1.0 / (request.ranks * request.loss_scale))

@@ -11,11 +11,12 @@ Imports no adapter.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
+from dpcompare.contract import batches
 from dpcompare.verify.tolerance import rel_fro
 from dpcompare.verify.verdict import CheckName, Divergence
 
@@ -37,11 +38,10 @@ def float_dtype(model: nn.Module, default: torch.dtype = torch.float32) -> torch
     return default
 
 
-def as_input(x: torch.Tensor, model: nn.Module, device: torch.device) -> torch.Tensor:
-    """A model input on `device`, floating inputs in the dtype the model computes in (integer inputs, token ids,
-    as they are), as the run's step feeds them."""
-    x = x.to(device)
-    return x.to(float_dtype(model)) if x.is_floating_point() else x
+def as_input(x: Any, model: nn.Module, device: torch.device) -> Any:
+    """A model input (a tensor or any structure of tensors) on `device`, floating inputs in the dtype the model computes
+    in (integer inputs, token ids, as they are), as the run's step feeds them."""
+    return batches.to(x, device, float_dtype(model))
 
 
 def state_distance(a: torch.Tensor, b: torch.Tensor) -> float:

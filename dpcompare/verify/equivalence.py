@@ -18,19 +18,19 @@ import contextlib
 import copy
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
+from dpcompare.contract import batches
 from dpcompare.contract.compiling import compile_forward
 from dpcompare.contract.sparse import make_dense
 from dpcompare.verify.boundaries import module_boundaries
 from dpcompare.verify import float64_paths
 from dpcompare.verify.dtypes import as_input, float_dtype
 from dpcompare.verify.masks import MaskReplayer
-from dpcompare.verify.precision import NONE as NO_RECIPE
-from dpcompare.verify.precision import Recipe
+from dpcompare.verify.precision import NONE as NO_RECIPE, Recipe
 from dpcompare.verify.held import Compact, releasable, release
 from dpcompare.verify.stochastic import each_rank_from_start
 from dpcompare.verify.tolerance import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, ParamError, compare, coverage,
@@ -39,8 +39,8 @@ from dpcompare.verify.verdict import Divergence, StepCheck, UpdateCheck, Verdict
 
 __all__ = [
     "DTYPES", "Grads", "Masks", "RECOMPUTE_ATTRIBUTE", "Layout", "Oracle", "Piece", "accumulate_gradient", "accumulate_raw", "depth_of",
-    "finish_gradient", "first_mismatch", "global_pieces", "grad_digests", "param_digests", "replica_pieces", "tensor_digest",
-    "same_forwards", "same_sum", "verification_copy",
+    "finish_gradient", "first_mismatch", "global_pieces", "grad_digests", "param_digests", "replica_pieces",
+    "tensor_digest", "same_forwards", "same_sum", "verification_copy",
     # the tolerance policy's (dpcompare.verify.tolerance)
     "TOLERANCE_FACTOR", "UNIT_ROUNDOFF", "WIRE_DTYPE", "ParamError", "compare", "coverage", "flat", "min_detectable",
     "rel_fro", "wire_roundoff",
@@ -54,8 +54,10 @@ Grads = dict[str, torch.Tensor]
 
 
 # -- fingerprints ----------------------------------------------------------------------------------
-def tensor_digest(t: torch.Tensor) -> str:
-    # the array's own buffer, hashed in place (no copy of its bytes)
+def tensor_digest(t: Any) -> str:
+    """A tensor's digest (its own buffer hashed in place, no copy of its bytes); a batch's: its tensors' digests'."""
+    if not torch.is_tensor(t):
+        return hashlib.blake2b("".join(map(tensor_digest, batches.leaves(t))).encode(), digest_size=8).hexdigest()
     return hashlib.blake2b(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy(), digest_size=8).hexdigest()
 
 
@@ -98,8 +100,8 @@ class Piece:
     """One forward the oracle runs: inputs, targets, the weight of its loss in the step's gradient, and the
     dropout masks the backend drew for exactly these samples (None: the forward draws nothing)."""
 
-    x: torch.Tensor
-    y: torch.Tensor
+    x: Any  # inputs and targets: a tensor or any structure of tensors (dpcompare.contract.batches)
+    y: Any
     weight: float
     masks: Masks | None = None
     rank: int = 0
@@ -123,7 +125,7 @@ def same_forwards(a: list[Piece], b: list[Piece]) -> bool:
     for p, q in zip(a, b):
         if p is q:
             continue
-        if p.weight != q.weight or not (torch.equal(p.x, q.x) and torch.equal(p.y, q.y)):
+        if p.weight != q.weight or not (batches.equal(p.x, q.x) and batches.equal(p.y, q.y)):
             return False
         if (p.masks is None) != (q.masks is None):
             return False
@@ -180,7 +182,7 @@ class Layout:
         n_chosen = sum(len(p[3]) for p in chosen)
         if self.items is None or (self.replicas == 1 and not self.global_count):
             return [len(p[3]) / n_chosen for p in chosen]
-        count = {(p[0], p[1], p[2]): self.items(y[p[3]]) for p in self.positions(len(y))}
+        count = {(p[0], p[1], p[2]): self.items(batches.take(y, p[3])) for p in self.positions(batches.rows(y))}
         if self.global_count:
             total = sum(count.values())
             ranks = len({p[0] for p in chosen})
@@ -199,9 +201,9 @@ class Layout:
         the ranks' forwards of those samples are joined into it: their share of the samples, or of the step's items
         (a loss over items)."""
         if self.items is None:
-            return len(idx) / len(y)
+            return len(idx) / batches.rows(y)
         total = self.items(y)
-        return self.items(y[idx]) / total if total else 0.0
+        return self.items(batches.take(y, idx)) / total if total else 0.0
 
     @property
     def splits_the_batch(self) -> bool:
@@ -223,12 +225,12 @@ def replica_pieces(batch: tuple[torch.Tensor, torch.Tensor], layout: Layout,
     of the losses each replica normalised with its own statistics. `ranks`: only those ranks' forwards,
     weighted as a share of their own samples (a rank's local gradient)."""
     x, y = batch
-    n = x.shape[0]
+    n = batches.rows(x)
     chosen = None if ranks is None else set(ranks)
     positions = [(i, p) for i, p in enumerate(layout.positions(n)) if chosen is None or p[0] in chosen]
     weights = layout.shares(y, [p for _, p in positions])
     # a forward holding no item adds nothing (and its own mean, 0/0, is no number)
-    return [Piece(x[idx], y[idx], w, masks[i] if masks else None, rank, i)
+    return [Piece(batches.take(x, idx), batches.take(y, idx), w, masks[i] if masks else None, rank, i)
             for (i, (rank, _, _, idx)), w in zip(positions, weights) if w > 0 or layout.items is None]
 
 
@@ -285,7 +287,7 @@ def accumulate_piece(model: nn.Module, loss_fn: Callable, piece: Piece, device: 
     # backward inside: a model that recomputes activations draws again there, and takes the same numbers
     with replayer.applying(piece.masks) if replayer is not None else contextlib.nullcontext():
         with recipe.autocast():
-            loss = loss_fn(model(x), piece.y.to(device))
+            loss = loss_fn(batches.call(model, x), batches.to(piece.y, device))
         value = float(loss.detach())
         if in_graph != 1.0:
             # the product in at least float32, as loss scalers take it (a 16-bit loss times 2^16 would overflow)
@@ -380,8 +382,8 @@ class Oracle:
         self.model64.load_state_dict(state)
         self.model64.train()
         with torch.no_grad():
-            loss = sum(p.weight * float(self.loss_fn(self.model64(as_input(p.x, self.model64, self.device)),
-                                                     p.y.to(self.device))) for p in pieces)
+            loss = sum(p.weight * float(self.loss_fn(batches.call(self.model64, as_input(p.x, self.model64, self.device)),
+                                                     batches.to(p.y, self.device))) for p in pieces)
         release(self.model64)
         return loss
 
@@ -441,8 +443,8 @@ class Oracle:
                 total[name] = sent if name not in total else _through(total[name] + sent, accumulate, loss_scale)
         return total
 
-    def oracle(self, state: dict, x: torch.Tensor, y: torch.Tensor) -> Grads:
+    def oracle(self, state: dict, x: Any, y: Any) -> Grads:
         return self.oracle_of(state, global_pieces((x, y)))
 
-    def floor(self, state: dict, x: torch.Tensor, y: torch.Tensor) -> Grads:
+    def floor(self, state: dict, x: Any, y: Any) -> Grads:
         return self.floor_of(state, global_pieces((x, y)))

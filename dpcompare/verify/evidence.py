@@ -104,8 +104,11 @@ class UpdateEvidence:
     """--clip-grad-norm: the reference step clips the gradient by its global norm to this (None: no clipping)."""
 
     def step_with(self, grads: dict[str, torch.Tensor | None] | None = None, state: OptState | None = None,
-                  times: int = 1, clip: float | None | str = "run", **overrides: Any) -> Grads:
-        """The reference step with one setting changed; `clip`: the run's clipping ("run"), or another (None: none)."""
-        return reference_step(self.factory, self.params, self.grads if grads is None else grads,
+                  times: int = 1, clip: float | None | str = "run", factory: OptimizerFactory | None = None,
+                  **overrides: Any) -> Grads:
+        """The reference step with one setting changed; `clip`: the run's clipping ("run"), or another (None: none);
+        `factory`: another optimizer (a scheduled reference at another step, or with a group's hyper-parameters
+        changed: dpcompare.verify.optim_reference.ScheduledStep)."""
+        return reference_step(factory or self.factory, self.params, self.grads if grads is None else grads,
                               self.expected_state if state is None else state, torch.float64, self.device,
                               times=times, clip=self.clip if clip == "run" else clip, **overrides).delta

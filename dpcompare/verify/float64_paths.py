@@ -13,6 +13,8 @@ Owns: the preparation of every float64 verification copy (`prepare`) and the acc
     copy's module calls, including a recomputation in backward). Autograd records the two casts, so the backward of
     that op runs in float32 too. Every such op is recorded with the modules that called it and the precision it ran
     at; a call that fails in float32 as well raises its original error.
+  - a cast of a float64 tensor to float32 written as an upcast for half precision (`.float()`, `.to(torch.float32)`,
+    `dtype=torch.float32`: transformers' RMSNorm, softmax and loss_function) stays float64, recorded as such.
 Only the failing call is moved: every other op of the copy stays float64, and the run-precision copies keep the
 model's own paths (they compute as the run does). Imports no adapter.
 """
@@ -77,12 +79,23 @@ class Float32Fallback(TorchFunctionMode):
     """Runs a call that raises with float64 inputs again in float32 (TF32 off) and casts its results back; records
     it under the innermost module of `stack` (names of the copy's modules being called, innermost last)."""
 
-    def __init__(self, stack: list[str], ops: dict[str, FallbackOp]) -> None:
+    def __init__(self, stack: list[str], ops: dict[str, FallbackOp], kept: dict[str, FallbackOp] | None = None) -> None:
         super().__init__()
         self.stack, self.ops = stack, ops
+        self.kept = kept if kept is not None else {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        kept = _kept_float64(func, args, kwargs)
+        if kept is not None:
+            entry = self.kept.setdefault(_name(func), FallbackOp(_name(func)))
+            entry.calls += 1
+            where = self.stack[-1] if self.stack else "(outside the model's modules)"
+            if where not in entry.modules:
+                entry.modules.append(where)
+            args, kwargs = kept
+            if args is None:  # Tensor.float() of a float64 tensor: the tensor itself, as .double() returns it
+                return kwargs
         try:
             return func(*args, **kwargs)
         except (RuntimeError, NotImplementedError, TypeError) as exc:
@@ -98,6 +111,20 @@ class Float32Fallback(TorchFunctionMode):
             if where not in entry.modules:
                 entry.modules.append(where)
             return out
+
+
+def _kept_float64(func, args, kwargs):
+    """A cast of a float64 tensor to float32 (`.float()`, `.to(torch.float32)`, `dtype=torch.float32`: the upcast a model
+    writes for half precision, transformers' RMSNorm and loss_function among them) kept in float64: the call's
+    arguments with float64 for float32 ((None, the tensor) for `.float()`), or None where the call casts nothing."""
+    name = _name(func)
+    if name == "Tensor.float" and args and _floating64(args[0]):
+        return None, args[0]
+    if kwargs.get("dtype") is torch.float32 and _nested64(args, {}):
+        return args, {**kwargs, "dtype": torch.float64}
+    if name in ("Tensor.to", "Tensor.type") and args and _floating64(args[0]) and any(a is torch.float32 for a in args[1:]):
+        return tuple(torch.float64 if a is torch.float32 else a for a in args), kwargs
+    return None
 
 
 def _nested64(args, kwargs) -> bool:
@@ -144,6 +171,8 @@ class _Paths:
     def __init__(self) -> None:
         self.switched: list[Switched] = []
         self.ops: dict[str, FallbackOp] = {}
+        self.kept: dict[str, FallbackOp] = {}
+        """The casts of float64 tensors to float32 the copy kept in float64 (`_kept_float64`)."""
         self.local = threading.local()
 
     def stack(self) -> list[str]:
@@ -205,7 +234,7 @@ def _enter(paths: _Paths, name: str):
     def hook(module, args):
         stack = paths.stack()
         if not stack:
-            paths.local.mode = Float32Fallback(stack, paths.ops).__enter__()
+            paths.local.mode = Float32Fallback(stack, paths.ops, paths.kept).__enter__()
         stack.append(name)
     return hook
 
@@ -227,19 +256,23 @@ def report(*models: nn.Module) -> dict | None:
     path."""
     switched: dict[tuple, dict] = {}
     ops: dict[str, FallbackOp] = {}
+    kept: dict[str, FallbackOp] = {}
     for model in models:
         paths = _PREPARED.get(model)
         if paths is None:
             continue
         for s in paths.switched:
             switched.setdefault((s.module, s.setting), s.to_dict())
-        for op in paths.ops.values():
-            merged = ops.setdefault(op.op, FallbackOp(op.op, error=op.error))
-            merged.calls += op.calls
-            merged.modules += [m for m in op.modules if m not in merged.modules]
-    if not switched and not ops:
+        for into, found in ((ops, paths.ops), (kept, paths.kept)):
+            for op in found.values():
+                merged = into.setdefault(op.op, FallbackOp(op.op, error=op.error))
+                merged.calls += op.calls
+                merged.modules += [m for m in op.modules if m not in merged.modules]
+    if not switched and not ops and not kept:
         return None
-    return {"switched": list(switched.values()), "float32_ops": [op.to_dict() for op in ops.values()]}
+    return {"switched": list(switched.values()), "float32_ops": [op.to_dict() for op in ops.values()],
+            "float32_casts_kept_float64": [{"op": op.op, "modules": op.modules, "calls": op.calls}
+                                           for op in kept.values()]}
 
 
 def phrases(recorded: dict | None) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from dpcompare.contract import batches
 from dpcompare.verify import masks as mk
 from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, global_pieces, replica_pieces
 from dpcompare.verify.split_causes import SPLIT_AGREEMENT, without_statistic
@@ -39,7 +40,7 @@ class Forwards:
     def pieces(self, batch, records: list[mk.MaskRecord] | None) -> list[Piece]:
         """The forwards the oracle runs for this step (see the module docstring); raises MaskMismatch when the
         captured masks do not fit them."""
-        n = batch[0].shape[0]
+        n = batches.rows(batch[0])
         masks = self.masks(n, records) if records is not None else None
         if self.per_replica or (masks is not None and not self.has_batchnorm and not self.joined):
             return replica_pieces(batch, self.layout, masks)
@@ -50,7 +51,7 @@ class Forwards:
         where they cannot be (not batch-first)."""
         if masks is None:
             return global_pieces(batch)
-        n = batch[0].shape[0]
+        n = batches.rows(batch[0])
         return global_pieces(batch, mk.combine(masks, [p[3] for p in self.layout.positions(n)], n))
 
     def join(self, batch, masks: list[Masks] | None, ranks: list[int]) -> list[Piece]:
@@ -59,12 +60,13 @@ class Forwards:
         where `ranks` are all of them. Raises MaskMismatch where the draws cannot be joined (not batch-first)."""
         if len(ranks) == self.layout.world_size:
             return self.whole(batch, masks)
-        n = batch[0].shape[0]
+        n = batches.rows(batch[0])
         chosen = [(i, p[3]) for i, p in enumerate(self.layout.positions(n)) if p[0] in ranks]
         idx = torch.sort(torch.cat([samples for _, samples in chosen])).values
         joined = None if masks is None else mk.combine(
             [masks[i] for i, _ in chosen], [torch.searchsorted(idx, samples) for _, samples in chosen], len(idx))
-        return [Piece(batch[0][idx], batch[1][idx], self.layout.share_of(batch[1], idx), joined)]
+        return [Piece(batches.take(batch[0], idx), batches.take(batch[1], idx), self.layout.share_of(batch[1], idx),
+                      joined)]
 
     def masks(self, batch_size: int, records: list[mk.MaskRecord]) -> list[Masks]:
         """Each forward's masks, in the order of `layout.positions`: a rank's masks split by micro-batch. Unpacked
@@ -85,7 +87,7 @@ class Forwards:
         global-batch gradient, measured once (the first checked step), in floors of the gradient check."""
         if not (self.per_replica and self.has_batchnorm) or self.verdict.batchnorm is not None:
             return  # per replica for another reason than BatchNorm: dpcompare.verify.split's note
-        n = batch[0].shape[0]
+        n = batches.rows(batch[0])
         whole, none = None, self.oracle.none
         try:
             masks = (mk.combine([p.masks or {} for p in pieces], [p[3] for p in self.layout.positions(n)], n)

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from dpcompare.contract import batches
 from dpcompare.verify.equivalence import (WIRE_DTYPE, Grads, Layout, flat, global_pieces, rel_fro, replica_pieces,
                                           tensor_digest)
 from dpcompare.contract.workload import shard
@@ -152,8 +153,7 @@ class _GradientHypotheses:
                                   "read a disjoint 1/N of the global batch (DistributedSampler-style sharding)", remaining)]
             seen[digest] = rank
         cast = float_dtype(ev.oracle.model_run)  # the runner feeds floating inputs in the weights' dtype
-        expected = [tensor_digest(x.to(cast) if x.is_floating_point() else x)
-                    for x in (shard(ev.batch, r, n)[0] for r in range(n))]
+        expected = [tensor_digest(batches.to(x, "cpu", cast)) for x in (shard(ev.batch, r, n)[0] for r in range(n))]
         if sorted(ev.shard_digests) != sorted(expected):
             return [Diagnosis("wrong_shards", "the ranks' shards are not the shards of the global batch: the data stream "
                               "differs between ranks (seed, sampler or shuffling)", remaining)]
@@ -301,7 +301,7 @@ class _GradientHypotheses:
         if not explained:
             return []
         y = ev.batch[1]
-        per_rank = [sum(layout.items(y[p[3]]) for p in layout.positions(len(y)) if p[0] == r)
+        per_rank = [sum(layout.items(batches.take(y, p[3])) for p in layout.positions(batches.rows(y)) if p[0] == r)
                     for r in range(layout.world_size)]
         micro = " and micro-batch" if layout.grad_accum > 1 else ""
         return [Diagnosis("local_normalisation", f"each rank{micro} divided its loss by its own item count (items per "
@@ -354,7 +354,7 @@ class _GradientHypotheses:
             explained = self.match(self.candidate("global", lambda: ev.compute(global_pieces(ev.batch))), remaining)
             out.append(Diagnosis("batchnorm", "BatchNorm normalised the global batch as one, though --sync-bn was not "
                                  "given: the backend synchronises BatchNorm statistics on its own (each replica should "
-                                 f"normalise its local batch of {ev.batch[0].shape[0] // layout.world_size}); pass --sync-bn "
+                                 f"normalise its local batch of {batches.rows(ev.batch[0]) // layout.world_size}); pass --sync-bn "
                                  "to judge it as one computation", explained))
             return out
         if layout.world_size > 1:
@@ -362,7 +362,7 @@ class _GradientHypotheses:
             explained = self.match(self.candidate("per_rank", lambda: ev.compute(
                 replica_pieces(ev.batch, per_rank, None))), remaining)
             out.append(Diagnosis("batchnorm", f"BatchNorm normalised each rank's shard with that shard's own statistics "
-                                 f"(local batch {ev.batch[0].shape[0] // layout.world_size}) though --sync-bn was given: "
+                                 f"(local batch {batches.rows(ev.batch[0]) // layout.world_size}) though --sync-bn was given: "
                                  "the backend's sync_batchnorm left BatchNorm layers unsynchronised", explained))
         k = ev.grad_accum
         if k > 1:
@@ -390,10 +390,10 @@ def _mean(grads: list[Grads], names: list[str]) -> Grads:
     return {p: torch.stack([g[p] for g in grads]).mean(dim=0) for p in names}
 
 
-def _micro_batch_groups(batch: tuple[torch.Tensor, torch.Tensor], n: int, k: int):
+def _micro_batch_groups(batch, n: int, k: int):
     """Micro-batch j of every rank, joined: what synchronised BatchNorm normalises under gradient accumulation."""
-    per_rank = [tuple(t.chunk(k) for t in shard(batch, r, n)) for r in range(n)]
-    return [(torch.cat([per_rank[r][0][j] for r in range(n)]), torch.cat([per_rank[r][1][j] for r in range(n)]))
+    per_rank = [tuple(batches.chunk(t, k) for t in shard(batch, r, n)) for r in range(n)]
+    return [(batches.cat([per_rank[r][0][j] for r in range(n)]), batches.cat([per_rank[r][1][j] for r in range(n)]))
             for j in range(k)]
 
 
@@ -402,9 +402,8 @@ def _loss_is_sum(ev: GradientEvidence) -> bool:
     model = ev.oracle.model64
     model.load_state_dict(ev.state)
     with torch.no_grad():
-        x, y = ev.batch
-        x = x.to(ev.oracle.device)
-        x = x.double() if x.is_floating_point() else x
-        whole = float(ev.oracle.loss_fn(model(x), y.to(ev.oracle.device)))
-        half = float(ev.oracle.loss_fn(model(x[: len(x) // 2]), y[: len(y) // 2].to(ev.oracle.device)))
+        x, y = batches.to(ev.batch[0], ev.oracle.device, torch.float64), batches.to(ev.batch[1], ev.oracle.device)
+        whole = float(ev.oracle.loss_fn(batches.call(model, x), y))
+        half_of = slice(0, batches.rows(x) // 2)
+        half = float(ev.oracle.loss_fn(batches.call(model, batches.take(x, half_of)), batches.take(y, half_of)))
     return abs(whole) > 0 and abs(whole / max(abs(half), 1e-300)) > 1.5

@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dpcompare.contract.checkpointing import checkpointed_blocks
+from dpcompare.contract import batches
 from dpcompare.verify import draws, stochastic
 from dpcompare.verify.mask_transit import MaskRecord, PackedDraw
 
@@ -306,13 +307,7 @@ def combine(pieces: list[dict[str, list[torch.Tensor]]], index: list[torch.Tenso
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    return []
+    return batches.leaves(value)
 
 
 Summary = tuple[tuple[int, ...], torch.dtype, tuple[float, ...]]
@@ -372,7 +367,7 @@ def _watching(model: nn.Module) -> Iterator[list[tuple[str, list[Summary], list[
             handle.remove()
 
 
-def uncaptured(model: nn.Module, x: torch.Tensor) -> str | None:
+def uncaptured(model: nn.Module, x: Any) -> str | None:
     """Does `model`'s training-mode forward draw random numbers that recording its random ops does not replay? Runs the
     forward on `x` twice: first recording its draws with a MaskRecorder, then replaying them with a MaskReplayer (both
     on this same model, generator not reset between, each from the same buffers: stochastic.buffers_restorer). Returns
@@ -390,14 +385,14 @@ def uncaptured(model: nn.Module, x: torch.Tensor) -> str | None:
         return f"{name} ({types.get(name, '?')})" if name else f"the model's own forward ({types['']})"
 
     flags = {m: m.training for m in model.modules()}
-    devices = [x.device.index] if x.device.type == "cuda" else []
+    devices = sorted({t.device.index for t in batches.leaves(x) if t.device.type == "cuda"})
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             model.train()
             recorder = MaskRecorder(model)
             restore = stochastic.buffers_restorer(model)  # the second forward starts from the first's buffers
             with recorder.recording(), _watching(model) as first:
-                out1 = model(x)
+                out1 = batches.call(model, x)
             record = recorder.take()
             if record.problems:
                 name, why = next(iter(record.problems.items()))
@@ -405,7 +400,7 @@ def uncaptured(model: nn.Module, x: torch.Tensor) -> str | None:
             restore()
             try:
                 with MaskReplayer(model).applying(record.calls()), _watching(model) as second:
-                    out2 = model(x)
+                    out2 = batches.call(model, x)
             except MaskMismatch as e:
                 return f"{describe(e.module)}: {e.reason}"
     finally:

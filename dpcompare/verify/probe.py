@@ -11,7 +11,7 @@ Everything here runs on generators forked from the run's. Imports no adapter.
 from __future__ import annotations
 
 import gc
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -23,19 +23,20 @@ from dpcompare.verify import masks as mk
 from dpcompare.verify import stochastic
 from dpcompare.verify.equivalence import verification_copy
 from dpcompare.verify.verdict import Verdict
+from dpcompare.contract import batches
 
 STOCHASTIC_REL_DIFF = 2.0**-30
 """Two float64 forwards of the same input that differ by more than this (relative) draw random numbers:
 some 10^6 float64 roundings, far below what one changed dropout mask element does (~1e-3)."""
 
 
-def _flat(output: torch.Tensor | tuple) -> torch.Tensor:
-    """A forward's output as one float64 vector (a forward may return a tuple: logits and an auxiliary loss)."""
-    parts = output if isinstance(output, (tuple, list)) else (output,)
-    return torch.cat([t.detach().double().reshape(-1) for t in parts if isinstance(t, torch.Tensor)])
+def _flat(output: Any) -> torch.Tensor:
+    """A forward's output as one float64 vector (a forward may return a tuple, logits and an auxiliary loss, or a
+    structure: transformers' ModelOutput)."""
+    return torch.cat([t.detach().double().reshape(-1) for t in batches.leaves(output)])
 
 
-def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> ModelFacts:
+def probe(template: nn.Module, loss_fn: Callable, batch: Any, device: torch.device) -> ModelFacts:
     """One float64 forward/backward of the first global batch (which parameters get no gradient, which a sparse one,
     as the model built them), its random ops
     recorded at the dispatcher (which module draws with which op), a second forward of the same input (does the
@@ -45,22 +46,21 @@ def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, tor
     # the run's own path (no switch to an alternative with float64 kernels): which parameters a part of the batch uses
     # is the run's question (an eager expert loop skips experts that a grouped matmul computes with no token)
     model = verification_copy(template, device, torch.float64, alternatives=False, sparse=True).train()
-    x, y = batch
-    x = x.to(device)
-    x = x.double() if x.is_floating_point() else x
+    x, y = batches.pair(batch)
+    x, y = batches.to(x, device, torch.float64), batches.to(y, device)
     recorder = mk.MaskRecorder(model)
     restore_buffers = stochastic.buffers_restorer(model)
     with stochastic.isolated(device):
         with recorder.recording():
             with data_dependence.watch(model) as reads:
-                first = model(x)
+                first = batches.call(model, x)
             # from the buffers the first forward started from: a forward that updates its buffers (spectral_norm's
             # power iteration) draws nothing; only what the forward draws may part the two
             restore_buffers()
             with torch.no_grad():
-                second = model(x)  # its own draws (only the list of what draws is read from the record)
+                second = batches.call(model, x)  # its own draws (only the list of what draws is read from the record)
             # backward inside: a recomputing copy runs its forward again there, on the same attention path
-            loss_fn(first, y.to(device)).backward()
+            loss_fn(first, y).backward()
     record = recorder.take()
     diff = float(torch.linalg.vector_norm(_flat(first) - _flat(second)))
     norm = float(torch.linalg.vector_norm(_flat(first)))
@@ -75,7 +75,7 @@ def probe(template: nn.Module, loss_fn: Callable, batch: tuple[torch.Tensor, tor
     left_out = ()
     if reads.first is not None:  # only a forward that reads the data can leave out a part of itself by the data
         with stochastic.isolated(device):
-            left_out = tuple(n for n in data_dependence.left_out_by_parts(model, loss_fn, x, y.to(device))
+            left_out = tuple(n for n in data_dependence.left_out_by_parts(model, loss_fn, x, y)
                              if n not in unused)
     facts = ModelFacts(
         unused=unused,

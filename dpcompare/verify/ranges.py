@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dpcompare.verify import cuts
+from dpcompare.verify.optim_reference import over
 from dpcompare.verify.peers import Peers, owners, to_owners
 
 
@@ -47,6 +48,8 @@ class TrajectoryRequest:
     ranks: int = 1
     """The ranks in the step's forwards (the recipe's loss multiplier, dpcompare.verify.equivalence.accumulate_raw)."""
     loss_scale: float = 1.0
+    at: int = 0
+    """"step": the run's step (a schedule's hyper-parameters are that step's)."""
     dtypes: tuple[torch.dtype, ...] = ()
     """"judge": the dtypes of rank 0's parameters after the step it sends each owner, in the trainable order."""
     slot: str = "trajectory"
@@ -213,7 +216,7 @@ class Idle:
             raise ValueError("a rank that holds no parameter was given an optimizer state to load")
 
 
-def optimizer(factory: Any, params: list[torch.Tensor]) -> Any:
-    """The run's optimizer over `params`, or an Idle one where this rank's range holds none (the optimizers refuse an
-    empty list)."""
-    return factory(params) if params else Idle()
+def optimizer(factory: Any, named: list[tuple[str, torch.Tensor]]) -> Any:
+    """The run's optimizer over `named` tensors (name, tensor), grouped as the run's (dpcompare.verify.optim_reference
+    `over`), or an Idle one where this rank's range holds none (the optimizers refuse an empty list)."""
+    return over(factory, named) if named else Idle()

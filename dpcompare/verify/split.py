@@ -35,6 +35,7 @@ from typing import Callable, Literal, Mapping
 
 import torch
 
+from dpcompare.contract import batches
 from dpcompare.verify import masks as mk
 from dpcompare.verify.equivalence import Grads, Layout, Masks, Oracle, Piece, replica_pieces
 from dpcompare.verify.forwards import Forwards
@@ -80,12 +81,12 @@ class SplitFinding:
 def in_ranks_order(piece: Piece, layout: Layout) -> Piece | None:
     """`piece` (one forward of the global batch) with its samples in the order the ranks hold them (rank by rank,
     micro-batch by micro-batch), its dropout masks reordered alike; None where a mask is not batch-first."""
-    n = piece.x.shape[0]
+    n = batches.rows(piece.x)
     order = torch.cat([idx for *_, idx in layout.positions(n)])
     if piece.masks is not None and any(m.dim() == 0 or m.shape[0] != n for ms in piece.masks.values() for m in ms):
         return None
     masks = {k: [m[order] for m in ms] for k, ms in piece.masks.items()} if piece.masks is not None else None
-    return Piece(piece.x[order], piece.y[order], piece.weight, masks, piece.rank)
+    return Piece(batches.take(piece.x, order), batches.take(piece.y, order), piece.weight, masks, piece.rank)
 
 
 class SplitCheck:
@@ -175,8 +176,8 @@ class SplitCheck:
         count computes). Recorded as a per-replica finding without a distance from the global batch."""
         split = replica_pieces(batch, self.layout, masks)
         counted = counts_of(self.oracle, self.layout, state, split)
-        samples = sum(len(p.y) for p in split)
-        if counted is None or all(c * samples == sum(counted[0]) * len(p.y) for p, c in zip(split, counted[0])):
+        samples = sum(batches.rows(p.x) for p in split)
+        if counted is None or all(c * samples == sum(counted[0]) * batches.rows(p.x) for p, c in zip(split, counted[0])):
             return
         counts, how = counted
         none = self.oracle.none
@@ -186,14 +187,15 @@ class SplitCheck:
                                                  for p, c in zip(split, counts) if c > 0])
         self.oracle.none = none
         distance = rel_fro_of(own, by_items, self.oracle.names)
+        if distance <= SPLIT_AGREEMENT:  # weighted by the step's items already (--loss-normalisation global): no split
+            return
         evidence = {"normalisation": {
             "items_per_rank": [sum(c for p, c in zip(split, counts) if p.rank == r) for r in range(self.layout.world_size)],
             "items_per_forward": counts, "counted": how, "weighted_by_items_distance_rel_fro": distance,
             "global_batch": "not measured: the ranks' draws cannot be joined into one forward (not batch-first)"}}
         self.finding = SplitFinding("per_replica", step, math.nan, None, SPLIT_AGREEMENT,
                                     forwards=self.layout.world_size * self.layout.grad_accum * self.layout.replicas,
-                                    cause={"name": "normalisation" if distance > SPLIT_AGREEMENT else None,
-                                           "evidence": evidence})
+                                    cause={"name": "normalisation", "evidence": evidence})
         self.verdict.split = self.finding.to_dict()
 
     def measure_pair(self, step: int, state: dict, joined: list[Piece], split: list[Piece], ranks: list[int]) -> bool:

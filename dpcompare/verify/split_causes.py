@@ -27,11 +27,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
+from dpcompare.contract import batches
+from dpcompare.contract.normalisation import LossError, labels
 from dpcompare.verify import data_dependence
 from dpcompare.verify.dtypes import as_input
 from dpcompare.verify.equivalence import Grads, Layout, Oracle, Piece, replica_pieces
@@ -64,8 +67,9 @@ def find_cause(oracle: Oracle, layout: Layout, state: dict, batch, whole: Grads,
     names = oracle.names
     split = replica_pieces(batch, layout, masks)
     counted = counts_of(oracle, layout, state, split)
-    samples = sum(len(p.y) for p in split)
-    if counted is not None and all(c * samples == sum(counted[0]) * len(p.y) for p, c in zip(split, counted[0])):
+    samples = sum(batches.rows(p.x) for p in split)
+    if counted is not None and all(c * samples == sum(counted[0]) * batches.rows(p.x)
+                                   for p, c in zip(split, counted[0])):
         # every forward holds the step's items in proportion to its samples: its own count divides as the step's
         evidence["normalisation"] = {"items_per_forward": counted[0], "counted": counted[1], "holds": False,
                                      "tested": False, "why": "every forward's share of the items is its share of the samples"}
@@ -118,12 +122,14 @@ def counts_of(oracle: Oracle, layout: Layout, state: dict, split: list[Piece]) -
         model = oracle.model64
         model.load_state_dict(state)
         with torch.no_grad():
-            counts = [loss.sum_and_count(model(as_input(p.x, model, oracle.device)), p.y.to(oracle.device))[1]
+            counts = [loss.sum_and_count(batches.call(model, as_input(p.x, model, oracle.device)),
+                                         batches.to(p.y, oracle.device))[1]
                       for p in split]
         model.load_state_dict(state)
         return [int(c) for c in counts], "as the loss returns them (sum, count)"
-    ys = [p.y for p in split]
-    if all(not y.is_floating_point() for y in ys) and any(bool((y == VISIBLE_IGNORE_INDEX).any()) for y in ys):
+    ys = [_labels(p.y) for p in split]
+    if all(y is not None and not y.is_floating_point() for y in ys) and any(
+            bool((y == VISIBLE_IGNORE_INDEX).any()) for y in ys):
         return ([int((y != VISIBLE_IGNORE_INDEX).sum()) for y in ys],
                 f"the targets not {VISIBLE_IGNORE_INDEX} (the workload names no ignore_index; its targets hold "
                 f"{VISIBLE_IGNORE_INDEX}, F.cross_entropy's default)")
@@ -171,7 +177,7 @@ def _local_distance(oracle: Oracle, state: dict, split: list[Piece], batch, loss
     def gradient(pieces: list[Piece]) -> dict[str, torch.Tensor]:
         model.zero_grad(set_to_none=True)
         for p in pieces:
-            out = loss_fn(model(as_input(p.x, model, oracle.device)), p.y.to(oracle.device))
+            out = loss_fn(batches.call(model, as_input(p.x, model, oracle.device)), batches.to(p.y, oracle.device))
             (p.weight * (out[0] / out[1] if isinstance(out, tuple) else out)).backward()
         got = dict(model.named_parameters())
         return {n: (got[n].grad.detach().clone() if got[n].grad is not None else torch.zeros_like(got[n]))
@@ -189,13 +195,36 @@ def _local_distance(oracle: Oracle, state: dict, split: list[Piece], batch, loss
     return rel_fro_of(split_grad, whole_grad, names)
 
 
+def _labels(y: Any) -> torch.Tensor | None:
+    try:
+        return labels(y)
+    except LossError:
+        return None
+
+
 def _first_tensor(out: Any) -> torch.Tensor | None:
+    """A forward's output with one row a sample: the output, its logits (transformers' ModelOutput), or its first
+    tensor of more than 0 dimensions (a tuple's logits before an auxiliary loss)."""
     if torch.is_tensor(out):
         return out
-    if isinstance(out, (tuple, list)) and out and torch.is_tensor(out[0]):
-        return out[0]
-    logits = getattr(out, "logits", None)
-    return logits if torch.is_tensor(logits) else None
+    logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
+    if torch.is_tensor(logits):
+        return logits
+    return next((t for t in batches.leaves(out) if t.dim() > 0), None)
+
+
+def _scaled_after(x: Any, half: int, scale: float) -> Any:
+    """A copy of `x` whose floating tensors' samples from `half` on are multiplied by `scale`."""
+    dim = batches.current().sample_dim
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point() or t.dim() == 0:
+            return t
+        t = t.clone()
+        t.narrow(dim, half, t.shape[dim] - half).mul_(scale)
+        return t
+
+    return batches.apply(one, x)
 
 
 def _samples(oracle: Oracle, layout: Layout, state: dict, batch, agreement: float) -> dict[str, Any]:
@@ -204,14 +233,14 @@ def _samples(oracle: Oracle, layout: Layout, state: dict, batch, agreement: floa
     model = oracle.model64
     model.load_state_dict(state)
     x, y = batch
-    n = x.shape[0]
+    n = batches.rows(x)
     idx = layout.positions(n)[0][3]
     if len(idx) < 2 or len(idx) == n:
         return {"tested": False, "why": "a forward of fewer than two samples, or of the whole batch"}
     with torch.no_grad(), data_dependence.watch(model) as reads:
-        own = _first_tensor(model(as_input(x[idx], model, oracle.device)))
+        own = _first_tensor(batches.call(model, as_input(batches.take(x, idx), model, oracle.device)))
     with torch.no_grad():
-        full = _first_tensor(model(as_input(x, model, oracle.device)))
+        full = _first_tensor(batches.call(model, as_input(x, model, oracle.device)))
     model.load_state_dict(state)  # a forward in training mode moves buffers
     if own is None or full is None or own.shape[:1] != idx.shape or full.shape[0] != n:
         return {"tested": False, "why": "the model's output is not a tensor with one row a sample"}
@@ -232,11 +261,10 @@ def _samples(oracle: Oracle, layout: Layout, state: dict, batch, agreement: floa
     moved, swapped = 0.0, idx
     for scale in REPLACEMENTS:
         swapped = torch.cat([idx[:half], outside[torch.randperm(len(outside), generator=g)[: len(idx) - half]]])
-        inputs = x[swapped].clone()
-        if inputs.is_floating_point():  # the others' values scaled too: larger or smaller than the kept samples'
-            inputs[half:] *= scale
+        # the others' values scaled too: larger or smaller than the kept samples'
+        inputs = _scaled_after(batches.take(x, swapped), half, scale)
         with torch.no_grad():
-            again = _first_tensor(model(as_input(inputs, model, oracle.device)))
+            again = _first_tensor(batches.call(model, as_input(inputs, model, oracle.device)))
         model.load_state_dict(state)
         moved = max(moved, _rel(again[:half], own[:half]))
     out.update(kept_rows_moved_rel=moved, replacements=len(REPLACEMENTS))
@@ -244,10 +272,11 @@ def _samples(oracle: Oracle, layout: Layout, state: dict, batch, agreement: floa
         out.update(cause="control_flow", branch="content")  # the model's own read of a value is a branch on it
     elif moved <= agreement:
         out.update(cause="control_flow", branch="size")
-    elif x.is_floating_point():
+    elif any(t.is_floating_point() for t in batches.leaves(x)):
         # moved by the others' values: through a differentiable path (mixing), or only through which branch they
         # chose (capacity routing made of tensor ops: its mask carries no gradient)
-        out["cross_sample_gradient_rel"] = cross = _cross_gradient(model, x[swapped], half, oracle.device)
+        out["cross_sample_gradient_rel"] = cross = _cross_gradient(model, batches.take(x, swapped), half,
+                                                                   oracle.device)
         model.load_state_dict(state)
         out.update(cause="model_interaction") if cross > agreement else out.update(cause="control_flow",
                                                                                     branch="content")
@@ -256,15 +285,21 @@ def _samples(oracle: Oracle, layout: Layout, state: dict, batch, agreement: floa
     return out
 
 
-def _cross_gradient(model: nn.Module, x: torch.Tensor, kept: int, device: torch.device) -> float:
-    """The gradient of the first `kept` samples' outputs with respect to the other samples' inputs, relative to their
-    gradient with respect to their own."""
-    inputs = as_input(x, model, device).detach().requires_grad_(True)
-    first = _first_tensor(model(inputs))[:kept]
-    (grad,) = torch.autograd.grad(first.sum(), inputs)
+def _cross_gradient(model: nn.Module, x: Any, kept: int, device: torch.device) -> float:
+    """The gradient of the first `kept` samples' outputs with respect to the other samples' floating inputs, relative
+    to their gradient with respect to their own."""
+    dim = batches.current().sample_dim
+    inputs = batches.apply(lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t,
+                           as_input(x, model, device))
+    leaves = [t for t in batches.leaves(inputs) if t.requires_grad]
+    first = _first_tensor(batches.call(model, inputs)).narrow(dim, 0, kept)
+    grads = torch.autograd.grad(first.sum(), leaves, allow_unused=True)
     model.zero_grad(set_to_none=True)
-    own = float(torch.linalg.vector_norm(grad[:kept]))
-    return float(torch.linalg.vector_norm(grad[kept:])) / max(own, 1e-300)
+    grads = [g for g in grads if g is not None]
+    norm = lambda parts: float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p) for p in parts]))) \
+        if parts else 0.0  # noqa: E731
+    own = norm([g.narrow(dim, 0, kept) for g in grads])
+    return norm([g.narrow(dim, kept, g.shape[dim] - kept) for g in grads]) / max(own, 1e-300)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

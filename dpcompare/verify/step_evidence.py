@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from dpcompare.contract import batches
 from dpcompare.contract.amp import ScalerState
 from dpcompare.contract.optim_state import read_hparams
 from dpcompare.verify import masks as mk
@@ -105,7 +106,7 @@ def compute(ctx: CheckContext, bench: Bench, step: StepEvidence) -> OracleStep |
     records = step.records
     try:
         pieces = bench.forwards.pieces(step.batch, records)
-        forward_masks = bench.forwards.masks(step.batch[0].shape[0], records) if records is not None else None
+        forward_masks = bench.forwards.masks(batches.rows(step.batch[0]), records) if records is not None else None
     except mk.MaskMismatch as exc:
         return bench.mask_failure(step.step, exc)
     if records is not None:

@@ -49,6 +49,7 @@ from dpcompare.verify.ranges import Ranges, TrajectoryRequest, optimizer
 from dpcompare.verify.precision import NONE as NO_RECIPE
 from dpcompare.verify.precision import Recipe
 from dpcompare.contract.optim_state import OptimizerFactory
+from dpcompare.verify.optim_reference import schedule
 
 
 class Trajectory:
@@ -58,7 +59,7 @@ class Trajectory:
         """`peers`: the verifier's group where the ranks share the forwards; every rank then builds its Trajectory
         alike and holds, steps and judges its own range of the parameters (dpcompare.verify.ranges), rank 0 asking
         the others for each step and judgement (None: this process holds and runs all of it)."""
-        self.loss_fn, self.device, self.depth, self.clip = loss_fn, device, depth, clip
+        self.loss_fn, self.device, self.depth, self.clip, self.factory = loss_fn, device, depth, clip, factory
         self.u = UNIT_ROUNDOFF[dtype]
         self.u_wire = self.u if u_wire is None else u_wire
         self.model64 = verification_copy(template, device, torch.float64)
@@ -86,8 +87,8 @@ class Trajectory:
             releasable(self.work)  # loaded from the master copy at every step: held only while it computes
         # by copy (its id), this rank's pieces of the parameters cut over the ranks (Ranges.pieces_of)
         self.pieces = {id(m): self.ranges.pieces_of(m) if self.ranges else {} for m in (self.model64, self.model_run)}
-        self.opt64 = optimizer(factory, self._stepped(self.model64))
-        self.opt_run = optimizer(factory, self._stepped(self.model_run))
+        self.opt64 = optimizer(factory, list(self._targets(self.model64)))  # grouped as the run's (optim_reference)
+        self.opt_run = optimizer(factory, list(self._targets(self.model_run)))
         if prestep:  # the backend's recipe steps its optimizer once on zero gradients before the first step
             for model, opt in ((self.model64, self.opt64), (self.model_run, self.opt_run)):
                 for p in self._stepped(model):
@@ -171,30 +172,31 @@ class Trajectory:
                                  [(t, run[n]) for n, t in self.pieces[id(self.model64)].items()]))
 
     # -- a step ------------------------------------------------------------------------------------------------------
-    def step(self, pieces: list[Piece], loss_scale: float = 1.0, skip: bool = False) -> None:
-        """One optimizer step of both copies on `pieces`; none when the run's loss scaler skipped this step. Where
-        the ranks share it, each runs its own forwards (the ranks' own pieces, where `pieces` are several ranks'
-        forwards of the layout; else rank 0 runs them all) and steps its own range."""
+    def step(self, pieces: list[Piece], loss_scale: float = 1.0, skip: bool = False, at: int = 0) -> None:
+        """One optimizer step of both copies on `pieces` at the run's step `at` (a schedule's hyper-parameters); none
+        when the run's loss scaler skipped this step. Where the ranks share it, each runs its own forwards (the ranks'
+        own pieces, where `pieces` are several ranks' forwards of the layout; else rank 0 runs them all) and steps its
+        own range."""
         if skip:
             return
         if self.ranges is None:
-            self._step(lambda: pieces, None, loss_scale)
+            self._step(lambda: pieces, None, loss_scale, at)
             return
         ranks = len({p.rank for p in pieces})
         divided = ranks > 1 and all(p.position is not None for p in pieces)
         request = TrajectoryRequest("step", tuple(p.position for p in pieces) if divided else None,
                                     tuple(p.weight for p in pieces), tuple(dict.fromkeys(p.rank for p in pieces))
-                                    if divided else (0,), ranks, loss_scale)
+                                    if divided else (0,), ranks, loss_scale, at=at)
         self.ranges.ask(request)
         own = [p for p in pieces if p.rank == 0] if divided else pieces
-        self._step(lambda: own, request, loss_scale)
+        self._step(lambda: own, request, loss_scale, at)
 
     def serve(self, request: TrajectoryRequest, own: Callable[[], list[Piece]]) -> None:
         """A rank other than 0: its part of rank 0's `request` (`own`: its own forwards of the step, unpacked when
         called)."""
         if request.op == "step":
             try:
-                self._step(own if request.positions is not None else list, request, request.loss_scale)
+                self._step(own if request.positions is not None else list, request, request.loss_scale, request.at)
             except _Abandoned:  # a rank could not compute its share: none stepped, and rank 0 says why
                 pass
         elif request.op == "judge":
@@ -202,9 +204,10 @@ class Trajectory:
         else:
             raise ValueError(f"unknown trajectory request {request.op!r}")
 
-    def _step(self, own: Callable[[], list[Piece]], share: TrajectoryRequest | None, loss_scale: float) -> None:
-        """Both copies' step on this process's forwards `own()` at the step's `loss_scale`, shared as `share` says
+    def _step(self, own: Callable[[], list[Piece]], share: TrajectoryRequest | None, loss_scale: float, k: int) -> None:
+        """Both copies' step `k` on this process's forwards `own()` at the step's `loss_scale`, shared as `share` says
         (None: not shared). The float64 optimizer state comes back a part at a time as it steps (step_in_parts)."""
+        schedule(self.factory, (self.opt64, self.opt_run), k)  # the groups' hyper-parameters at step k
         self.offsets.restore([(p, None) for p in (*self.model64.parameters(), *self.pieces[id(self.model64)].values())])
         if share is not None:
             for model in (self.model64, self.model_run):

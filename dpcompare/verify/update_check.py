@@ -86,7 +86,9 @@ def reference_step(
     coefficient given (a range replayed apart from the others: dpcompare.verify.update_ranges), not taken from `grads`.
 
     The optimizers replayed (SGD, AdamW) step every parameter on its own: the replay steps one parameter at a time,
-    with one optimizer whose only parameter is swapped, when that parameter's update is read (a comparison reads each
+    with one optimizer per parameter group whose only parameter is swapped (a scheduled reference's: the user's
+    optimizer at that group's hyper-parameters of the step, dpcompare.verify.optim_reference), when that parameter's
+    update is read (a comparison reads each
     once, so the replay holds one parameter's copy, gradient and state at a time, never the whole model's updates).
     Clipping's global norm is taken first, as clip_grad_norm_ takes it (the norm of the per-tensor norms, in `dtype`).
     The inputs are read when each parameter is stepped: they must not change while the result is read (the checks
@@ -148,6 +150,9 @@ class _Replay:
         self.dtype, self.device, self.scale, self.times = dtype, device, scale, times
         self.keep_state, self.state_like, self.overrides = keep_state, state_like, overrides
         self.optimizer: torch.optim.Optimizer | None = None
+        """The optimizer stepped last (or the probe of `elementwise`)."""
+        self._optimizers: dict[int | None, torch.optim.Optimizer] = {}
+        """By parameter group (None: a plain factory's one), the optimizer replayed, swapped to each parameter."""
         self.after: OptState = {}
         self.sink = sink
         """Where each parameter's state after the step goes once complete, instead of `after` (None: kept here)."""
@@ -170,7 +175,8 @@ class _Replay:
                 if torch.is_tensor(v) else v)
             for k, v in self.start[n].items()}
         g = self.grads.get(n)
-        optimizer = self._step(live, start, None if g is None else g.detach().to(device=device, dtype=dtype, copy=True))
+        optimizer = self._step(n, live, start, None if g is None else g.detach().to(device=device, dtype=dtype,
+                                                                                   copy=True))
         reached = live.detach().to("cpu")
         self._filling.pop(n, None)
         if self.keep_state:
@@ -183,24 +189,37 @@ class _Replay:
         give_back_freed(reached.numel() * reached.element_size() * (2 + len(self.start.get(n, {}))))
         return reached
 
-    def _step(self, live: nn.Parameter, start: dict[str, Any] | None, grad: torch.Tensor | None
+    def _step(self, n: str, live: nn.Parameter, start: dict[str, Any] | None, grad: torch.Tensor | None
               ) -> torch.optim.Optimizer:
-        """The optimizer, swapped to `live` alone, from `start` (its state entries on the device; None: none), with
-        `grad` (clipped by the replay's scale): stepped `times` times."""
-        if self.optimizer is None:
-            self.optimizer = self.factory([live], **self.overrides)
-        else:
-            self.optimizer.param_groups[0]["params"] = [live]
-            self.optimizer.state.clear()
+        """Parameter `n`'s group's optimizer, swapped to `live` alone, from `start` (its state entries on the device;
+        None: none), with `grad` (clipped by the replay's scale): stepped `times` times."""
+        optimizer = self._optimizer(n, live)
         if start is not None:
-            self.optimizer.state[live] = start
+            optimizer.state[live] = start
         live.grad = grad
         with torch.no_grad():
             if self.scale is not None and grad is not None:
                 grad.mul_(self.scale.to(grad.dtype))
             for _ in range(self.times):
-                self.optimizer.step()
-        return self.optimizer
+                optimizer.step()
+        return optimizer
+
+    def _optimizer(self, n: str, live: nn.Parameter) -> torch.optim.Optimizer:
+        """The optimizer of parameter `n`'s group over `live` alone: built once per group (a scheduled reference's
+        replay: the user's optimizer with that group's hyper-parameters at the step, dpcompare.verify.optim_reference;
+        a plain factory's: one for every parameter), then swapped from parameter to parameter."""
+        group_of = getattr(self.factory, "group_of", None)
+        key = group_of(n) if group_of is not None else None
+        optimizer = self._optimizers.get(key)
+        if optimizer is None:
+            optimizer = (self.factory([live], **self.overrides) if key is None
+                         else self.factory.replay(key, [live], **self.overrides))
+            self._optimizers[key] = optimizer
+        else:
+            optimizer.param_groups[0]["params"] = [live]
+            optimizer.state.clear()
+        self.optimizer = optimizer
+        return optimizer
 
     def elementwise(self) -> bool:
         """Whether the replayed optimizer steps each element alone (ELEMENTWISE): then it can be read in pieces."""
@@ -225,7 +244,7 @@ class _Replay:
             start = {k: (self._buffer(k, size).copy_(v[part]) if per_element(k, v)
                          else v.to(device=self.device, copy=True) if torch.is_tensor(v) else v)
                      for k, v in start.items()}
-        optimizer = self._step(live, start, None if g is None else self._buffer("grad", size).copy_(g[part]))
+        optimizer = self._step(n, live, start, None if g is None else self._buffer("grad", size).copy_(g[part]))
         if self.keep_state and not self._kept(n):
             self._fill(n, part, optimizer.state.get(live, {}))
         optimizer.state.clear()

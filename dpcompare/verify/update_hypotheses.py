@@ -1,9 +1,9 @@
 """Update hypotheses: the known faults of an optimizer update, and the update each would have produced.
 
 Owns: _UpdateHypotheses, whose methods are the hypotheses for a failed update check, in the order they are tried
-(non-finite values, a skipped step, the learning rate scaled by the world size, a double step, the optimizer
-state, a zero gradient where none belongs, weight decay, clipping by the global norm or part by part, a scaled
-step size, a shard never applied). Each replays the reference step with its fault (UpdateEvidence.step_with) and
+(non-finite values, a skipped step, a parameter group stepped with another group's hyper-parameters, the schedule
+at another step, the learning rate scaled by the world size, a double step, the optimizer state, a zero gradient where
+none belongs, weight decay, clipping by the global norm or part by part, a scaled step size, a shard never applied). Each replays the reference step with its fault (UpdateEvidence.step_with) and
 claims the failing parameters whose update that candidate explains (dpcompare.verify.explanation). Imports no
 adapter.
 """
@@ -18,6 +18,7 @@ from dpcompare.verify.clipping import clip_coefficient
 from dpcompare.verify.equivalence import Grads, flat, rel_fro
 from dpcompare.verify.evidence import UpdateEvidence
 from dpcompare.verify.explanation import SCALE_AGREEMENT, Diagnosis, _common_scale, _Hypothesis, _matching, _share
+from dpcompare.verify.optim_reference import ScheduledStep
 from dpcompare.verify.state_comparison import FRESH_STEPPED_TRAP, _same_state
 from dpcompare.verify.update_check import state_summary
 
@@ -26,8 +27,9 @@ class _UpdateHypotheses:
     """The known faults of an optimizer update, in the order they are tried. Each method takes the failing
     parameters not yet explained and returns the diagnoses whose candidate update matches the backend's."""
 
-    NONE = ("the update matches none of the known patterns (learning rate x N, a double step, optimizer state, "
-            "weight decay, clipping by the global norm or by parts' norms, a scaled step size, a part never applied)")
+    NONE = ("the update matches none of the known patterns (a group's hyper-parameters, the schedule's step, learning "
+            "rate x N, a double step, optimizer state, weight decay, clipping by the global norm or by parts' norms, a "
+            "scaled step size, a part never applied)")
 
     def __init__(self, ev: UpdateEvidence) -> None:
         self.ev = ev
@@ -39,8 +41,9 @@ class _UpdateHypotheses:
                         f"{ev.lr:g}" if self.backend_lr and self.backend_lr != [ev.lr] else f"--lr is {ev.lr:g}")
 
     def ordered(self) -> list[_Hypothesis]:
-        return [self.non_finite, self.skipped, self.lr_scaled, self.double_step, self.state, self.unused_zero_grad,
-                self.weight_decay, self.clipped, self.clipped_in_parts, self.scale, self.unapplied]
+        return [self.non_finite, self.skipped, self.group_hparams, self.schedule, self.lr_scaled, self.double_step,
+                self.state, self.unused_zero_grad, self.weight_decay, self.clipped, self.clipped_in_parts, self.scale,
+                self.unapplied]
 
     def determined(self, names: list[str]) -> bool:
         """Whether a mechanism fitted to the updates of `names` (a weight decay, a clipping coefficient) says anything
@@ -89,6 +92,58 @@ class _UpdateHypotheses:
                           "it tests for overflow on something other than the unscaled reduced gradient (a rank's "
                           "gradient before the reduce, a stale flag), so it skips where the other backends step",
                           still)]
+
+    def group_hparams(self, remaining: list[str]) -> list[Diagnosis]:
+        """A parameter group stepped with another group's value of a hyper-parameter (its weight decay on the group
+        that has none, the first group's learning rate on one of its own): the backend lost the groups' own values.
+        Tried where the run's optimizer has groups (dpcompare.verify.optim_reference), one differing value at a time."""
+        view = self.ev.factory
+        if not isinstance(view, ScheduledStep) or len(view.reference.groups) < 2:
+            return []
+        out, left = [], list(remaining)
+        for gid, members in enumerate(view.reference.groups):
+            mine = [p for p in left if p in set(members)]
+            own = view.hparams(gid)
+            for other in (o for o in range(len(view.reference.groups)) if o != gid and mine):
+                theirs = view.hparams(other)
+                for key in [k for k in own if k in theirs and k != "initial_lr" and repr(own[k]) != repr(theirs[k])]:
+                    matched = self.match(self.ev.step_with(factory=view.changed(gid, **{key: theirs[key]})), mine)
+                    if matched:
+                        out.append(Diagnosis("group_hparams", f"parameter group {gid} took a step with group "
+                                             f"{other}'s {key} ({_text(theirs[key])}) where their own group's is "
+                                             f"{_text(own[key])} at step {view.step}: the backend lost the parameter "
+                                             "groups' own hyper-parameters; build its optimizer over the groups as "
+                                             "given", matched))
+                        mine = [p for p in mine if p not in matched]
+                        left = [p for p in left if p not in matched]
+        return out
+
+    def schedule(self, remaining: list[str]) -> list[Diagnosis]:
+        """The learning-rate schedule at another step than the run's: a scheduler stepped twice per step, once too
+        often, never, or one step behind (dpcompare.verify.optim_reference: the reference's schedule at each step)."""
+        view = self.ev.factory
+        if not isinstance(view, ScheduledStep) or not view.reference.scheduled:
+            return []
+        k = view.step
+        groups = range(len(view.reference.groups))
+        for s in sorted({s for s in (0, k - 1, k + 1, 2 * k, 2 * k + 1, 3 * k) if s >= 0 and s != k}):
+            other = view.at(s)
+            if all(repr(other.hparams(g)) == repr(view.hparams(g)) for g in groups):
+                continue  # the schedule's values there are this step's: that step would explain nothing
+            matched = self.match(self.ev.step_with(factory=other), remaining)
+            if matched:
+                ways = [w for cond, w in ((s == 2 * k, "stepped twice per optimizer step"),
+                                          (s == 3 * k, "stepped three times per optimizer step"),
+                                          (s == k + 1, "stepped once more than the optimizer (once before the first "
+                                                       "step too)"), (s == 0, "never stepped"),
+                                          (s == k - 1, "one step behind (a step it left out)")) if cond]
+                lr = lambda h: _text(h.get("lr"))  # noqa: E731
+                return [Diagnosis("schedule", f"the update took the schedule's learning rate of step {s} (lr "
+                                  f"{lr(other.hparams(0))}, group 0) where step {k} runs at {lr(view.hparams(0))}: the "
+                                  f"backend's scheduler has taken {s} step(s) before step {k}, where {k} are due (it is "
+                                  f"{' or '.join(ways) or 'out of step with the optimizer'}); step it once after "
+                                  "every optimizer step", matched)]
+        return []
 
     def lr_scaled(self, remaining: list[str]) -> list[Diagnosis]:
         ev, n, backend_lr = self.ev, self.n, self.backend_lr
@@ -233,6 +288,12 @@ class _UpdateHypotheses:
             return []
         return [Diagnosis("scaled", f"the update is {c:.4g}x the reference: the step size differs ({self.lr_said})",
                           self.match({p: c * self.ref[p] for p in agreeing}, agreeing))]
+
+
+def _text(v) -> str:
+    if torch.is_tensor(v) and v.numel() == 1:
+        v = float(v)
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def _norm_ratio(a: Grads, b: Grads, names: list[str]) -> float:

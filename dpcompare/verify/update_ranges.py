@@ -64,6 +64,8 @@ class UpdateRequest:
     """--clip-grad-norm: every rank sends its per-tensor norms, and is sent the coefficients."""
     slot: str = "update"
     drop: tuple[int, ...] = ()
+    at: int = 0
+    """The step replayed: a scheduled reference's hyper-parameters are that step's (dpcompare.verify.optim_reference)."""
 
 
 class Replayed:
@@ -147,7 +149,7 @@ def _split(after: dict[str, dict], shapes: Mapping[str, torch.Size]) -> tuple[di
 
 def divided(divider: Any, factory: OptimizerFactory, device: torch.device, names: list[str], params: Compact | Remote,
             masters: Mapping[str, torch.Tensor], grads: Remote, state: RemoteState, run_dtype: torch.dtype, u: float,
-            clip: float | None, leaves: Remote | None) -> tuple[dict, RemoteState]:
+            clip: float | None, leaves: Remote | None, at: int = 0) -> tuple[dict, RemoteState]:
     """Rank 0: every rank replays its range of the update (see the module docstring): the figures of every parameter of
     `names` (`judge_range`'s, in their order) and the state the step leaves (with `leaves`'s None's where given), held
     by the owners. `params`: the step's values, held here (sent to each owner) or by the owners already."""
@@ -156,7 +158,7 @@ def divided(divider: Any, factory: OptimizerFactory, device: torch.device, names
     request = UpdateRequest(tuple(names), grads.key, grads.none, None if leaves is None else leaves.none,
                             {n: state.where(n) for n in names if n in state}, held,
                             {n: (None if held is not None else params.held(n).dtype, masters[n].dtype) for n in names},
-                            run_dtype, u, clip)
+                            run_dtype, u, clip, at=at)
     divider.ask(request)
     divider.updates += 1
     for n in names:  # each holder's piece of the step's values and of those it reached, in the names' order
@@ -246,7 +248,8 @@ def serve(request: UpdateRequest, peers: Peers, owner: Plan, held: dict[int, Any
     def judge(scales: tuple) -> tuple[dict, dict]:
         if factory is None:
             raise RuntimeError("this rank was given no optimizer factory to replay its range of the update with")
-        return judge_range(factory, device, mine, Compact(params, copy=False), masters, grads.without(request.none),
+        at = getattr(factory, "at", None)  # a scheduled reference: the step's hyper-parameters
+        return judge_range(at(request.at) if at is not None else factory, device, mine, Compact(params, copy=False), masters, grads.without(request.none),
                            state, state, request.run_dtype, request.u, scales, leaves)
     part, after = _judged(judge, peers, request, grads, mine, device, shapes)
     del params, masters, state

@@ -9,6 +9,7 @@ followed at the run's values. Imports no adapter.
 
 from __future__ import annotations
 
+from dpcompare.contract import batches
 from dpcompare.contract.amp import ScalerState
 from dpcompare.verify import masks as mk
 from dpcompare.verify.bench import Bench
@@ -61,7 +62,7 @@ class Trajectory:
 
     def _pieces(self, step: StepEvidence) -> list:
         pieces = self.bench.forwards.pieces(step.batch, step.records)
-        masks = (self.bench.forwards.masks(step.batch[0].shape[0], step.records) if step.records is not None
+        masks = (self.bench.forwards.masks(batches.rows(step.batch[0]), step.records) if step.records is not None
                  else None)
         return self.bench.shared(pieces, step.batch, masks)
 
@@ -71,7 +72,8 @@ class Trajectory:
             self.verdict.precision.skipped_total = after.skipped_steps
         if step.step not in self.taken:
             try:
-                self.trajectory.step(self._pieces(step), self._loss_scale(step), skip=self._skipped(step, after))
+                self.trajectory.step(self._pieces(step), self._loss_scale(step), skip=self._skipped(step, after),
+                                     at=step.step)
             except mk.MaskMismatch as exc:
                 return self.bench.mask_failure(step.step, exc)
         entry = self.trajectory.judge(step.step, dict(step.masters), ctx.world_size)

@@ -5,8 +5,11 @@ reduced gradient and optimizer state, its floor the same replay in the run dtype
 dpcompare.verify.update_check's `reference_step`); the optimizer state the step started from held against the one the
 previous step left (a fresh optimizer's before step 0, or the one after the pre-step the backend's recipe declares):
 a wrong step count or state is a fault whatever the update's noise; the notes on that declared pre-step and on unused
-parameters the backend steps with a zero gradient; the diagnosis of a failed update (dpcompare.verify.diagnosis); and
-the state the next checked step is expected to start from. A step whose loss scale overflowed is the loss_scale
+parameters the backend steps with a zero gradient, and on its power against a wrong gradient divisor where the
+optimizer is scale-invariant (dpcompare.verify.divisor_power); the diagnosis of a failed update
+(dpcompare.verify.diagnosis); and the state the next checked step is expected to start from. The optimizer replayed
+at a step is the run's at that step: a user's optimizer with each parameter's group hyper-parameters and the
+schedule's values (dpcompare.verify.optim_reference). A step whose loss scale overflowed is the loss_scale
 check's. Imports no adapter.
 """
 
@@ -28,7 +31,7 @@ from dpcompare.verify.diagnosis import (UpdateEvidence, diagnose_update, reason_
 from dpcompare.verify.equivalence import DTYPES, Grads
 from dpcompare.verify.reads import Pending
 from dpcompare.verify.held import Compact, Difference
-from dpcompare.verify import update_ranges
+from dpcompare.verify import divisor_power, update_ranges
 from dpcompare.verify.peers import Remote, RemoteState
 from dpcompare.verify.tolerance import UNIT_ROUNDOFF, compare, judge_figures, norm_of
 from dpcompare.verify.update_check import StepResult, reference_step
@@ -55,6 +58,8 @@ class Update:
         self.clip: float | None = ctx.settings.clip_grad_norm
         """--clip-grad-norm: every reference step clips the gradient it is handed by its global norm."""
         self.expected_state: OptState | None = {}  # a fresh optimizer's (after the declared pre-step, at step 0)
+        self._power_said = False
+        """Whether the update check's power against a wrong gradient divisor was measured (divisor_power: once)."""
         self._compared: tuple[int, _StateCompared | None] | None = None
         """The step on_reads compared last, and what it found (None: nothing was expected)."""
         self.expected_from = ("a fresh optimizer's" if self.prestep is None else
@@ -83,7 +88,24 @@ class Update:
         single = _without(pending.grads, pending.none)
         ref, divergence = self._judged(ctx, step.step, pending, state, single, step.masters)
         self.advance(step.step, pending, state, single, ref)
+        if divergence is None and not self._power_said and not len(state):  # from a fresh optimizer's state
+            self._note_divisor_power(ctx, step.step, pending, single)
         return Finding(divergence) if divergence is not None else None
+
+    def _note_divisor_power(self, ctx: CheckContext, step: int, pending: Pending,
+                            single: Mapping[str, torch.Tensor | None]) -> None:
+        """Once, at the first checked step from a fresh optimizer state: where the run's optimizer hides the gradient's
+        scale (Adam-like, sign-based), the update check's power against a wrong gradient divisor, measured
+        (dpcompare.verify.divisor_power), said in a note beside the gradient check's power, which carries it."""
+        self._power_said = True
+        replay = lambda k, dtype=torch.float64: self._replay(  # noqa: E731
+            pending, single if k == 1 else divisor_power.scaled(single, k), {}, dtype, keep_state=False).delta
+        power = divisor_power.divisor_power(replay, replay(1), replay(1, self.dtype), self.names, dtype=ctx.dtype,
+                                            depth=ctx.depth)
+        if power is not None:
+            kind = getattr(self.factory, "type", None) or type(self.factory([torch.nn.Parameter(torch.zeros(1))]))
+            self.verdict.note("scale_invariant_update", divisor_power.note(
+                kind.__name__, step, power, self.verdict.checks[-1].min_detectable_rel))
 
     def on_reads(self, ctx: CheckContext, step: StepEvidence) -> None:
         """At a checked step's reduce, before the oracle runs: the optimizer state the step starts from (as every rank
@@ -117,13 +139,19 @@ class Update:
         if step == 0 and self.prestep is not None and expected == {}:
             params = {n: params[n] for n in self.names}
             zeros = {n: torch.zeros_like(t) for n, t in params.items()}
-            expected = reference_step(self.factory, params, zeros, {}, torch.float64, self.device, clip=self.clip).state
+            expected = reference_step(self._at(0), params, zeros, {}, torch.float64, self.device, clip=self.clip).state
         return expected
+
+    def _at(self, step: int):
+        """The run's optimizer as replayed at `step`: a scheduled reference's hyper-parameters of that step, each
+        parameter's group's (dpcompare.verify.optim_reference); a plain factory as it is."""
+        at = getattr(self.factory, "at", None)
+        return at(step) if at is not None else self.factory
 
     def _replay(self, pending: Pending, single: dict[str, torch.Tensor | None], state: OptState,
                 dtype: torch.dtype, keep_state: bool = True) -> StepResult:
-        return reference_step(self.factory, pending.params, single, state, dtype, self.device, clip=self.clip,
-                              keep_state=keep_state)
+        return reference_step(self._at(pending.step), pending.params, single, state, dtype, self.device,
+                              clip=self.clip, keep_state=keep_state)
 
     def _judged(self, ctx: CheckContext, step: int, pending: Pending, state: OptState,
                 single: dict[str, torch.Tensor | None], masters: dict[str, torch.Tensor]
@@ -147,15 +175,15 @@ class Update:
         if self._divided(pending, single, state):
             # each owner replays and reduces its range (dpcompare.verify.update_ranges); the state left stays with it
             leaves = None if _none_of(single) == _none_of(pending.grads) else pending.grads
-            figures, left = update_ranges.divided(self.divider, self.factory, self.device, self.names, pending.params,
-                                                  masters, single, state, self.dtype, UNIT_ROUNDOFF[ctx.dtype],
-                                                  self.clip, leaves)
+            figures, left = update_ranges.divided(self.divider, self._at(step), self.device, self.names,
+                                                  pending.params, masters, single, state, self.dtype,
+                                                  UNIT_ROUNDOFF[ctx.dtype], self.clip, leaves, at=step)
             ref = update_ranges.Replayed(left, lambda: self._replay(pending, single, state, torch.float64, False))
             params, model = judge_figures(figures, self.names, dtype=ctx.dtype, world_size=1, depth=ctx.depth,
                                           norms=norms)
         else:
             # The float64 replay's state is the next step's expected state: read in the backend's dtype (held_as).
-            ref = reference_step(self.factory, pending.params, single, state, torch.float64, self.device,
+            ref = reference_step(self._at(step), pending.params, single, state, torch.float64, self.device,
                                  clip=self.clip, state_like=_like(state), sink=self._holder())
             floor = self._replay(pending, single, state, self.dtype, keep_state=False)
             params, model = compare(delta, ref.delta, floor.delta, dtype=ctx.dtype, world_size=1,
@@ -178,7 +206,7 @@ class Update:
                 step=step, names=self.names, delta=delta, reference=ref.delta,
                 tolerance={p.parameter: p.tolerance_rel_fro for p in params}, params=pending.params,
                 grads=single, expected_state=state, backend_state=state,
-                factory=self.factory, device=self.device, world_size=ctx.world_size, lr=ctx.settings.lr,
+                factory=self._at(step), device=self.device, world_size=ctx.world_size, lr=ctx.settings.lr,
                 weight_decay=ctx.settings.weight_decay, backend_hparams=pending.backend_hparams,
                 expected_from=self.expected_from, skipped=skipped_since(self.backend, pending), clip=self.clip)
             found = diagnose_update(evidence, [p.parameter for p in failing])
@@ -210,8 +238,8 @@ class Update:
         """The next step's expected state: the one this step leaves, the optimizer replayed from the backend's own
         state with the gradient it was handed (zeros included, where the backend gave zeros)."""
         leaves = ref if getattr(ref, "leaves", False) or _none_of(single) == _none_of(pending.grads) else \
-            reference_step(self.factory, pending.params, pending.grads, state, torch.float64, self.device, clip=self.clip,
-                           state_like=_like(state), sink=self._holder())
+            reference_step(self._at(step), pending.params, pending.grads, state, torch.float64, self.device,
+                           clip=self.clip, state_like=_like(state), sink=self._holder())
         # where the ranks share the checks, held in ranges by the owners (each parameter's sent as the replay completed
         # it) until the next checked step's reduce reads it
         self.expected_state = leaves.state
@@ -245,7 +273,7 @@ class Update:
     def _note_prestep(self, pending: Pending, single: dict[str, torch.Tensor | None], delta: Grads) -> None:
         """The backend's recipe steps its optimizer on zero gradients before the first step, by design: its state
         before step 0 was held to that, and what it does to the first update is measured against a fresh optimizer's."""
-        fresh = reference_step(self.factory, pending.params, single, {}, torch.float64, self.device, clip=self.clip).delta
+        fresh = reference_step(self._at(0), pending.params, single, {}, torch.float64, self.device, clip=self.clip).delta
         ratio = _norm_ratio(norm_of(delta, self.names), norm_of(fresh, self.names))
         self.verdict.note("optimizer_prestep",
                           f"{self.prestep}: its optimizer state before step 0 is that step's, as expected, not a fresh "
