@@ -164,7 +164,10 @@ def build(spec: str, seed: int, seq_len: int | None = None, token_data: str = "p
                                "its own loss")
     vocab = int(config.vocab_size)
     seq = _sequence_length(spec, config, seq_len)
-    num_items = "num_items_in_batch" if hf_tasks.takes_num_items(cls) else None
+    # a routers' load-balancing term is added to the loss per forward, not over items: the step's count would divide
+    # the cross entropy alone, which the oracle's weighting of the whole loss by items does not model (the loss's
+    # mean is scaled by its items instead)
+    num_items = "num_items_in_batch" if hf_tasks.takes_num_items(cls) and not aux else None
     said = (", its own loss (num_items_in_batch under --loss-normalisation global)" if num_items else
             ", its own loss (its own mean: --loss-normalisation global scales it by the items)")
     if task == "masked_lm":
