@@ -10,7 +10,7 @@ forward), and the checks on the same structures.
 - Under torchrun: the transformers-style dict batch with an attention mask, padded, is `equivalent` at 2 ranks with
   its normalisation named and, under --loss-normalisation global with --grad-accum 2 (the step's count handed to the
   model as num_items_in_batch), with no note; its twin whose model drops that count is `different`, cause named. The slow tier runs
-  the dict batch and the two-input model under every backend (the deep tier the dataclass and sequence-first ones).
+  a cell of each (the deep tier every backend with every structure, and a checkpoint cell of the dict batch).
 """
 
 from __future__ import annotations
@@ -183,3 +183,17 @@ def test_every_backend_takes_every_structure(launch, cell, model):
     launcher = "horovodrun" if backend == "horovod" else "torchrun"
     proc, result = launch(backend, 2, f"tests.batch_models:{model}", [*QUICK, *extra], launcher)
     _equivalent(proc, result, f"{cell} {model}")
+
+
+@pytest.mark.multiproc
+@pytest.mark.deep
+@pytest.mark.timeout(900)
+def test_a_dict_batch_moves_through_a_checkpoint_cell(tmp_path):
+    """The checkpoint command's cell on the dict batch: saved under ddp at 2 ranks, loaded under fsdp at 2, the
+    continuation judged against one uninterrupted float64 run."""
+    from test_checkpoints import _command
+
+    cells = _command(tmp_path, "ddp:2>fsdp:2", "--model", "tests.batch_models:dict_attention", "--global-batch", "16")
+    cell = cells["ddp:2>fsdp:2"]
+    assert cell["status"] == "ran" and cell["load_run"]["verdict"] == "equivalent", cell
+    assert cell["load_run"]["checkpoint"]["loaded"]["causes"] == [], cell
