@@ -1,4 +1,4 @@
-"""What holding the float64 trajectory as offsets (dpcompare.verify.offsets) saves and costs, side by side: each size and
+"""What holding the float64 trajectory as offsets (dpcompare.verify.trajectory.trajectory_offsets) saves and costs, side by side: each size and
 optimizer run with the offsets and with `Offsets.hold` made a no-op in the run's process, alternately, one rank:
 
     cd /work/main && OMP_NUM_THREADS=1 .venv/bin/python -m pytest benchmarks/test_trajectory_offsets.py -m deep \\
@@ -31,8 +31,8 @@ pytestmark = [pytest.mark.deep, pytest.mark.timeout(3600)]
 LABELS = tuple(os.environ.get("DPCOMPARE_OFFSETS_SIZES", "11M,22M,39M").split(","))
 """The sizes run (DPCOMPARE_OFFSETS_SIZES: a shorter list)."""
 REPEATS = 2
-WITHOUT = ("import runpy, sys\nfrom dpcompare.verify import offsets\n"
-           "offsets.Offsets.hold = lambda self, entries: None\n"
+WITHOUT = ("import runpy, sys\nfrom dpcompare.verify.trajectory import trajectory_offsets\n"
+           "trajectory_offsets.Offsets.hold = lambda self, entries: None\n"
            "sys.argv = ['dpcompare', *sys.argv[1:]]\nrunpy.run_module('dpcompare', run_name='__main__')\n")
 """The run with nothing held as offsets: the same code, `hold` a no-op in the run's own process."""
 

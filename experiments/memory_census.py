@@ -33,7 +33,9 @@ from collections import deque
 import torch
 from torch import nn
 
-from dpcompare.verify import divided, trajectory, verifier
+from dpcompare.verify.memory import divider
+from dpcompare.verify.trajectory import reference_trajectory
+from dpcompare.verify.phase import verifier
 
 
 class _MallInfo2(ctypes.Structure):
@@ -89,13 +91,13 @@ def _patch() -> None:
             yield
     verifier.Verifier._part = labelled_part
     for method in ("_accumulate", "_step_both", "_hold", "take", "judge", "follow"):
-        _labelled(trajectory.Trajectory, method)
+        _labelled(reference_trajectory.Trajectory, method)
     for method in ("_answer", "_hold", "_reduce", "_send_held"):
-        _labelled(divided.Helper, method)
+        _labelled(divider.Helper, method)
 
 
 def _gathered(objects: list) -> set[int]:
-    """The reference trajectory's parameters a rank does not own (dpcompare.verify.ranges): allocated only while its
+    """The reference trajectory's parameters a rank does not own (dpcompare.verify.trajectory.trajectory_ranges): allocated only while its
     copies are gathered whole for their forwards, so copies, whatever label the census is taken under."""
     out = set()
     for t in objects:

@@ -510,9 +510,9 @@ class LastBlockScaledReference(_BlockScaledReference):
 
 
 def _rank1_range(module: torch.nn.Module, world_size: int) -> list[tuple[str, slice]]:
-    """The elements rank 1 holds of the checks' ranges (dpcompare.verify.plan: pieces of the flattened parameters, a
+    """The elements rank 1 holds of the checks' ranges (dpcompare.verify.ranks.range_plan: pieces of the flattened parameters, a
     parameter cut where the ranks' shares cross it), by parameter."""
-    from dpcompare.verify.plan import of_model
+    from dpcompare.verify.ranks.range_plan import of_model
 
     plan = of_model(module, world_size)
     return [(n, slice(p.start, p.stop)) for n in plan.names(1) for p in [plan.piece(n, 1)]]

@@ -2,7 +2,7 @@
 
 Each plants one well-known fault of a training loop that takes the user's optimizer and learning-rate schedule, behind
 the unchanged adapter contract, so that the update check, whose expected hyper-parameters come from a reference built
-apart from the backend (dpcompare.verify.optim_reference), must catch it and name it:
+apart from the backend (dpcompare.verify.replay.optimizer_rebuild), must catch it and name it:
 
   DecayEveryGroupDDP   applies the weight decay of the first group to every group (a loop that rebuilds the optimizer
                        from model.parameters() with one weight_decay): the no-decay group decays (cause group_hparams)

@@ -35,7 +35,7 @@ from dpcompare.measure.clocks import MemoryWindow
 from dpcompare.run import backend
 from dpcompare.run.config import RunConfig
 from dpcompare.run.real_models import gpt_tiny
-from dpcompare.verify.masks import MaskRecorder
+from dpcompare.verify.randomness.draw_recording import MaskRecorder
 
 FLAG = ["--activation-checkpointing"]
 WORLD_SIZE = 2

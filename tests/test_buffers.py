@@ -2,7 +2,7 @@
 
 Each test plays two ranks in one process: float32 copies of a small BatchNorm model run their shard the way
 a backend would (each rank from its own buffers, from rank 0's broadcast ones, or the global batch), and
-dpcompare.verify.buffers.BufferCheck is handed the snapshots a real run gathers. Every semantics has its
+dpcompare.verify.model_facts.buffer_semantics.BufferCheck is handed the snapshots a real run gathers. Every semantics has its
 twin: buffers made one way must not be credited to another; a buffer updated twice fails, a buffer of the
 model's own clock does not; the check never touches the run's buffers.
 """
@@ -16,8 +16,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from dpcompare.contract.workload import shard
-from dpcompare.verify import buffers as bf
-from dpcompare.verify import equivalence as eq
+from dpcompare.verify.model_facts import buffer_semantics as bf
+from dpcompare.verify.oracle import gradient_oracle as eq
 from faulty_workloads import _ClockBuffer
 
 WS = 2

@@ -3,18 +3,18 @@ against the float64 gradient of the global batch.
 
 - Ranks whose models differ in a parameter's or buffer's name, shape or dtype are refused before the backend wraps
   them, in one line naming it and each rank's shape (dtype, or that it is missing), exit 2, said by rank 0 alone;
-  ranks that built the same model are not (dpcompare.verify.initial.compare).
+  ranks that built the same model are not (dpcompare.verify.starting_state.initial_state.compare).
 - Ranks that built some values differently (an MoE expert seeded by the rank) are named: a backend that gives every
   rank rank 0's values when it wraps (DDP, DeepSpeed, Horovod) gets a note, one that does not (FSDP's shards, a DDP
   whose broadcast is undone) is `different` with cause `weights_built_apart`; weights that moved although every
-  rank built them alike keep the cause `initial_weights` (dpcompare.verify.initial.judge).
+  rank built them alike keep the cause `initial_weights` (dpcompare.verify.starting_state.initial_state.judge).
 - A forward whose result depends on how the batch is split (control flow on the local batch's size or content) is
   named, with its float64 distance from the global batch, and judged as the ranks computed it: `equivalent` under a
   correct backend, `different` under a planted fault; a loss reduced with sum is told apart (its split gradient is
   a scalar multiple of the global one) and stays judged against the global batch. The split/global agreement allows
   for float32 computed inside the model (Gemma's norms), measured by reordering the global batch, so such a model
-  is `equivalent` under --amp bf16 (dpcompare.verify.split).
-- A relative error over a zero reference is null with its reason, never a figure (dpcompare.verify.tolerance).
+  is `equivalent` under --amp bf16 (dpcompare.verify.model_facts.batch_split).
+- A relative error over a zero reference is null with its reason, never a figure (dpcompare.verify.judgement.tolerance).
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ import semantics_workloads as sw
 from conftest import torchrun_rank_logs
 from dpcompare import results
 from dpcompare.run import workloads
-from dpcompare.verify import float64_paths, equivalence as eq
-from dpcompare.verify import initial
-from dpcompare.verify.forwards import Forwards
-from dpcompare.verify.split import SPLIT_AGREEMENT, SplitCheck
-from dpcompare.verify.tolerance import rel_fro_of
+from dpcompare.verify.oracle import float64_paths
+from dpcompare.verify.oracle import gradient_oracle as eq
+from dpcompare.verify.starting_state import initial_state
+from dpcompare.verify.model_facts.replica_forwards import Forwards
+from dpcompare.verify.model_facts.batch_split import SPLIT_AGREEMENT, SplitCheck
+from dpcompare.verify.judgement.tolerance import rel_fro_of
 from test_equivalence_matrix import assert_equivalent
 from test_failures import assert_one_error_line
 from test_negative import different
@@ -62,22 +63,22 @@ def _mlp(width: int = 8, dtype: torch.dtype = torch.float32, seed: int = 0, extr
     (dict(extra=True), "parameter scale: missing on rank 0, shape (1,) on rank 1"),
 ])
 def test_ranks_that_built_different_models_are_refused_naming_the_tensor_and_each_ranks_shape(rank1, expected):
-    built = initial.compare([initial.describe(_mlp()), initial.describe(_mlp(**rank1))])
+    built = initial_state.compare([initial_state.describe(_mlp()), initial_state.describe(_mlp(**rank1))])
     assert built.refusal is not None and expected in built.refusal, built.refusal
     assert "before wrapping" in built.refusal and "build the model from the seed alone" in built.refusal
     # ranks grouped by what they hold
-    grouped = initial.compare([initial.describe(_mlp(**kw)) for kw in ({}, {"width": 9}, {}, {"width": 9})])
+    grouped = initial_state.compare([initial_state.describe(_mlp(**kw)) for kw in ({}, {"width": 9}, {}, {"width": 9})])
     assert "shape (8, 4) on ranks 0, 2, shape (9, 4) on ranks 1, 3" in grouped.refusal, grouped.refusal
 
 
 def test_ranks_that_built_the_same_model_are_not_refused_and_differing_values_are_named_with_their_ranks():
-    same = initial.compare([initial.describe(_mlp()) for _ in range(3)])
+    same = initial_state.compare([initial_state.describe(_mlp()) for _ in range(3)])
     assert same.refusal is None and same.values == {}
     other = _mlp()
     with torch.no_grad():
         other[2].weight.add_(1.0)
         other[1].running_mean.add_(1.0)
-    apart = initial.compare([initial.describe(_mlp()), initial.describe(_mlp()), initial.describe(other)])
+    apart = initial_state.compare([initial_state.describe(_mlp()), initial_state.describe(_mlp()), initial_state.describe(other)])
     assert apart.refusal is None
     assert apart.values == {"2.weight": (2,), "1.running_mean": (2,)}, apart.values
     assert apart.kinds == {"2.weight": "parameter", "1.running_mean": "buffer"}
@@ -86,8 +87,8 @@ def test_ranks_that_built_the_same_model_are_not_refused_and_differing_values_ar
 def _judge(template: nn.Module, built_apart: dict, rank0: nn.Module, others: list[nn.Module]) -> eq.Verdict:
     verdict = eq.Verdict()
     full = {n: p.detach().clone() for n, p in rank0.named_parameters()}
-    held = [initial.held({n: p.detach() for n, p in m.named_parameters()}, m) for m in (rank0, *others)]
-    initial.judge(verdict, template, built_apart, full, rank0, held)
+    held = [initial_state.held({n: p.detach() for n, p in m.named_parameters()}, m) for m in (rank0, *others)]
+    initial_state.judge(verdict, template, built_apart, full, rank0, held)
     return verdict
 
 
@@ -98,7 +99,7 @@ def _moe(rank: int, monkeypatch) -> nn.Module:
 
 def test_values_built_apart_and_made_rank_0s_by_the_backend_are_a_note(monkeypatch):
     built = [_moe(r, monkeypatch) for r in range(WS)]
-    apart = initial.compare([initial.describe(m) for m in built]).values
+    apart = initial_state.compare([initial_state.describe(m) for m in built]).values
     assert set(apart) == {"experts.1.weight", "experts.1.bias"} and set(apart.values()) == {(1,)}
     verdict = _judge(built[0], apart, built[0], [built[0]])  # every rank holds rank 0's: a broadcast
     assert verdict.first_divergence is None and verdict.initial_weights_identical and verdict.replicas_identical
@@ -108,7 +109,7 @@ def test_values_built_apart_and_made_rank_0s_by_the_backend_are_a_note(monkeypat
 
 def test_values_built_apart_that_the_backend_leaves_apart_are_different_with_that_cause(monkeypatch):
     built = [_moe(r, monkeypatch) for r in range(WS)]
-    apart = initial.compare([initial.describe(m) for m in built]).values
+    apart = initial_state.compare([initial_state.describe(m) for m in built]).values
     # each rank keeps its own (no broadcast)
     kept = _judge(built[0], apart, built[0], [built[1]]).first_divergence
     assert (kept.check, kept.cause, kept.step) == ("initial", "weights_built_apart", 0), kept
@@ -134,7 +135,7 @@ def test_buffers_built_apart_are_judged_by_what_the_ranks_then_hold():
     mine, theirs = _mlp(), _mlp()
     with torch.no_grad():
         theirs[1].running_mean.add_(1.0)
-    apart = initial.compare([initial.describe(mine), initial.describe(theirs)]).values
+    apart = initial_state.compare([initial_state.describe(mine), initial_state.describe(theirs)]).values
     assert apart == {"1.running_mean": (1,)}
     kept = _judge(mine, apart, mine, [theirs]).first_divergence
     assert kept.cause == "weights_built_apart" and "rank 1 still holds its own 1.running_mean" in kept.reason, kept
@@ -181,7 +182,7 @@ def test_a_mean_loss_over_independent_samples_computes_the_global_batch():
 
 
 class _Divided(dict):
-    """A gradient as the ranks' divided arithmetic holds it (dpcompare.verify.peers.Remote): what tells it apart."""
+    """A gradient as the ranks' divided arithmetic holds it (dpcompare.verify.ranks.verifier_group.Remote): what tells it apart."""
 
     divided_by = object()
 

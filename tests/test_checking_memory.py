@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from dpcompare.verify import held, state_comparison
-from dpcompare.verify import tolerance as tol
-from dpcompare.verify.equivalence import Oracle, global_pieces
-from dpcompare.verify.update_check import held_as, reference_step
+from dpcompare.verify.judgement import held_values
+from dpcompare.verify.diagnosis import state_comparison
+from dpcompare.verify.judgement import tolerance as tol
+from dpcompare.verify.oracle.gradient_oracle import Oracle, global_pieces
+from dpcompare.verify.replay.optimizer_replay import held_as, reference_step
 
 
 def _model() -> nn.Module:
@@ -47,9 +48,9 @@ def test_only_a_releasable_copy_is_released_and_its_load_brings_its_values_back(
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     # the negative: a copy nothing would allocate again is refused (loading into freed storage writes past it)
     with pytest.raises(ValueError, match="releasable"):
-        held.release(model)
+        held_values.release(model)
     assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
-    held.release(held.releasable(model))
+    held_values.release(held_values.releasable(model))
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
     model.load_state_dict(state)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
@@ -125,37 +126,37 @@ def test_a_state_entry_is_compared_a_chunk_at_a_time_with_the_whole_entrys_verdi
 
 def test_freed_memory_is_handed_back_once_enough_of_it_is_freed(monkeypatch):
     calls = []
-    monkeypatch.setattr(held, "_TRIM", lambda pad: calls.append(pad))
-    monkeypatch.setattr(held, "_FREED", [0])
-    held.give_back_freed(held.TRIM_EVERY // 2)
+    monkeypatch.setattr(held_values, "_TRIM", lambda pad: calls.append(pad))
+    monkeypatch.setattr(held_values, "_FREED", [0])
+    held_values.give_back_freed(held_values.TRIM_EVERY // 2)
     assert calls == []
-    held.give_back_freed(held.TRIM_EVERY // 2)
+    held_values.give_back_freed(held_values.TRIM_EVERY // 2)
     assert calls == [0]
-    held.give_back_freed()
+    held_values.give_back_freed()
     assert calls == [0, 0]
-    monkeypatch.setattr(held, "_TRIM", None)
-    held.give_back_freed()  # not glibc: nothing to call
+    monkeypatch.setattr(held_values, "_TRIM", None)
+    held_values.give_back_freed()  # not glibc: nothing to call
 
 
 def test_the_checks_keep_freed_pages_and_leave_glibcs_defaults_set_back(monkeypatch):
     """Within `pages_kept` every allocation is served from the heap and the heap is not trimmed by itself; a use inside
     another changes nothing; leaving sets glibc's defaults back and trims, also when the checks raised."""
     calls = []
-    monkeypatch.setattr(held, "_MALLOPT", lambda option, value: calls.append((option, value)))
-    monkeypatch.setattr(held, "_TRIM", lambda pad: calls.append(("trim", pad)))
-    with held.pages_kept():
-        assert calls == [(held._M_MMAP_MAX, 0), (held._M_TRIM_THRESHOLD, 1 << 30)]
-        with held.pages_kept():
+    monkeypatch.setattr(held_values, "_MALLOPT", lambda option, value: calls.append((option, value)))
+    monkeypatch.setattr(held_values, "_TRIM", lambda pad: calls.append(("trim", pad)))
+    with held_values.pages_kept():
+        assert calls == [(held_values._M_MMAP_MAX, 0), (held_values._M_TRIM_THRESHOLD, 1 << 30)]
+        with held_values.pages_kept():
             pass
         assert len(calls) == 2
-    assert calls[2:] == [*held._GLIBC_DEFAULTS.items(), ("trim", 0)]
+    assert calls[2:] == [*held_values._GLIBC_DEFAULTS.items(), ("trim", 0)]
     calls.clear()
-    with pytest.raises(RuntimeError), held.pages_kept():
+    with pytest.raises(RuntimeError), held_values.pages_kept():
         raise RuntimeError("a check failed")
-    assert calls[2:] == [*held._GLIBC_DEFAULTS.items(), ("trim", 0)]
+    assert calls[2:] == [*held_values._GLIBC_DEFAULTS.items(), ("trim", 0)]
     calls.clear()
-    monkeypatch.setattr(held, "_MALLOPT", None)  # not glibc: nothing is called
-    with held.pages_kept():
+    monkeypatch.setattr(held_values, "_MALLOPT", None)  # not glibc: nothing is called
+    with held_values.pages_kept():
         pass
     assert calls == []
 
@@ -205,7 +206,7 @@ def test_compare_steps_an_elementwise_replay_a_piece_at_a_time_with_the_whole_re
                 ref.delta[n], floor.delta[n]
             stepped.clear()
             monkeypatch.setattr(type(ref._replay), "piece", lambda self, n, part: original(self, n).reshape(-1)[part])
-        got = tol.compare(held.Difference(backend, params), ref.delta, floor.delta, dtype="float32", world_size=1,
+        got = tol.compare(held_values.Difference(backend, params), ref.delta, floor.delta, dtype="float32", world_size=1,
                           depth=2, names=names)
         after = ref.state
         monkeypatch.undo()
@@ -214,7 +215,7 @@ def test_compare_steps_an_elementwise_replay_a_piece_at_a_time_with_the_whole_re
 
     (pieces, model), after, stepped = figures(read_whole=False)
     ref = reference_step(factory, params, grads, state, torch.float64, torch.device("cpu"), state_like=state)
-    tol.compare(held.Difference(backend, params), ref.delta, ref.delta, dtype="float32", world_size=1, depth=2,
+    tol.compare(held_values.Difference(backend, params), ref.delta, ref.delta, dtype="float32", world_size=1, depth=2,
                 names=names)
     buffers = ref._replay._buffers  # one per role, never one per piece size (every parameter's tail kept)
     assert set(buffers) == {"param", "grad", *(k for k, v in next(iter(state.values())).items() if v.dim() > 0)}

@@ -14,8 +14,9 @@ import torch
 
 from conftest import Launcher, child_env, run_command
 from dpcompare.commands.checkpoint.cells import DEFAULT, TOOLS, matrix, parse_cell
-from dpcompare.verify import resume, stochastic
-from dpcompare.verify.verdict import Verdict
+from dpcompare.verify.starting_state import loaded_state
+from dpcompare.verify.randomness import random_modules
+from dpcompare.verify.judgement.verdict import Verdict
 
 RUN = ["--optimizer", "adamw", "--steps", "4", "--global-batch", "32", "--measure-steps", "0"]
 
@@ -60,7 +61,7 @@ def _saved():
     params = {"a": torch.randn(8, 4), "b": torch.randn(6)}
     state = {n: {"step": torch.tensor(4.0), "exp_avg": torch.randn_like(t), "exp_avg_sq": torch.rand_like(t)}
              for n, t in params.items()}
-    rng = [stochastic.capture(torch.device("cpu")), stochastic.RngState(b"other")]
+    rng = [random_modules.capture(torch.device("cpu")), random_modules.RngState(b"other")]
     loop = {"step": 4, "world_size": 2, "rng": rng, "backend": "ddp", "format": "torch"}
     return {"params": params, "masters": {}, "optimizer": state, "scale": 1024.0}, loop
 
@@ -71,7 +72,7 @@ def _judge(saved, loop, **live):
               scale=saved["scale"], rngs=list(loop["rng"]), start=loop["step"])
     kw.update(live)
     verdict = Verdict()
-    record = resume.judge_loaded(verdict, saved, loop, **kw)
+    record = loaded_state.judge_loaded(verdict, saved, loop, **kw)
     return verdict, record
 
 
@@ -112,7 +113,7 @@ def test_each_part_that_differs_from_the_saved_is_a_divergence_with_its_cause(ch
     elif change == "data":
         live["start"] = 0
     elif change == "rng":
-        live["rngs"] = [loop["rng"][0], stochastic.RngState(b"seed")]
+        live["rngs"] = [loop["rng"][0], random_modules.RngState(b"seed")]
     verdict, record = _judge(saved, loop, **live)
     assert verdict.first_divergence is not None and verdict.first_divergence.check == "checkpoint"
     assert verdict.first_divergence.cause == cause and record["causes"][0] == cause
@@ -121,7 +122,7 @@ def test_each_part_that_differs_from_the_saved_is_a_divergence_with_its_cause(ch
 
 def test_generators_saved_by_another_world_size_are_said_not_carried_rather_than_compared():
     saved, loop = _saved()
-    verdict, record = _judge(saved, loop, rngs=[stochastic.RngState(b"x")] * 4)
+    verdict, record = _judge(saved, loop, rngs=[random_modules.RngState(b"x")] * 4)
     assert verdict.first_divergence is None and record["parts"]["generators"].startswith("not carried")
 
 
@@ -245,7 +246,7 @@ def test_the_default_matrix_is_equivalent_in_every_cell_it_runs(tmp_path):
 @pytest.mark.slow  # breadth: the default tier keeps this capability's other test
 def test_compare_suite_checkpoint_runs_every_pair_of_its_backends_and_world_sizes(tmp_path):
     from dpcompare.cli import parser_for
-    from dpcompare.commands.checkpoint.command import from_compare
+    from dpcompare.commands.checkpoint.checkpoint_command import from_compare
     from dpcompare.commands.compare import suites
 
     ns = parser_for("compare").parse_args(["--suite", "checkpoint", "--backends", "fsdp,deepspeed:zero2",

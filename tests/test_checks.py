@@ -22,10 +22,10 @@ import pytest
 
 from conftest import REPO_ROOT, without_launcher_vars
 from dpcompare import cli
-from dpcompare.verify import verifier
+from dpcompare.verify.phase import verifier
 from dpcompare.verify.checks import CHECKS, GradNorm
-from dpcompare.verify.context import CheckContext, CheckSettings, Finding, Point
-from dpcompare.verify.verdict import CheckName, Divergence
+from dpcompare.verify.instruments.check_context import CheckContext, CheckSettings, Finding, Point
+from dpcompare.verify.judgement.verdict import CheckName, Divergence
 
 SCHEMA = REPO_ROOT / "dpcompare" / "schema" / "result.schema.json"
 

@@ -26,12 +26,12 @@ from conftest import child_env
 from dpcompare.contract import Settings
 from dpcompare.contract.launch_env import LaunchEnv
 from dpcompare.run.config import RunConfig
-from dpcompare.verify.checks.grad_norm import expected, judge_norm
-from dpcompare.verify.clipping import clip_, clip_coefficient
-from dpcompare.verify.context import CheckContext, CheckSettings
-from dpcompare.verify.tolerance import ParamError
-from dpcompare.verify.update_check import reference_step
-from dpcompare.verify.verdict import StepCheck, Verdict
+from dpcompare.verify.checks.grad_norm_check import expected, judge_norm
+from dpcompare.verify.replay.clipping_rule import clip_, clip_coefficient
+from dpcompare.verify.instruments.check_context import CheckContext, CheckSettings
+from dpcompare.verify.judgement.tolerance import ParamError
+from dpcompare.verify.replay.optimizer_replay import reference_step
+from dpcompare.verify.judgement.verdict import StepCheck, Verdict
 
 CLIP = 0.05
 CLIPPED = ["--steps", "2", "--measure-steps", "0", "--clip-grad-norm", str(CLIP)]

@@ -44,10 +44,10 @@ from rich.console import Console
 
 from conftest import SYNTHETIC_TOLERANCE, UNVERIFIABLE_REASON, checked_equivalence, validate_result
 from dpcompare.commands import compare
-from dpcompare.commands.compare import entries, matrix, plan, render
+from dpcompare.commands.compare import compare_output as render, entries, matrix, plan
 from dpcompare.commands.compare import spec as compare_spec
 from dpcompare.commands.compare.spec import CompareSpec
-from dpcompare.commands.compare.summary import run_entry
+from dpcompare.commands.compare.compare_json import run_entry
 from dpcompare.result_view import RunResult
 from dpcompare.run import launchers, registry
 from dpcompare.run.config import RunConfig

@@ -136,7 +136,7 @@ def test_settings_every_backend_shares_are_checked_once_and_reach_the_adapter():
 def test_compression_is_judged_with_the_wire_tolerance_only_through_the_run_setting():
     """`--opt compression=fp16` can no longer reach an adapter behind the tolerance's back: it is refused,
     so the only way to compress is --compression, which the tolerance reads."""
-    from dpcompare.verify import equivalence as eq
+    from dpcompare.verify.oracle import gradient_oracle as eq
 
     with pytest.raises(ValueError):
         backend.settings_for(adapter_class("ddp"), RunConfig(backend="ddp", options={"compression": "fp16"}))

@@ -2,7 +2,7 @@
 
 Each test builds, in one process, the gradient (or the parameter update) a known fault produces — from the
 float64 per-shard gradients of a small model, or from a real optimizer step taken the faulty way — and
-checks that dpcompare.verify.diagnosis names that cause and the parameters it affects. Every hypothesis has a
+checks that dpcompare.verify.diagnosis.diagnose names that cause and the parameters it affects. Every hypothesis has a
 twin that must not fire: a gradient that matches no fault is said to match none.
 """
 
@@ -16,11 +16,11 @@ from torch import nn
 from torch.nn import functional as F
 
 import dpcompare
-from dpcompare.verify import equivalence as eq
-from dpcompare.verify.diagnosis import (Diagnosis, GradientEvidence, UpdateEvidence, diagnose_gradient, diagnose_update,
+from dpcompare.verify.oracle import gradient_oracle as eq
+from dpcompare.verify.diagnosis.diagnose import (Diagnosis, GradientEvidence, UpdateEvidence, diagnose_gradient, diagnose_update,
                                         reason_of, state_difference)
-from dpcompare.verify.state_comparison import _same_state
-from dpcompare.verify.update_check import reference_step
+from dpcompare.verify.diagnosis.state_comparison import _same_state
+from dpcompare.verify.replay.optimizer_replay import reference_step
 
 
 def _linear() -> nn.Module:

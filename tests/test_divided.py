@@ -1,4 +1,4 @@
-"""The oracle's arithmetic divided over the ranks (dpcompare.verify.divided): every rank runs its own forwards of the
+"""The oracle's arithmetic divided over the ranks (dpcompare.verify.memory.divider): every rank runs its own forwards of the
 float64 oracle, the run-precision references and the reference trajectory, and rank 0 adds the ranks' gradients in a
 fixed order.
 
@@ -8,7 +8,7 @@ fixed order.
 - Faults confined to the parameters of rank 1's range (the range the ranks' judging is divided by) are caught, with
   their cause: in the gradient (Rank1RangeGradientDDP), in the update (Rank1RangeDoubleStepDDP), and at a step no
   other check sees, by the reference trajectory whose range rank 1 holds (Rank1RangeUncheckedDoubleStepDDP).
-- The ranges themselves (dpcompare.verify.plan) are tests/test_plan.py's.
+- The ranges themselves (dpcompare.verify.ranks.range_plan) are tests/test_plan.py's.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_divided_arithmetic_judges_as_the_single_process_oracle(launch):
         assert proc.returncode == 0 and result["equivalence"]["verdict"] == "equivalent", proc.output[-3000:]
         runs[where] = result["equivalence"]
     assert runs["all"]["oracle_division"]["ranks"] == 2 and runs["rank0"]["oracle_division"] is None
-    # every checked step's update replayed and reduced by each range's owner (dpcompare.verify.update_ranges)
+    # every checked step's update replayed and reduced by each range's owner (dpcompare.verify.replay.replay_ranges)
     assert runs["all"]["oracle_division"]["updates"] == len(runs["all"]["per_step"]) > 0
     for a, b in zip(runs["all"]["per_step"], runs["rank0"]["per_step"]):
         for pa, pb in zip(a["params"], b["params"]):

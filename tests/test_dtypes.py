@@ -17,12 +17,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dpcompare.verify import oracle_coverage as oc
-from dpcompare.verify import equivalence as eq
-from dpcompare.verify import float64_paths
-from dpcompare.verify.dtypes import as_input, float_dtype, non_float_change, non_float_divergence, state_distance
-from dpcompare.verify.state_comparison import state_difference
-from dpcompare.verify.trajectory import Trajectory
+from dpcompare.verify.memory import oracle_coverage as oc
+from dpcompare.verify.oracle import gradient_oracle as eq
+from dpcompare.verify.oracle import float64_paths
+from dpcompare.verify.oracle.model_dtypes import as_input, float_dtype, non_float_change, non_float_divergence, state_distance
+from dpcompare.verify.diagnosis.state_comparison import state_difference
+from dpcompare.verify.trajectory.reference_trajectory import Trajectory
 
 from dtype_models import ID_BASE, GroupedMoE, grouped_moe, index_mlp
 

@@ -108,23 +108,24 @@ def test_a_config_folder_builds_the_model_with_its_own_names_blocks_and_shapes(c
 
 
 def test_gpt2_attention_dropout_is_drawn_by_its_module_so_its_masks_are_captured(configs: dict[str, Path]) -> None:
-    from dpcompare.verify import masks
+    from dpcompare.verify.randomness import draw_recording
 
     w = hf_models.build(f"hf:{configs['gpt2']}", seed=0)
     assert w.model.config._attn_implementation == hf_models.ATTENTION
     assert "dropout 0.1 drawn by each attention module's nn.Dropout" in w.source and "captured" not in w.source
     assert w.model.lm_head.weight is w.model.transformer.wte.weight  # the tied head stays tied
     batch = w.make_batch(0, 2)
-    assert masks.uncaptured(w.model.train().double(), batch) is None  # every random number is a captured module's
+    assert draw_recording.uncaptured(w.model.train().double(), batch) is None  # every random number is a captured module's
     # transformers' stock attention drops out in a functional call: recorded at the dispatcher, captured as well
     stock = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(configs["gpt2"]),
                                                           attn_implementation="eager")
     stock.__class__ = hf_tasks.task_class(type(stock), "causal_lm", False)
-    assert masks.uncaptured(stock.train().double(), batch) is None
+    assert draw_recording.uncaptured(stock.train().double(), batch) is None
 
 
 def test_an_attention_that_drops_out_functionally_is_given_a_dropout_module_of_its_own(tmp_path: Path) -> None:
-    from dpcompare.verify import masks, stochastic
+    from dpcompare.verify.randomness import draw_recording
+    from dpcompare.verify.randomness import random_modules
 
     folder = hf_families.write_family(tmp_path, "llama", attention_dropout=0.1)  # LlamaAttention keeps a float
     w = hf_models.build(f"hf:{folder}", 0, 16)
@@ -132,10 +133,10 @@ def test_an_attention_that_drops_out_functionally_is_given_a_dropout_module_of_i
     assert added == [f"model.layers.{i}.self_attn.{hf_attention.ADDED_DROPOUT}" for i in range(2)]
     assert "drawn by each attention module's nn.Dropout" in w.source
     batch = w.make_batch(0, 2)
-    assert masks.uncaptured(w.model.train().double(), batch) is None
+    assert draw_recording.uncaptured(w.model.train().double(), batch) is None
     assert all(hf_attention.ADDED_DROPOUT not in key for key in w.model.state_dict())  # the state dict unchanged
     switched = copy.deepcopy(w.model)
-    stochastic.switch_off_dropout(switched)  # --no-dropout: the module it was given is switched off with the others
+    random_modules.switch_off_dropout(switched)  # --no-dropout: the module it was given is switched off with the others
     with torch.no_grad():
         first, second = switched(**batch), switched(**batch)
         assert torch.equal(first.logits, second.logits) and torch.equal(first.loss, second.loss)
@@ -223,7 +224,7 @@ def test_a_declared_block_whose_weight_a_module_outside_it_shares_is_no_block(fa
 @pytest.mark.parametrize("family", CAUSAL_FAMILIES)
 def test_a_causal_lms_padding_is_masked_left_out_of_its_own_shifted_loss_and_changes_no_real_logit(
         families: dict[str, Path], family: str) -> None:
-    from dpcompare.verify.equivalence import verification_copy
+    from dpcompare.verify.oracle.gradient_oracle import verification_copy
 
     w = _build(families[family], family)
     batch = w.make_batch(0, 8)
@@ -341,7 +342,7 @@ def test_a_masked_lm_masks_positions_drawn_from_seed_and_step_and_its_loss_is_a_
 def test_verification_copies_recompute_where_the_model_can_and_give_the_very_gradient(
         families: dict[str, Path], family: str, how: str) -> None:
     from dpcompare.contract import checkpointing
-    from dpcompare.verify.equivalence import verification_copy
+    from dpcompare.verify.oracle.gradient_oracle import verification_copy
 
     w = _build(families[family], family)
     batch = batches.to(w.make_batch(0, 2), "cpu", torch.float64)  # pixels in float64, token ids and labels as they are
@@ -389,7 +390,7 @@ def test_dpcompare_eager_attention_computes_what_transformers_eager_attention_do
 
 # -- Mixtral's load-balancing loss -------------------------------------------------------------------------------
 def test_mixtral_adds_its_load_balancing_loss_of_each_forwards_own_tokens(tmp_path: Path) -> None:
-    from dpcompare.verify.equivalence import verification_copy
+    from dpcompare.verify.oracle.gradient_oracle import verification_copy
 
     eager = {"experts_implementation": "eager"}  # transformers' grouped-matmul experts have no float64 kernel
     with_aux = hf_models.build(f"hf:{hf_families.write_family(tmp_path / 'a', 'mixtral', eager)}", 0, 16)
@@ -425,9 +426,9 @@ def test_mixtral_adds_its_load_balancing_loss_of_each_forwards_own_tokens(tmp_pa
         halves = [model(**batches.stride(batch, r, 2)).aux_loss for r in range(2)]
         assert float(abs(aux.detach() - sum(halves) / 2)) > 1e-9
     # the float64 probe reads a forward that returns the model's output with its loss and the routers' loss
-    from dpcompare.verify import probe
+    from dpcompare.verify.model_facts import model_probe
 
-    facts = probe.probe(with_aux.model, with_aux.loss_fn, batch, torch.device("cpu"))
+    facts = model_probe.probe(with_aux.model, with_aux.loss_fn, batch, torch.device("cpu"))
     assert not facts.stochastic and not facts.unused
 
 

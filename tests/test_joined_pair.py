@@ -1,5 +1,5 @@
 """The forward the step's oracle holds the ranks' shards to where they stand for the global batch
-(dpcompare.verify.bench.Bench.joined_pair, the join itself dpcompare.verify.forwards.Forwards.join): two ranks'
+(dpcompare.verify.instruments.run_instruments.Bench.joined_pair, the join itself dpcompare.verify.model_facts.replica_forwards.Forwards.join): two ranks'
 forwards joined into one, the next pair in turn, with those ranks' own losses; the global batch where there are two
 ranks. And the first checked step's split measured on two ranks' forwards joined against their shards at three ranks
 or more (Bench.split_on_a_pair). Glue, on a stand-in for the bench (its layout, its forwards, the divider's per-rank
@@ -14,13 +14,13 @@ import torch
 
 import semantics_workloads as sw
 from dpcompare.run import workloads
-from dpcompare.verify import equivalence as eq
-from dpcompare.verify import masks as mk
-from dpcompare.verify.bench import Bench
-from dpcompare.verify.equivalence import Layout
-from dpcompare.verify.forwards import Forwards
-from dpcompare.verify import split as split_module
-from dpcompare.verify.split import SplitCheck
+from dpcompare.verify.oracle import gradient_oracle as eq
+from dpcompare.verify.randomness import draw_recording as mk
+from dpcompare.verify.instruments.run_instruments import Bench
+from dpcompare.verify.oracle.gradient_oracle import Layout
+from dpcompare.verify.model_facts.replica_forwards import Forwards
+from dpcompare.verify.model_facts import batch_split as split_module
+from dpcompare.verify.model_facts.batch_split import SplitCheck
 
 KEY = "drop (Dropout) aten.bernoulli_"
 

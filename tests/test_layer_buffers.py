@@ -6,7 +6,7 @@ forward, under no_grad, from the weight alone. Three things took that for someth
 twin:
 - the probe ran the forward twice on one input and took the moved buffers for randomness outside torch's random ops
   (`unverifiable` under every backend): both forwards now start from the same buffers, so a spectral-normed model is
-  judged, while NumPy noise beside it is still found and named (dpcompare.verify.stochastic.buffers_restorer);
+  judged, while NumPy noise beside it is still found and named (dpcompare.verify.randomness.random_modules.buffers_restorer);
 - the oracle, the floor and the reference trajectory ran every rank's forwards one after the other on one copy, each
   rank's starting from the buffers the previous rank's forward left (Horovod's and DataParallel's oracle on rank 0:
   `different`): each rank's forwards now start from the step's buffers, a rank's micro-batches chaining as on the rank
@@ -49,11 +49,11 @@ from dpcompare.contract.workload import shard
 from dpcompare.run import raised, trainer, workloads
 from dpcompare.run.config import SaidByAnotherRank
 from dpcompare.run.watchdog import Watchdog
-from dpcompare.verify import buffers as bf
-from dpcompare.verify import equivalence as eq
-from dpcompare.verify import stochastic
-from dpcompare.verify.probe import judge_randomness, probe
-from dpcompare.verify.verdict import Verdict
+from dpcompare.verify.model_facts import buffer_semantics as bf
+from dpcompare.verify.oracle import gradient_oracle as eq
+from dpcompare.verify.randomness import random_modules
+from dpcompare.verify.model_facts.model_probe import judge_randomness, probe
+from dpcompare.verify.judgement.verdict import Verdict
 from test_buffers import _after, _batch, _model
 from test_equivalence_matrix import assert_equivalent
 from test_robust import _launch_logs, _said_once
@@ -74,7 +74,7 @@ def test_two_training_forwards_of_a_spectral_norm_model_differ_only_through_its_
     the first forward's buffers it is the first to the bit."""
     model = lbm.sn_discriminator(0).model.double().train()
     x = torch.randn(8, lbm.FEATURES, dtype=torch.float64)
-    restore = stochastic.buffers_restorer(model)
+    restore = random_modules.buffers_restorer(model)
     with torch.no_grad():
         first, second = model(x), model(x)
         assert not torch.equal(first, second), "spectral_norm's forward no longer moves its buffers"
@@ -84,7 +84,7 @@ def test_two_training_forwards_of_a_spectral_norm_model_differ_only_through_its_
 
 def test_the_restorer_writes_back_only_what_moved():
     model = lbm.sn_discriminator(0).model.train()
-    restore = stochastic.buffers_restorer(model)
+    restore = random_modules.buffers_restorer(model)
     assert restore() == [], "nothing moved, nothing written"
     versions = {n: b._version for n, b in model.named_buffers()}
     with torch.no_grad():
@@ -99,7 +99,7 @@ def test_the_restorer_leaves_a_buffer_a_backward_saved_as_it_was():
     operation")."""
     model = workloads.cnn(0).model.double().train()
     x = torch.randn(4, 1, 12, 12, dtype=torch.float64)
-    restore = stochastic.buffers_restorer(model)
+    restore = random_modules.buffers_restorer(model)
     out = model(x)
     assert "1.running_mean" in restore()
     out.sum().backward()

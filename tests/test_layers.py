@@ -52,11 +52,15 @@ def tree(tmp_path: Path) -> Path:
 
 PLANTS = {
     # the verify layer reaching up into the run layer
-    "layers": ("dpcompare/verify/tolerance.py", "from dpcompare.run import config as _planted\n"),
+    "layers": ("dpcompare/verify/judgement/tolerance.py", "from dpcompare.run import config as _planted\n"),
     # a lazy import inside a function counts too: the contract reaching into verify
-    "layers-lazy": ("dpcompare/contract/optim_state.py", "def _planted():\n    from dpcompare.verify import verifier\n"),
+    "layers-lazy": ("dpcompare/contract/optim_state.py", "def _planted():\n    from dpcompare.verify.phase import verifier\n"),
     # an adapter on an internal module instead of the public API
     "adapters": ("adapters/dp.py", "from dpcompare.contract.adapter import Adapter as _Planted\n"),
+    # inside verify: the judgement (the bottom) reaching up to the verifier (the top), and two siblings
+    "verify": ("dpcompare/verify/judgement/verdict.py", "def _planted():\n    from dpcompare.verify.phase import verifier\n"),
+    "verify-siblings": ("dpcompare/verify/diagnosis/explanation.py",
+                        "def _planted():\n    from dpcompare.verify.trajectory import reference_trajectory\n"),
     # two run modules importing each other (a cycle inside one layer)
     "acyclic": ("dpcompare/run/optim.py", "def _planted():\n    from dpcompare.run import trainer\n"),
 }

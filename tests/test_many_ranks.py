@@ -1,5 +1,5 @@
 """Eight ranks and beyond under torchrun, with the oracle divided over the ranks (the default, `--oracle-ranks all`):
-every run is `equivalent`, every check passes, and the checks' ranges (dpcompare.verify.plan) give every rank an even
+every run is `equivalent`, every check passes, and the checks' ranges (dpcompare.verify.ranks.range_plan) give every rank an even
 share of the trainable elements, cutting inside a parameter where the ranks' shares cross it.
 
 The built-in mlp has 6 parameter tensors: cut by whole parameter, from 6 ranks some rank held nothing and built an

@@ -1,7 +1,7 @@
 """Recorded random draws make another copy of the model compute the same random function, and nothing else changes.
 
 Each test runs a small real model in one process: it records the random ops its forward calls at the dispatcher
-(dpcompare.verify.masks.MaskRecorder: bernoulli for dropout, rand, randn, rrelu's noise), replays them in a float64 or
+(dpcompare.verify.randomness.draw_recording.MaskRecorder: bernoulli for dropout, rand, randn, rrelu's noise), replays them in a float64 or
 float32 copy (MaskReplayer), assembles a whole batch's draws from its shards' (combine) or asks whether a model draws
 where no replay reaches (uncaptured). Every check has a twin that must fail: a run that draws one extra number is seen
 to change, a copy without the draws is seen to differ, draws in the wrong order or for the wrong rows give the wrong
@@ -23,11 +23,11 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from dpcompare.verify import draws
-from dpcompare.verify.equivalence import Layout
-from dpcompare.verify.forwards import Forwards
-from dpcompare.verify.masks import MaskMismatch, MaskRecord, MaskRecorder, MaskReplayer, PackedDraw, combine, uncaptured
-from dpcompare.verify.verdict import Verdict
+from dpcompare.verify.randomness import random_ops
+from dpcompare.verify.oracle.gradient_oracle import Layout
+from dpcompare.verify.model_facts.replica_forwards import Forwards
+from dpcompare.verify.randomness.draw_recording import MaskMismatch, MaskRecord, MaskRecorder, MaskReplayer, PackedDraw, combine, uncaptured
+from dpcompare.verify.judgement.verdict import Verdict
 
 BERNOULLI = "aten.bernoulli_.float"
 
@@ -63,7 +63,7 @@ def _hooked(model: nn.Module) -> bool:
 
 
 def _key(module: str, op: str = BERNOULLI) -> str:
-    return draws.key_of(module, op)
+    return random_ops.key_of(module, op)
 
 
 class _DrawsFirst(nn.Dropout):
@@ -122,20 +122,20 @@ class _Transposed(nn.Module):
 # -- which calls draw ----------------------------------------------------------------------------------------------
 def test_the_dispatchers_random_ops_are_classified_by_what_replays_them():
     aten = torch.ops.aten
-    assert draws.rule_of(aten.bernoulli_.float).kind == "values" and draws.rule_of(aten.bernoulli_.float).mask
-    assert draws.rule_of(aten.rand.default).kind == "values" and not draws.rule_of(aten.rand.default).mask
-    assert draws.rule_of(aten.native_dropout.default).kind == "dropout"
-    assert draws.rule_of(aten.rrelu_with_noise.default).kind == "rrelu"
-    flash = draws.rule_of(aten._scaled_dot_product_efficient_attention.default)
+    assert random_ops.rule_of(aten.bernoulli_.float).kind == "values" and random_ops.rule_of(aten.bernoulli_.float).mask
+    assert random_ops.rule_of(aten.rand.default).kind == "values" and not random_ops.rule_of(aten.rand.default).mask
+    assert random_ops.rule_of(aten.native_dropout.default).kind == "dropout"
+    assert random_ops.rule_of(aten.rrelu_with_noise.default).kind == "rrelu"
+    flash = random_ops.rule_of(aten._scaled_dot_product_efficient_attention.default)
     assert flash.kind == "kernel"
     q = torch.zeros(1, 1, 2, 4)
     assert flash.draws((q, q, q, None, True), {"dropout_p": 0.1})
     assert not flash.draws((q, q, q, None, True), {"dropout_p": 0.0})  # no dropout: deterministic
-    cudnn_rnn = draws.rule_of(aten._cudnn_rnn.default)
+    cudnn_rnn = random_ops.rule_of(aten._cudnn_rnn.default)
     assert cudnn_rnn.kind == "kernel"
     # Twin: deterministic ops have no rule, and a dropout kernel in eval mode draws nothing.
-    assert draws.rule_of(aten.mul.Tensor) is None and draws.rule_of(aten.add.Tensor) is None
-    assert not draws.rule_of(aten.native_dropout.default).draws((q, 0.1, False), {})
+    assert random_ops.rule_of(aten.mul.Tensor) is None and random_ops.rule_of(aten.add.Tensor) is None
+    assert not random_ops.rule_of(aten.native_dropout.default).draws((q, 0.1, False), {})
 
 
 # -- recording -------------------------------------------------------------------------------------

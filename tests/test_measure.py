@@ -326,7 +326,7 @@ def test_compare_and_report_flag_the_contradiction(tmp_path) -> None:
     from rich.console import Console
 
     from dpcompare.commands.compare.plan import Job
-    from dpcompare.commands.compare.render import render_cost
+    from dpcompare.commands.compare.compare_output import render_cost
     from dpcompare.commands.report.markdown import Footnotes
     from dpcompare.commands.report.markdown_cost import _exposed_cell
     from dpcompare.result_view import Metrics, RunResult
@@ -370,7 +370,7 @@ def test_compare_and_report_flag_a_breakdown_that_does_not_add_up(tmp_path) -> N
     from rich.console import Console
 
     from dpcompare.commands.compare.plan import Job
-    from dpcompare.commands.compare.render import render_cost
+    from dpcompare.commands.compare.compare_output import render_cost
     from dpcompare.commands.report.derive import Baseline, derive
     from dpcompare.commands.report.markdown import Footnotes
     from dpcompare.commands.report.markdown_cost import _compute_cell
@@ -500,7 +500,7 @@ def test_compare_marks_the_interference_not_exposed_above_the_total() -> None:
 
     from rich.console import Console
 
-    from dpcompare.commands.compare import render
+    from dpcompare.commands.compare import compare_output as render
     from dpcompare.result_view import RunResult
 
     new = {"step_ms_p50": 30.0, "compute_ms_p50": 20.0, "comm_exposed_ms": 6.0, "comm_total_ms": 6.0,

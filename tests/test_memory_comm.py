@@ -370,7 +370,7 @@ def test_a_rank_without_census_leaves_the_analytic_model_state_with_the_reason()
 def _payload_with(metrics: dict) -> dict:
     from dpcompare import results
     from dpcompare.run.config import RunConfig
-    from dpcompare.verify import equivalence as eq
+    from dpcompare.verify.oracle import gradient_oracle as eq
 
     policy = eq.tolerance_policy("float32", 1, 3)
     return results.sanitize(results.base_payload(

@@ -5,7 +5,7 @@
   samples (each forward divides by its own count, `local`) or of the step's items (`global`).
 - The padded token data of the built-in token models: lengths of their own, -100 targets on the padding; the masked
   LM's collator masking (15 %, 80/10/10).
-- The split's cause (dpcompare.verify.split_causes), each a test with a twin whose cause is another: the
+- The split's cause (dpcompare.verify.model_facts.split_causes), each a test with a twin whose cause is another: the
   normalisation (a padded LM), a per-forward statistic (BatchNorm), samples that interact in the loss (in-batch
   negatives), control flow on the local batch's size and content, and rounding alone (no note).
 - Under torchrun: a padded LM at 2 ranks is `equivalent` with the normalisation named (local) and with no note
@@ -26,10 +26,10 @@ from dpcompare.contract import batches
 from dpcompare.contract.normalisation import counted, refusal
 from dpcompare.run import hf_tasks, workloads
 from dpcompare.run.trainer import counting
-from dpcompare.verify import equivalence as eq
-from dpcompare.verify.forwards import Forwards
-from dpcompare.verify.masks import MaskMismatch
-from dpcompare.verify.split import SplitCheck
+from dpcompare.verify.oracle import gradient_oracle as eq
+from dpcompare.verify.model_facts.replica_forwards import Forwards
+from dpcompare.verify.randomness.draw_recording import MaskMismatch
+from dpcompare.verify.model_facts.batch_split import SplitCheck
 
 WS = 2
 

@@ -1,4 +1,4 @@
-"""The float64 trajectory held between its steps as offsets from the run-precision one (dpcompare.verify.offsets), and
+"""The float64 trajectory held between its steps as offsets from the run-precision one (dpcompare.verify.trajectory.trajectory_offsets), and
 the probe's float64 copy let go before the checks begin."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dpcompare.verify import equivalence as eq
-from dpcompare.verify import offsets as off
-from dpcompare.verify import probe as probe_module
-from dpcompare.verify.trajectory import Trajectory
+from dpcompare.verify.oracle import gradient_oracle as eq
+from dpcompare.verify.trajectory import trajectory_offsets as off
+from dpcompare.verify.model_facts import model_probe as probe_module
+from dpcompare.verify.trajectory.reference_trajectory import Trajectory
 
 CPU = torch.device("cpu")
 U32 = 2.0 ** -24

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpcompare.verify import oracle_coverage as oc
+from dpcompare.verify.memory import oracle_coverage as oc
 
 from test_hf_models import configs, write_configs  # noqa: F401  (the fixture)
 

@@ -1,4 +1,4 @@
-"""The range planner (dpcompare.verify.plan) as a pure function, at every world size from 1 to 1024, on real models'
+"""The range planner (dpcompare.verify.ranks.range_plan) as a pure function, at every world size from 1 to 1024, on real models'
 shapes: a Llama-3-8B-sized config built on the meta device, the built-in models, and transformers families.
 
 - Every element of every trainable parameter is held by exactly one rank; a rank holds at most one piece of a
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dpcompare.run.registry import MODELS, load
-from dpcompare.verify.plan import Piece, Plan, of_model, plan, problems
+from dpcompare.verify.ranks.range_plan import Piece, Plan, of_model, plan, problems
 
 WORLD_SIZES = list(range(1, 1025))
 

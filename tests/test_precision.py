@@ -27,9 +27,9 @@ from torch import nn
 
 from dpcompare.run import workloads
 from dpcompare.contract.amp import GradScaling
-from dpcompare.verify import equivalence as eq
-from dpcompare.verify.diagnosis import step_count_mismatch
-from dpcompare.verify.precision import Recipe
+from dpcompare.verify.oracle import gradient_oracle as eq
+from dpcompare.verify.diagnosis.diagnose import step_count_mismatch
+from dpcompare.verify.judgement.precision_recipe import Recipe
 from test_diagnosis import _diagnoses, _linear
 
 CPU = torch.device("cpu")
@@ -151,7 +151,7 @@ def test_module_boundaries_change_the_graph_not_the_values() -> None:
     """ZeRO-3's hooks pass every module's inputs and outputs through an identity autograd function; the reference's
     boundaries do the same: the same loss, a boundary node in the graph at every module, every parameter's gradient a
     gradient of the same function (float64: equal to rounding), and the hooks gone afterwards."""
-    from dpcompare.verify.boundaries import module_boundaries
+    from dpcompare.verify.oracle.module_boundaries import module_boundaries
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
@@ -503,7 +503,7 @@ def test_the_reference_trajectory_runs_its_recipe_copy_at_the_steps_loss_scale(k
     """The run-recipe copy of the reference trajectory scales its loss as the backend's step did: at a scale its
     fp16 gradients overflow, its own loss scaler skips the step (the float64 copy steps); at scale 1 it steps. A copy
     that ignored the scale would step both times."""
-    from dpcompare.verify.trajectory import Trajectory
+    from dpcompare.verify.trajectory.reference_trajectory import Trajectory
 
     torch.manual_seed(0)
     template = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))

@@ -22,7 +22,7 @@ def test_the_profile_is_written_with_the_checks_in_it_and_the_run_result_beside(
                           cwd=tmp_path, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr[-2000:]
     functions = {f"{path}:{name}" for path, _, name in pstats.Stats(str(out)).stats}
-    assert any("dpcompare/verify/verifier.py" in f for f in functions), sorted(functions)[:20]
+    assert any("dpcompare/verify/phase/verifier.py" in f for f in functions), sorted(functions)[:20]
     assert len(list((tmp_path / "runs").glob("*.json"))) == 1  # the run itself wrote its result
 
 

@@ -18,8 +18,8 @@ import pytest
 from rich.console import Console
 
 from dpcompare import cli
-from dpcompare.commands.compare import questions, render
-from dpcompare.commands.compare import command as compare
+from dpcompare.commands.compare import compare_output as render, questions
+from dpcompare.commands.compare import compare_command as compare
 from dpcompare.commands.compare.spec import CompareSpec, parse
 from dpcompare.commands.report.build import write_report
 from dpcompare.result_view import RunResult

@@ -25,11 +25,11 @@ from torch import nn
 
 import random_models as rm
 from dpcompare import checkpoint_blocks
-from dpcompare.verify import equivalence as eq
-from dpcompare.verify import stochastic
-from dpcompare.verify.masks import MaskMismatch, MaskRecorder, MaskReplayer
-from dpcompare.verify.probe import judge_randomness, probe
-from dpcompare.verify.verdict import Verdict
+from dpcompare.verify.oracle import gradient_oracle as eq
+from dpcompare.verify.randomness import random_modules
+from dpcompare.verify.randomness.draw_recording import MaskMismatch, MaskRecorder, MaskReplayer
+from dpcompare.verify.model_facts.model_probe import judge_randomness, probe
+from dpcompare.verify.judgement.verdict import Verdict
 from faulty_random import _shifted_class
 from test_equivalence_matrix import assert_equivalent
 from test_negative import different
@@ -171,18 +171,18 @@ def test_no_dropout_switches_off_every_probability_the_models_hold():
     models = [make(0).model for make, _ in MODELS.values()] + [
         nn.LSTM(4, 4, num_layers=2, dropout=0.3), nn.MultiheadAttention(4, 2, dropout=0.2)]
     for model in models:
-        switched = stochastic.switch_off_dropout(model)
+        switched = random_modules.switch_off_dropout(model)
         assert switched, type(model)
         assert not any(isinstance(v, float) and 0 < v <= 1 and ("drop" in k or k == "p")
                        for m in model.modules() for k, v in vars(m).items()), switched
     workload = rm.all_random(0)
-    assert stochastic.switch_off_dropout(workload.model) == ["blocks.0.dropout", "blocks.1.drop_prob",
+    assert random_modules.switch_off_dropout(workload.model) == ["blocks.0.dropout", "blocks.1.drop_prob",
                                                              "blocks.2.dropout_p"]
     facts = probe(workload.model, workload.loss_fn, workload.make_batch(0, 6), CPU)
     assert not facts.stochastic and facts.random_ops == ()
     # Twin: a float that is no dropout probability stays.
     norm = nn.LayerNorm(4)
-    assert stochastic.switch_off_dropout(norm) == [] and norm.eps == 1e-5
+    assert random_modules.switch_off_dropout(norm) == [] and norm.eps == 1e-5
 
 
 @pytest.mark.parametrize(("extra", "says"), [
@@ -195,10 +195,10 @@ def test_what_still_draws_after_no_dropout_is_named_with_its_op(extra, says):
     model = nn.Sequential(nn.Linear(rm.FEATURES, rm.DIM), nn.Dropout(0.1), extra(), nn.Flatten(), nn.LazyLinear(3))
     batch = (torch.randn(4, rm.SEQ, rm.FEATURES), torch.randint(0, 3, (4,)))
     model(batch[0])  # the lazy head takes its shape
-    switched = stochastic.switch_off_dropout(model)
+    switched = random_modules.switch_off_dropout(model)
     facts = probe(model, nn.functional.cross_entropy, batch, CPU)
     assert switched == ["1"] and facts.stochastic
-    note = stochastic.no_dropout_note(switched, facts)
+    note = random_modules.no_dropout_note(switched, facts)
     assert note.startswith("--no-dropout: dropout switched off in 1; the forward still draws random numbers: ")
     assert says in note, note
     verdict = Verdict()

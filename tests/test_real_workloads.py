@@ -76,16 +76,16 @@ def test_real_workloads_build_from_the_registry(name: str, x_shape: tuple, class
 
 
 def test_the_gpt_draws_dropout_in_modules_the_verifier_finds() -> None:
-    from dpcompare.verify import stochastic
+    from dpcompare.verify.randomness import random_modules
 
     model = real_models.gpt_tiny(0).model
-    found = stochastic.random_modules(model)
+    found = random_modules.random_modules(model)
     assert "drop" in found and "h.0.attn.attn_dropout" in found and len(found) == 1 + 3 * 2
 
 
 def _drawn_masks(workload, seed: int):
     """The masks a float32 forward of the workload's model draws from `seed` (captured, as on a rank)."""
-    from dpcompare.verify import masks as mk
+    from dpcompare.verify.randomness import draw_recording as mk
 
     x, _ = workload.make_batch(0, 2)
     recorder = mk.MaskRecorder(workload.model)
@@ -96,8 +96,8 @@ def _drawn_masks(workload, seed: int):
 
 
 def _oracle_gradient(model: torch.nn.Module, workload, masks) -> dict[str, torch.Tensor]:
-    from dpcompare.verify import equivalence as eq
-    from dpcompare.verify import masks as mk
+    from dpcompare.verify.oracle import gradient_oracle as eq
+    from dpcompare.verify.randomness import draw_recording as mk
 
     x, y = workload.make_batch(0, 2)
     return eq.accumulate_gradient(model, workload.loss_fn, eq.global_pieces((x, y), masks), torch.device("cpu"),
@@ -111,7 +111,7 @@ def test_the_verification_copy_recomputes_activations_without_changing_the_gradi
     masks give another gradient, so the equality is not that of a model without randomness."""
     import copy
 
-    from dpcompare.verify import equivalence as eq
+    from dpcompare.verify.oracle import gradient_oracle as eq
 
     workload = real_models.gpt_tiny(0)
     lean = eq.verification_copy(workload.model, torch.device("cpu"), torch.float64)

@@ -1,7 +1,7 @@
 """The user's own optimizer and learning-rate schedule, held against a reference built apart from the backend.
 
 Checked against:
-- the reference (dpcompare.verify.optim_reference), against the user's optimizer and scheduler stepped on the whole
+- the reference (dpcompare.verify.replay.optimizer_rebuild), against the user's optimizer and scheduler stepped on the whole
   model: each parameter's group and hyper-parameters at every step, the update check's replay per group
   (update_check.reference_step) and the trajectory's grouped optimizer (`over`, `schedule`) step to the same values;
 - the adapter contract: the scheduler steps once after every training step whatever a backend's step() override does
@@ -30,8 +30,8 @@ from dpcompare.contract.launch_env import LaunchEnv
 from dpcompare.run import optim, state_table
 from dpcompare.run.config import RunConfig
 from dpcompare.run.workloads import lm
-from dpcompare.verify.optim_reference import OptimizerReference, over, schedule
-from dpcompare.verify.update_check import reference_step
+from dpcompare.verify.replay.optimizer_rebuild import OptimizerReference, over, schedule
+from dpcompare.verify.replay.optimizer_replay import reference_step
 
 WS = 2
 QUICK = ["--steps", "4", "--measure-steps", "0"]

@@ -1,4 +1,4 @@
-"""The comparisons reduced parameter by parameter (dpcompare.verify.tolerance): every whole-model figure from the
+"""The comparisons reduced parameter by parameter (dpcompare.verify.judgement.tolerance): every whole-model figure from the
 parameters' squared norms and chunked passes, never a concatenated float64 copy of the model, and checking state held
 in the dtype it was computed in (`Compact`, `Difference`). Held against the same figures computed the plain way, on
 one concatenated vector, in float64: agreement to float64's rounding, NaN and infinity included; and the negatives: a
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from dpcompare.verify import tolerance as tol
+from dpcompare.verify.judgement import tolerance as tol
 
 
 def _plain(values, reference, floor, spread, names, u):

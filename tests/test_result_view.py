@@ -29,7 +29,7 @@ from dpcompare import verdict_words as words
 from dpcompare.result_view import Check, Equivalence, Field, Metrics, ResultError, RunResult
 from dpcompare.run import line, registry, result
 from dpcompare.run.config import RunConfig
-from dpcompare.verify.tolerance import allowed_floor
+from dpcompare.verify.judgement.tolerance import allowed_floor
 
 LIBRARY = Path(dpcompare.__file__).parent
 READER = LIBRARY / "result_view"
@@ -212,7 +212,7 @@ DIVERGENCE = {"step": 1, "parameter": "fc1.weight", "reason": "the update is twi
 def _presented(tmp_path: Path) -> dict[str, str]:
     """The first divergence as each presenter shows it."""
     from dpcompare.commands import pytest_plugin
-    from dpcompare.commands.compare import plan, questions, render
+    from dpcompare.commands.compare import compare_output as render, plan, questions
     from dpcompare.commands.report.markdown import Footnotes
     from dpcompare.commands.report.markdown_verdict import _verdict_row
 

@@ -21,12 +21,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dpcompare.verify import buffers as bf
-from dpcompare.verify import equivalence as eq
-from dpcompare.verify.held import Compact
-from dpcompare.verify.run_reference import RunReference
-from dpcompare.verify.split import SplitCheck
-from dpcompare.verify.trajectory import Trajectory
+from dpcompare.verify.model_facts import buffer_semantics as bf
+from dpcompare.verify.oracle import gradient_oracle as eq
+from dpcompare.verify.judgement.held_values import Compact
+from dpcompare.verify.instruments.run_reference import RunReference
+from dpcompare.verify.model_facts.batch_split import SplitCheck
+from dpcompare.verify.trajectory.reference_trajectory import Trajectory
 
 CPU = torch.device("cpu")
 

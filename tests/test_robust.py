@@ -33,8 +33,8 @@ from dpcompare.contract import ModelFacts, Settings
 from dpcompare.contract.launch_env import LaunchEnv
 from dpcompare.run import launchers, leave, raised
 from dpcompare.run.watchdog import Watchdog
-from dpcompare.verify import data_dependence
-from dpcompare.verify.probe import probe
+from dpcompare.verify.model_facts import data_dependence
+from dpcompare.verify.model_facts.model_probe import probe
 from tests.test_failures import in_process  # noqa: F401 - the fixture
 
 ERROR = "dpcompare: error:"

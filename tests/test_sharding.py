@@ -232,7 +232,7 @@ def test_zero3_under_bf16_autocast_with_undeclared_narrow_norms_is_different(lau
 
 
 def test_an_update_with_rows_that_did_not_move_is_an_unapplied_shard() -> None:
-    from dpcompare.verify.diagnosis import _UpdateHypotheses  # the hypothesis alone, on a hand-made update
+    from dpcompare.verify.diagnosis.diagnose import _UpdateHypotheses  # the hypothesis alone, on a hand-made update
 
     ref = {"w": torch.arange(1.0, 9.0).reshape(4, 2), "b": torch.ones(4)}
     held = {"w": ref["w"].clone(), "b": ref["b"].clone()}

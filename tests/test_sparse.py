@@ -27,9 +27,9 @@ from dpcompare.adapters.horovod import HorovodAdapter
 from dpcompare.contract import Settings, sparse
 from dpcompare.contract.optim_state import read_state
 from dpcompare.measure.memory import census_bytes
-from dpcompare.verify.equivalence import verification_copy
-from dpcompare.verify.probe import probe
-from dpcompare.verify.reads import Reads
+from dpcompare.verify.oracle.gradient_oracle import verification_copy
+from dpcompare.verify.model_facts.model_probe import probe
+from dpcompare.verify.instruments.backend_reads import Reads
 from test_equivalence_matrix import assert_equivalent
 from test_failures import assert_one_error_line
 from test_negative import different

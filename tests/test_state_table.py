@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpcompare.commands.compare import render
+from dpcompare.commands.compare import compare_output as render
 from dpcompare.commands.compare.plan import Job
 from dpcompare.result_view import STATE_COMPONENTS, RunResult
 from dpcompare.run import state_table

@@ -1,4 +1,4 @@
-"""A float64 gradient compared as backward produces it (dpcompare.verify.streamed): the distance is the one the whole
+"""A float64 gradient compared as backward produces it (dpcompare.verify.memory.streamed_distance): the distance is the one the whole
 gradient gives, to the bit, while no two parameters' gradients are ever held at once; where a parameter's gradient
 is completed twice in one backward (a reentrant recomputation), the gradient is computed whole instead."""
 
@@ -11,10 +11,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dpcompare.run import workloads
-from dpcompare.verify import equivalence as eq
-from dpcompare.verify.held import Compact
-from dpcompare.verify.streamed import accumulate_streamed, distance_of
-from dpcompare.verify.tolerance import rel_fro_of
+from dpcompare.verify.oracle import gradient_oracle as eq
+from dpcompare.verify.judgement.held_values import Compact
+from dpcompare.verify.memory.streamed_distance import accumulate_streamed, distance_of
+from dpcompare.verify.judgement.tolerance import rel_fro_of
 
 
 class Tied(nn.Module):

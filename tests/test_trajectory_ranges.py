@@ -1,4 +1,4 @@
-"""The reference trajectory held in ranges over the ranks (dpcompare.verify.ranges) on three real processes (gloo over a
+"""The reference trajectory held in ranges over the ranks (dpcompare.verify.trajectory.trajectory_ranges) on three real processes (gloo over a
 file rendezvous), without a backend:
 
 - the trajectory starts from rank 0's initial weights whatever each rank built, and each range is judged against
@@ -8,7 +8,7 @@ file rendezvous), without a backend:
   engine recipe at a loss scale (slow tier), a parameter cut over two ranks included (each holder's piece of it); with
   clipping by the global norm within a few units of float32's rounding (a cut parameter's norm is the norm of its
   pieces' norms, which rounds apart from one norm of the whole). The float64 copy's within 1e-9 of its largest value:
-  between steps it is held as offsets within 2^-32 of each element (dpcompare.verify.offsets), and whether a tensor is
+  between steps it is held as offsets within 2^-32 of each element (dpcompare.verify.trajectory.trajectory_offsets), and whether a tensor is
   held so is decided tensor by tensor, so a holder's piece may be held where one process keeps the whole in float64.
   Rank 0's drift entries are the single process's, figure for figure (a cut parameter's from its pieces' squares);
 - between steps a rank holds the storage of the trainable parameters it holds whole, and of its pieces of the others;
@@ -28,10 +28,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from dpcompare.verify import divided
-from dpcompare.verify.equivalence import Layout, replica_pieces
-from dpcompare.verify.precision import Recipe
-from dpcompare.verify.trajectory import Trajectory
+from dpcompare.verify.memory import divider
+from dpcompare.verify.oracle.gradient_oracle import Layout, replica_pieces
+from dpcompare.verify.judgement.precision_recipe import Recipe
+from dpcompare.verify.trajectory.reference_trajectory import Trajectory
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
@@ -69,7 +69,7 @@ def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _worker(rank: int, world: int, init: str, out: str, optimizer: str, clip: float | None, recipe: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    peers = divided.Peers.make()
+    peers = divider.Peers.make()
     layout, template, loss, cpu = Layout(world), _model(), nn.functional.cross_entropy, torch.device("cpu")
     ranks0 = copy.deepcopy(template)  # rank 0's initial weights
     with torch.no_grad():  # every other rank built other weights: the trajectory starts from rank 0's
@@ -84,10 +84,10 @@ def _worker(rank: int, world: int, init: str, out: str, optimizer: str, clip: fl
     masters = {n: p.detach() + 1e-3 * (1 + rank) * torch.ones_like(p) for n, p in ranks0.named_parameters()}
     helper = divider = None
     if rank:
-        helper = divided.Helper(peers, template, loss, layout=layout, dtype=torch.float32, device=cpu,
-                                recipe=divided.NO_RECIPE, trajectory=shared)
+        helper = divider.Helper(peers, template, loss, layout=layout, dtype=torch.float32, device=cpu,
+                                recipe=divider.NO_RECIPE, trajectory=shared)
     else:
-        divider = divided.Divider(peers, layout)
+        divider = divider.Divider(peers, layout)
     report: dict = {"entries": [], "alone": []}
     for step in range(STEPS):
         batch = _batch(step)

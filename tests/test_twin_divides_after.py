@@ -1,4 +1,4 @@
-"""Where the division by the world size is done (dpcompare.verify.run_reference): the run-precision reference multiplies
+"""Where the division by the world size is done (dpcompare.verify.instruments.run_reference): the run-precision reference multiplies
 each rank's loss by its share 1/N in the graph; a backend that averages (DDP, Horovod's Average, DeepSpeed) takes the
 loss's gradient unscaled and divides the reduced sum afterwards. With N a power of two the two are the same bits; at
 three ranks they round 1/N differently, and BatchNorm's backward over a rank's few samples (its input's gradient is
@@ -17,11 +17,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dpcompare.verify import equivalence as eq
-from dpcompare.verify import precision
-from dpcompare.verify.run_reference import RunReference
-from dpcompare.verify.split import SplitCheck
-from dpcompare.verify.tolerance import rel_fro_of
+from dpcompare.verify.oracle import gradient_oracle as eq
+from dpcompare.verify.judgement import precision_recipe
+from dpcompare.verify.instruments.run_reference import RunReference
+from dpcompare.verify.model_facts.batch_split import SplitCheck
+from dpcompare.verify.judgement.tolerance import rel_fro_of
 
 CPU = torch.device("cpu")
 
@@ -106,7 +106,7 @@ def test_the_twin_keeps_the_run_s_loss_scale_where_the_shares_differ_or_a_recipe
     assert reference._twin_scale(pieces, 1024.0) == 1024.0  # a scaled loss: a recipe's, which divides after
     uneven = [eq.Piece(p.x, p.y, w, rank=p.rank) for p, w in zip(pieces, (0.5, 0.25, 0.25))]
     assert reference._twin_scale(uneven, 1.0) == 1.0
-    autocast = precision.Recipe("autocast", "bf16")
+    autocast = precision_recipe.Recipe("autocast", "bf16")
     bf16 = _reference(eq.Oracle(oracle.template, F.cross_entropy, "float32", CPU, autocast), 3)
     assert bf16._twin_scale(pieces, 1.0) == 1.0
     assert [n.code for n in reference.verdict.notes] == ["divided_after"] and not bf16.verdict.notes

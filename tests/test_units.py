@@ -3,7 +3,7 @@
 Checks against independent references where one exists: launch detection against the variables each
 real launcher sets (torchrun, the deepspeed launcher, horovodrun, Open MPI, PMI, Slurm); sharding against
 torch's own DistributedSampler; GlobalBatchNorm against nn.BatchNorm2d in float64; the metrics of
-equivalence.compare (dpcompare.verify.tolerance) against hand-computed values (the diagnosis: test_diagnosis.py); the watchdog's culprit against fake heartbeat files; configuration, registry and result
+equivalence.compare (dpcompare.verify.judgement.tolerance) against hand-computed values (the diagnosis: test_diagnosis.py); the watchdog's culprit against fake heartbeat files; configuration, registry and result
 schema errors against the messages and rejections they promise. Every passing case has a twin that
 must fail.
 """
@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from conftest import validate_result
-from dpcompare.verify import equivalence as eq
+from dpcompare.verify.oracle import gradient_oracle as eq
 import dpcompare
 from dpcompare import results
 from dpcompare.contract import launch_env as launch
@@ -250,7 +250,7 @@ def test_compare_reads_a_non_finite_value_across_chunks_and_a_huge_float64_one_a
     """`_sums` reads a value held below float64 as finite exactly where its squared norm is: an inf or a NaN anywhere
     in a parameter larger than one chunk makes its error +inf; a float64 value whose square overflows (1e300) is read
     element by element and stays finite. Its relative figures match their definitions, computed whole."""
-    from dpcompare.verify import tolerance
+    from dpcompare.verify.judgement import tolerance
 
     n = tolerance.CHUNK + 7
     torch.manual_seed(3)
@@ -633,8 +633,8 @@ def test_child_env_puts_the_virtual_environments_bin_first_once(monkeypatch) -> 
 def _trajectory_and_a_run(lr_factor: float = 1.0, nudge: float = 0.0):
     """Two steps of the mlp beside the reference trajectory; the 'run' is a float32 single process stepping with
     lr x lr_factor, and `nudge` added to one weight after the last step (a fault between checks)."""
-    from dpcompare.verify.equivalence import global_pieces
-    from dpcompare.verify.trajectory import Trajectory
+    from dpcompare.verify.oracle.gradient_oracle import global_pieces
+    from dpcompare.verify.trajectory.reference_trajectory import Trajectory
 
     w = workloads.mlp(7)
     factory = lambda params, **kw: torch.optim.SGD(params, lr=kw.get("lr", 0.05), momentum=0.9)  # noqa: E731

@@ -1,4 +1,4 @@
-"""The update check divided over the ranks (dpcompare.verify.update_ranges) on three real processes (gloo over a file
+"""The update check divided over the ranks (dpcompare.verify.replay.replay_ranges) on three real processes (gloo over a file
 rendezvous), without a backend:
 
 - each owner's figures of its range are the single-process comparison's to the bit (AdamW with weight decay, from a
@@ -19,12 +19,13 @@ import torch.distributed as dist
 from torch import nn
 
 from dpcompare.contract.optim_state import read_state
-from dpcompare.verify import divided, update_ranges
-from dpcompare.verify.equivalence import Layout, verification_copy
-from dpcompare.verify.held import Compact, Difference
-from dpcompare.verify.tolerance import UNIT_ROUNDOFF, judge_figures, range_figures
-from dpcompare.verify.plan import of_model
-from dpcompare.verify.update_check import reference_step
+from dpcompare.verify.memory import divider
+from dpcompare.verify.replay import replay_ranges
+from dpcompare.verify.oracle.gradient_oracle import Layout, verification_copy
+from dpcompare.verify.judgement.held_values import Compact, Difference
+from dpcompare.verify.judgement.tolerance import UNIT_ROUNDOFF, judge_figures, range_figures
+from dpcompare.verify.ranks.range_plan import of_model
+from dpcompare.verify.replay.optimizer_replay import reference_step
 from tests.spawned import spawned
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
@@ -95,12 +96,12 @@ def _same(figures: dict, alone: dict, plan) -> bool:
 
 def _worker(rank: int, world: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    peers = divided.Peers.make()
+    peers = divider.Peers.make()
     template = _model()
     batch = (torch.zeros(3, 6), torch.zeros(3, dtype=torch.long))
     if rank:
-        helper = divided.Helper(peers, template, nn.functional.cross_entropy, layout=Layout(world), dtype=torch.float32,
-                                device=CPU, recipe=divided.NO_RECIPE, factory=_factory)
+        helper = divider.Helper(peers, template, nn.functional.cross_entropy, layout=Layout(world), dtype=torch.float32,
+                                device=CPU, recipe=divider.NO_RECIPE, factory=_factory)
         for _ in range(3):  # the same step: unclipped, clipped, one wrong in rank 1's range
             helper.serve(batch, lambda: None)
         if rank == 1:
@@ -110,7 +111,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         helper.serve(batch, lambda: None)  # served again afterwards
         dist.destroy_process_group()
         return
-    divider = divided.Divider(peers, Layout(world))
+    divider = divider.Divider(peers, Layout(world))
     divider.own(verification_copy(template, CPU, torch.float64))
     names = [n for n, _ in template.named_parameters()]
     plan = divider.owner
@@ -122,7 +123,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         divider.open()
         try:
             held, held_state = divider.hold(grads), divider.hold_state(state, names)
-            figures, left = update_ranges.divided(divider, _factory, CPU, names, Compact(before), after, held,
+            figures, left = replay_ranges.divided(divider, _factory, CPU, names, Compact(before), after, held,
                                                   held_state, torch.float32, U, clip, None)
             left = {n: {k: v.clone() if torch.is_tensor(v) else v for k, v in left[n].items()} for n in names}
         finally:

@@ -1,7 +1,7 @@
 """0-dim (shape []) parameters and buffers (issue 62): CLIP's `logit_scale = nn.Parameter(torch.ones([]) * ...)` and
 0-dim buffers, on the workload of tests/zerodim_models.py.
 
-- The update check's replay (dpcompare.verify.update_check) tells a state entry's role by its key, not its shape: a
+- The update check's replay (dpcompare.verify.replay.optimizer_replay) tells a state entry's role by its key, not its shape: a
   0-dim parameter's momentum (SGD) and moments (AdamW) are per-element entries, stepped, cast to the replay's dtype and
   cut into pieces like the parameter (a piece of a 0-dim parameter is the whole: one element); AdamW's `step`, 0-dim
   too, stays a count in its own dtype. The replay read whole and read in pieces is torch's own step.
@@ -29,10 +29,10 @@ from torch import nn
 
 from conftest import torchrun_rank_logs
 from dpcompare.contract.optim_state import per_element, read_state
-from dpcompare.verify.held import Compact, Difference
-from dpcompare.verify.state_comparison import _same_state, state_difference
-from dpcompare.verify.tolerance import UNIT_ROUNDOFF, judge_figures, range_figures
-from dpcompare.verify.update_check import held_as, reference_step
+from dpcompare.verify.judgement.held_values import Compact, Difference
+from dpcompare.verify.diagnosis.state_comparison import _same_state, state_difference
+from dpcompare.verify.judgement.tolerance import UNIT_ROUNDOFF, judge_figures, range_figures
+from dpcompare.verify.replay.optimizer_replay import held_as, reference_step
 from test_equivalence_matrix import assert_equivalent
 from tests.test_failures import in_process  # noqa: F401 - the fixture
 

@@ -348,7 +348,7 @@ class Adapter:
     def wraps_module_boundaries(self) -> bool:
         """Whether the backend's hooks pass every module's inputs and outputs through autograd functions (DeepSpeed
         ZeRO-3's parameter fetch and release), which sums a rank's gradients in another order than a plain model: the
-        run-precision reference then draws the same boundaries (dpcompare.verify.boundaries)."""
+        run-precision reference then draws the same boundaries (dpcompare.verify.oracle.module_boundaries)."""
         return False
 
     def optimizer_prestep(self) -> str | None:

@@ -63,7 +63,7 @@ class Check(View):
     dp_floor_rel_fro = Field()
     floor_rel_fro = Field()
     """The gradient's: the floor its noise ratio is a multiple of, the reduction's allowance included (recorded by
-    the verdict, dpcompare.verify.tolerance)."""
+    the verdict, dpcompare.verify.judgement.tolerance)."""
     rel_param_distance = Field()
     clip = Field()
 

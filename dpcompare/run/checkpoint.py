@@ -7,7 +7,7 @@ Owns: what dpcompare writes beside the backend's checkpoint, and the loop's side
     continuation must share (model, optimizer, batch, precision).
   - SAVED (rank 0 reads it): the state as the saving run read it through the adapter contract (every parameter's full
     value, the optimizer state by parameter name, the loss scaler) and the float64 oracle's reference trajectory, so
-    that the continuation is judged against one uninterrupted run over every step (dpcompare.verify.resume).
+    that the continuation is judged against one uninterrupted run over every step (dpcompare.verify.starting_state.loaded_state).
 A load: the backend loads its checkpoint (Adapter.load_checkpoint), then the loop restores its own state. The planted
 faults (--inject-fault ckpt-*) break one part of that on purpose: the checks must name it.
 """
@@ -25,7 +25,7 @@ import torch
 
 from dpcompare.contract import Adapter
 from dpcompare.run.config import CommandLineError, RunConfig, check_writable_dir
-from dpcompare.verify import stochastic
+from dpcompare.verify.randomness import random_modules
 
 LOOP = "dpcompare-loop.pt"
 SAVED = "dpcompare-saved.pt"
@@ -88,7 +88,7 @@ def save(cfg: RunConfig, adapter: Adapter, device: torch.device, step: int, traj
     params = {n: t.detach().to("cpu").clone() for n, t in full.items()}
     masters = {n: t.detach().to("cpu").clone() for n, t in adapter.master_params().items() if t is not full.get(n)}
     state = adapter.optimizer_state()
-    rngs = adapter.all_gather_object(stochastic.capture(device))
+    rngs = adapter.all_gather_object(random_modules.capture(device))
     if adapter.env.rank == 0:
         scaling = getattr(adapter, "_scaling", None)  # the torch.amp.GradScaler the run used, if any
         loop = {"step": step, "format": fmt, "backend": cfg.backend, "world_size": adapter.env.world_size,
@@ -149,7 +149,7 @@ def load(cfg: RunConfig, adapter: Adapter, device: torch.device, global_batch: i
     return Loaded(loop, start, directory, notes)
 
 
-def restore_generator(state: stochastic.RngState, device: torch.device) -> None:
+def restore_generator(state: random_modules.RngState, device: torch.device) -> None:
     torch.set_rng_state(torch.from_numpy(np.frombuffer(state.cpu, dtype=np.uint8).copy()))
     if state.cuda is not None and device.type == "cuda":
         torch.cuda.set_rng_state(torch.from_numpy(np.frombuffer(state.cuda, dtype=np.uint8).copy()), device)

@@ -272,7 +272,7 @@ class RunConfig:
              "single-process oracle)",
         compare=Forwarded("where each run's oracle forwards run: all (every rank its own, each holding its range) or "
                           "rank0"))
-    """Where the oracle's forwards run (dpcompare.verify.divided): `all`, every rank its own on a process group of the
+    """Where the oracle's forwards run (dpcompare.verify.memory.divider): `all`, every rank its own on a process group of the
     verifier's own; `rank0`, rank 0 alone (the same gradients to the bit with one forward per rank)."""
     check_coverage: str = run_flag(
         "auto", metavar="auto|full|SHARE",
@@ -281,7 +281,7 @@ class RunConfig:
         checks=(Rule(coverage_ok, "use auto, full or a share of the parameters in (0, 1], e.g. 0.25"),),
         compare=Forwarded("what each run's float64 oracle checks: auto (every parameter where its memory fits, else "
                           "the whole blocks that fit, stated), full, or a share of the parameters in (0, 1]"))
-    """What the float64 oracle checks (dpcompare.verify.oracle_coverage): `auto`, every parameter where its memory
+    """What the float64 oracle checks (dpcompare.verify.memory.oracle_coverage): `auto`, every parameter where its memory
     fits on rank 0, else as many whole blocks as fit, the coverage stated; `full`, every parameter or a one-line
     refusal; a fraction in (0, 1], whole blocks up to that share of the parameters."""
     timeout_s: float = run_flag(

@@ -198,7 +198,7 @@ def with_router_aux(coefficient: float) -> Callable[[Any, Batch], torch.Tensor]:
     def loss_fn(output: Any, batch: Batch) -> torch.Tensor:
         return output.loss
 
-    # the loss without the routers' term: what dpcompare.verify.split_causes tests the split with
+    # the loss without the routers' term: what dpcompare.verify.model_facts.split_causes tests the split with
     loss_fn.per_forward_term = lambda output, batch: output.loss - coefficient * output.aux_loss.to(output.loss.device)
     return loss_fn
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from dpcompare import verdict_words as words
 from dpcompare.contract import checkpointing
 from dpcompare.result_view import Equivalence, RunResult
-from dpcompare.verify import float64_paths
+from dpcompare.verify.oracle import float64_paths
 
 
 def _semantic_facts(e: Equivalence) -> list[str]:

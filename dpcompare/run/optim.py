@@ -14,7 +14,7 @@ from torch import nn
 
 from dpcompare.run import registry
 from dpcompare.run.config import RunConfig
-from dpcompare.verify.optim_reference import OptimizerReference, built_over_copy, quietly
+from dpcompare.verify.replay.optimizer_rebuild import OptimizerReference, built_over_copy, quietly
 
 SHORTCUTS = ("sgd", "adamw")
 """--optimizer's built-in names; anything else is `package.module:function`, a function (model) -> Optimizer."""
@@ -142,7 +142,7 @@ def _scheduler_refusal(choice: Choice, optimizer: torch.optim.Optimizer) -> str 
 def optimizer_factory(cfg: RunConfig, template: nn.Module | None = None, workload: Any = None) -> Callable[..., Any]:
     """The run's optimizer for the checks' references. The built-in optimizer with no schedule: `factory(params,
     **overrides)` over any parameters, with hyper-parameters overridden (for the update check). A user's optimizer or a
-    schedule: an OptimizerReference built over a copy of `template` (dpcompare.verify.optim_reference), each parameter
+    schedule: an OptimizerReference built over a copy of `template` (dpcompare.verify.replay.optimizer_rebuild), each parameter
     replayed with its group's hyper-parameters at the step."""
     choice = choose(cfg, workload)
     if choice.optimizer is None and choice.scheduler is None or template is None:

@@ -18,7 +18,7 @@ from dpcompare.contract import launch_env as launch
 from dpcompare.run import backend, compilation
 from dpcompare.run.config import RunConfig
 from dpcompare.run.workloads import Workload
-from dpcompare.verify import equivalence as eq
+from dpcompare.verify.oracle import gradient_oracle as eq
 
 SWEEP_KNOBS = ("compression", "grad_accum", "bucket_mb")
 """Run flags that make a run another computation than its backend's baseline (compare --sweep varies them)."""

@@ -31,7 +31,7 @@ from torch import nn
 
 from dpcompare.contract.optim_state import per_element, read_hparams
 from dpcompare.result_view import STATE_COMPONENTS
-from dpcompare.verify.optim_reference import differing
+from dpcompare.verify.replay.optimizer_rebuild import differing
 
 COMPONENTS = tuple(STATE_COMPONENTS)
 """The rows of the table, in the order they are printed (titles: dpcompare.result_view.STATE_COMPONENTS)."""

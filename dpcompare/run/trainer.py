@@ -37,8 +37,10 @@ from dpcompare.run.step import StepRunner
 from dpcompare.run.verification import VerificationPhase
 from dpcompare.run.watchdog import Watchdog
 from dpcompare.run.workloads import Workload
-from dpcompare.verify import equivalence as eq
-from dpcompare.verify import initial, stochastic, verifier
+from dpcompare.verify.oracle import gradient_oracle as eq
+from dpcompare.verify.starting_state import initial_state
+from dpcompare.verify.randomness import random_modules
+from dpcompare.verify.phase import verifier
 
 FLIGHT_RECORDER_ENTRIES = 2000
 """Collectives each process group's Flight Recorder keeps (TORCH_FR_BUFFER_SIZE, unless the environment sets it)."""
@@ -268,10 +270,10 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
            local_batch: int):
     """Model, optimizer and the backend's wrapper, on every rank; returns the untouched template (the
     architecture the oracle and the reference trajectory copy)."""
-    switched = stochastic.switch_off_dropout(workload.model) if cfg.no_dropout else []
+    switched = random_modules.switch_off_dropout(workload.model) if cfg.no_dropout else []
     # Before anything is wrapped (a backend broadcasts rank 0's weights, or shards each rank's own): did every rank
     # build the same model? Every rank learns every rank's answer, so a refusal ends them all alike.
-    built = initial.compare(adapter.all_gather_object(initial.describe(workload.model)))
+    built = initial_state.compare(adapter.all_gather_object(initial_state.describe(workload.model)))
     if built.refusal is not None:
         raise CommandLineError(f"--model {cfg.model}: {built.refusal}")
     template = copy.deepcopy(workload.model)
@@ -304,7 +306,7 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
     if (refused := optim.refusal(cfg, choice, template, adapter)) is not None:
         raise CommandLineError(refused)
     # Same seed for the weights (above), a seed of its own per rank for what the forward draws (seed 000).
-    stochastic.seed_rank(cfg.seed, env.rank)
+    random_modules.seed_rank(cfg.seed, env.rank)
     module = workload.model.to(device=device, dtype=eq.DTYPES[cfg.dtype])
     if cfg.sync_bn:
         module = adapter.sync_batchnorm(module)
@@ -321,7 +323,7 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
     if cfg.compile:
         adapter.compile()
     if cfg.no_dropout:
-        wrapped.notes.append(Note("dropout_off", stochastic.no_dropout_note(switched, facts)))
+        wrapped.notes.append(Note("dropout_off", random_modules.no_dropout_note(switched, facts)))
     if facts.sparse_grads:
         wrapped.notes.append(Note("sparse_gradients", sparse.note(facts.sparse_grads, sparse.tables(template))))
     wrapped.model.train()  # once: every step trains (the oracle and the shadow have their own copies)

@@ -3,8 +3,8 @@
 Owns: the cross-rank side of verification. At checked steps every rank sends rank 0 its shard's digest,
 its reduced gradients' digests, how it left unused parameters' gradients and its module buffers before the
 forward and after the backward; at every step of a model that draws random numbers, the random numbers its
-forward drew (recorded by dpcompare.verify.masks around the forwards and backwards) and its generator's digest. Rank 0's `Verifier`
-(dpcompare.verify.verifier) checks the gradient against the oracle, under --clip-grad-norm the total norm the
+forward drew (recorded by dpcompare.verify.randomness.draw_recording around the forwards and backwards) and its generator's digest. Rank 0's `Verifier`
+(dpcompare.verify.phase.verifier) checks the gradient against the oracle, under --clip-grad-norm the total norm the
 backend clipped by against the oracle's, the update against a reference optimizer step (clipped as the run asks)
 and, after every step, the parameters against the reference trajectory. The replicas'
 weights are compared after checked steps and the last one, and the ranks' generators where the forward
@@ -30,15 +30,20 @@ from dpcompare.run.config import CommandLineError, RunConfig
 from dpcompare.run.optim import optimizer_factory
 from dpcompare.run import checkpoint, state_table
 from dpcompare.run.step import StepRunner
-from dpcompare.verify import buffers
-from dpcompare.verify import equivalence as eq
-from dpcompare.verify import masks as mk
-from dpcompare.verify import oracle_coverage as oc
-from dpcompare.verify import divided, held, initial, resume, stochastic, verifier
-from dpcompare.verify.forwards import split_masks
-from dpcompare.verify.context import CheckContext, CheckSettings
-from dpcompare.verify.precision import Recipe
-from dpcompare.verify.trajectory import Trajectory
+from dpcompare.verify.model_facts import buffer_semantics
+from dpcompare.verify.oracle import gradient_oracle as eq
+from dpcompare.verify.randomness import draw_recording as mk
+from dpcompare.verify.memory import oracle_coverage as oc
+from dpcompare.verify.memory import divider
+from dpcompare.verify.judgement import held_values
+from dpcompare.verify.starting_state import initial_state
+from dpcompare.verify.starting_state import loaded_state
+from dpcompare.verify.randomness import random_modules
+from dpcompare.verify.phase import verifier
+from dpcompare.verify.model_facts.replica_forwards import split_masks
+from dpcompare.verify.instruments.check_context import CheckContext, CheckSettings
+from dpcompare.verify.judgement.precision_recipe import Recipe
+from dpcompare.verify.trajectory.reference_trajectory import Trajectory
 
 
 class VerificationPhase:
@@ -57,11 +62,11 @@ class VerificationPhase:
         """This rank's time and memory for checking (the oracle, the references, the trajectory; on a rank other than
         0, its share of their forwards), beside the step's; rank 0 reports every rank's."""
         crosses = cfg.save_checkpoint is not None or cfg.load_checkpoint is not None
-        self.peers = divided.Peers.make() if cfg.check_every and cfg.oracle_ranks == "all" and not crosses else None
+        self.peers = divider.Peers.make() if cfg.check_every and cfg.oracle_ranks == "all" and not crosses else None
         """The verifier's own process group, where there are ranks to share the oracle's forwards with (None: one
         process, or no torch.distributed group: Horovod)."""
-        self.divider: divided.Divider | None = None
-        self.helper: divided.Helper | None = None
+        self.divider: divider.Divider | None = None
+        self.helper: divider.Helper | None = None
         self.state: dict[str, Any] | None = None
         """What every rank holds for the model's state after the first step (dpcompare.run.state_table); None: the
         run took no step."""
@@ -99,7 +104,7 @@ class VerificationPhase:
         return self.verdict
 
     def _plan_oracle_coverage(self) -> oc.OracleCoverage | None:
-        """Rank 0 plans what the oracle checks within the memory free (dpcompare.verify.oracle_coverage); every rank
+        """Rank 0 plans what the oracle checks within the memory free (dpcompare.verify.memory.oracle_coverage); every rank
         learns the plan, so a refusal ends every rank alike, in one line said by rank 0."""
         plan: oc.OracleCoverage | str | None = None
         device = self.runner.device
@@ -134,7 +139,7 @@ class VerificationPhase:
                                 coverage, getattr(self.runner.workload.loss_fn, "count", None),
                                 workload=self.runner.workload)
             if self.rank0:
-                self.divider = divided.Divider(self.peers, ctx.layout) if self.peers is not None else None
+                self.divider = divider.Divider(self.peers, ctx.layout) if self.peers is not None else None
                 self.check = verifier.Verifier(ctx, template=self.template, loss_fn=self.runner.workload.loss_fn,
                                                wrapped=self.wrapped, backend=self.adapter, divider=self.divider)
             elif self.peers is not None:
@@ -144,16 +149,16 @@ class VerificationPhase:
                 trajectory = Trajectory(self.template, loss_fn, ctx.factory, ctx.settings.dtype, self.runner.device,
                                         ctx.depth, ctx.u_wire, ctx.recipe, prestep=ctx.prestep is not None,
                                         clip=ctx.settings.clip_grad_norm, peers=self.peers)
-                self.helper = divided.Helper(self.peers, self.template, loss_fn, layout=ctx.layout,
+                self.helper = divider.Helper(self.peers, self.template, loss_fn, layout=ctx.layout,
                                              dtype=eq.DTYPES[self.cfg.dtype], device=self.runner.device,
                                              recipe=ctx.recipe, trajectory=trajectory, factory=ctx.factory)
         full = self.adapter.full_params()  # on every rank: a collective where the backend shards its parameters
-        held = self.adapter.all_gather_object(initial.held(full, self.wrapped.module))
+        held = self.adapter.all_gather_object(initial_state.held(full, self.wrapped.module))
         verdict = self.check.verdict if self.check is not None else eq.Verdict(notes=list(self.wrapped.notes))
         if self.loaded is not None:  # what was loaded against what was saved, not the workload's initial weights
             self._judge_loaded(verdict, full)
         elif self.rank0:  # every parameter against the workload's where there is a verifier
-            initial.judge(verdict, self.template, dict(self.facts.built_apart), full, self.wrapped.module, held,
+            initial_state.judge(verdict, self.template, dict(self.facts.built_apart), full, self.wrapped.module, held,
                           every_parameter=self.check is not None)
         return verdict
 
@@ -164,13 +169,13 @@ class VerificationPhase:
         masters = self.adapter.master_params()
         state = self.adapter.optimizer_state()
         scaler = self.adapter.scaler_state()
-        rngs = self.adapter.all_gather_object(stochastic.capture(self.runner.device))
+        rngs = self.adapter.all_gather_object(random_modules.capture(self.runner.device))
         if not self.rank0:
             return
         saved = self.loaded.saved()
         for text in self.loaded.notes:
             verdict.note("checkpoint", text)
-        record = resume.judge_loaded(verdict, saved, self.loaded.loop, params=full, masters=masters, state=state,
+        record = loaded_state.judge_loaded(verdict, saved, self.loaded.loop, params=full, masters=masters, state=state,
                                      scale=scaler.scale if scaler is not None else None, rngs=rngs, start=self.start)
         verdict.checkpoint = {"loaded": dict(record, directory=str(self.loaded.directory))}
         if self.check is not None:
@@ -188,8 +193,8 @@ class VerificationPhase:
     def _step(self, step: int) -> None:
         checked = self.cfg.check_every > 0 and step % self.cfg.check_every == 0
         batch, x, y = self.runner.batch(step)
-        rng = stochastic.capture(self.runner.device) if self.facts.stochastic else None
-        before = buffers.snapshot(self.wrapped.module) if checked else None
+        rng = random_modules.capture(self.runner.device) if self.facts.stochastic else None
+        before = buffer_semantics.snapshot(self.wrapped.module) if checked else None
         gathered: list[dict[str, Any]] = []
         reduced: list[dict[str, Any]] = []
 
@@ -258,8 +263,8 @@ class VerificationPhase:
     @contextlib.contextmanager
     def _costed(self, setup: bool = False):
         """The checks' own work (rank 0's, or a helper's share): timed, and with freed host pages kept for its next
-        allocation (held.pages_kept)."""
-        with self.cost.timing(setup) if self.cost is not None else contextlib.nullcontext(), held.pages_kept():
+        allocation (held_values.pages_kept)."""
+        with self.cost.timing(setup) if self.cost is not None else contextlib.nullcontext(), held_values.pages_kept():
             yield
 
     def _reads(self) -> verifier.Reads:
@@ -267,7 +272,7 @@ class VerificationPhase:
         return verifier.Reads(self.adapter.reduced_grads(), self.adapter.master_params(), self.adapter.optimizer_state())
 
     def _evidence(self, x: torch.Tensor, rng: Any, reads: verifier.Reads | None,
-                  before: buffers.Buffers | None) -> dict[str, Any]:
+                  before: buffer_semantics.Buffers | None) -> dict[str, Any]:
         mine = {"shard": eq.tensor_digest(x), "rng": rng}
         if self.recorder is not None:
             mine["masks"] = self.recorder.take()
@@ -278,7 +283,7 @@ class VerificationPhase:
             mine["grad_norms"] = {n: float(torch.linalg.vector_norm(g.detach().double())) for n, g in reads.grads.items()
                                   if g is not None}
             mine["unused"] = _unused_grad_forms(reads.grads, self.facts.unused)
-            mine["buffers"] = {"before": before, "after": buffers.snapshot(self.wrapped.module)}
+            mine["buffers"] = {"before": before, "after": buffer_semantics.snapshot(self.wrapped.module)}
         return mine
 
     def _compare_replicas(self, step: int) -> None:

@@ -25,6 +25,6 @@ result on any rank makes the size correct=false and the command exit 1.
 
 from __future__ import annotations
 
-from dpcompare.commands.bench_collectives.command import add_arguments, main, sweep_from_args
+from dpcompare.commands.bench_collectives.bench_collectives_command import add_arguments, main, sweep_from_args
 
 __all__ = ["add_arguments", "main", "sweep_from_args"]

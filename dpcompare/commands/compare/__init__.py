@@ -25,6 +25,6 @@ input.
 
 from __future__ import annotations
 
-from dpcompare.commands.compare.command import add_arguments, main
+from dpcompare.commands.compare.compare_command import add_arguments, main
 
 __all__ = ["add_arguments", "main"]

@@ -30,6 +30,6 @@ no usable results).
 
 from __future__ import annotations
 
-from dpcompare.commands.project.command import add_arguments, main
+from dpcompare.commands.project.project_command import add_arguments, main
 
 __all__ = ["add_arguments", "main"]

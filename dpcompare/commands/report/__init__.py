@@ -28,7 +28,7 @@ re-reported on a machine without the backends.
 from __future__ import annotations
 
 from dpcompare.commands.report.build import Report
-from dpcompare.commands.report.command import add_arguments, build_report, main
+from dpcompare.commands.report.report_command import add_arguments, build_report, main
 from dpcompare.commands.report.derive import (Baseline, Derived, derive, format_bytes, newest_per_backend_world_size,
                                               scaling_baseline)
 from dpcompare.commands.report.load import Inputs, load_inputs

@@ -59,7 +59,7 @@ def matrix_panels(matrix: dict[str, Any]) -> list[Panel]:
 
 
 DEFAULT_TOLERANCE_FLOORS = 10.0
-"""dpcompare.verify.equivalence.TOLERANCE_FACTOR, for summaries whose runs do not record their tolerance."""
+"""dpcompare.verify.oracle.gradient_oracle.TOLERANCE_FACTOR, for summaries whose runs do not record their tolerance."""
 
 
 def heatmap_scale(tolerance: float) -> tuple[BoundaryNorm, ListedColormap]:

@@ -1,7 +1,7 @@
 """The verifier's checks, one module each, and the list they run in.
 
 Owns: the `Check` protocol (the one interface of a check) and `CHECKS`, every check of a run in the order it runs at its
-point of a step (dpcompare.verify.context.Point). At `reduced` (after the reduce): the ranks' generators, the loss
+point of a step (dpcompare.verify.instruments.check_context.Point). At `reduced` (after the reduce): the ranks' generators, the loss
 scaler's overflow, the gradient, the buffers; at `updated` (after the optimizer step): the total norm clipped by, the
 loss scaler's skip, the update, the power of the step, the trajectory. The order is the verdict's: of two failed checks
 at one step, the one listed first is the run's first divergence. A new check is a module here with a class that follows
@@ -12,17 +12,17 @@ from __future__ import annotations
 
 from typing import ClassVar, Protocol
 
-from dpcompare.verify.bench import Bench
-from dpcompare.verify.checks.buffers import Buffers
-from dpcompare.verify.checks.generators import Generators
-from dpcompare.verify.checks.grad_norm import GradNorm
-from dpcompare.verify.checks.gradient import Gradient
-from dpcompare.verify.checks.loss_scale import OverflowSeen, SkipJudged
-from dpcompare.verify.checks.power import Power
-from dpcompare.verify.checks.trajectory import Trajectory
-from dpcompare.verify.checks.update import Update
-from dpcompare.verify.context import CheckContext, Finding, Point
-from dpcompare.verify.step_evidence import StepEvidence
+from dpcompare.verify.instruments.run_instruments import Bench
+from dpcompare.verify.checks.buffers_check import Buffers
+from dpcompare.verify.checks.generators_check import Generators
+from dpcompare.verify.checks.grad_norm_check import GradNorm
+from dpcompare.verify.checks.gradient_check import Gradient
+from dpcompare.verify.checks.loss_scale_check import OverflowSeen, SkipJudged
+from dpcompare.verify.checks.power_check import Power
+from dpcompare.verify.checks.trajectory_check import Trajectory
+from dpcompare.verify.checks.update_check import Update
+from dpcompare.verify.instruments.check_context import CheckContext, Finding, Point
+from dpcompare.verify.instruments.step_evidence import StepEvidence
 
 
 class Check(Protocol):
