@@ -24,7 +24,7 @@ _EXPORTS = {
     # a workload's batches from a torch Dataset, in DistributedSampler's order
     "from_dataset": "dpcompare.data",
     # --activation-checkpointing: each block recomputes its forward in backward
-    "checkpoint_blocks": "dpcompare.contract.checkpointing",
+    "checkpoint_blocks": "dpcompare.contract.activation_checkpointing",
     # a custom backend: the adapter contract
     "Adapter": "dpcompare.contract.adapter",
     "Capabilities": "dpcompare.contract.capabilities",
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from dpcompare.contract.launch_env import LaunchEnv, ensure_rendezvous
     from dpcompare.contract.process_group import DIST_BACKEND, ProcessGroupMixin
     from dpcompare.contract.syncbn import GlobalBatchNorm, convert_global_batchnorm, has_batchnorm
-    from dpcompare.contract.checkpointing import checkpoint_blocks
+    from dpcompare.contract.activation_checkpointing import checkpoint_blocks
     from dpcompare.contract.workload import Workload, block_modules, shard
     from dpcompare.data import from_dataset
     from dpcompare.run.config import RunConfig

@@ -40,7 +40,7 @@ def _shifted_class(cls: type) -> type:
 
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
 
-    # claims what checkpoint_blocks(preserve_rng_state=True) claims (dpcompare.contract.checkpointing's mark)
+    # claims what checkpoint_blocks(preserve_rng_state=True) claims (dpcompare.contract.activation_checkpointing's mark)
     return type(f"Shifted{cls.__name__}", (cls,), {"forward": forward, "_dpcompare_checkpoint_preserves_rng": True,
                                                    "__module__": cls.__module__})
 

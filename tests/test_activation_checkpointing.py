@@ -30,7 +30,7 @@ from conftest import child_env
 from test_compare import _ns
 from dpcompare import Adapter, block_modules, checkpoint_blocks
 from dpcompare.commands.compare import plan
-from dpcompare.contract.checkpointing import checkpointed_blocks
+from dpcompare.contract.activation_checkpointing import checkpointed_blocks
 from dpcompare.measure.clocks import MemoryWindow
 from dpcompare.run import backend
 from dpcompare.run.config import RunConfig

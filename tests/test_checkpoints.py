@@ -39,7 +39,7 @@ def test_each_route_is_the_libraries_own_and_state_losing_routes_are_refused_in_
 
 
 def test_the_flag_offers_the_formats_the_contract_saves():
-    from dpcompare.contract.checkpoints import FORMATS
+    from dpcompare.contract.checkpoint_io import FORMATS
     from dpcompare.run import config
 
     assert config.FORMATS == FORMATS

@@ -341,7 +341,7 @@ def test_a_masked_lm_masks_positions_drawn_from_seed_and_step_and_its_loss_is_a_
 @pytest.mark.parametrize(("family", "how"), [("llama", "transformers"), ("convnext", "dpcompare"), ("resnet", "none")])
 def test_verification_copies_recompute_where_the_model_can_and_give_the_very_gradient(
         families: dict[str, Path], family: str, how: str) -> None:
-    from dpcompare.contract import checkpointing
+    from dpcompare.contract import activation_checkpointing
     from dpcompare.verify.oracle.gradient_oracle import verification_copy
 
     w = _build(families[family], family)
@@ -356,10 +356,10 @@ def test_verification_copies_recompute_where_the_model_can_and_give_the_very_gra
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     if how == "dpcompare":  # ConvNeXt names its stages and their layers: only the stages recompute, once each
         stages = ["convnext.encoder.stages.0", "convnext.encoder.stages.1"]
-        assert list(checkpointing.checkpointed_blocks(model)) == stages
+        assert list(activation_checkpointing.checkpointed_blocks(model)) == stages
     if how == "none":  # the negative: recomputing a block that holds BatchNorm counts its batch twice
         model = verification_copy(w.model, torch.device("cpu"), torch.float64)
-        checkpointing.checkpoint_blocks(model)
+        activation_checkpointing.checkpoint_blocks(model)
         w.loss_fn(model(**batch), batch).backward()
         counts = {int(b) for n, b in model.named_buffers() if n.endswith("num_batches_tracked")}
         assert counts == {2}

@@ -5,7 +5,9 @@ layers above share (docs/ARCHITECTURE.md).
   capabilities   what an adapter declares as data (Capabilities, Option, Note) and what reaches it (Settings)
   comm_counter   a backend's own communication counter (CommCounter, CounterWindow -> CommCounts)
   workload       `Workload`, `shard` (how a global batch splits across ranks) and `block_modules` (a model's blocks)
-  checkpointing  --activation-checkpointing: each block recomputes its forward in backward
+  activation_checkpointing  --activation-checkpointing: each block recomputes its forward in backward (nothing
+                 to do with a saved checkpoint: that is checkpoint_io)
+  checkpoint_io  saved checkpoints: their formats, and a module's and optimizer's state saved and loaded
   launch_env     `LaunchEnv`: who started this process and which rank it is; the rendezvous for launchers that
                  set none
   process_group  `ProcessGroupMixin`: the process group, global BatchNorm and gathers a torch.distributed

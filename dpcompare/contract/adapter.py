@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from dpcompare.contract import amp as precision
-from dpcompare.contract.checkpointing import checkpoint_blocks
-from dpcompare.contract.checkpoints import load_state, save_state
+from dpcompare.contract.activation_checkpointing import checkpoint_blocks
+from dpcompare.contract.checkpoint_io import load_state, save_state
 from dpcompare.contract.launch_env import LaunchEnv
 from dpcompare.contract.amp import ScalerState
 from dpcompare.contract.capabilities import Capabilities, Note, Option, Settings
@@ -366,19 +366,19 @@ class Adapter:
     # -- checkpoints (--save-checkpoint, --load-checkpoint) -------------------------------------------
     @classmethod
     def checkpoint_formats(cls) -> tuple[str, ...]:
-        """The checkpoint formats (dpcompare.contract.checkpoints.FORMATS) this backend writes and reads, its own
+        """The checkpoint formats (dpcompare.contract.checkpoint_io.FORMATS) this backend writes and reads, its own
         first; empty: none. Default: torch and dcp, through torch.distributed.checkpoint's state-dict API."""
         return ("torch", "dcp")
 
     def save_checkpoint(self, directory: str, fmt: str) -> None:
         """Write the model's and the optimizer's state to `directory` in `fmt`, by the backend's library; called on
-        every rank after a step. Default: dpcompare.contract.checkpoints.save_state."""
+        every rank after a step. Default: dpcompare.contract.checkpoint_io.save_state."""
         assert self.wrapped is not None
         save_state(self.wrapped.module, self.wrapped.optimizer, directory, fmt, self.env.rank)
 
     def load_checkpoint(self, directory: str, fmt: str) -> None:
         """Load `directory` (in `fmt`) into the wrapped model and its optimizer; called on every rank after `wrap`,
-        before the first step. Default: dpcompare.contract.checkpoints.load_state."""
+        before the first step. Default: dpcompare.contract.checkpoint_io.load_state."""
         assert self.wrapped is not None
         load_state(self.wrapped.module, self.wrapped.optimizer, directory, fmt)
 

@@ -75,7 +75,7 @@ def _env_number(name: str, default: float) -> Callable[[], float]:
 
 
 FORMATS = ("torch", "dcp", "deepspeed", "universal")
-"""--checkpoint-format's values: dpcompare.contract.checkpoints.FORMATS, named here so that parsing the flags never
+"""--checkpoint-format's values: dpcompare.contract.checkpoint_io.FORMATS, named here so that parsing the flags never
 imports the contract (and torch)."""
 @dataclass(kw_only=True, slots=True)
 class RunConfig:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dpcompare.contract.checkpointing import checkpoint_blocks
+from dpcompare.contract.activation_checkpointing import checkpoint_blocks
 from dpcompare.contract.workload import block_modules
 from dpcompare.run.workloads import _generator, token_batch, token_stream
 

@@ -13,7 +13,7 @@ import math
 from typing import Any, Mapping
 
 from dpcompare import verdict_words as words
-from dpcompare.contract import checkpointing
+from dpcompare.contract import activation_checkpointing
 from dpcompare.result_view import Equivalence, RunResult
 from dpcompare.verify.oracle import float64_paths
 
@@ -142,7 +142,7 @@ def summary_line(payload: Mapping[str, Any]) -> str:
         detail += f"; first divergence at {words.divergence(e.first_divergence)}"
     if e.unverifiable_reason:
         detail += f"; unverifiable: {e.unverifiable_reason}"
-    detail += checkpointing.summary_phrase(r.activation_checkpointing, m.peak_mem_mib.value,
+    detail += activation_checkpointing.summary_phrase(r.activation_checkpointing, m.peak_mem_mib.value,
                                            m.peak_above_start_mib.value)
     detail += "; replicas identical" if e.replicas_identical else "; REPLICAS DIFFER"
     detail += "".join(f"; {fact}" for fact in _precision_facts(e) + _semantic_facts(e)

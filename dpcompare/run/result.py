@@ -13,7 +13,7 @@ import time
 from typing import Any, Mapping
 
 from dpcompare import results
-from dpcompare.contract import Adapter, checkpointing
+from dpcompare.contract import Adapter, activation_checkpointing
 from dpcompare.contract import launch_env as launch
 from dpcompare.run import backend, compilation
 from dpcompare.run.config import RunConfig
@@ -63,7 +63,7 @@ def write(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wor
         payload["grad_dump"] = str(cfg.dump_grads)
     if compile_log is not None:
         payload["compile"] = {**compile_log.to_dict(), **(metrics or {}).pop("compile", {})}
-    payload["activation_checkpointing"] = checkpointing.record(adapter.wrapped.module)
+    payload["activation_checkpointing"] = activation_checkpointing.record(adapter.wrapped.module)
     payload["state"] = state  # what each rank held for the model's state (dpcompare.run.state_table)
     path = results.result_path(cfg.out, cfg.backend, env.world_size, workload.name, variant)
     payload = results.sanitize(payload)

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 from torch import nn
 
 from dpcompare.contract import Adapter, Note
-from dpcompare.contract import batches, checkpointing
+from dpcompare.contract import batches, activation_checkpointing
 from dpcompare.contract import launch_env as launch
 from dpcompare.contract import sparse
 from dpcompare.contract import normalisation
@@ -319,7 +319,7 @@ def _build(cfg: RunConfig, env: launch.LaunchEnv, adapter: Adapter, workload: Wo
     wrapped = adapter.wrap(module, optimizer, local_batch, global_batch)
     adapter.start_scheduler()
     if blocks:
-        wrapped.notes.append(Note("activation_checkpointing", checkpointing.describe(wrapped.module)))
+        wrapped.notes.append(Note("activation_checkpointing", activation_checkpointing.describe(wrapped.module)))
     if cfg.compile:
         adapter.compile()
     if cfg.no_dropout:

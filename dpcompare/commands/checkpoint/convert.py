@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dpcompare.contract.checkpoints import TORCH_FILE
+from dpcompare.contract.checkpoint_io import TORCH_FILE
 from dpcompare.run.launchers import run_process
 
 TAG = "dpcompare"

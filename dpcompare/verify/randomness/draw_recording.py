@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from dpcompare.contract.checkpointing import checkpointed_blocks
+from dpcompare.contract.activation_checkpointing import checkpointed_blocks
 from dpcompare.contract import batches
 from dpcompare.verify.randomness import random_ops
 from dpcompare.verify.randomness import random_modules
