@@ -31,8 +31,8 @@ _EXPORTS = {
     "Option": "dpcompare.contract.capabilities",
     "Settings": "dpcompare.contract.capabilities",
     "Note": "dpcompare.contract.capabilities",
-    "Wrapped": "dpcompare.contract.adapter",
-    "ModelFacts": "dpcompare.contract.adapter",
+    "Wrapped": "dpcompare.contract.training_protocol",
+    "ModelFacts": "dpcompare.contract.training_protocol",
     "CommCounter": "dpcompare.contract.comm_counter",
     "CommCounts": "dpcompare.contract.comm_counter",
     "CounterWindow": "dpcompare.contract.comm_counter",
@@ -56,7 +56,8 @@ _EXPORTS = {
 __all__ = ["__version__", "SCHEMA_VERSION", *_EXPORTS]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from dpcompare.contract.adapter import Adapter, ModelFacts, Wrapped
+    from dpcompare.contract.adapter import Adapter
+    from dpcompare.contract.training_protocol import ModelFacts, Wrapped
     from dpcompare.contract.capabilities import Capabilities, Note, Option, Settings
     from dpcompare.contract.comm_counter import CommCounter, CommCounts, CounterWindow
     from dpcompare.contract.amp import AMP_DTYPES, AMP_NAMES, ScalerState

@@ -10,7 +10,7 @@ it sits in the bottom layer, so the run, compare and report all may import it.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 from dpcompare.result_view import Check, Divergence, Equivalence, Figure
 
@@ -78,6 +78,19 @@ def grad_norm_phrase(norm: Check) -> str:
                "no checked step (the unclipped norm stayed below it)"))
 
 
+def entry_phrase(check: Check) -> str:
+    """A check of one's own that declares no words: its name and status, and its noise ratio where it records one."""
+    ratio = f", {_f(check.noise_ratio, X_FLOOR)}x floor" if check.raw.get("noise_ratio") is not None else ""
+    return f"{check.name}: {check.status}{ratio}"
+
+
+PHRASES: dict[str, Callable[[Check], str]] = {"update": update_phrase, "trajectory": trajectory_phrase,
+                                              "grad_norm": grad_norm_phrase}
+"""The checks after the gradient with words of their own here, in the run line's order; any other check a result
+records is phrased after them, in the result's order, by its own words (`check_phrases`' `own`) or from its entry
+(`entry_phrase`)."""
+
+
 def power_phrase(e: Equivalence) -> str:
     """The verdict's power, and how many parameters were judged one by one where some were too noisy alone."""
     coverage = e.gradient.coverage
@@ -87,11 +100,14 @@ def power_phrase(e: Equivalence) -> str:
     return f"catches a change of {e.min_detectable_rel.text(CATCHES)} (relative) in the gradient or the update{judged}"
 
 
-def check_phrases(e: Equivalence, dtype: str, amp: str) -> list[str]:
-    """Each check that ran, in a phrase, and the verdict's power."""
+def check_phrases(e: Equivalence, dtype: str, amp: str,
+                  own: Mapping[str, Callable[[Check], str]] | None = None) -> list[str]:
+    """Each check that ran, in a phrase, and the verdict's power. `own`: the words of checks of one's own, by name
+    (dpcompare.verify.checks.Check's optional `words`, handed by the run's line)."""
     parts = [gradient_phrase(e, dtype, amp)] if e.checked_steps else []
-    parts += [phrase(check) for check, phrase in ((e.update, update_phrase), (e.trajectory, trajectory_phrase),
-                                                 (e.grad_norm, grad_norm_phrase)) if check.ran]
+    parts += [phrase(e.check(name)) for name, phrase in PHRASES.items() if e.check(name).ran]
+    parts += [(own or {}).get(name, entry_phrase)(e.check(name)) for name in e.check_names
+              if name != "gradient" and name not in PHRASES and e.check(name).ran]
     if e.min_detectable_rel.value is not None:
         parts.append(power_phrase(e))
     return parts

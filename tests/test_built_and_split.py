@@ -28,7 +28,7 @@ from torch import nn
 
 import semantics_workloads as sw
 from conftest import torchrun_rank_logs
-from dpcompare import results
+from dpcompare import json_files
 from dpcompare.run import workloads
 from dpcompare.verify.oracle import float64_paths
 from dpcompare.verify.oracle import gradient_oracle as eq
@@ -294,12 +294,12 @@ def test_a_relative_error_over_a_zero_reference_is_null_with_its_reason():
     assert math.isnan(by["unused"].max_rel_err) and "is zero throughout" in by["unused"].max_rel_err_reason
     assert by["w"].max_rel_err == pytest.approx(1e-7, rel=1e-3) and by["w"].max_rel_err_reason is None
     verdict = eq.Verdict(checks=[eq.StepCheck(0, params, True, True, model=model)])
-    out = results.sanitize(verdict.to_dict(eq.tolerance_policy("float32", WS, 2)))
+    out = json_files.sanitize(verdict.to_dict(eq.tolerance_policy("float32", WS, 2)))
     assert out["max_rel_err"] == pytest.approx(1e-7, rel=1e-3) and out["max_rel_err_reason"] is None
     step_params = {p["parameter"]: p for p in out["per_step"][0]["params"]}
     assert step_params["unused"]["max_rel_err"] is None and "zero throughout" in step_params["unused"]["max_rel_err_reason"]
     only_zero = eq.Verdict(checks=[eq.StepCheck(0, [by["unused"]], True, True)])
-    out = results.sanitize(only_zero.to_dict(eq.tolerance_policy("float32", WS, 2)))
+    out = json_files.sanitize(only_zero.to_dict(eq.tolerance_policy("float32", WS, 2)))
     assert out["max_rel_err"] is None and "zero throughout" in out["max_rel_err_reason"]
 
 

@@ -15,6 +15,7 @@ import inspect
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import get_args
 
@@ -22,7 +23,7 @@ import pytest
 
 from conftest import REPO_ROOT, without_launcher_vars
 from dpcompare import cli
-from dpcompare.verify.phase import verifier
+from dpcompare.verify import checks
 from dpcompare.verify.checks import CHECKS, GradNorm
 from dpcompare.verify.instruments.check_context import CheckContext, CheckSettings, Finding, Point
 from dpcompare.verify.judgement.verdict import CheckName, Divergence
@@ -47,8 +48,9 @@ def test_every_check_follows_the_one_interface() -> None:
 def test_a_failure_names_a_check_the_result_schema_declares() -> None:
     divergence = json.loads(SCHEMA.read_text())["properties"]["equivalence"]["properties"]["first_divergence"]
     (declared,) = [d for d in divergence["oneOf"] if d.get("type") == "object"]
-    enum = declared["properties"]["check"]["enum"]
-    assert enum == list(get_args(CheckName))
+    known, own = declared["properties"]["check"]["anyOf"]
+    assert known["enum"] == list(get_args(CheckName))
+    assert own["type"] == "string" and re.fullmatch(own["pattern"], "bounded_gradient")  # a check of one's own
     # every check of the list is a failure's name, but the power check, which only makes a weak verdict unverifiable
     assert {c.name for c in CHECKS} - set(get_args(CheckName)) == {"power"}
 
@@ -107,7 +109,7 @@ class _PlantedAtReduce(_Planted):
 
 def test_a_check_added_to_the_list_runs_at_its_point_and_its_failure_is_the_verdicts(tmp_path: Path,
                                                                                      monkeypatch) -> None:
-    monkeypatch.setattr(verifier, "CHECKS", (*CHECKS, _PlantedAtReduce, _Planted))
+    monkeypatch.setattr(checks, "CHECKS", [*CHECKS, _PlantedAtReduce, _Planted])  # the list the verifier reads
     for planted in (_Planted, _PlantedAtReduce):
         monkeypatch.setattr(planted, "seen", [])
         monkeypatch.setattr(planted, "contexts", [])

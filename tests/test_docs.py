@@ -397,7 +397,7 @@ def test_the_custom_backend_example_runs_as_written(tmp_path: Path):
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_the_custom_backend_example_gets_mixed_precision_from_the_base_class(tmp_path: Path):
-    """The example overrides only setup and reduce: autocast, the GradScaler's loss scaling, unscale and its step come
+    """The minimal backend overrides none of autocast, the GradScaler's loss scaling, unscale and its step: they come
     from the base Adapter, and the run is judged on the fp16 recipe's floor."""
     out = run_example(REPO_ROOT / "docs" / "extending.md", "--backend", tmp_path, ("--amp", "fp16"))
     assert "ws=2" in out and "--amp fp16 autocast recipe; loss scale 2^16 at the start" in out, out

@@ -8,7 +8,7 @@ what the child printed is read from torchrun's per-rank logs (`--log-dir D --red
 torchrun's ChildFailedError report contains a "Traceback" of torchrun's own frames
 (torch/distributed/run.py -> launcher/api.py) that says nothing about dpcompare. A crashed rank ends the
 launch quickly; a hung rank ends it within the --timeout-s watchdog and is named. Results on disk are
-never half-written (dpcompare.results.write_atomic). The positive twin of every check here (a good run
+never half-written (dpcompare.json_files.write_atomic). The positive twin of every check here (a good run
 exits 0, prints no error line and writes exactly one valid result) is asserted by the launch helper in
 conftest.py for every equivalent run of test_equivalence_matrix.py.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT, torchrun_rank_logs, without_launcher_vars
-from dpcompare import cli, results
+from dpcompare import cli, json_files
 
 ERROR_PREFIX = "dpcompare: error:"
 _FRAME = re.compile(r'^\s*File "([^"]+)"', re.MULTILINE)
@@ -315,7 +315,7 @@ class _Unserialisable:
 
 def test_write_atomic_writes_complete_json(tmp_path: Path):
     path = tmp_path / "r.json"
-    results.write_atomic(path, {"a": 1, "nan": float("nan"), "nested": [1.5, {"inf": float("inf")}]})
+    json_files.write_atomic(path, {"a": 1, "nan": float("nan"), "nested": [1.5, {"inf": float("inf")}]})
     assert json.loads(path.read_text()) == {"a": 1, "nan": None, "nested": [1.5, {"inf": None}]}
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
@@ -324,14 +324,14 @@ def test_latest_moves_to_the_newest_compare_and_never_replaces_a_real_folder(tmp
     first, second = tmp_path / "20261125-100000", tmp_path / "20261125-110000"
     first.mkdir(), second.mkdir()
     (first / "compare.json").write_text("{}")
-    assert results.point_latest(first) == tmp_path / "latest"
+    assert json_files.point_latest(first) == tmp_path / "latest"
     assert (tmp_path / "latest" / "compare.json").exists() and os.readlink(tmp_path / "latest") == first.name
-    results.point_latest(second)
+    json_files.point_latest(second)
     assert os.readlink(tmp_path / "latest") == second.name
     assert sorted(p.name for p in tmp_path.iterdir()) == ["20261125-100000", "20261125-110000", "latest"]
     (tmp_path / "latest").unlink()
     (tmp_path / "latest").mkdir()  # a folder of the user's own named latest: left alone
-    assert results.point_latest(second) is None and not (tmp_path / "latest").is_symlink()
+    assert json_files.point_latest(second) is None and not (tmp_path / "latest").is_symlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["20261125-100000", "20261125-110000", "latest"]
 
 
@@ -339,16 +339,16 @@ def test_failed_serialisation_leaves_no_file_and_no_temp_file(tmp_path: Path):
     path = tmp_path / "out" / "r.json"
     payload = {"first": "x" * 100_000, "bad": _Unserialisable()}  # enough text that some is written first
     with pytest.raises(RuntimeError, match="cannot serialise"):
-        results.write_atomic(path, payload)
+        json_files.write_atomic(path, payload)
     assert list(path.parent.iterdir()) == []
 
 
 def test_failed_serialisation_leaves_an_existing_result_untouched(tmp_path: Path):
     path = tmp_path / "r.json"
-    results.write_atomic(path, {"run": "earlier"})
+    json_files.write_atomic(path, {"run": "earlier"})
     before = path.read_bytes()
     with pytest.raises(RuntimeError):
-        results.write_atomic(path, {"run": "later", "bad": _Unserialisable()})
+        json_files.write_atomic(path, {"run": "later", "bad": _Unserialisable()})
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
@@ -356,11 +356,11 @@ def test_failed_serialisation_leaves_an_existing_result_untouched(tmp_path: Path
 def test_a_fenced_write_finds_its_fence_and_writes_nothing(tmp_path: Path):
     fence = tmp_path / "job.closed"
     path = tmp_path / "runs" / "r.json"
-    results.write_atomic(path, {"run": "on time"}, unless=fence)  # no fence yet: written
+    json_files.write_atomic(path, {"run": "on time"}, unless=fence)  # no fence yet: written
     assert json.loads(path.read_text()) == {"run": "on time"}
     fence.touch()
-    with pytest.raises(results.Closed, match="job.closed exists"):
-        results.write_atomic(path, {"run": "late"}, unless=fence)
+    with pytest.raises(json_files.Closed, match="job.closed exists"):
+        json_files.write_atomic(path, {"run": "late"}, unless=fence)
     assert json.loads(path.read_text()) == {"run": "on time"}
     assert [p.name for p in path.parent.iterdir()] == ["r.json"], "no temporary file left behind"
 

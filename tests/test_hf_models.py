@@ -469,7 +469,7 @@ def test_bad_hf_input_is_one_line(configs: dict[str, Path], spec: str, seq_len: 
 
 
 def test_a_result_file_is_named_by_the_model_not_by_its_path() -> None:
-    from dpcompare.results import file_stem_of_model, result_path
+    from dpcompare.run.result_writer import file_stem_of_model, result_path
 
     assert file_stem_of_model("hf:/tmp/x/tiny-llama/") == "hf-tiny-llama"
     assert file_stem_of_model("hf:meta-llama/Llama-3.2-1B") == "hf-Llama-3.2-1B"

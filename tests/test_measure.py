@@ -1,6 +1,6 @@
 """Measurement arithmetic on synthetic timings: every reported figure against a hand-computed value.
 
-Checks dpcompare.measure.summary.summarize (step percentiles of the slowest rank, throughput, rank spread,
+Checks dpcompare.measure.run_metrics.summarize (step percentiles of the slowest rank, throughput, rank spread,
 stragglers, ablation, overlap, bandwidth, the seed T_comm model, memory, nulls with reasons),
 model_state_mib, the Horovod timeline parser (dpcompare.measure.timeline) and the CPU memory window, each with a
 case where the figure must come out different (a planted stall, a missing counter, overlapping
@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from dpcompare.measure import bandwidth, clocks, consistency
-from dpcompare.measure import summary as measure
+from dpcompare.measure import ablation, bandwidth, clocks, consistency
+from dpcompare.measure import run_metrics as measure
+from dpcompare.measure.samples import RankSample
 from dpcompare.measure import timeline
 
 
 def sample(step_ms, synced=(), unsynced=(), comm=None, peak=100.0):
-    return measure.RankSample(list(step_ms), list(synced), list(unsynced),
+    return RankSample(list(step_ms), list(synced), list(unsynced),
                               {"peak_mem_mib": peak, "peak_mem_reserved_mib": None}, None, comm)
 
 
@@ -225,15 +226,15 @@ def test_timeline_sums_disjoint_intervals():
 def test_the_exposed_interval_holds_a_real_difference_and_excludes_none_that_is_absent() -> None:
     rng = np.random.default_rng(7)
     unsynced = 50.0 + rng.normal(0.0, 1.0, 20)
-    clear = measure.exposed_interval(unsynced + 10.0 + rng.normal(0.0, 1.0, 20), unsynced)
+    clear = ablation.exposed_interval(unsynced + 10.0 + rng.normal(0.0, 1.0, 20), unsynced)
     assert 7.0 < clear[0] <= clear[1] < 13.0
     # the same distribution in both arms: the interval reaches 0 (clipped there, as the figure is)
-    same = measure.exposed_interval(50.0 + rng.normal(0.0, 5.0, 20), 50.0 + rng.normal(0.0, 5.0, 20))
+    same = ablation.exposed_interval(50.0 + rng.normal(0.0, 5.0, 20), 50.0 + rng.normal(0.0, 5.0, 20))
     assert same[0] == 0.0 and same[1] > 0.0
     # wider noise, wider interval; too few steps, no interval
-    noisy = measure.exposed_interval(unsynced + 10.0 + rng.normal(0.0, 8.0, 20), unsynced)
+    noisy = ablation.exposed_interval(unsynced + 10.0 + rng.normal(0.0, 8.0, 20), unsynced)
     assert noisy[1] - noisy[0] > clear[1] - clear[0]
-    assert measure.exposed_interval(np.array([2.0, 3.0]), np.array([1.0, 1.0])) is None
+    assert ablation.exposed_interval(np.array([2.0, 3.0]), np.array([1.0, 1.0])) is None
 
 
 def test_pairs_run_back_to_back_cancel_the_machine_s_drift() -> None:
@@ -243,8 +244,8 @@ def test_pairs_run_back_to_back_cancel_the_machine_s_drift() -> None:
     load = rng.normal(0.0, 10.0, 20) + np.repeat([0.0, 8.0], 10)  # another tenant, step to step; a slow spell
     unsynced = 50.0 + load + rng.normal(0.0, 0.5, 20)
     synced = unsynced + 5.0 + rng.normal(0.0, 0.5, 20)
-    assert measure.ablation_difference(synced, unsynced) == pytest.approx(5.0, abs=0.5)
-    lo, hi = measure.exposed_interval(synced, unsynced)
+    assert ablation.ablation_difference(synced, unsynced) == pytest.approx(5.0, abs=0.5)
+    lo, hi = ablation.exposed_interval(synced, unsynced)
     assert 4.0 < lo <= hi < 6.0
     blocks = float(np.median(synced[:10]) - np.median(unsynced[10:]))  # each arm in its own window
     assert abs(blocks - 5.0) > 2.0
@@ -257,7 +258,7 @@ def test_pairs_run_back_to_back_cancel_the_machine_s_drift() -> None:
     (3.0, None, 3.0, None),   # no counter: nothing to bound by, no interference figure
 ])
 def test_exposed_is_bounded_by_the_total_and_the_rest_is_interference(difference, total, exposed, interference) -> None:
-    got = measure.exposed_split(difference, total)
+    got = ablation.exposed_split(difference, total)
     assert got[0] == pytest.approx(exposed) and (got[1] == pytest.approx(interference) if total is not None
                                                  else got[1] is None)
     if total is not None:

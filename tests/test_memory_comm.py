@@ -4,8 +4,8 @@ communication by kind measured where Python dispatches it and by the same paper'
 Checks dpcompare.measure.memory (the census counts every storage byte once, the formula against hand-computed numbers
 and the paper's own figure 1), dpcompare.measure.volume (the analytic volume per kind, nccl-tests' bus factors, the
 per-kind figures from synthetic records), dpcompare.measure.collectives (the recorder over a one-rank gloo group:
-bytes per kind, a nested call counted once, async time up to wait(), the originals restored), the summary's choice
-of rank, the schema, and real runs (ddp: analytic only; deepspeed ZeRO-0: the measured all-reduce is the gradient).
+bytes per kind, a nested call counted once, async time up to wait(), the originals restored), the run's metrics'
+choice of rank (dpcompare.measure.run_metrics), the schema, and real runs (ddp: analytic only; deepspeed ZeRO-0: the measured all-reduce is the gradient).
 Every figure has a twin where it must come out different.
 """
 
@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from dpcompare.measure import bandwidth, memory, volume
-from dpcompare.measure import summary as measure
+from dpcompare.measure import run_metrics as measure
+from dpcompare.measure.samples import RankSample
 from dpcompare.measure.collectives import CollectiveRecorder
 from conftest import one_rank_script, without_launcher_vars
 
@@ -330,9 +331,9 @@ def test_the_recorder_restores_the_originals_when_the_window_fails(one_rank_grou
     assert dist.all_reduce is before
 
 
-# -- the summary -----------------------------------------------------------------------------------------------------
+# -- the run's metrics -----------------------------------------------------------------------------------------------
 def _sample(census=None, collectives=None):
-    return measure.RankSample([10.0, 10.0], [], [], {"peak_mem_mib": 1.0, "peak_mem_reserved_mib": None}, None, None,
+    return RankSample([10.0, 10.0], [], [], {"peak_mem_mib": 1.0, "peak_mem_reserved_mib": None}, None, None,
                               model_state=census, collectives=collectives)
 
 
@@ -368,15 +369,15 @@ def test_a_rank_without_census_leaves_the_analytic_model_state_with_the_reason()
 
 # -- the schema ------------------------------------------------------------------------------------------------------
 def _payload_with(metrics: dict) -> dict:
-    from dpcompare import results
+    from dpcompare import json_files
     from dpcompare.run.config import RunConfig
     from dpcompare.verify.oracle import gradient_oracle as eq
 
     policy = eq.tolerance_policy("float32", 1, 3)
-    return results.sanitize(results.base_payload(
+    return json_files.sanitize(json_files.base_payload(
         backend="reference", launcher="python", world_size=1, device="cpu", model="mlp", global_batch=24,
         local_batch=24, scaling="strong", steps=1, tag=None, config=RunConfig().to_dict(),
-        equivalence=eq.Verdict().to_dict(policy), env=results.environment(), created_unix=0.0, metrics=metrics))
+        equivalence=eq.Verdict().to_dict(policy), env=json_files.environment(), created_unix=0.0, metrics=metrics))
 
 
 def test_schema_accepts_the_new_metrics_and_rejects_a_malformed_kind() -> None:

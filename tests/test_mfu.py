@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dpcompare.measure import flops
-from dpcompare.measure.summary import stragglers
+from dpcompare.measure.step_time import stragglers
 
 LAYERS = ((32, 64), (64, 64), (64, 10))  # the mlp workload's linear layers
 
@@ -63,7 +63,8 @@ def test_the_measured_peak_is_a_matmul_rate():
 
 
 def test_mfu_is_the_achieved_rate_over_the_peak_and_each_missing_figure_says_why():
-    from dpcompare.measure.summary import Metrics, record_mfu
+    from dpcompare.measure.flops import record_mfu
+    from dpcompare.measure.samples import Metrics
 
     m = Metrics()
     found = {"dtype": "fp32", "flops": 1e9, "measured": 8.0, "datasheet": None,

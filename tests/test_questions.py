@@ -118,9 +118,9 @@ def test_each_figure_reads_what_its_question_asks_and_says_when_there_is_nothing
     assert questions.peak_figure(control, control) == "peak 400 MiB/rank, step p50 8 ms"  # the control itself
     checkpointed = RunResult({"activation_checkpointing": {"blocks": 2},
                               "metrics": {"peak_mem_mib": 380.0, "step_ms_p50": 12.0}})
-    assert questions.checkpointing_figure(checkpointed, control) == (
+    assert questions.activation_checkpointing_figure(checkpointed, control) == (
         "2 block(s) recomputed; peak 380 MiB/rank (-5% against 400 without), step p50 12 ms (+50% against 8 without)")
-    assert questions.checkpointing_figure(control, control) == "peak 400 MiB/rank, step p50 8 ms"
+    assert questions.activation_checkpointing_figure(control, control) == "peak 400 MiB/rank, step p50 8 ms"
     compiled = RunResult({"compile": {"compile_s": 10.24, "graphs": 1, "compiled_graphs": 2, "graph_breaks": 0, "recompiles": 0,
                             "measured_steps_excluded": 1}, "metrics": {"step_ms_p50": 6.0}})
     assert questions.compile_figure(compiled, control) == (
@@ -141,7 +141,7 @@ def _answered(tmp_path: Path, monkeypatch) -> tuple[list[dict], list]:
 
 def test_the_answers_table_and_the_report_show_each_question_with_its_rows(tmp_path, monkeypatch):
     answered, jobs = _answered(tmp_path, monkeypatch)
-    assert [q["name"] for q in answered] == ["clipping", "hsdp", "checkpointing", "compile"]
+    assert [q["name"] for q in answered] == ["clipping", "hsdp", "activation_checkpointing", "compile"]
     clip = answered[0]
     assert clip["threads"] == ["deepspeedai/DeepSpeed#7220", "deepspeedai/DeepSpeed#5188"]
     assert [r["status"] for r in clip["rows"]][:2] == ["equivalent", "failed"]

@@ -27,7 +27,7 @@ import pytest
 import dpcompare
 from dpcompare import verdict_words as words
 from dpcompare.result_view import Check, Equivalence, Field, Metrics, ResultError, RunResult
-from dpcompare.run import line, registry, result
+from dpcompare.run import line, registry, result_writer
 from dpcompare.run.config import RunConfig
 from dpcompare.verify.judgement.tolerance import allowed_floor
 
@@ -106,10 +106,12 @@ def _fields(*views: type) -> set[str]:
 
 
 def test_every_key_the_reader_declares_is_one_its_writer_writes() -> None:
-    """A Field names a key its writer writes (measure.summary the metrics, verify.verdict the verdict's figures): a
-    misspelt declaration would read as missing in every result."""
-    metrics = written_keys((LIBRARY / "measure" / "summary.py").read_text())
-    verdict = written_keys((LIBRARY / "verify" / "verdict.py").read_text())
+    """A Field names a key its writer writes (the modules of measure/ the metrics, each its concern's, and
+    measure.run_metrics the run's facts; verify.verdict the verdict's figures): a misspelt declaration would read as
+    missing in every result."""
+    metrics = set().union(*(written_keys(path.read_text()) for path in (LIBRARY / "measure").glob("*.py")))
+    writers = [LIBRARY / "verify" / "judgement" / "verdict.py", *(LIBRARY / "verify" / "checks").glob("*.py")]
+    verdict = set().union(*(written_keys(path.read_text()) for path in writers))  # the verdict's, each check's entry
     assert _fields(Metrics) - metrics == set()
     assert _fields(Equivalence, Check) - verdict == set()
     # The twin: a declaration misspelt.
@@ -157,16 +159,16 @@ def test_a_run_records_the_knobs_it_changes_from_its_adapters_own_declarations()
     fsdp = registry.load("fsdp", registry.BACKENDS, "backend")
     ddp = registry.load("ddp", registry.BACKENDS, "backend")
     cfg = RunConfig()
-    assert result.knobs(cfg, deepspeed, _options(deepspeed, zero_stage="2")) == {"zero_stage": 2}
-    assert result.knobs(cfg, deepspeed, _options(deepspeed, zero_stage="0")) == {}  # stage 0 is its default
-    assert result.knobs(cfg, deepspeed, _options(deepspeed, zero_stage="3", amp_recipe="engine")) == {
+    assert result_writer.knobs(cfg, deepspeed, _options(deepspeed, zero_stage="2")) == {"zero_stage": 2}
+    assert result_writer.knobs(cfg, deepspeed, _options(deepspeed, zero_stage="0")) == {}  # stage 0 is its default
+    assert result_writer.knobs(cfg, deepspeed, _options(deepspeed, zero_stage="3", amp_recipe="engine")) == {
         "amp_recipe": "engine", "zero_stage": 3}  # in the order of its OPTIONS
-    assert result.knobs(cfg, fsdp, _options(fsdp, reshard_after_forward="false")) == {"reshard_after_forward": False}
+    assert result_writer.knobs(cfg, fsdp, _options(fsdp, reshard_after_forward="false")) == {"reshard_after_forward": False}
     # An option no named variant sets leaves the run its backend's baseline.
-    assert result.knobs(cfg, deepspeed, _options(deepspeed, gradient_clipping="1.0")) == {}
-    assert result.knobs(RunConfig(grad_accum=4, bucket_mb=0.01), ddp, _options(ddp)) == {"grad_accum": 4,
+    assert result_writer.knobs(cfg, deepspeed, _options(deepspeed, gradient_clipping="1.0")) == {}
+    assert result_writer.knobs(RunConfig(grad_accum=4, bucket_mb=0.01), ddp, _options(ddp)) == {"grad_accum": 4,
                                                                                           "bucket_mb": 0.01}
-    assert RunResult({"knobs": result.knobs(cfg, fsdp, _options(fsdp, reshard_after_forward="false"))}).knob_label \
+    assert RunResult({"knobs": result_writer.knobs(cfg, fsdp, _options(fsdp, reshard_after_forward="false"))}).knob_label \
         == "reshard_after_forward=false"
 
 
@@ -177,10 +179,10 @@ def test_a_changed_declaration_changes_the_knobs_a_run_records() -> None:
     stage_one = type("StageOne", (deepspeed,), {"OPTIONS": tuple(
         dataclasses.replace(o, default=1) if o.name == "zero_stage" else o for o in deepspeed.OPTIONS)})
     cfg = RunConfig()
-    assert result.knobs(cfg, stage_one, _options(stage_one, zero_stage="1")) == {}
-    assert result.knobs(cfg, stage_one, _options(stage_one, zero_stage="0")) == {"zero_stage": 0}
+    assert result_writer.knobs(cfg, stage_one, _options(stage_one, zero_stage="1")) == {}
+    assert result_writer.knobs(cfg, stage_one, _options(stage_one, zero_stage="0")) == {"zero_stage": 0}
     unnamed = type("Unnamed", (fsdp,), {"VARIANTS": {}})
-    assert result.knobs(cfg, unnamed, _options(unnamed, reshard_after_forward="false")) == {}
+    assert result_writer.knobs(cfg, unnamed, _options(unnamed, reshard_after_forward="false")) == {}
 
 
 def _tolerance() -> dict[str, Any]:

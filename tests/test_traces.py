@@ -77,7 +77,7 @@ def _cpu_step(overlapped: bool) -> list[dict]:
 
 
 def test_a_collective_the_step_waits_for_is_exposed_and_one_beside_compute_is_not():
-    from dpcompare.measure import summary, trace
+    from dpcompare.measure import trace
 
     waited, = trace.per_step(_cpu_step(overlapped=False))
     assert waited["step"] == 4 and waited["comm_ms"] == pytest.approx(3.95) and waited["exposed_ms"] == pytest.approx(3.95)
@@ -86,7 +86,7 @@ def test_a_collective_the_step_waits_for_is_exposed_and_one_beside_compute_is_no
 
 
 def test_on_a_gpu_nccl_kernels_are_held_against_the_other_kernels():
-    from dpcompare.measure import summary, trace
+    from dpcompare.measure import trace
 
     events = [_x("dpcompare.step 0", 0, 8_000, cat="user_annotation"),  # ends with a synchronize
               _x("dpcompare.reduce", 900, 50, cat="user_annotation"),
@@ -98,11 +98,12 @@ def test_on_a_gpu_nccl_kernels_are_held_against_the_other_kernels():
 
 
 def test_a_trace_without_the_steps_ranges_has_no_figure():
-    from dpcompare.measure import summary, trace
+    from dpcompare.measure import trace
+    from dpcompare.measure.samples import Metrics
 
     assert trace.per_step([_x("gloo:all_reduce", 0, 10)]) == [] and trace.rank_figure([]) is None
-    m = summary.Metrics()
-    summary.record_traced(m, None, 2.0)
+    m = Metrics()
+    trace.record_traced(m, None, 2.0)
     assert m.values["comm_exposed_trace_ms"] is None and "--profile" in m.reasons["comm_exposed_trace_ms"]
     assert m.values["comm_exposed_trust"] == "ablation"
 
@@ -115,7 +116,7 @@ def test_a_trace_without_the_steps_ranges_has_no_figure():
     (None, None, 4.0, "trace", "did not run"),
 ])
 def test_where_the_two_figures_disagree_the_result_says_which_to_trust_and_why(ablation, ci, traced, which, words):
-    from dpcompare.measure import summary, trace
+    from dpcompare.measure import trace
 
     trusted, why = trace.trust(ablation, ci, traced)
     assert trusted == which and words in why, why
@@ -178,12 +179,13 @@ def test_a_rank_slower_in_compute_is_named_and_does_not_lift_the_ablation(launch
 def test_the_run_figure_is_the_rank_that_arrived_last():
     """The rank that reached the collective early books its wait for the others as exposed: the smallest rank's
     figure is the collective's own, the one the ablation's slowest-rank difference measures."""
-    from dpcompare.measure import summary, trace
+    from dpcompare.measure import trace
+    from dpcompare.measure.samples import Metrics
 
     early = trace.rank_figure([{"step": 1, "comm_ms": 9.0, "exposed_ms": 8.0}])
     last = trace.rank_figure([{"step": 1, "comm_ms": 3.0, "exposed_ms": 2.5}])
-    m = summary.Metrics()
-    summary.record_traced(m, [early, last], 2.4)
+    m = Metrics()
+    trace.record_traced(m, [early, last], 2.4)
     values = m.values
     assert values["comm_exposed_trace_ms"] == 2.5 and values["comm_exposed_trace_rank"] == 1
     assert values["comm_exposed_trace_ms_per_rank"] == [8.0, 2.5] and values["comm_exposed_trust"] == "both"

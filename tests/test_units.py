@@ -23,7 +23,8 @@ from torch.utils.data import DistributedSampler
 from conftest import validate_result
 from dpcompare.verify.oracle import gradient_oracle as eq
 import dpcompare
-from dpcompare import results
+from dpcompare import json_files
+from dpcompare.run import result_writer
 from dpcompare.contract import launch_env as launch
 from dpcompare.run import registry
 from dpcompare.contract import syncbn
@@ -532,16 +533,16 @@ def test_registry_names_the_install_command_for_a_missing_backend():
 # -- result schema ----------------------------------------------------------------------------------------
 def _valid_payload() -> dict:
     policy = eq.tolerance_policy("float32", 1, 3)
-    return results.sanitize(results.base_payload(
+    return json_files.sanitize(json_files.base_payload(
         backend="reference", launcher="python", world_size=1, device="cpu", model="mlp", global_batch=24,
         local_batch=24, scaling="strong", steps=1, tag=None, config=RunConfig().to_dict(),
-        equivalence=eq.Verdict().to_dict(policy), env=results.environment(), created_unix=0.0))
+        equivalence=eq.Verdict().to_dict(policy), env=json_files.environment(), created_unix=0.0))
 
 
 def test_schema_accepts_a_well_formed_result():
     payload = _valid_payload()
     validate_result(payload)
-    results.validate(payload)  # the product's own check agrees
+    result_writer.validate(payload)  # the product's own check agrees
 
 
 @pytest.mark.parametrize("break_it", [
@@ -558,7 +559,7 @@ def test_schema_rejects_a_malformed_result(break_it):
     with pytest.raises(jsonschema.ValidationError):
         validate_result(payload)
     with pytest.raises(jsonschema.ValidationError):
-        results.validate(payload)
+        result_writer.validate(payload)
 
 
 # -- DDP's buffer-sync keyword -----------------------------------------------------------------------------------

@@ -175,9 +175,9 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
     """Devices and the communication stack's versions, beside pytest-benchmark's CPU and Python."""
     import platform
 
-    from dpcompare import results
+    from dpcompare import json_files
 
-    env = results.environment()
+    env = json_files.environment()
     machine_info["dpcompare"] = {
         **{k: env.get(k) for k in ("dpcompare", "torch", "cuda", "nccl", "gloo", "mpi", "mpi4py", "horovod",
                                    "deepspeed", "device_names", "cpu_count", "host")},

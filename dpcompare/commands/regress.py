@@ -71,7 +71,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from dpcompare import results
+from dpcompare import json_files
 from dpcompare.commands.pytest_plugin import HARDWARE_KEYS
 from dpcompare.measure import gate
 
@@ -139,7 +139,7 @@ def main(ns: argparse.Namespace) -> int:
         console = Console(width=160)
     render(console, ns, decisions, not_compared)
     if ns.json:
-        results.write_atomic(Path(ns.json), _payload(ns, baseline, current, decisions, not_compared))
+        json_files.write_atomic(Path(ns.json), _payload(ns, baseline, current, decisions, not_compared))
     return 1 if any(d.verdict == "regression" for d in decisions.values()) else 0
 
 
@@ -279,7 +279,7 @@ def summary_line(decisions: dict[str, gate.Decision], not_compared: list[dict[st
 
 def _payload(ns: argparse.Namespace, baseline: Side, current: Side, decisions: dict[str, gate.Decision],
              not_compared: list[dict[str, str]]) -> dict[str, Any]:
-    return results.base_payload(
+    return json_files.base_payload(
         kind="regress",
         created_unix=time.time(),
         baseline_dir=str(baseline.directory), current_dir=str(current.directory),

@@ -9,7 +9,9 @@ format of dpcompare's own:
              writes its own part, and a load at another world size reshards;
   deepspeed  DeepSpeed's `engine.save_checkpoint` / `load_checkpoint`: ZeRO's partitions, one file per rank;
   universal  DeepSpeed's universal checkpoint (`ds_to_universal`), loadable at another world size or ZeRO stage.
-The conversions between them are the libraries' own tools too (dpcompare.commands.checkpoint).
+The conversions between them are the libraries' own tools too (dpcompare.commands.checkpoint). And `CheckpointIO`,
+the part of the adapter contract `dpcompare.contract.adapter.Adapter` is composed of that saves and loads a backend's
+checkpoints (`--save-checkpoint`, `--load-checkpoint`) through these functions by default. Imports no adapter.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where a checkpoint is saved or loaded: a command's --help never needs it
     import torch
     from torch import nn
+
+    from dpcompare.contract.launch_env import LaunchEnv
+    from dpcompare.contract.training_protocol import Wrapped
 
 FORMATS = ("torch", "dcp", "deepspeed", "universal")
 TORCH_FILE = "state.pt"
@@ -74,3 +79,39 @@ def load_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: s
         raise ValueError(f"format {fmt!r} is not read through torch.distributed.checkpoint")
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=options)
+
+
+class CheckpointIO:
+    """The backend's checkpoints, with defaults that are right for a single-process backend (a module, wrapped or not,
+    and a plain torch optimizer: torch.distributed.checkpoint's state-dict API reads and writes them whole, as it does
+    DDP's and FSDP2's), so a backend overrides only where its library keeps its own (DeepSpeed's engine):
+
+      checkpoint_formats   torch and dcp
+      save_checkpoint      `save_state(wrapped.module, wrapped.optimizer, ...)`: the full state in one file (torch),
+                           or each rank's part (dcp)
+      load_checkpoint      `load_state` into the wrapped module and its optimizer
+
+    It reads the state the training protocol's `__init__` and `wrap` set (`env`, `wrapped`).
+    """
+
+    env: LaunchEnv
+    wrapped: Wrapped | None
+
+    # -- checkpoints (--save-checkpoint, --load-checkpoint) -------------------------------------------
+    @classmethod
+    def checkpoint_formats(cls) -> tuple[str, ...]:
+        """The checkpoint formats (dpcompare.contract.checkpoint_io.FORMATS) this backend writes and reads, its own
+        first; empty: none. Default: torch and dcp, through torch.distributed.checkpoint's state-dict API."""
+        return ("torch", "dcp")
+
+    def save_checkpoint(self, directory: str, fmt: str) -> None:
+        """Write the model's and the optimizer's state to `directory` in `fmt`, by the backend's library; called on
+        every rank after a step. Default: dpcompare.contract.checkpoint_io.save_state."""
+        assert self.wrapped is not None
+        save_state(self.wrapped.module, self.wrapped.optimizer, directory, fmt, self.env.rank)
+
+    def load_checkpoint(self, directory: str, fmt: str) -> None:
+        """Load `directory` (in `fmt`) into the wrapped model and its optimizer; called on every rank after `wrap`,
+        before the first step. Default: dpcompare.contract.checkpoint_io.load_state."""
+        assert self.wrapped is not None
+        load_state(self.wrapped.module, self.wrapped.optimizer, directory, fmt)

@@ -201,10 +201,10 @@ def tell_launcher(line: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or os.path.exists(path):
         return
-    from dpcompare import results
+    from dpcompare import json_files
 
     data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
     try:
-        results.write_text_atomic(Path(path), json.dumps(data))
+        json_files.write_text_atomic(Path(path), json.dumps(data))
     except OSError:
         pass

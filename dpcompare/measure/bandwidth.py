@@ -1,7 +1,11 @@
 """Bandwidth arithmetic, as nccl-tests defines it (doc/PERFORMANCE.md), and the ring all-reduce time model.
 
-Owns: algbw and busbw, reading a bench-collectives result at a message size, and seed 001's T_comm model.
-Imports numpy only: the report, the commands and a rank's measurement all use it.
+Owns: algbw and busbw, reading a bench-collectives result at a message size, seed 001's T_comm model, and the run's
+bandwidth figures rank 0 writes (`record_bandwidth`). Imports numpy only: the report, the commands and a rank's
+measurement all use it.
+
+  algbw, busbw   nccl-tests: algbw = bytes / transfer time, all-reduce busbw = algbw * 2(n-1)/n, in GB/s
+  T_comm model   2 * P * (N-1) / (N * B), B = the microbenchmark's busbw at the run's message size
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from dpcompare.measure.samples import Metrics
 
 
 def algbw_gbps(nbytes: float, seconds: float) -> float:
@@ -79,3 +85,27 @@ def tcomm_model_ms(grad_bytes: float, n: int, bandwidth_gbps: float | None) -> f
     if not bandwidth_gbps or n < 2:
         return None
     return 2.0 * grad_bytes * (n - 1) / (n * bandwidth_gbps * 1e9) * 1e3
+
+
+def record_bandwidth(m: Metrics, total: float | None, grad_bytes: int, message_bytes: int | None,
+                     message_reason: str | None, world_size: int, microbench_busbw: float | None,
+                     microbench_reason: str | None, comm_possible: str | None) -> None:
+    """The bytes a step reduces and the backend's message (bucket) size; in-training algbw and busbw from the
+    transfer time (`total`: comm_transfer_ms), against the microbenchmark's busbw, and the T_comm model."""
+    m.set("grad_bytes_per_step", grad_bytes)
+    m.set("bucket_bytes", message_bytes, message_reason)
+    if total and total > 0 and world_size > 1:
+        alg = algbw_gbps(grad_bytes, total / 1e3)
+        m.set("algbw_gbps", alg)
+        m.set("busbw_gbps", busbw_gbps(alg, world_size))
+    else:
+        reason = comm_possible or ("one rank: nothing crosses a link" if world_size == 1 else "no total communication time")
+        m.set("algbw_gbps", None, reason)
+        m.set("busbw_gbps", None, reason)
+    m.set("microbench_busbw_gbps", microbench_busbw, microbench_reason)
+    if microbench_busbw and m.values.get("busbw_gbps"):
+        m.set("busbw_vs_microbench", m.values["busbw_gbps"] / microbench_busbw)
+    else:
+        m.set("busbw_vs_microbench", None, "needs the in-training busbw and a microbenchmark figure")
+    m.set("tcomm_model_ms", tcomm_model_ms(grad_bytes, world_size, microbench_busbw),
+          "one rank" if world_size < 2 else (microbench_reason or "no microbenchmark bandwidth"))

@@ -4,7 +4,7 @@ Owns: `model_flops` (a forward and backward of one local batch counted once by t
 on a copy of the untouched template whose tensors live on the meta device: shapes only, no arithmetic, no memory),
 `measured_peak` (a short matmul microbenchmark in the run's compute dtype on the run's device, as bench-collectives
 measures the link), `datasheet_peak` (the vendor's dense figure for a known device and dtype), and `facts`, all
-of them for one run (summary.record_mfu turns them into metrics.mfu).
+of them for one run, and `record_mfu` (rank 0 turns them into metrics.mfu).
 
 Model FLOPs are the model's own: what activation checkpointing recomputes, what the oracle checks and what a backend
 adds (ZeRO's partition copies, the collectives) are not counted, as MFU is defined (PaLM, appendix B). Float8 is not
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from dpcompare.contract import batches
+from dpcompare.measure.samples import Metrics
 
 DATASHEET_TFLOPS: dict[str, dict[str, float]] = {
     # dense (without 2:4 sparsity), from each vendor datasheet; fp32 is the non-tensor-core rate
@@ -143,3 +144,26 @@ def facts(template: nn.Module | None, loss_fn: Callable[[Any, Any], torch.Tensor
         found["why"]["datasheet"] = why
     return found
 
+
+# -- the run's MFU figures --------------------------------------------------------------------------------
+def mfu(flops_per_sample: float | None, samples_per_s_per_rank: float | None,
+        peak_tflops: float | None) -> float | None:
+    """Achieved model FLOP/s per rank over the peak, or None where a figure is missing."""
+    if not flops_per_sample or not samples_per_s_per_rank or not peak_tflops:
+        return None
+    return flops_per_sample * samples_per_s_per_rank / (peak_tflops * 1e12)
+
+
+def record_mfu(m: Metrics, found: dict[str, Any] | None, samples_per_s_per_rank: float | None, why_not: str) -> None:
+    """The MFU figures (dpcompare.measure.flops.facts: `found`; None: not measured, `why_not`)."""
+    found = found or {"why": {}}
+    why = found["why"]
+    m.set("compute_dtype", found.get("dtype"), why_not)
+    m.set("model_flops_per_sample", found.get("flops"), why.get("flops", why_not))
+    m.set("peak_tflops_measured", found.get("measured"), why_not)
+    m.set("peak_tflops_datasheet", found.get("datasheet"), why.get("datasheet", why_not))
+    no_rate = "no step time (no measured steps)" if samples_per_s_per_rank is None else None
+    m.set("mfu", mfu(found.get("flops"), samples_per_s_per_rank, found.get("measured")),
+          why.get("flops") or no_rate or why_not)
+    m.set("mfu_datasheet", mfu(found.get("flops"), samples_per_s_per_rank, found.get("datasheet")),
+          why.get("datasheet") or why.get("flops") or no_rate or why_not)

@@ -4,7 +4,13 @@ Owns: `census_bytes` (bytes per component of the tensors an adapter lists in `mo
 a storage counted once), `census_mib` (the same in MiB with the analytic comm-buffer fallback), `zero_formula_mib`
 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", section 3 and
 figure 1, generalised to the run's optimizer and precision) and `param_counts` (Psi from a module whose parameters
-may be sharded). Pure functions of tensors and numbers: no collective, no adapter.
+may be sharded); the run's memory figures rank 0 writes from every rank's (`record_memory`: peak memory over the
+measured window, the model state measured and by the formula). Pure functions of tensors and numbers: no
+collective, no adapter.
+
+  model state   each rank's census of the tensors its adapter lists (model_state_tensors) after the reduce of the
+                last measured step, each storage byte once; model_state_mib is the largest rank's, beside the
+                ZeRO paper's formula for the run's model, precision, optimizer and stage
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
+
+from dpcompare.measure.samples import Metrics, RankSample
 
 MIB = 1024.0 * 1024.0
 COMPONENTS = ("params", "grads", "optimizer", "master_params", "comm_buffers")
@@ -179,3 +187,50 @@ def zero_formula_mib(*, psi: int, trainable: int, world_size: int, shards: str, 
     out: dict[str, Any] = {k2: v / MIB for k2, v in per.items()}
     out.update(total=sum(per.values()) / MIB, stage=stage, formula=text)
     return out
+
+
+# -- the run's memory figures ------------------------------------------------------------------------------
+def record_memory(m: Metrics, samples: list[RankSample], model_state: dict[str, float | None],
+            formula: dict[str, Any] | None = None, formula_reason: str | None = None) -> None:
+    """Peak memory over the window: the highest rank's, each rank's, the allocator's reserve, the most any rank rose
+    above what it held when the window opened (peak_above_start_mib: the steps' own memory, activations included);
+    the model state.
+
+    model_state_mib is the census of the rank whose measured model state is largest (its whole breakdown, with
+    `rank`: what the largest rank needs, as peak_mem_mib is the highest rank's; ZeRO's padded partitions make the
+    ranks differ), model_state_mib_per_rank every rank's census in rank order, model_state_formula_mib the ZeRO
+    paper's per-rank figure for the same model, precision and optimizer. Where a rank took no census the model state
+    is the analytic one (parameters, their gradients, the optimizer's state on rank 0: not sharding-aware) and
+    model_state_mib_per_rank is None."""
+    peaks = [s.memory.get("peak_mem_mib") for s in samples]
+    known = [x for x in peaks if x is not None]
+    m.set("peak_mem_mib", max(known) if known else None, samples[0].memory_reason)
+    m.set("peak_mem_mib_per_rank", peaks)
+    reserved = [s.memory.get("peak_mem_reserved_mib") for s in samples if s.memory.get("peak_mem_reserved_mib") is not None]
+    m.set("peak_mem_reserved_mib", max(reserved) if reserved else None, "CPU: no allocator reserve to report")
+    m.set("mem_method", "cuda max_memory_allocated" if reserved else "resident high-water mark (VmHWM) over the window")
+    above = [s.memory.get("peak_above_start_mib") for s in samples]
+    known_above = [x for x in above if x is not None]
+    m.set("peak_above_start_mib", max(known_above) if known_above else None,
+          samples[0].memory_reason or "what the rank held when the window opened was not read")
+    m.set("peak_above_start_mib_per_rank", above)
+    censuses = [s.model_state for s in samples]
+    if censuses and all(_is_census(c) for c in censuses):
+        largest = max(range(len(censuses)), key=lambda r: (censuses[r]["total"], -r))
+        m.set("model_state_mib", {**censuses[largest], "rank": largest,
+                                  "method": "census of the tensors the adapter lists (model_state_tensors), the rank "
+                                            "with the largest total"})
+        m.set("model_state_mib_per_rank", censuses)
+    else:
+        missing = [r for r, c in enumerate(censuses) if not _is_census(c)]
+        why = next((c["reason"] for c in censuses if isinstance(c, dict) and c.get("reason")), None)
+        m.set("model_state_mib", {**model_state, "method": "analytic (rank 0's parameters, gradients and optimizer "
+                                                           "state; no census)"} if model_state else model_state)
+        m.set("model_state_mib_per_rank", None,
+              f"no model-state census on rank(s) {', '.join(map(str, missing))}" + (f" ({why})" if why else "")
+              + ": the model state is analytic")
+    m.set("model_state_formula_mib", formula, formula_reason or "no formula for this run")
+
+
+def _is_census(c: Any) -> bool:
+    return isinstance(c, dict) and isinstance(c.get("total"), (int, float))

@@ -2,7 +2,8 @@
 
 Owns: which events of a Chrome/Perfetto trace (torch.profiler's export) are communication and which compute, the
 per-step arithmetic of exposed communication from them, the agreement of that figure with the ablation's, and which
-of the two to trust when they disagree. Pure functions over the trace's event list: the run reads its own trace
+of the two to trust when they disagree, and the run's comm_exposed_trace_* figures rank 0 writes from every rank's
+(`record_traced`). Pure functions over the trace's event list: the run reads its own trace
 (dpcompare.run.measurement), a test a synthetic one.
 
   communication   the collectives' own events: the process group's work (`gloo:all_reduce`, `nccl:all_reduce`, ...)
@@ -39,6 +40,8 @@ import re
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+
+from dpcompare.measure.samples import Metrics
 
 COMM_EVENT = re.compile(r"^(gloo|nccl|mpi|ucc|xccl):|^c10d::|^nccl(Dev)?Kernel_|^record_param_comms$")
 """The names of communication events (the process groups' work, the c10d ops, NCCL's kernels)."""
@@ -238,3 +241,28 @@ def arrival_waits(figures: Sequence[dict[str, Any] | None]) -> list[float | None
             if t is not None:
                 waits[rank].append(float(np.sum(last - np.asarray(t))) / 1e3)
     return [float(np.median(w)) if w else None for w in waits]
+
+
+def record_traced(m: Metrics, figures: list[dict[str, Any] | None] | None, ablation: float | None,
+                  ablation_ci: list[float] | None = None) -> None:
+    """The run's figures from the ranks' traces: exposed communication beside the ablation's, each rank's wait at
+    its collectives, the compute synchronising slowed, and which exposed figure to trust."""
+    found = run_figure(figures) if figures else None
+    why = ("not asked for (--profile)" if figures is None else
+           "the traces hold no dpcompare.step range with a collective in it")
+    m.set("comm_exposed_trace_ms", found[0] if found else None, why)
+    m.set("comm_exposed_trace_rank", found[1] if found else None, why)
+    m.set("comm_trace_ms", found[2] if found else None, why)
+    m.set("comm_exposed_trace_ms_per_rank", [f["exposed_ms"] if f else None for f in figures] if found else None, why)
+    m.set("comm_exposed_trace_ratio", found[0] / ablation if found and ablation else None,
+          "needs the trace's exposed communication and the ablation's, non-zero")
+    waits = arrival_waits(figures) if found and figures else None
+    m.set("comm_arrival_wait_ms_per_rank", waits,
+          why if not found else "needs two ranks' traces whose steps issued the same collectives")
+    slowed = run_slowed(figures) if found and figures else None
+    m.set("comm_slowed_compute_trace_ms", slowed,
+          why if not found else "the traced steps had no unsynced twins (no ablation: --ablation-steps 0, or a backend "
+          "that cannot switch synchronisation off)")
+    which, because = trust(ablation, ablation_ci, found[0] if found else None, slowed)
+    m.set("comm_exposed_trust", which, because)
+    m.set("comm_exposed_trust_why", because)

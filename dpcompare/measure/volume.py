@@ -1,8 +1,12 @@
 """Communication volume by kind: the ZeRO paper's prediction of what a step sends, and the figures a run's
 collective records (dpcompare.measure.collectives.CollectiveRecorder) turn into, with nccl-tests' bus factors.
 
-Owns: `analytic_bytes_per_step`, `analytic_method`, `kind_ranks`, `comm_by_kind`, `union_ms`. Imports numpy only (the
-report reads these figures on machines without torch's backends).
+Owns: `analytic_bytes_per_step`, `analytic_method`, `kind_ranks`, `comm_by_kind`, `union_ms`, and the run's
+metrics.comm_by_kind (`record_by_kind`). Imports numpy only (the report reads these figures on machines without
+torch's backends).
+
+  comm by kind   bytes, calls and time per step of all-reduce, reduce-scatter, all-gather (broadcast, reduce) where
+                 Python dispatched them, beside the analytic volume; busbw with nccl-tests' factor per kind
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from dpcompare.measure.bandwidth import BUS_FACTOR_DOC, algbw_gbps, bus_factor
+from dpcompare.measure.samples import Metrics, RankSample
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 
@@ -144,3 +149,18 @@ def comm_by_kind(records: list[dict[str, Any] | None], analytic: dict[str, int],
                    busbw_gbps=busbw, bus_bytes_per_step=nbytes * factor, method=method)
         out[kind] = row
     return out
+
+
+def record_by_kind(m: Metrics, samples: list[RankSample], world_size: int, analytic: dict[str, int] | None,
+             analytic_method: str, measured_reason: str | None, replicas: int = 1) -> None:
+    """Communication by kind (dpcompare.measure.volume.comm_by_kind): measured where Python dispatched the
+    collectives, beside the analytic volume. None (with `measured_reason`) where there is no analytic volume either
+    (one rank: no communication)."""
+    if analytic is None:
+        m.set("comm_by_kind", None, measured_reason or "no communication volume for this run")
+        return
+    records = [s.collectives for s in samples]
+    reason = measured_reason
+    if reason is None and not any(isinstance(r, dict) for r in records):
+        reason = "no rank recorded its collectives"
+    m.set("comm_by_kind", comm_by_kind(records, analytic, world_size, reason, analytic_method, replicas))

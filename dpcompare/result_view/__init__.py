@@ -1,4 +1,4 @@
-"""The one typed reader of a run's result: frozen views over the JSON object dpcompare.run.result writes and
+"""The one typed reader of a run's result: frozen views over the JSON object dpcompare.run.result_writer writes and
 dpcompare/schema/result.schema.json describes.
 
 Owns: the keys readers name (each declared once here, as the attribute that reads it: `Metrics.step_ms_p50` reads

@@ -147,8 +147,13 @@ class Equivalence(View):
         return isinstance(self.raw.get("checks"), Mapping)
 
     def check(self, name: str) -> Check:
-        """gradient, update, trajectory or grad_norm ({} where not recorded: status None)."""
+        """gradient, update, trajectory, grad_norm or a check of one's own ({} where not recorded: status None)."""
         return Check(mapping(mapping(self.raw.get("checks")).get(name)), name)
+
+    @property
+    def check_names(self) -> tuple[str, ...]:
+        """The checks recorded, in the result's order (a check of one's own's too)."""
+        return tuple(mapping(self.raw.get("checks")))
 
     @property
     def gradient(self) -> Check:

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from dpcompare import verdict_words as words
 from dpcompare.contract import activation_checkpointing
 from dpcompare.result_view import Equivalence, RunResult
+from dpcompare.verify import checks
 from dpcompare.verify.oracle import float64_paths
 
 
@@ -110,7 +111,8 @@ def _about_the_run(r: RunResult) -> list[str]:
 def _checks(r: RunResult) -> str:
     """The checks' phrases, the oracle's coverage and the wire's rounding."""
     e = r.equivalence
-    parts = words.check_phrases(e, r.config.dtype, r.config.amp)
+    own = {c.name: c.words for c in checks.CHECKS if hasattr(c, "words")}  # a check of one's own's (Check.words)
+    parts = words.check_phrases(e, r.config.dtype, r.config.amp, own)
     cov = e.section("oracle_coverage")
     if cov:
         parts.append(f"ORACLE COVERAGE {cov['fraction']:.0%} of the parameters ({len(cov['units_checked'])} of "

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from dpcompare.contract import Adapter
-from dpcompare.measure import clocks, flops, link, memory, summary, trace, volume
+from dpcompare.measure import clocks, flops, link, memory, run_metrics, samples, trace, volume
 from dpcompare.measure.bandwidth import busbw_at
 from dpcompare.measure.collectives import CollectiveRecorder
 from dpcompare.measure.comm import CommWindow
@@ -91,7 +91,7 @@ class MeasurementPhase:
             compiled = sorted(set().union(*self.adapter.all_gather_object(self.compiled_steps)))
             step_ms, synced_ms, unsynced_ms, loop_ms = self._without(compiled, step_ms, synced_ms, unsynced_ms,
                                                                       loop_ms, pairs)
-        sample = summary.RankSample(step_ms, synced_ms, unsynced_ms,
+        sample = samples.RankSample(step_ms, synced_ms, unsynced_ms,
                                     self._peak(window, pairs), window.reason, comm,
                                     model_state=self.census, collectives=by_kind)
         gathered = self.adapter.all_gather_object((sample, loop_ms))
@@ -352,7 +352,7 @@ class MeasurementPhase:
                                                self.runner.world_size, reshard, replicas),
                 volume.analytic_method(shards, reshard, replicas))
 
-    def _summarize(self, gathered: list[tuple[summary.RankSample, float]], facts: dict[str, Any] | None = None,
+    def _summarize(self, gathered: list[tuple[samples.RankSample, float]], facts: dict[str, Any] | None = None,
                    traces: dict[str, Any] | None = None) -> dict[str, Any]:
         wrapped, cfg = self.adapter.wrapped, self.cfg
         world_size = self.runner.world_size
@@ -364,7 +364,7 @@ class MeasurementPhase:
         message, message_reason = self.adapter.message_bytes(grad_bytes)
         microbench, microbench_reason = microbench_busbw(cfg, self.adapter.capabilities.collective_transport,
                                                          world_size, message or grad_bytes)
-        metrics = summary.summarize(
+        metrics = run_metrics.summarize(
             [g[0] for g in gathered], world_size=world_size, local_batch=self.local_batch,
             tokens_per_sample=self.runner.workload.tokens_per_sample, warmup_steps=cfg.warmup_steps,
             grad_bytes=grad_bytes, message_bytes=message, message_reason=message_reason,

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dpcompare.contract import batches
+from dpcompare.contract.adapter import CONTRACT_MODULES
 
 _TORCH = Path(torch.__file__).resolve().parent
 _TORCH_LAYERS = (str(_TORCH / "nn" / "modules") + os.sep, str(_TORCH / "nn" / "functional.py"),
@@ -58,9 +59,9 @@ def model_files(model: nn.Module, loss_fn: Callable) -> frozenset[str]:
 
 
 def communication_files(adapter: Any) -> frozenset[str]:
-    """The files of the adapter's classes (a user's own backend included), the contract's base class left out: its
-    backward() calls the model's backward."""
-    skipped = ("builtins", "dpcompare.contract.adapter")
+    """The files of the adapter's classes (a user's own backend included), the contract's base class and its parts
+    left out: its backward() calls the model's backward."""
+    skipped = ("builtins", *CONTRACT_MODULES)
     return frozenset(f for cls in type(adapter).__mro__ if cls.__module__ not in skipped if (f := _file_of(cls)))
 
 

@@ -5,7 +5,7 @@ differs between backends is behind the adapter contract (dpcompare.contract) and
 capabilities. Reads top to bottom as: detect -> choose the backend and its settings -> set up -> build
 (model, optimizer, wrap) -> verification phase -> measurement phase -> compare replicas -> write. The step
 body is dpcompare.run.step; the phases are dpcompare.run.verification and dpcompare.run.measurement; the result
-written is dpcompare.run.result's, the line printed dpcompare.run.line's.
+written is dpcompare.run.result_writer's, the line printed dpcompare.run.line's.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dpcompare.contract import normalisation
 from dpcompare.contract.normalisation import counted
 from dpcompare.contract.workload import block_modules
 from dpcompare.measure import link
-from dpcompare.run import backend, checkpoint, compilation, hf_models, leave, raised, registry, result
+from dpcompare.run import backend, checkpoint, compilation, hf_models, leave, raised, registry, result_writer
 from dpcompare.run.config import CommandLineError, RunConfig, SaidByAnotherRank
 from dpcompare.run.line import summary_line  # noqa: F401 - the run's line, printed by the command line
 from dpcompare.run.measurement import MeasurementPhase
@@ -164,7 +164,7 @@ def _run(cfg: RunConfig, env: launch.LaunchEnv, adapter_cls: type[Adapter], sett
         _compare_final_replicas(adapter, verdict, env.is_rank0)
         payload = None
         if env.is_rank0:
-            payload = result.write(cfg, env, adapter, workload, template, verdict, metrics, global_batch, local_batch,
+            payload = result_writer.write(cfg, env, adapter, workload, template, verdict, metrics, global_batch, local_batch,
                                    runner.compile_log, state=verification.state)
         # Nobody leaves before rank 0 has written: a launcher may kill stragglers once one rank exits.
         adapter.all_gather_object(None)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from dpcompare import results
+from dpcompare import json_files
 from dpcompare.contract import batches
 from dpcompare.contract import Adapter, Note
 from dpcompare.measure import clocks, memory
@@ -450,5 +450,5 @@ def _unused_grad_forms(grads: dict[str, torch.Tensor | None], unused: tuple[str,
 
 
 def _save_npz_atomic(path: Path, arrays: dict[str, np.ndarray], unless: str | None) -> None:
-    with results.atomic_file(path, "wb", unless=unless) as f:
+    with json_files.atomic_file(path, "wb", unless=unless) as f:
         np.savez(f, **arrays)

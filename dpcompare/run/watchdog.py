@@ -32,7 +32,7 @@ from pathlib import Path
 # while the main thread is half-way through a first `import psutil` would find the module half-initialised.
 import psutil
 
-from dpcompare.results import atomic_file
+from dpcompare.json_files import atomic_file
 from dpcompare.contract import launch_env as launch
 
 EXIT_PEER_FAILURE = 3

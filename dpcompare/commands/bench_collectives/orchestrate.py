@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dpcompare import results
+from dpcompare import json_files
 from dpcompare.commands.bench_collectives.sweep import Sweep, human_bytes
 from dpcompare.commands.bench_collectives.transports import TRANSPORTS, Transport, availability, launcher
 from dpcompare.run.launchers import native_command, run_process
@@ -180,14 +180,14 @@ def _entry(job: Launch) -> dict[str, Any]:
 
 def _payload(sweep: Sweep, jobs: list[Launch], unavailable: list[dict[str, str]], started: float,
              load_before: float | None) -> dict[str, Any]:
-    return results.base_payload(
+    return json_files.base_payload(
         kind="collectives",
         created_unix=time.time(),
         wall_s=time.monotonic() - started,
         host_load_avg_1m={"before": load_before, "after": _loadavg()},
         sweep=asdict(sweep),
         definitions=DEFINITIONS,
-        env=results.environment(),
+        env=json_files.environment(),
         entries=[_entry(j) for j in jobs],
         unavailable=unavailable,
     )
@@ -231,7 +231,7 @@ def run_orchestrator(ns: argparse.Namespace, sweep: Sweep) -> int:
     load_before = _loadavg()
     jobs = _run_all(console, ns, transports, world_sizes)
     payload = _payload(sweep, jobs, unavailable, started, load_before)
-    results.write_atomic(out_path, payload)
+    json_files.write_atomic(out_path, payload)
     render(console, jobs, unavailable)
     _note_load(console, payload["host_load_avg_1m"])
     console.print(f"results: {out_path}  ({payload['wall_s']:.0f} s)")

@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from dpcompare import results
+from dpcompare import json_files
 from dpcompare.commands.bench_collectives.sweep import BYTES_PER_ELEMENT, Sweep, check_sum, human_bytes, pattern
 from dpcompare.commands.bench_collectives.transports import Transport, connect
 from dpcompare.measure import link
@@ -89,7 +89,7 @@ def run_worker(ns: argparse.Namespace, sweep: Sweep) -> int:
                  "device": str(comm.device), "launcher": env.launcher, "sizes": sizes,
                  "link": link.facts(comm.backend if env.world_size > 1 else None, nccl_log)}
         if env.is_rank0 and ns.result_file:
-            results.write_atomic(Path(ns.result_file), entry)
+            json_files.write_atomic(Path(ns.result_file), entry)
     finally:
         comm.close()
     return 0 if all(s["correct"] for s in sizes) else 1

@@ -11,7 +11,6 @@ Exit status: 0 when every cell ran (whatever the verdicts), 1 when a launch or c
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
@@ -22,7 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from dpcompare import results
+from dpcompare import json_files
 from dpcompare.commands.checkpoint import convert
 from dpcompare.commands.checkpoint.cells import BACKENDS, MATRICES, Cell, Side, matrix, parse_cell
 from dpcompare.result_view import RunResult
@@ -113,7 +112,7 @@ def main(ns: argparse.Namespace) -> int:
                           f"{', ' + o.cell.tool.rsplit('.', 1)[-1] if o.cell.tool else ''}) ...", end=" ")
             _run_cell(o, out / "cells" / o.cell.label.replace(":", "").replace(">", "-to-"), ns)
             console.print(_verdict_of(o))
-        results.write_atomic(out / "checkpoint.json", {"cells": [x.to_dict() for x in outcomes],
+        json_files.write_atomic(out / "checkpoint.json", {"cells": [x.to_dict() for x in outcomes],
                                                        "steps": ns.steps, "model": ns.model, "optimizer": ns.optimizer})
     console.print(_table(outcomes))
     console.print(f"-> {out / 'checkpoint.json'}")
@@ -155,7 +154,7 @@ def _launch(side: Side, where: Path, part: str, extra: list[str], ns: argparse.N
         lines = [ln for ln in log.read_text().splitlines() if "error" in ln.lower()] if log.exists() else []
         raise RuntimeError(f"{part} under {side.label} failed: "
                            f"{lines[0].strip() if lines else f'exit status {finished.returncode}'} (log: {log})")
-    return _run_summary(RunResult(json.loads(found[-1].read_text())))
+    return _run_summary(RunResult.read(found[-1]))
 
 
 def _side(s: Side) -> dict[str, Any]:

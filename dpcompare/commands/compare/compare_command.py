@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dpcompare import results
+from dpcompare import json_files
 from dpcompare.commands.checkpoint import checkpoint_command as checkpoint
 from dpcompare.commands.compare import compare_json, compare_output, execute, matrix, plan, questions, suites
 from dpcompare.commands.compare.spec import CompareSpec, parse
@@ -83,8 +83,8 @@ def main(ns: argparse.Namespace) -> int:
     figures = {"matrix": matrix.build_matrix(baseline), "unused_parameter_grads": matrix.unused_parameter_grads(baseline),
                "scaling": matrix.scaling_rows(planned.jobs, spec.run.scaling),
                "skipped_steps": matrix.skipped_steps(same_config)}
-    results.write_atomic(run_dir / "compare.json", compare_json.payload(spec, run_dir, planned, figures))
-    results.point_latest(run_dir)
+    json_files.write_atomic(run_dir / "compare.json", compare_json.payload(spec, run_dir, planned, figures))
+    json_files.point_latest(run_dir)
     compare_output.render(console, baseline, planned.unavailable, figures["matrix"], figures["unused_parameter_grads"],
                   figures["skipped_steps"])
     compare_output.render_cost(console, baseline, figures["scaling"])
@@ -106,8 +106,8 @@ def _answer_questions(console: Console, spec: CompareSpec, run_dir: Path) -> int
     _run_all(console, spec, run_dir, planned.jobs)
     answered = questions.answers(planned.jobs)
     figures = {"matrix": matrix.build_matrix([]), "unused_parameter_grads": [], "scaling": [], "skipped_steps": []}
-    results.write_atomic(run_dir / "compare.json", compare_json.payload(spec, run_dir, planned, figures, answered))
-    results.point_latest(run_dir)
+    json_files.write_atomic(run_dir / "compare.json", compare_json.payload(spec, run_dir, planned, figures, answered))
+    json_files.point_latest(run_dir)
     compare_output.render_questions(console, answered, planned.unavailable)
     return _finish(console, spec, run_dir, planned.jobs)
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dpcompare import results
+from dpcompare import json_files
 from dpcompare.commands.compare import plan
 from dpcompare.commands.compare.spec import CompareSpec
 
@@ -19,7 +19,7 @@ def payload(spec: CompareSpec, run_dir: Path, planned: plan.Plan, figures: dict[
     """compare.json: the invocation, every run and its outcome, the cross-run figures, and under --suite questions
     each question's answer (dpcompare.commands.compare.questions.answers)."""
     collectives = run_dir / "collectives.json"
-    return results.base_payload(
+    return json_files.base_payload(
         kind="compare",
         created_unix=time.time(),
         suite=spec.suite, backends=spec.backends,
@@ -36,7 +36,7 @@ def payload(spec: CompareSpec, run_dir: Path, planned: plan.Plan, figures: dict[
         skipped_steps=figures["skipped_steps"],
         collectives=str(collectives) if collectives.exists() else None,
         questions=questions,
-        env=results.environment(),
+        env=json_files.environment(),
     )
 
 

@@ -94,7 +94,7 @@ def comm_figure(result: RunResult, control: RunResult | None = None) -> str:
     return "; ".join(parts) + (f"; model state {_num(state)} MiB/rank" if state is not None else "")
 
 
-def checkpointing_figure(result: RunResult, control: RunResult | None = None) -> str:
+def activation_checkpointing_figure(result: RunResult, control: RunResult | None = None) -> str:
     """The blocks recomputed in backward, then peak memory and step time against the run without it."""
     blocks = (result.activation_checkpointing or {}).get("blocks")
     return (f"{blocks} block(s) recomputed; " if blocks else "") + peak_figure(result, control)
@@ -156,7 +156,7 @@ QUESTIONS: tuple[Question, ...] = (
         figures=(Metrics.comm_by_kind.path, Metrics.model_state_mib.path + ".total"),
     ),
     Question(
-        name="checkpointing",
+        name="activation_checkpointing",
         asks="With dropout on, does activation checkpointing recompute each block with the masks its forward drew, "
              "and what does it save and cost?",
         threads=("allenai/OLMo-core#828",),
@@ -164,7 +164,7 @@ QUESTIONS: tuple[Question, ...] = (
         rows=(Row("reference", 1, ("--activation-checkpointing",)),
               Row("ddp", 2, ("--activation-checkpointing",)), Row("ddp", 2, control=True),
               Row("fsdp", 2, ("--activation-checkpointing",)), Row("fsdp", 2, control=True)),
-        figure=checkpointing_figure, needs_flag="--activation-checkpointing",
+        figure=activation_checkpointing_figure, needs_flag="--activation-checkpointing",
         figures=("activation_checkpointing", Metrics.peak_mem_mib.path, Metrics.peak_above_start_mib.path,
                  Metrics.step_ms_p50.path),
     ),

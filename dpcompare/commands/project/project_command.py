@@ -10,7 +10,7 @@ from dpcompare.commands.project.fit import DEVICES
 from dpcompare.commands.project.model import ALGORITHMS, PRESETS
 from dpcompare.commands.project.projection import project
 from dpcompare.commands.project.projection_output import print_projection
-from dpcompare.results import write_atomic
+from dpcompare.json_files import write_atomic
 
 
 def _sizes(text: str) -> list[int]:

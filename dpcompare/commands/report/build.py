@@ -27,7 +27,7 @@ from dpcompare.commands.report.plots_trace import PLOT_TRACE, TRACE_CAPTION, plo
 from dpcompare.commands.report.style import (ALL_PLOTS, PLOT_BREAKDOWN, PLOT_BUSBW, PLOT_HEATMAP, PLOT_THROUGHPUT,
                                              PLOT_TRAJECTORY)
 from dpcompare.result_view import RunResult
-from dpcompare.results import write_text_atomic
+from dpcompare.json_files import write_text_atomic
 
 BREAKDOWN_CAPTION = "Compute = the step with gradient sync switched off; exposed communication = synced - unsynced step."
 HEATMAP_CAPTION = (

@@ -11,7 +11,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from dpcompare.commands.report.load import backend_index
-from dpcompare.results import atomic_file
+from dpcompare.json_files import atomic_file
 from dpcompare.run.registry import BACKENDS
 
 DPI = 150

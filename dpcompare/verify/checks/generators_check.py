@@ -20,6 +20,8 @@ class Generators:
     at = "reduced"
     reads_oracle = False
     after_stop = True  # it reads only what the ranks sent: it runs where nothing else can be checked
+    reads_references_after_update = False
+    last_to_read_step = False
 
     @classmethod
     def applies(cls, ctx: CheckContext) -> bool:

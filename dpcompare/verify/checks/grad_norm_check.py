@@ -29,7 +29,7 @@ from dpcompare.verify.replay.clipping_rule import clip_coefficient
 from dpcompare.verify.instruments.check_context import CheckContext, Finding
 from dpcompare.verify.instruments.step_evidence import StepEvidence
 from dpcompare.verify.judgement.tolerance import FACTOR, MODEL, Grads, ParamError, flat
-from dpcompare.verify.judgement.verdict import Divergence, GradNormCheck, StepCheck
+from dpcompare.verify.judgement.verdict import Divergence, GradNormCheck, StepCheck, Verdict, worst
 
 MATCH = 1e-3
 """A candidate norm names the fault when the reported norm is within the check's tolerance of it, or within this
@@ -70,10 +70,31 @@ class GradNorm:
     at = "updated"
     reads_oracle = True
     after_stop = False
+    reads_references_after_update = True  # the oracle's gradient and the references, for the norms and the diagnosis
+    last_to_read_step = False
+    recorded_after = "update"  # its entries stand after the update's, where results have always held them
 
     @classmethod
     def applies(cls, ctx: CheckContext) -> bool:
         return ctx.settings.clip_grad_norm is not None
+
+    @classmethod
+    def summary(cls, verdict: Verdict, policy: dict) -> dict:
+        """The check's entry in the verdict's `checks` (status off without --clip-grad-norm): failed where a reported
+        norm was wrong, even once the run had failed before."""
+        norms = [c.grad_norm for c in verdict.checks if c.grad_norm is not None]
+        return {"status": "fail" if any(g.reported is not None and not g.ok for g in norms) else
+                verdict.check_status(cls.name, any(g.reported is not None for g in norms)),
+                "noise_ratio": worst([g.noise_ratio for g in norms if math.isfinite(g.noise_ratio)]),
+                "max_rel_err": worst([g.rel_err for g in norms if math.isfinite(g.rel_err)]),
+                "min_detectable_rel": worst([g.tolerance for g in norms]),
+                "clip": norms[0].clip if norms else None,
+                "clipped_steps": [g.step for g in norms if g.clipped]}
+
+    @staticmethod
+    def step_record(check: StepCheck) -> dict | None:
+        """The check's record beside a step's gradient (None: no norm was judged at it)."""
+        return check.grad_norm.to_dict() if check.grad_norm is not None else None
 
     def __init__(self, ctx: CheckContext, bench: Bench) -> None:
         self.bench, self.verdict = bench, bench.verdict

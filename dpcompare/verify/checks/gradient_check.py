@@ -14,7 +14,8 @@ from dpcompare.verify.instruments.run_instruments import Bench
 from dpcompare.verify.instruments.check_context import CheckContext, Finding
 from dpcompare.verify.instruments.step_evidence import StepEvidence
 from dpcompare.verify.diagnosis.diagnose import GradientEvidence, diagnose_gradient, reason_of
-from dpcompare.verify.judgement.tolerance import ParamError, classic_tolerance, rel_fro_of
+from dpcompare.verify.judgement.tolerance import ParamError, allowed_floor, classic_tolerance, coverage, rel_fro_of
+from dpcompare.verify.judgement.verdict import Verdict, finite, worst
 
 
 class Gradient:
@@ -22,10 +23,35 @@ class Gradient:
     at = "reduced"
     reads_oracle = True
     after_stop = False
+    reads_references_after_update = False
+    last_to_read_step = False
 
     @classmethod
     def applies(cls, ctx: CheckContext) -> bool:
         return True
+
+    @classmethod
+    def summary(cls, verdict: Verdict, policy: dict) -> dict:
+        """The check's entry in the verdict's `checks`: the worst of its checked steps, and the floor its noise ratio
+        is a multiple of (recorded: readers never recompute it). Each step's own is the step's record itself."""
+        checks = verdict.checks
+        power = worst([c.min_detectable_rel for c in checks])
+        entry = {"status": verdict.check_status(cls.name, bool(checks)),
+                 "noise_ratio": worst([c.noise_ratio for c in checks]),
+                 "max_rel_fro_err": worst([c.max_rel_fro_err for c in checks]),
+                 "noise_floor_rel_fro": worst([c.floor for c in checks]),
+                 "judged_rel_fro_err": worst([p.judged_rel_fro_err for c in checks for p in c.params if p.judged]),
+                 "dp_floor_rel_fro": worst([c.judged_floor for c in checks]),
+                 "min_detectable_rel": finite(power) if power is not None else None,
+                 "coverage": coverage(checks[-1].params).to_dict() if checks else None}
+        if entry["dp_floor_rel_fro"] is None or not policy:  # no floor measured, or no policy to scale it by
+            entry["floor_rel_fro"] = None
+            return entry
+        u_sum = policy["unit_roundoff"] if verdict.wire_rounding == "measured" else policy["unit_roundoff_wire"]
+        entry["floor_rel_fro"] = allowed_floor(
+            entry["dp_floor_rel_fro"], depth=policy["depth"], unit_roundoff=policy["unit_roundoff"],
+            world_size=policy["world_size"], u_sum=u_sum)
+        return entry
 
     def __init__(self, ctx: CheckContext, bench: Bench) -> None:
         self.bench, self.verdict = bench, bench.verdict

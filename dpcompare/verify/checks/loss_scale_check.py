@@ -42,6 +42,8 @@ class OverflowSeen:
     at = "reduced"
     reads_oracle = True
     after_stop = False
+    reads_references_after_update = False
+    last_to_read_step = False
 
     @classmethod
     def applies(cls, ctx: CheckContext) -> bool:
@@ -73,6 +75,8 @@ class SkipJudged:
     at = "updated"
     reads_oracle = True
     after_stop = False
+    reads_references_after_update = False
+    last_to_read_step = False
 
     @classmethod
     def applies(cls, ctx: CheckContext) -> bool:

@@ -18,6 +18,8 @@ class Power:
     at = "updated"
     reads_oracle = True
     after_stop = False
+    reads_references_after_update = False
+    last_to_read_step = False
 
     @classmethod
     def applies(cls, ctx: CheckContext) -> bool:

@@ -15,7 +15,7 @@ from dpcompare.verify.randomness import draw_recording as mk
 from dpcompare.verify.instruments.run_instruments import Bench
 from dpcompare.verify.instruments.check_context import CheckContext, Finding
 from dpcompare.verify.instruments.step_evidence import StepEvidence
-from dpcompare.verify.judgement.verdict import Divergence
+from dpcompare.verify.judgement.verdict import Divergence, Verdict, worst
 
 
 class Trajectory:
@@ -23,10 +23,24 @@ class Trajectory:
     at = "updated"
     reads_oracle = False  # every step
     after_stop = False
+    reads_references_after_update = False
+    last_to_read_step = False
 
     @classmethod
     def applies(cls, ctx: CheckContext) -> bool:
         return True
+
+    @classmethod
+    def summary(cls, verdict: Verdict, policy: dict) -> dict:
+        """The check's entry in the verdict's `checks`: its worst judged step's drift (`Verdict.drift`)."""
+        drift = [e for e in verdict.drift if e.get("noise_ratio") is not None]
+        most = max(drift, key=lambda e: e["noise_ratio"], default=None)
+        return {"status": verdict.check_status(cls.name, bool(drift)),
+                "noise_ratio": most["noise_ratio"] if most else None,
+                "rel_param_distance": most["rel_param_distance"] if most else None,
+                "floor_rel_param_distance": most["floor_rel_param_distance"] if most else None,
+                "step": most["step"] if most else None,
+                "min_detectable_rel": worst([e["tolerance"] for e in drift])}
 
     def __init__(self, ctx: CheckContext, bench: Bench) -> None:
         self.bench, self.verdict, self.trajectory = bench, bench.verdict, bench.trajectory

@@ -34,9 +34,9 @@ from dpcompare.verify.judgement.held_values import Compact, Difference
 from dpcompare.verify.replay import divisor_power
 from dpcompare.verify.replay import replay_ranges
 from dpcompare.verify.ranks.verifier_group import Remote, RemoteState
-from dpcompare.verify.judgement.tolerance import UNIT_ROUNDOFF, compare, judge_figures, norm_of
+from dpcompare.verify.judgement.tolerance import UNIT_ROUNDOFF, compare, coverage, judge_figures, norm_of
 from dpcompare.verify.replay.optimizer_replay import StepResult, reference_step
-from dpcompare.verify.judgement.verdict import Divergence, UpdateCheck
+from dpcompare.verify.judgement.verdict import Divergence, StepCheck, UpdateCheck, Verdict, finite, worst
 
 
 class Update:
@@ -47,10 +47,39 @@ class Update:
     at = "updated"
     reads_oracle = False  # every step: an unchecked one forgets the expected state
     after_stop = False
+    reads_references_after_update = False
+    last_to_read_step = True  # the step's reads and the oracle's gradient are let go after it, before the trajectory's
 
     @classmethod
     def applies(cls, ctx: CheckContext) -> bool:
         return True
+
+    @classmethod
+    def summary(cls, verdict: Verdict, policy: dict) -> dict:
+        """The check's entry in the verdict's `checks`: the worst of the checked steps' updates (the norm ratio the one
+        farthest from 1)."""
+        updates = [c.update for c in verdict.checks if c.update is not None]
+        ratio = max((u.norm_ratio for u in updates), key=lambda r: abs(math.log(r)) if r > 0 and math.isfinite(r)
+                    else math.inf, default=None)
+        power = worst([u.min_detectable_rel for u in updates])
+        return {"status": verdict.check_status(cls.name, bool(updates)),
+                "noise_ratio": worst([u.noise_ratio for u in updates]),
+                "max_rel_fro_err": worst([u.max_rel_fro_err for u in updates]),
+                "noise_floor_rel_fro": worst([u.floor for u in updates]),
+                "norm_ratio": ratio,
+                "min_detectable_rel": finite(power) if power is not None else None,
+                "coverage": coverage(updates[-1].params).to_dict() if updates else None}
+
+    @staticmethod
+    def step_record(check: StepCheck) -> dict | None:
+        """The check's record beside a step's gradient (None: no update was judged at it)."""
+        return check.update.to_dict() if check.update is not None else None
+
+    def resume(self, saved: dict) -> None:
+        """A run continued from a checkpoint: the optimizer state the first step starts from is the one the saved run
+        held after its last step."""
+        if saved.get("optimizer") is not None:
+            self.expected_state = saved["optimizer"]
 
     def __init__(self, ctx: CheckContext, bench: Bench) -> None:
         self.factory, self.device, self.names, self.prestep = ctx.factory, ctx.device, list(ctx.names), ctx.prestep

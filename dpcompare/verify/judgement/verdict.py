@@ -4,23 +4,28 @@ Owns: what one checked step recorded (`StepCheck`: the gradient per parameter an
 `UpdateCheck`), the first failed check (`Divergence`), the `Verdict` that collects them with the notes, the
 unverifiable parts and the reports of the other checks (buffers, randomness, precision, trajectory), its status
 (`equivalent`, `different`, `unverifiable`, `unchecked`), its power, and its JSON form with the tolerance policy it
-was judged under. Judges nothing itself: the checks that fill it are dpcompare.verify.checks'. Imports no adapter.
+was judged under. Judges nothing itself: the checks that fill it are dpcompare.verify.checks', and each check's entry
+in the JSON (`checks`, and beside each step's gradient) is the check's own (`summary`, `step_record`): the verdict is
+handed the list (`Verdict.recorded`, `hand_over`) and assembles them in its order, importing no check. Imports no
+adapter.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal, Sequence
 
 from dpcompare.contract import Note
 from dpcompare.verify.judgement.precision_recipe import PrecisionReport
-from dpcompare.verify.judgement.tolerance import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, ParamError, allowed_floor,
-                                        coverage, min_detectable)
+from dpcompare.verify.judgement.tolerance import (TOLERANCE_FACTOR, UNIT_ROUNDOFF, WIRE_DTYPE, ParamError, coverage,
+                                        min_detectable)
 from dpcompare.verify.judgement.tolerance import describe as describe_tolerance
 
 CheckName = Literal["initial", "gradient", "grad_norm", "update", "trajectory", "replicas", "rng", "buffers", "loss_scale",
                     "checkpoint"]
+"""The checks of dpcompare itself; a check of one's own (dpcompare.verify.checks.CHECKS) names its failures by its own
+`name`."""
 
 
 @dataclass(slots=True)
@@ -31,10 +36,10 @@ class Divergence:
     tolerance_rel_fro: float
     noise_ratio: float
     reason: str
-    check: CheckName = "gradient"
+    check: CheckName | str = "gradient"
     """Which check broke: initial weights, gradient, the total norm clipped by (grad_norm), update, trajectory,
     replicas, the ranks' generators, the module buffers, or the loss scaler (a step skipped, or stepped, against the
-    recipe's overflow)."""
+    recipe's overflow); or a check of one's own, by its name."""
     cause: str = "unknown"
     """The diagnosis' code (dpcompare.verify.diagnosis.diagnose.Diagnosis.cause)."""
     parameters: list[str] = field(default_factory=list)
@@ -43,11 +48,12 @@ class Divergence:
 
 def _power(params: list[ParamError], model: ParamError | None) -> dict:
     cov = coverage(params)
-    return {"min_detectable_rel": _finite(min_detectable(params, model)), "coverage": cov.to_dict(),
+    return {"min_detectable_rel": finite(min_detectable(params, model)), "coverage": cov.to_dict(),
             "model": _param_dict(model) if model is not None else None}
 
 
-def _finite(x: float) -> float | None:
+def finite(x: float) -> float | None:
+    """`x`, or None where it is not finite (recorded as null)."""
     return x if math.isfinite(x) else None
 
 
@@ -131,6 +137,8 @@ class StepCheck:
     """The gradient, all parameters as one vector."""
     grad_norm: GradNormCheck | None = None
     """Under --clip-grad-norm: the total norm the backend clipped by, against the oracle's."""
+    records: dict[str, Any] = field(default_factory=dict)
+    """What a check of one's own recorded at this step, by its name (its `step_record` reads it for the JSON)."""
 
     @property
     def max_rel_err(self) -> float:
@@ -169,8 +177,32 @@ def _defined_max(values: list[float]) -> float:
     return max((v for v in values if not math.isnan(v)), default=math.nan)
 
 
-def _worst(values: list[float]) -> float | None:
+def worst(values: list[float]) -> float | None:
+    """The largest of `values` (None: there are none)."""
     return max(values) if values else None
+
+
+_HANDED: list[Sequence[type]] = [()]
+"""The list of checks dpcompare.verify.checks handed over when imported (`hand_over`)."""
+
+
+def hand_over(checks: Sequence[type]) -> None:
+    """What dpcompare.verify.checks calls when imported, with its list (CHECKS, the object itself: a check added to it
+    later is seen): the checks a verdict handed none records (`Verdict.recorded` None). The verdict is judged below
+    the checks and imports none of them."""
+    _HANDED[0] = checks
+
+
+def record_order(checks: Sequence[type]) -> list[type]:
+    """`checks` in the order their entries stand in the JSON: the list's, but that a check whose `recorded_after` names
+    another check stands right after that one's (the grad_norm check after the update's, where results have always
+    held it)."""
+    ordered = [c for c in checks if getattr(c, "recorded_after", None) is None]
+    for c in checks:
+        if (after := getattr(c, "recorded_after", None)) is not None:
+            names = [o.name for o in ordered]
+            ordered.insert(names.index(after) + 1 if after in names else len(ordered), c)
+    return ordered
 
 
 @dataclass(slots=True)
@@ -221,6 +253,13 @@ class Verdict:
     wire_rounding: str = "bounded"
     """How a wire narrower than the gradients is judged: "measured" (the run-precision reference and its floor send
     the ranks' shares through it) or "bounded" (world_size x its unit roundoff added to the floor)."""
+    records: dict[str, Any] = field(default_factory=dict)
+    """What a check of one's own keeps for its entry in `checks`, by its name (its `summary` reads it)."""
+    recorded: Sequence[type] | None = None
+    """The checks whose entries the JSON holds, in their list's order (`record_order`): each one's `summary` in
+    `checks`, its `step_record` beside each step's gradient (both optional, class methods: a check that did not run
+    this time still has its entry, `off`). Set by the verifier to the list it ran (dpcompare.verify.checks.CHECKS);
+    None: the list handed over (`hand_over`)."""
 
     def note(self, code: str, text: str) -> None:
         self.notes.append(Note(code, text))
@@ -239,83 +278,38 @@ class Verdict:
             return "unchecked"
         return "equivalent"
 
-    def _summaries(self) -> dict:
+    def check_status(self, check: str, ran: bool) -> str:
+        """A check's status in `checks`: fail where it broke first (the first divergence's check), unverifiable where
+        it did not run in an unverifiable run, else pass, or off where it did not run."""
         d = self.first_divergence
+        if d is not None and d.check == check:
+            return "fail"
+        if self.unverifiable and not ran:
+            return "unverifiable"
+        return "pass" if ran else "off"
 
-        def status(check: str, ran: bool) -> str:
-            if d is not None and d.check == check:
-                return "fail"
-            if self.unverifiable and not ran:
-                return "unverifiable"
-            return "pass" if ran else "off"
-
-        updates = [c.update for c in self.checks if c.update is not None]
-        drift = [e for e in self.drift if e.get("noise_ratio") is not None]
-        worst_drift = max(drift, key=lambda e: e["noise_ratio"], default=None)
-        worst_ratio = max((u.norm_ratio for u in updates), key=lambda r: abs(math.log(r)) if r > 0 and math.isfinite(r)
-                          else math.inf, default=None)
-        grad_power = _worst([c.min_detectable_rel for c in self.checks])
-        update_power = _worst([u.min_detectable_rel for u in updates])
-        judged = [p for c in self.checks for p in c.params]
-        norms = [c.grad_norm for c in self.checks if c.grad_norm is not None]
-        return {
-            "gradient": {"status": status("gradient", bool(self.checks)),
-                         "noise_ratio": _worst([c.noise_ratio for c in self.checks]),
-                         "max_rel_fro_err": _worst([c.max_rel_fro_err for c in self.checks]),
-                         "noise_floor_rel_fro": _worst([c.floor for c in self.checks]),
-                         "judged_rel_fro_err": _worst([p.judged_rel_fro_err for p in judged if p.judged]),
-                         "dp_floor_rel_fro": _worst([c.judged_floor for c in self.checks]),
-                         "min_detectable_rel": _finite(grad_power) if grad_power is not None else None,
-                         "coverage": coverage(self.checks[-1].params).to_dict() if self.checks else None},
-            "update": {"status": status("update", bool(updates)),
-                       "noise_ratio": _worst([u.noise_ratio for u in updates]),
-                       "max_rel_fro_err": _worst([u.max_rel_fro_err for u in updates]),
-                       "noise_floor_rel_fro": _worst([u.floor for u in updates]),
-                       "norm_ratio": worst_ratio,
-                       "min_detectable_rel": _finite(update_power) if update_power is not None else None,
-                       "coverage": coverage(updates[-1].params).to_dict() if updates else None},
-            "grad_norm": {"status": "fail" if any(g.reported is not None and not g.ok for g in norms) else
-                          status("grad_norm", any(g.reported is not None for g in norms)),
-                          "noise_ratio": _worst([g.noise_ratio for g in norms if math.isfinite(g.noise_ratio)]),
-                          "max_rel_err": _worst([g.rel_err for g in norms if math.isfinite(g.rel_err)]),
-                          "min_detectable_rel": _worst([g.tolerance for g in norms]),
-                          "clip": norms[0].clip if norms else None,
-                          "clipped_steps": [g.step for g in norms if g.clipped]},
-            "trajectory": {"status": status("trajectory", bool(drift)),
-                           "noise_ratio": worst_drift["noise_ratio"] if worst_drift else None,
-                           "rel_param_distance": worst_drift["rel_param_distance"] if worst_drift else None,
-                           "floor_rel_param_distance": worst_drift["floor_rel_param_distance"] if worst_drift else None,
-                           "step": worst_drift["step"] if worst_drift else None,
-                           "min_detectable_rel": _worst([e["tolerance"] for e in drift])},
-        }
+    def recorders(self) -> list[type]:
+        """The checks whose entries the JSON holds, in their order (`recorded`)."""
+        return record_order(self.recorded if self.recorded is not None else _HANDED[0])
 
     def power(self) -> float | None:
         """The verdict's own min_detectable_rel: the smallest uniform relative change of the gradient and of the update
         that every checked step would flag (the weakest step's, each step's the weaker of its two checks)."""
         per_step = [max(c.min_detectable_rel, c.update.min_detectable_rel if c.update is not None else 0.0)
                     for c in self.checks]
-        worst = _worst(per_step)
-        return _finite(worst) if worst is not None else None
-
-    def _recorded_floor(self, checks: dict, policy: dict) -> dict:
-        """The gradient check's floor as its noise ratio divides by it (recorded: readers never recompute it)."""
-        gradient = checks["gradient"]
-        if gradient["dp_floor_rel_fro"] is None or not policy:  # no floor measured, or no policy to scale it by
-            gradient["floor_rel_fro"] = None
-            return checks
-        u_sum = policy["unit_roundoff"] if self.wire_rounding == "measured" else policy["unit_roundoff_wire"]
-        gradient["floor_rel_fro"] = allowed_floor(
-            gradient["dp_floor_rel_fro"], depth=policy["depth"], unit_roundoff=policy["unit_roundoff"],
-            world_size=policy["world_size"], u_sum=u_sum)
-        return checks
+        weakest = worst(per_step)
+        return finite(weakest) if weakest is not None else None
 
     def to_dict(self, tolerance_policy: dict) -> dict:
-        worst = max(self.checks, key=lambda c: c.noise_ratio, default=None)
+        noisiest = max(self.checks, key=lambda c: c.noise_ratio, default=None)
         verdict = self.status()
+        recorders = self.recorders()
+        summaries = [c for c in recorders if hasattr(c, "summary")]
+        steps = [c for c in recorders if hasattr(c, "step_record")]
         return {
             "verdict": verdict,
             "unverifiable_reason": "; ".join(self.unverifiable) if verdict == "unverifiable" else None,
-            "checks": self._recorded_floor(self._summaries(), tolerance_policy),
+            "checks": {c.name: c.summary(self, tolerance_policy) for c in summaries},
             "checked_steps": [c.step for c in self.checks],
             "max_rel_err": _defined_max([c.max_rel_err for c in self.checks]) if self.checks else None,
             "max_rel_err_reason": (next((c.max_rel_err_reason for c in self.checks if c.max_rel_err_reason), None)
@@ -323,7 +317,7 @@ class Verdict:
                                    else None),
             "max_rel_fro_err": max((c.max_rel_fro_err for c in self.checks), default=None),
             "noise_floor_rel_fro": max((c.floor for c in self.checks), default=None),
-            "noise_ratio": worst.noise_ratio if worst else None,
+            "noise_ratio": noisiest.noise_ratio if noisiest else None,
             "min_detectable_rel": self.power(),
             "first_divergence": asdict(self.first_divergence) if self.first_divergence else None,
             "replicas_identical": self.replicas_identical,
@@ -352,12 +346,11 @@ class Verdict:
                     "noise_ratio": c.noise_ratio,
                     "replicas_identical": c.replicas_identical,
                     "grads_identical_across_ranks": c.grads_identical_across_ranks,
-                    "min_detectable_rel": _finite(c.min_detectable_rel),
+                    "min_detectable_rel": finite(c.min_detectable_rel),
                     "judged_floor_rel_fro": c.judged_floor,
                     **{k: v for k, v in _power(c.params, c.model).items() if k != "min_detectable_rel"},
                     "params": [_param_dict(p) for p in c.params],
-                    "update": c.update.to_dict() if c.update is not None else None,
-                    "grad_norm": c.grad_norm.to_dict() if c.grad_norm is not None else None,
+                    **{r.name: r.step_record(c) for r in steps},
                 }
                 for c in self.checks
             ],

@@ -1,8 +1,10 @@
 """The verification phase on rank 0: the checks of every step, run in order, and the verdict they add up to.
 
-Owns: the `Verifier`, which runs the list of checks (dpcompare.verify.checks.CHECKS) at the two points of every step
-of the verification phase, hands each the run's frozen context (dpcompare.verify.instruments.check_context, built by the run layer) and
-the step's evidence, and records what they find in the verdict, in the list's order:
+Owns: the `Verifier`, which runs the list of checks (dpcompare.verify.checks.CHECKS, read when the run starts: a check
+added to it runs, and the verdict records it) at the two points of every step of the verification phase, by what
+each declares (its point, what it reads and when: `Check`; it holds no check's name), hands each the run's frozen
+context (dpcompare.verify.instruments.check_context, built by the run layer) and the step's evidence, and records what
+they find in the verdict, in the list's order:
   - after the reduce: the ranks' generators, the loss scaler's overflow, the gradient against the float64 oracle of the
     global-batch loss, the module buffers (the oracle's side of the step computed once for them:
     dpcompare.verify.instruments.step_evidence);
@@ -31,7 +33,8 @@ from dpcompare.contract import Adapter, Wrapped
 from dpcompare.verify.oracle import float64_paths
 from dpcompare.verify.randomness import random_modules
 from dpcompare.verify.instruments.run_instruments import Bench
-from dpcompare.verify.checks import CHECKS, Check
+from dpcompare.verify import checks as listed
+from dpcompare.verify.checks import Check
 from dpcompare.verify.instruments.check_context import CheckContext, Finding
 from dpcompare.verify.memory.divider import Divider
 from dpcompare.verify.phase.verdict_opening import open_verdict
@@ -57,11 +60,14 @@ class Verifier:
         """No check that uses rank 0's copies runs from here on: the run diverged, or its randomness cannot be
         captured."""
         refusal = open_verdict(ctx, self.bench, backend)
-        self.checks: list[Check] = [check(ctx, self.bench) for check in CHECKS if check.applies(ctx)]
+        run = tuple(listed.CHECKS)  # the list as it is when the run starts
+        self.verdict.recorded = run
+        self.checks: list[Check] = [check(ctx, self.bench) for check in run if check.applies(ctx)]
         self.dumps: dict[str, np.ndarray] = {}
         """--dump-grads: every compared step's reduced, oracle and floor gradients, by "step/kind/parameter"."""
         self._reduced: StepEvidence | None = None
-        self._references_after_update = any(c.name == "grad_norm" for c in self.checks)
+        self._references_after_update = any(getattr(c, "reads_references_after_update", False)
+                                             for c in self.checks)
         """Whether a check reads the step's oracle and references after the optimizer step (grad_norm does)."""
         self.part_s: dict[str, float] = {}
         """Seconds spent in each part of the checks, summed over the steps (CUDA synchronised at both ends of each):
@@ -72,12 +78,13 @@ class Verifier:
             self._record(Finding(unverifiable=refusal, stop=True))
 
     def resume(self, saved: dict[str, Any]) -> None:
-        """A run continued from a checkpoint (dpcompare.verify.starting_state.loaded_state): the reference trajectory goes on from the saved
-        run's, and the update check expects the optimizer state the saved run held after its last step."""
+        """A run continued from a checkpoint (dpcompare.verify.starting_state.loaded_state): the reference trajectory
+        goes on from the saved run's, and each check that expects something of the saved run is handed it
+        (`Check.resume`: the update check expects the optimizer state the saved run held after its last step)."""
         self.bench.trajectory.resume(saved["oracle"])
         for check in self.checks:
-            if check.name == "update" and saved.get("optimizer") is not None:
-                check.expected_state = saved["optimizer"]
+            if (resume := getattr(check, "resume", None)) is not None:
+                resume(saved)
 
     # -- per step ----------------------------------------------------------------------------------
     def after_reduce(self, step: int, batch: Any, ranks: list[dict], reads: Reads | None) -> None:
@@ -147,7 +154,7 @@ class Verifier:
                 finding = check.judge(self.ctx, evidence)
             if finding is not None:
                 self._record(finding)
-            if check.name == "update":
+            if getattr(check, "last_to_read_step", False):
                 _let_go(evidence)
                 if self.bench.divider is not None:  # their ranges too, before the trajectory's step
                     self.bench.divider.let_go()
@@ -218,7 +225,7 @@ class Verifier:
 
 
 def _let_go(evidence: StepEvidence) -> None:
-    """After the update check, the last to read them: the step's reads (the reduced gradient, the optimizer state), its
+    """After the check that is the last to read them (`Check.last_to_read_step`: the update check): the step's reads (the reduced gradient, the optimizer state), its
     snapshot of the parameters and the oracle's copy of the gradient are emptied in the step's records (the verifier's
     own by then: the run layer has let go of its reads), so that they are not held through the trajectory's steps."""
     if evidence.reads is not None:

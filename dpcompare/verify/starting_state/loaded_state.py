@@ -1,4 +1,4 @@
-"""The checkpoint check: is the state a run loaded the state the saving run held?
+"""The loaded-state check: is the state a run loaded from a checkpoint the state the saving run held?
 
 Owns: `judge_loaded`, on rank 0 of a run started from a checkpoint (--load-checkpoint), before its first step. What the
 saving run read through the adapter contract after its last step (every parameter's full value, the optimizer state by

@@ -1,9 +1,11 @@
-"""Results: one JSON object per run, written atomically by rank 0, validated against the schema.
+"""Every JSON file the library writes (a run's result, compare.json, checkpoint.json, a benchmark's payload): written
+atomically, headed by the schema version and the environment it was made in.
 
-Owns: the environment fingerprint, the result file's name, atomic writes (temp file in the same
-directory + fsync + rename: a reader never sees half a file, and an earlier result is never clobbered
-by a partial one) and schema validation. Reading a result back is dpcompare.result_view's. Imports no
-adapter and no backend runtime (versions are read from package metadata).
+Owns: the environment fingerprint, the payload's head (`base_payload`), atomic writes (temp file in the same
+directory + fsync + rename: a reader never sees half a file, and an earlier file is never clobbered by a partial one),
+the `latest` link, and JSON's lack of inf/nan (`sanitize`). A run's result is written by dpcompare.run.result_writer
+alone and read back by dpcompare.result_view alone. Imports no adapter and no backend runtime (versions are read from
+package metadata).
 """
 
 from __future__ import annotations
@@ -15,14 +17,12 @@ import platform
 import socket
 import subprocess
 import tempfile
-import time
 from importlib import metadata
 from pathlib import Path
 from typing import IO, Any, Iterator
 
 from dpcompare._version import SCHEMA_VERSION, __version__
 
-SCHEMA_PATH = Path(__file__).parent / "schema" / "result.schema.json"
 
 
 def _version(dist: str) -> str | None:
@@ -70,27 +70,6 @@ def environment() -> dict[str, Any]:
         "device_names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda
         else [platform.processor() or platform.machine()],
     }
-
-
-def result_path(out_dir: str | os.PathLike, backend: str, world_size: int, model: str, variant: str = "") -> Path:
-    """OUT/<time>-<backend>[-<variant>]-ws<N>-<model>-<pid>.json. `variant`: the named variant of the backend the
-    run's options make (`zero2` for deepspeed's zero_stage=2), '' for none, so variants of one backend at one world
-    size are told apart by name; the pid keeps any two runs' files apart."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    safe_backend = "".join(c if c.isalnum() or c in "-_" else "_" for c in backend)
-    safe_variant = "".join(c if c.isalnum() or c in "-_" else "_" for c in variant)
-    name = safe_backend + (f"-{safe_variant}" if safe_variant else "")
-    return Path(out_dir) / f"{stamp}-{name}-ws{world_size}-{file_stem_of_model(model)}-{os.getpid()}.json"
-
-
-def file_stem_of_model(model: str) -> str:
-    """A model's name as a file name's part: `hf:meta-llama/Llama-3.2-1B` and `hf:./configs/llama/` name a path or a
-    hub repository, whose last part names the model (`hf-Llama-3.2-1B`, `hf-llama`); any other character a file name
-    should not hold becomes `_`."""
-    kind, sep, rest = model.partition(":")
-    if sep and "/" in rest:
-        model = f"{kind}-{rest.rstrip('/').rsplit('/', 1)[-1] or 'model'}"
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
 
 
 class Closed(RuntimeError):
@@ -153,13 +132,6 @@ def point_latest(folder: Path, name: str = "latest") -> Path | None:
         tmp.unlink(missing_ok=True)
         return None
     return link
-
-
-def validate(payload: dict[str, Any]) -> None:
-    """Raise jsonschema.ValidationError when the payload does not follow the published schema."""
-    import jsonschema
-
-    jsonschema.validate(payload, json.loads(SCHEMA_PATH.read_text()))
 
 
 def sanitize(obj: Any) -> Any:
