@@ -325,3 +325,31 @@ def test_mixtral_under_sharding_backends(launch, mixtral_dir, backend: str, extr
     proc, result = launch(backend, 2, f"hf:{mixtral_dir}", [*STEPS, "--seq-len", "16", *extra])
     assert proc.returncode == 0, proc.output[-3000:]
     assert result["equivalence"]["verdict"] == "equivalent", proc.stdout[-2000:]
+
+
+# -- a run in float64 (--dtype float64): its own state is float64 on the CPU ----------------------------------------
+def test_comparing_float64_optimizer_states_leaves_both_as_they_were() -> None:
+    """The update check compares the backend's state with the expected one before it replays the step from the former:
+    the comparison must not take its gap in place in a float64 CPU tensor, which `.to(float64)` hands back as it is.
+    Twin: a state that differs is still found."""
+    have = {"w": {"momentum_buffer": torch.randn(3000, dtype=torch.float64)}}
+    want = {"w": {"momentum_buffer": have["w"]["momentum_buffer"] * (1 + 1e-9)}}
+    kept = {k: v["momentum_buffer"].clone() for k, v in (("have", have["w"]), ("want", want["w"]))}
+    assert state_difference(have, want, ["w"]) is None
+    assert torch.equal(have["w"]["momentum_buffer"], kept["have"]) and torch.equal(want["w"]["momentum_buffer"],
+                                                                                    kept["want"])
+    wrong = {"w": {"momentum_buffer": kept["want"] * 2}}
+    found = state_difference(have, wrong, ["w"])
+    assert found is not None and found[0] == ["w"], found
+    assert torch.equal(have["w"]["momentum_buffer"], kept["have"])
+
+
+@pytest.mark.parametrize("optimizer", [[], ["--optimizer", "adamw", "--lr", "0.01"]], ids=["sgd-momentum", "adamw"])
+def test_a_float64_run_with_optimizer_state_is_equivalent(launch, optimizer: list[str]) -> None:
+    """--dtype float64 at two ranks, 4 checked steps with momentum (or AdamW's moments): the update check replays
+    each step from the state the backend held, unchanged by the comparison taken before it."""
+    proc, result = launch("ddp", 2, "mlp", [*STEPS, "--dtype", "float64", *optimizer])
+    assert proc.returncode == 0, proc.output[-3000:]
+    e = result["equivalence"]
+    assert e["verdict"] == "equivalent", (e["first_divergence"], proc.stdout[-2000:])
+    assert e["checks"]["update"]["status"] == "pass" and e["checks"]["trajectory"]["status"] == "pass"

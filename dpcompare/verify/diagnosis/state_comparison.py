@@ -107,7 +107,9 @@ def _largest_gap(have: torch.Tensor, want: torch.Tensor) -> tuple[float, int, fl
     float64 copy of a state entry)."""
     scale, worst, largest = 0.0, 0, -1.0
     for i in range(0, want.numel(), CHUNK):
-        a = have[i:i + CHUNK].to(device="cpu", dtype=torch.float64)
+        # a copy: a float64 CPU entry (a --dtype float64 run's state) comes back from .to() as itself, and the gap is
+        # taken in place below: the backend's state the update check replays from would be left |have - want|
+        a = have[i:i + CHUNK].to(device="cpu", dtype=torch.float64, copy=True)
         b = want[i:i + CHUNK].to(device="cpu", dtype=torch.float64)
         scale = max(scale, float(b.abs().max()))
         gap = a.sub_(b).abs_()
