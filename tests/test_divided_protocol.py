@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dpcompare.verify.memory import divider
+from dpcompare.verify.memory import divider as divided
 from dpcompare.verify.ranks.verifier_group import owners
 from dpcompare.verify.oracle.gradient_oracle import Layout, accumulate_gradient, replica_pieces, verification_copy
 from tests.spawned import spawned
@@ -49,15 +49,15 @@ class _FailOnRank1:
 
 def _worker(rank: int, world: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    peers = divider.Peers.make()
+    peers = divided.Peers.make()
     layout = Layout(world)
     template = _model()
     batch = _batch()
     pieces = replica_pieces(batch, layout)
     loss = nn.functional.cross_entropy
     if rank:
-        helper = divider.Helper(peers, template, loss, layout=layout, dtype=torch.float32, device=torch.device("cpu"),
-                                recipe=divider.NO_RECIPE)
+        helper = divided.Helper(peers, template, loss, layout=layout, dtype=torch.float32, device=torch.device("cpu"),
+                                recipe=divided.NO_RECIPE)
         helper.serve(batch, lambda: None)  # the two good requests
         helper.loss_fn = _FailOnRank1(rank)  # rank 1 fails, rank 2 does not
         helper.serve(batch, lambda: None)  # the failing one
@@ -79,7 +79,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
                    f"{out}.{rank}")
         dist.destroy_process_group()
         return
-    divider = divider.Divider(peers, layout)
+    divider = divided.Divider(peers, layout)
     divider.open()
     state = template.state_dict()
     results = {}

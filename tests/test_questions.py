@@ -29,9 +29,9 @@ from dpcompare.run.config import RunConfig
 ROWS = ["clipping: reference/1 --clip-grad-norm 0.05", "clipping: ddp/2 --clip-grad-norm 0.05",
         "clipping: fsdp/2 --clip-grad-norm 0.05", "clipping: deepspeed:zero2/2 --clip-grad-norm 0.05",
         "clipping: horovod/2 --clip-grad-norm 0.05", "hsdp: fsdp:hsdp/4", "hsdp: fsdp/4 control",
-        "checkpointing: reference/1 --activation-checkpointing", "checkpointing: ddp/2 --activation-checkpointing",
-        "checkpointing: ddp/2 control", "checkpointing: fsdp/2 --activation-checkpointing",
-        "checkpointing: fsdp/2 control", "compile: reference/1 --compile", "compile: ddp/2 --compile",
+        "activation_checkpointing: reference/1 --activation-checkpointing", "activation_checkpointing: ddp/2 --activation-checkpointing",
+        "activation_checkpointing: ddp/2 control", "activation_checkpointing: fsdp/2 --activation-checkpointing",
+        "activation_checkpointing: fsdp/2 control", "compile: reference/1 --compile", "compile: ddp/2 --compile",
         "compile: ddp/2 control"]
 
 
@@ -188,7 +188,7 @@ def test_the_questions_suite_answers_each_question_equivalent_with_its_figure(tm
     assert hsdp["all_reduce"]["group_ranks"] == 2 and hsdp["all_reduce"]["bytes_per_step"] > 0
     assert "all_reduce" not in plain and plain["reduce_scatter"]["group_ranks"] == 4
     for label, r in rows.items():
-        if label.startswith("checkpointing:"):
+        if label.startswith("activation_checkpointing:"):
             blocks = (r["figures"]["activation_checkpointing"] or {}).get("blocks")
             assert blocks == (None if label.endswith("control") else 2), label
     for label in ("compile: reference/1 --compile", "compile: ddp/2 --compile"):

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from dpcompare.verify.memory import divider
+from dpcompare.verify.memory import divider as divided
 from dpcompare.verify.oracle.gradient_oracle import Layout, replica_pieces
 from dpcompare.verify.judgement.precision_recipe import Recipe
 from dpcompare.verify.trajectory.reference_trajectory import Trajectory
@@ -69,7 +69,7 @@ def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _worker(rank: int, world: int, init: str, out: str, optimizer: str, clip: float | None, recipe: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    peers = divider.Peers.make()
+    peers = divided.Peers.make()
     layout, template, loss, cpu = Layout(world), _model(), nn.functional.cross_entropy, torch.device("cpu")
     ranks0 = copy.deepcopy(template)  # rank 0's initial weights
     with torch.no_grad():  # every other rank built other weights: the trajectory starts from rank 0's
@@ -84,10 +84,10 @@ def _worker(rank: int, world: int, init: str, out: str, optimizer: str, clip: fl
     masters = {n: p.detach() + 1e-3 * (1 + rank) * torch.ones_like(p) for n, p in ranks0.named_parameters()}
     helper = divider = None
     if rank:
-        helper = divider.Helper(peers, template, loss, layout=layout, dtype=torch.float32, device=cpu,
-                                recipe=divider.NO_RECIPE, trajectory=shared)
+        helper = divided.Helper(peers, template, loss, layout=layout, dtype=torch.float32, device=cpu,
+                                recipe=divided.NO_RECIPE, trajectory=shared)
     else:
-        divider = divider.Divider(peers, layout)
+        divider = divided.Divider(peers, layout)
     report: dict = {"entries": [], "alone": []}
     for step in range(STEPS):
         batch = _batch(step)

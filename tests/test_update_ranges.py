@@ -20,6 +20,7 @@ from torch import nn
 
 from dpcompare.contract.optim_state import read_state
 from dpcompare.verify.memory import divider
+from dpcompare.verify.ranks import verifier_group
 from dpcompare.verify.replay import replay_ranges
 from dpcompare.verify.oracle.gradient_oracle import Layout, verification_copy
 from dpcompare.verify.judgement.held_values import Compact, Difference
@@ -96,7 +97,7 @@ def _same(figures: dict, alone: dict, plan) -> bool:
 
 def _worker(rank: int, world: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    peers = divider.Peers.make()
+    peers = verifier_group.Peers.make()
     template = _model()
     batch = (torch.zeros(3, 6), torch.zeros(3, dtype=torch.long))
     if rank:
@@ -111,23 +112,23 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         helper.serve(batch, lambda: None)  # served again afterwards
         dist.destroy_process_group()
         return
-    divider = divider.Divider(peers, Layout(world))
-    divider.own(verification_copy(template, CPU, torch.float64))
+    oracle_divider = divider.Divider(peers, Layout(world))
+    oracle_divider.own(verification_copy(template, CPU, torch.float64))
     names = [n for n, _ in template.named_parameters()]
-    plan = divider.owner
+    plan = oracle_divider.owner
     assert plan == of_model(template, world)  # the test below knows it from the planner alone
     results: dict = {}
 
     def judged(double_in: set[str], clip: float | None):
         before, grads, state, after = _backend(template, double_in)
-        divider.open()
+        oracle_divider.open()
         try:
-            held, held_state = divider.hold(grads), divider.hold_state(state, names)
-            figures, left = replay_ranges.divided(divider, _factory, CPU, names, Compact(before), after, held,
+            held, held_state = oracle_divider.hold(grads), oracle_divider.hold_state(state, names)
+            figures, left = replay_ranges.divided(oracle_divider, _factory, CPU, names, Compact(before), after, held,
                                                   held_state, torch.float32, U, clip, None)
             left = {n: {k: v.clone() if torch.is_tensor(v) else v for k, v in left[n].items()} for n in names}
         finally:
-            divider.done()
+            oracle_divider.done()
         return figures, left, _alone(before, grads, state, after, names, clip)
 
     for clip, key in ((None, "plain"), (0.5, "clipped")):
