@@ -29,6 +29,7 @@ from dpcompare.run import workloads
 from dpcompare.contract.amp import GradScaling
 from dpcompare.verify.oracle import gradient_oracle as eq
 from dpcompare.verify.diagnosis.diagnose import step_count_mismatch
+from dpcompare.verify.diagnosis.state_comparison import state_difference
 from dpcompare.verify.judgement.precision_recipe import Recipe
 from test_diagnosis import _diagnoses, _linear
 
@@ -270,6 +271,25 @@ def test_a_step_count_is_compared_exactly() -> None:
     assert step_count_mismatch({"w": {"momentum_buffer": torch.zeros(3)}}, fresh, ["w"]) is None  # SGD: no count
 
 
+def test_a_16_bit_state_agrees_to_its_own_rounding_and_a_wrong_one_does_not() -> None:
+    """A --dtype bfloat16 run's AdamW moments are computed in bfloat16 by the backend and rounded once from float64 by
+    the replay: an ulp of each element apart, which is not a different state. A reset moment, a moment of another
+    beta, and a float32 moment an ulp of bfloat16 off are."""
+    torch.manual_seed(0)
+    want = (torch.rand(64, 64, dtype=torch.float64) * 1e-6).to(torch.bfloat16)
+    ulp = want.view(torch.int16) + torch.randint(-1, 2, want.shape, dtype=torch.int16)
+    have = ulp.view(torch.bfloat16)  # an ulp either way, element by element
+    assert not torch.equal(have, want)
+    expected = {"w": {"step": torch.tensor(1.0), "exp_avg_sq": want}}
+    assert state_difference({"w": {"step": torch.tensor(1.0), "exp_avg_sq": have}}, expected, ["w"]) is None
+    for wrong in (torch.zeros_like(want), (want.double() * 10).to(torch.bfloat16)):
+        found = state_difference({"w": {"step": torch.tensor(1.0), "exp_avg_sq": wrong}}, expected, ["w"])
+        assert found is not None and found[0] == ["w"] and "exp_avg_sq differs" in found[1], found
+    as_float32 = {"w": {"step": torch.tensor(1.0), "exp_avg_sq": want.float()}}
+    off = {"w": {"step": torch.tensor(1.0), "exp_avg_sq": have.float()}}
+    assert state_difference(off, as_float32, ["w"]) is not None  # float32: 1e-4 of its scale, not bfloat16's ulp
+
+
 # -- real runs ------------------------------------------------------------------------------------------------
 def _equivalent(proc, result: dict | None) -> dict:
     assert proc.returncode == 0, proc.output[-6000:]
@@ -290,6 +310,22 @@ def _different(proc, result: dict | None, check: str, cause: str) -> dict:
     assert e["verdict"] == "different" and d is not None, e
     assert (d["check"], d["cause"]) == (check, cause), d
     return d
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+def test_bfloat16_weights_with_adamw_are_not_called_different(launch) -> None:
+    """The backend's AdamW moments in bfloat16 are an ulp from the replay's rounded ones: the update check holds them
+    to bfloat16's rounding, not float32's (before, every such run read `different` at its second step, 'the optimizer
+    state before step 1 is not the state step 0 left'). At bfloat16 the checks lack power: `unverifiable`, saying
+    so."""
+    proc, result = launch("ddp", 2, "mlp", ["--steps", "4", "--measure-steps", "0", "--dtype", "bfloat16",
+                                            "--optimizer", "adamw"])
+    assert proc.returncode == 0, proc.output[-6000:]
+    e = result["equivalence"]
+    assert e["first_divergence"] is None, e["first_divergence"]
+    assert e["verdict"] == "unverifiable" and "bfloat16" in e["unverifiable_reason"], e["unverifiable_reason"]
+    assert e["checks"]["update"]["status"] == "pass", e["checks"]["update"]
 
 
 @pytest.mark.multiproc

@@ -94,7 +94,7 @@ class SkipJudged:
             return None
         scaler = self.backend.scaler_state()
         skipped = skipped_since(self.backend, pending)
-        unchanged = all(torch.equal(masters[n].detach().double().cpu(), pending.params[n]) for n in names)
+        unchanged = all(torch.equal(masters[n].detach().double(), pending.params[n]) for n in names)
         scale_step.skipped = skipped and unchanged
         scale_step.scale_after = scaler.scale if scaler is not None else None
         if not scale_step.predicted_overflow:
@@ -103,7 +103,7 @@ class SkipJudged:
             return None
         if scale_step.ok is False:  # the overflow was not seen: already recorded at the gradient check
             return None
-        moved = [n for n in names if not torch.equal(masters[n].detach().double().cpu(), pending.params[n])]
+        moved = [n for n in names if not torch.equal(masters[n].detach().double(), pending.params[n])]
         if scale_step.skipped:
             scale_step.ok = True
             # The state the next step starts from is the one this step found: a skipped step changes nothing.

@@ -22,8 +22,8 @@ from dpcompare.verify.judgement.tolerance import CHUNK
 def _same_state(a: OptState, b: OptState) -> bool:
     """Two optimizer states that step the same way: equal keys and values, where a missing entry and an
     all-zero buffer count as the same (a zero momentum buffer steps like none). Values agree to 1e-4 of
-    their scale: the expected state is a float64 step from the backend's float32 one, so they differ by
-    rounding; a state that is not the expected one (a step count, a reset buffer) differs by far more."""
+    their scale, or 4 units of a 16-bit entry's rounding (`agreement`): the expected state is a float64 step from the
+    backend's own one, so they differ by rounding; a state that is not the expected one (a step count, a reset buffer) differs by far more."""
     for p in set(a) | set(b):
         ea, eb = a.get(p, {}), b.get(p, {})
         for key in set(ea) | set(eb):
@@ -38,13 +38,24 @@ def _same_state(a: OptState, b: OptState) -> bool:
                     if va.shape != vb.shape or not torch.equal(va.to(torch.int64), vb.to(torch.int64)):
                         return False
                     continue
+                within = agreement(va, vb)
                 va, vb = va.double(), vb.double()
                 scale = float(vb.abs().max()) if vb.numel() else 0.0
-                if float((va - vb).abs().max() if va.numel() else 0.0) > 1e-4 * max(scale, 1e-30):
+                if float((va - vb).abs().max() if va.numel() else 0.0) > within * max(scale, 1e-30):
                     return False
             elif va != vb:
                 return False
     return True
+
+
+def agreement(have: torch.Tensor, want: torch.Tensor) -> float:
+    """How far two floating state entries may differ, relative to the expected one's largest value: 1e-4, or 4 units
+    of the coarser entry's rounding where that is more. An entry held in 16 bits (a --dtype bfloat16 run's AdamW
+    moments) is computed in 16-bit arithmetic by the backend and rounded once from float64 by the replay: they differ
+    by an ulp or two of each element (bfloat16's unit roundoff is 2^-8), where a wrong state (a reset buffer, another
+    beta, a step counted twice) differs by a large part of it."""
+    coarse = max(torch.finfo(t.dtype).eps / 2 if t.is_floating_point() else 0.0 for t in (have, want))
+    return max(1e-4, 4 * coarse)
 
 
 def _integral(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -55,8 +66,9 @@ def _integral(a: torch.Tensor, b: torch.Tensor) -> bool:
 def state_difference(backend: OptState, expected: OptState, names: list[str]) -> tuple[list[str], str] | None:
     """(the parameters, in `names` order, whose optimizer state is not the expected one, and a phrase on the first
     showing the entry that differs and both values), or None. A missing entry and an all-zero buffer count as the
-    same (a zero momentum buffer steps like none); tensors agree to 1e-4 of their largest value (the expected state
-    is a float64 replay of the backend's own step, so the two differ by rounding alone)."""
+    same (a zero momentum buffer steps like none); tensors agree to 1e-4 of their largest value, or 4 units of a 16-bit
+    entry's rounding (`agreement`: the expected state is a float64 replay of the backend's own step, so the two differ
+    by rounding alone)."""
     wrong, phrase = [], ""
     for name in names:
         ea, eb = backend.get(name, {}), expected.get(name, {})
@@ -87,7 +99,7 @@ def _entry_difference(name: str, key: str, have: Any, want: Any) -> str | None:
         if not want.numel():
             return None
         scale, worst, largest = _largest_gap(have.detach().reshape(-1), want.detach().reshape(-1))
-        if largest <= (0.0 if _integral(have, want) else 1e-4 * max(scale, 1e-30)):
+        if largest <= (0.0 if _integral(have, want) else agreement(have, want) * max(scale, 1e-30)):
             return None
         a, b = have.double().reshape(-1), want.double().reshape(-1)  # a state that differs: whole, for its phrase
         gap = (a - b).abs()
@@ -104,13 +116,13 @@ def _entry_difference(name: str, key: str, have: Any, want: Any) -> str | None:
 
 def _largest_gap(have: torch.Tensor, want: torch.Tensor) -> tuple[float, int, float]:
     """(max |want|, the index of the largest |have - want|, that difference), in float64 a chunk at a time (no whole
-    float64 copy of a state entry)."""
+    float64 copy of a state entry), where `want` is (the model's device: the replay's)."""
     scale, worst, largest = 0.0, 0, -1.0
     for i in range(0, want.numel(), CHUNK):
-        # a copy: a float64 CPU entry (a --dtype float64 run's state) comes back from .to() as itself, and the gap is
+        # a copy: a float64 entry on want's device (a --dtype float64 run's state) comes back from .to() as itself, and the gap is
         # taken in place below: the backend's state the update check replays from would be left |have - want|
-        a = have[i:i + CHUNK].to(device="cpu", dtype=torch.float64, copy=True)
-        b = want[i:i + CHUNK].to(device="cpu", dtype=torch.float64)
+        a = have[i:i + CHUNK].to(device=want.device, dtype=torch.float64, copy=True)
+        b = want[i:i + CHUNK].to(dtype=torch.float64)
         scale = max(scale, float(b.abs().max()))
         gap = a.sub_(b).abs_()
         at = int(gap.argmax())

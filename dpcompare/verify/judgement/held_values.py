@@ -19,7 +19,8 @@ from torch import nn
 
 
 class Compact(Mapping[str, torch.Tensor]):
-    """Gradients (or parameters) by name, held on the CPU in the dtype they were computed in and read in float64: a
+    """Gradients (or parameters) by name, held where they were computed (the model's device), in the dtype they were
+    computed in, and read in float64: a
     float32 gradient costs its 4 bytes per element while it is kept, and every reader still computes in float64 (the
     cast is exact). Read-only: what is held is a snapshot, never the run's own tensors."""
 
@@ -28,7 +29,7 @@ class Compact(Mapping[str, torch.Tensor]):
     def __init__(self, tensors: Mapping[str, torch.Tensor | None], *, copy: bool = True) -> None:
         """`copy`: snapshot each tensor (the run may change its own in place); False: `tensors` are already private.
         A None (no gradient) is held and read as None."""
-        self._held = {n: None if t is None else _cpu(t, copy) for n, t in tensors.items()}
+        self._held = {n: None if t is None else _snapshot(t, copy) for n, t in tensors.items()}
         self.source: tuple | None = None
         """A gradient's: what computed it (dpcompare.verify.oracle.gradient_oracle.Oracle: the copy, the state it was loaded
         from, its forwards, the names autograd left None), for a computation that would repeat it; None: unknown."""
@@ -63,7 +64,7 @@ class Compact(Mapping[str, torch.Tensor]):
 
 
 class Difference(Mapping[str, torch.Tensor]):
-    """`after` - `before` by name (`before`'s names), computed in float64 on the CPU when read and never held: an update is kept as the
+    """`after` - `before` by name (`before`'s names), computed in float64 where `before` is held when read and never held: an update is kept as the
     values it led to (in their own dtype), not as a float64 copy of its own. `round_to`: `before` rounded to that
     dtype first (a replay that started from the parameters in its own dtype)."""
 
@@ -78,9 +79,10 @@ class Difference(Mapping[str, torch.Tensor]):
         return (after.double() - before).reshape(self._after[name].shape)
 
     def sides(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(after, before) of `name`, flattened on the CPU as held (`before` rounded as asked): their float64
+        """(after, before) of `name`, flattened on `before`'s device as held (`before` rounded as asked): their float64
         difference is the update (one float64 copy and one subtraction: the other side is promoted in it, exactly)."""
-        return self._after[name].detach().to("cpu").reshape(-1), self._before_of(name)
+        before = self._before_of(name)
+        return self._after[name].detach().to(before.device).reshape(-1), before
 
     def pieces(self, name: str) -> tuple[object, torch.Tensor]:
         """(after, before) as `sides` gives them, except an `after` that is computed a slice at a time where it is read
@@ -93,7 +95,7 @@ class Difference(Mapping[str, torch.Tensor]):
         before = (self._before.held(name) if isinstance(self._before, Compact) else self._before[name]).detach()
         if self._round_to is not None and torch.promote_types(before.dtype, self._round_to) != self._round_to:
             before = before.to(self._round_to)  # a narrower dtype rounds; a wider one holds it exactly as it is
-        return before.to("cpu").reshape(-1)
+        return before.reshape(-1)
 
     def __iter__(self):
         return iter(self._before)
@@ -102,10 +104,10 @@ class Difference(Mapping[str, torch.Tensor]):
         return len(self._before)
 
 
-def _cpu(t: torch.Tensor, copy: bool) -> torch.Tensor:
+def _snapshot(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    """`t` as held: on its own device, a copy of it (`copy`) or itself (already private)."""
     t = t.detach()
-    moved = t.to("cpu")
-    return moved.clone() if copy and moved.data_ptr() == t.data_ptr() else moved
+    return t.clone() if copy else t
 
 
 def releasable(model: nn.Module) -> nn.Module:

@@ -55,10 +55,55 @@ Grads = dict[str, torch.Tensor]
 
 # -- fingerprints ----------------------------------------------------------------------------------
 def tensor_digest(t: Any) -> str:
-    """A tensor's digest (its own buffer hashed in place, no copy of its bytes); a batch's: its tensors' digests'."""
+    """A tensor's digest, computed where it is: on the CPU its own buffer hashed in place (blake2b, no copy of its
+    bytes), on any other device `device_digest`'s 16 bytes hashed (a parameter never leaves its device for its
+    digest). Digests are compared between tensors on one kind of device (a rank's at two steps, the ranks'). A batch's:
+    its tensors' digests'."""
     if not torch.is_tensor(t):
         return hashlib.blake2b("".join(map(tensor_digest, batches.leaves(t))).encode(), digest_size=8).hexdigest()
-    return hashlib.blake2b(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy(), digest_size=8).hexdigest()
+    flat = t.detach().reshape(-1).contiguous()
+    data = flat.view(torch.uint8).numpy() if flat.device.type == "cpu" else device_digest(flat)
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+_DIGEST_CHUNK = 1 << 20
+_MIX = (-7046029254386353131, -4658895280553007687)  # 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9 as signed int64
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def device_digest(flat: torch.Tensor) -> bytes:
+    """16 bytes that change with any bit of `flat` (contiguous, one dimension), computed on its device by its own
+    kernels: its bytes read as 64-bit words (the last 0-7 bytes apart), each word mixed with its own shift and
+    weighted by an odd constant of its position, summed in two lanes with wrap-around (an integer sum, so in any
+    order the same), a chunk of 2^20 words at a time. A single changed word changes both lanes (its weight is odd);
+    what is returned to the host is the two sums and the tail."""
+    raw = flat.view(torch.uint8)
+    whole = raw.numel() // 8 * 8
+    words = raw[:whole].view(torch.int64) if whole and raw.storage_offset() % 8 == 0 else raw[:whole].clone().view(
+        torch.int64)
+    weights = _digest_weights(flat.device)
+    lanes = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for k in range(0, words.numel(), _DIGEST_CHUNK):
+        w = words[k:k + _DIGEST_CHUNK]
+        w = w ^ (w >> 27)
+        m = weights[:w.numel()]
+        lanes[0] += (w * m).sum() * (2 * (k // _DIGEST_CHUNK) + 1)
+        lanes[1] += (w * (m * 3 + 2 * (k // _DIGEST_CHUNK))).sum()
+    first, second = lanes.tolist()
+    return (first.to_bytes(8, "little", signed=True) + second.to_bytes(8, "little", signed=True)
+            + bytes(raw[whole:].tolist()))
+
+
+def _digest_weights(device: torch.device) -> torch.Tensor:
+    """The odd position weights of `device_digest`, made once per device."""
+    weights = _WEIGHTS.get(device)
+    if weights is None:
+        m = torch.arange(_DIGEST_CHUNK, dtype=torch.int64, device=device) * _MIX[0]
+        m ^= m >> 31
+        m *= _MIX[1]
+        m ^= m >> 29
+        weights = _WEIGHTS[device] = m | 1
+    return weights
 
 
 def param_digests(params: nn.Module | Mapping[str, torch.Tensor]) -> list[str]:
@@ -273,7 +318,7 @@ def accumulate_raw(model: nn.Module, loss_fn: Callable, pieces: list[Piece], dev
 def finish_gradient(raw: dict[str, torch.Tensor], undo: float) -> Grads:
     """The gradients accumulate_gradient returns from the sum autograd left (`raw`, times `undo`)."""
     if undo != 1.0:
-        return {n: g.detach().double().cpu() * undo for n, g in raw.items()}
+        return {n: g.detach().double() * undo for n, g in raw.items()}
     # Held in the copy's own dtype (a float32 reference costs 4 bytes an element, not 8), read in float64: the
     # caller drops the model's .grad, so these tensors are the gradients' only holders.
     return Compact(raw, copy=False)

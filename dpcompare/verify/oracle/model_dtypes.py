@@ -50,8 +50,8 @@ def state_distance(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
         return math.inf
     if is_float(a) and is_float(b):
-        return rel_fro(a.detach().double().cpu(), b.detach().double().cpu())
-    return 0.0 if a.dtype == b.dtype and torch.equal(a.detach().cpu(), b.detach().cpu()) else math.inf
+        return rel_fro(a.detach().double(), b.detach().to(device=a.device, dtype=torch.float64))
+    return 0.0 if a.dtype == b.dtype and torch.equal(a.detach(), b.detach().to(a.device)) else math.inf
 
 
 ROUNDING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -61,7 +61,7 @@ ROUNDING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def non_float_change(name: str, have: torch.Tensor, want: torch.Tensor) -> tuple[str, str]:
     """(cause, phrase) for a non-float tensor `have` that should be bitwise `want`: converted to another dtype,
     rounded through a floating dtype and cast back, or changed otherwise."""
-    have, want = have.detach().cpu(), want.detach().cpu()
+    have, want = have.detach(), want.detach().to(have.device)
     kind = str(want.dtype).removeprefix("torch.")
     if have.dtype != want.dtype:
         got = str(have.dtype).removeprefix("torch.")
@@ -91,7 +91,8 @@ def non_float_divergence(step: int, check: CheckName, have: Mapping[str, torch.T
         return None
     a, b = have[wrong[0]], want[wrong[0]]
     cause, why = non_float_change(wrong[0], a, b)
-    distance = rel_fro(a.detach().double().cpu(), b.detach().double().cpu()) if a.shape == b.shape else math.inf
+    distance = rel_fro(a.detach().double(), b.detach().to(device=a.device, dtype=torch.float64)) if a.shape == b.shape \
+        else math.inf
     return Divergence(step, wrong[0], distance, 0.0, math.nan,
                       f"{when}, {why}; a non-float parameter must match bitwise",
                       check=check, cause=cause, parameters=wrong)

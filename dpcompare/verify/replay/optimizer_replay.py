@@ -165,7 +165,7 @@ class _Replay:
         """The state after the step of a parameter read in pieces: its entries, and the pieces written (start: size)."""
 
     def reached(self, n: str) -> torch.Tensor:
-        """The value parameter `n` reaches (in the replay's dtype, on the CPU)."""
+        """The value parameter `n` reaches (in the replay's dtype, on its device)."""
         if self._last is not None and self._last[0] == n:
             return self._last[1]
         dtype, device = self.dtype, self.device
@@ -177,7 +177,7 @@ class _Replay:
         g = self.grads.get(n)
         optimizer = self._step(n, live, start, None if g is None else g.detach().to(device=device, dtype=dtype,
                                                                                    copy=True))
-        reached = live.detach().to("cpu")
+        reached = live.detach()
         self._filling.pop(n, None)
         if self.keep_state:
             read = read_state(optimizer, {n: live})
@@ -232,7 +232,7 @@ class _Replay:
         return _held(self.params, n).numel()
 
     def piece(self, n: str, part: slice) -> torch.Tensor:
-        """Elements `part` of the flattened value parameter `n` reaches, in the replay's dtype on the CPU, valid until
+        """Elements `part` of the flattened value parameter `n` reaches, in the replay's dtype on its device, valid until
         the next piece is read. An ELEMENTWISE optimizer steps just those elements (from the same inputs, so a piece
         read twice is the same); any other steps the whole parameter (`reached`)."""
         if not self.elementwise():
@@ -248,7 +248,7 @@ class _Replay:
         if self.keep_state and not self._kept(n):
             self._fill(n, part, optimizer.state.get(live, {}))
         optimizer.state.clear()
-        return live.detach().to("cpu")
+        return live.detach()
 
     def _sources(self, n: str) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any] | None]:
         """Parameter `n`'s inputs as held, flattened (its value, its gradient, its state before the step), read once
