@@ -112,6 +112,67 @@ def test_the_trajectory_refuses_gradients_of_other_weights_forwards_or_buffers()
     assert not _take(make(), oracle, state, _pieces(0))
 
 
+def _run_state(trajectory: Trajectory) -> dict:
+    """The state the run holds where it trains as the trajectory's run-precision copy does (one process)."""
+    return {k: v.detach().clone() for k, v in trajectory.model_run.state_dict().items()}
+
+
+@pytest.mark.parametrize("name,clip", [("sgd", None), ("adamw", 0.05)])
+def test_the_run_precision_copy_from_the_references_gradient_is_its_own_to_the_bit(name, clip):
+    """At every step after the first: where the run's weights are the run-precision copy's, bitwise, the copy takes
+    the reference's gradient and reaches what computing its own reaches, the float64 copy computing its own."""
+    template, oracle, make = _setup(name, clip)
+    taken, computed = make(), make()
+    for step in range(4):
+        state = _run_state(taken)
+        pieces = _pieces(step)
+        assert taken.take_run(pieces, oracle.floor_of(state, pieces), oracle.model_run), step
+        taken.step(pieces)
+        computed.step(pieces)
+    with taken.whole(), computed.whole():
+        for a, b in ((taken.model64, computed.model64), (taken.model_run, computed.model_run)):
+            for (n, p), q in zip(a.named_parameters(), b.parameters()):
+                assert p.numel() and torch.equal(p, q), n
+    params = {n: p.detach().float() for n, p in computed.model_run.named_parameters()}
+    assert taken.judge(3, params, 1) == computed.judge(3, params, 1)
+
+
+def test_the_run_precision_copy_refuses_a_gradient_of_other_weights_forwards_or_buffers():
+    template, oracle, make = _setup("sgd")
+    trajectory = make()
+    state = _run_state(trajectory)
+    moved = {k: (v + 1e-6 if k == "net.0.weight" else v) for k, v in state.items()}
+    assert not trajectory.take_run(_pieces(0), oracle.floor_of(moved, _pieces(0)), oracle.model_run), "other weights"
+    assert not trajectory.take_run(_pieces(1), oracle.floor_of(state, _pieces(0)), oracle.model_run), "other forwards"
+    plain = dict(oracle.floor_of(state, _pieces(0)).items())  # no record of what computed it
+    assert not trajectory.take_run(_pieces(0), plain, oracle.model_run)
+    assert not trajectory.take_run(_pieces(0), oracle.oracle_of(state, _pieces(0)), oracle.model_run), "float64's"
+    # taken for one step's forwards, then stepped on another's: the copy computes its own
+    assert trajectory.take_run(_pieces(0), oracle.floor_of(state, _pieces(0)), oracle.model_run)
+    own = make()
+    trajectory.step(_pieces(1))
+    own.step(_pieces(1))
+    assert all(torch.equal(p, q) for p, q in zip(trajectory.model_run.parameters(), own.model_run.parameters()))
+    template, oracle, make = _setup("sgd", batchnorm=True)  # the forward writes its running statistics
+    trajectory = make()
+    state = _run_state(trajectory)
+    assert not trajectory.take_run(_pieces(0), oracle.floor_of(state, _pieces(0)), oracle.model_run)
+
+
+def test_a_gradient_taken_but_not_the_copys_own_would_be_seen(monkeypatch):
+    """The premise's twin: a copy handed a gradient of other forwards (the check of the forwards disabled) steps
+    elsewhere than computing its own, so the comparison above can fail."""
+    template, oracle, make = _setup("sgd")
+    taken, computed = make(), make()
+    state = _run_state(taken)
+    assert taken.take_run(_pieces(0), oracle.floor_of(state, _pieces(5)), oracle.model_run) is False  # source differs
+    monkeypatch.setattr("dpcompare.verify.trajectory.reference_trajectory.computed_by", lambda g, slot, p: True)
+    assert taken.take_run(_pieces(0), oracle.floor_of(state, _pieces(5)), oracle.model_run)
+    taken.step(_pieces(0))
+    computed.step(_pieces(0))
+    assert not all(torch.equal(p, q) for p, q in zip(taken.model_run.parameters(), computed.model_run.parameters()))
+
+
 class _Reference:
     """The oracle as RunReference uses it: each floor_of is one run-precision gradient; `jitter` makes every second
     computation differ in its last bit (a nondeterministic kernel)."""

@@ -46,6 +46,9 @@ class Trajectory:
         self.bench, self.verdict, self.trajectory = bench, bench.verdict, bench.trajectory
         self.taken: list[int] = []
         """The steps whose gradients the trajectory took from the oracle's and the reference's (`ahead`)."""
+        self.run_taken: list[int] = []
+        """The steps whose run-precision copy took its gradient from the run-precision reference (`ahead`): its
+        weights were the run's, bitwise."""
 
     def ahead(self, ctx: CheckContext, step: StepEvidence, private: bool) -> None:
         """At a checked step's reduce, once the checks that read the oracle have: where this step's gradients of the
@@ -63,11 +66,15 @@ class Trajectory:
         oracle = self.bench.oracle
         if self.trajectory.take(pieces, o.oracle, o.floor, (oracle.model64, oracle.model_run), private):
             self.taken.append(step.step)
+        elif self.trajectory.take_run(pieces, o.floor, oracle.model_run):
+            self.run_taken.append(step.step)
 
     def reused(self) -> dict:
         """What the check took from the oracle rather than compute again, and how its float64 copy was held between
         steps (`Verdict.oracle_reuse`)."""
         out = {"gradients_from_oracle": list(self.taken)} if self.taken else {}
+        if self.run_taken:
+            out["run_gradients_from_reference"] = list(self.run_taken)
         held = self.trajectory.offsets
         if held.elements:
             out["held_as_offsets"] = {"elements": held.elements, "kept_float64": held.kept, "whole": held.whole,

@@ -37,7 +37,8 @@ from dpcompare.verify.ranks.oracle_messages import Status
 from dpcompare.verify.replay.optimizer_replay import uncut
 from dpcompare.verify.ranks.verifier_group import Peers
 from dpcompare.verify.oracle.gradient_oracle import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Piece, accumulate_gradient,
-                                          accumulate_raw, computed_by, finish_gradient, verification_copy)
+                                          accumulate_raw, computed_by, finish_gradient, same_forwards,
+                                          verification_copy)
 from dpcompare.verify.replay.clipping_rule import clip_, clip_scale
 from dpcompare.verify.judgement.held_values import releasable, release
 from dpcompare.verify.judgement.tolerance import CHUNK, _norm, finite, rel_ratio
@@ -101,6 +102,9 @@ class Trajectory:
         this process's first."""
         self.wire = self.wire_before = 0.0
         """The wire's allowance so far: the sum over those steps of the world size that averaged their gradients."""
+        self._run_taken: tuple[object, list[Piece]] | None = None
+        """The run-precision reference's gradient this step's run-precision copy steps from (`take_run`), with its
+        forwards; None: the copy computes its own."""
         self.replayers = (MaskReplayer(self.model64), MaskReplayer(self.work if self.work is not None else self.model_run))
         self.offsets = Offsets(self.u)
         """The float64 copy's values between uses, held as offsets from the run-precision copy's
@@ -178,6 +182,7 @@ class Trajectory:
         own pieces, where `pieces` are several ranks' forwards of the layout; else rank 0 runs them all) and steps its
         own range."""
         if skip:
+            self._run_taken = None
             return
         if self.ranges is None:
             self._step(lambda: pieces, None, loss_scale, at)
@@ -233,6 +238,10 @@ class Trajectory:
         self._zero_grad(self.model64)  # not needed until the next step: memory for the next check
         self.written.update(n for n, p in self.model64.named_parameters()
                             if n in carried and state_distance(p, carried[n]) != 0.0)
+        taken, self._run_taken = self._run_taken, None
+        if taken is not None and share is None and not isinstance(pieces, Exception) and same_forwards(taken[1], pieces):
+            self._from(self.model_run, taken[0], private=True)  # the reference's gradient: clipped and stepped there
+            return
         if not self.recipe.active:
             self._accumulate(self.model_run, pieces, share, self.replayers[1])
         else:
@@ -280,21 +289,44 @@ class Trajectory:
         finally:
             self._hold()
 
+    def take_run(self, pieces: list[Piece], grads_run: object, model: nn.Module) -> bool:
+        """The run-precision copy's gradient of this step taken from the run-precision reference's (`grads_run`, a
+        Compact with its `source`), where it is the one the copy would compute: the reference's copy (`model`, holding
+        the buffers its forwards left) computed it from the same forwards (`pieces`) at these very weights and buffers
+        (compared element by element), by a forward that writes no buffer, on one process, without a mixed-precision
+        recipe. At one rank the copy's weights stay bitwise the run's while the run computes what one process does, so
+        at every checked step its forward and backward are the reference's again. The copy steps from it when the
+        trajectory steps (its float64 copy computes its own gradient then). Returns whether it was taken."""
+        if (self.ranges is not None or self.recipe.active or self.carried
+                or not computed_by(grads_run, "run", pieces) or not set(self.names) <= set(grads_run)):
+            return False
+        if not _holds(self.model_run, grads_run.source[1]) or not _same_buffers(self.model_run, model):
+            return False
+        self._run_taken = (grads_run, pieces)
+        return True
+
     def _take(self, state: dict, grads64: object, grads_run: object, models: tuple[nn.Module, nn.Module],
               private: bool) -> bool:
         for mine, theirs, grads in ((self.model64, models[0], grads64), (self.model_run, models[1], grads_run)):
             if not _holds(mine, state) or not _same_buffers(mine, theirs) or not set(self.names) <= set(grads):
                 return False
-        for model, opt, grads in ((self.model64, self.opt64, grads64), (self.model_run, self.opt_run, grads_run)):
-            none = grads.source[3]
-            for n, p in model.named_parameters():
-                if n in self.names:
-                    g = grads.held(n)
-                    p.grad = None if n in none else (g.to(p.device, copy=private) if private else g.to(p.device))
-            self._clip(model)
-            opt.step()
-            model.zero_grad(set_to_none=True)
+        for model, grads in ((self.model64, grads64), (self.model_run, grads_run)):
+            self._from(model, grads, private)
         return True
+
+    def _from(self, model: nn.Module, grads: object, private: bool) -> None:
+        """One optimizer step of `model` (one of the two copies) from `grads` computed already (a Compact with its
+        `source`), clipped as its own would be. `private`: `grads` are read after this (copied first: clipping and the
+        optimizer may change a gradient in place)."""
+        opt = self.opt64 if model is self.model64 else self.opt_run
+        none = grads.source[3]
+        for n, p in model.named_parameters():
+            if n in self.names:
+                g = grads.held(n)
+                p.grad = None if n in none else (g.to(p.device, copy=private) if private else g.to(p.device))
+        self._clip(model)
+        opt.step()
+        model.zero_grad(set_to_none=True)
 
     def _accumulate(self, model: nn.Module, pieces: list[Piece] | Exception, share: TrajectoryRequest | None,
                     replayer: MaskReplayer, recipe: Recipe = NO_RECIPE,
