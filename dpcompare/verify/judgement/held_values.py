@@ -12,7 +12,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import weakref
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -134,8 +134,12 @@ def release(model: nn.Module) -> None:
 _RELEASABLE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
-def _restore(model: nn.Module, *_) -> None:
-    for p in model.parameters():
+def _restore(model: nn.Module, state_dict: Mapping[str, Any], prefix: str, *_) -> None:
+    """Before a load: the storage of every parameter `state_dict` has an entry for (one loaded for its buffers alone
+    leaves the parameters released)."""
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if prefix + name not in state_dict:
+            continue
         storage = p.untyped_storage()
         need = (p.storage_offset() + p.numel()) * p.element_size()
         if storage.nbytes() < need:

@@ -32,6 +32,7 @@ predictions.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -44,7 +45,9 @@ from dpcompare.contract.optim_state import OptState
 from dpcompare.verify.randomness import draw_recording as mk
 from dpcompare.verify.randomness import random_modules
 from dpcompare.verify.replay import replay_ranges
-from dpcompare.verify.oracle.gradient_oracle import Grads, Layout, Piece, accumulate_raw, finish_gradient, verification_copy
+from dpcompare.verify.oracle import weights_on_use
+from dpcompare.verify.oracle.gradient_oracle import (Grads, Layout, Piece, accumulate_raw, finish_gradient, loaded,
+                                                     verification_copy)
 from dpcompare.verify.judgement.held_values import Compact, releasable, release
 from dpcompare.verify.randomness.draw_recording import MaskReplayer
 from dpcompare.verify.judgement.precision_recipe import NONE as NO_RECIPE
@@ -106,14 +109,14 @@ class Divider:
                                                       ranks, key)))
         send_state(self.peers, send)
         self.requests += 1
-        if state is not None:
-            model.load_state_dict(state)
         own = [p for p in pieces if p.rank == 0]
         status, raw = Status(False), None
         try:
-            if own:
-                raw, none, _, loss = accumulate_raw(model, loss_fn, own, device, replayer, recipe, loss_scale, ranks)
-                status = Status(True, none, loss)
+            with loaded(model, state, not recipe.active) if state is not None else nullcontext():
+                if own:
+                    raw, none, _, loss = accumulate_raw(model, loss_fn, own, device, replayer, recipe, loss_scale,
+                                                        ranks)
+                    status = Status(True, none, loss)
         except mk.MaskMismatch as exc:
             status = Status(False, mismatch=(exc.module, exc.reason))
         statuses = self.peers.gather(status)
@@ -388,18 +391,25 @@ class Helper:
 
     def _answer(self, request: Request, batch, masks: Callable[[], list | None]) -> None:
         model, replayer = self.models[request.slot], self.replayers[request.slot]
-        # loaded at every request, as rank 0 reloads its copy (a forward in training mode moves buffers)
-        missing = receive_into(self.peers, request.state, model)
+        # loaded at every request, as rank 0 reloads its copy (a forward in training mode moves buffers); outside a
+        # recipe the copy's parameters are made from the state as its ops use them: the state is held as it was sent
+        # (4 bytes a float32 parameter) and the copy holds a module's at a time, where loaded whole a float64 copy holds
+        # 8 bytes a parameter beside it (dpcompare.verify.oracle.weights_on_use)
+        on_use = not request.recipe and weights_on_use.eligible(model)
+        state: dict[str, torch.Tensor] = {}
+        missing = receive_into(self.peers, request.state, model, into=state if on_use else None)
         status, raw = Status(False), None
         try:
             if missing:
                 raise KeyError(f"the state rank 0 sent has {missing[0]!r}, which this rank's copy does not")
             own = self._own(request, batch, masks())
-            if own:
-                raw, none, _, loss = accumulate_raw(model, self.loss_fn, own, self.device, replayer,
-                                                    self.recipe if request.recipe else NO_RECIPE, request.loss_scale,
-                                                    request.ranks)
-                status = Status(True, none, loss)
+            with loaded(model, state) if on_use else nullcontext():
+                if own:
+                    raw, none, _, loss = accumulate_raw(model, self.loss_fn, own, self.device, replayer,
+                                                        self.recipe if request.recipe else NO_RECIPE,
+                                                        request.loss_scale, request.ranks)
+                    status = Status(True, none, loss)
+            del state
         except mk.MaskMismatch as exc:
             status = Status(False, mismatch=(exc.module, exc.reason))
         except Exception as exc:  # noqa: BLE001 - said by rank 0, in one line, with the others' ranks in step

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dpcompare.verify.oracle.gradient_oracle import Grads, Oracle, Piece, accumulate_piece
+from dpcompare.verify.oracle.gradient_oracle import Grads, Oracle, Piece, accumulate_piece, loaded
 from dpcompare.verify.judgement.held_values import Compact, release
 from dpcompare.verify.randomness.draw_recording import MaskReplayer
 from dpcompare.verify.judgement.precision_recipe import NONE as NO_RECIPE
@@ -76,9 +76,9 @@ def distance_of(oracle: Oracle, state: dict, pieces: list[Piece], against: Grads
     def sink(name: str, g: torch.Tensor) -> None:
         figures[name] = range_figures("fro", ({name: against[name]}, {name: g}), [name])[name]
 
-    oracle.model64.load_state_dict(state)
     try:
-        none = accumulate_streamed(oracle.model64, oracle.loss_fn, pieces, oracle.device, sink, oracle.replay64)
+        with loaded(oracle.model64, state):
+            none = accumulate_streamed(oracle.model64, oracle.loss_fn, pieces, oracle.device, sink, oracle.replay64)
     finally:
         oracle.model64.zero_grad(set_to_none=True)
         release(oracle.model64)

@@ -27,7 +27,7 @@ from dpcompare.contract import batches
 from dpcompare.contract.compiling import compile_forward
 from dpcompare.contract.sparse import make_dense
 from dpcompare.verify.oracle.module_boundaries import module_boundaries
-from dpcompare.verify.oracle import float64_paths
+from dpcompare.verify.oracle import float64_paths, weights_on_use
 from dpcompare.verify.oracle.model_dtypes import as_input, float_dtype
 from dpcompare.verify.randomness.draw_recording import MaskReplayer
 from dpcompare.verify.judgement.precision_recipe import NONE as NO_RECIPE, Recipe
@@ -39,7 +39,7 @@ from dpcompare.verify.judgement.verdict import Divergence, StepCheck, UpdateChec
 
 __all__ = [
     "DTYPES", "Grads", "Masks", "RECOMPUTE_ATTRIBUTE", "Layout", "Oracle", "Piece", "accumulate_gradient", "accumulate_raw", "depth_of",
-    "finish_gradient", "first_mismatch", "global_pieces", "grad_digests", "param_digests", "replica_pieces",
+    "finish_gradient", "first_mismatch", "global_pieces", "grad_digests", "loaded", "param_digests", "replica_pieces",
     "tensor_digest", "same_forwards", "same_sum", "verification_copy",
     # the tolerance policy's (dpcompare.verify.judgement.tolerance)
     "TOLERANCE_FACTOR", "UNIT_ROUNDOFF", "WIRE_DTYPE", "ParamError", "compare", "coverage", "flat", "min_detectable",
@@ -349,6 +349,16 @@ unchanged while a float64 copy of a large model keeps one block's activations in
 ranks' own models are never switched: the run is measured as the user would run it."""
 
 
+def loaded(model: nn.Module, state: Mapping[str, torch.Tensor], on_use: bool = True) -> contextlib.AbstractContextManager:
+    """`model` (a releasable copy) loaded from `state` for the duration: its parameters made from `state` as its ops
+    use them, never whole (dpcompare.verify.oracle.weights_on_use), where `on_use` and the model allows it; else loaded
+    whole (load_state_dict), as before. The gradients its backward leaves are the same to the bit either way."""
+    if on_use and weights_on_use.eligible(model):
+        return weights_on_use.made_from(model, state)
+    model.load_state_dict(state)
+    return contextlib.nullcontext()
+
+
 def _through(g: torch.Tensor, dtype: torch.dtype, loss_scale: float) -> torch.Tensor:
     """`g` (float64) as `dtype` holds it when it is stored or sent multiplied by `loss_scale`."""
     return (g * loss_scale).to(dtype).double() / loss_scale if loss_scale != 1.0 else g.to(dtype).double()
@@ -408,8 +418,8 @@ class Oracle:
             out = self.divider.gradient(slot, model, replayer, state, pieces, self.loss_fn, self.device, recipe,
                                         loss_scale, ranks)
         else:
-            model.load_state_dict(state)
-            out = accumulate_gradient(model, self.loss_fn, pieces, self.device, replayer, recipe, loss_scale, ranks)
+            with loaded(model, state, slot is not None and not recipe.active):
+                out = accumulate_gradient(model, self.loss_fn, pieces, self.device, replayer, recipe, loss_scale, ranks)
             model.zero_grad(set_to_none=True)  # the float64 gradients live on in `grads`; a run-dtype copy is freed
             if isinstance(out[0], Compact) and not recipe.active and loss_scale == 1.0:
                 out[0].source = (slot, state, pieces, out[1])  # dpcompare.verify.trajectory.reference_trajectory.Trajectory.take
@@ -424,9 +434,8 @@ class Oracle:
     def loss_of(self, state: dict, pieces: list[Piece]) -> float:
         """The float64 copy's loss over `pieces` at `state`, weighted as their gradients are: forwards alone, no
         backward (what tells whether the ranks' shards still compute the global batch's loss)."""
-        self.model64.load_state_dict(state)
-        self.model64.train()
-        with torch.no_grad():
+        with loaded(self.model64, state), torch.no_grad():
+            self.model64.train()
             loss = sum(p.weight * float(self.loss_fn(batches.call(self.model64, as_input(p.x, self.model64, self.device)),
                                                      batches.to(p.y, self.device))) for p in pieces)
         release(self.model64)

@@ -60,17 +60,22 @@ def send_state(peers: Peers, state: dict[str, torch.Tensor]) -> None:
         dist.broadcast(t.detach().to("cpu").contiguous(), src=0, group=peers.group)
 
 
-def receive_into(peers: Peers, meta: list[tuple[str, tuple[int, ...], torch.dtype]], model: nn.Module) -> list[str]:
+def receive_into(peers: Peers, meta: list[tuple[str, tuple[int, ...], torch.dtype]], model: nn.Module,
+                 into: dict[str, torch.Tensor] | None = None) -> list[str]:
     """The state rank 0 sends (`send_state`), loaded into `model` a tensor at a time as it arrives (load_state_dict,
-    its modules' own loading included), so it is never held whole beside the copy it loads. Every tensor is received
-    whatever happens; returns the keys `model` has no entry for (none loaded), for its share's status."""
+    its modules' own loading included), so it is never held whole beside the copy it loads; `into`, where given,
+    receives the tensors as they were sent instead (a copy whose parameters are made from them as they are used:
+    dpcompare.verify.oracle.weights_on_use). Every tensor is received whatever happens; returns the keys `model` has no
+    entry for (none loaded), for its share's status."""
     keys = model.state_dict().keys()
     missing = []
     for key, shape, dtype in meta:
         t = torch.empty(shape, dtype=dtype)
         dist.broadcast(t, src=0, group=peers.group)
-        if key in keys:
-            model.load_state_dict({key: t}, strict=False)
-        else:
+        if key not in keys:
             missing.append(key)
+        elif into is not None:
+            into[key] = t
+        else:
+            model.load_state_dict({key: t}, strict=False)
     return missing
