@@ -120,6 +120,11 @@ def releasable(model: nn.Module) -> nn.Module:
     return model
 
 
+def is_releasable(model: nn.Module) -> bool:
+    """Whether `model` was made `releasable`."""
+    return model in _RELEASABLE
+
+
 def release(model: nn.Module) -> None:
     """Free the storage of every parameter of `model` (made `releasable`): its values are gone until it is loaded.
     Refused for a model not made releasable: loading into freed storage would write past it."""

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dpcompare.verify.judgement.held_values import release
+from dpcompare.verify.judgement.held_values import is_releasable, release
 
 __all__ = ["eligible", "made_from"]
 
@@ -176,9 +176,10 @@ _OWN_LOADING = (nn.Module._load_from_state_dict,)
 
 
 def eligible(model: nn.Module) -> bool:
-    """Whether `model`'s parameters can be made on use: each its own storage, from its start; every module loading
-    its state as nn.Module does (no `_load_from_state_dict` of its own, no load hook but the copy's own); not compiled."""
-    if hasattr(model, "_orig_mod") or getattr(model.forward, "__wrapped__", None) is not None:
+    """Whether `model`'s parameters can be made on use: a releasable copy (held_values.releasable), each parameter its
+    own storage, from its start; every module loading its state as nn.Module does (no `_load_from_state_dict` of its
+    own, no load hook but the copy's own); not compiled."""
+    if not is_releasable(model) or hasattr(model, "_orig_mod") or getattr(model.forward, "__wrapped__", None) is not None:
         return False
     seen: set[int] = set()
     for p in {id(p): p for p in model.parameters()}.values():
