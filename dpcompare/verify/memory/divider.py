@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch

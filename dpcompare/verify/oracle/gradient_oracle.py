@@ -349,7 +349,8 @@ unchanged while a float64 copy of a large model keeps one block's activations in
 ranks' own models are never switched: the run is measured as the user would run it."""
 
 
-def loaded(model: nn.Module, state: Mapping[str, torch.Tensor], on_use: bool = True) -> contextlib.AbstractContextManager:
+def loaded(model: nn.Module, state: Mapping[str, torch.Tensor],
+           on_use: bool = True) -> contextlib.AbstractContextManager:
     """`model` (a releasable copy) loaded from `state` for the duration: its parameters made from `state` as its ops
     use them, never whole (dpcompare.verify.oracle.weights_on_use), where `on_use` and the model allows it; else loaded
     whole (load_state_dict), as before. The gradients its backward leaves are the same to the bit either way."""
@@ -436,7 +437,8 @@ class Oracle:
         backward (what tells whether the ranks' shards still compute the global batch's loss)."""
         with loaded(self.model64, state), torch.no_grad():
             self.model64.train()
-            loss = sum(p.weight * float(self.loss_fn(batches.call(self.model64, as_input(p.x, self.model64, self.device)),
+            loss = sum(p.weight * float(self.loss_fn(batches.call(self.model64,
+                                                                  as_input(p.x, self.model64, self.device)),
                                                      batches.to(p.y, self.device))) for p in pieces)
         release(self.model64)
         return loss

@@ -119,7 +119,7 @@ class _Maker:
         with torch._C.DisableTorchFunction():
             return self.by_storage.get(t.untyped_storage()._cdata)
 
-    # -- the hooks ------------------------------------------------------------------------------------------------------
+    # -- the hooks -----------------------------------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
         p = self.param_of(t)
         if p is None:
@@ -179,7 +179,9 @@ def eligible(model: nn.Module) -> bool:
     """Whether `model`'s parameters can be made on use: a releasable copy (held_values.releasable), each parameter its
     own storage, from its start; every module loading its state as nn.Module does (no `_load_from_state_dict` of its
     own, no load hook but the copy's own); not compiled."""
-    if not is_releasable(model) or hasattr(model, "_orig_mod") or getattr(model.forward, "__wrapped__", None) is not None:
+    if not is_releasable(model) or hasattr(model, "_orig_mod"):
+        return False
+    if getattr(model.forward, "__wrapped__", None) is not None:
         return False
     seen: set[int] = set()
     for p in {id(p): p for p in model.parameters()}.values():
