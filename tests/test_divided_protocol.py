@@ -6,6 +6,9 @@
   process waits for a share that will not come (both finish, and the next request is served);
 - each sum is held by its parameters' owners, each rank its own range only, until rank 0 lets it go; rank 0 reads the
   other ranges from their owners while they serve, and a read after they stopped is refused instead of waiting;
+- once a copy's first request showed no gradient completed twice in one backward, each rank sends its gradient to
+  the owners a parameter at a time as backward completes it: the same sums to the bit, and a twin whose rank sends
+  another gradient is seen in every parameter;
 - an optimizer state is held so too (Divider.hold_state), each parameter's entries read back as they were, and so it is
   held a parameter at a time as it is computed (StateHolder: the update check's replay).
 """
@@ -18,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dpcompare.verify.memory import divider as divided
+from dpcompare.verify.memory import handed_gradients
 from dpcompare.verify.ranks.verifier_group import owners
 from dpcompare.verify.oracle.gradient_oracle import Layout, accumulate_gradient, replica_pieces, verification_copy
 from tests.spawned import spawned
@@ -74,20 +78,32 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         streamed = sorted({n for g in helper._held.values() for n in g})
         streamed_holds = sum(1 for g in helper._held.values() if len(g))
         helper.serve(batch, lambda: None)  # rank 0 lets it go
-        torch.save({"held": held, "after": after, "state_held": state_held, "state_after": state_after,
-                    "streamed": streamed, "streamed_holds": streamed_holds, "streamed_after": len(helper._held)},
-                   f"{out}.{rank}")
+        saved = {"held": held, "after": after, "state_held": state_held, "state_after": state_after,
+                 "streamed": streamed, "streamed_holds": streamed_holds, "streamed_after": len(helper._held)}
+        if rank == 2:  # a twin that hands rank 2's gradient off twice over: the owners' sums change
+            real = handed_gradients.settle
+            handed_gradients.settle = lambda peers, owner, n, p, given, *a: real(
+                peers, owner, n, p, None if given is None else given * 2, *a)
+        helper.serve(batch, lambda: None)
+        torch.save(saved, f"{out}.{rank}")
         dist.destroy_process_group()
         return
     divider = divided.Divider(peers, layout)
     divider.open()
     state = template.state_dict()
     results = {}
+    kept = {}
     for dtype, slot in ((torch.float32, "run"), (torch.float64, "64")):
         model = verification_copy(template, torch.device("cpu"), dtype)
         alone, _ = accumulate_gradient(model, loss, pieces, torch.device("cpu"))
         shared, _ = divider.gradient(slot, model, None, state, pieces, loss, torch.device("cpu"))
         results[slot] = max(float((alone[n] - shared[n]).abs().max()) for n in alone)
+        # the copy's second request: each rank's gradient sent to its owners as its backward completes it
+        handed, _ = divider.gradient(slot, model, None, state, pieces, loss, torch.device("cpu"))
+        kept[slot] = {n: shared[n].clone() for n in alone}
+        results[f"{slot}-handed"] = all(torch.equal(shared[n], handed[n]) for n in alone)
+        del handed
+    results["handed"] = divider.handed
     del shared
     divider.done()
     divider.open()
@@ -146,6 +162,12 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     del streamed
     divider.open()
     divider.done()
+    divider.open()
+    model = verification_copy(template, torch.device("cpu"), torch.float32)
+    twin, _ = divider.gradient("run", model, None, state, pieces, loss, torch.device("cpu"))
+    results["twin-differs"] = sorted(n for n in kept["run"] if not torch.equal(kept["run"][n], twin[n]))
+    del twin
+    divider.done()
     torch.save(results, out)
     dist.destroy_process_group()
 
@@ -155,6 +177,10 @@ def test_a_divided_gradient_is_the_single_process_sum_and_a_failing_rank_is_name
     results, helpers = spawned(_worker, 3, helpers=(1, 2))
     assert results["run"] == 0.0, "the run-dtype sum of one forward per rank is rank 0's own sum, to the bit"
     assert results["64"] < 1e-15
+    # sent to their owners a parameter at a time as backward completes them: the same sums, to the bit
+    assert results["run-handed"] and results["64-handed"] and results["handed"] >= 2
+    # and a twin whose rank 2 sends twice its gradient is seen in every parameter's sum
+    assert results["twin-differs"] == sorted(n for n, _ in _model().named_parameters())
     assert results["failure"] is not None and "rank 1" in results["failure"] and "planted failure" in results["failure"]
     assert results["again"] > 0.0  # the ranks served the next request after the failure
     assert results["outside"] is not None and "outside a point of the step" in results["outside"]
@@ -172,3 +198,61 @@ def test_a_divided_gradient_is_the_single_process_sum_and_a_failing_rank_is_name
         assert helper["streamed"] == mine and helper["streamed_holds"] == 2 * len(mine), (rank, helper)
         assert helper["streamed_after"] == 0
     assert results["streamed_back"] and results["streamed_like"]
+
+
+class _SharedInAndOut(nn.Module):
+    """A weight used inside a block recomputed reentrantly in backward and outside it: its gradient is completed twice
+    in one backward (once by the recomputed block's own backward, once by the rest)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, 6)
+        self.shared = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.shared(t)), self.inp(x), use_reentrant=True)
+        return self.head(self.shared(h))
+
+
+def _twice_worker(rank: int, world: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    peers = divided.Peers.make()
+    layout = Layout(world)
+    template = _SharedInAndOut()
+    batch = _batch()
+    loss = nn.functional.cross_entropy
+    if rank:
+        helper = divided.Helper(peers, template, loss, layout=layout, dtype=torch.float32, device=torch.device("cpu"),
+                                recipe=divided.NO_RECIPE)
+        helper.serve(batch, lambda: None)
+        dist.destroy_process_group()
+        return
+    divider = divided.Divider(peers, layout)
+    divider.open()
+    pieces = replica_pieces(batch, layout)
+    model = verification_copy(template, torch.device("cpu"), torch.float32)
+    divider._hands["run"] = False  # computed whole before it is sent: what the handed request must come to
+    whole, _ = divider.gradient("run", model, None, template.state_dict(), pieces, loss, torch.device("cpu"))
+    whole = {n: whole[n].clone() for n in whole}
+    divider._hands.clear()
+    results = {}
+    for k in range(2):
+        shared, _ = divider.gradient("run", model, None, template.state_dict(), pieces, loss, torch.device("cpu"))
+        results[k] = all(torch.equal(whole[n], shared[n]) for n in whole)
+        del shared
+    results["handed"], results["hands"] = divider.handed, dict(divider._hands)
+    divider.done()
+    torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def test_a_gradient_completed_twice_in_one_backward_is_computed_whole_before_it_is_sent():
+    """The first request hands off, finds the shared weight completed twice on every rank, and is computed again with
+    each gradient whole before it is sent, as every later one: the sums of a request computed so, to the bit, each
+    time. (Not the single-process sum to the bit: one process adds each forward's two parts in turn, the ranks add
+    their own two first.)"""
+    results, _ = spawned(_twice_worker, 2)
+    assert results[0] and results[1]
+    assert results["handed"] == 0 and results["hands"] == {"run": False}

@@ -44,6 +44,7 @@ from dpcompare.contract.optim_state import OptState
 from dpcompare.verify.randomness import draw_recording as mk
 from dpcompare.verify.randomness import random_modules
 from dpcompare.verify.replay import replay_ranges
+from dpcompare.verify.memory.handed_gradients import hand_off
 from dpcompare.verify.oracle import weights_on_use
 from dpcompare.verify.oracle.gradient_oracle import (Grads, Layout, Piece, accumulate_raw, finish_gradient, loaded,
                                                      verification_copy)
@@ -84,6 +85,11 @@ class Divider:
         """The gradients let go on rank 0 (their `Remote`s collected) that the owners still hold."""
         self.serving = False
         """Whether the helpers are serving (between `open` and `done`): a gradient's other ranges can be read."""
+        self._hands: dict[str, bool] = {}
+        """By copy ("64", "run"): whether its gradients are sent to their owners as backward completes them
+        (dpcompare.verify.memory.handed_gradients): until a request finds one completed twice in one backward."""
+        self.handed = 0
+        """Requests whose gradients were so sent."""
 
     def divides(self, pieces: list[Piece]) -> bool:
         """Whether `pieces` are forwards of the layout of more than one rank (a whole-batch forward is not)."""
@@ -103,40 +109,62 @@ class Divider:
         meta = [(k, tuple(t.shape), t.dtype) for k, t in send.items()]
         self._key += 1
         key = self._key
+        # each gradient sent to its owners as backward completes it, unless a request showed one completed twice
+        hand = self._hands.get(slot, True) and not recipe.active and loss_scale == 1.0
         self.peers.broadcast(self._with_drops(Request(slot, meta, tuple(p.position for p in pieces),
                                                       tuple(p.weight for p in pieces), recipe.active, loss_scale,
-                                                      ranks, key)))
+                                                      ranks, key, hand=hand)))
         send_state(self.peers, send)
         self.requests += 1
+        self.handed += hand
         own = [p for p in pieces if p.rank == 0]
-        status, raw = Status(False), None
+        order = list(dict.fromkeys(p.rank for p in pieces))
+        if self._owner is None:
+            self.own(model)
+        status, raw, sums, exchanged = Status(False), None, {}, False
         try:
             with loaded(model, state, not recipe.active) if state is not None else nullcontext():
-                if own:
+                if hand:
+                    exchanged = True
+                    none, loss, twice = hand_off(self.peers, self._owner, model, loss_fn, own, device, replayer,
+                                                 order, sums)
+                    status = Status(True, none, loss) if own else status
+                    if twice:
+                        status = Status(False, error=f"rank 0: {twice[0]}'s gradient was completed twice in one "
+                                                     "backward, after it was sent to its owner", twice=True)
+                elif own:
                     raw, none, _, loss = accumulate_raw(model, loss_fn, own, device, replayer, recipe, loss_scale,
                                                         ranks)
                     status = Status(True, none, loss)
         except mk.MaskMismatch as exc:
             status = Status(False, mismatch=(exc.module, exc.reason))
+        finally:
+            if hand and not exchanged:  # every rank settles every parameter, whatever happened here
+                hand_off(self.peers, self._owner, model, loss_fn, [], device, None, order, sums)
         statuses = self.peers.gather(status)
         failed = next((s for s in statuses if s.mismatch is not None or s.error is not None), None)
         self.peers.broadcast(failed is None)  # the helpers send their shares only where every rank computed its own
         if failed is not None:
             model.zero_grad(set_to_none=True)
+            if hand and all(s.twice for s in statuses if s.error is not None) and failed.mismatch is None:
+                # a gradient completed twice in one backward (a reentrant recomputation): this copy's are computed
+                # whole before they are sent, from now on, starting with this one
+                self._hands[slot] = False
+                self.handed -= 1
+                return self.gradient(slot, model, replayer, state, pieces, loss_fn, device, recipe, loss_scale, ranks)
             if failed.mismatch is not None:
                 raise mk.MaskMismatch(*failed.mismatch)
             raise RuntimeError(f"a rank computing its share of the oracle failed: {failed.error}")
-        order = list(dict.fromkeys(p.rank for p in pieces))
         none = frozenset.intersection(*[s.none for s in statuses if s.computed])
         self.last_loss = 0.0
         for r in order:  # the losses added in the gradients' order
             self.last_loss += statuses[r].loss
         self.last_losses = {r: statuses[r].loss for r in order}
         model.zero_grad(set_to_none=True)  # `raw` holds rank 0's share: freed as it is sent or added into
-        if self._owner is None:
-            self.own(model)
         undo = 1.0 / (ranks * loss_scale)
-        own = finish_gradient(to_owners(self.peers, self._owner, model, raw if raw is not None else {}, order), undo)
+        if not hand:
+            sums = to_owners(self.peers, self._owner, model, raw if raw is not None else {}, order)
+        own = finish_gradient(sums, undo)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         meta = {n: (tuple(p.shape), p.dtype if undo == 1.0 else torch.float64) for n, p in named}
         return self.remote(key, own, [n for n, _ in named], meta), none
@@ -397,13 +425,24 @@ class Helper:
         on_use = not request.recipe and weights_on_use.eligible(model)
         state: dict[str, torch.Tensor] = {}
         missing = receive_into(self.peers, request.state, model, into=state if on_use else None)
-        status, raw = Status(False), None
+        positions = self.layout.positions(batches.rows(batch[0]))
+        order = list(dict.fromkeys(positions[i][0] for i in request.positions))
+        status, raw, sums, exchanged = Status(False), None, {}, False
         try:
             if missing:
                 raise KeyError(f"the state rank 0 sent has {missing[0]!r}, which this rank's copy does not")
             own = self._own(request, batch, masks())
             with loaded(model, state) if on_use else nullcontext():
-                if own:
+                if request.hand:
+                    exchanged = True
+                    none, loss, twice = hand_off(self.peers, self._owner, model, self.loss_fn, own, self.device,
+                                                 replayer, order, sums)
+                    status = Status(True, none, loss) if own else status
+                    if twice:
+                        status = Status(False, error=f"rank {self.peers.rank}: {twice[0]}'s gradient was completed "
+                                                     "twice in one backward, after it was sent to its owner",
+                                        twice=True)
+                elif own:
                     raw, none, _, loss = accumulate_raw(model, self.loss_fn, own, self.device, replayer,
                                                         self.recipe if request.recipe else NO_RECIPE,
                                                         request.loss_scale, request.ranks)
@@ -413,11 +452,13 @@ class Helper:
             status = Status(False, mismatch=(exc.module, exc.reason))
         except Exception as exc:  # noqa: BLE001 - said by rank 0, in one line, with the others' ranks in step
             status = Status(False, error=f"rank {self.peers.rank}: {type(exc).__name__}: {exc}")
+        finally:
+            if request.hand and not exchanged:  # every rank settles every parameter, whatever happened here
+                hand_off(self.peers, self._owner, model, self.loss_fn, [], self.device, None, order, sums)
         self.peers.gather(status)
         model.zero_grad(set_to_none=True)  # `raw` holds this rank's share: freed as it is sent or added into
         if self.peers.broadcast(None):  # every rank computed its own: the sums go to their owners
-            positions = self.layout.positions(batches.rows(batch[0]))
-            order = list(dict.fromkeys(positions[i][0] for i in request.positions))
-            sums = to_owners(self.peers, self._owner, model, raw if raw is not None else {}, order)
+            if not request.hand:
+                sums = to_owners(self.peers, self._owner, model, raw if raw is not None else {}, order)
             self._held[request.key] = finish_gradient(sums, 1.0 / (request.ranks * request.loss_scale))
         release(model)

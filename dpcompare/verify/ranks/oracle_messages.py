@@ -39,6 +39,9 @@ class Request:
     roundoff; the dtypes of the values sent, by parameter) for Divider.per_parameter, its reduction in `name`."""
     drop: tuple[int, ...] = ()
     """The gradients rank 0 let go since its last request: their owners let their ranges go."""
+    hand: bool = False
+    """Each parameter's gradient sent to its owners as backward completes it (dpcompare.verify.memory.handed_gradients),
+    not once every forward is done."""
 
 
 @dataclass(slots=True)
@@ -52,6 +55,9 @@ class Status:
     error: str | None = None
     mismatch: tuple[str, str] | None = None
     """A MaskMismatch on that rank: (module, reason)."""
+    twice: bool = False
+    """Its error: a gradient completed twice in one backward after it was sent (rank 0 computes the request again,
+    each gradient whole before it is sent)."""
 
 
 def send_state(peers: Peers, state: dict[str, torch.Tensor]) -> None:

@@ -71,31 +71,38 @@ def to_owners(peers: Peers, owner: Plan, model: nn.Module, raw: dict[str, torch.
     same `owner` and `order` (a rank not in `order` sends nothing and still receives what it holds); each piece is
     settled before the next, so no rank waits on one that waits on it."""
     out: dict[str, torch.Tensor] = {}
-    me, group = peers.rank, peers.group
+    me = peers.rank
     for n, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        given = raw.pop(n) if me in order else None
-        for piece in owner.holders(n):
-            mine, acc = piece.rank == me, None
-            for r in order:
-                if r == me:
-                    part = owner.take(n, piece.rank, given)
-                    if not mine:
-                        dist.send(part.detach().to("cpu").contiguous(), dst=piece.rank, group=group)
-                        continue
-                    part = part.clone() if part is not given and acc is None else part  # a piece: its own storage
-                elif mine:
-                    part = torch.empty(owner.shape(n, me, p.shape), dtype=p.dtype)
-                    dist.recv(part, src=r, group=group)
-                    part = part.to(p.device)
-                else:
-                    continue
-                acc = part if acc is None else acc.add_(part)  # in place: the rounding of acc + part
-            if mine:
-                out[n] = acc
-        del given
+        settle(peers, owner, n, p, raw.pop(n) if me in order else None, order, out)
     return out
+
+
+def settle(peers: Peers, owner: Plan, n: str, p: torch.Tensor, given: torch.Tensor | None,
+           order: tuple[int, ...] | list[int], out: dict[str, torch.Tensor]) -> None:
+    """`to_owners` for one parameter `n` (`p`: the copy's, for its shape and dtype): this rank's gradient `given`
+    (None where this rank is not in `order`) sent to each piece's holder, or, at a holder, the ranks' pieces received
+    and added in `order` into `out[n]`. Every rank settles the same parameters in the same order."""
+    me, group = peers.rank, peers.group
+    for piece in owner.holders(n):
+        mine, acc = piece.rank == me, None
+        for r in order:
+            if r == me:
+                part = owner.take(n, piece.rank, given)
+                if not mine:
+                    dist.send(part.detach().to("cpu").contiguous(), dst=piece.rank, group=group)
+                    continue
+                part = part.clone() if part is not given and acc is None else part  # a piece: its own storage
+            elif mine:
+                part = torch.empty(owner.shape(n, me, p.shape), dtype=p.dtype)
+                dist.recv(part, src=r, group=group)
+                part = part.to(p.device)
+            else:
+                continue
+            acc = part if acc is None else acc.add_(part)  # in place: the rounding of acc + part
+        if mine:
+            out[n] = acc
 
 
 class Remote(Mapping[str, torch.Tensor]):
