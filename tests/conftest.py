@@ -110,23 +110,41 @@ DEEP_LIST = Path(__file__).with_name("deep_tier.txt")
 per line; '#' starts a comment."""
 
 
+SLOW_LIST = Path(__file__).with_name("slow_tier.txt")
+"""Tests written for the default tier run in the breadth tier (`slow`) instead: the default tier's ten minutes
+(docs/testing.md). One pytest node ID per line; '#' starts a comment."""
+
+
+def _listed(path: Path) -> set[str]:
+    return {line.split("#", 1)[0].strip() for line in path.read_text().splitlines()} - {""}
+
+
 def deep_listed() -> set[str]:
-    return {line.split("#", 1)[0].strip() for line in DEEP_LIST.read_text().splitlines()} - {""}
+    return _listed(DEEP_LIST)
+
+
+def slow_listed() -> set[str]:
+    return _listed(SLOW_LIST)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """Before pytest selects by mark: each test listed in tests/deep_tier.txt is marked deep, and where the mark
-    expression does not name deep (`-m slow`), a test marked deep is left out whatever else it is marked. A collection
-    of the whole suite that misses a listed test is an error: a renamed test would silently return to its old tier."""
-    listed = deep_listed()
+    """Before pytest selects by mark: each test listed in tests/slow_tier.txt is marked slow, each listed in
+    tests/deep_tier.txt deep, and where the mark expression does not name deep (`-m slow`), a test marked deep is left
+    out whatever else it is marked. A collection of the whole suite that misses a listed test is an error: a renamed test would silently return to its old tier."""
+    listed, slow = deep_listed(), slow_listed()
     seen = set()
     for item in items:
         if item.nodeid in listed:
             item.add_marker(pytest.mark.deep)
             seen.add(item.nodeid)
-    if set(config.args) <= {"tests", str(REPO_ROOT / "tests")} and listed - seen:
-        raise pytest.UsageError(f"tests/deep_tier.txt lists tests that do not exist: {sorted(listed - seen)[:5]}")
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
+            seen.add(item.nodeid)
+    whole = set(config.args) <= {"tests", str(REPO_ROOT / "tests")}
+    if whole and (listed | slow) - seen:
+        raise pytest.UsageError(f"tests/deep_tier.txt or tests/slow_tier.txt lists tests that do not exist: "
+                                f"{sorted((listed | slow) - seen)[:5]}")
     if "deep" in (config.getoption("markexpr") or ""):
         return
     dropped = [item for item in items if item.get_closest_marker("deep") is not None]
