@@ -28,6 +28,8 @@ def _assert_even_ranges(result: dict, world_size: int) -> None:
     division = result["equivalence"]["oracle_division"]
     assert division is not None and division["ranks"] == world_size, division
     assert division["divided"] > 0 and division["updates"] == len(result["equivalence"]["per_step"]), division
+    # each rank's gradient sent to its owners as its backward completed it (memory.handed_gradients)
+    assert division["handed"] == division["divided"], division
     for copy in ("checks", "trajectory"):
         ranges = division["ranges"][copy]
         assert ranges["empty_ranks"] == 0, (copy, ranges)

@@ -40,6 +40,7 @@ def test_a_list_naming_a_test_that_is_not_there_is_refused():
 DEMOTED = "tests/test_minimal_backend.py::test_the_summing_twin_is_different_at_step_0"
 
 
+@pytest.mark.slow  # two collections (9 s); CI's breadth tier runs it
 def test_a_listed_default_test_runs_in_the_breadth_tier_and_not_in_the_default_tier():
     assert DEMOTED in slow_listed()
     default, slow = _collected("tests/test_minimal_backend.py"), _collected("-m", "slow", "tests/test_minimal_backend.py")
