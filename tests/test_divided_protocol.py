@@ -51,17 +51,20 @@ class _FailOnRank1:
         return nn.functional.cross_entropy(out, y)
 
 
-def _worker(rank: int, world: int, init: str, out: str) -> None:
+def _started(rank: int, world: int, init: str, template: nn.Module):
+    """The group, the layout, the batch, the loss; on a rank other than 0 its Helper (None on rank 0)."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    peers = divided.Peers.make()
-    layout = Layout(world)
+    peers, layout, loss = divided.Peers.make(), Layout(world), nn.functional.cross_entropy
+    helper = divided.Helper(peers, template, loss, layout=layout, dtype=torch.float32, device=torch.device("cpu"),
+                            recipe=divided.NO_RECIPE) if rank else None
+    return peers, layout, _batch(), loss, helper
+
+
+def _worker(rank: int, world: int, init: str, out: str) -> None:
     template = _model()
-    batch = _batch()
+    peers, layout, batch, loss, helper = _started(rank, world, init, template)
     pieces = replica_pieces(batch, layout)
-    loss = nn.functional.cross_entropy
     if rank:
-        helper = divided.Helper(peers, template, loss, layout=layout, dtype=torch.float32, device=torch.device("cpu"),
-                                recipe=divided.NO_RECIPE)
         helper.serve(batch, lambda: None)  # the two good requests
         helper.loss_fn = _FailOnRank1(rank)  # rank 1 fails, rank 2 does not
         helper.serve(batch, lambda: None)  # the failing one
@@ -217,15 +220,9 @@ class _SharedInAndOut(nn.Module):
 
 
 def _twice_worker(rank: int, world: int, init: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    peers = divided.Peers.make()
-    layout = Layout(world)
     template = _SharedInAndOut()
-    batch = _batch()
-    loss = nn.functional.cross_entropy
+    peers, layout, batch, loss, helper = _started(rank, world, init, template)
     if rank:
-        helper = divided.Helper(peers, template, loss, layout=layout, dtype=torch.float32, device=torch.device("cpu"),
-                                recipe=divided.NO_RECIPE)
         helper.serve(batch, lambda: None)
         dist.destroy_process_group()
         return
