@@ -57,8 +57,6 @@ class _Maker:
         """Each parameter by its storage (the same object through a resize): what finds a view or an alias of it."""
         self.source: Mapping[str, torch.Tensor] | None = None
         self.made: dict[int, nn.Parameter] = {}
-        self.makes = 0
-        """Parameters made over the copy's life (a test's measure of the mode's reach)."""
         self.peak_bytes = 0
         """The most parameter bytes made at once inside the last `made_from`."""
         self._bytes = 0
@@ -87,7 +85,6 @@ class _Maker:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
             p.copy_(self.source[name])
         self.made[id(p)] = p
-        self.makes += 1
         self._bytes += need
         self.peak_bytes = max(self.peak_bytes, self._bytes)
 
@@ -156,7 +153,8 @@ class _OnUse(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", None) not in _METADATA and self.maker.made.keys() != self.maker.by_id.keys():
+        # every parameter made already (a count, not a comparison of the sets: this runs at every op of the copy)
+        if len(self.maker.made) < len(self.maker.by_id) and getattr(func, "__name__", None) not in _METADATA:
             for a in args:
                 self.maker.used(a)
             for a in kwargs.values():
