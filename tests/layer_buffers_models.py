@@ -15,6 +15,8 @@ Not a test module (no `test_` prefix): pytest does not collect it.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 from torch import nn
@@ -159,3 +161,14 @@ class CrashingDDP(DDPAdapter):
 class CrashingEveryRankDDP(CrashingDDP):
     name = "crashing-every-rank-ddp"
     CRASH_RANK = None
+
+
+class CrashingEveryRankRank0LateDDP(CrashingEveryRankDDP):
+    """Every rank fails, rank 0 a second after the others: rank 0 must still say the line, and the others nothing."""
+
+    name = "crashing-every-rank-rank0-late-ddp"
+
+    def step(self) -> None:
+        if self._steps == RAISE_AT_STEP and self.env.rank == 0:
+            time.sleep(1.0)
+        super().step()

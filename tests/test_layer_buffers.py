@@ -424,8 +424,9 @@ def test_a_forward_raising_on_every_rank_is_said_once_by_rank_0(launch, tmp_path
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("backend", "by"), [("tests.layer_buffers_models:CrashingDDP", 1),
-                                             ("tests.layer_buffers_models:CrashingEveryRankDDP", 0)],
-                         ids=["rank1", "every-rank"])
+                                             ("tests.layer_buffers_models:CrashingEveryRankDDP", 0),
+                                             ("tests.layer_buffers_models:CrashingEveryRankRank0LateDDP", 0)],
+                         ids=["rank1", "every-rank", "every-rank-rank0-late"])
 def test_a_backend_failing_on_its_own_is_one_line_without_a_culprit(launch, tmp_path, backend, by):
     """Before this: "[rank 1] planted backend failure ...; culprit: rank(s) 1 (stuck at step 2 ...)" and rank 0's own
     "Connection closed by peer ...; culprit: rank 1 died" besides."""

@@ -7,9 +7,11 @@ optimizer over an empty list, and every torch.distributed run died. Here each ra
 elements, and no rank is left empty where the model has more elements than ranks.
 
 Tiers: the default tier runs the README's headline launch as written (`torchrun --nproc_per_node=8 -m dpcompare
---backend ddp`, the mlp, its defaults). The slow tier runs ddp, fsdp and DeepSpeed ZeRO-0 and ZeRO-3 at 8 ranks on the
-mlp, mlp-wide and gpt-tiny, and at 16 on the mlp; the 16-rank runs of mlp-wide and gpt-tiny (each 1-2 minutes of 16
-gloo ranks on two cores) are the deep tier's, to keep CI within its hour.
+--backend ddp`, the mlp, its defaults). The slow tier runs ddp, fsdp and DeepSpeed ZeRO-0 and ZeRO-3 at 8 ranks on
+mlp-wide and ddp, fsdp and ZeRO-3 on gpt-tiny (both cut inside parameters), and the two sharding backends (fsdp,
+ZeRO-3) at 16 on the mlp. The deep tier adds the 8-rank mlp of every backend (the headline's model, which mlp-wide cuts
+the same way), ZeRO-0 on gpt-tiny at 8 (its reduce is DDP's), ddp and ZeRO-0 at 16 on the mlp, and the 16-rank mlp-wide
+and gpt-tiny (each 1-2 minutes of 16 gloo ranks on two cores): CI keeps within its hour.
 """
 
 from __future__ import annotations
@@ -51,7 +53,10 @@ def _cells():
     for world_size in (8, 16):
         for model in ("mlp", "mlp-wide", "gpt-tiny"):
             for variant in BACKENDS:
-                marks = [pytest.mark.deep] if world_size == 16 and model != "mlp" else [pytest.mark.slow]
+                sharding = variant in ("fsdp", "zero3")
+                slow = ((world_size == 8 and (model == "mlp-wide" or (model == "gpt-tiny" and variant != "zero0")))
+                        or (world_size == 16 and model == "mlp" and sharding))
+                marks = [pytest.mark.slow] if slow else [pytest.mark.deep]
                 yield pytest.param(variant, world_size, model, marks=marks, id=f"{variant}-ws{world_size}-{model}")
 
 

@@ -199,15 +199,19 @@ def _said_by_this_rank(watchdog: Watchdog | None, env: launch.LaunchEnv, error: 
     """This rank leaves on `error`, which it says itself: its heartbeat says so first (its peers, whose collectives fail
     once it is gone or whom the launcher stops, leave without a line of their own). A rank other than 0 whose rank 0
     says it too leaves the line to rank 0 (SaidByAnotherRank: it waits, silent, for the launcher to end it); one whose
-    rank 0 stays silent says it at once (`rank0_silent`: the command line need not wait for rank 0 again)."""
+    rank 0 stays silent says it at once (`rank0_silent`: the command line need not wait for rank 0 again).
+
+    A rank other than 0 marks its heartbeat only once it knows it says the line: marked while it waited, a rank 0
+    failing on the same error a moment later took the mark for the line said, left silent, and the launcher ended the
+    waiting rank silent too (the run ended without a word)."""
     if watchdog is None or env.world_size == 1:
         return
     watchdog.quiet_on_sigterm()
-    watchdog.say_leaving()
     if env.rank != 0:
         if watchdog.wait_for_said(0, RANK0_SAYS_WITHIN_S):
             raise SaidByAnotherRank(wait_for_launcher=True) from error
         error.rank0_silent = True  # type: ignore[attr-defined]
+    watchdog.say_leaving()
 
 
 def _failed(watchdog: Watchdog | None, env: launch.LaunchEnv, exc: RuntimeError) -> None:
