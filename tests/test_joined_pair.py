@@ -7,6 +7,7 @@ losses; a float64 copy computing the shards in one process); the runs that rely 
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -99,23 +100,45 @@ def _pair_bench(workload, world: int, monkeypatch):
     return bench, batch, forwards.pieces(batch, None), workload.model.state_dict(), sizes
 
 
-@pytest.mark.parametrize("world", [3, 4])
-def test_at_three_ranks_or_more_the_first_split_is_measured_on_two_ranks_forwards(world, monkeypatch):
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_at_two_ranks_or_more_the_first_split_is_measured_on_two_ranks_forwards(world, monkeypatch):
     bench, batch, pieces, state, sizes = _pair_bench(workloads.mlp(1234), world, monkeypatch)
     shards = Bench.split_on_a_pair(bench, 0, state, batch, None, pieces)
     f = bench.split.finding
     assert f.semantics == "global" and f.ranks == [0, 1] and f.distance_rel_fro < 1e-14, f
     assert bench.split.verdict.split["ranks"] == [0, 1]
-    # two ranks' samples, joined and as their shards: never the global batch's 24
+    # two ranks' samples, joined and as their shards: below the global batch's 24 from three ranks; at two the pair
+    # is the global batch, compared as its backward completes it (the distance_of call), never held whole
     assert sizes == [48 // world, 48 // world], sizes
     assert [p.rank for p in shards] == list(range(world)) and sum(p.weight for p in shards) == pytest.approx(1.0)
 
 
-def test_a_split_dependent_forward_is_left_to_the_global_batch_and_two_ranks_are_not_paired(monkeypatch):
+def test_a_split_dependent_forward_is_left_to_the_global_batch_after_the_pair(monkeypatch):
     bench, batch, pieces, state, sizes = _pair_bench(sw.split_by_size_mlp(1234), 3, monkeypatch)
     assert Bench.split_on_a_pair(bench, 0, state, batch, None, pieces) is None
     assert bench.split.finding is None  # measured on the global batch next, as before: it finds per_replica there
     bench.split.settle(0, state, batch, None, None, pieces, bench.split.oracle.oracle_of(state, pieces))
     assert bench.split.finding.semantics == "per_replica" and bench.split.finding.ranks is None
     bench, batch, pieces, state, sizes = _pair_bench(sw.split_by_size_mlp(1234), 2, monkeypatch)
+    assert Bench.split_on_a_pair(bench, 0, state, batch, None, pieces) is None and bench.split.finding is None
+    assert sizes == [24, 24], sizes  # at two ranks the pair is measured, found apart, and left to the global batch
+    bench, batch, pieces, state, sizes = _pair_bench(workloads.mlp(1234), 1, monkeypatch)
     assert Bench.split_on_a_pair(bench, 0, state, batch, None, pieces) is None and sizes == []
+
+
+@pytest.mark.parametrize(("items", "global_count", "paired"), [
+    (lambda y: y.shape[0] ** 2, False, False),  # each rank's own count, out of proportion to its samples
+    (lambda y: 3 * y.shape[0], False, True),     # items in proportion to the samples: weighted by them already
+    (lambda y: y.shape[0] ** 2, True, True),     # --loss-normalisation global
+], ids=["own-count-apart", "own-count-in-proportion", "global-count"])
+def test_a_loss_normalised_by_each_ranks_own_count_is_not_paired(items, global_count, paired, monkeypatch):
+    """A loss over items normalised by each rank's own count, the ranks' items out of proportion to their samples: the
+    pair would part from its shards by the normalisation and be measured again on the global batch, so it is not
+    computed (no float64 backward); in proportion, or under a global count, the pair is measured."""
+    bench, batch, pieces, state, sizes = _pair_bench(workloads.mlp(1234), 2, monkeypatch)
+    bench.layout = dataclasses.replace(bench.layout, items=items, global_count=global_count)
+    bench.split.layout = bench.layout
+    out = Bench.split_on_a_pair(bench, 0, state, (batch[0][:23], batch[1][:23]), None, pieces)
+    assert (sizes != []) == paired, sizes
+    f = bench.split.finding
+    assert (out is not None) == (paired and f is not None and f.semantics == "global"), f

@@ -29,6 +29,18 @@ from dpcompare.verify.model_facts.batch_split import SplitCheck
 from dpcompare.verify.trajectory.reference_trajectory import Trajectory
 
 
+def _own_count_apart(pieces: list[Piece], layout: eq.Layout) -> bool:
+    """Whether the loss over items is normalised by each forward's own count (not --loss-normalisation global) and
+    `pieces` hold their items out of proportion to their samples: their weights (shares of the samples) are then not
+    their shares of the items, and the split parts from the joined forward by the normalisation. Measured on the
+    pair, it would only be measured again on the global batch."""
+    if layout.items is None or layout.global_count:
+        return False
+    counts = [layout.items(p.y) for p in pieces]
+    samples = [batches.rows(p.x) for p in pieces]
+    return any(c * sum(samples) != n * sum(counts) for c, n in zip(counts, samples))
+
+
 class Bench:
     """Rank 0's copies of the model and what computes with them, for the run `ctx` describes."""
 
@@ -106,15 +118,17 @@ class Bench:
 
     def split_on_a_pair(self, step: int, state: dict, batch, forward_masks: list[eq.Masks] | None,
                         pieces: list[Piece]) -> list[Piece] | None:
-        """At the first checked step, where three ranks or more share the oracle's forwards and `pieces` is the global
+        """At the first checked step, where two ranks or more share the oracle's forwards and `pieces` is the global
         batch the split is still to be measured against: the split measured on ranks 0 and 1's forwards joined
         against their shards instead (dpcompare.verify.model_facts.batch_split's `measure_pair`, each weighted as a share of the two
         ranks' samples). The ranks' shards, which then stand for the global batch at this step as at the later ones
         (`shared`), where it found them `global`; None where it does not apply or found anything else (the global
         batch measures it). Rank 0 computes two ranks' samples in one forward where the global batch's would be N
-        ranks'."""
+        ranks'; at two ranks the pair is the global batch, and what this saves is memory: the joined forward's
+        gradient is compared as its backward completes it, where the global batch's measurement holds it whole on
+        rank 0 (8 B/param)."""
         check = self.split
-        if (self.divider is None or self.layout.world_size < 3 or check.finding is not None or check.unmeasured
+        if (self.divider is None or self.layout.world_size < 2 or check.finding is not None or check.unmeasured
                 or not check.applies or self.forwards.joined or self.reads_data or len(pieces) != 1
                 or pieces[0].position is not None):
             return None
@@ -125,6 +139,8 @@ class Bench:
             return None  # draws that cannot be joined: the global batch's measurement says so
         joined = [dataclasses.replace(joined[0], weight=1.0)]
         shards = eq.replica_pieces(batch, self.layout, forward_masks, ranks=pair)
+        if _own_count_apart(shards, self.layout):
+            return None  # normalised by each rank's own count of its items: the global batch measures by how much
         if not check.measure_pair(step, state, joined, shards, pair):
             return None
         return eq.replica_pieces(batch, self.layout, forward_masks)

@@ -17,7 +17,7 @@ not credited as rounding. Three findings (`SplitFinding`):
                  the reference compute those, as for BatchNorm without --sync-bn, and the note states their
                  distance from the global batch.
 
-Where three ranks or more share the oracle's forwards (dpcompare.verify.memory.divider), the first measurement is of two
+Where two ranks or more share the oracle's forwards (dpcompare.verify.memory.divider), the first measurement is of two
 ranks' forwards joined against their shards (`measure_pair`): where they agree within SPLIT_AGREEMENT the split is
 `global`, and nothing of the global batch is computed; anything else is measured on the global batch as above.
 Measured at the first checked step, and again at a later one where the run-precision reference (the ranks' split)
@@ -199,7 +199,7 @@ class SplitCheck:
         self.verdict.split = self.finding.to_dict()
 
     def measure_pair(self, step: int, state: dict, joined: list[Piece], split: list[Piece], ranks: list[int]) -> bool:
-        """At the first checked step, where three ranks or more share the oracle: the split measured on two ranks'
+        """At the first checked step, where two ranks or more share the oracle: the split measured on two ranks'
         forwards (`split`, the shards of `ranks`) against the same samples joined into one forward (`joined`), a
         float64 forward and backward of two ranks' samples on rank 0 where the global batch's would be N ranks'.
         Records a `global` finding and returns True where they agree within SPLIT_AGREEMENT; else records nothing
