@@ -142,3 +142,21 @@ def test_a_loss_normalised_by_each_ranks_own_count_is_not_paired(items, global_c
     assert (sizes != []) == paired, sizes
     f = bench.split.finding
     assert (out is not None) == (paired and f is not None and f.semantics == "global"), f
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_at_two_ranks_the_pairs_shards_are_the_steps_split_to_the_bit(world, monkeypatch):
+    """The pair's shards, measured at two ranks, are every rank's forwards: kept once for the step's oracle, the same
+    gradient its own computation gives, to the bit (the step then computes them once, not twice). At three ranks the
+    pair is two of them, and nothing is kept."""
+    bench, batch, pieces, state, sizes = _pair_bench(workloads.mlp(1234), world, monkeypatch)
+    shared = Bench.split_on_a_pair(bench, 0, state, batch, None, pieces)
+    kept = bench.split.pair_shards(0)
+    if world != 2:
+        assert kept is None
+        return
+    grads, none = kept
+    own = bench.split.oracle.oracle_of(state, shared)
+    names = bench.split.oracle.names
+    assert all(torch.equal(grads[n], own[n]) for n in names) and none == bench.split.oracle.none
+    assert bench.split.pair_shards(0) is None  # given once

@@ -191,8 +191,11 @@ def _gradients(bench: Bench, step: StepEvidence, state: dict, records, forward_m
     paired = bench.split_on_a_pair(step.step, state, batch, forward_masks, pieces) if shared is pieces else None
     shared = paired or shared  # the split just measured on two ranks' forwards: their shards stand for it
     substituted = shared is not pieces  # the ranks' shards stand for one forward of the global batch
+    kept = split.pair_shards(step.step) if paired is not None else None  # two ranks: the pair's shards are them
+    if kept is not None:
+        bench.oracle.none = kept[1]
     pieces, oracle = split.settle(step.step, state, batch, records, forward_masks, pieces,
-                                  bench.oracle.oracle_of(state, shared))
+                                  kept[0] if kept is not None else bench.oracle.oracle_of(state, shared))
     shards = split.shards(step.step)
     if shards is not None and bench.shared(pieces, batch, forward_masks) is not pieces:
         # just measured within 1e-9 of the global batch's: the ranks' shards stand for it from this step on, as at the

@@ -104,6 +104,8 @@ class SplitCheck:
         self.baseline: float | None = None
         """The run-precision reference's distance from the float64 oracle where the split was found global."""
         self._shards: tuple[int, Grads] | None = None
+        self._pair: tuple[int, Grads, frozenset[str]] | None = None
+        """The shards `measure_pair` measured, where the pair was every rank (two ranks): the step's split itself."""
         """The step and the split's float64 gradient the last measurement computed, where the ranks computed it
         (divided) and it was within SPLIT_AGREEMENT of the global batch's (`shards`)."""
 
@@ -209,15 +211,26 @@ class SplitCheck:
         # the shards first (held in ranges by their owners), then the joined forward's gradient, each parameter's
         # compared with the shards' as backward completes it (dpcompare.verify.memory.streamed_distance): never held whole on rank 0
         shards = self.oracle.oracle_of(state, split)
+        shards_none = self.oracle.none
         distance = distance_of(self.oracle, state, joined, shards)
-        del shards
         self.oracle.none = none
         if not distance <= SPLIT_AGREEMENT:
             return False
+        if len(set(ranks)) == self.layout.world_size:  # two ranks: the pair's shards are every rank's forwards
+            self._pair = (step, shards, shards_none)
+        del shards
         self.finding = SplitFinding("global", step, distance, None, SPLIT_AGREEMENT, ranks=list(ranks),
                                     forwards=self.layout.world_size * self.layout.grad_accum * self.layout.replicas)
         self.verdict.split = self.finding.to_dict()
         return True
+
+    def pair_shards(self, step: int) -> tuple[Grads, frozenset[str]] | None:
+        """Where `measure_pair` at `step` found the split `global` on a pair that is every rank (two ranks): the
+        shards' float64 gradient and the names it left None, computed from the very pieces of every rank's forwards
+        (the same gradient their own computation gives, to the bit), so the step's oracle need not compute them again.
+        Given once, then let go."""
+        out, self._pair = self._pair, None
+        return (out[1], out[2]) if out is not None and out[0] == step else None
 
     def shards(self, step: int) -> Grads | None:
         """The split's float64 gradient the measurement at `step` computed on the ranks (held in ranges by its owners),
