@@ -149,7 +149,7 @@ def test_at_two_ranks_the_pairs_shards_are_the_steps_split_to_the_bit(world, mon
     """The pair's shards, measured at two ranks, are every rank's forwards: kept once for the step's oracle, the same
     gradient its own computation gives, to the bit (the step then computes them once, not twice). At three ranks the
     pair is two of them, and nothing is kept."""
-    bench, batch, pieces, state, sizes = _pair_bench(workloads.mlp(1234), world, monkeypatch)
+    bench, batch, pieces, state, _ = _pair_bench(workloads.mlp(1234), world, monkeypatch)
     shared = Bench.split_on_a_pair(bench, 0, state, batch, None, pieces)
     kept = bench.split.pair_shards(0)
     if world != 2:
