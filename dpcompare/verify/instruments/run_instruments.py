@@ -26,6 +26,7 @@ from dpcompare.verify.judgement.held_values import Compact
 from dpcompare.verify.model_facts.replica_forwards import Forwards
 from dpcompare.verify.instruments.run_reference import RunReference
 from dpcompare.verify.model_facts.batch_split import SplitCheck
+from dpcompare.verify.model_facts.split_causes import in_proportion
 from dpcompare.verify.trajectory.reference_trajectory import Trajectory
 
 
@@ -36,9 +37,7 @@ def _own_count_apart(pieces: list[Piece], layout: eq.Layout) -> bool:
     pair, it would only be measured again on the global batch."""
     if layout.items is None or layout.global_count:
         return False
-    counts = [layout.items(p.y) for p in pieces]
-    samples = [batches.rows(p.x) for p in pieces]
-    return any(c * sum(samples) != n * sum(counts) for c, n in zip(counts, samples))
+    return not in_proportion(pieces, [layout.items(p.y) for p in pieces])
 
 
 class Bench:

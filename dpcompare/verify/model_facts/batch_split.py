@@ -39,7 +39,7 @@ from dpcompare.contract import batches
 from dpcompare.verify.randomness import draw_recording as mk
 from dpcompare.verify.oracle.gradient_oracle import Grads, Layout, Masks, Oracle, Piece, replica_pieces
 from dpcompare.verify.model_facts.replica_forwards import Forwards
-from dpcompare.verify.model_facts.split_causes import SPLIT_AGREEMENT, counts_of, find_cause
+from dpcompare.verify.model_facts.split_causes import SPLIT_AGREEMENT, counts_of, find_cause, in_proportion
 from dpcompare.verify.memory.streamed_distance import distance_of
 from dpcompare.verify.judgement.tolerance import TOLERANCE_FACTOR, UNIT_ROUNDOFF, rel_fro_of
 from dpcompare.verify.judgement.verdict import Verdict
@@ -178,8 +178,7 @@ class SplitCheck:
         count computes). Recorded as a per-replica finding without a distance from the global batch."""
         split = replica_pieces(batch, self.layout, masks)
         counted = counts_of(self.oracle, self.layout, state, split)
-        samples = sum(batches.rows(p.x) for p in split)
-        if counted is None or all(c * samples == sum(counted[0]) * batches.rows(p.x) for p, c in zip(split, counted[0])):
+        if counted is None or in_proportion(split, counted[0]):
             return
         counts, how = counted
         none = self.oracle.none

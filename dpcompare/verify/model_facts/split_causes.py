@@ -136,6 +136,13 @@ def counts_of(oracle: Oracle, layout: Layout, state: dict, split: list[Piece]) -
     return None
 
 
+def in_proportion(pieces: list[Piece], counts: list[int]) -> bool:
+    """Whether each forward's items (`counts`, as `counts_of` gives them) are its share of the samples: then each
+    forward's own count normalises its loss as the step's count would."""
+    samples = sum(batches.rows(p.x) for p in pieces)
+    return all(c * samples == sum(counts) * batches.rows(p.x) for p, c in zip(pieces, counts))
+
+
 @contextlib.contextmanager
 def _statistics_out(model: nn.Module) -> Iterator[list[str]]:
     """`model`'s BatchNorm layers on their running statistics (eval mode) while inside; yields their names."""
