@@ -96,6 +96,8 @@ COMMANDS = (
     Command("checkpoint", "save under one backend and world size, load under another, and judge the continuation "
                           "against one uninterrupted float64 run", "dpcompare.commands.checkpoint",
             unwind_on_sigterm=True),
+    Command("convert", "carry a checkpoint between DeepSpeed ZeRO 1-3, DCP and torch, optimizer state included, "
+                       "verified bitwise", "dpcompare.commands.convert"),
     Command("project", "predict step time, scaling efficiency and exposed communication at larger world sizes on a "
                        "link", "dpcompare.commands.project"),
 )

@@ -1,9 +1,9 @@
 """The cells of a checkpoint matrix: a save under backend A at world size N, a load under backend B at world size M,
-and the route between them, each conversion the libraries' own; a route that would lose state is refused in one line
-before anything runs.
+and the route between them: the libraries' own conversion where it carries the whole state, else dpcompare convert
+(which refuses, in one line, a state its target cannot hold).
 
 Owns: `Side` (a backend, a world size, a format), `Cell` (two sides and the route), `parse_cell` ("ddp:2>fsdp:4",
-"fsdp:2:dcp>horovod:1"), `route` (the tool, or the refusal), and the matrices `MATRICES` (default: a covering subset
+"fsdp:2:dcp>horovod:1"), `route` (the tool), and the matrices `MATRICES` (default: a covering subset
 of every backend, world size and conversion; all: every pair of {ddp, fsdp, zero1, zero2, zero3, horovod} at world
 sizes {1, 2, 4}).
 """
@@ -37,20 +37,16 @@ def _deepspeed_family(name: str) -> bool:
     return "deepspeed" in reads(name)
 
 
+CONVERT = "dpcompare convert"
+"""dpcompare's own converter (dpcompare.commands.convert), where no library's carries the whole state: out of
+DeepSpeed's partitions into DCP or torch, into a DeepSpeed universal checkpoint from them, and between ZeRO-3 and
+ZeRO-1/2 (whose universal checkpoints neither loads of the other)."""
 TOOLS = {("dcp", "torch"): "torch.distributed.checkpoint.format_utils.dcp_to_torch_save",
          ("torch", "dcp"): "torch.distributed.checkpoint.format_utils.torch_save_to_dcp",
-         ("deepspeed", "universal"): "deepspeed.checkpoint.ds_to_universal"}
-"""The library's own converter from one format to another."""
-LOSSY_FROM_DEEPSPEED = ("lossy: the one path out of a DeepSpeed checkpoint to {b} is zero_to_fp32, which carries the "
-                        "fp32 weights alone; the optimizer state (AdamW's moments, its step counts) and the loss scaler "
-                        "are not carried, so the continuation cannot be the uninterrupted run's")
-INTO_DEEPSPEED = ("unsupported: DeepSpeed loads its own checkpoints (save_checkpoint, or universal ones from "
-                  "ds_to_universal); no DeepSpeed tool carries a {fmt} checkpoint's optimizer state into ZeRO's "
-                  "partitions")
-
-ACROSS_ZERO3 = ("unsupported: DeepSpeed's universal checkpoint does not load across ZeRO-3 and ZeRO-1/2 (each stage looks "
-                "for model-state files the other's checkpoint does not have: deepspeed/runtime/state_dict_factory.py "
-                "asserts on an empty list), and no DeepSpeed tool converts one into the other")
+         ("deepspeed", "universal"): "deepspeed.checkpoint.ds_to_universal",
+         ("deepspeed", "dcp"): CONVERT, ("deepspeed", "torch"): CONVERT,
+         ("dcp", "deepspeed"): CONVERT, ("torch", "deepspeed"): CONVERT}
+"""The converter from one format to another: the library's own where it carries the whole state."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,16 +106,15 @@ def route(a: tuple[str, int, str | None], b: tuple[str, int, str | None]) -> Cel
     fa = a[2] or native(a[0])
     save = Side(a[0], a[1], fa)
     da, db = _deepspeed_family(a[0]), _deepspeed_family(b[0])
-    if da and not db:
-        return Cell(save, Side(b[0], b[1], b[2] or native(b[0])), None, LOSSY_FROM_DEEPSPEED.format(b=b[0]))
-    if db and not da:
-        return Cell(save, Side(b[0], b[1], b[2] or native(b[0])), None, INTO_DEEPSPEED.format(fmt=fa))
-    if da:  # ZeRO to ZeRO: its own checkpoint where nothing changes, else the universal one
-        if (a[0] == "zero3") != (b[0] == "zero3"):
-            return Cell(save, Side(b[0], b[1], "universal"), None, ACROSS_ZERO3)
+    if da != db:  # out of DeepSpeed into the other backend's format, or into a universal checkpoint from theirs
+        fb = "universal" if db else b[2] or native(b[0])
+        return Cell(save, Side(b[0], b[1], fb), TOOLS[("deepspeed", fb) if da else (fa, "deepspeed")])
+    if da:  # ZeRO to ZeRO: its own checkpoint where nothing changes, else a universal one
         same = a[0] == b[0] and a[1] == b[1] and b[2] in (None, "deepspeed")
-        fb = "deepspeed" if same else "universal"
-        return Cell(save, Side(b[0], b[1], fb), None if same else TOOLS[("deepspeed", "universal")])
+        if same:
+            return Cell(save, Side(b[0], b[1], "deepspeed"), None)
+        across = (a[0] == "zero3") != (b[0] == "zero3")  # ds_to_universal's output loads within a stage family
+        return Cell(save, Side(b[0], b[1], "universal"), CONVERT if across else TOOLS[("deepspeed", "universal")])
     fb = b[2] or (fa if fa in reads(b[0]) else native(b[0]))
     return Cell(save, Side(b[0], b[1], fb), None if fb == fa else TOOLS[(fa, fb)])
 
@@ -127,8 +122,8 @@ def route(a: tuple[str, int, str | None], b: tuple[str, int, str | None]) -> Cel
 DEFAULT = ("ddp:1>ddp:2", "ddp:2>fsdp:4:dcp", "fsdp:2>ddp:1", "fsdp:4>fsdp:2", "fsdp:2>horovod:2", "horovod:2>fsdp:1",
            "zero2:2>zero2:2", "zero1:2>zero2:1", "zero3:2>zero3:4", "zero2:2>zero3:2", "zero2:2>ddp:2", "ddp:2>zero1:2")
 """A covering subset: every backend saves and loads, at world sizes 1, 2 and 4 on both sides, through every
-conversion (torch_save_to_dcp, dcp_to_torch_save, ds_to_universal), DeepSpeed's own format kept, and the three
-refusals (across ZeRO-3, out of DeepSpeed, into DeepSpeed)."""
+conversion (torch_save_to_dcp, dcp_to_torch_save, ds_to_universal, and dpcompare convert across ZeRO-3, out of
+DeepSpeed and into it), DeepSpeed's own format kept."""
 
 
 def matrix(name: str, world_sizes: tuple[int, ...] = (1, 2, 4)) -> list[Cell]:

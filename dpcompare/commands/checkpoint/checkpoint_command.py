@@ -1,5 +1,6 @@
 """The `checkpoint` command: each cell trains k steps under backend A at world size N and saves in A's own format,
-converts it with the library's own tool where B reads another, loads it under backend B at world size M and trains k
+converts it where B reads another format (with the library's own tool where it carries the whole state, else with
+dpcompare convert), loads it under backend B at world size M and trains k
 more; the continuation is judged against the float64 oracle's one uninterrupted run over all 2k steps, and what B
 loaded against what A saved, bitwise. Refused cells (a conversion that would lose state) are said before anything runs.
 
@@ -22,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dpcompare import json_files
-from dpcompare.commands.checkpoint import convert
+from dpcompare.commands.checkpoint import tools
 from dpcompare.commands.checkpoint.cells import BACKENDS, MATRICES, Cell, Side, matrix, parse_cell
 from dpcompare.result_view import RunResult
 from dpcompare.run import registry
@@ -128,12 +129,14 @@ def _run_cell(o: Outcome, where: Path, ns: argparse.Namespace) -> None:
         loaded = saved
         if cell.tool is not None:
             shutil.rmtree(converted, ignore_errors=True)
-            convert.run(cell.tool, saved, converted, where / "logs" / "convert.log", ns.timeout_s)
+            tools.run(cell.tool, saved, converted, where / "logs" / "convert.log", ns.timeout_s, cell.load.fmt)
             for name in RECORDS:
                 shutil.copy2(saved / name, converted / name)
             loaded = converted
         o.runs["load"] = _launch(cell.load, where, "load", ["--load-checkpoint", str(loaded)], ns)
         o.status = "ran"
+    except tools.Refused as exc:
+        o.status, o.error = "refused", str(exc)
     except RuntimeError as exc:
         o.status, o.error = "failed", str(exc)
     o.wall_s = time.monotonic() - start
