@@ -245,3 +245,32 @@ def test_a_twin_converter_is_caught_by_the_load_naming_what_it_touched(tmp_path,
     names = eq["first_divergence"]["parameters"]
     expected = touched or ["0.bias", "0.weight", "3.bias", "3.weight", "6.bias", "6.weight"]
     assert sorted(names) == expected, names
+
+
+@pytest.mark.slow
+def test_a_transformers_llama_moves_between_zero2_zero3_and_fsdp2_both_ways(tmp_path):
+    """A Llama-style hf: config trained under DeepSpeed ZeRO-2 and ZeRO-3 with AdamW, saved by the engine, converted to
+    DCP and loaded into FSDP2 at another world size; and FSDP2's DCP checkpoint into ZeRO-2 and ZeRO-3: each loaded
+    state bitwise the saved, each continuation `equivalent` to the uninterrupted run."""
+    import json
+
+    import transformers
+
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=256, max_position_embeddings=64
+                             ).save_pretrained(tmp_path / "tiny-llama")
+    out = tmp_path / "moves"
+    cells = "zero2:2>fsdp:1,zero3:2>fsdp:1,fsdp:2>zero2:1,fsdp:2>zero3:1"
+    done = run_command([sys.executable, "-m", "dpcompare", "checkpoint", "--cells", cells, "--steps", "2",
+                        "--model", f"hf:{tmp_path / 'tiny-llama'}", "--global-batch", "8", "--run-arg=--seq-len=16",
+                        "--out", str(out)], cwd=tmp_path, env=child_env(tmp_path), timeout_s=2400)
+    assert done.returncode == 0, done.output[-4000:]
+    ran = json.loads(next(out.glob("*/checkpoint.json")).read_text())["cells"]
+    assert [c["cell"] for c in ran] == cells.split(",")
+    for cell in ran:
+        load = cell["load_run"]
+        assert cell["status"] == "ran" and cell["tool"] == "dpcompare convert", cell
+        assert cell["save_run"]["verdict"] == load["verdict"] == "equivalent", cell
+        parts = load["checkpoint"]["loaded"]["parts"]
+        assert parts["parameters"] == "bitwise equal (21)" and parts["optimizer"] == "bitwise equal (21 parameters)"
+        assert load["steps"] == [2, 3]
