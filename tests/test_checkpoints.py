@@ -196,7 +196,7 @@ def test_the_command_moves_zero3_out_of_deepspeed_into_it_and_to_zero2(tmp_path)
     size, torch into a universal checkpoint that ZeRO-3 loads, and ZeRO-3 to ZeRO-2; each continuation `equivalent`,
     every loaded part as saved."""
     cells = _command(tmp_path, "zero3:2>fsdp:1,ddp:2>zero3:1,zero3:2>zero2:1", timeout_s=1500)
-    for name, cell in cells.items():
+    for cell in cells.values():
         load = cell["load_run"]
         assert cell["status"] == "ran" and cell["tool"] == CONVERT and load["verdict"] == "equivalent", cell
         assert load["checkpoint"]["loaded"]["causes"] == [] and load["steps"] == [2, 3]
