@@ -74,8 +74,6 @@ class Cell:
     load: Side
     tool: str | None
     """The conversion between the two formats (None: the load reads what was saved)."""
-    refusal: str | None = None
-    """Why this cell cannot be run without losing state (None: it runs)."""
 
     @property
     def label(self) -> str:

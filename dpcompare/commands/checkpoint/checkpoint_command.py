@@ -2,10 +2,10 @@
 converts it where B reads another format (with the library's own tool where it carries the whole state, else with
 dpcompare convert), loads it under backend B at world size M and trains k
 more; the continuation is judged against the float64 oracle's one uninterrupted run over all 2k steps, and what B
-loaded against what A saved, bitwise. Refused cells (a conversion that would lose state) are said before anything runs.
+loaded against what A saved, bitwise. A cell whose saved state its conversion cannot carry whole is `refused` with the converter's one line.
 
 Writes under OUT/<timestamp>/: cells/<cell>/{saved,converted,save,load,logs} (the checkpoints, each run's result and
-log) and checkpoint.json (every cell: its route, its two runs' verdicts, the loaded state's parts, the refusals).
+log) and checkpoint.json (every cell: its route, its two runs' verdicts, the loaded state's parts; a cell whose state dpcompare convert refused to carry: its one line).
 Exit status: 0 when every cell ran (whatever the verdicts), 1 when a launch or conversion failed, 2 for bad input.
 """
 
@@ -60,7 +60,8 @@ class Outcome:
 
     def to_dict(self) -> dict[str, Any]:
         c = self.cell
-        return {"cell": c.label, "save": _side(c.save), "load": _side(c.load), "tool": c.tool, "refusal": c.refusal,
+        return {"cell": c.label, "save": _side(c.save), "load": _side(c.load), "tool": c.tool,
+                "refusal": self.error if self.status == "refused" else None,
                 "status": self.status, "error": self.error, "wall_s": self.wall_s,
                 **{f"{k}_run": v for k, v in self.runs.items()}}
 
@@ -103,10 +104,6 @@ def main(ns: argparse.Namespace) -> int:
     console = Console()
     out = Path(ns.out) / time.strftime("%Y%m%d-%H%M%S")
     outcomes = [Outcome(c) for c in cells]
-    for o in outcomes:
-        if o.cell.refusal is not None:
-            o.status = "refused"
-            console.print(f"[yellow]{o.cell.label}[/]: {o.cell.refusal}")
     for o in outcomes:
         if o.status == "planned":
             console.print(f"[bold]{o.cell.label}[/] ({o.cell.save.fmt} -> {o.cell.load.fmt}"
@@ -189,8 +186,7 @@ def _table(outcomes: list[Outcome]) -> Table:
         c = o.cell
         tool = c.tool.rsplit(".", 1)[-1] if c.tool else "-"
         if o.status != "ran":
-            why = c.refusal.split(":")[0] if c.refusal else "see above"  # the whole line is printed before the table
-            table.add_row(c.label, c.save.label, tool, c.load.label, "", "", f"{o.status} ({why})")
+            table.add_row(c.label, c.save.label, tool, c.load.label, "", "", f"{o.status} (see above)")
             continue
         load = o.runs["load"]
         parts = ((load["checkpoint"] or {}).get("loaded") or {}).get("parts", {})

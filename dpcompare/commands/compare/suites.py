@@ -53,8 +53,8 @@ SUITES: dict[str, Suite] = {
     "checkpoint": Suite(
         summary="moving a run between backends: every pair of --backends (default ddp, fsdp, deepspeed:zero1..zero3, "
                 "horovod) at --world-sizes (default 1,2,4) saves 4 steps in the first's format and continues 4 under "
-                "the second through the libraries' own conversions, judged against one uninterrupted float64 run; "
-                "lossy or unsupported routes are said in one line; mlp-dropout, AdamW, global batch 32 unless given "
+                "the second through the libraries' own conversions or dpcompare convert, judged against one "
+                "uninterrupted float64 run; mlp-dropout, AdamW, global batch 32 unless given "
                 "(324 cells, about an hour on two CPU cores; `python -m dpcompare checkpoint` runs a covering subset)",
         values={}, checkpoint=True,
     ),
