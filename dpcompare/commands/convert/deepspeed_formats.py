@@ -181,7 +181,11 @@ def _read_universal(d: Path, model_file: Path, stage: int) -> Portable:
                 value = _state(torch.load(f, map_location="cpu", weights_only=False))
                 state[f.stem] = value if f.stem == "step" else value.detach().reshape(shape).clone()
             if "step" not in state and g in stage3_steps and "step" in stage3_steps[g]:
-                state["step"] = stage3_steps[g]["step"]
+                state["step"] = stage3_steps[g]["step"]  # ZeRO-3 keeps one count a group
+            if torch.is_tensor(state.get("step")):
+                # each parameter its own: torch's optimizers count in place, and one tensor shared by a group's
+                # parameters would be counted once for each of them at every step
+                state["step"] = state["step"].clone()
             optimizer[name] = state
         groups.append({**{k: v for k, v in hyper[min(g, len(hyper) - 1)].items() if k != "params"},
                        "params": list(named)})

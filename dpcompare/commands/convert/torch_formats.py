@@ -68,7 +68,7 @@ def from_state(state: Any, source: str) -> Portable:
     params = {n: t for n, t in model.items() if n in stepped}
     extra = state.get(EXTRA) or {}
     portable = Portable(params=params, buffers={n: t for n, t in model.items() if n not in stepped},
-                        optimizer={n: dict(s) for n, s in optim.get("state", {}).items()},
+                        optimizer={n: _own(s) for n, s in optim.get("state", {}).items()},
                         groups=[dict(g, params=list(g["params"])) for g in optim.get("param_groups", [])],
                         scaler=scaler_object(extra.get("scaler")), counters=dict(extra.get("counters") or {}),
                         scheduler=extra.get("scheduler"), source=source)
@@ -76,6 +76,12 @@ def from_state(state: Any, source: str) -> Portable:
         portable.masters, portable.params = portable.params, {n: extra["params"].get(n, t) for n, t in params.items()}
     portable.check_names()
     return portable
+
+
+def _own(state: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's optimizer state with a step count of its own: torch's optimizers count in place, and a checkpoint
+    may hold one count for many parameters."""
+    return {k: v.clone() if k == "step" and torch.is_tensor(v) else v for k, v in state.items()}
 
 
 def to_state(p: Portable) -> dict[str, Any]:
