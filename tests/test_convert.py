@@ -237,7 +237,7 @@ def test_a_twin_converter_is_caught_by_the_load_naming_what_it_touched(tmp_path,
     assert done.returncode == 0 and "bitwise the state read" in done.output, done.output[-2000:]  # it agrees with itself
     for name in ("dpcompare-loop.pt", "dpcompare-saved.pt"):
         (converted / name).write_bytes((saved / name).read_bytes())
-    proc, result = Launcher(tmp_path)("ddp", 2, "mlp-dropout", [*RUN, "--checkpoint-format", "torch",
+    proc, result = Launcher(tmp_path)("ddp", 1, "mlp-dropout", [*RUN, "--checkpoint-format", "torch",
                                                                 "--load-checkpoint", str(converted)])
     assert result is not None, proc.output[-3000:]
     eq = result["equivalence"]
