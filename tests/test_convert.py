@@ -276,3 +276,41 @@ def test_a_transformers_llama_moves_between_zero2_zero3_and_fsdp2_both_ways(tmp_
         parts = load["checkpoint"]["loaded"]["parts"]
         assert parts["parameters"] == "bitwise equal (21)" and parts["optimizer"] == "bitwise equal (21 parameters)"
         assert load["steps"] == [2, 3]
+
+
+@pytest.mark.slow
+def test_a_users_own_zero3_script_with_two_groups_moves_to_dcp_and_into_a_fresh_zero2_engine(tmp_path):
+    """Not dpcompare's run: a script of DeepSpeed's own API (tests/deepspeed_script.py: torch's AdamW with weight decay
+    on the weights alone, `engine.save_checkpoint(folder)` with DeepSpeed's tag). Its ZeRO-3 checkpoint into DCP, read
+    back; from DCP into a universal checkpoint that a fresh ZeRO-2 engine loads. Each parameter's fp32 weight and
+    moments, as DeepSpeed's own safe_get_* read them, bitwise through both; each group's hyper-parameters kept; and
+    into ZeRO-3 the two groups are refused (its universal loader gives every group the first group's)."""
+    script = Path(__file__).with_name("deepspeed_script.py")
+    env = child_env(tmp_path)
+
+    def ds(*args: str) -> None:
+        done = run_command([sys.executable, str(script), *args], cwd=tmp_path, env=env, timeout_s=300)
+        assert done.returncode == 0, done.output[-3000:]
+
+    ds("save", str(tmp_path / "ckpt"), "3", str(tmp_path / "saved.pt"))
+    saved = torch.load(tmp_path / "saved.pt", weights_only=False)
+    _, _, _, apart = convert(tmp_path / "ckpt", tmp_path / "dcp", "dcp", check=True)
+    assert apart == []
+    read = tf.read_dcp(tmp_path / "dcp")
+    for name, s in saved["params"].items():
+        assert torch.equal(read.weights[name], s["fp32"]) and read.weights[name].dtype == s["fp32"].dtype, name
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(read.optimizer[name][k], s[k]), (name, k)
+    assert [(g["weight_decay"], g["params"]) for g in read.groups] == [
+        (0.1, ["0.weight", "2.weight", "4.weight"]), (0.0, ["0.bias", "2.bias", "4.bias"])]
+    with pytest.raises(Refused, match="ZeRO-3's universal loader gives every group the first group's"):
+        convert(tmp_path / "dcp", tmp_path / "zero3", "deepspeed", zero_stage=3)
+    assert not (tmp_path / "zero3").exists()
+    convert(tmp_path / "dcp", tmp_path / "zero2", "deepspeed", zero_stage=2, tag="moved", check=True)
+    env["MASTER_PORT"] = "29613"
+    ds("load", str(tmp_path / "zero2"), "2", str(tmp_path / "loaded.pt"), "moved")
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    for name, s in saved["params"].items():
+        for k, v in s.items():
+            assert loaded["params"][name][k].dtype == v.dtype and torch.equal(loaded["params"][name][k], v), (name, k)
+    assert loaded["groups"] == saved["groups"] and loaded["global_steps"] == saved["global_steps"] == 3
