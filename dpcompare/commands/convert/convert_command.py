@@ -115,12 +115,6 @@ def plant(p: Portable, kind: str) -> None:
     p.optimizer.update(moved)
 
 
-def _lost(p: Portable, fmt: str, stage: int | None) -> list[str]:
-    if fmt == "deepspeed":
-        return ds.loss_on_universal(p, stage)
-    return []
-
-
 def _drop(p: Portable) -> None:
     """--allow-lossy into DeepSpeed: leave out what its universal load would not restore (the line says what)."""
     stepped = {n for g in p.groups for n in g["params"]}
@@ -144,7 +138,7 @@ def convert(src: Path, dst: Path, to: str, *, source_format: str | None = None, 
     p = read(src, fmt, tag)
     if planted is not None:  # a twin whose reader is wrong: its own comparison agrees with itself
         plant(p, planted)
-    lost = _lost(p, to, zero_stage)
+    lost = ds.loss_on_universal(p, zero_stage) if to == "deepspeed" else []
     if lost and not allow_lossy:
         raise Refused(f"{src} -> {to}: the target cannot hold {lost[0]}"
                       + (f" (and {len(lost) - 1} more)" if len(lost) > 1 else "")

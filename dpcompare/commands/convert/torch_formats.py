@@ -12,7 +12,6 @@ torch.distributed.checkpoint's state-dict API does not read.
 from __future__ import annotations
 
 import importlib
-import os
 from pathlib import Path
 from typing import Any
 
@@ -140,4 +139,5 @@ def is_dcp(path: Path) -> bool:
 
 
 def is_torch(path: Path) -> bool:
-    return (path.is_dir() and (path / TORCH_FILE).is_file()) or (path.is_file() and os.path.getsize(path) > 0)
+    """A directory holding TORCH_FILE (a file given as SRC is read as torch's, whatever its name)."""
+    return path.is_dir() and (path / TORCH_FILE).is_file()
