@@ -247,6 +247,54 @@ def test_a_universal_checkpoint_loaded_onto_more_ranks_reads_its_optimizer_state
     assert parts and not [k for k, v in parts.items() if str(v).startswith("differs")], parts
 
 
+@pytest.mark.slow
+def test_cells_from_one_side_share_its_save_and_a_resumed_invocation_runs_only_what_did_not_run(tmp_path):
+    """Two cells from ddp:1, one loading its torch file and one converted to DCP: one save run between them. An
+    invocation cut short after its first cell, resumed, runs the second cell alone, with the save it already has;
+    a resume with other settings is one line, exit 2, the record untouched."""
+    cells = "ddp:1>ddp:1,ddp:1>fsdp:1:dcp"
+    ran = _command(tmp_path, cells)
+    assert [c["status"] for c in ran.values()] == ["ran", "ran"]
+    assert all(c["load_run"]["verdict"] == "equivalent" and c["load_run"]["steps"] == [2, 3] for c in ran.values())
+    (out,) = (tmp_path / "ckpt").iterdir()
+    assert [p.name for p in (out / "sides").iterdir()] == ["ddp1-torch"]
+    assert len(list(out.glob("**/save.log"))) == 1 and len(list(out.glob("conversions/*/converted"))) == 1
+    assert ran["ddp:1>ddp:1"]["save_run"] == ran["ddp:1>fsdp:1"]["save_run"]
+
+    record = json.loads((out / "checkpoint.json").read_text())  # as if stopped during the second cell
+    record["cells"][1] = {**record["cells"][1], "status": "planned", "load_run": None, "save_run": None}
+    (out / "checkpoint.json").write_text(json.dumps(record))
+    save_log, first_load = out / "sides/ddp1-torch/logs/save.log", next((out / "cells/ddp1-to-ddp1/load").glob("*.json"))
+    stamps = save_log.stat().st_mtime_ns, first_load.stat().st_mtime_ns
+    cmd = [sys.executable, "-m", "dpcompare", "checkpoint", "--cells", cells, "--steps", "2", "--resume", str(out)]
+    done = run_command(cmd, cwd=tmp_path, env=child_env(tmp_path), timeout_s=600)
+    assert done.returncode == 0 and "1 of 2 cells ran before" in done.output, done.output[-3000:]
+    resumed = {c["cell"]: c for c in json.loads((out / "checkpoint.json").read_text())["cells"]}
+    assert resumed["ddp:1>ddp:1"] == ran["ddp:1>ddp:1"]
+    assert resumed["ddp:1>fsdp:1"]["status"] == "ran" and resumed["ddp:1>fsdp:1"]["load_run"]["verdict"] == "equivalent"
+    assert (save_log.stat().st_mtime_ns, first_load.stat().st_mtime_ns) == stamps  # neither ran again
+
+    before = (out / "checkpoint.json").read_bytes()
+    done = run_command([*cmd[:-4], "--steps", "3", "--resume", str(out)], cwd=tmp_path, env=child_env(tmp_path),
+                       timeout_s=120)
+    assert done.returncode == 2 and "it ran with --steps 2, not 3" in done.output and "Traceback" not in done.output
+    assert (out / "checkpoint.json").read_bytes() == before
+
+
+def test_a_resume_of_no_earlier_invocation_or_of_other_cells_is_one_line_and_exit_2(tmp_path, capsys):
+    from dpcompare import cli
+
+    assert cli.main(["checkpoint", "--cells", "ddp:1>ddp:1", "--resume", str(tmp_path)]) == 2
+    assert "no checkpoint.json of an earlier invocation there" in capsys.readouterr().err
+    (tmp_path / "checkpoint.json").write_text(json.dumps(
+        {"cells": [{"cell": "fsdp:2>ddp:1", "status": "ran"}], "steps": 4, "model": "mlp-dropout",
+         "optimizer": "adamw", "global_batch": 32, "run_arg": []}))
+    assert cli.main(["checkpoint", "--cells", "ddp:1>ddp:1", "--resume", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "holds cells this invocation does not run (fsdp:2>ddp:1)" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "cells").exists() and not (tmp_path / "sides").exists()
+
+
 @pytest.mark.deep  # about 5 minutes, outside CI's time (docs/results/2026-11-28-checkpoints-cpu.md records it)
 def test_the_default_matrix_is_equivalent_in_every_cell_it_runs(tmp_path):
     cells = _command(tmp_path, ",".join(DEFAULT), timeout_s=2400)

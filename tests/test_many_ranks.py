@@ -53,10 +53,9 @@ def _cells():
     for world_size in (8, 16):
         for model in ("mlp", "mlp-wide", "gpt-tiny"):
             for variant in BACKENDS:
-                # the breadth tier: the two sharding backends at eight ranks on mlp-wide, and FSDP on a transformer
-                # (the default tier runs ddp's eight-rank headline; the rest, 16 ranks included, is the deep tier)
-                slow = world_size == 8 and ((model == "mlp-wide" and variant in ("fsdp", "zero3"))
-                                            or (model == "gpt-tiny" and variant == "fsdp"))
+                # the breadth tier: FSDP at eight ranks on mlp-wide (the default tier runs ddp's eight-rank headline;
+                # the rest, 16 ranks included, is the deep tier)
+                slow = world_size == 8 and model == "mlp-wide" and variant == "fsdp"
                 marks = [pytest.mark.slow] if slow else [pytest.mark.deep]
                 yield pytest.param(variant, world_size, model, marks=marks, id=f"{variant}-ws{world_size}-{model}")
 

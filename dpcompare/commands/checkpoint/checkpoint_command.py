@@ -4,14 +4,23 @@ dpcompare convert), loads it under backend B at world size M and trains k
 more; the continuation is judged against the float64 oracle's one uninterrupted run over all 2k steps, and what B
 loaded against what A saved, bitwise. A cell whose saved state its conversion cannot carry whole is `refused` with the converter's one line.
 
-Writes under OUT/<timestamp>/: cells/<cell>/{saved,converted,save,load,logs} (the checkpoints, each run's result and
-log) and checkpoint.json (every cell: its route, its two runs' verdicts, the loaded state's parts; a cell whose state dpcompare convert refused to carry: its one line).
+Each side's save runs once per invocation, and each conversion of it into a format once: every cell that starts from
+the same side (backend, world size, format) loads the same checkpoint, as the full matrix's 18 cells from each side
+would otherwise train and save it 18 times.
+
+Writes under OUT/<timestamp>/ (or the directory --resume names): sides/<side>/{saved,save,logs} (each side's
+checkpoint, its run's result and log), conversions/<side>-to-<format>/ (each converted checkpoint and its log),
+cells/<cell>/{load,logs} (each load's result and log) and checkpoint.json (every cell: its route, its two runs'
+verdicts, the loaded state's parts; a cell whose state dpcompare convert refused to carry: its one line), rewritten
+whole after each cell. --resume DIR runs the cells DIR/checkpoint.json does not hold as ran, with the settings it
+records, and keeps the rest as they were.
 Exit status: 0 when every cell ran (whatever the verdicts), 1 when a launch or conversion failed, 2 for bad input.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
@@ -47,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra argument for every run (repeat: --run-arg=--amp=bf16)")
     p.add_argument("--out", default="results", help="directory; each invocation writes OUT/<timestamp>/")
     p.add_argument("--timeout-s", type=float, default=600.0, help="seconds per launch or conversion")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="an earlier invocation's OUT/<timestamp>/: run the cells its checkpoint.json does not hold as "
+                        "ran (the same cells and settings), keeping the rest")
 
 
 @dataclass
@@ -67,7 +79,9 @@ class Outcome:
 
 
 DEFAULTS = {"cells": None, "matrix": "default", "steps": 4, "model": "mlp-dropout", "optimizer": "adamw",
-            "global_batch": 32, "run_arg": [], "out": "results", "timeout_s": 600.0}
+            "global_batch": 32, "run_arg": [], "out": "results", "timeout_s": 600.0, "resume": None}
+SETTINGS = ("steps", "model", "optimizer", "global_batch", "run_arg")
+"""What checkpoint.json records of an invocation, and a --resume must match."""
 SUITE_BACKENDS = ("ddp", "fsdp", "zero1", "zero2", "zero3", "horovod")
 SUITE_WORLD_SIZES = "1,2,4"
 
@@ -85,7 +99,7 @@ def from_compare(ns: argparse.Namespace, given: frozenset[str]) -> argparse.Name
     sizes = [int(n) for n in (ns.world_sizes if "world_sizes" in given else SUITE_WORLD_SIZES).split(",")]
     sides = [f"{b}:{n}" for b in names for n in sizes]
     values = dict(DEFAULTS, cells=",".join(f"{a}>{b}" for a in sides for b in sides), run_arg=list(ns.run_arg),
-                  out=ns.out, timeout_s=ns.timeout_s)
+                  out=ns.out, timeout_s=ns.timeout_s, resume=getattr(ns, "resume", None))
     values.update({k: getattr(ns, k) for k in ("steps", "model", "optimizer", "global_batch") if k in given})
     return argparse.Namespace(**values)
 
@@ -98,38 +112,96 @@ def main(ns: argparse.Namespace) -> int:
                 raise ValueError(f"--global-batch {ns.global_batch} is not a multiple of {c.label}'s world sizes")
         if ns.steps < 1:
             raise ValueError("--steps: use 1 or more steps")
+        out = Path(ns.resume) if ns.resume else Path(ns.out) / time.strftime("%Y%m%d-%H%M%S")
+        done = _resumed(out, cells, ns) if ns.resume else {}
     except ValueError as exc:
         print(f"dpcompare checkpoint: error: {exc}", file=sys.stderr)
         return 2
     console = Console()
-    out = Path(ns.out) / time.strftime("%Y%m%d-%H%M%S")
-    outcomes = [Outcome(c) for c in cells]
+    outcomes = [done.get(c.label) or Outcome(c) for c in cells]
+    if done:
+        console.print(f"resuming {out}: {len(done)} of {len(cells)} cells ran before and are kept")
+    shared = Shared(out)
     for o in outcomes:
         if o.status == "planned":
             console.print(f"[bold]{o.cell.label}[/] ({o.cell.save.fmt} -> {o.cell.load.fmt}"
                           f"{', ' + o.cell.tool.rsplit('.', 1)[-1] if o.cell.tool else ''}) ...", end=" ")
-            _run_cell(o, out / "cells" / o.cell.label.replace(":", "").replace(">", "-to-"), ns)
+            _run_cell(o, out / "cells" / _dirname(o.cell.label), shared, ns)
             console.print(_verdict_of(o))
         json_files.write_atomic(out / "checkpoint.json", {"cells": [x.to_dict() for x in outcomes],
-                                                       "steps": ns.steps, "model": ns.model, "optimizer": ns.optimizer})
+                                                       **{k: getattr(ns, k) for k in SETTINGS}})
     console.print(_table(outcomes))
     console.print(f"-> {out / 'checkpoint.json'}")
     return 1 if any(o.status == "failed" for o in outcomes) else 0
 
 
-def _run_cell(o: Outcome, where: Path, ns: argparse.Namespace) -> None:
+def _dirname(label: str) -> str:
+    return label.replace(":", "").replace(">", "-to-").replace("/", "").replace(" (", "-").replace(")", "")
+
+
+def _resumed(out: Path, cells: list[Cell], ns: argparse.Namespace) -> dict[str, Outcome]:
+    """The cells out/checkpoint.json holds as ran, by label (ValueError where it is not one of this invocation's)."""
+    try:
+        record = json.loads((out / "checkpoint.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--resume {out}: no checkpoint.json of an earlier invocation there ({exc})") from None
+    for k in SETTINGS:
+        if record.get(k) != getattr(ns, k):
+            raise ValueError(f"--resume {out}: it ran with --{k.replace('_', '-')} {record.get(k)!r}, not "
+                             f"{getattr(ns, k)!r}; give the same settings or a new --out")
+    labels = {c.label: c for c in cells}
+    extra = [d["cell"] for d in record.get("cells", []) if d.get("cell") not in labels]
+    if extra:
+        raise ValueError(f"--resume {out}: it holds cells this invocation does not run ({', '.join(extra[:3])}); give "
+                         "the same --cells or --matrix")
+    done = {}
+    for d in record.get("cells", []):
+        if d.get("status") == "ran":
+            runs = {k.removesuffix("_run"): v for k, v in d.items() if k.endswith("_run") and v is not None}
+            done[d["cell"]] = Outcome(labels[d["cell"]], "ran", d.get("error"), runs, d.get("wall_s", 0.0))
+    return done
+
+
+@dataclass
+class Shared:
+    """Each side's save and each conversion of it, run once per invocation (and found again under --resume)."""
+    out: Path
+    saves: dict[Side, dict[str, Any]] = field(default_factory=dict)
+    converted: dict[tuple[Side, str, str], Path] = field(default_factory=dict)
+
+    def save(self, side: Side, ns: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
+        where = self.out / "sides" / _dirname(side.label)
+        if side not in self.saves:
+            found = sorted((where / "save").glob("*.json"))
+            if found and (where / "saved" / RECORDS[1]).exists():  # a resumed invocation's, whole
+                self.saves[side] = _run_summary(RunResult.read(found[-1]))
+            else:
+                shutil.rmtree(where, ignore_errors=True)
+                self.saves[side] = _launch(side, where, "save", ["--save-checkpoint", str(where / "saved")], ns)
+        return where / "saved", self.saves[side]
+
+    def convert(self, cell: Cell, saved: Path, ns: argparse.Namespace) -> Path:
+        key = (cell.save, cell.tool or "", cell.load.fmt)
+        if key not in self.converted:
+            where = self.out / "conversions" / f"{_dirname(cell.save.label)}-to-{cell.load.fmt}"
+            converted = where / "converted"
+            if not (converted / RECORDS[1]).exists():  # copied last: a conversion that finished
+                shutil.rmtree(where, ignore_errors=True)
+                tools.run(cell.tool, saved, converted, where / "convert.log", ns.timeout_s, cell.load.fmt)
+                for name in RECORDS:
+                    shutil.copy2(saved / name, converted / name)
+            self.converted[key] = converted
+        return self.converted[key]
+
+
+def _run_cell(o: Outcome, where: Path, shared: Shared, ns: argparse.Namespace) -> None:
     start = time.monotonic()
     cell = o.cell
-    saved, converted = where / "saved", where / "converted"
+    shutil.rmtree(where, ignore_errors=True)  # a resumed cell's earlier attempt
     try:
-        o.runs["save"] = _launch(cell.save, where, "save", ["--save-checkpoint", str(saved)], ns)
-        loaded = saved
+        loaded, o.runs["save"] = shared.save(cell.save, ns)
         if cell.tool is not None:
-            shutil.rmtree(converted, ignore_errors=True)
-            tools.run(cell.tool, saved, converted, where / "logs" / "convert.log", ns.timeout_s, cell.load.fmt)
-            for name in RECORDS:
-                shutil.copy2(saved / name, converted / name)
-            loaded = converted
+            loaded = shared.convert(cell, loaded, ns)
         o.runs["load"] = _launch(cell.load, where, "load", ["--load-checkpoint", str(loaded)], ns)
         o.status = "ran"
     except tools.Refused as exc:
