@@ -78,7 +78,7 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 stamp="$venv/.dpcompare-setup"
 fingerprint=$(cat "$root/scripts/setup.sh" "$root/pyproject.toml" | sha256sum | cut -c1-16)-$torch_req-${DPCOMPARE_NO_HOROVOD:-0}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$fingerprint" ] \
-    && "$venv/bin/python" -c 'import torch, dpcompare, deepspeed, mpi4py, transformers, pytest, pytest_benchmark, hypothesis, sklearn, lion_pytorch, jsonschema, rich, importlinter' &>/dev/null; then
+    && "$venv/bin/python" -c 'import torch, dpcompare, deepspeed, mpi4py, transformers, pytest, pytest_benchmark, xdist, hypothesis, sklearn, lion_pytorch, jsonschema, rich, importlinter' &>/dev/null; then
   say "already set up (nothing changed since the last run; remove $stamp to force a reinstall)"
   say "ready: $venv"
   exit 0

@@ -157,6 +157,18 @@ def pytest_collection_modifyitems(config, items) -> None:
 NOISE_RATIOS: list[tuple[str, int, str, str, float, float | None, float | None]] = []
 
 
+def pytest_sessionfinish(session) -> None:
+    """Under pytest-xdist (`-n 2`), a worker hands the ratios its tests saw to the controller, which prints them."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["dpcompare_noise_ratios"] = list(NOISE_RATIOS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # noqa: D103 (pytest-xdist's hook, on the controller)
+    NOISE_RATIOS.extend(tuple(r) for r in getattr(node, "workeroutput", {}).get("dpcompare_noise_ratios", []))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: D103
     if not NOISE_RATIOS:
         return

@@ -249,11 +249,11 @@ def test_a_universal_checkpoint_loaded_onto_more_ranks_reads_its_optimizer_state
 
 @pytest.mark.slow
 def test_cells_from_one_side_share_its_save_and_a_resumed_invocation_runs_only_what_did_not_run(tmp_path):
-    """Two cells from ddp:1, one loading its torch file and one converted to DCP: one save run between them. An
+    """Two cells from ddp:1 run at once, one loading its torch file and one converted to DCP: one save run between them. An
     invocation cut short after its first cell, resumed, runs the second cell alone, with the save it already has;
     a resume with other settings is one line, exit 2, the record untouched."""
     cells = "ddp:1>ddp:1,ddp:1>fsdp:1:dcp"
-    ran = _command(tmp_path, cells)
+    ran = _command(tmp_path, cells, "--jobs", "2")  # both at once: the second waits for the first's save
     assert [c["status"] for c in ran.values()] == ["ran", "ran"]
     assert all(c["load_run"]["verdict"] == "equivalent" and c["load_run"]["steps"] == [2, 3] for c in ran.values())
     (out,) = (tmp_path / "ckpt").iterdir()
@@ -279,6 +279,41 @@ def test_cells_from_one_side_share_its_save_and_a_resumed_invocation_runs_only_w
                        timeout_s=120)
     assert done.returncode == 2 and "it ran with --steps 2, not 3" in done.output and "Traceback" not in done.output
     assert (out / "checkpoint.json").read_bytes() == before
+
+
+def test_a_save_or_conversion_is_made_once_for_every_cell_that_needs_it_its_refusal_too(tmp_path):
+    import threading
+
+    from dpcompare.commands.checkpoint import tools
+    from dpcompare.commands.checkpoint.checkpoint_command import Shared
+
+    shared, calls = Shared(tmp_path), []
+
+    def make():
+        calls.append(threading.current_thread().name)
+        raise tools.Refused("ZeRO-3 does not load SGD's momentum")
+
+    threads = [threading.Thread(target=lambda: pytest.raises(tools.Refused, shared.once, "key", make)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert shared.once("other", lambda: 7) == 7 and shared.once("other", lambda: 8) == 7
+
+
+def test_a_cancelled_launch_is_killed_at_once(tmp_path):
+    import threading
+    import time
+
+    from dpcompare.run.launchers import run_process
+
+    cancel = threading.Event()
+    threading.Timer(0.5, cancel.set).start()
+    start = time.monotonic()
+    finished = run_process([sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=120,
+                           log=tmp_path / "log", cancel=cancel)
+    assert finished.returncode is None and time.monotonic() - start < 10
 
 
 def test_a_resume_of_no_earlier_invocation_or_of_other_cells_is_one_line_and_exit_2(tmp_path, capsys):

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,10 +142,12 @@ class _Tree:
 
 
 def run_process(command: Sequence[str], *, timeout_s: float, log: Path | None = None, capture: bool = False,
-                env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Finished:
+                env: Mapping[str, str] | None = None, cwd: Path | None = None,
+                cancel: threading.Event | None = None) -> Finished:
     """Run `command` to completion in a session of its own. Its output goes to `log` (with the command line
-    first) or, with capture=True, is returned. Past `timeout_s` the whole tree is killed and the result has
-    returncode None; ranks a launcher leaves behind are killed either way."""
+    first) or, with capture=True, is returned. Past `timeout_s`, or once `cancel` is set (by another thread: a
+    session of its own gets no Ctrl-C), the whole tree is killed and the result has returncode None; ranks a launcher
+    leaves behind are killed either way."""
     command = [str(c) for c in command]
     env = dict(env) if env is not None else child_env()
     if not capture and log is None:
@@ -170,7 +173,7 @@ def run_process(command: Sequence[str], *, timeout_s: float, log: Path | None = 
                 break
             except subprocess.TimeoutExpired:
                 tree.sample()
-                if time.monotonic() - start > timeout_s:
+                if time.monotonic() - start > timeout_s or (cancel is not None and cancel.is_set()):
                     tree.kill()
                     out, err = proc.communicate()
                     break

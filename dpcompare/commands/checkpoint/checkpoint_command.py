@@ -20,10 +20,13 @@ Exit status: 0 when every cell ran (whatever the verdicts), 1 when a launch or c
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import shutil
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra argument for every run (repeat: --run-arg=--amp=bf16)")
     p.add_argument("--out", default="results", help="directory; each invocation writes OUT/<timestamp>/")
     p.add_argument("--timeout-s", type=float, default=600.0, help="seconds per launch or conversion")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="cells run at once (each launch holds its world size's processes; a cell waits for the save "
+                        "or conversion another is making)")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="an earlier invocation's OUT/<timestamp>/: run the cells its checkpoint.json does not hold as "
                         "ran (the same cells and settings), keeping the rest")
@@ -79,7 +85,7 @@ class Outcome:
 
 
 DEFAULTS = {"cells": None, "matrix": "default", "steps": 4, "model": "mlp-dropout", "optimizer": "adamw",
-            "global_batch": 32, "run_arg": [], "out": "results", "timeout_s": 600.0, "resume": None}
+            "global_batch": 32, "run_arg": [], "out": "results", "timeout_s": 600.0, "resume": None, "jobs": 1}
 SETTINGS = ("steps", "model", "optimizer", "global_batch", "run_arg")
 """What checkpoint.json records of an invocation, and a --resume must match."""
 SUITE_BACKENDS = ("ddp", "fsdp", "zero1", "zero2", "zero3", "horovod")
@@ -99,7 +105,8 @@ def from_compare(ns: argparse.Namespace, given: frozenset[str]) -> argparse.Name
     sizes = [int(n) for n in (ns.world_sizes if "world_sizes" in given else SUITE_WORLD_SIZES).split(",")]
     sides = [f"{b}:{n}" for b in names for n in sizes]
     values = dict(DEFAULTS, cells=",".join(f"{a}>{b}" for a in sides for b in sides), run_arg=list(ns.run_arg),
-                  out=ns.out, timeout_s=ns.timeout_s, resume=getattr(ns, "resume", None))
+                  out=ns.out, timeout_s=ns.timeout_s, resume=getattr(ns, "resume", None),
+                  jobs=getattr(ns, "jobs", 1))
     values.update({k: getattr(ns, k) for k in ("steps", "model", "optimizer", "global_batch") if k in given})
     return argparse.Namespace(**values)
 
@@ -112,6 +119,8 @@ def main(ns: argparse.Namespace) -> int:
                 raise ValueError(f"--global-batch {ns.global_batch} is not a multiple of {c.label}'s world sizes")
         if ns.steps < 1:
             raise ValueError("--steps: use 1 or more steps")
+        if ns.jobs < 1:
+            raise ValueError("--jobs: use 1 or more")
         out = Path(ns.resume) if ns.resume else Path(ns.out) / time.strftime("%Y%m%d-%H%M%S")
         done = _resumed(out, cells, ns) if ns.resume else {}
     except ValueError as exc:
@@ -122,14 +131,40 @@ def main(ns: argparse.Namespace) -> int:
     if done:
         console.print(f"resuming {out}: {len(done)} of {len(cells)} cells ran before and are kept")
     shared = Shared(out)
-    for o in outcomes:
-        if o.status == "planned":
-            console.print(f"[bold]{o.cell.label}[/] ({o.cell.save.fmt} -> {o.cell.load.fmt}"
-                          f"{', ' + o.cell.tool.rsplit('.', 1)[-1] if o.cell.tool else ''}) ...", end=" ")
-            _run_cell(o, out / "cells" / _dirname(o.cell.label), shared, ns)
-            console.print(_verdict_of(o))
+    lock = threading.Lock()
+
+    def record() -> None:
         json_files.write_atomic(out / "checkpoint.json", {"cells": [x.to_dict() for x in outcomes],
                                                        **{k: getattr(ns, k) for k in SETTINGS}})
+
+    def one(i: int) -> None:
+        cell = outcomes[i].cell
+        what = (f"[bold]{cell.label}[/] ({cell.save.fmt} -> {cell.load.fmt}"
+                f"{', ' + cell.tool.rsplit('.', 1)[-1] if cell.tool else ''})")
+        if ns.jobs == 1:
+            console.print(f"{what} ...", end=" ")
+        ran = Outcome(cell)  # the record reads it once it is whole
+        _run_cell(ran, out / "cells" / _dirname(cell.label), shared, ns)
+        with lock:  # the record whole after each cell, whichever finishes first
+            outcomes[i] = ran
+            console.print(_verdict_of(ran) if ns.jobs == 1 else f"{what}: {_verdict_of(ran)}")
+            record()
+
+    planned = [i for i, o in enumerate(outcomes) if o.status == "planned"]
+    if ns.jobs == 1:  # in this thread: Ctrl-C stops the launch it is in
+        for i in planned:
+            one(i)
+    else:
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=ns.jobs)
+        try:
+            list(pool.map(one, planned))
+        except BaseException:  # Ctrl-C: each launch in flight is killed, its cell recorded failed (--resume reruns it)
+            shared.cancel.set()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+    if not planned:
+        record()
     console.print(_table(outcomes))
     console.print(f"-> {out / 'checkpoint.json'}")
     return 1 if any(o.status == "failed" for o in outcomes) else 0
@@ -164,34 +199,54 @@ def _resumed(out: Path, cells: list[Cell], ns: argparse.Namespace) -> dict[str, 
 
 @dataclass
 class Shared:
-    """Each side's save and each conversion of it, run once per invocation (and found again under --resume)."""
+    """Each side's save and each conversion of it, made once per invocation (and found again under --resume), its
+    failure or refusal too; with --jobs, a cell that needs one another cell is making waits for it."""
     out: Path
-    saves: dict[Side, dict[str, Any]] = field(default_factory=dict)
-    converted: dict[tuple[Side, str, str], Path] = field(default_factory=dict)
+    made: dict[Any, Any] = field(default_factory=dict)
+    locks: dict[Any, threading.Lock] = field(default_factory=dict)
+    guard: threading.Lock = field(default_factory=threading.Lock)
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    def once(self, key: Any, make: Callable[[], Any]) -> Any:
+        with self.guard:
+            lock = self.locks.setdefault(key, threading.Lock())
+        with lock:
+            if key not in self.made:
+                try:
+                    self.made[key] = make()
+                except RuntimeError as exc:  # tools.Refused among them: every cell of this key says the same
+                    if self.cancel.is_set():
+                        raise
+                    self.made[key] = exc
+        if isinstance(self.made[key], RuntimeError):
+            raise self.made[key]
+        return self.made[key]
 
     def save(self, side: Side, ns: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
         where = self.out / "sides" / _dirname(side.label)
-        if side not in self.saves:
+
+        def make() -> dict[str, Any]:
             found = sorted((where / "save").glob("*.json"))
             if found and (where / "saved" / RECORDS[1]).exists():  # a resumed invocation's, whole
-                self.saves[side] = _run_summary(RunResult.read(found[-1]))
-            else:
-                shutil.rmtree(where, ignore_errors=True)
-                self.saves[side] = _launch(side, where, "save", ["--save-checkpoint", str(where / "saved")], ns)
-        return where / "saved", self.saves[side]
+                return _run_summary(RunResult.read(found[-1]))
+            shutil.rmtree(where, ignore_errors=True)
+            return _launch(side, where, "save", ["--save-checkpoint", str(where / "saved")], ns, self.cancel)
+
+        return where / "saved", self.once(side, make)
 
     def convert(self, cell: Cell, saved: Path, ns: argparse.Namespace) -> Path:
-        key = (cell.save, cell.tool or "", cell.load.fmt)
-        if key not in self.converted:
-            where = self.out / "conversions" / f"{_dirname(cell.save.label)}-to-{cell.load.fmt}"
-            converted = where / "converted"
+        where = self.out / "conversions" / f"{_dirname(cell.save.label)}-to-{cell.load.fmt}"
+        converted = where / "converted"
+
+        def make() -> Path:
             if not (converted / RECORDS[1]).exists():  # copied last: a conversion that finished
                 shutil.rmtree(where, ignore_errors=True)
-                tools.run(cell.tool, saved, converted, where / "convert.log", ns.timeout_s, cell.load.fmt)
+                tools.run(cell.tool, saved, converted, where / "convert.log", ns.timeout_s, cell.load.fmt, self.cancel)
                 for name in RECORDS:
                     shutil.copy2(saved / name, converted / name)
-            self.converted[key] = converted
-        return self.converted[key]
+            return converted
+
+        return self.once((cell.save, cell.tool, cell.load.fmt), make)
 
 
 def _run_cell(o: Outcome, where: Path, shared: Shared, ns: argparse.Namespace) -> None:
@@ -202,7 +257,7 @@ def _run_cell(o: Outcome, where: Path, shared: Shared, ns: argparse.Namespace) -
         loaded, o.runs["save"] = shared.save(cell.save, ns)
         if cell.tool is not None:
             loaded = shared.convert(cell, loaded, ns)
-        o.runs["load"] = _launch(cell.load, where, "load", ["--load-checkpoint", str(loaded)], ns)
+        o.runs["load"] = _launch(cell.load, where, "load", ["--load-checkpoint", str(loaded)], ns, shared.cancel)
         o.status = "ran"
     except tools.Refused as exc:
         o.status, o.error = "refused", str(exc)
@@ -211,7 +266,8 @@ def _run_cell(o: Outcome, where: Path, shared: Shared, ns: argparse.Namespace) -
     o.wall_s = time.monotonic() - start
 
 
-def _launch(side: Side, where: Path, part: str, extra: list[str], ns: argparse.Namespace) -> dict[str, Any]:
+def _launch(side: Side, where: Path, part: str, extra: list[str], ns: argparse.Namespace,
+            cancel: threading.Event | None = None) -> dict[str, Any]:
     caps = registry.load(side.backend, registry.BACKENDS, "backend").capabilities
     launcher = "python" if side.world_size == 1 and "python" in caps.launchers else caps.native_launcher
     args = ["--backend", side.backend, "--model", ns.model, "--optimizer", ns.optimizer, "--steps", str(ns.steps),
@@ -220,7 +276,8 @@ def _launch(side: Side, where: Path, part: str, extra: list[str], ns: argparse.N
     if side.stage is not None:
         args += ["--opt", f"zero_stage={side.stage}"]
     log = where / "logs" / f"{part}.log"
-    finished = run_process(native_command(launcher, side.world_size, args), timeout_s=ns.timeout_s, log=log)
+    finished = run_process(native_command(launcher, side.world_size, args), timeout_s=ns.timeout_s, log=log,
+                           cancel=cancel)
     found = sorted((where / part).glob("*.json"))
     if finished.returncode != 0 or not found:
         lines = [ln for ln in log.read_text().splitlines() if "error" in ln.lower()] if log.exists() else []

@@ -5,6 +5,7 @@ state, and dpcompare convert (dpcompare.commands.convert) where none does."""
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 from dpcompare.commands.checkpoint.cells import CONVERT
@@ -40,11 +41,12 @@ def command(tool: str, source: Path, target: Path, fmt: str = "") -> list[str]:
     raise ValueError(f"no conversion {tool!r}")
 
 
-def run(tool: str, source: Path, target: Path, log: Path, timeout_s: float, fmt: str = "") -> None:
+def run(tool: str, source: Path, target: Path, log: Path, timeout_s: float, fmt: str = "",
+        cancel: threading.Event | None = None) -> None:
     """Convert, or RuntimeError naming the tool and its log (Refused: dpcompare convert's one line)."""
     if tool != CONVERT:  # convert writes a new directory of its own, whole or not at all
         target.mkdir(parents=True, exist_ok=True)
-    finished = run_process(command(tool, source, target, fmt), timeout_s=timeout_s, log=log)
+    finished = run_process(command(tool, source, target, fmt), timeout_s=timeout_s, log=log, cancel=cancel)
     if tool == CONVERT and finished.returncode == 2:
         lines = [ln for ln in log.read_text().splitlines() if ln.startswith("dpcompare convert: error:")]
         raise Refused(lines[-1].removeprefix("dpcompare convert: error: ") if lines else f"refused (log: {log})")
