@@ -55,7 +55,9 @@ SUITES: dict[str, Suite] = {
                 "horovod) at --world-sizes (default 1,2,4) saves 4 steps in the first's format and continues 4 under "
                 "the second through the libraries' own conversions or dpcompare convert, judged against one "
                 "uninterrupted float64 run; mlp-dropout, AdamW, global batch 32 unless given "
-                "(324 cells, about an hour on two CPU cores; `python -m dpcompare checkpoint` runs a covering subset)",
+                "(324 cells, each side saved once: about 1 h 45 min on two CPU cores as `python -m dpcompare checkpoint "
+                "--matrix all --jobs 2`, whose `--resume` finishes an invocation cut short; "
+                "`python -m dpcompare checkpoint` runs a covering subset)",
         values={}, checkpoint=True,
     ),
 }
