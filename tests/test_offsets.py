@@ -68,6 +68,49 @@ def test_without_the_check_a_far_base_gives_back_wrong_values():
     assert ((param.detach() - exact).abs() / exact.abs()).max() > 1e6 * off.MARGIN * U32
 
 
+def _hard_pairs(base_dtype: torch.dtype, near_t: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values over float64's range (zeros, subnormals, infinities, NaNs among them), each beside bases at relative
+    distances around `near_t` (the cheap test's edge) and far from it, rounded to `base_dtype`."""
+    g = torch.Generator().manual_seed(3)
+    mags = torch.cat([torch.logspace(-320, 300, 400, dtype=torch.float64),
+                      torch.tensor([0.0, float("inf"), float("nan"), 2.0 ** -100, 2.0 ** -101, 2.0 ** -126])])
+    values = torch.cat([mags, -mags])
+    rel = torch.cat([near_t * (1 + torch.linspace(-1e-3, 1e-3, 21, dtype=torch.float64)),
+                     torch.tensor([0.0, 2.0 ** -24, 2.0 ** -12, 0.5, 1.0, 2.0, 1e6], dtype=torch.float64),
+                     near_t * torch.rand(12, generator=g, dtype=torch.float64) * 2])
+    x = values.repeat_interleave(rel.numel())
+    r = rel.repeat(values.numel()) * torch.where(torch.rand(x.numel(), generator=g) < 0.5, -1.0, 1.0).double()
+    return x, (x * (1 + r)).to(base_dtype)
+
+
+@pytest.mark.parametrize("u, base_dtype", [(U32, torch.float32), (2.0 ** -8, torch.bfloat16),
+                                           (2.0 ** -11, torch.float16), (2.0 ** -53, torch.float32)],
+                         ids=["float32", "bfloat16", "float16", "float64-run"])
+def test_the_cheap_test_keeps_exactly_the_elements_the_exact_test_keeps(u, base_dtype):
+    """Holding tests most elements without giving them back (`_near`: an offset small against its value); the
+    elements it keeps in float64 are exactly those the exact test keeps, over float64's whole range and at the cheap
+    test's edge, for each run dtype's bound."""
+    bound = off.MARGIN * u
+    near = off._near(bound)
+    x, base = _hard_pairs(base_dtype, 1 / near.inverse if near is not None else 2.0 ** -30)
+    held = off.Offsets(u, sparse=1.0)._offset((nn.Parameter(x.clone()), None), x.clone(), base)
+    exact = torch.nonzero(~off._comes_back(x, base, torch.sub(x, base).float(), bound)).view(-1)
+    assert held is not None and torch.equal(held.index, exact), (held.index.numel(), exact.numel())
+    assert exact.numel() > 100, "the pairs reach both sides of the bound"
+
+
+def test_a_cheap_test_looser_than_its_proof_keeps_too_few(monkeypatch):
+    """The comparison above fails where the cheap test passes elements the exact one keeps: its T 2^12 times too
+    large for a float32 run's bound."""
+    bound = off.MARGIN * U32
+    loose = off._near(bound)
+    monkeypatch.setattr(off, "_near", lambda b: off._Near(inverse=loose.inverse / 2 ** 12, tiny=loose.tiny))
+    x, base = _hard_pairs(torch.float32, 1 / loose.inverse * 2 ** 12)
+    held = off.Offsets(U32, sparse=1.0)._offset((nn.Parameter(x.clone()), None), x.clone(), base)
+    exact = torch.nonzero(~off._comes_back(x, base, torch.sub(x, base).float(), bound)).view(-1)
+    assert held.index.numel() < exact.numel()
+
+
 def test_a_base_that_moved_while_held_is_refused():
     param, base, _ = _pair()
     held = off.Offsets(U32)

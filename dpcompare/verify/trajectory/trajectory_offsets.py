@@ -138,21 +138,29 @@ class Offsets:
     def _offset(self, slot: Slot, target: torch.Tensor, base: torch.Tensor) -> _Held | None:
         x, b = target.detach().view(-1), base.detach().reshape(-1)
         offset = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
-        back, limit = (torch.empty(min(CHUNK, x.numel()), dtype=torch.float64, device=x.device) for _ in range(2))
+        size = min(CHUNK, x.numel())
+        magnitude, diff = (torch.empty(size, dtype=torch.float64, device=x.device) for _ in range(2))
+        scaled = torch.empty(size, dtype=torch.float32, device=x.device)
+        near = _near(self.bound)
         bad: list[torch.Tensor] = []
         kept, most = 0, self.sparse * x.numel()
         with torch.no_grad():  # in place, a chunk at a time: the check is most of holding's time
             for start in range(0, x.numel(), CHUNK):
-                value = x[start:start + CHUNK]
+                value, base_part = x[start:start + CHUNK], b[start:start + CHUNK]
                 n = value.numel()
-                near, lim = back[:n], limit[:n]
-                near.copy_(b[start:start + n])
-                torch.sub(value, near, out=lim)
-                offset[start:start + n].copy_(lim)
-                near.add_(offset[start:start + n]).sub_(value).abs_()  # how far the value comes back
-                ok = near <= torch.abs(value, out=lim).mul_(self.bound)  # False where not finite
+                off = offset[start:start + n]
+                off.copy_(torch.sub(value, base_part, out=diff[:n]))
+                if near is None:
+                    ok = _comes_back(value, base_part, off, self.bound)
+                else:
+                    # The elements whose offset is small against them come back within the bound (`_near`); the
+                    # test that reads what they give back is made for the others alone.
+                    test = torch.abs(off, out=scaled[:n]).mul_(near.inverse).add_(near.tiny)
+                    ok = test < torch.abs(value, out=magnitude[:n])
                 if not bool(ok.all()):
                     far = torch.nonzero(~ok).view(-1)
+                    if near is not None:
+                        far = far[~_comes_back(value[far], base_part[far], off[far], self.bound)]
                     bad.append(far + start)
                     kept += far.numel()
                     if kept > most:
@@ -171,6 +179,39 @@ class Offsets:
     def _check(held: _Held) -> None:
         if held.base._version != held.version:
             raise RuntimeError("a float64 value held as an offset lost its base: the base changed while it was held")
+
+
+@dataclass(frozen=True, slots=True)
+class _Near:
+    """A test that needs no value given back: an element passes where fl32(|offset| / T + TINY) < |value|."""
+    inverse: float
+    """1 / T, a power of two."""
+    tiny: float
+    """TINY: a value below it never passes, so an offset's subnormal rounding (2^-150) stays far inside the bound."""
+
+
+def _near(bound: float) -> _Near | None:
+    """The cheap test for `bound` (None: the exact test for every element, a bound below 2^-40, as a float64 run's).
+
+    An element that passes it has |offset| <= T |value| and |value| >= TINY = 2^-100, with T = min(bound 2^22, 1/2). Its
+    value comes back within the bound, and the exact test (`_comes_back`) passes it. With d = fl64(value - base), the
+    offset fl32(d) within 2^-24 |d| + 2^-150 of d, and the value given back fl64(base + offset) within 2^-53 of the sum,
+    what comes back differs from the value by at most 2^-24 T |v| + 2^-150 + 2^-53 (|v - base| + |base + offset|) <=
+    bound/4 |v| + bound/4 |v| + 2^-53 x 2.6 |v| (|v - base| <= (1 + 2^-23) T |v|, T <= 1/2), under 0.75 bound |v| for a
+    bound of at least 2^-40: inside the bound after the test's own two roundings. The test's own arithmetic only
+    rounds the left side up: |offset| / T is exact (a power of two), and fl32(a + TINY) >= a. It is strict so that
+    an infinite value fails it (its offset is infinite too), as a NaN does: both go to the exact test."""
+    if bound < 2.0 ** -40:
+        return None
+    return _Near(inverse=1.0 / min(bound * 2.0 ** 22, 0.5), tiny=2.0 ** -100)
+
+
+def _comes_back(value: torch.Tensor, base: torch.Tensor, offset: torch.Tensor, bound: float) -> torch.Tensor:
+    """Where the value given back, fl64(base + offset), is within `bound` of the value, relatively (False where not
+    finite): the exact test, as restoring computes the value given back."""
+    back = torch.empty(value.shape, dtype=torch.float64, device=value.device).copy_(base)
+    back.add_(offset).sub_(value).abs_()
+    return back <= torch.abs(value).mul_(bound)
 
 
 def step_in_parts(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], offsets: Offsets,
