@@ -39,6 +39,12 @@ COMPUTE = {"mm", "addmm", "bmm", "baddbmm", "matmul", "convolution", "convolutio
            "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_flash_attention_backward",
            "addbmm", "mkldnn_convolution", "_mkldnn_convolution"}
 """Ops whose cost is their arithmetic (counted apart from the passes)."""
+UNMOVED = {"detach", "alias", "lift_fresh", "_local_scalar_dense", "empty", "empty_like", "empty_strided", "set_"}
+"""Ops that read and write no elements (a view is left out by its schema)."""
+PICKING = {"index", "index_select", "gather", "masked_select", "nonzero", "take"}
+PUTTING = {"index_put", "index_put_", "scatter", "scatter_", "_index_put_impl_"}
+"""Ops that read or write some elements of a tensor: counted by those elements (read and written) and their
+positions."""
 
 
 def _site() -> str:
@@ -66,15 +72,16 @@ class Passes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.is_view or func.__name__.split(".")[0] in ("detach", "alias", "lift_fresh", "_local_scalar_dense", "empty",
-                                                           "empty_like", "empty_strided", "set_"):
-            return out
         op = func.__name__.split(".")[0]
-        if op in ("index", "index_put", "index_put_", "index_select", "gather", "scatter", "scatter_", "masked_select",
-                  "nonzero", "take"):
-            # what is read is what is picked or written, not the whole of the tensor picked from
-            moved = 2 * _nbytes(out if op in ("index", "index_select", "gather", "masked_select", "nonzero", "take")
-                                else args[2:]) + _nbytes(args[1] if op.startswith("index_put") else ())
+        if func.is_view or op in UNMOVED:
+            return out
+        if op in PICKING or op in PUTTING:
+            # what is read is what is picked or written, and the positions, not the whole of the tensor picked from
+            leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            positions = sum(t.numel() * t.element_size() for t in leaves
+                            if not t.is_floating_point() and not t.is_complex())
+            picked = _nbytes(out) if op in PICKING else _nbytes(args[2:])
+            moved = 2 * picked + positions
         else:
             moved = _nbytes((args, kwargs)) + _nbytes(out)
         kind = "compute" if op in COMPUTE else "moved"
