@@ -23,7 +23,6 @@ import ctypes
 import functools
 import gc
 import os
-import runpy
 import sys
 import threading
 import time
@@ -36,6 +35,10 @@ from torch import nn
 from dpcompare.verify.memory import divider
 from dpcompare.verify.trajectory import reference_trajectory
 from dpcompare.verify.phase import verifier
+try:
+    from experiments.in_process import run_dpcompare
+except ModuleNotFoundError:  # run as a script (python experiments/NAME.py, torchrun experiments/NAME.py): beside it
+    from in_process import run_dpcompare
 
 
 class _MallInfo2(ctypes.Structure):
@@ -270,18 +273,7 @@ def _report() -> None:
 def main() -> None:
     _patch()
     threading.Thread(target=_sample, daemon=True).start()
-    leave = os._exit
-
-    def report_then_exit(code: int) -> None:  # dpcompare leaves through os._exit under a launcher
-        _report()
-        leave(code)
-    os._exit = report_then_exit
-    sys.argv = ["dpcompare", *sys.argv[1:]]
-    try:
-        runpy.run_module("dpcompare", run_name="__main__")
-    finally:
-        _report()
-
+    run_dpcompare(sys.argv[1:], _report)
 
 if __name__ == "__main__":
     main()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import runpy
 import sys
 from collections import Counter
 from pathlib import Path
@@ -32,6 +31,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dpcompare.verify.phase import verifier
+try:
+    from experiments.in_process import run_dpcompare
+except ModuleNotFoundError:  # run as a script (python experiments/NAME.py, torchrun experiments/NAME.py): beside it
+    from in_process import run_dpcompare
 
 COMPUTE = {"mm", "addmm", "bmm", "baddbmm", "matmul", "convolution", "convolution_backward", "linear",
            "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
@@ -154,18 +157,7 @@ def main() -> None:
         JSON_OUT[0] = args[i + 1]
         del args[i:i + 2]
     _patch()
-    leave = os._exit
-
-    def report_then_exit(code: int) -> None:  # dpcompare leaves through os._exit
-        _report()
-        leave(code)
-    os._exit = report_then_exit
-    sys.argv = ["dpcompare", *args]
-    try:
-        runpy.run_module("dpcompare", run_name="__main__")
-    finally:
-        _report()
-
+    run_dpcompare(args, _report)
 
 if __name__ == "__main__":
     main()
