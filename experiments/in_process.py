@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 
 def run_dpcompare(args: list[str], report: Callable[[], None]) -> None:

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dpcompare.verify.phase import verifier
+
 try:
     from experiments.in_process import run_dpcompare
 except ModuleNotFoundError:  # run as a script (python experiments/NAME.py, torchrun experiments/NAME.py): beside it
