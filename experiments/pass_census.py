@@ -66,6 +66,22 @@ def _nbytes(values) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(values) if isinstance(t, torch.Tensor))
 
 
+def _unreturned_writes(func, args, kwargs, out) -> int:
+    """The bytes of the arguments `func` may write in place (its schema marks them `a!`) and does not return: a fused
+    optimizer step's parameters and state (and its gradients, which the schema marks too), a foreach op's tensors. An
+    in-place op that returns what it wrote (add_, copy_) has them counted among its results already."""
+    returned = {id(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+    written = 0
+    for i, argument in enumerate(func._schema.arguments):
+        info = argument.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        written += sum(t.numel() * t.element_size() for t in tree_leaves(value)
+                       if isinstance(t, torch.Tensor) and id(t) not in returned)
+    return written
+
+
 class Passes(TorchDispatchMode):
     """Adds up the bytes each aten op reads and writes, by kind (`moved` or `compute`), part and site."""
 
@@ -87,7 +103,7 @@ class Passes(TorchDispatchMode):
             picked = _nbytes(out) if op in PICKING else _nbytes(args[2:])
             moved = 2 * picked + positions
         else:
-            moved = _nbytes((args, kwargs)) + _nbytes(out)
+            moved = _nbytes((args, kwargs)) + _nbytes(out) + _unreturned_writes(func, args, kwargs, out)
         kind = "compute" if op in COMPUTE else "moved"
         self.totals[kind][self.part] += moved
         self.totals["sites"][(kind, self.part, f"{_site()} [{func.__name__}]")] += moved

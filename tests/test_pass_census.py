@@ -31,6 +31,21 @@ def test_an_op_counts_what_it_reads_and_writes_and_a_view_nothing():
     assert totals["ops"]["part"] == 2, totals["ops"]  # the add and the index; the view and the lift are not
 
 
+def test_an_op_that_writes_its_arguments_in_place_counts_them_written_once_whatever_it_returns():
+    a, b = torch.ones(1000, dtype=torch.float64), torch.ones(1000, dtype=torch.float64)
+    p, g, m = (torch.ones(100, dtype=torch.float64) for _ in range(3))
+    totals = _totals()
+    with pass_census.Passes("add_", totals):
+        a.add_(b)  # returns a: read a and b, write a
+    with pass_census.Passes("foreach", totals):
+        torch._foreach_add_([a], [b])  # returns nothing: the same bytes
+    with pass_census.Passes("fused", totals):
+        torch._fused_sgd_([p], [g], [m], weight_decay=0.0, momentum=0.9, lr=0.1, dampening=0.0, nesterov=False,
+                          maximize=False, is_first_step=False)  # reads p, g, m; its schema writes all three
+    assert totals["moved"]["add_"] == totals["moved"]["foreach"] == 3 * a.nbytes, totals["moved"]
+    assert totals["moved"]["fused"] == 6 * p.nbytes, totals["moved"]
+
+
 def test_a_matrix_product_is_counted_apart_from_the_passes():
     a = torch.ones(64, 64)
     totals = _totals()

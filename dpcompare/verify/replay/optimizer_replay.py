@@ -124,6 +124,31 @@ def elementwise(factory: OptimizerFactory) -> bool:
     return type(probe) in ELEMENTWISE and not any(g.get("fused") for g in probe.param_groups)
 
 
+def in_one_kernel(optimizer: torch.optim.Optimizer, dtype: torch.dtype, device: torch.device) -> bool:
+    """Set a float64 replay of SGD, Adam or AdamW (ELEMENTWISE, exactly) to step in torch's fused kernel for `device`,
+    where torch has one: one pass over a parameter, its gradient and its state, where the single-tensor loop makes
+    one for each of its 4 (SGD) to 9 (AdamW) ops. The float64 replay is the reference, not a process's computation:
+    the fused kernel computes the same update in float64, within one unit in the last place of the value reached
+    (tests/test_fused_replay.py; SGD's was the loop's to the bit on the CPUs it ran on). The run-dtype replay, the
+    floor, stays the loop a single process runs. Returns whether
+    it was set (not for another dtype or class, a differentiable or capturable group, or a device torch has no fused
+    kernel for)."""
+    if dtype != torch.float64 or type(optimizer) not in ELEMENTWISE or device.type not in _fused_devices():
+        return False
+    if any(g.get("differentiable") or g.get("capturable") for g in optimizer.param_groups):
+        return False
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = True, False
+    return True
+
+
+def _fused_devices() -> tuple[str, ...]:
+    """The device types torch's optimizers have fused kernels for."""
+    from torch.optim import optimizer as torch_optimizer
+    supported = getattr(torch_optimizer, "_get_fused_kernels_supported_devices", None)
+    return tuple(supported()) if supported is not None else ("cuda",)
+
+
 def uncut(model: nn.Module, factory: OptimizerFactory | None) -> list[str]:
     """The trainable parameters of `model` the checks' ranges may not cut (dpcompare.verify.ranks.range_plan): every one where the
     run's optimizer steps a parameter as a whole (a factored or normalised update: a piece would step apart from the
@@ -214,6 +239,7 @@ class _Replay:
         if optimizer is None:
             optimizer = (self.factory([live], **self.overrides) if key is None
                          else self.factory.replay(key, [live], **self.overrides))
+            in_one_kernel(optimizer, self.dtype, self.device)
             self._optimizers[key] = optimizer
         else:
             optimizer.param_groups[0]["params"] = [live]
