@@ -25,10 +25,10 @@ CPU = torch.device("cpu")
 N = 20_000
 EPS64 = torch.finfo(torch.float64).eps
 
-SGD = [dict(lr=0.05, momentum=m, dampening=d, nesterov=nv, weight_decay=wd, maximize=mx)
+SGD = [{"lr": 0.05, "momentum": m, "dampening": d, "nesterov": nv, "weight_decay": wd, "maximize": mx}
        for m, d, nv, wd, mx in itertools.product((0.0, 0.9), (0.0, 0.1), (False, True), (0.0, 0.01), (False, True))
        if not (nv and (m == 0 or d != 0))]
-ADAM = [(cls, dict(lr=1e-3, amsgrad=a, maximize=mx, weight_decay=wd))
+ADAM = [(cls, {"lr": 1e-3, "amsgrad": a, "maximize": mx, "weight_decay": wd})
         for cls in (torch.optim.Adam, torch.optim.AdamW)
         for a, mx, wd in itertools.product((False, True), (False, True), (0.0, 0.1))]
 EVERY = [(torch.optim.SGD, kw) for kw in SGD] + ADAM
