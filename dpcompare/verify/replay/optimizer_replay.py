@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
+from torch.optim import optimizer as torch_optimizer
 
 from dpcompare.contract.optim_state import OptimizerFactory, OptState, per_element, read_state
 from dpcompare.verify.replay.clipping_rule import clip_scale
@@ -130,9 +131,8 @@ def in_one_kernel(optimizer: torch.optim.Optimizer, dtype: torch.dtype, device: 
     one for each of its 4 (SGD) to 9 (AdamW) ops. The float64 replay is the reference, not a process's computation:
     the fused kernel computes the same update in float64, within one unit in the last place of the value reached
     (tests/test_fused_replay.py; SGD's was the loop's to the bit on the CPUs it ran on). The run-dtype replay, the
-    floor, stays the loop a single process runs. Returns whether
-    it was set (not for another dtype or class, a differentiable or capturable group, or a device torch has no fused
-    kernel for)."""
+    floor, stays the loop a single process runs. Returns whether it was set (not for another dtype or class, a
+    differentiable or capturable group, or a device torch has no fused kernel for)."""
     if dtype != torch.float64 or type(optimizer) not in ELEMENTWISE or device.type not in _fused_devices():
         return False
     if any(g.get("differentiable") or g.get("capturable") for g in optimizer.param_groups):
@@ -144,7 +144,6 @@ def in_one_kernel(optimizer: torch.optim.Optimizer, dtype: torch.dtype, device: 
 
 def _fused_devices() -> tuple[str, ...]:
     """The device types torch's optimizers have fused kernels for."""
-    from torch.optim import optimizer as torch_optimizer
     supported = getattr(torch_optimizer, "_get_fused_kernels_supported_devices", None)
     return tuple(supported()) if supported is not None else ("cuda",)
 
