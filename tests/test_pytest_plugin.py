@@ -22,7 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_in(tmp_path: Path, *args: str, slowdown: float | None = None, timeout_s: float = 400) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "DPCOMPARE_INJECT_SLOWDOWN"}
+    # A fresh pytest, as a user's CI starts it: none of this pytest's variables (an xdist worker's PYTEST_XDIST_WORKER
+    # would make pytest-benchmark disable itself there).
+    env = {k: v for k, v in os.environ.items() if k != "DPCOMPARE_INJECT_SLOWDOWN" and not k.startswith("PYTEST_")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     if slowdown is not None:
@@ -60,6 +62,21 @@ def test_measured_steps_become_the_rounds_and_a_planted_slowdown_fails_the_compa
     # Positive twin: the same build against its baseline passes a threshold wider than this machine's noise.
     same = pytest_in(tmp_path, *SUITE, *compare, "--benchmark-compare-fail=median:60%")
     assert same.returncode == 0, same.stdout[-4000:] + same.stderr[-2000:]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", [["--benchmark-disable"], ["-p", "xdist", "-n", "1"]], ids=["disabled", "xdist"])
+def test_the_suite_runs_and_judges_where_pytest_benchmark_keeps_no_rounds(tmp_path, how):
+    """Under xdist pytest-benchmark disables itself and records no rounds: the run still runs and its verdict is
+    judged (negative twin: a backend that sums is still failed there)."""
+    proc = pytest_in(tmp_path, "--pyargs", "dpcompare.regression", "--dpcompare-steps", "3", "--dpcompare-warmup", "1",
+                     "--dpcompare-backends", "reference", *how, "-rA")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "PASSED" in proc.stdout and "test_step_time[reference-ws1]" in proc.stdout, proc.stdout[-4000:]
+    (tmp_path / "test_user.py").write_text(USER_TEST)
+    summing = pytest_in(tmp_path, "test_user.py", *how)
+    assert summing.returncode == 1 and "verdict different" in summing.stdout, summing.stdout[-4000:]
 
 
 USER_TEST = '''
