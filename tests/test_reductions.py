@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from dpcompare.verify.judgement import held_values
 from dpcompare.verify.judgement import tolerance as tol
 
 
@@ -66,6 +67,46 @@ def test_a_non_finite_value_or_reference_is_kept_through_the_chunks(grads, monke
     assert not a.ok and math.isinf(a.rel_fro_err) and math.isnan(model.max_abs_err) and not model.ok
     zero = next(p for p in params if p.parameter == "z")
     assert math.isnan(zero.max_rel_err) and "zero throughout" in zero.max_rel_err_reason
+
+
+def _largest_rel(g: torch.Tensor, o: torch.Tensor, u: float) -> float:
+    """max |g - o| / (|o| + u max|o|) over the whole parameter at once, in float64."""
+    o = o.double()
+    return float(((g.double() - o).abs() / (o.abs() + u * float(o.abs().max()))).max())
+
+
+def _scale_read_so_far(g, o, bounds, scale, u):
+    """The twin: each chunk's figure at the largest |o| read when it was read, never read again."""
+    return max(r for _, r, _ in bounds)
+
+
+@pytest.mark.parametrize("held", ["float64", "update"])
+@pytest.mark.parametrize("twin", [False, True])
+def test_the_largest_relative_error_takes_the_whole_parameters_scale_in_one_pass(held, twin, monkeypatch):
+    """A parameter of many chunks whose largest |o| is read last (its |o| growing chunk by chunk; its first chunks
+    zero; its scale in the last element): the largest relative error is the whole parameter's formula to the bit,
+    whether `o` is a float64 tensor (its scale read first) or an update computed as it is read (the scale known after
+    the pass). The twin, which keeps each chunk's figure at the scale read so far, is caught where the scale is known
+    after the pass, and changes nothing where it is read first."""
+    monkeypatch.setattr(tol, "CHUNK", 64)
+    torch.manual_seed(3)
+    if twin:
+        monkeypatch.setattr(tol, "_max_rel", _scale_read_so_far)
+    u, n = tol.UNIT_ROUNDOFF["float32"], 64 * 9 + 5
+    growing = torch.sort(torch.randn(n, dtype=torch.float64).abs() * torch.logspace(-6, 1, n, dtype=torch.float64))[0]
+    zeros_first = growing.clone()
+    zeros_first[:100] = 0.0
+    peak_last = torch.randn(n, dtype=torch.float64)
+    peak_last[-1] = 1e4
+    caught = []
+    for o in (growing, zeros_first, peak_last):
+        g = (o + 1e-6 * torch.randn(n, dtype=torch.float64)).float()
+        start = torch.randn(n, dtype=torch.float64)
+        reference = {"w": o} if held == "float64" else held_values.Difference({"w": start + o}, {"w": start})
+        (p,), _ = tol.compare(tol.Compact({"w": g}), reference, tol.Compact({"w": o.float()}), dtype="float32",
+                              world_size=1, depth=2)
+        caught.append(p.max_rel_err != _largest_rel(g, reference["w"], u))
+    assert caught == [twin and held == "update"] * 3, caught
 
 
 def test_finite_is_one_sum_and_falls_back_where_the_sum_overflows():

@@ -264,10 +264,14 @@ def _fmax(a: float, b: float) -> float:
 
 def _sums(g: torch.Tensor, o: torch.Tensor, against: torch.Tensor, floor: torch.Tensor, other: torch.Tensor,
           u: float) -> _Sums:
-    """One parameter's figures, read `CHUNK` elements at a time in float64, in one pass over the comparison: the
-    relative error's scale (the whole parameter's max |o|) is read first, from `o` alone. Each input's chunk is read
-    into float64 once, whichever figures use it (the floor is often what the value is judged against), and the
-    differences are worked on in place."""
+    """One parameter's figures, read `CHUNK` elements at a time in float64, in one pass over the comparison. Each
+    input's chunk is read into float64 once, whichever figures use it (the floor is often what the value is judged
+    against), and the differences are worked on in place. The relative error's scale is the whole parameter's max |o|:
+    read first where `o` is a float64 tensor (one read). Where it is computed as it is read (a `Difference`: an update)
+    or converted, it is known only once every chunk is read: each chunk's relative error is taken at the largest |o|
+    read so far, which bounds its error at the whole's from above, and after the pass only a chunk read before the
+    scale grew, whose bound still exceeds the largest exact one, is read again (`_max_rel`). Either way the same figure
+    to the bit as a first pass over `o` for the scale, which a parameter of one chunk never makes."""
     same_against, same_other, one_floor = against is o, other is floor and against is o, other is against
     sq = [0.0] * 6  # o2, a2, go2, ga2, fo2, oa2
     max_abs, scale, finite, max_rel, g2 = 0.0, 0.0, True, 0.0, 0.0
@@ -276,8 +280,11 @@ def _sums(g: torch.Tensor, o: torch.Tensor, against: torch.Tensor, floor: torch.
     squares_tell = g.dtype != torch.float64
     n = o.numel()
     parts = [slice(start, min(start + CHUNK, n)) for start in range(0, n, CHUNK)]
-    for part in parts:
-        low, high = torch.aminmax(o[part])  # max |o| in one pass
+    bounds: list[tuple[float, float, slice]] = []  # each chunk's relative error at the scale read so far
+    # a float64 tensor's max |o| is one read of it: taken first, every chunk's figure is then exact
+    first = isinstance(o, torch.Tensor) and o.dtype == torch.float64
+    for part in parts if first else ():
+        low, high = torch.aminmax(o[part])
         scale = _fmax(scale, _fmax(-float(low), float(high)))
     for part in parts:
         read: dict[int, torch.Tensor] = {}
@@ -288,6 +295,9 @@ def _sums(g: torch.Tensor, o: torch.Tensor, against: torch.Tensor, floor: torch.
             return read[id(t)]
 
         gc, oc = chunk(g), chunk(o)
+        if not first:
+            low, high = torch.aminmax(oc)  # max |o| in one pass
+            scale = _fmax(scale, _fmax(-float(low), float(high)))
         g_norm = _norm(gc)
         finite = finite and (math.isfinite(g_norm) if squares_tell else _finite(gc))
         g2 += g_norm ** 2
@@ -296,8 +306,7 @@ def _sums(g: torch.Tensor, o: torch.Tensor, against: torch.Tensor, floor: torch.
         sq[2] += _norm(diff) ** 2
         diff.abs_()
         max_abs = _fmax(max_abs, float(diff.max()))
-        if scale > 0:
-            max_rel = max(max_rel, float(diff.div_(oc.abs().add_(u * scale)).max()))
+        bounds.append((scale, float(diff.div_(oc.abs().add_(u * scale)).max()) if scale > 0 else math.inf, part))
         if not same_against:
             ac = chunk(against)
             sq[1] += _norm(ac) ** 2
@@ -309,9 +318,25 @@ def _sums(g: torch.Tensor, o: torch.Tensor, against: torch.Tensor, floor: torch.
         sq[1], sq[3] = sq[0], sq[2]
     if same_other:
         sq[5] = sq[4]
-    if not scale > 0:
-        max_rel = math.nan
+    max_rel = _max_rel(g, o, bounds, scale, u) if scale > 0 else math.nan
     return _Sums(sq[0], sq[1], sq[2], sq[3], sq[4], sq[5], max_abs, max_rel, finite, g2)
+
+
+def _max_rel(g, o, bounds: list[tuple[float, float, slice]], scale: float, u: float) -> float:
+    """max |g - o| / (|o| + u `scale`) over the chunks, from each chunk's figure at the scale read when it was read
+    (`bounds`: scale, figure, chunk). A figure at the whole's scale is exact; one at a smaller scale is an upper bound
+    (a larger scale only grows each denominator, in floating point too), so such a chunk is read again only where its
+    bound exceeds the largest figure known exact, the largest bound first."""
+    # a chunk whose figure is NaN (a NaN in the value: judged non-finite) adds nothing, as a max over chunks from 0 keeps
+    best = functools.reduce(max, (r for s, r, _ in bounds if s == scale), 0.0)
+    stale = [b for b in bounds if b[0] != scale and not math.isnan(b[1])]
+    for _, bound, part in sorted(stale, key=lambda b: -b[1]):
+        if not bound > best:
+            break
+        oc = o[part].double()
+        diff = (g[part].double() - oc).abs_()
+        best = max(best, float(diff.div_(oc.abs().add_(u * scale)).max()))
+    return best
 
 
 def _param_sums(name: str, mappings: tuple[Mapping[str, torch.Tensor], ...], u: float) -> tuple[_Sums, int]:
