@@ -327,7 +327,7 @@ def _max_rel(g, o, bounds: list[tuple[float, float, slice]], scale: float, u: fl
     (`bounds`: scale, figure, chunk). A figure at the whole's scale is exact; one at a smaller scale is an upper bound
     (a larger scale only grows each denominator, in floating point too), so such a chunk is read again only where its
     bound exceeds the largest figure known exact, the largest bound first."""
-    # a chunk whose figure is NaN (a NaN in the value: judged non-finite) adds nothing, as a max over chunks from 0 keeps
+    # a chunk whose figure is NaN (a NaN in the value: judged non-finite) adds nothing, as a max from 0 keeps
     best = functools.reduce(max, (r for s, r, _ in bounds if s == scale), 0.0)
     stale = [b for b in bounds if b[0] != scale and not math.isnan(b[1])]
     for _, bound, part in sorted(stale, key=lambda b: -b[1]):
