@@ -126,3 +126,63 @@ def test_only_a_float64_replay_of_the_three_classes_themselves_goes_to_the_kerne
     assert not in_one_kernel(torch.optim.RMSprop(p), torch.float64, CPU)
     assert not in_one_kernel(torch.optim.SGD(p, lr=0.1, differentiable=True), torch.float64, CPU)
     assert not in_one_kernel(torch.optim.SGD(p, lr=0.1), torch.float64, torch.device("meta"))
+
+
+class _Kernels(TorchDispatchMode):
+    """The fused kernels called under it, with the dtype of the parameters each stepped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name.startswith("_fused_"):
+            self.calls.append((name, args[0][0].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+def _trajectory_run(fused: bool, monkeypatch):
+    """Three scheduled AdamW steps of the reference trajectory over a small MLP (its float64 copy in the fused kernel,
+    or, `fused` False, the twin whose float64 copy steps in the loop): the kernels called at each step, each step's
+    figures, and the float64 copy's parameters after."""
+    from torch.nn import functional as F
+
+    from dpcompare.verify.oracle.gradient_oracle import Piece
+    from dpcompare.verify.replay.optimizer_rebuild import OptimizerReference
+    from dpcompare.verify.trajectory.reference_trajectory import Trajectory
+
+    if not fused:
+        monkeypatch.setattr(Trajectory, "_in_one_kernel", lambda self: None)
+    torch.manual_seed(1)
+    template = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
+    factory = OptimizerReference(lambda m: torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.01),
+                                 lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), template)
+    t = Trajectory(template, F.cross_entropy, factory, "float32", CPU, depth=2)
+    torch.manual_seed(2)
+    kernels, figures = [], []
+    for step in range(3):
+        with _Kernels() as seen:
+            t.step([Piece(torch.randn(8, 6), torch.randint(0, 3, (8,)), 1.0)], at=step)
+        kernels.append(seen.calls)
+        run = {n: p.detach().clone() for n, p in t.model_run.named_parameters()}  # a run that is its own copy
+        figures.append(t.judge(step, run, 1))
+    with t.whole():
+        params = [p.detach().clone() for p in t.model64.parameters()]
+    return kernels, figures, params
+
+
+def test_the_reference_trajectorys_float64_copy_steps_in_the_fused_kernel_scheduled(monkeypatch):
+    """At every step, the schedule's too (it sets each group's every entry): the float64 copy's AdamW in the fused
+    kernel, the run-precision copy's in the loop. Its values are the loop's within a few units in float64's last
+    place, and the figures within 1e-9 of the floor; the twin stepping the float64 copy in the loop calls no kernel."""
+    kernels, figures, params = _trajectory_run(True, monkeypatch)
+    assert all(calls and {c for c in calls} == {("_fused_adamw_", torch.float64)} for calls in kernels), kernels
+    loop_kernels, loop_figures, loop_params = _trajectory_run(False, monkeypatch)
+    assert not any(loop_kernels)
+    for a, b in zip(params, loop_params):
+        assert bool(((a - b).abs() <= 64 * EPS64 * b.abs().clamp_min(1e-3)).all())
+    for a, b in zip(figures, loop_figures):
+        assert a["ok"] and b["ok"]
+        for key in ("rel_param_distance", "floor_rel_param_distance"):
+            assert a[key] == pytest.approx(b[key], rel=0, abs=1e-9 * b["floor_rel_param_distance"]), key

@@ -53,6 +53,33 @@ def test_a_tensor_mostly_far_from_its_base_stays_whole():
     assert len(held) == 0 and torch.equal(param.detach(), exact) and held.whole == exact.numel()
 
 
+def test_a_tensor_left_whole_is_tested_again_after_twice_as_many_holds_each_time():
+    """Left whole by the test at holds 1, 3 and 7, and left whole untested at the holds between: its values stay
+    its own, exactly. Once it comes near its twin, the next test holds it."""
+    param, base, exact = _pair(spread=1e-2)
+    held = off.Offsets(U32)
+    tested: list[int] = []
+    real = held._offset
+    held._offset = lambda *args: tested.append(held.holds) or real(*args)
+    untested = []
+    for _ in range(8):
+        held.hold([((param, None), base)])
+        assert len(held) == 0 and torch.equal(param.detach(), exact) and held.whole == exact.numel()
+        untested.append(held.untested)
+    assert tested == [1, 3, 7]
+    assert untested == [0, 5000, 0, 5000, 5000, 5000, 0, 5000]
+    near = exact.float()
+    while held.holds < 14:
+        held.hold([((param, None), near)])
+        assert len(held) == 0 and held.untested == exact.numel(), "not tested before hold 15"
+    held.hold([((param, None), near)])
+    assert tested == [1, 3, 7, 15] and len(held) == 1 and held.untested == 0 and held.whole == 0
+    held.restore()
+    assert ((param.detach() - exact).abs() <= off.MARGIN * U32 * exact.abs()).all()
+    held.hold([((param, None), near)])
+    assert tested == [1, 3, 7, 15, 16], "a tensor held is tested at every hold"
+
+
 def test_without_the_check_a_far_base_gives_back_wrong_values():
     """The element-by-element check is what keeps the bound: a base a million away is refused with it (the values
     stay whole, exact) and, with it off, gives values back wrong by far more than the bound."""
@@ -140,8 +167,9 @@ def test_the_held_trajectory_judges_as_the_whole_one():
     for step, pieces in enumerate(batches):
         for t in (held, whole):
             t.step(pieces)
-        assert len(held.offsets) > 0 and held.offsets.elements > 0
+        assert len(held.offsets) == 0, "whole until the step is judged"
         a, b = held.judge(step, run, 1), whole.judge(step, run, 1)
+        assert len(held.offsets) > 0 and held.offsets.elements > 0, "held once judged"
         assert a["floor_rel_param_distance"] > 0
         for key in ("rel_param_distance", "floor_rel_param_distance"):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-6 * b["floor_rel_param_distance"]), key
@@ -207,7 +235,10 @@ def _stepped(make, parts: bool, part: int = 40, steps: int = 3) -> list[torch.Te
 @pytest.mark.parametrize("make", [
     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
     lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.01),
-    lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True)], ids=["sgd", "adamw", "adam-amsgrad"])
+    lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, fused=True),
+    lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.01, fused=True)],
+    ids=["sgd", "adamw", "adam-amsgrad", "sgd-fused", "adamw-fused"])
 def test_stepping_a_part_at_a_time_is_one_step_to_the_bit(make):
     whole, parts = _stepped(make, False), _stepped(make, True)
     assert all(torch.equal(a, b) for a, b in zip(whole, parts))

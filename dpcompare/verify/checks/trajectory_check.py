@@ -78,7 +78,7 @@ class Trajectory:
         held = self.trajectory.offsets
         if held.elements:
             out["held_as_offsets"] = {"elements": held.elements, "kept_float64": held.kept, "whole": held.whole,
-                                      "bound": held.bound}
+                                      "whole_untested": held.untested, "bound": held.bound}
         return {"trajectory": out} if out else {}
 
     def _pieces(self, step: StepEvidence) -> list:

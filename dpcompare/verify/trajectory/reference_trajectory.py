@@ -34,7 +34,7 @@ from torch import nn
 
 from dpcompare.verify.randomness import draw_recording as mk
 from dpcompare.verify.ranks.oracle_messages import Status
-from dpcompare.verify.replay.optimizer_replay import uncut
+from dpcompare.verify.replay.optimizer_replay import in_one_kernel, uncut
 from dpcompare.verify.ranks.verifier_group import Peers
 from dpcompare.verify.oracle.gradient_oracle import (DTYPES, TOLERANCE_FACTOR, UNIT_ROUNDOFF, Piece, accumulate_gradient,
                                           accumulate_raw, computed_by, finish_gradient, same_forwards,
@@ -90,6 +90,7 @@ class Trajectory:
         self.pieces = {id(m): self.ranges.pieces_of(m) if self.ranges else {} for m in (self.model64, self.model_run)}
         self.opt64 = optimizer(factory, list(self._targets(self.model64)))  # grouped as the run's (optim_reference)
         self.opt_run = optimizer(factory, list(self._targets(self.model_run)))
+        self._in_one_kernel()
         if prestep:  # the backend's recipe steps its optimizer once on zero gradients before the first step
             for model, opt in ((self.model64, self.opt64), (self.model_run, self.opt_run)):
                 for p in self._stepped(model):
@@ -108,7 +109,10 @@ class Trajectory:
         self.replayers = (MaskReplayer(self.model64), MaskReplayer(self.work if self.work is not None else self.model_run))
         self.offsets = Offsets(self.u)
         """The float64 copy's values between uses, held as offsets from the run-precision copy's
-        (dpcompare.verify.trajectory.trajectory_offsets): given back before each use, held again after."""
+        (dpcompare.verify.trajectory.trajectory_offsets): given back before each use, held again after (after a step,
+        once the step is judged)."""
+        self._unjudged = False
+        """Whether the float64 copy is whole after a step, to be held once that step is judged."""
         if self.ranges is not None:
             self._release()
         self._hold()
@@ -135,10 +139,18 @@ class Trajectory:
         self.model_run.load_state_dict(state["model_run"])
         self.opt64.load_state_dict(state["opt64"])
         self.opt_run.load_state_dict(state["opt_run"])
+        self._in_one_kernel()
         self.steps = self.steps_before = state["steps"]
         self.wire = self.wire_before = state["wire"]
         self.written = set(state["written"])
         self._hold()
+
+    def _in_one_kernel(self) -> None:
+        """The float64 copy's optimizer stepped in torch's fused kernel where it has one (SGD, Adam, AdamW:
+        dpcompare.verify.replay.optimizer_replay.in_one_kernel): one pass over a parameter, its gradient and its state
+        where the single-tensor loop makes one per op. The float64 copy is the reference, not a process's computation;
+        the run-precision copy keeps the loop a single process runs."""
+        in_one_kernel(self.opt64, torch.float64, torch.device(self.device))
 
     def _stepped(self, model: nn.Module) -> list[torch.nn.Parameter]:
         """The tensors of `model` this process's optimizer steps (`_targets`)."""
@@ -171,6 +183,7 @@ class Trajectory:
             self._hold()
 
     def _hold(self) -> None:
+        self._unjudged = False
         run = self.pieces[id(self.model_run)]
         self.offsets.hold(paired(self.model64, self.opt64, self.model_run, self.opt_run, self.names,
                                  [(t, run[n]) for n, t in self.pieces[id(self.model64)].items()]))
@@ -205,7 +218,7 @@ class Trajectory:
             except _Abandoned:  # a rank could not compute its share: none stepped, and rank 0 says why
                 pass
         elif request.op == "judge":
-            self.ranges.figures_at_rank0(self._figures(self._rank0s(None, dict(zip(self.names, request.dtypes)))))
+            self.ranges.figures_at_rank0(self._judged(self._rank0s(None, dict(zip(self.names, request.dtypes)))))
         else:
             raise ValueError(f"unknown trajectory request {request.op!r}")
 
@@ -213,6 +226,7 @@ class Trajectory:
         """Both copies' step `k` on this process's forwards `own()` at the step's `loss_scale`, shared as `share` says
         (None: not shared). The float64 optimizer state comes back a part at a time as it steps (step_in_parts)."""
         schedule(self.factory, (self.opt64, self.opt_run), k)  # the groups' hyper-parameters at step k
+        self._in_one_kernel()  # (a schedule sets every entry of a group)
         self.offsets.restore([(p, None) for p in (*self.model64.parameters(), *self.pieces[id(self.model64)].values())])
         if share is not None:
             for model in (self.model64, self.model_run):
@@ -223,12 +237,17 @@ class Trajectory:
             if share is None:
                 raise
             pieces = exc
+        stepped = False
         try:
             self._step_both(pieces, share, loss_scale)
+            stepped = True
         finally:
             if share is not None:
                 self._release()
-            self._hold()
+            if stepped:  # held once judged (`judge`): the figures read the float64 copy as it is, not given back
+                self._unjudged = True
+            else:
+                self._hold()
 
     def _step_both(self, pieces: list[Piece] | Exception, share: TrajectoryRequest | None, loss_scale: float) -> None:
         carried = {n: p.detach().clone() for n, p in self.model64.named_parameters() if n in self.carried}
@@ -410,9 +429,9 @@ class Trajectory:
         if self.ranges is not None:  # each owner judges its range of rank 0's parameters
             dtypes = {n: params[n].dtype for n in self.names}
             self.ranges.ask(TrajectoryRequest("judge", dtypes=tuple(dtypes[n] for n in self.names)))
-            figures = self.ranges.figures_at_rank0(self._figures(self._rank0s(params, dtypes)))
+            figures = self.ranges.figures_at_rank0(self._judged(self._rank0s(params, dtypes)))
         else:
-            figures = self._figures(params)
+            figures = self._judged(params)
         if not all(figures[n][0] for n in self.names):
             return {"step": step, "rel_param_distance": None, "floor_rel_param_distance": None,
                     "noise_ratio": None, "tolerance": None, "ok": None, "worst_parameter": None,
@@ -440,6 +459,14 @@ class Trajectory:
         """Rank 0's parameters after the step, this rank's range of them (sent by rank 0)."""
         shapes = {n: p.shape for n, p in self.model_run.named_parameters()}  # (the float64 copy's may be held)
         return self.ranges.to_owners_from_rank0(self.names, params, dtypes, shapes)
+
+    def _judged(self, params: dict[str, torch.Tensor]) -> dict[str, tuple[bool, float, float, bool, float]]:
+        """`_figures`, then the float64 copy held if the step just taken left it whole."""
+        try:
+            return self._figures(params)
+        finally:
+            if self._unjudged:
+                self._hold()
 
     def _figures(self, params: dict[str, torch.Tensor]) -> dict[str, tuple[bool, float, float, bool, float]]:
         """Per trainable parameter this process holds: (the float64 copy's finite, its norm, the run's distance from

@@ -15,6 +15,13 @@ would come back further than its bound, or is not finite, is kept in float64 bes
 than SPARSE of its elements so kept stays whole in float64. A float64 run's copies are the same values, whose offsets
 are zero and exact.
 
+A tensor left whole is not tested again at every hold: one left whole at j holds running is left whole without a test at
+the next 2^j - 1 holds, then tested again (`Offsets.hold`). The moments of AdamW are so: their twins' elements differ
+by more than 2^-8 of themselves in about a quarter of their elements at every step (where a gradient's element is
+near zero), and the test found that anew at every step, a pass and a half over each moment. A tensor left whole is
+its exact float64 value, so skipping a test changes no value; a test made again still holds a tensor that has come
+near its twin.
+
 While held, a parameter's `.data` is an empty float64 tensor and an optimizer state entry is one (the same parameter
 and state objects: a reader that forgets to give them back reads nothing, never freed memory). A base that changes
 while its offsets are held would give back wrong values: each base's version counter is kept and checked when the
@@ -69,8 +76,14 @@ class Offsets:
         self.bound, self.sparse = MARGIN * u, sparse
         self._held: dict[tuple[int, str | None], _Held] = {}
         """By slot (its owner's id, its key): the owner is kept alive by its entry."""
-        self.elements = self.kept = self.whole = 0
-        """Of the elements last held: how many, how many of them kept in float64, how many in tensors left whole."""
+        self._left: dict[tuple[int, str | None], tuple[object, int, int]] = {}
+        """By slot, a tensor the last holds left whole: (its owner, kept alive; how many holds running; the hold at
+        which it is tested again)."""
+        self.holds = 0
+        """The holds made so far."""
+        self.elements = self.kept = self.whole = self.untested = 0
+        """Of the elements last held: how many, how many of them kept in float64, how many in tensors left whole, and
+        how many of those left whole without a test (the module docstring)."""
 
     def __len__(self) -> int:
         return len(self._held)
@@ -82,17 +95,26 @@ class Offsets:
     def hold(self, entries: list[tuple[Slot, torch.Tensor]]) -> None:
         """Hold each float64 tensor in a slot of `entries` as its offset from `base` (a floating tensor of the same
         shape, on the same device), letting the tensor go; where it cannot be (see the module docstring), leave it."""
-        self.elements = self.kept = self.whole = 0
+        self.elements = self.kept = self.whole = self.untested = 0
+        self.holds += 1
         freed = 0
         for slot, base in entries:
             target = _get(slot)
             if _key(slot) in self._held or not _eligible(target, base):
                 continue
-            held = self._offset(slot, target, base)
             self.elements += target.numel()
+            left = self._left.get(_key(slot))
+            if left is not None and self.holds < left[2]:  # left whole lately: not tested at this hold
+                self.whole += target.numel()
+                self.untested += target.numel()
+                continue
+            held = self._offset(slot, target, base)
             if held is None:
                 self.whole += target.numel()
+                running = 1 if left is None else left[1] + 1
+                self._left[_key(slot)] = (slot[0], running, self.holds + 2 ** running)
                 continue
+            self._left.pop(_key(slot), None)
             self.kept += held.index.numel()
             freed += target.untyped_storage().nbytes()
             empty = torch.empty(0, dtype=torch.float64, device=target.device)
@@ -219,8 +241,9 @@ def step_in_parts(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
     """`optimizer.step()` over `params` (those with a gradient), its held state given back a part of about `part`
     elements at a time: each part's state comes back, the part steps, its gradients are let go. So the whole float64
     state and the whole float64 gradient are never held at once. Only for an optimizer that steps each parameter on
-    its own (ELEMENTWISE: the same values as one step, to the bit); any other steps once, its state given back first."""
-    if type(optimizer) not in ELEMENTWISE or any(g.get("fused") for g in optimizer.param_groups):
+    its own (ELEMENTWISE, in its loop or its fused kernel: the same values as one step, to the bit, since a part holds
+    whole parameters); any other steps once, its state given back first."""
+    if type(optimizer) not in ELEMENTWISE:
         offsets.restore()
         optimizer.step()
         return
