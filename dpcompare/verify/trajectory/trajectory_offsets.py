@@ -180,6 +180,11 @@ class Offsets:
                     test = torch.abs(off, out=scaled[:n]).mul_(near.inverse).add_(near.tiny)
                     ok = test < torch.abs(value, out=magnitude[:n])
                 if not bool(ok.all()):
+                    # A value equal to its base, its offset zero, comes back as itself (the base plus zero): where a
+                    # gradient's element is zero (an embedding's row no token of the batch reads), a moment and its
+                    # twin's are both zero, and the cheap test passes no zero.
+                    ok.logical_or_(_same(value, base_part, off))
+                if not bool(ok.all()):
                     far = torch.nonzero(~ok).view(-1)
                     if near is not None:
                         far = far[~_comes_back(value[far], base_part[far], off[far], self.bound)]
@@ -226,6 +231,12 @@ def _near(bound: float) -> _Near | None:
     if bound < 2.0 ** -40:
         return None
     return _Near(inverse=1.0 / min(bound * 2.0 ** 22, 0.5), tiny=2.0 ** -100)
+
+
+def _same(value: torch.Tensor, base: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Where the value is its base and its offset zero: it comes back as itself, fl64(base + 0) (an infinity equal to
+    its base has a NaN offset: not so)."""
+    return torch.eq(value, base).logical_and_(offset == 0)
 
 
 def _comes_back(value: torch.Tensor, base: torch.Tensor, offset: torch.Tensor, bound: float) -> torch.Tensor:
