@@ -137,12 +137,20 @@ def _surely_within(have: torch.Tensor, want: torch.Tensor) -> bool:
     scale = largest = 0.0
     for i in range(0, want.numel(), CHUNK):
         b = want[i:i + CHUNK]
-        gap = float(torch.linalg.vector_norm(torch.sub(have[i:i + CHUNK], b), ord=math.inf))
+        gap = _largest_magnitude(torch.sub(have[i:i + CHUNK], b))
         if not math.isfinite(gap):  # a NaN or an infinity in either: the float64 comparison says which
             return False
-        scale = max(scale, float(torch.linalg.vector_norm(b, ord=math.inf)))
+        scale = max(scale, _largest_magnitude(b))
         largest = max(largest, gap)
     return largest * (1 + SLACK * u) <= agreement(have, want) * max(scale, 1e-30)
+
+
+def _largest_magnitude(t: torch.Tensor) -> float:
+    """max |t|, exactly (NaN where `t` holds one), in one read: from aminmax, which is vectorised on the CPU where the
+    infinity norm is not (about 15 times slower there on a chunk of float32)."""
+    low, high = torch.aminmax(t)
+    low, high = float(low), float(high)
+    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
 
 
 def _largest_gap(have: torch.Tensor, want: torch.Tensor) -> tuple[float, int, float]:

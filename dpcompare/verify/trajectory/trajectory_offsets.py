@@ -172,22 +172,21 @@ class Offsets:
                 n = value.numel()
                 off = offset[start:start + n]
                 off.copy_(torch.sub(value, base_part, out=diff[:n]))
-                if near is None:
-                    ok = _comes_back(value, base_part, off, self.bound)
-                else:
-                    # The elements whose offset is small against them come back within the bound (`_near`); the
-                    # test that reads what they give back is made for the others alone.
-                    test = torch.abs(off, out=scaled[:n]).mul_(near.inverse).add_(near.tiny)
-                    ok = test < torch.abs(value, out=magnitude[:n])
-                if not bool(ok.all()):
-                    # A value equal to its base, its offset zero, comes back as itself (the base plus zero): where a
-                    # gradient's element is zero (an embedding's row no token of the batch reads), a moment and its
-                    # twin's are both zero, and the cheap test passes no zero.
-                    ok.logical_or_(_same(value, base_part, off))
-                if not bool(ok.all()):
-                    far = torch.nonzero(~ok).view(-1)
-                    if near is not None:
-                        far = far[~_comes_back(value[far], base_part[far], off[far], self.bound)]
+                if near is not None:
+                    # The elements whose offset is small against them come back within the bound (`_near`): a chunk
+                    # of such elements alone passes here. The margin |value| - |offset| / T in float64, its least
+                    # read in one reduction: no mask is made (on the CPU a comparison and a test of its mask cost
+                    # several times the arithmetic).
+                    margin = torch.abs(value, out=magnitude[:n])
+                    margin.sub_(torch.abs(off, out=scaled[:n]), alpha=near.inverse)
+                    if float(torch.amin(margin)) > near.tiny:
+                        continue
+                # The exact test, on the whole chunk: picking out the elements the cheap test does not pass (a mask
+                # and its nonzero) costs most of it already, and more once a few per cent of the chunk fail (AdamW's
+                # moments and parameters; zeros beside zeros, which the cheap test never passes).
+                failing = _failing(value, base_part, off, self.bound)
+                if failing is not None:
+                    far = torch.nonzero(failing).view(-1)
                     bad.append(far + start)
                     kept += far.numel()
                     if kept > most:
@@ -210,7 +209,7 @@ class Offsets:
 
 @dataclass(frozen=True, slots=True)
 class _Near:
-    """A test that needs no value given back: an element passes where fl32(|offset| / T + TINY) < |value|."""
+    """A test that needs no value given back: an element passes where fl64(|value| - |offset| / T) > TINY."""
     inverse: float
     """1 / T, a power of two."""
     tiny: float
@@ -225,18 +224,26 @@ def _near(bound: float) -> _Near | None:
     offset fl32(d) within 2^-24 |d| + 2^-150 of d, and the value given back fl64(base + offset) within 2^-53 of the sum,
     what comes back differs from the value by at most 2^-24 T |v| + 2^-150 + 2^-53 (|v - base| + |base + offset|) <=
     bound/4 |v| + bound/4 |v| + 2^-53 x 2.6 |v| (|v - base| <= (1 + 2^-23) T |v|, T <= 1/2), under 0.75 bound |v| for a
-    bound of at least 2^-40: inside the bound after the test's own two roundings. The test's own arithmetic only
-    rounds the left side up: |offset| / T is exact (a power of two), and fl32(a + TINY) >= a. It is strict so that
-    an infinite value fails it (its offset is infinite too), as a NaN does: both go to the exact test."""
+    bound of at least 2^-40: inside the bound after the test's own rounding. That rounding is one: |offset| / T is
+    exact (a power of two times a float32), and fl64(|v| - |offset| / T) > TINY means |v| - |offset| / T > TINY (1 -
+    2^-53), so |offset| < T |v| and |v| > 2^-100 (1 - 2^-53), which the bounds above allow. An infinite value fails
+    it (its offset is infinite or NaN too: the margin is NaN or minus infinity), as a NaN does: both go to the exact
+    test."""
     if bound < 2.0 ** -40:
         return None
     return _Near(inverse=1.0 / min(bound * 2.0 ** 22, 0.5), tiny=2.0 ** -100)
 
 
-def _same(value: torch.Tensor, base: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """Where the value is its base and its offset zero: it comes back as itself, fl64(base + 0) (an infinity equal to
-    its base has a NaN offset: not so)."""
-    return torch.eq(value, base).logical_and_(offset == 0)
+def _failing(value: torch.Tensor, base: torch.Tensor, offset: torch.Tensor, bound: float) -> torch.Tensor | None:
+    """The exact test (`_comes_back`), its mask made only where an element fails it: where the largest of
+    |given back - value| - bound |value| is at most zero (fl64 of a difference keeps its sign; a NaN reads as a
+    failure), every element passes, told in one reduction. Else the elements that fail, as `_comes_back` tells them."""
+    back = torch.empty(value.shape, dtype=torch.float64, device=value.device).copy_(base)
+    back.add_(offset).sub_(value).abs_()
+    limit = torch.abs(value).mul_(bound)
+    if float(torch.amax(torch.sub(back, limit))) <= 0:
+        return None
+    return torch.logical_not(back <= limit)
 
 
 def _comes_back(value: torch.Tensor, base: torch.Tensor, offset: torch.Tensor, bound: float) -> torch.Tensor:
