@@ -76,7 +76,8 @@ class Difference(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         after, before = self.sides(name)
-        return (after.double() - before).reshape(self._after[name].shape)
+        # in place on a float64 copy of `after`: the values of `after.double() - before`, without the promoted temporary
+        return after.to(torch.float64, copy=True).sub_(before).reshape(self._after[name].shape)
 
     def sides(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(after, before) of `name`, flattened on `before`'s device as held (`before` rounded as asked): their float64

@@ -230,7 +230,9 @@ class _Chunked:
         self.after, self.before = after, before
 
     def __getitem__(self, part: slice) -> torch.Tensor:
-        return self.after[part].double() - self.before[part]
+        # in place on a float64 copy of `after`: the same values as `after.double() - before`, at half its time on the
+        # CPU, where a subtraction of a float32 from a float64 makes a temporary of the promoted float32 first
+        return self.after[part].to(torch.float64, copy=True).sub_(self.before[part])
 
     def numel(self) -> int:
         return self.after.numel()
