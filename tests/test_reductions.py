@@ -153,3 +153,46 @@ def test_the_norms_compare_reads_are_the_chunked_norms_of_both_sides(grads, monk
     tol.compare(tol.Difference(moved, before), o, tol.Compact(floor), dtype="float32", world_size=1, depth=3,
                 norms=again)
     assert again["a"][0] > norms["a"][0] and again["a"][1] == norms["a"][1] and again["b"] == norms["b"]
+
+
+@pytest.mark.parametrize("held", [torch.float32, torch.float64, "dict", "difference"])
+def test_a_distance_in_place_on_its_own_copy_is_the_whole_formula_and_leaves_the_values_held(held):
+    """`rel_fro_of`'s per-parameter distance takes a - b in place only on a float64 copy made for the read (a Compact
+    held below float64, a Difference): the same figures to the bit as _norm(a - b), and every value held unchanged. A
+    twin that subtracts in place whatever `a` holds writes into a float64 Compact's own tensor."""
+    g = torch.Generator().manual_seed(4)
+    base = {"w": torch.randn(300, 7, generator=g), "b": torch.randn(7, generator=g)}
+    against = {n: t.double() * (1 + 1e-6 * torch.randn(t.shape, generator=g, dtype=torch.float64))
+               for n, t in base.items()}
+    if held == "difference":
+        before = {n: torch.randn(t.shape, generator=g) for n, t in base.items()}
+        after = {n: (before[n].double() + base[n].double()).float() for n in base}
+        a = held_values.Difference(after, held_values.Compact(before))
+        plain = {n: after[n].double() - before[n] for n in base}
+    elif held == "dict":
+        a, plain = {n: t.double() for n, t in base.items()}, {n: t.double() for n, t in base.items()}
+    else:
+        a = held_values.Compact({n: t.to(held) for n, t in base.items()})
+        plain = {n: t.to(held).double() for n, t in base.items()}
+    kept = {n: (a.held(n) if isinstance(a, held_values.Compact) else plain[n]).clone() for n in base}
+    b = held_values.Compact(against)
+    want = tol.rel_ratio(math.sqrt(sum(tol._norm(plain[n] - against[n]) ** 2 for n in base)),
+                         math.sqrt(sum(tol._norm(against[n]) ** 2 for n in base)))
+    assert tol.rel_fro_of(a, b, list(base)) == want
+    if isinstance(a, held_values.Compact):
+        assert all(torch.equal(a.held(n), kept[n]) for n in base), "the values held are unchanged"
+    assert all(torch.equal(b.held(n), against[n]) for n in base)
+
+
+def test_a_distance_taken_in_place_on_a_float64_value_held_is_caught(monkeypatch):
+    real = tol.range_figures
+
+    def twin(op, mappings, names, u=0.0):
+        if op != "fro":
+            return real(op, mappings, names, u)
+        a, b = mappings
+        return {n: (tol._norm(a[n].sub_(b[n])), tol._norm(b[n])) for n in names}
+
+    monkeypatch.setattr(tol, "range_figures", twin)
+    with pytest.raises(AssertionError, match="the values held are unchanged"):
+        test_a_distance_in_place_on_its_own_copy_is_the_whole_formula_and_leaves_the_values_held(torch.float64)

@@ -130,7 +130,14 @@ def range_figures(op: str, mappings: tuple[Mapping[str, torch.Tensor], ...], nam
         return {n: _norm(mappings[0][n]) for n in names}
     if op == "fro":
         a, b = mappings
-        return {n: (_norm(a[n] - b[n]), _norm(b[n])) for n in names}
+        out = {}
+        for n in names:
+            y, x = b[n], a[n]
+            # a float64 copy made for this read (a Compact's value held below float64, a Difference's) takes the
+            # difference in place: the values of x - y without a second parameter-sized temporary; `b` is read once
+            fresh = isinstance(a, Difference) or (isinstance(a, Compact) and a.held(n).dtype != torch.float64)
+            out[n] = (_norm(x.sub_(y) if fresh else x - y), _norm(y))
+        return out
     if op == "sums":
         return {n: _param_sums(n, mappings, u) for n in names}
     raise ValueError(f"unknown reduction {op!r}")
