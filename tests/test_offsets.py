@@ -281,3 +281,16 @@ def test_the_held_trajectory_stepped_in_parts_judges_as_the_whole_one(monkeypatc
     monkeypatch.setattr(off, "PART", 64)
     monkeypatch.setattr(off.step_in_parts, "__defaults__", (64,))
     test_the_held_trajectory_judges_as_the_whole_one()
+
+
+def test_a_slot_no_longer_held_is_let_go():
+    """An optimizer's load replaces its state dicts: a state dict left whole is followed until a hold no longer names
+    it, then let go with the tensors it holds."""
+    param, base, exact = _pair(spread=1e-2)
+    state = {"exp_avg": exact.clone()}
+    held = off.Offsets(U32)
+    held.hold([((state, "exp_avg"), base)])
+    assert held.whole == exact.numel() and len(held._left) == 1
+    fresh = {"exp_avg": exact.clone()}
+    held.hold([((fresh, "exp_avg"), base)])
+    assert [v[0] for v in held._left.values()] == [fresh], "the replaced state dict is no longer kept"

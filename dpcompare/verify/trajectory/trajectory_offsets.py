@@ -99,6 +99,11 @@ class Offsets:
         self.elements = self.kept = self.whole = self.untested = 0
         self.holds += 1
         freed = 0
+        # a slot this hold is not given is no longer followed (a state dict an optimizer's load replaced: its owner,
+        # and the tensors it holds, are let go)
+        entries = list(entries)
+        given = {_key(slot) for slot, _ in entries}
+        self._left = {k: v for k, v in self._left.items() if k in given}
         for slot, base in entries:
             target = _get(slot)
             if _key(slot) in self._held or not _eligible(target, base):
