@@ -12,8 +12,9 @@ file rendezvous), without a backend:
   held so is decided tensor by tensor, so a holder's piece may be held where one process keeps the whole in float64.
   Rank 0's drift entries are the single process's, figure for figure (a cut parameter's from its pieces' squares);
 - between steps a rank holds the storage of the trainable parameters it holds whole, and of its pieces of the others;
-- a rank that cannot compute its share says so: rank 0 raises it naming the rank, no rank steps, and the next step is
-  served.
+- a rank that cannot compute its share says so: rank 0 raises it naming the rank, no rank steps (its copies bitwise
+  as they were), and the next step is served; judged again, the step reads the same figure within the offsets' bound
+  (a step is judged on its float64 copy before that copy is held as offsets).
 """
 
 from __future__ import annotations
@@ -173,4 +174,7 @@ def test_a_trajectory_in_ranges_steps_and_judges_as_one_process(optimizer, clip,
         for key in ("rel_param_distance", "floor_rel_param_distance", "noise_ratio", "tolerance"):
             assert mine[key] == pytest.approx(alone[key], rel=1e-9 if clip is None else 1e-5), (key, mine, alone)
     assert rank0["failure"] is not None and "rank 1" in rank0["failure"] and "planted failure" in rank0["failure"]
-    assert rank0["after_failure"]["rel_param_distance"] == rank0["entries"][-1]["rel_param_distance"]
+    # none stepped: the same figure, within the offsets' bound (the step was judged on its float64 copy before it was
+    # held; this judge reads the values given back from their offsets); `unstepped` above is the bitwise check
+    assert rank0["after_failure"]["rel_param_distance"] == pytest.approx(rank0["entries"][-1]["rel_param_distance"],
+                                                                          rel=1e-9)

@@ -303,10 +303,15 @@ class Trajectory:
         if grads_run.source[1] is not state:
             return False
         self.offsets.restore()
+        taken = False
         try:
-            return self._take(state, grads64, grads_run, models, private)
+            taken = self._take(state, grads64, grads_run, models, private)
+            return taken
         finally:
-            self._hold()
+            if taken:  # held once judged, as a computed step is (`_step`)
+                self._unjudged = True
+            else:
+                self._hold()
 
     def take_run(self, pieces: list[Piece], grads_run: object, model: nn.Module) -> bool:
         """The run-precision copy's gradient of this step taken from the run-precision reference's (`grads_run`, a
