@@ -9,11 +9,19 @@ median of each):
 
     floor = (2 * T(float64 forward + backward) + T(float32 forward + backward)) / T(float32 step)
 
-The step is the forward, backward and momentum SGD step in float32. The checks' measured cost per checked step
-(`metrics.verify_ms_per_step` / `step_ms_p50`) cannot fall below `floor` without removing one of those passes;
+Over a run's N checked steps the first takes the oracle's float64 gradient for the trajectory, so its floor is
+(2N - 1) float64 passes and N float32 ones over N steps (`--checked-steps`, the run's default 4).
+
+The step is the forward, backward and momentum SGD step in float32, its loss the model's own (`labels`), as the run's.
+The float64 copy is prepared as the checks prepare theirs (dpcompare.verify.oracle.float64_paths): transformers'
+upcasts for half precision (`.float()` in its RMSNorm, softmax and loss) stay float64, so its loss is taken in float64
+where the model's own code would narrow float64 logits to float32. The checks' measured cost per checked step
+(`metrics.verify_ms_per_step` / `step_ms_p50`) cannot fall below the floor over its checked steps without removing one of
+those passes;
 everything above it is the comparisons, the replays and the copies.
 
-    OMP_NUM_THREADS=1 python experiments/arithmetic_floor.py [--size 11M] [--batch 24] [--seq-len 128] [--repeats 3]
+    OMP_NUM_THREADS=1 python experiments/arithmetic_floor.py [--size 11M] [--batch 24] [--seq-len 128] [--repeats 3] \\
+        [--checked-steps 4]
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.test_verification_cost import SIZES  # noqa: E402
+from dpcompare.verify.oracle import float64_paths  # noqa: E402
 
 
 def _timed(fn) -> float:
@@ -45,9 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=24)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--checked-steps", type=int, default=4)
     args = parser.parse_args(argv)
-    if args.batch < 1 or args.seq_len < 2 or args.repeats < 1:
-        print("arithmetic_floor: --batch and --repeats must be at least 1 and --seq-len at least 2", file=sys.stderr)
+    if args.batch < 1 or args.seq_len < 2 or args.repeats < 1 or args.checked_steps < 1:
+        print("arithmetic_floor: --batch, --repeats and --checked-steps must be at least 1 and --seq-len at least 2",
+              file=sys.stderr)
         return 2
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -57,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         config = LlamaConfig.from_pretrained(str(size.write(Path(tmp))))
     torch.manual_seed(0)
     model32 = AutoModelForCausalLM.from_config(config)
-    model64 = copy.deepcopy(model32).double()
+    model64 = float64_paths.prepare(copy.deepcopy(model32).double())
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len))
     sgd = torch.optim.SGD(model32.parameters(), lr=1e-3, momentum=0.9)
 
@@ -86,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
           f"float64 forward+backward {med['fb64'] * 1e3:.0f} ms ({med['fb64'] / med['fb32']:.2f}x float32's)")
     print(f"floor = (2 x float64 + float32 forward+backward) / step = "
           f"{(2 * med['fb64'] + med['fb32']) / med['step']:.2f} steps per checked step")
+    n = args.checked_steps
+    print(f"over {n} checked steps, the first taking the oracle's float64 gradient: ({2 * n - 1} x float64 + {n} x "
+          f"float32) / {n} steps = {((2 * n - 1) * med['fb64'] + n * med['fb32']) / (n * med['step']):.2f} "
+          f"steps per checked step")
     return 0
 
 

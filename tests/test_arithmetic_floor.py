@@ -22,11 +22,14 @@ def test_the_floor_is_the_float64_and_float32_passes_over_the_step():
     assert done.returncode == 0, done.stderr[-2000:]
     median = re.search(r"median: step (\d+) ms, float32 forward\+backward (\d+) ms, float64 forward\+backward (\d+) ms",
                        done.stdout)
-    floor = re.search(r"= ([0-9.]+) steps per checked step", done.stdout)
-    assert median and floor, done.stdout
+    floor = re.search(r"/ step = ([0-9.]+) steps per checked step", done.stdout)
+    over = re.search(r"over 4 checked steps.*= ([0-9.]+) steps per checked step", done.stdout)
+    assert median and floor and over, done.stdout
     step, fb32, fb64 = (float(g) for g in median.groups())
     # the printed medians are rounded to the millisecond: the floor is theirs within that rounding
     assert float(floor.group(1)) == pytest.approx((2 * fb64 + fb32) / step, abs=0.02 + 3 * 0.5 / step), done.stdout
+    # the first checked step's float64 pass is the oracle's, taken: 7 float64 and 4 float32 passes over 4 steps
+    assert float(over.group(1)) == pytest.approx((7 * fb64 + 4 * fb32) / (4 * step), abs=0.02 + 11 * 0.5 / (4 * step))
     assert fb64 > 0 and fb32 > 0
 
 
