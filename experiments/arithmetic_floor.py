@@ -16,9 +16,8 @@ The step is the forward, backward and momentum SGD step in float32, its loss the
 The float64 copy is prepared as the checks prepare theirs (dpcompare.verify.oracle.float64_paths): transformers'
 upcasts for half precision (`.float()` in its RMSNorm, softmax and loss) stay float64, so its loss is taken in float64
 where the model's own code would narrow float64 logits to float32. The checks' measured cost per checked step
-(`metrics.verify_ms_per_step` / `step_ms_p50`) cannot fall below the floor over its checked steps without removing one of
-those passes;
-everything above it is the comparisons, the replays and the copies.
+(`metrics.verify_ms_per_step` / `step_ms_p50`) cannot fall below the floor over its checked steps without removing one
+of those passes; everything above it is the comparisons, the replays and the copies.
 
     OMP_NUM_THREADS=1 python experiments/arithmetic_floor.py [--size 11M] [--batch 24] [--seq-len 128] [--repeats 3] \\
         [--checked-steps 4]
