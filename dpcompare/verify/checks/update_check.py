@@ -128,8 +128,9 @@ class Update:
         scale (Adam-like, sign-based), the update check's power against a wrong gradient divisor, measured
         (dpcompare.verify.replay.divisor_power), said in a note beside the gradient check's power, which carries it."""
         self._power_said = True
+        # the gradient k times larger taken as each piece is stepped (k a power of two: exact), never copied whole
         replay = lambda k, dtype=torch.float64: self._replay(  # noqa: E731
-            pending, single if k == 1 else divisor_power.scaled(single, k), {}, dtype, keep_state=False).delta
+            pending, single, {}, dtype, keep_state=False, multiple=k).delta
         power = divisor_power.divisor_power(replay, replay(1), replay(1, self.dtype), self.names, dtype=ctx.dtype,
                                             depth=ctx.depth)
         if power is not None:
@@ -179,9 +180,9 @@ class Update:
         return at(step) if at is not None else self.factory
 
     def _replay(self, pending: Pending, single: dict[str, torch.Tensor | None], state: OptState,
-                dtype: torch.dtype, keep_state: bool = True) -> StepResult:
+                dtype: torch.dtype, keep_state: bool = True, multiple: float = 1.0) -> StepResult:
         return reference_step(self._at(pending.step), pending.params, single, state, dtype, self.device,
-                              clip=self.clip, keep_state=keep_state)
+                              clip=self.clip, keep_state=keep_state, multiple=multiple)
 
     def _judged(self, ctx: CheckContext, step: int, pending: Pending, state: OptState,
                 single: dict[str, torch.Tensor | None], masters: dict[str, torch.Tensor]

@@ -127,7 +127,9 @@ def range_figures(op: str, mappings: tuple[Mapping[str, torch.Tensor], ...], nam
         m = mappings[0]
         return {n: finite(m.held(n) if isinstance(m, Compact) else m[n]) for n in names}
     if op == "norm":
-        return {n: _norm(mappings[0][n]) for n in names}
+        m = mappings[0]
+        # a Difference (an update replayed as it is read) a chunk at a time: never a float64 copy of a parameter whole
+        return {n: chunked_norm(m, n) if isinstance(m, Difference) else _norm(m[n]) for n in names}
     if op == "fro":
         a, b = mappings
         out = {}

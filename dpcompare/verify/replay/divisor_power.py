@@ -21,7 +21,9 @@ import torch
 from dpcompare.verify.judgement.tolerance import compare, norm_of
 
 SCALES = (2.0, 4.0, 16.0, 256.0, 65536.0)
-"""The gradient multiples tried, smallest first: the first the update check flags is its power."""
+"""The gradient multiples tried, smallest first: the first the update check flags is its power. Powers of two: the
+replay takes a multiplied gradient exactly, a piece at a time (dpcompare.verify.replay.optimizer_replay.reference_step's
+`multiple`)."""
 LINEAR = 0.5
 """An update whose norm moves by more than this share of itself under a doubled gradient (SGD's doubles) is no
 scale-invariant one: nothing more is measured."""
@@ -40,7 +42,8 @@ class DivisorPower:
 def divisor_power(replay: Callable[[float], Mapping[str, torch.Tensor]], reference: Mapping[str, torch.Tensor],
                   floor: Mapping[str, torch.Tensor], names: list[str], *, dtype: str, depth: int
                   ) -> DivisorPower | None:
-    """`replay(k)`: the update from the step's start with the gradient k times the one checked; `reference`, `floor`:
+    """`replay(k)`: the update from the step's start with the gradient k times the one checked (read a
+    piece at a time: no parameter's update is made whole here); `reference`, `floor`:
     the update check's float64 replay and its run-dtype floor. None where the update follows the gradient's scale (a
     doubled gradient moves its norm by more than LINEAR of itself: SGD's, which the update check holds to a wrong
     divisor as the gradient check does) or is zero; else the change at 2x, the tolerance, and the smallest multiple
@@ -59,28 +62,6 @@ def divisor_power(replay: Callable[[float], Mapping[str, torch.Tensor]], referen
         if flagged:
             return DivisorPower(first.change, first.tolerance, k)
     return first
-
-
-def scaled(grads: Mapping[str, torch.Tensor | None], k: float) -> "_Scaled":
-    """`grads` read k times larger (None kept)."""
-    return _Scaled(grads, k)
-
-
-class _Scaled(Mapping[str, torch.Tensor | None]):
-    __slots__ = ("_grads", "_k")
-
-    def __init__(self, grads: Mapping[str, torch.Tensor | None], k: float) -> None:
-        self._grads, self._k = grads, k
-
-    def __getitem__(self, name: str) -> torch.Tensor | None:
-        g = self._grads.get(name)
-        return None if g is None else g.detach().double() * self._k
-
-    def __iter__(self):
-        return iter(self._grads)
-
-    def __len__(self) -> int:
-        return len(self._grads)
 
 
 def note(optimizer: str, step: int, power: DivisorPower, gradient_power: float) -> str:

@@ -17,6 +17,8 @@ How the optimizer state is mirrored, so the check stays step-local and cannot dr
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Mapping
 
 import torch
@@ -75,6 +77,7 @@ def reference_step(
     state_like: OptState | None = None,
     sink: Any = None,
     scale: torch.Tensor | None = None,
+    multiple: float = 1.0,
     **overrides: Any,
 ) -> StepResult:
     """Take `times` plain optimizer steps from `params` (in `dtype`) with `grads` (None: no gradient, the
@@ -84,7 +87,10 @@ def reference_step(
     the dtype of that state's entries (the backend's), parameter by parameter as it is read; `sink`: where each
     parameter's state after the step goes once it is complete (`add(name, entries)`; `result()` is the state: a
     dpcompare.verify.ranks.verifier_group.StateHolder sends it to its owner), instead of being held here; `scale`: clipping's
-    coefficient given (a range replayed apart from the others: dpcompare.verify.replay.replay_ranges), not taken from `grads`.
+    coefficient given (a range replayed apart from the others: dpcompare.verify.replay.replay_ranges), not taken from `grads`;
+    `multiple`: the step taken as if each gradient were `multiple` times larger (a power of two, so the product is
+    exact: the same values, to the bit, as a replay handed the gradients so multiplied, where none overflows), applied
+    to each piece as it is stepped, so no multiplied copy of a gradient is made.
 
     The optimizers replayed (SGD, AdamW) step every parameter on its own: the replay steps one parameter at a time,
     with one optimizer per parameter group whose only parameter is swapped (a scheduled reference's: the user's
@@ -94,10 +100,26 @@ def reference_step(
     Clipping's global norm is taken first, as clip_grad_norm_ takes it (the norm of the per-tensor norms, in `dtype`).
     The inputs are read when each parameter is stepped: they must not change while the result is read (the checks
     hand it snapshots)."""
-    if clip is not None and scale is None:
+    if multiple != 1.0:
+        scale = _multiplied(scale, multiple, clip, params, grads, dtype, device)
+    elif clip is not None and scale is None:
         scale = scale_of(list(grad_norms(params, grads, dtype, device).values()), clip)
     return StepResult(_Replay(factory, params, grads, state, dtype, device, scale, times, keep_state, state_like,
                               overrides, sink))
+
+
+def _multiplied(scale: torch.Tensor | None, multiple: float, clip: float | None, params, grads, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor | None:
+    """What `reference_step` multiplies each gradient by for gradients `multiple` times larger: `multiple`, times
+    clipping's coefficient where it clips. A power of two scales each norm exactly, so the coefficient is the one the
+    multiplied gradients give, and `multiple` times it is exact: g x (multiple x c) rounds as (multiple x g) x c."""
+    if math.frexp(multiple)[0] != 0.5:
+        raise ValueError(f"a gradient multiple must be a power of two (its product exact), not {multiple!r}")
+    if scale is None and clip is not None:
+        scale = scale_of([n * multiple for n in grad_norms(params, grads, dtype, device).values()], clip)
+        if scale is None:  # no gradient: nothing to multiply
+            return None
+    return torch.tensor(multiple, dtype=dtype, device=device) if scale is None else scale * multiple
 
 
 def grad_norms(names, grads: Mapping[str, torch.Tensor | None], dtype: torch.dtype, device: torch.device
