@@ -103,6 +103,8 @@ class Verifier:
                 if (on_reads := getattr(check, "on_reads", None)) is not None:
                     with self._part(check.name):
                         on_reads(self.ctx, evidence)
+            if (forget := getattr(reads.state, "forget", None)) is not None:
+                forget()  # the last parameter's state the checks read, sent by its owner: not held over the oracle
         self._reduced = evidence = self._run(evidence)
         if evidence.oracle is not None and not self._references_after_update:
             # Nothing reads the step's float64 oracle and run-precision references after the optimizer step (but the

@@ -167,6 +167,11 @@ class Remote(Mapping[str, torch.Tensor]):
         """Rank 0's own range, as held."""
         return self._own
 
+    def forget(self) -> None:
+        """Let go of the last parameter sent (kept for a second read of it within one point of the step): a reader
+        that is done with this point, so that a parameter-sized copy is not held into the next (the oracle's peak)."""
+        self._last = None
+
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self.none:
             return None
@@ -220,6 +225,12 @@ class RemoteState(Mapping[str, dict]):
                 entries[key] = remote.held(name)
         self._last = (name, entries)
         return entries
+
+    def forget(self) -> None:
+        """Let go of the last parameter's entries read, and each Remote's last one sent (`Remote.forget`)."""
+        self._last = None
+        for remote in self._remotes.values():
+            remote.forget()
 
     def part(self, name: str) -> dict:
         """Parameter `name`'s entries with each held one as rank 0's own part of it (`Remote.part`): what rank 0
