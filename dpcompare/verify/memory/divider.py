@@ -90,10 +90,18 @@ class Divider:
         (dpcompare.verify.memory.handed_gradients): until a request finds one completed twice in one backward."""
         self.handed = 0
         """Requests whose gradients were so sent."""
+        self.alone = 0
+        """Requests whose forwards rank 0 computed alone, their sums held by the owners (`holds`)."""
 
     def divides(self, pieces: list[Piece]) -> bool:
         """Whether `pieces` are forwards of the layout of more than one rank (a whole-batch forward is not)."""
         return (len({p.rank for p in pieces}) > 1 and all(p.position is not None for p in pieces))
+
+    def holds(self, pieces: list[Piece]) -> bool:
+        """Whether a sum over `pieces` is held in ranges by the parameters' owners: forwards the ranks divide, or, while
+        the helpers serve, forwards rank 0 computes alone (the global batch in one forward), whose gradient each
+        parameter's owner then takes as rank 0's backward completes it, never held whole on rank 0."""
+        return bool(pieces) and (self.divides(pieces) or self.serving)
 
     def gradient(self, slot: str, model: nn.Module, replayer: MaskReplayer | None, state: dict | None,
                  pieces: list[Piece], loss_fn: Callable, device: torch.device, recipe: Recipe = NO_RECIPE,
@@ -103,22 +111,27 @@ class Divider:
         is held by the rank that owns it (dpcompare.verify.ranks.verifier_group.owners): what is returned is a `Remote`, rank 0's
         own range held, the rest sent by its owner when read."""
         ranks = (ranks or len({p.rank for p in pieces})) if recipe.active else 1
+        # rank 0 computing every forward (`holds`: the global batch in one forward) sends no state: no helper computes
+        alone = not self.divides(pieces)
         # Sent with every request: a helper loads it into its copy as it arrives and keeps none of it (its copy's
         # parameters, gradients and the state whole would peak together; a second broadcast costs less than that)
         send = state if state is not None else model.state_dict()
-        meta = [(k, tuple(t.shape), t.dtype) for k, t in send.items()]
+        meta = None if alone else [(k, tuple(t.shape), t.dtype) for k, t in send.items()]
         self._key += 1
         key = self._key
         # each gradient sent to its owners as backward completes it, unless a request showed one completed twice
         hand = self._hands.get(slot, True) and not recipe.active and loss_scale == 1.0
-        self.peers.broadcast(self._with_drops(Request(slot, meta, tuple(p.position for p in pieces),
-                                                      tuple(p.weight for p in pieces), recipe.active, loss_scale,
-                                                      ranks, key, hand=hand)))
-        send_state(self.peers, send)
-        self.requests += 1
-        self.handed += hand
-        own = [p for p in pieces if p.rank == 0]
-        order = list(dict.fromkeys(p.rank for p in pieces))
+        self.peers.broadcast(self._with_drops(Request(
+            slot, meta, () if alone else tuple(p.position for p in pieces),
+            () if alone else tuple(p.weight for p in pieces), recipe.active, loss_scale, ranks, key, hand=hand,
+            alone=alone)))
+        if not alone:
+            send_state(self.peers, send)
+        self.requests += not alone
+        self.alone += alone
+        self.handed += hand and not alone
+        own = list(pieces) if alone else [p for p in pieces if p.rank == 0]
+        order = [0] if alone else list(dict.fromkeys(p.rank for p in pieces))
         if self._owner is None:
             self.own(model)
         status, raw, sums, exchanged = Status(False), None, {}, False
@@ -150,7 +163,7 @@ class Divider:
                 # a gradient completed twice in one backward (a reentrant recomputation): this copy's are computed
                 # whole before they are sent, from now on, starting with this one
                 self._hands[slot] = False
-                self.handed -= 1
+                self.handed -= not alone
                 return self.gradient(slot, model, replayer, state, pieces, loss_fn, device, recipe, loss_scale, ranks)
             if failed.mismatch is not None:
                 raise mk.MaskMismatch(*failed.mismatch)
@@ -424,15 +437,17 @@ class Helper:
         # 8 bytes a parameter beside it (dpcompare.verify.oracle.weights_on_use)
         on_use = not request.recipe and weights_on_use.eligible(model)
         state: dict[str, torch.Tensor] = {}
-        missing = receive_into(self.peers, request.state, model, into=state if on_use else None)
+        # rank 0 computing every forward alone sends no state: this rank computes nothing, and takes its ranges
+        missing = [] if request.alone else receive_into(self.peers, request.state, model,
+                                                        into=state if on_use else None)
         positions = self.layout.positions(batches.rows(batch[0]))
-        order = list(dict.fromkeys(positions[i][0] for i in request.positions))
+        order = [0] if request.alone else list(dict.fromkeys(positions[i][0] for i in request.positions))
         status, raw, sums, exchanged = Status(False), None, {}, False
         try:
             if missing:
                 raise KeyError(f"the state rank 0 sent has {missing[0]!r}, which this rank's copy does not")
-            own = self._own(request, batch, masks())
-            with loaded(model, state) if on_use else nullcontext():
+            own = [] if request.alone else self._own(request, batch, masks())
+            with loaded(model, state) if on_use and not request.alone else nullcontext():
                 if request.hand:
                     exchanged = True
                     none, loss, twice = hand_off(self.peers, self._owner, model, self.loss_fn, own, self.device,

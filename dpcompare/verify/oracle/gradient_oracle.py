@@ -414,8 +414,9 @@ class Oracle:
               recipe: Recipe = NO_RECIPE, loss_scale: float = 1.0, ranks: int | None = None
               ) -> tuple[Grads, frozenset[str]]:
         slot = "64" if model is self.model64 else "run" if model is self.model_run else None
-        if self.divider is not None and slot is not None and self.divider.divides(pieces):
-            # every rank runs its own forwards at `state` (dpcompare.verify.memory.divider)
+        if self.divider is not None and slot is not None and self.divider.holds(pieces):
+            # every rank runs its own forwards at `state`, or rank 0 the global batch alone; the sums held in ranges by
+            # the parameters' owners (dpcompare.verify.memory.divider)
             out = self.divider.gradient(slot, model, replayer, state, pieces, self.loss_fn, self.device, recipe,
                                         loss_scale, ranks)
         else:

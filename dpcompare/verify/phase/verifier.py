@@ -209,7 +209,7 @@ class Verifier:
         divider = self.bench.divider
         if divider is not None:
             self.verdict.oracle_division = {"ranks": divider.peers.world_size, "divided": divider.requests,
-                                            "handed": divider.handed,
+                                            "handed": divider.handed, "alone": divider.alone,
                                             "updates": divider.updates, "joined": list(self.bench.joined),
                                             "ranges": self._ranges(divider)}
         reuse = {"regrouped_floor": dict(self.bench.reference.recomputed)} if self.bench.reference.recomputed else {}

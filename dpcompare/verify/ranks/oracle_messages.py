@@ -42,6 +42,9 @@ class Request:
     hand: bool = False
     """Each parameter's gradient sent to its owners as backward completes it (dpcompare.verify.memory.handed_gradients),
     not once every forward is done."""
+    alone: bool = False
+    """Rank 0 computes every forward (the global batch in one forward: no rank's of the layout) and the others none:
+    they only take their ranges of the sums, so that rank 0 does not hold the gradient whole."""
 
 
 @dataclass(slots=True)
