@@ -22,19 +22,10 @@ from dpcompare.verify.oracle.gradient_oracle import (Layout, Oracle, accumulate_
                                                     verification_copy)
 from dpcompare.verify.ranks.verifier_group import Remote, owners
 from tests.spawned import spawned
+from tests.test_divided_protocol import _batch, _model  # the divided protocol's model and batch
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 CPU = torch.device("cpu")
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-
-
-def _batch():
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(9, 6, generator=g), torch.randint(0, 3, (9,), generator=g)
 
 
 def _worker(rank: int, world: int, init: str, out: str) -> None:
